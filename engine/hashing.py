@@ -1,0 +1,176 @@
+"""Chained block hashes: the one place pdkv turns tokens into cache keys.
+
+The byte-level specification is ``docs/hashing.md``; ``docs/hashing-vectors.json`` holds test vectors.
+
+    root   = H("pdkv-block-hash/v1" 0x00 algo 0x00 model_fingerprint 0x00 le_u32(block_size))
+    hash_i = H(parent_i || le_i32(tokens of block i) || extra_keys_i)
+    parent_0 = root, parent_i = hash_{i-1}
+
+``extra_keys_i`` is empty for a plain block.  Otherwise it is a sequence of tagged fields, in tag order:
+
+    0x01 le_u32(len) utf8(lora_name)    in every block, when an adapter is set
+    0x02 le_u32(len) utf8(cache_salt)   in block 0 only, when a tenant salt is set
+
+Only whole blocks are hashed; a trailing partial block has no hash.  Nothing here depends on Python's
+``hash()``, a process seed or the platform's byte order, so every process on every machine agrees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import NewType
+
+BlockHash = NewType("BlockHash", bytes)
+
+HASH_SPEC_VERSION = b"pdkv-block-hash/v1"
+SUPPORTED_ALGOS = ("sha256", "xxh3_128")
+_MAX_TOKEN_ID = 2**31 - 1
+
+_TAG_LORA = b"\x01"
+_TAG_SALT = b"\x02"
+
+
+def _hash_fn(algo: str) -> Callable[[bytes], bytes]:
+    """The bare primitive: bytes -> digest (32 bytes for sha256, 16 for xxh3_128)."""
+    if algo == "sha256":
+        sha = hashlib.sha256
+
+        def sha256_digest(data: bytes) -> bytes:
+            return sha(data).digest()
+
+        return sha256_digest
+    if algo == "xxh3_128":
+        import xxhash
+
+        return xxhash.xxh3_128_digest
+    raise ValueError(f"hash algo {algo!r} is not supported; choose one of {', '.join(SUPPORTED_ALGOS)}")
+
+
+def _tagged(tag: bytes, value: str) -> bytes:
+    raw = value.encode("utf-8")
+    return tag + struct.pack("<I", len(raw)) + raw
+
+
+@dataclass(frozen=True)
+class HashNamespace:
+    """What makes two caches compatible: same algorithm, same model, same block size.
+
+    ``model_fingerprint`` comes from the model loader (architecture, config and a weights digest), so two
+    models, or two revisions of one, never share a block hash.
+    """
+
+    model_fingerprint: str
+    block_size: int
+    algo: str = "sha256"
+
+    def __post_init__(self) -> None:
+        if not self.model_fingerprint:
+            raise ValueError("HashNamespace.model_fingerprint must be a non-empty string")
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"HashNamespace.block_size must be a positive int, got {self.block_size!r}")
+        if self.algo not in SUPPORTED_ALGOS:
+            raise ValueError(
+                f"HashNamespace.algo {self.algo!r} is not supported; choose one of {', '.join(SUPPORTED_ALGOS)}"
+            )
+
+    @cached_property
+    def digest(self) -> Callable[[bytes], bytes]:
+        return _hash_fn(self.algo)
+
+    @cached_property
+    def root(self) -> BlockHash:
+        """The parent of block 0."""
+        data = b"\x00".join(
+            (
+                HASH_SPEC_VERSION,
+                self.algo.encode("ascii"),
+                self.model_fingerprint.encode("utf-8"),
+                struct.pack("<I", self.block_size),
+            )
+        )
+        return BlockHash(self.digest(data))
+
+    @cached_property
+    def namespace_id(self) -> str:
+        """A short printable id of the namespace (hex of the root), used in store keys and headers."""
+        return self.root.hex()[:32]
+
+    @cached_property
+    def _pack_block(self) -> Callable[..., bytes]:
+        return struct.Struct(f"<{self.block_size}i").pack
+
+
+def extra_keys(block_index: int, *, cache_salt: str | None, lora_name: str | None) -> bytes:
+    """The canonical extra-key bytes of block ``block_index`` (empty for a plain block)."""
+    out = b""
+    if lora_name is not None:
+        out += _tagged(_TAG_LORA, lora_name)
+    if cache_salt is not None and block_index == 0:
+        out += _tagged(_TAG_SALT, cache_salt)
+    return out
+
+
+def extend_block_hashes(
+    hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    *,
+    namespace: HashNamespace,
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
+    offset: int = 0,
+) -> None:
+    """Append to ``hashes`` the hashes of every full block of ``token_ids`` not hashed yet.
+
+    ``hashes`` already holds the hashes of the leading ``len(hashes)`` blocks; earlier blocks are never
+    rehashed.  ``token_ids[0]`` is token number ``offset`` of the sequence (``offset`` is a multiple of the
+    block size and at most ``len(hashes) * block_size``), so a caller can pass only the unhashed tail.
+    This is the only code path that computes block hashes.
+    """
+    bs = namespace.block_size
+    start = len(hashes)
+    assert offset % bs == 0 and offset <= start * bs, "offset must be block-aligned and not skip blocks"
+    end = (offset + len(token_ids)) // bs
+    if end <= start:
+        return
+    # Work in block indices relative to token_ids from here on.
+    base = offset // bs
+    digest = namespace.digest
+    pack = namespace._pack_block
+    parent: bytes = hashes[-1] if hashes else namespace.root
+    lora = _tagged(_TAG_LORA, lora_name) if lora_name is not None else b""
+    first = start - base
+    last = end - base
+    try:
+        if start == 0 and cache_salt is not None:
+            # Block 0 is the only one that carries the salt.
+            parent = digest(parent + pack(*token_ids[0:bs]) + lora + _tagged(_TAG_SALT, cache_salt))
+            hashes.append(BlockHash(parent))
+            first = 1
+        if lora:
+            for i in range(first, last):
+                parent = digest(parent + pack(*token_ids[i * bs : (i + 1) * bs]) + lora)
+                hashes.append(BlockHash(parent))
+        else:
+            for i in range(first, last):
+                parent = digest(parent + pack(*token_ids[i * bs : (i + 1) * bs]))
+                hashes.append(BlockHash(parent))
+    except struct.error as exc:
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t <= _MAX_TOKEN_ID), None)
+        raise ValueError(f"token ids must be ints in [0, 2**31): found {bad!r}") from exc
+
+
+def hash_blocks(
+    token_ids: Sequence[int],
+    *,
+    namespace: HashNamespace,
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
+) -> list[BlockHash]:
+    """Hashes of every full block of ``token_ids``: the same bytes ``Request.block_hashes`` holds."""
+    hashes: list[BlockHash] = []
+    extend_block_hashes(hashes, token_ids, namespace=namespace, cache_salt=cache_salt, lora_name=lora_name)
+    return hashes

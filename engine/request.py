@@ -1,0 +1,203 @@
+"""A request as the engine sees it: tokens, lifecycle state and its own block hashes.
+
+``block_hashes`` holds one hash per *full* block of ``all_token_ids``.  It is filled in ``__init__`` from
+the prompt and extended in ``append_output_token_ids`` -- the same call that appends output tokens -- so
+it is always current.  No other component computes block hashes; the pool, the connectors, the store
+and the router read them.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from typing import Any, NewType
+
+from engine.hashing import BlockHash, HashNamespace, extend_block_hashes
+from engine.sampling_params import SamplingParams
+
+RequestId = NewType("RequestId", str)
+
+
+class RequestStatus(enum.IntEnum):
+    """The request lifecycle, in order.  Everything above ``PREEMPTED`` is finished."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+# Which transitions are legal.  ``Request.set_status`` is the one place a status changes.
+_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.WAITING: frozenset(
+        {RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KV, RequestStatus.WAITING}
+    ),
+    RequestStatus.WAITING_FOR_REMOTE_KV: frozenset({RequestStatus.WAITING}),
+    RequestStatus.RUNNING: frozenset({RequestStatus.PREEMPTED}),
+    RequestStatus.PREEMPTED: frozenset(
+        {RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KV, RequestStatus.WAITING}
+    ),
+}
+_FINISHED = frozenset(s for s in RequestStatus if s.is_finished)
+
+
+class Request:
+    """One generation request inside an engine."""
+
+    __slots__ = (
+        "_namespace",
+        "arrival_time",
+        "block_hashes",
+        "cache_salt",
+        "eos_token_id",
+        "error",
+        "kv_transfer_params",
+        "lora_name",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_external_computed_tokens",
+        "num_local_cached_tokens",
+        "num_preemptions",
+        "output_logprobs",
+        "output_token_ids",
+        "prompt_token_ids",
+        "priority",
+        "request_id",
+        "sampling_params",
+        "status",
+        "stop_reason",
+        "times_passed_over",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        *,
+        namespace: HashNamespace,
+        eos_token_id: int | None = None,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> None:
+        self.request_id = RequestId(request_id)
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.cache_salt = cache_salt
+        self.lora_name = lora_name
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.kv_transfer_params = kv_transfer_params
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        # Tokens whose KV is in this request's blocks (local hits + external loads + computed).
+        self.num_computed_tokens = 0
+        # Where the prompt's KV came from, set when the request is first admitted.
+        self.num_local_cached_tokens = 0
+        self.num_external_computed_tokens = 0
+        self.num_cached_tokens = -1  # -1 until first scheduled
+        self.num_preemptions = 0
+        self.times_passed_over = 0
+        self._namespace = namespace
+        self.block_hashes: list[BlockHash] = []
+        extend_block_hashes(
+            self.block_hashes,
+            self.prompt_token_ids,
+            namespace=namespace,
+            cache_salt=cache_salt,
+            lora_name=lora_name,
+        )
+
+    # -- tokens -------------------------------------------------------------------------------------------
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
+        """Append sampled tokens and hash every block they complete (invariant 1)."""
+        if isinstance(token_ids, int):
+            self.output_token_ids.append(token_ids)
+        else:
+            self.output_token_ids.extend(token_ids)
+        bs = self._namespace.block_size
+        if self.num_tokens // bs > len(self.block_hashes):
+            offset = len(self.block_hashes) * bs
+            extend_block_hashes(
+                self.block_hashes,
+                self.token_ids_slice(offset, self.num_tokens),
+                namespace=self._namespace,
+                cache_salt=self.cache_salt,
+                lora_name=self.lora_name,
+                offset=offset,
+            )
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+
+    def set_status(self, status: RequestStatus) -> None:
+        """The one place a request changes state; illegal transitions are bugs, not input errors."""
+        if status in _FINISHED:
+            assert not self.status.is_finished, f"{self.request_id}: finished twice ({self.status} -> {status})"
+        else:
+            allowed = _TRANSITIONS.get(self.status, frozenset())
+            assert status in allowed, f"{self.request_id}: illegal transition {self.status.name} -> {status.name}"
+        self.status = status
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks_hashed={len(self.block_hashes)})"
+        )
+

@@ -1,0 +1,55 @@
+"""Per-request sampling parameters, validated when constructed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each output token and when to stop.
+
+    ``temperature == 0`` is greedy.  ``seed`` makes a sampled request reproducible regardless of what else
+    runs in the batch.  ``stop`` strings are matched on the detokenized output and cut from the text.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or t < 0:
+                raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

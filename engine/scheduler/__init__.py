@@ -1,0 +1,20 @@
+"""Scheduling: who runs this step, with how many tokens."""
+
+from engine.scheduler.output import (
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    RequestUpdate,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from engine.scheduler.scheduler import Scheduler, SchedulerStats
+
+__all__ = [
+    "EngineCoreOutputs",
+    "ModelRunnerOutput",
+    "RequestUpdate",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerOutput",
+    "SchedulerStats",
+]

@@ -1,0 +1,92 @@
+"""Typed hand-offs between the scheduler, the model runner and back.
+
+    Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute() -> ModelRunnerOutput
+        -> Scheduler.update_from_output() -> EngineCoreOutputs
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.request import RequestId
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's work in one step.  Filled by the scheduler, read by the runner.
+
+    The runner computes the KV of ``token_ids`` at positions ``[start_position, start_position +
+    len(token_ids))`` into the request's ``block_ids`` (its whole block table, in order) and attends over
+    everything before them too.  ``sample`` is True when this chunk ends at the request's last known
+    token, so the logits of the last position yield the next token.
+    """
+
+    request_id: RequestId
+    token_ids: list[int]
+    start_position: int
+    block_ids: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    # Index of the output token this step samples (seeded sampling stays reproducible across preemption).
+    output_index: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens visible to the last query: cached prefix + this chunk."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Everything one step does.  ``scheduled`` lists prefills and decodes together (a ragged batch)."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_scheduled_tokens: dict[RequestId, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests admitted (or resumed) this step, and requests preempted this step.
+    new_request_ids: list[RequestId] = field(default_factory=list)
+    preempted_request_ids: list[RequestId] = field(default_factory=list)
+    # Requests the scheduler failed this step (e.g. larger than the whole KV cache); the engine reports them.
+    errored_request_ids: list[RequestId] = field(default_factory=list)
+    # Requests that finished since the last step: the runner drops their per-request state.
+    finished_request_ids: set[RequestId] = field(default_factory=set)
+    # The connector's per-step instructions for its worker half (see connectors/base.py).
+    kv_connector_metadata: Any = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What the runner produced: one sampled token per request whose chunk had ``sample`` set."""
+
+    sampled_token_ids: dict[RequestId, int] = field(default_factory=dict)
+    logprobs: dict[RequestId, float] = field(default_factory=dict)
+    # The connector worker half's report for the step (see connectors/base.py).
+    kv_connector_output: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestUpdate:
+    """New tokens of one request after one step, and its finish state if it just ended."""
+
+    request_id: RequestId
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class EngineCoreOutputs:
+    updates: list[RequestUpdate] = field(default_factory=list)

@@ -1,0 +1,1 @@
+"""The ``pdkv`` command line.  The serving code lives in the top-level folders (engine/, kvstore/, ...)."""

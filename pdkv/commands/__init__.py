@@ -1,0 +1,1 @@
+"""Subcommands of the ``pdkv`` CLI, one module per capability."""

@@ -1,0 +1,1 @@
+"""pdkv prefill_node."""
