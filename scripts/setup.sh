@@ -8,8 +8,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # Reinstall only when what we install changed: a stamp over the files that define it.
 stamp=.venv/.pdkv-setup-stamp
-want=$(cat pyproject.toml examples/*/pyproject.toml 2>/dev/null | sha256sum | cut -c1-64)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c 'import engine, pdkv' 2>/dev/null; then
+shopt -s nullglob
+want=$(cat pyproject.toml examples/*/pyproject.toml | sha256sum | cut -c1-64)
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ] || ! (cd / && "$OLDPWD/.venv/bin/python" -c 'import engine, pdkv') 2>/dev/null; then
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q -e '.[test]'
     for plugin in examples/*/; do
