@@ -21,8 +21,8 @@ import hashlib
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
-from typing import NewType, Protocol
+from functools import cached_property, lru_cache
+from typing import NewType, Protocol, cast
 
 BlockHash = NewType("BlockHash", bytes)
 
@@ -50,6 +50,12 @@ def _hash_constructor(algo: str) -> Callable[[bytes], _Hasher]:
 
         return xxhash.xxh3_128  # type: ignore[no-any-return]
     raise ValueError(f"hash algo {algo!r} is not supported; choose one of {', '.join(SUPPORTED_ALGOS)}")
+
+
+@lru_cache(maxsize=256)
+def _packer(count: int) -> Callable[..., bytes]:
+    """``pack(*ints) -> bytes`` of ``count`` little-endian int32 (a compiled Struct, reused)."""
+    return struct.Struct(f"<{count}i").pack
 
 
 def _tagged(tag: bytes, value: str) -> bytes:
@@ -148,26 +154,28 @@ def extend_block_hashes(
     try:
         # One pack call for all new blocks, then 64-byte (for bs=16) slices: the per-block Python work is
         # a slice, a concatenation and the digest -- close to the bare primitive (bench.hashing).
-        count = (last - first) * bs
-        raw = struct.pack(f"<{count}i", *token_ids[first * bs : last * bs])
+        lo, hi = first * bs, last * bs
+        raw = _packer(hi - lo)(*(token_ids if lo == 0 and hi == len(token_ids) else token_ids[lo:hi]))
     except struct.error as exc:
         bad = next((t for t in token_ids if not isinstance(t, int) or not -(2**31) <= t <= _MAX_TOKEN_ID), None)
         raise ValueError(f"token ids must be int32 integers: found {bad!r}") from exc
     chunks = [raw[o : o + step] for o in range(0, len(raw), step)]
-    append = hashes.append
+    out: list[bytes] = []  # plain bytes in the loop: calling the NewType costs a Python frame per block
+    append = out.append
     if start == 0 and cache_salt is not None:
         # Block 0 is the only one that carries the salt.
         parent = new(parent + chunks[0] + lora + _tagged(_TAG_SALT, cache_salt)).digest()
-        append(BlockHash(parent))
+        append(parent)
         chunks = chunks[1:]
     if lora:
         for chunk in chunks:
             parent = new(parent + chunk + lora).digest()
-            append(BlockHash(parent))
+            append(parent)
     else:
         for chunk in chunks:
             parent = new(parent + chunk).digest()
-            append(BlockHash(parent))
+            append(parent)
+    hashes.extend(cast("list[BlockHash]", out))
 
 
 def hash_blocks(

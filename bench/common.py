@@ -1,0 +1,73 @@
+"""Shared plumbing for benchmarks: flags, timing, and the ``{"figures", "ratios"}`` JSON report.
+
+Every benchmark measures its baseline in the same run and prints the ratio; none is a test assertion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="a small size that runs in under a minute")
+    p.add_argument("--json", type=Path, metavar="PATH", help='write {"figures": {...}, "ratios": {...}}')
+    return p
+
+
+def best_of(fn: Callable[[], Any], *, repeat: int, warmup: int = 1) -> float:
+    """Minimum wall time of ``fn`` over ``repeat`` runs (seconds): the least noisy estimate on 2 cores."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def median_of(fn: Callable[[], Any], *, repeat: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@dataclass
+class Report:
+    name: str
+    figures: dict[str, float] = field(default_factory=dict)
+    ratios: dict[str, float] = field(default_factory=dict)
+    targets: dict[str, str] = field(default_factory=dict)
+
+    def figure(self, key: str, value: float) -> None:
+        self.figures[key] = round(float(value), 6)
+
+    def ratio(self, key: str, value: float, target: str | None = None) -> None:
+        self.ratios[key] = round(float(value), 4)
+        if target:
+            self.targets[key] = target
+
+    def emit(self, json_path: Path | None) -> None:
+        print(f"== {self.name} ({platform.node()}, {time.strftime('%Y-%m-%d %H:%M')})")
+        for k, v in self.figures.items():
+            print(f"  {k:<40} {v:>14.4f}")
+        for k, v in self.ratios.items():
+            target = f"   (target {self.targets[k]})" if k in self.targets else ""
+            print(f"  {k:<40} {v:>14.3f}{target}")
+        if json_path is not None:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(json.dumps({"figures": self.figures, "ratios": self.ratios}, indent=2) + "\n")
