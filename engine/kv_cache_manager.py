@@ -53,6 +53,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_caching, enable_kv_events=enable_kv_events)
         self.req_to_blocks: dict[RequestId, list[KVCacheBlock]] = {}
+        # The same tables as block ids, kept in step so a step need not rebuild them.
+        self.req_to_block_ids: dict[RequestId, list[int]] = {}
         # How many leading blocks of each request are registered in the cache map (or were hits).
         self.num_cached_blocks: dict[RequestId, int] = {}
         # Prefix-cache statistics over admitted requests (tokens).
@@ -142,10 +144,19 @@ class KVCacheManager:
         if num_new_tokens < 0 or num_external_tokens < 0:
             raise ValueError("token counts must be non-negative")
         hit_blocks = new_computed_blocks.blocks
+        rid = request.request_id
+        held = self.req_to_blocks.get(rid)
+        if held is not None and not hit_blocks and not num_external_tokens:
+            # Fast path (most decodes): the request's last block still has room.
+            total_tokens = request.num_computed_tokens + num_new_tokens
+            if total_tokens <= len(held) * self.block_size:
+                if not delay_caching and total_tokens // self.block_size > self.num_cached_blocks[rid]:
+                    self.cache_blocks(request, total_tokens)
+                return []
         if not self.can_allocate(request, num_new_tokens, hit_blocks, num_external_tokens):
             return None
-        rid = request.request_id
         req_blocks = self.req_to_blocks.setdefault(rid, [])
+        req_block_ids = self.req_to_block_ids.setdefault(rid, [])
         self.num_cached_blocks.setdefault(rid, 0)
         if hit_blocks:
             assert request.num_computed_tokens == len(req_blocks) * self.block_size, (
@@ -153,6 +164,7 @@ class KVCacheManager:
             )
             self.pool.touch(hit_blocks)
             req_blocks.extend(hit_blocks)
+            req_block_ids.extend(b.block_id for b in hit_blocks)
             self.num_cached_blocks[rid] = len(req_blocks)
         total_tokens = (
             request.num_computed_tokens + new_computed_blocks.num_tokens + num_external_tokens + num_new_tokens
@@ -160,6 +172,7 @@ class KVCacheManager:
         num_new = cdiv(total_tokens, self.block_size) - len(req_blocks)
         new_blocks = self.pool.get_new_blocks(num_new) if num_new > 0 else []
         req_blocks.extend(new_blocks)
+        req_block_ids.extend(b.block_id for b in new_blocks)
         if not delay_caching:
             self.cache_blocks(request, total_tokens)
         return new_blocks
@@ -191,12 +204,14 @@ class KVCacheManager:
         """Release every block of ``request``, tail first so chain ends are evicted before prefixes."""
         rid = request.request_id
         blocks = self.req_to_blocks.pop(rid, None)
+        self.req_to_block_ids.pop(rid, None)
         self.num_cached_blocks.pop(rid, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: RequestId) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+        """A copy of the request's block table (block ids in token order)."""
+        return list(self.req_to_block_ids.get(request_id, ()))
 
     def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.stats_queries += num_prompt_tokens
@@ -212,7 +227,8 @@ class KVCacheManager:
         """The pool's books balance and every reference is owned by a request of this manager."""
         self.pool.check_integrity()
         refs: dict[int, int] = {}
-        for blocks in self.req_to_blocks.values():
+        for rid, blocks in self.req_to_blocks.items():
+            assert self.req_to_block_ids[rid] == [b.block_id for b in blocks], f"{rid}: block id table stale"
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for block in self.pool.blocks:
