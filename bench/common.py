@@ -70,4 +70,6 @@ class Report:
             print(f"  {k:<40} {v:>14.3f}{target}")
         if json_path is not None:
             json_path.parent.mkdir(parents=True, exist_ok=True)
-            json_path.write_text(json.dumps({"figures": self.figures, "ratios": self.ratios}, indent=2) + "\n")
+            json_path.write_text(
+                json.dumps({"figures": self.figures, "ratios": self.ratios}, indent=2) + "\n"
+            )

@@ -26,7 +26,9 @@ def pickle_method(tokens: list[int], root: bytes) -> list[bytes]:
     parent, out = root, []
     for i in range(len(tokens) // BLOCK_SIZE):
         block = tuple(tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
-        parent = hashlib.sha256(pickle.dumps((parent, block, None), protocol=pickle.HIGHEST_PROTOCOL)).digest()
+        parent = hashlib.sha256(
+            pickle.dumps((parent, block, None), protocol=pickle.HIGHEST_PROTOCOL)
+        ).digest()
         out.append(parent)
     return out
 

@@ -25,15 +25,23 @@ BLOCK_SIZE = 16
 NS = HashNamespace("bench-scheduler", BLOCK_SIZE)
 
 
-def make_stream(n: int, *, groups: int, prefix_len: int, tail: tuple[int, int], max_tokens: tuple[int, int],
-                seed: int) -> list[Request]:
+def make_stream(
+    n: int, *, groups: int, prefix_len: int, tail: tuple[int, int], max_tokens: tuple[int, int], seed: int
+) -> list[Request]:
     rng = random.Random(seed)
     prefixes = [[rng.randrange(32000) for _ in range(prefix_len)] for _ in range(groups)]
     out = []
     for i in range(n):
         prompt = prefixes[rng.randrange(groups)] + [rng.randrange(32000) for _ in range(rng.randint(*tail))]
-        out.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(*max_tokens), ignore_eos=True),
-                           namespace=NS, arrival_time=float(i)))
+        out.append(
+            Request(
+                f"r{i}",
+                prompt,
+                SamplingParams(max_tokens=rng.randint(*max_tokens), ignore_eos=True),
+                namespace=NS,
+                arrival_time=float(i),
+            )
+        )
     return out
 
 
@@ -77,8 +85,9 @@ def hit_rate(policy: str, quick: bool) -> float:
         # Room for ~10 of the 24 prefixes (32 blocks each) plus the running requests' own blocks.
         CacheConfig(block_size=BLOCK_SIZE, num_blocks=640),
     )
-    stream = make_stream(400 if quick else 1600, groups=groups, prefix_len=512, tail=(16, 64), max_tokens=(4, 16),
-                         seed=2)
+    stream = make_stream(
+        400 if quick else 1600, groups=groups, prefix_len=512, tail=(16, 64), max_tokens=(4, 16), seed=2
+    )
     arrivals = iter(stream)
     pending = True
     while pending or s.has_unfinished_requests():

@@ -199,6 +199,10 @@ class BlockPool:
                 )
             )
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Drop ``block``'s hash from the cache map now (its KV turned out bad); it stays allocated."""
+        self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         h = block.block_hash
         if h is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 QUEUE_POLICIES = ("fcfs", "priority", "lpm")
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,10 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
     max_passed_over: int = 32
+    # A connector load that fails: recompute from the first bad block, or fail the request with an error.
+    kv_load_failure_policy: str = "recompute"
+    # A connector's delayed free (blocks held for a remote reader) is reclaimed after this long.
+    kv_delay_free_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -49,5 +54,12 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0 (0 disables it)")
         if self.policy not in QUEUE_POLICIES:
             raise ValueError(f"policy {self.policy!r} is unknown; choose one of {', '.join(QUEUE_POLICIES)}")
+        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_load_failure_policy {self.kv_load_failure_policy!r} is unknown; "
+                f"choose one of {', '.join(LOAD_FAILURE_POLICIES)}"
+            )
+        if not self.kv_delay_free_timeout_s > 0:
+            raise ValueError(f"kv_delay_free_timeout_s must be positive, got {self.kv_delay_free_timeout_s}")
         if self.max_passed_over < 0:
             raise ValueError(f"max_passed_over must be >= 0, got {self.max_passed_over}")

@@ -82,7 +82,8 @@ class HashNamespace:
             raise ValueError(f"HashNamespace.block_size must be a positive int, got {self.block_size!r}")
         if self.algo not in SUPPORTED_ALGOS:
             raise ValueError(
-                f"HashNamespace.algo {self.algo!r} is not supported; choose one of {', '.join(SUPPORTED_ALGOS)}"
+                f"HashNamespace.algo {self.algo!r} is not supported; "
+                f"choose one of {', '.join(SUPPORTED_ALGOS)}"
             )
 
     @cached_property
@@ -157,7 +158,9 @@ def extend_block_hashes(
         lo, hi = first * bs, last * bs
         raw = _packer(hi - lo)(*(token_ids if lo == 0 and hi == len(token_ids) else token_ids[lo:hi]))
     except struct.error as exc:
-        bad = next((t for t in token_ids if not isinstance(t, int) or not -(2**31) <= t <= _MAX_TOKEN_ID), None)
+        bad = next(
+            (t for t in token_ids if not isinstance(t, int) or not -(2**31) <= t <= _MAX_TOKEN_ID), None
+        )
         raise ValueError(f"token ids must be int32 integers: found {bad!r}") from exc
     chunks = [raw[o : o + step] for o in range(0, len(raw), step)]
     out: list[bytes] = []  # plain bytes in the loop: calling the NewType costs a Python frame per block

@@ -45,8 +45,9 @@ NO_HIT = ComputedBlocks((), 0)
 
 
 class KVCacheManager:
-    def __init__(self, *, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 enable_kv_events: bool = False) -> None:
+    def __init__(
+        self, *, num_blocks: int, block_size: int, enable_caching: bool = True, enable_kv_events: bool = False
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -93,7 +94,9 @@ class KVCacheManager:
         """Tokens of ``request`` a local prefix hit would cover now (cheap; used by the lpm policy)."""
         if not self.enable_caching:
             return 0
-        return self.pool.num_cached_prefix(request.block_hashes, self.max_hit_blocks(request)) * self.block_size
+        return (
+            self.pool.num_cached_prefix(request.block_hashes, self.max_hit_blocks(request)) * self.block_size
+        )
 
     def get_num_blocks_to_allocate(
         self,
@@ -117,10 +120,16 @@ class KVCacheManager:
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         return num_new + num_evictable_hits
 
-    def can_allocate(self, request: Request, num_new_tokens: int,
-                     new_computed_blocks: Sequence[KVCacheBlock] = (), num_external_tokens: int = 0) -> bool:
-        need = self.get_num_blocks_to_allocate(request, num_new_tokens, new_computed_blocks,
-                                               num_external_tokens)
+    def can_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_external_tokens: int = 0,
+    ) -> bool:
+        need = self.get_num_blocks_to_allocate(
+            request, num_new_tokens, new_computed_blocks, num_external_tokens
+        )
         return need <= self.pool.get_num_free_blocks()
 
     # -- mutations ----------------------------------------------------------------------------------------
@@ -167,7 +176,10 @@ class KVCacheManager:
             req_block_ids.extend(b.block_id for b in hit_blocks)
             self.num_cached_blocks[rid] = len(req_blocks)
         total_tokens = (
-            request.num_computed_tokens + new_computed_blocks.num_tokens + num_external_tokens + num_new_tokens
+            request.num_computed_tokens
+            + new_computed_blocks.num_tokens
+            + num_external_tokens
+            + num_new_tokens
         )
         num_new = cdiv(total_tokens, self.block_size) - len(req_blocks)
         new_blocks = self.pool.get_new_blocks(num_new) if num_new > 0 else []
@@ -199,6 +211,15 @@ class KVCacheManager:
             lora_name=request.lora_name,
         )
         self.num_cached_blocks[rid] = end
+
+    def uncache_from(self, request: Request, block_index: int) -> None:
+        """Forget the cached hashes of the request's blocks from ``block_index`` on (their KV is bad)."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid, [])
+        for block in blocks[block_index:]:
+            self.pool.uncache(block)
+        if rid in self.num_cached_blocks:
+            self.num_cached_blocks[rid] = min(self.num_cached_blocks[rid], block_index)
 
     def free(self, request: Request) -> None:
         """Release every block of ``request``, tail first so chain ends are evicted before prefixes."""

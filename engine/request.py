@@ -80,8 +80,8 @@ class Request:
         "num_preemptions",
         "output_logprobs",
         "output_token_ids",
-        "prompt_token_ids",
         "priority",
+        "prompt_token_ids",
         "request_id",
         "sampling_params",
         "status",
@@ -185,10 +185,14 @@ class Request:
     def set_status(self, status: RequestStatus) -> None:
         """The one place a request changes state; illegal transitions are bugs, not input errors."""
         if status in _FINISHED:
-            assert not self.status.is_finished, f"{self.request_id}: finished twice ({self.status} -> {status})"
+            assert not self.status.is_finished, (
+                f"{self.request_id}: finished twice ({self.status} -> {status})"
+            )
         else:
             allowed = _TRANSITIONS.get(self.status, frozenset())
-            assert status in allowed, f"{self.request_id}: illegal transition {self.status.name} -> {status.name}"
+            assert status in allowed, (
+                f"{self.request_id}: illegal transition {self.status.name} -> {status.name}"
+            )
         self.status = status
 
     @property
@@ -200,4 +204,3 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks_hashed={len(self.block_hashes)})"
         )
-

@@ -12,13 +12,13 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-_SUBCOMMANDS = (
-    "pdkv.commands.model",
-)
+_SUBCOMMANDS = ("pdkv.commands.model",)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdkv", description="Disaggregated LLM serving with a tiered KV cache.")
+    parser = argparse.ArgumentParser(
+        prog="pdkv", description="Disaggregated LLM serving with a tiered KV cache."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _SUBCOMMANDS:
         importlib.import_module(name).register(sub)

@@ -12,20 +12,69 @@ from pathlib import Path
 from engine.hashing import HASH_SPEC_VERSION, HashNamespace, hash_blocks
 
 CASES = [
-    {"name": "two blocks, plain", "algo": "sha256", "fingerprint": "llama-test", "block_size": 4,
-     "tokens": [1, 2, 3, 4, 5, 6, 7, 8, 9], "cache_salt": None, "lora_name": None},
-    {"name": "tenant salt enters block 0 only", "algo": "sha256", "fingerprint": "llama-test",
-     "block_size": 4, "tokens": [1, 2, 3, 4, 5, 6, 7, 8], "cache_salt": "tenant-a", "lora_name": None},
-    {"name": "adapter name in every block", "algo": "sha256", "fingerprint": "llama-test", "block_size": 4,
-     "tokens": [1, 2, 3, 4, 5, 6, 7, 8], "cache_salt": None, "lora_name": "sql-adapter"},
-    {"name": "salt and adapter, non-ASCII", "algo": "sha256", "fingerprint": "qwen2/ü", "block_size": 2,
-     "tokens": [0, 2147483647, 65535, 128000, 5, 6], "cache_salt": "tenant-é", "lora_name": "lora-β"},
-    {"name": "block size 16", "algo": "sha256", "fingerprint": "llama-test", "block_size": 16,
-     "tokens": list(range(1000, 1040)), "cache_salt": None, "lora_name": None},
-    {"name": "xxh3-128", "algo": "xxh3_128", "fingerprint": "llama-test", "block_size": 4,
-     "tokens": [1, 2, 3, 4, 5, 6, 7, 8], "cache_salt": "t", "lora_name": "a"},
-    {"name": "no full block", "algo": "sha256", "fingerprint": "llama-test", "block_size": 4,
-     "tokens": [1, 2, 3], "cache_salt": None, "lora_name": None},
+    {
+        "name": "two blocks, plain",
+        "algo": "sha256",
+        "fingerprint": "llama-test",
+        "block_size": 4,
+        "tokens": [1, 2, 3, 4, 5, 6, 7, 8, 9],
+        "cache_salt": None,
+        "lora_name": None,
+    },
+    {
+        "name": "tenant salt enters block 0 only",
+        "algo": "sha256",
+        "fingerprint": "llama-test",
+        "block_size": 4,
+        "tokens": [1, 2, 3, 4, 5, 6, 7, 8],
+        "cache_salt": "tenant-a",
+        "lora_name": None,
+    },
+    {
+        "name": "adapter name in every block",
+        "algo": "sha256",
+        "fingerprint": "llama-test",
+        "block_size": 4,
+        "tokens": [1, 2, 3, 4, 5, 6, 7, 8],
+        "cache_salt": None,
+        "lora_name": "sql-adapter",
+    },
+    {
+        "name": "salt and adapter, non-ASCII",
+        "algo": "sha256",
+        "fingerprint": "qwen2/ü",
+        "block_size": 2,
+        "tokens": [0, 2147483647, 65535, 128000, 5, 6],
+        "cache_salt": "tenant-é",
+        "lora_name": "lora-β",
+    },
+    {
+        "name": "block size 16",
+        "algo": "sha256",
+        "fingerprint": "llama-test",
+        "block_size": 16,
+        "tokens": list(range(1000, 1040)),
+        "cache_salt": None,
+        "lora_name": None,
+    },
+    {
+        "name": "xxh3-128",
+        "algo": "xxh3_128",
+        "fingerprint": "llama-test",
+        "block_size": 4,
+        "tokens": [1, 2, 3, 4, 5, 6, 7, 8],
+        "cache_salt": "t",
+        "lora_name": "a",
+    },
+    {
+        "name": "no full block",
+        "algo": "sha256",
+        "fingerprint": "llama-test",
+        "block_size": 4,
+        "tokens": [1, 2, 3],
+        "cache_salt": None,
+        "lora_name": None,
+    },
 ]
 
 
@@ -33,8 +82,12 @@ def main() -> None:
     out = []
     for case in CASES:
         ns = HashNamespace(case["fingerprint"], case["block_size"], case["algo"])  # type: ignore[arg-type]
-        hashes = hash_blocks(case["tokens"], namespace=ns, cache_salt=case["cache_salt"],  # type: ignore[arg-type]
-                             lora_name=case["lora_name"])  # type: ignore[arg-type]
+        hashes = hash_blocks(
+            case["tokens"],
+            namespace=ns,
+            cache_salt=case["cache_salt"],  # type: ignore[arg-type]
+            lora_name=case["lora_name"],
+        )  # type: ignore[arg-type]
         out.append({**case, "root": ns.root.hex(), "block_hashes": [h.hex() for h in hashes]})
     doc = {"spec": HASH_SPEC_VERSION.decode(), "see": "docs/hashing.md", "vectors": out}
     path = Path(__file__).resolve().parent.parent / "docs" / "hashing-vectors.json"

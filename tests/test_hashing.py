@@ -57,7 +57,9 @@ def test_vectors_match_the_spec_and_the_implementation(case: dict) -> None:  # t
     assert root == case["root"]
     assert expected == case["block_hashes"]
     ns = HashNamespace(case["fingerprint"], case["block_size"], case["algo"])
-    got = hash_blocks(case["tokens"], namespace=ns, cache_salt=case["cache_salt"], lora_name=case["lora_name"])
+    got = hash_blocks(
+        case["tokens"], namespace=ns, cache_salt=case["cache_salt"], lora_name=case["lora_name"]
+    )
     assert [g.hex() for g in got] == expected
 
 
@@ -75,8 +77,15 @@ def test_identical_bytes_across_processes_with_different_hash_seeds() -> None:
     outs = []
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        proc = subprocess.run([sys.executable, "-c", _SUBPROCESS], env=env, capture_output=True, text=True,
-                              check=True, timeout=60, cwd=ROOT)
+        proc = subprocess.run(
+            [sys.executable, "-c", _SUBPROCESS],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+            cwd=ROOT,
+        )
         outs.append(proc.stdout)
     assert outs[0] == outs[1] and len(outs[0]) > 0
 
@@ -84,8 +93,9 @@ def test_identical_bytes_across_processes_with_different_hash_seeds() -> None:
 def test_request_block_hashes_after_generation_equal_hash_blocks_over_all_tokens() -> None:
     ns = HashNamespace("model-x", 4)
     for salt, lora in [(None, None), ("tenant", None), (None, "adapter"), ("tenant", "adapter")]:
-        req = Request("r", list(range(7)), SamplingParams(max_tokens=50), namespace=ns, cache_salt=salt,
-                      lora_name=lora)
+        req = Request(
+            "r", list(range(7)), SamplingParams(max_tokens=50), namespace=ns, cache_salt=salt, lora_name=lora
+        )
         for t in range(100, 130):
             req.append_output_token_ids(t)
         req.append_output_token_ids([1, 2, 3, 4, 5])

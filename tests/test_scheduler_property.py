@@ -18,8 +18,13 @@ from tests.factories import fake_output, make_request, make_scheduler
 PREFIXES = [list(range(0, 12)), list(range(100, 108)), list(range(0, 4)) + list(range(50, 58))]
 
 op = st.one_of(
-    st.tuples(st.just("add"), st.integers(0, 2), st.lists(st.integers(0, 500), max_size=9), st.integers(1, 6),
-              st.sampled_from(["none", "salt"])),
+    st.tuples(
+        st.just("add"),
+        st.integers(0, 2),
+        st.lists(st.integers(0, 500), max_size=9),
+        st.integers(1, 6),
+        st.sampled_from(["none", "salt"]),
+    ),
     st.tuples(st.just("step"), st.integers(0, 1000)),
     st.tuples(st.just("abort"), st.integers(0, 30)),
     st.tuples(st.just("preempt")),
@@ -44,8 +49,9 @@ def check_books(s) -> None:  # type: ignore[no-untyped-def]
     policy=st.sampled_from(["fcfs", "priority", "lpm"]),
 )
 def test_random_interleavings_keep_the_books(ops, num_blocks, budget, policy) -> None:  # type: ignore[no-untyped-def]
-    s = make_scheduler(num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=4, policy=policy,
-                       max_passed_over=3)
+    s = make_scheduler(
+        num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=4, policy=policy, max_passed_over=3
+    )
     pending: SchedulerOutput | None = None
     n_added = 0
     for o in ops:
@@ -53,8 +59,15 @@ def test_random_interleavings_keep_the_books(ops, num_blocks, budget, policy) ->
         if kind == "add":
             _, prefix, tail, max_tokens, salt = o
             n_added += 1
-            s.add_request(make_request(f"r{n_added}", PREFIXES[prefix] + tail, max_tokens=max_tokens,
-                                       cache_salt="t" if salt == "salt" else None, priority=n_added % 3))
+            s.add_request(
+                make_request(
+                    f"r{n_added}",
+                    PREFIXES[prefix] + tail,
+                    max_tokens=max_tokens,
+                    cache_salt="t" if salt == "salt" else None,
+                    priority=n_added % 3,
+                )
+            )
         elif kind == "step":
             # schedule and update alternate, as in the engine loop; a step may be split by other ops.
             if pending is None:

@@ -1,7 +1,7 @@
 """Typed hand-offs between the scheduler, the model runner and back.
 
-    Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute() -> ModelRunnerOutput
-        -> Scheduler.update_from_output() -> EngineCoreOutputs
+Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute() -> ModelRunnerOutput
+    -> Scheduler.update_from_output() -> EngineCoreOutputs
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ class ScheduledRequest:
 
     The runner computes the KV of ``token_ids`` at positions ``[start_position, start_position +
     len(token_ids))`` into the request's ``block_ids`` (its whole block table, in order) and attends over
-    everything before them too.  (Not frozen: a frozen dataclass costs a microsecond per construction, and
-    the scheduler builds one per running request per step.)  ``sample`` is True when this chunk ends at the request's last known
-    token, so the logits of the last position yield the next token.
+    everything before them too.  ``sample`` is True when this chunk ends at the request's last known
+    token, so the logits of the last position yield the next token.  (Not frozen: a frozen dataclass
+    costs a microsecond per construction, and the scheduler builds one per running request per step.)
     """
 
     request_id: RequestId

@@ -12,14 +12,28 @@ One step (``schedule``):
 
 ``update_from_output`` appends the sampled tokens (which extends ``block_hashes``), applies stop rules,
 and frees finished requests.
+
+The KV connector (a ``NullConnector`` when none is configured, so nothing here branches on it) is asked
+for external hits after the local ones; see ``connectors/base.py`` for the contract.  Where a request's
+blocks are, at any time:
+
+    running        computing (prefill chunks or decodes)
+    loading        WAITING_FOR_REMOTE_KV: blocks allocated, an async load filling them, not yet cached
+    held           finished, blocks kept for the connector (delayed free) until it reports the send
+                   done, the request is aborted, or ``kv_delay_free_timeout_s`` passes
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from connectors.base import KVConnectorBase, KVConnectorOutput
+from connectors.null import NullConnector
 from engine.config import CacheConfig, SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import NO_HIT, KVCacheManager
 from engine.request import Request, RequestId, RequestStatus
 from engine.scheduler.output import (
     EngineCoreOutputs,
@@ -29,6 +43,8 @@ from engine.scheduler.output import (
     SchedulerOutput,
 )
 from engine.scheduler.request_queue import make_queue
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +57,13 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_evictions: int
+    num_loading: int
+    num_held_for_send: int
+    prompt_tokens_local: int
+    prompt_tokens_external: int
+    prompt_tokens_computed: int
+    num_load_failures: int
+    num_delay_free_expired: int
 
 
 class Scheduler:
@@ -50,8 +73,12 @@ class Scheduler:
         cache_config: CacheConfig,
         *,
         max_model_len: int | None = None,
+        connector: KVConnectorBase | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = scheduler_config
+        self.connector = connector if connector is not None else NullConnector()
+        self.clock = clock
         self.cache_config = cache_config
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(
@@ -67,8 +94,19 @@ class Scheduler:
             max_passed_over=scheduler_config.max_passed_over,
         )
         self.running: list[Request] = []
+        self.loading: dict[RequestId, Request] = {}
+        # Finished requests whose blocks the connector holds: request and the deadline to reclaim them.
+        self.held: dict[RequestId, tuple[Request, float]] = {}
+        self._reclaimed: set[RequestId] = set()
+        # Block ids reported as failed loads, kept until the loading request they belong to lands.
+        self._failed_blocks: set[int] = set()
         self._finished_since_last_step: set[RequestId] = set()
         self.num_preemptions = 0
+        self.num_load_failures = 0
+        self.num_delay_free_expired = 0
+        self.prompt_tokens_local = 0
+        self.prompt_tokens_external = 0
+        self.prompt_tokens_computed = 0
 
     # -- requests in and out ------------------------------------------------------------------------------
 
@@ -81,14 +119,25 @@ class Scheduler:
 
     def abort_request(self, request_id: str) -> RequestUpdate | None:
         """Abort in any state; everything the request holds is freed.  None if it is unknown/finished."""
-        request = self.requests.get(RequestId(request_id))
+        rid = RequestId(request_id)
+        if rid in self.held:
+            # Already finished for its client; the blocks it left for a remote reader go now.
+            self._reclaim(rid)
+            return None
+        request = self.requests.get(rid)
         if request is None:
             return None
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return RequestUpdate(request.request_id, [], [], True, "abort")
 
-    def finish_request(self, request_id: str, status: RequestStatus, *, stop_reason: int | str | None = None,
-                       error: str | None = None) -> bool:
+    def finish_request(
+        self,
+        request_id: str,
+        status: RequestStatus,
+        *,
+        stop_reason: int | str | None = None,
+        error: str | None = None,
+    ) -> bool:
         """End a request from outside the step (a stop string matched, an error).  False if unknown."""
         assert status.is_finished
         request = self.requests.get(RequestId(request_id))
@@ -102,6 +151,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_pending_work(self) -> bool:
+        """Unfinished requests or blocks still held for a connector."""
+        return bool(self.requests or self.held)
+
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(RequestId(request_id))
 
@@ -109,6 +162,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._expire_held()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted_request_ids:
@@ -117,6 +171,7 @@ class Scheduler:
             self.requests[sr.request_id].num_computed_tokens += sr.num_tokens
         out.finished_request_ids = self._finished_since_last_step
         self._finished_since_last_step = set()
+        out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     def _chunk(self, request: Request, budget: int) -> int:
@@ -147,15 +202,26 @@ class Scheduler:
         for request in self.waiting.candidates():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            hit = self.kv.get_computed_blocks(request)
-            remaining = request.num_tokens - hit.num_tokens
-            if not self.config.enable_chunked_prefill and remaining > budget:
+            if request.num_computed_tokens > 0:
+                # Back from an async load: it already holds its blocks up to num_computed_tokens.
+                hit, num_external, load_async = NO_HIT, 0, False
+            else:
+                hit = self.kv.get_computed_blocks(request)
+                answer, load_async = self._external_hit(request, hit.num_tokens)
+                if answer is None:
+                    continue  # the connector is still looking: ask again next step
+                num_external = answer
+            computed = request.num_computed_tokens + hit.num_tokens + num_external
+            remaining = request.num_tokens - computed
+            if load_async:
+                remaining = 0  # nothing to compute until the load lands
+            elif not self.config.enable_chunked_prefill and remaining > budget:
                 break
             num_new = min(remaining, budget)
             if self.config.long_prefill_token_threshold:
                 num_new = min(num_new, self.config.long_prefill_token_threshold)
-            if self.kv.allocate_slots(request, num_new, hit) is None:
-                if not self.running and not out.scheduled:
+            if self.kv.allocate_slots(request, num_new, hit, num_external, delay_caching=load_async) is None:
+                if not self.running and not out.scheduled and not self.loading:
                     # Alone with an empty pool and still no room: it can never run.
                     self._finish(request, RequestStatus.FINISHED_ERROR)
                     request.error = (
@@ -166,17 +232,53 @@ class Scheduler:
                 break  # the pool is full: later candidates would not fit better without preemption
             self.waiting.remove(request.request_id)
             if request.num_cached_tokens < 0:  # first admission: record where the prompt came from
-                request.num_cached_tokens = hit.num_tokens
-                request.num_local_cached_tokens = hit.num_tokens
-                self.kv.record_prefix_query(request.num_prompt_tokens, hit.num_tokens)
-            request.num_computed_tokens = hit.num_tokens
+                self._record_prompt_sources(request, hit.num_tokens, num_external)
+            self.connector.update_state_after_alloc(
+                request, self.kv.get_block_ids(request.request_id), num_external
+            )
+            admitted.add(request.request_id)
+            if load_async:
+                request.num_computed_tokens = hit.num_tokens
+                request.set_status(RequestStatus.WAITING_FOR_REMOTE_KV)
+                self.loading[request.request_id] = request
+                continue
+            request.num_computed_tokens = computed
             request.set_status(RequestStatus.RUNNING)
             self.running.append(request)
-            admitted.add(request.request_id)
             out.new_request_ids.append(request.request_id)
             self._emit(out, request, num_new)
             budget -= num_new
         self.waiting.passed_over(admitted)
+
+    def _external_hit(self, request: Request, num_local: int) -> tuple[int | None, bool]:
+        """Ask the connector; clamp an answer that breaks the contract (and say so) rather than crash."""
+        num, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+        if num is None or num == 0:
+            return num, False
+        bs = self.kv.block_size
+        limit = self.kv.max_hit_blocks(request) * bs - num_local
+        clamped = min(num - num % bs, max(0, limit))
+        if clamped != num:
+            logger.warning(
+                "connector %s offered %d tokens for %s after %d local; the contract allows %d (whole blocks, "
+                "never the last token): using %d",
+                self.connector.name,
+                num,
+                request.request_id,
+                num_local,
+                clamped,
+                clamped,
+            )
+        return clamped, bool(load_async) and clamped > 0
+
+    def _record_prompt_sources(self, request: Request, num_local: int, num_external: int) -> None:
+        request.num_cached_tokens = num_local
+        request.num_local_cached_tokens = num_local
+        request.num_external_computed_tokens = num_external
+        self.kv.record_prefix_query(request.num_prompt_tokens, num_local)
+        self.prompt_tokens_local += num_local
+        self.prompt_tokens_external += num_external
+        self.prompt_tokens_computed += max(0, request.num_prompt_tokens - num_local - num_external)
 
     def _emit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
@@ -205,10 +307,21 @@ class Scheduler:
 
     # -- results ------------------------------------------------------------------------------------------
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> EngineCoreOutputs:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
         result = EngineCoreOutputs()
+        kv_out = output.kv_connector_output or KVConnectorOutput()
+        tainted = self._apply_load_errors(kv_out.invalid_block_ids, result)
+        for rid in kv_out.finished_recving:
+            self._finish_loading(rid, result)
+        for rid in kv_out.finished_sending:
+            self._release_held(rid)
+        kv_out.reclaimed |= self._reclaimed
+        self._reclaimed = set()
+        self.connector.update_connector_output(kv_out)
         for sr in scheduler_output.scheduled:
-            if not sr.sample:
+            if not sr.sample or sr.request_id in tainted:
                 continue
             request = self.requests.get(sr.request_id)
             if request is None or request.is_finished:
@@ -248,15 +361,103 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        """Every finish goes through here: take the request out of its queue and free its blocks."""
-        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.WAITING_FOR_REMOTE_KV):
-            self.waiting.remove(request.request_id)
+        """Every finish goes through here: out of its queue, the connector told once, blocks freed or held."""
+        rid = request.request_id
+        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(rid)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            self.loading.pop(rid, None)
         elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         request.set_status(status)
-        self.kv.free(request)
-        del self.requests[request.request_id]
-        self._finished_since_last_step.add(request.request_id)
+        delay_free, params = self.connector.request_finished(request, self.kv.get_block_ids(rid))
+        request.kv_transfer_params = params
+        if delay_free and rid in self.kv.req_to_blocks:
+            self.held[rid] = (request, self.clock() + self.config.kv_delay_free_timeout_s)
+        else:
+            self.kv.free(request)
+        del self.requests[rid]
+        self._finished_since_last_step.add(rid)
+
+    # -- connector results --------------------------------------------------------------------------------
+
+    def _release_held(self, rid: RequestId) -> None:
+        entry = self.held.pop(rid, None)
+        if entry is not None:
+            self.kv.free(entry[0])
+
+    def _reclaim(self, rid: RequestId) -> None:
+        """Free a delayed-free request's blocks without the connector's say-so; it is told next update."""
+        self._release_held(rid)
+        self._reclaimed.add(rid)
+
+    def _expire_held(self) -> None:
+        if not self.held:
+            return
+        now = self.clock()
+        for rid in [rid for rid, (_, deadline) in self.held.items() if deadline <= now]:
+            logger.warning(
+                "delayed free of %s expired after %.1fs: reclaiming its blocks",
+                rid,
+                self.config.kv_delay_free_timeout_s,
+            )
+            self.num_delay_free_expired += 1
+            self._reclaim(rid)
+
+    def _finish_loading(self, rid: RequestId, result: EngineCoreOutputs) -> None:
+        """An async load landed: cache the good blocks, then the request waits to compute the rest."""
+        if rid in self.held:
+            self._release_held(rid)  # it was aborted while loading; the receive is over now
+            return
+        request = self.loading.get(rid)
+        if request is None:
+            return
+        bs = self.kv.block_size
+        ids = self.kv.req_to_block_ids.get(rid, [])
+        loaded_end = request.num_computed_tokens + request.num_external_computed_tokens
+        first_bad = next((i for i, b in enumerate(ids) if b in self._failed_blocks), None)
+        if first_bad is not None and first_bad * bs < loaded_end:
+            self.num_load_failures += 1
+            if self.config.kv_load_failure_policy == "fail":
+                self._failed_blocks -= set(ids)
+                self._fail_load(request, result)
+                return
+            loaded_end = max(request.num_computed_tokens, first_bad * bs)
+        self._failed_blocks -= set(ids)
+        del self.loading[rid]
+        request.num_computed_tokens = loaded_end
+        self.kv.cache_blocks(request, loaded_end)
+        request.set_status(RequestStatus.WAITING)
+        self.waiting.prepend(request)
+
+    def _apply_load_errors(self, invalid: set[int], result: EngineCoreOutputs) -> set[RequestId]:
+        """Cut running requests back to their first bad block; return those whose sample is void."""
+        if not invalid:
+            return set()
+        self._failed_blocks |= invalid
+        tainted: set[RequestId] = set()
+        bs = self.kv.block_size
+        for request in list(self.running):
+            ids = self.kv.req_to_block_ids.get(request.request_id, [])
+            first_bad = next((i for i, b in enumerate(ids) if b in invalid), None)
+            if first_bad is None:
+                continue
+            tainted.add(request.request_id)
+            self.num_load_failures += 1
+            self.kv.uncache_from(request, first_bad)
+            if self.config.kv_load_failure_policy == "fail":
+                self._fail_load(request, result)
+                continue
+            request.num_computed_tokens = min(request.num_computed_tokens, first_bad * bs)
+        # Blocks of requests still loading stay recorded until their load lands; others are done with.
+        pending = {b for r in self.loading for b in self.kv.req_to_block_ids.get(r, [])}
+        self._failed_blocks &= pending
+        return tainted
+
+    def _fail_load(self, request: Request, result: EngineCoreOutputs) -> None:
+        request.error = "loading the prompt's KV from the connector failed (kv_load_failure_policy=fail)"
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        result.updates.append(RequestUpdate(request.request_id, [], [], True, "error", error=request.error))
 
     # -- observability ------------------------------------------------------------------------------------
 
@@ -270,14 +471,28 @@ class Scheduler:
             prefix_cache_hits=self.kv.stats_hits,
             num_preemptions=self.num_preemptions,
             num_evictions=self.kv.pool.num_evictions,
+            num_loading=len(self.loading),
+            num_held_for_send=len(self.held),
+            prompt_tokens_local=self.prompt_tokens_local,
+            prompt_tokens_external=self.prompt_tokens_external,
+            prompt_tokens_computed=self.prompt_tokens_computed,
+            num_load_failures=self.num_load_failures,
+            num_delay_free_expired=self.num_delay_free_expired,
         )
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
-        held = set(self.kv.req_to_blocks)
+        owners = set(self.kv.req_to_blocks)
         running = {r.request_id for r in self.running}
-        assert held <= set(self.requests), f"blocks held by finished requests: {held - set(self.requests)}"
-        for rid in held - running:
-            assert self.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KV, (
-                f"{rid} holds blocks but is {self.requests[rid].status.name}"
+        expected = running | set(self.loading) | set(self.held)
+        for rid in owners - expected:
+            # Back from an async load, waiting to compute the rest: it keeps the blocks it loaded into.
+            r = self.requests.get(rid)
+            assert r is not None and r.status == RequestStatus.WAITING and r.num_computed_tokens > 0, (
+                f"blocks owned by {rid}, which is {r.status.name if r else 'finished'}"
             )
+        assert expected <= owners, f"{sorted(expected - owners)} should hold blocks but hold none"
+        for rid in self.loading:
+            assert self.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KV
+        for rid in self.held:
+            assert rid not in self.requests, f"{rid} is held for a send but not finished"

@@ -1,0 +1,243 @@
+"""The KVConnector contract: what a connector plugin implements, and when the engine calls it.
+
+A connector moves KV blocks between the engine's paged cache and something outside it (a store, another
+node).  It has two halves, one object per role per process (``KVConnectorRole``).  They share no state:
+
+- the **scheduler half** decides, from metadata only (never tensors): how many leading tokens of a
+  request it can provide, what to load and save each step;
+- the **worker half** moves bytes in and out of the paged KV cache inside the forward pass.
+
+The scheduler half sends a ``KVConnectorMetadata`` down with every step (``build_connector_meta``); the
+worker half reports back a ``KVConnectorOutput`` with every step's result (``update_connector_output``).
+Nothing else passes between them, so a future multi-worker runner changes nothing for plugins.
+
+One request's life through both halves::
+
+    scheduler: request waiting
+      local prefix hit: num_computed = k * block_size
+      get_num_new_matched_tokens(request, num_computed) -> (n, load_async)
+          n is None          -> ask again next step (an async lookup is still running)
+          n whole blocks     -> never the request's last token; read only request.block_hashes
+      blocks allocated for num_computed + n + the tokens to compute
+      update_state_after_alloc(request, block_ids, n)     # remember what to load
+      (load_async: request parks in WAITING_FOR_REMOTE_KV until the worker reports it received)
+      build_connector_meta(scheduler_output) -> metadata  # once per step, after all decisions
+    worker: handle_preemptions(metadata)                  # fence saves of preempted requests' blocks
+            start_load_kv(metadata)
+            per layer: wait_for_layer_load(i); attention; save_kv_layer(i, kv_cache, attn_metadata)
+            wait_for_save()
+            get_finished(finished_req_ids) -> (finished_sending, finished_recving)
+            get_block_ids_with_load_errors() -> blocks whose load failed
+    scheduler: update_connector_output(output)            # the worker's report
+      ... decode steps ...
+      request_finished(request, block_ids) -> (delay_free, kv_transfer_params)   # exactly once
+          delay_free: the blocks stay allocated until the worker lists the request in finished_sending,
+          the request is aborted, or ``kv_delay_free_timeout_s`` passes (then the engine reclaims them
+          and says so in ``KVConnectorOutput.reclaimed``).
+
+Rules every connector keeps (the conformance kit in ``connectors.testing`` checks them):
+
+1. Lookups are idempotent and side-effect free: ``get_num_new_matched_tokens`` may be called again for
+   the same request (after a failed allocation, after preemption).
+2. Hits are whole blocks, contiguous from the first block past ``num_computed_tokens``, and never cover
+   the request's last token (it must be computed to produce logits).
+3. A backend that does not answer in time counts as zero hits; no call blocks the engine unboundedly.
+4. Load failures are reported through ``get_block_ids_with_load_errors``, never raised: the engine cuts
+   the request back to the first bad block and recomputes from there.
+5. No block is reused while an async save still reads it: ``handle_preemptions`` fences saves of
+   preempted requests; a connector saving asynchronously after a request finished returns
+   ``delay_free=True`` from ``request_finished`` until its save is done.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from engine.hashing import HashNamespace
+from engine.kv_cache import KVCacheSpec
+from engine.kv_events import KVCacheEvent
+from engine.request import Request, RequestId
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.scheduler.output import SchedulerOutput
+
+
+class KVConnectorRole(enum.Enum):
+    SCHEDULER = "scheduler"
+    WORKER = "worker"
+
+
+@dataclass(frozen=True)
+class ConnectorContext:
+    """What the engine tells a connector about itself when it is built."""
+
+    namespace: HashNamespace
+    # The paged cache's geometry and dtype: what a stored or streamed block must match byte for byte.
+    spec: KVCacheSpec
+    engine_id: str = "engine-0"
+
+    @property
+    def block_size(self) -> int:
+        return self.namespace.block_size
+
+
+@dataclass
+class KVConnectorMetadata:
+    """Per-step instructions from the scheduler half to the worker half.  Connectors subclass it."""
+
+    # Requests preempted this step: their blocks may be reused by the next forward pass.
+    preempted_request_ids: list[RequestId] = field(default_factory=list)
+
+
+@dataclass
+class KVConnectorOutput:
+    """Per-step report from the worker half (filled by the runner from the worker's calls)."""
+
+    finished_sending: set[RequestId] = field(default_factory=set)
+    finished_recving: set[RequestId] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+    stats: dict[str, float] = field(default_factory=dict)
+    # Filled by the engine, not the worker: delayed frees it reclaimed (deadline passed or request aborted).
+    reclaimed: set[RequestId] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (
+            self.finished_sending
+            or self.finished_recving
+            or self.invalid_block_ids
+            or self.stats
+            or self.reclaimed
+        )
+
+
+class ConnectorOptionsError(ValueError):
+    """A connector's options dict is wrong; the message names the key."""
+
+
+def parse_options(options_cls: type, options: Mapping[str, Any] | None, *, connector: str) -> Any:
+    """Build a connector's frozen options dataclass from a config dict, naming any bad key."""
+    options = dict(options or {})
+    known = {f.name for f in fields(options_cls)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConnectorOptionsError(
+            f"connector {connector!r}: unknown option {unknown[0]!r}; "
+            f"known options: {', '.join(sorted(known)) or '(none)'}"
+        )
+    try:
+        return options_cls(**options)
+    except TypeError as exc:
+        raise ConnectorOptionsError(f"connector {connector!r}: {exc}") from exc
+
+
+class KVConnectorBase:
+    """Base class of every connector.  Override the methods of the half (or halves) you need.
+
+    Defaults are those of a connector that never has a hit and never moves a byte, so a minimal
+    connector overrides only what it does.  Subclasses set ``name`` and, to take options, an ``Options``
+    frozen dataclass (validated by ``parse_options``: an unknown key is an error that names it).
+    """
+
+    name: ClassVar[str] = "base"
+    Options: ClassVar[type | None] = None
+
+    def __init__(
+        self, role: KVConnectorRole, context: ConnectorContext, options: Mapping[str, Any] | None = None
+    ) -> None:
+        self.role = role
+        self.context = context
+        if self.Options is not None:
+            self.options = parse_options(self.Options, options, connector=self.name)
+        elif options:
+            raise ConnectorOptionsError(f"connector {self.name!r} takes no options, got {sorted(options)}")
+        else:
+            self.options = None
+
+    # ================================ scheduler half ================================================
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """How many tokens beyond ``num_computed_tokens`` (the local hit) this connector can provide.
+
+        Returns ``(num_tokens, load_async)``.  ``num_tokens`` is whole blocks, contiguous from block
+        ``num_computed_tokens // block_size``, never covering the request's last token; ``None`` means
+        "still looking, ask again next step".  ``load_async=True`` loads across steps (the request waits
+        in WAITING_FOR_REMOTE_KV); False loads inside the next forward pass.  Reads
+        ``request.block_hashes``; never hashes tokens.  Idempotent and side-effect free.
+        """
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        """Blocks were allocated for ``request`` (``block_ids`` is its whole block table, in order).
+
+        Decide whether to load from ``num_external_tokens`` (may be 0), not from ``block_ids``.  The
+        external tokens occupy blocks ``[num_computed // bs, (num_computed + num_external) // bs)``.
+        May be called twice for an async load (allocation, then again when it is scheduled).
+        """
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Once per step, after all scheduling decisions: what the worker half must load and save.
+
+        Resets per-step state.  Must not change ``scheduler_output``.
+        """
+        return KVConnectorMetadata(preempted_request_ids=list(scheduler_output.preempted_request_ids))
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """The worker half's report for the step (finished sends/receives, failed blocks, stats)."""
+
+    def request_finished(
+        self, request: Request, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Exactly once per request, before its blocks are freed.
+
+        Returns ``(delay_free, kv_transfer_params)``.  ``delay_free=True``: the connector owns the blocks
+        until the worker reports the request in ``finished_sending`` (or the engine reclaims them).  The
+        params go back to the caller (the router hands them to the decode node).
+        """
+        return False, None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Store/remove events of the connector's own tiers, merged into the engine's event stream."""
+        return []
+
+    # ================================ worker half ===================================================
+
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        """Once at start-up: the paged cache `[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]`."""
+
+    def handle_preemptions(self, metadata: KVConnectorMetadata) -> None:
+        """Before the forward pass can reuse preempted requests' blocks: fence or finish their saves."""
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        """Before the forward pass: start the loads this step needs."""
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Inside the forward, before layer ``layer`` reads its KV (lets loads overlap compute)."""
+
+    def save_kv_layer(self, layer: int, kv_cache: torch.Tensor, attn_metadata: Any) -> None:
+        """Inside the forward, after layer ``layer`` wrote its KV for this step's tokens."""
+
+    def wait_for_save(self) -> None:
+        """After the forward: from here on, saves are safe from block reuse."""
+
+    def get_finished(self, finished_req_ids: set[RequestId]) -> tuple[set[RequestId], set[RequestId]]:
+        """Requests whose async send / receive completed: ``(finished_sending, finished_recving)``."""
+        return set(), set()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call.  Report, never raise."""
+        return set()
+
+    # ================================ both ==========================================================
+
+    def shutdown(self) -> None:
+        """Release threads, sockets and files.  Called once when the engine stops."""

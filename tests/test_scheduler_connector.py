@@ -1,0 +1,284 @@
+"""Scheduler <-> connector integration, scheduler half only (no model): a scripted fake connector."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from connectors.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
+from engine.config import CacheConfig, SchedulerConfig
+from engine.request import Request, RequestStatus
+from engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from tests.factories import make_request
+
+
+class ScriptedConnector(KVConnectorBase):
+    """Answers lookups from a dict ``request_id -> (tokens, async)``; records every call."""
+
+    name = "scripted"
+
+    def __init__(self) -> None:
+        super().__init__(KVConnectorRole.SCHEDULER, None)  # type: ignore[arg-type]
+        self.answers: dict[str, tuple[int | None, bool]] = {}
+        self.allocs: list[tuple[str, list[int], int]] = []
+        self.finished: Counter[str] = Counter()
+        self.delay_free = False
+        self.outputs: list[KVConnectorOutput] = []
+        self.lookups: Counter[str] = Counter()
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self.lookups[request.request_id] += 1
+        return self.answers.get(request.request_id, (0, False))
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        self.allocs.append((request.request_id, list(block_ids), num_external_tokens))
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self.outputs.append(output)
+
+    def request_finished(
+        self, request: Request, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self.finished[request.request_id] += 1
+        return self.delay_free, {"block_ids": list(block_ids)}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(
+    conn: ScriptedConnector, *, policy: str = "recompute", num_blocks: int = 32, clock: Clock | None = None
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=64, kv_load_failure_policy=policy, kv_delay_free_timeout_s=10.0
+        ),
+        CacheConfig(block_size=4, num_blocks=num_blocks),
+        connector=conn,
+        clock=clock or Clock(),
+    )
+
+
+def step(
+    s: Scheduler, kv_out: KVConnectorOutput | None = None, token: int = 7
+) -> tuple[SchedulerOutput, Any]:
+    so = s.schedule()
+    out = s.update_from_output(
+        so,
+        ModelRunnerOutput(
+            {sr.request_id: token for sr in so.scheduled if sr.sample}, kv_connector_output=kv_out
+        ),
+    )
+    s.check_integrity()
+    return so, out
+
+
+def test_sync_external_hit_starts_after_local_and_external_tokens() -> None:
+    conn = ScriptedConnector()
+    s = make(conn)
+    s.add_request(make_request("warm", range(5), max_tokens=1))
+    step(s)  # caches block 0 (tokens 0..3)
+    conn.answers["r"] = (8, False)
+    s.add_request(make_request("r", range(17), max_tokens=1))
+    so = s.schedule()
+    sr = next(x for x in so.scheduled if x.request_id == "r")
+    assert (sr.start_position, sr.num_tokens) == (12, 5)  # 4 local + 8 external, then compute 5
+    assert conn.allocs[-1] == ("r", sr.block_ids, 8)
+    r = s.get_request("r")
+    assert r is not None and (r.num_local_cached_tokens, r.num_external_computed_tokens) == (4, 8)
+    s.update_from_output(so, ModelRunnerOutput({"r": 1}))  # type: ignore[dict-item]
+    st = s.stats()
+    assert (st.prompt_tokens_local, st.prompt_tokens_external) == (4, 8)
+    assert st.prompt_tokens_computed == 5 + 5  # warm's 5 + r's tail
+
+
+def test_none_means_ask_again_next_step_without_blocking_others() -> None:
+    conn = ScriptedConnector()
+    s = make(conn)
+    conn.answers["slow"] = (None, False)
+    s.add_request(make_request("slow", range(9), max_tokens=1))
+    s.add_request(make_request("other", range(50, 55), max_tokens=1))
+    so, _ = step(s)
+    assert [sr.request_id for sr in so.scheduled] == ["other"]
+    conn.answers["slow"] = (4, False)
+    so, _ = step(s)
+    assert [(sr.request_id, sr.start_position) for sr in so.scheduled] == [("slow", 4)]
+    assert conn.lookups["slow"] == 2
+
+
+def test_async_load_parks_the_request_until_the_worker_reports_it() -> None:
+    conn = ScriptedConnector()
+    s = make(conn)
+    conn.answers["r"] = (8, True)
+    s.add_request(make_request("r", range(10), max_tokens=1))
+    so, _ = step(s)
+    assert so.scheduled == []
+    r = s.get_request("r")
+    assert r is not None and r.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    assert len(s.kv.get_block_ids("r")) == 2 and s.kv.pool.cached == {}  # allocated, not cached
+    so, _ = step(s)  # nothing landed yet
+    assert so.scheduled == []
+    so, _ = step(s, KVConnectorOutput(finished_recving={"r"}))  # type: ignore[arg-type]
+    assert len(s.kv.pool.cached) == 2  # the loaded blocks are cached once they landed
+    so, _ = step(s)
+    assert [(sr.request_id, sr.start_position, sr.num_tokens) for sr in so.scheduled] == [("r", 8, 2)]
+    assert not s.has_unfinished_requests()
+    assert conn.finished["r"] == 1
+
+
+def test_failed_sync_load_cuts_back_to_the_first_bad_block_and_recomputes() -> None:
+    conn = ScriptedConnector()
+    s = make(conn)
+    conn.answers["r"] = (12, False)
+    s.add_request(make_request("r", range(14), max_tokens=2))
+    so = s.schedule()
+    ids = so.scheduled[0].block_ids
+    assert so.scheduled[0].start_position == 12
+    out = s.update_from_output(
+        so,
+        ModelRunnerOutput({"r": 5}, kv_connector_output=KVConnectorOutput(invalid_block_ids={ids[1]})),  # type: ignore[dict-item]
+    )
+    assert out.updates == []  # the token sampled over bad KV is dropped
+    r = s.get_request("r")
+    assert r is not None and r.num_computed_tokens == 4 and r.num_output_tokens == 0
+    assert ids[1] not in [b.block_id for b in s.kv.pool.cached.values()]
+    so = s.schedule()
+    assert (so.scheduled[0].start_position, so.scheduled[0].num_tokens) == (4, 10)
+    assert s.stats().num_load_failures == 1
+
+
+def test_failed_load_with_fail_policy_errors_the_request() -> None:
+    conn = ScriptedConnector()
+    s = make(conn, policy="fail")
+    conn.answers["r"] = (8, False)
+    s.add_request(make_request("r", range(10), max_tokens=2))
+    so = s.schedule()
+    bad = so.scheduled[0].block_ids[0]
+    out = s.update_from_output(
+        so,
+        ModelRunnerOutput({"r": 5}, kv_connector_output=KVConnectorOutput(invalid_block_ids={bad})),  # type: ignore[dict-item]
+    )
+    assert [(u.request_id, u.finish_reason) for u in out.updates] == [("r", "error")]
+    assert "kv_load_failure_policy" in (out.updates[0].error or "")
+    assert conn.finished["r"] == 1
+    s.check_integrity()
+    assert s.kv.num_free_blocks == 32
+
+
+def test_failed_async_load_keeps_only_the_good_leading_blocks() -> None:
+    conn = ScriptedConnector()
+    s = make(conn)
+    conn.answers["r"] = (12, True)
+    s.add_request(make_request("r", range(14), max_tokens=1))
+    step(s)
+    ids = s.kv.get_block_ids("r")  # type: ignore[arg-type]
+    step(s, KVConnectorOutput(invalid_block_ids={ids[2]}))
+    step(s, KVConnectorOutput(finished_recving={"r"}))  # type: ignore[arg-type]
+    assert len(s.kv.pool.cached) == 2
+    so, _ = step(s)
+    assert (so.scheduled[0].start_position, so.scheduled[0].num_tokens) == (8, 6)
+
+
+def test_delayed_free_holds_blocks_until_finished_sending() -> None:
+    conn = ScriptedConnector()
+    conn.delay_free = True
+    s = make(conn)
+    s.add_request(make_request("r", range(6), max_tokens=1))
+    step(s)
+    assert not s.has_unfinished_requests() and "r" in s.held
+    assert s.kv.num_free_blocks == 30
+    step(s, KVConnectorOutput(finished_sending={"r"}))  # type: ignore[arg-type]
+    assert s.held == {} and s.kv.num_free_blocks == 32
+    assert conn.finished["r"] == 1
+
+
+def test_delayed_free_expires_and_the_connector_is_told() -> None:
+    conn = ScriptedConnector()
+    conn.delay_free = True
+    clock = Clock()
+    s = make(conn, clock=clock)
+    s.add_request(make_request("r", range(6), max_tokens=1))
+    step(s)
+    clock.now = 9.9
+    step(s)
+    assert "r" in s.held
+    clock.now = 10.1
+    step(s)
+    assert s.held == {} and s.kv.num_free_blocks == 32
+    assert conn.outputs[-1].reclaimed == {"r"}
+    assert s.stats().num_delay_free_expired == 1
+
+
+def test_abort_frees_held_and_loading_requests() -> None:
+    conn = ScriptedConnector()
+    conn.delay_free = True
+    s = make(conn)
+    s.add_request(make_request("held", range(6), max_tokens=1))
+    step(s)
+    assert s.abort_request("held") is None  # already finished for its client
+    assert s.held == {} and s.kv.num_free_blocks == 32
+    conn.delay_free = False
+    conn.answers["loading"] = (8, True)
+    s.add_request(make_request("loading", range(10), max_tokens=1))
+    step(s)
+    update = s.abort_request("loading")
+    assert update is not None and update.finish_reason == "abort"
+    s.check_integrity()
+    assert s.kv.num_free_blocks == 32
+    assert conn.finished == Counter({"held": 1, "loading": 1})
+    step(s, KVConnectorOutput(finished_recving={"loading"}))  # a late report of an aborted load is ignored
+    s.check_integrity()
+
+
+def test_abort_of_a_loading_request_with_delay_free_waits_for_the_receive() -> None:
+    conn = ScriptedConnector()
+    conn.answers["r"] = (8, True)
+    s = make(conn)
+    s.add_request(make_request("r", range(10), max_tokens=1))
+    step(s)
+    conn.delay_free = True  # the worker is still writing into the blocks
+    s.abort_request("r")
+    assert "r" in s.held
+    step(s, KVConnectorOutput(finished_recving={"r"}))  # type: ignore[arg-type]
+    assert s.held == {} and s.kv.num_free_blocks == 32
+
+
+@pytest.mark.parametrize("answer", [(5, False), (100, False), (9, True)])
+def test_answers_that_break_the_contract_are_clamped(answer: tuple[int, bool]) -> None:
+    conn = ScriptedConnector()
+    conn.answers["r"] = answer
+    s = make(conn)
+    s.add_request(make_request("r", range(10), max_tokens=1))
+    so = s.schedule()
+    # 10 tokens: at most 2 whole blocks (8 tokens) may come from outside; never a partial block.
+    start = so.scheduled[0].start_position if so.scheduled else s.get_request("r").num_computed_tokens  # type: ignore[union-attr]
+    assert start in (0, 4, 8)
+    r = s.get_request("r")
+    assert r is not None and r.num_external_computed_tokens in (4, 8)
+
+
+def test_request_finished_exactly_once_on_every_path() -> None:
+    conn = ScriptedConnector()
+    s = make(conn, num_blocks=6)
+    s.add_request(make_request("done", range(5), max_tokens=2))
+    s.add_request(make_request("aborted", range(10, 15), max_tokens=20))
+    s.add_request(make_request("waiting", range(20, 25), max_tokens=2))
+    step(s)
+    s.abort_request("aborted")
+    s.abort_request("waiting")
+    s.abort_request("aborted")
+    while s.has_unfinished_requests():
+        step(s)
+    assert conn.finished == Counter({"done": 1, "aborted": 1, "waiting": 1})
