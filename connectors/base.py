@@ -179,8 +179,9 @@ class KVConnectorBase:
     ) -> None:
         """Blocks were allocated for ``request`` (``block_ids`` is its whole block table, in order).
 
-        Decide whether to load from ``num_external_tokens`` (may be 0), not from ``block_ids``.  The
-        external tokens occupy blocks ``[num_computed // bs, (num_computed + num_external) // bs)``.
+        Decide whether to load from ``num_external_tokens`` (may be 0), not from ``block_ids``.  At this
+        call ``request.num_computed_tokens`` counts the local hit only, so the external tokens occupy
+        blocks ``[num_computed // bs, (num_computed + num_external) // bs)`` of ``block_ids``.
         May be called twice for an async load (allocation, then again when it is scheduled).
         """
 

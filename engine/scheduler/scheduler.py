@@ -233,12 +233,13 @@ class Scheduler:
             self.waiting.remove(request.request_id)
             if request.num_cached_tokens < 0:  # first admission: record where the prompt came from
                 self._record_prompt_sources(request, hit.num_tokens, num_external)
+            # The connector sees num_computed_tokens = the local hit: its external tokens start there.
+            request.num_computed_tokens += hit.num_tokens
             self.connector.update_state_after_alloc(
                 request, self.kv.get_block_ids(request.request_id), num_external
             )
             admitted.add(request.request_id)
             if load_async:
-                request.num_computed_tokens = hit.num_tokens
                 request.set_status(RequestStatus.WAITING_FOR_REMOTE_KV)
                 self.loading[request.request_id] = request
                 continue

@@ -1,0 +1,194 @@
+"""``shared-dir``: KV blocks as files in a plain directory.  The connector to copy when writing your own.
+
+Options: ``{"path": "/some/dir"}`` (created if missing).  Any number of engines, in any number of
+processes, may share the directory: a block another engine saved is a hit here.
+
+Layout on disk (one file per block, written atomically: temp file + rename, so a reader never sees a
+half-written block)::
+
+    <path>/<namespace id>/<first two hex chars of the hash>/<block hash hex>.kv
+        = kvstore block codec: a 96-byte header (magic, namespace, block hash, layout, checksums)
+          followed by the block's payload: kv_cache[block_id], all layers' K and V
+
+How the halves split the work:
+
+- scheduler half: looks up ``request.block_hashes`` as file names (whole blocks, contiguous, never the
+  last token); remembers which blocks to load after allocation; each step, lists in the metadata the
+  newly completed full blocks to save and the blocks to load.
+- worker half: loads synchronously in ``start_load_kv`` (before any layer reads) and saves
+  synchronously in ``wait_for_save`` (after the forward), so it never needs delayed frees or fences.
+  A file that is missing, truncated, corrupt or for another model/layout is a load error, reported
+  through ``get_block_ids_with_load_errors`` -- the engine recomputes from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from engine.hashing import BlockHash
+from engine.request import Request, RequestId
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.scheduler.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SharedDirOptions:
+    path: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError("connector 'shared-dir': option 'path' must name a directory")
+
+
+@dataclass
+class SharedDirMetadata(KVConnectorMetadata):
+    loads: list[tuple[int, BlockHash]] = field(default_factory=list)  # (block id, hash) to read now
+    saves: list[tuple[int, BlockHash]] = field(default_factory=list)  # (block id, hash) to write after
+
+
+class SharedDirConnector(KVConnectorBase):
+    name = "shared-dir"
+    Options = SharedDirOptions
+
+    def __init__(
+        self, role: KVConnectorRole, context: ConnectorContext, options: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__(role, context, options)
+        self.dir = Path(self.options.path) / context.namespace.namespace_id
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.block_size = context.block_size
+        # scheduler half
+        self._requests: dict[RequestId, Request] = {}
+        self._saved_upto: dict[RequestId, int] = {}  # blocks [0, n) of the request are in the directory
+        self._pending_loads: list[tuple[int, BlockHash]] = []
+        # worker half
+        self._kv: torch.Tensor | None = None
+        self._codec: Any = None
+        self._load_errors: set[int] = set()
+        self._metadata: SharedDirMetadata | None = None
+
+    def _file(self, block_hash: bytes) -> Path:
+        name = block_hash.hex()
+        return self.dir / name[:2] / f"{name}.kv"
+
+    # ---------------------------------------------------------------- scheduler half
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        bs = self.block_size
+        first = num_computed_tokens // bs
+        last = min(len(request.block_hashes), (request.num_tokens - 1) // bs)  # never the last token
+        n = 0
+        for h in request.block_hashes[first:last]:
+            if not self._file(h).is_file():
+                break
+            n += 1
+        return n * bs, False
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        bs = self.block_size
+        first = request.num_computed_tokens // bs
+        n = num_external_tokens // bs
+        for i in range(first, first + n):
+            self._pending_loads.append((block_ids[i], request.block_hashes[i]))
+        self._requests[request.request_id] = request
+        self._saved_upto[request.request_id] = first + n
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = SharedDirMetadata(
+            preempted_request_ids=list(scheduler_output.preempted_request_ids), loads=self._pending_loads
+        )
+        self._pending_loads = []
+        for sr in scheduler_output.scheduled:
+            request = self._requests.get(sr.request_id)
+            if request is None:
+                continue
+            # Blocks whose every token has KV once this step's forward is done.
+            full = min((sr.start_position + sr.num_tokens) // self.block_size, len(request.block_hashes))
+            start = self._saved_upto.get(sr.request_id, 0)
+            for i in range(start, full):
+                meta.saves.append((sr.block_ids[i], request.block_hashes[i]))
+            self._saved_upto[sr.request_id] = max(start, full)
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        self._saved_upto.pop(request.request_id, None)
+        return False, None  # saves are synchronous: nothing reads the blocks after the step
+
+    # ---------------------------------------------------------------- worker half
+
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        from kvstore.codec import BlockCodec
+        from kvstore.layout import BlockLayout
+
+        self._kv = kv_cache
+        self._codec = BlockCodec(self.context.namespace.namespace_id, BlockLayout.from_kv_cache(kv_cache))
+
+    def _block_bytes(self, block_id: int) -> memoryview:
+        """The engine's block ``block_id`` as a writable byte view (no copy): ``[L, 2, bs, H, D]`` raw."""
+        assert self._kv is not None, "register_kv_caches was not called"
+        import torch
+
+        return memoryview(self._kv[block_id].view(torch.uint8).numpy()).cast("B")  # type: ignore[no-any-return]
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        assert isinstance(metadata, SharedDirMetadata)
+        self._metadata = metadata
+        for block_id, block_hash in metadata.loads:
+            try:
+                data = self._file(block_hash).read_bytes()
+            except OSError as exc:
+                logger.warning("shared-dir: cannot read block %s: %s", block_hash.hex()[:16], exc)
+                self._load_errors.add(block_id)
+                continue
+            reason = self._codec.decode_into(block_hash, data, self._block_bytes(block_id))
+            if reason is not None:
+                logger.warning("shared-dir: block %s is a miss: %s", block_hash.hex()[:16], reason.value)
+                self._load_errors.add(block_id)
+
+    def wait_for_save(self) -> None:
+        meta, self._metadata = self._metadata, None
+        if meta is None:
+            return
+        for block_id, block_hash in meta.saves:
+            path = self._file(block_hash)
+            if path.exists():
+                continue  # content-addressed: the same hash is the same KV
+            try:
+                self._write_atomically(path, block_hash, self._block_bytes(block_id))
+            except OSError as exc:  # a full or read-only disk costs us the save, never the request
+                logger.warning("shared-dir: cannot save block %s: %s", block_hash.hex()[:16], exc)
+
+    def _write_atomically(self, path: Path, block_hash: bytes, payload: memoryview) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(self._codec.header_of(block_hash, payload))
+                f.write(payload)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
