@@ -67,7 +67,8 @@ class MultiConnector(KVConnectorBase):
         for i, spec in enumerate(specs):
             if not isinstance(spec, Mapping) or "name" not in spec:
                 raise ConnectorOptionsError(
-                    f"connector 'multi': connectors[{i}] must be a mapping with a 'name' (and optional 'options')"
+                    f"connector 'multi': connectors[{i}] must be a mapping with a 'name' "
+                    "(and optional 'options')"
                 )
             extra = sorted(set(spec) - {"name", "options"})
             if extra:
