@@ -1,0 +1,127 @@
+"""``EngineConfig``: every option of one engine, frozen and validated when constructed.
+
+The KV cache is sized either by ``num_blocks`` or by a byte budget (``kv_cache_bytes``), from which the
+number of blocks follows once the model's per-block size is known (``num_blocks_for``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from engine.config import QUEUE_POLICIES, CacheConfig, SchedulerConfig
+from engine.hashing import SUPPORTED_ALGOS
+
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of one engine.  ``model=None`` means the embedded default model (written on first use).
+
+    ``dtype="auto"``: float32 on the CPU; on CUDA the checkpoint's 16-bit dtype, else bfloat16.
+    ``device="auto"``: CUDA when present, else the CPU.
+    ``max_model_len``: the longest request (prompt + output); defaults to the model's
+    ``max_position_embeddings`` and may not exceed it.
+    """
+
+    model: str | Path | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+    hash_algo: str = "sha256"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        if not isinstance(self.device, str) or not (
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+        ):
+            raise ValueError(f"device {self.device!r} is not supported; use auto, cpu, cuda or cuda:N")
+        _positive_int("block_size", self.block_size)
+        if self.num_blocks is not None and self.kv_cache_bytes is not None:
+            raise ValueError("set num_blocks or kv_cache_bytes, not both")
+        if self.num_blocks is not None:
+            _positive_int("num_blocks", self.num_blocks)
+        if self.kv_cache_bytes is not None:
+            _positive_int("kv_cache_bytes", self.kv_cache_bytes)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        if self.policy not in QUEUE_POLICIES:
+            raise ValueError(f"policy {self.policy!r} is unknown; choose one of {', '.join(QUEUE_POLICIES)}")
+        if self.hash_algo not in SUPPORTED_ALGOS:
+            raise ValueError(
+                f"hash_algo {self.hash_algo!r} is not supported; choose one of {', '.join(SUPPORTED_ALGOS)}"
+            )
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        _ = self.scheduler_config  # validates the scheduling limits now, not at first use
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            policy=self.policy,
+        )
+
+    def cache_config(self, num_blocks: int) -> CacheConfig:
+        return CacheConfig(
+            block_size=self.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+    def num_blocks_for(self, bytes_per_block: int) -> int:
+        """``num_blocks`` if set, else as many blocks as the byte budget holds."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        budget = self.kv_cache_bytes if self.kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
+        blocks = budget // bytes_per_block
+        if blocks < 1:
+            raise ValueError(
+                f"kv_cache_bytes {budget} holds no block of {bytes_per_block} bytes; raise kv_cache_bytes"
+            )
+        return blocks
+
+    def torch_device(self) -> torch.device:
+        import torch
+
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} was requested but CUDA is not available")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+        import torch
+
+        if self.dtype != "auto":
+            return getattr(torch, self.dtype)  # type: ignore[no-any-return]
+        if device.type == "cpu":
+            return torch.float32
+        if checkpoint_dtype in ("float16", "bfloat16"):
+            return getattr(torch, checkpoint_dtype)  # type: ignore[no-any-return]
+        return torch.bfloat16
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

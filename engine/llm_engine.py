@@ -1,0 +1,247 @@
+"""The engine step loop a node drives: add requests, step, abort.
+
+    step():  schedule -> runner.execute -> scheduler.update_from_output -> output processor
+
+Bad input is refused at ``add_request`` with a ``ValueError`` naming the field, before the request
+touches any shared state, so one bad request never disturbs the others.  A request the scheduler gives
+up on (larger than the whole cache) comes back as a finished output with ``finish_reason="error"``.  If
+the forward pass itself fails, the requests of that step end with the error, the blocks they were writing
+leave the prefix cache (half-written KV is never served), and the engine keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.cpu_memory import tune_malloc_for_tensors
+from engine.engine_config import EngineConfig
+from engine.hashing import HashNamespace
+from engine.kv_cache import KVCacheSpec
+from engine.kv_cache_manager import cdiv
+from engine.model.loader import LoadedModel, inspect_model_folder, load_model
+from engine.model.make_model import ensure_default_model
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.runner import ModelRunner
+from engine.runner_hooks import KVHooks
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The scheduler's counters plus the engine's own.  Prompt-token sources come from the scheduler,
+    which records them when a request is first admitted."""
+
+    scheduler: SchedulerStats
+    num_steps: int
+    num_requests_added: int
+    num_requests_finished: int
+    num_generated_tokens: int
+
+    @property
+    def num_prompt_tokens_cached(self) -> int:
+        """Prompt tokens served from the local prefix cache."""
+        return self.scheduler.prompt_tokens_local
+
+    @property
+    def num_prompt_tokens_computed(self) -> int:
+        return self.scheduler.prompt_tokens_computed
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, kv_hooks: KVHooks | None = None) -> None:
+        self.config = config
+        device = config.torch_device()
+        if device.type == "cpu":
+            tune_malloc_for_tensors()  # see engine/cpu_memory.py: stops per-op page faults
+        model_path = config.model if config.model is not None else ensure_default_model()
+        folder = inspect_model_folder(model_path)  # refuses a bad folder before any weight is read
+        dtype = config.torch_dtype(device, folder.config.checkpoint_dtype)
+        self.model: LoadedModel = load_model(folder, dtype=dtype, device=device)
+        model_config = self.model.config
+        self.max_model_len = self._max_model_len(config, model_config.max_position_embeddings)
+        self.eos_token_ids = model_config.eos_token_ids
+        self.tokenizer = Tokenizer.from_folder(
+            folder.path,
+            vocab_size=model_config.vocab_size,
+            bos_token_id=model_config.bos_token_id,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+        )
+        self.namespace = HashNamespace(
+            model_fingerprint=self.model.fingerprint, block_size=config.block_size, algo=config.hash_algo
+        )
+        probe = KVCacheSpec.for_model(model_config, num_blocks=1, block_size=config.block_size, dtype=dtype)
+        self.kv_spec = dataclasses.replace(probe, num_blocks=config.num_blocks_for(probe.bytes_per_block))
+        self.scheduler = Scheduler(
+            config.scheduler_config,
+            config.cache_config(self.kv_spec.num_blocks),
+            max_model_len=self.max_model_len,
+        )
+        self.runner = ModelRunner(
+            self.model.model, self.kv_spec, device=device, sampler=Sampler(config.seed), hooks=kv_hooks
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._num_steps = 0
+        self._num_added = 0
+        self._num_finished = 0
+        self._generated_tokens = 0
+
+    @staticmethod
+    def _max_model_len(config: EngineConfig, max_positions: int) -> int:
+        if config.max_model_len is None:
+            return max_positions
+        if config.max_model_len > max_positions:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
+                f"{max_positions}"
+            )
+        return config.max_model_len
+
+    # -- requests in --------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> Request:
+        """Validate and queue one request.  Raises ValueError (naming the field) for bad input."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if self.scheduler.get_request(request_id) is not None or request_id in self.output_processor:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        token_ids = self._prompt_token_ids(prompt)
+        if not params.ignore_eos and len(self.eos_token_ids) > 1:
+            # The request tracks one EOS id; the model's other EOS ids stop it as stop tokens.
+            extra = tuple(t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids)
+            params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
+        request = Request(
+            request_id,
+            token_ids,
+            params,
+            namespace=self.namespace,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            cache_salt=cache_salt,
+            priority=priority,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            kv_transfer_params=kv_transfer_params,
+        )
+        self.scheduler.add_request(request)
+        self.output_processor.add_request(request)
+        self._num_added += 1
+        return request
+
+    def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty: it has no tokens")
+        vocab = self.model.config.vocab_size
+        for i, t in enumerate(token_ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token id {t!r} at index {i} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, more than max_model_len {self.max_model_len} "
+                "(the model's context, max_position_embeddings)"
+            )
+        blocks_needed = cdiv(len(token_ids) + 1, self.kv_spec.block_size)
+        if blocks_needed > self.kv_spec.num_blocks:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, needing {blocks_needed} KV blocks; the cache has only "
+                f"num_blocks {self.kv_spec.num_blocks}"
+            )
+        return token_ids
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort in any state.  Returns the request's final output, or None if it is unknown/finished."""
+        if self.scheduler.abort_request(request_id) is None:
+            return None
+        self._num_finished += 1
+        return self.output_processor.finish(request_id, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash (benchmarks, tests).  Refused (False) while any block is in use."""
+        return self.scheduler.kv.reset_prefix_cache()
+
+    # -- one step -----------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns an output for every request that advanced or finished."""
+        step = self.scheduler.schedule()
+        self._num_steps += 1
+        outputs: list[RequestOutput] = []
+        for rid in step.errored_request_ids:
+            request = self.output_processor.request(rid)
+            error = request.error if request is not None else None
+            self._append_finish(outputs, rid, "error", error)
+        if step.is_empty:
+            return outputs
+        try:
+            result = self.runner.execute(step)
+        except Exception as exc:
+            logger.exception("model step failed; failing the requests it scheduled")
+            self._fail_step(outputs, step, f"model step failed: {exc!r}")
+            return outputs
+        core = self.scheduler.update_from_output(step, result)
+        for out in self.output_processor.process(core.updates, self.scheduler):
+            self._generated_tokens += len(out.new_token_ids)
+            if out.finished:
+                self._num_finished += 1
+            outputs.append(out)
+        return outputs
+
+    def _append_finish(self, outputs: list[RequestOutput], rid: str, reason: str, error: str | None) -> None:
+        out = self.output_processor.finish(rid, reason, error=error)
+        if out is not None:
+            self._num_finished += 1
+            outputs.append(out)
+
+    def _fail_step(self, outputs: list[RequestOutput], step: SchedulerOutput, error: str) -> None:
+        """End every request of a failed forward pass with ``error``; the other requests carry on."""
+        bs = self.kv_spec.block_size
+        for sr in step.scheduled:
+            request = self.scheduler.get_request(sr.request_id)
+            if request is not None:
+                # The blocks this chunk was writing may hold half-written KV: no later request may hit them.
+                self.scheduler.kv.uncache_from(request, sr.start_position // bs)
+        for sr in step.scheduled:
+            self.scheduler.finish_request(sr.request_id, RequestStatus.FINISHED_ERROR, error=error)
+            self._append_finish(outputs, sr.request_id, "error", error)
+
+    # -- observability ------------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            scheduler=self.scheduler.stats(),
+            num_steps=self._num_steps,
+            num_requests_added=self._num_added,
+            num_requests_finished=self._num_finished,
+            num_generated_tokens=self._generated_tokens,
+        )

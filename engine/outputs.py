@@ -1,0 +1,56 @@
+"""What the engine hands back: a per-step delta for streaming, and the finished result for offline use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One request's progress in one ``LLMEngine.step``: what is new since the previous output.
+
+    ``new_text`` never ends inside a UTF-8 character, and while a stop string could still be completing
+    it holds back the characters that might belong to it.  When ``finished``, ``finish_reason`` is
+    "stop" (EOS, a stop token id or a stop string; ``stop_reason`` says which), "length", "abort" or
+    "error" (``error`` says why).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[float]
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    # Prompt tokens served from the local prefix cache (known once the request was first scheduled).
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class GenerationOutput:
+    """One finished request of ``LLM.generate``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[float] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    # Seconds from submission to the first output token (None if none was produced).
+    time_to_first_token: float | None = None
+
+    def add(self, delta: RequestOutput) -> None:
+        self.token_ids.extend(delta.new_token_ids)
+        self.text += delta.new_text
+        if self.logprobs is not None:
+            self.logprobs.extend(delta.new_logprobs)
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+            self.error = delta.error

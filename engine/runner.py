@@ -1,0 +1,144 @@
+"""The model runner: one ``SchedulerOutput`` in, one sampled token per finishing chunk out.
+
+    execute(step):
+        inputs = prepare(step)          flat ragged batch: ids, positions, slots, attention metadata
+        hooks.handle_preemptions(meta); hooks.start_load_kv(meta)
+        hidden = model(inputs)          per layer: wait_for_layer_load, write KV, attend, save_kv_layer
+        hooks.wait_for_save()
+        tokens = sampler(logits of the rows that sample)
+
+The runner keeps no per-request state: everything it needs (tokens, positions, block tables) comes with
+each step, so preemption, prefix hits and chunked prefill need no bookkeeping here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import DECODE_GROUP_SIZE, AttentionMetadata, DecodeBatch, GatherWorkspace, PrefillChunk
+from engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from engine.kv_cache_manager import cdiv
+from engine.model.llama import ForwardContext, LlamaForCausalLM
+from engine.runner_hooks import KVHooks, NoKVHooks
+from engine.sampler import Sampler, SamplingRow
+from engine.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """The device tensors of one step and which rows sample."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn: AttentionMetadata
+    sample_rows: torch.Tensor  # [R] int64: flat row of each sampling request's last token
+    sampling: list[ScheduledRequest]  # the R requests that sample, in sample_rows order
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_spec: KVCacheSpec,
+        *,
+        device: torch.device,
+        sampler: Sampler,
+        hooks: KVHooks | None = None,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.kv_spec = kv_spec
+        self.block_size = kv_spec.block_size
+        self.kv_cache = allocate_kv_cache(kv_spec, device)  # see engine/kv_cache.py for the layout
+        self.sampler = sampler
+        self.hooks: KVHooks = hooks if hooks is not None else NoKVHooks()
+        self.hooks.register_kv_caches(self.kv_cache)
+        self.workspace = GatherWorkspace()
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        if step.is_empty:
+            return ModelRunnerOutput()
+        inputs = self.prepare(step.scheduled)
+        ctx = ForwardContext(self.kv_cache, inputs.attn, self.hooks, self.workspace)
+        self.hooks.handle_preemptions(step.kv_connector_metadata)
+        self.hooks.start_load_kv(step.kv_connector_metadata)
+        hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, hidden]
+        self.hooks.wait_for_save()
+        out = ModelRunnerOutput()
+        if not inputs.sampling:
+            return out
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [R, vocab] float32
+        rows = [SamplingRow(sr.sampling_params, sr.output_index) for sr in inputs.sampling]
+        sampled = self.sampler(logits, rows)
+        for sr, token, logprob in zip(inputs.sampling, sampled.token_ids, sampled.logprobs, strict=True):
+            out.sampled_token_ids[sr.request_id] = token
+            if logprob is not None:
+                out.logprobs[sr.request_id] = logprob
+        return out
+
+    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> StepInputs:
+        """Lay the step out as one flat batch, single-token queries first (see engine/attention.py)."""
+        bs = self.block_size
+        decodes = sorted((sr for sr in scheduled if sr.num_tokens == 1), key=lambda sr: sr.start_position)
+        prefills = [sr for sr in scheduled if sr.num_tokens > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        sample_rows: list[int] = []
+        sampling: list[ScheduledRequest] = []
+
+        for row, sr in enumerate(decodes):
+            p = sr.start_position
+            ids.append(sr.token_ids[0])
+            positions.append(p)
+            slot_blocks.append(sr.block_ids[p // bs])
+            if sr.sample:
+                sample_rows.append(row)
+                sampling.append(sr)
+        decode_groups = [
+            self._decode_batch(i, decodes[i : i + DECODE_GROUP_SIZE], positions[i : i + DECODE_GROUP_SIZE])
+            for i in range(0, len(decodes), DECODE_GROUP_SIZE)
+        ]
+
+        chunks: list[PrefillChunk] = []
+        for sr in prefills:
+            row_start, start, n = len(ids), sr.start_position, sr.num_tokens
+            span = range(start, start + n)
+            ids.extend(sr.token_ids)
+            positions.extend(span)
+            table = sr.block_ids
+            slot_blocks.extend(table[p // bs] for p in span)
+            num_blocks = cdiv(start + n, bs)
+            chunks.append(PrefillChunk(row_start, n, start, self._tensor(table[:num_blocks])))
+            if sr.sample:
+                sample_rows.append(row_start + n - 1)
+                sampling.append(sr)
+
+        pos = self._tensor(positions)
+        attn = AttentionMetadata(
+            slot_blocks=self._tensor(slot_blocks),
+            slot_offsets=pos % bs,
+            decodes=decode_groups,
+            prefills=chunks,
+        )
+        return StepInputs(self._tensor(ids), pos, attn, self._tensor(sample_rows), sampling)
+
+    def _decode_batch(
+        self, row_start: int, decodes: Sequence[ScheduledRequest], positions: list[int]
+    ) -> DecodeBatch:
+        bs = self.block_size
+        max_blocks = max(p // bs + 1 for p in positions)
+        table: list[int] = []
+        for sr, p in zip(decodes, positions, strict=True):
+            used = p // bs + 1
+            table.extend(sr.block_ids[:used])
+            table.extend([0] * (max_blocks - used))  # padding: block 0, masked out by position
+        block_table = self._tensor(table).view(len(decodes), max_blocks)  # [B, max_blocks]
+        return DecodeBatch(row_start, len(decodes), block_table, self._tensor(positions), bs)
+
+    def _tensor(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -1,0 +1,111 @@
+"""Turn each sampling row's logits into one token: greedy, or temperature / top-k / top-p / min-p.
+
+Filters apply in this order on ``logits / temperature``: top-k, then top-p over what top-k kept (both on
+one descending sort), then min-p on the resulting probabilities.  The draw is an exponential race,
+``argmax(p_i / E_i)`` with ``E_i ~ Exp(1)``, which picks token ``i`` with probability ``p_i``.
+
+Reproducibility: a request with a ``seed`` draws its noise from a generator seeded with
+``mix(seed, output_index)``, so its n-th token depends only on its own logits, its seed and n -- never on
+which other requests share the batch, nor on whether it was preempted and recomputed.  The noise is made
+on the CPU so a seed means the same thing on every device.  Unseeded requests share the engine's
+generator.
+
+Logprobs are ``log_softmax`` of the raw (untempered, unfiltered) logits at the chosen token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, index: int) -> int:
+    """A well-spread 63-bit seed from (request seed, output index): splitmix64 over both."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """One request to sample for: its parameters and which output token (0-based) this is."""
+
+    params: SamplingParams
+    output_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float | None]  # None where the request did not ask for logprobs
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self._generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """``logits`` [R, V] float32, one row per entry of ``rows``."""
+        assert logits.shape[0] == len(rows), "one logits row per sampling row"
+        chosen = logits.argmax(dim=-1)  # [R]: greedy rows are done
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            idx = torch.tensor(sampled, device=logits.device)
+            chosen[idx] = self._sample(logits[idx], [rows[i] for i in sampled])
+        want_lp = [i for i, r in enumerate(rows) if r.params.logprobs]
+        logprobs: list[float | None] = [None] * len(rows)
+        if want_lp:
+            idx = torch.tensor(want_lp, device=logits.device)
+            lp = logits[idx].log_softmax(dim=-1).gather(1, chosen[idx, None])[:, 0]  # [n]
+            for i, value in zip(want_lp, lp.tolist(), strict=True):
+                logprobs[i] = value
+        return SamplerOutput(chosen.tolist(), logprobs)
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Sample one token per row of ``logits`` [n, V]; returns [n] int64."""
+        device = logits.device
+        vocab = logits.shape[1]
+        params = [r.params for r in rows]
+        temperature = torch.tensor([p.temperature for p in params], device=device)
+        x = logits / temperature[:, None]  # [n, V]
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            x = self._top_k_top_p(x, params)
+        probs = x.softmax(dim=-1)  # [n, V]
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device)
+            floor = min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [n, 1]
+            probs = probs.masked_fill(probs < floor, 0.0)
+        noise = torch.stack([self._exponential(r, vocab) for r in rows]).to(device)  # [n, V]
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _top_k_top_p(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        device = x.device
+        vocab = x.shape[1]
+        sorted_x, order = x.sort(dim=-1, descending=True)  # [n, V] each
+        ranks = torch.arange(vocab, device=device)[None, :]  # [1, V]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        drop = ranks >= top_k[:, None]  # [n, V], in sorted order
+        sorted_probs = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device)
+        # Drop a token once the tokens ranked above it already hold top_p of the mass (the first stays).
+        drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) > top_p[:, None]
+        drop_unsorted = torch.empty_like(drop).scatter_(1, order, drop)  # back to vocabulary order
+        return x.masked_fill(drop_unsorted, float("-inf"))
+
+    def _exponential(self, row: SamplingRow, vocab: int) -> torch.Tensor:
+        seed = row.params.seed
+        if seed is None:
+            generator = self._generator
+        else:
+            generator = torch.Generator().manual_seed(mix_seed(seed, row.output_index))
+        noise = torch.empty(vocab).exponential_(generator=generator)  # [V] float32 on the CPU
+        # A draw of exactly 0 would turn a zero-probability token into 0/0 = NaN, which argmax picks.
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)

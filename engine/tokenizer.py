@@ -1,0 +1,146 @@
+"""Text <-> token ids, and incremental detokenization of a growing output.
+
+A model folder's ``tokenizer.json`` is loaded with the ``tokenizers`` library.  A folder without one gets
+a byte-level fallback (token ``b`` is byte ``b`` for ``b < 256``; bos/eos from ``config.json`` are special
+tokens; every other id decodes to nothing), so a bare checkpoint still runs end to end.  The same builder
+writes the embedded default model's tokenizer (``engine/model/make_model.py``).
+
+Detokenization streams through ``tokenizers.decoders.DecodeStream``: it emits text only once the bytes
+of a character are complete, so a delta never ends in half a UTF-8 sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+NUM_BYTES = 256
+BOS_TEXT = "<bos>"
+EOS_TEXT = "<eos>"
+
+
+@lru_cache(maxsize=1)
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (what ByteLevel BPE vocabularies use)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = printable[:]
+    extra = 0
+    for b in range(NUM_BYTES):
+        if b not in printable:
+            printable.append(b)
+            chars.append(NUM_BYTES + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+def build_byte_level_tokenizer(
+    *,
+    vocab_size: int,
+    merges: Sequence[tuple[str, str]] = (),
+    bos_token_id: int | None,
+    eos_token_id: int | None,
+) -> HFTokenizer:
+    """A byte-level BPE tokenizer whose ids cover ``[0, vocab_size)`` exactly.
+
+    Layout: ids 0..255 are the bytes in byte order, then one token per merge (in merge order), and every
+    id left over is a special token: ``<bos>``/``<eos>`` at their ids, ``<|reserved_i|>`` elsewhere.  BOS,
+    when it is a special token, is prepended on encode.
+    """
+    b2u = byte_to_unicode()
+    vocab = {b2u[b]: b for b in range(NUM_BYTES)}
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    if len(vocab) > vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} is too small for 256 bytes and {len(merges)} merges")
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=list(merges)))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    specials = []
+    for i in range(len(vocab), vocab_size):
+        name = BOS_TEXT if i == bos_token_id else EOS_TEXT if i == eos_token_id else f"<|reserved_{i}|>"
+        specials.append(AddedToken(name, special=True, normalized=False))
+    tok.add_special_tokens(specials)
+    if bos_token_id is not None and bos_token_id >= len(vocab):
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS_TEXT} $A", pair=f"{BOS_TEXT} $A $B", special_tokens=[(BOS_TEXT, bos_token_id)]
+        )
+    return tok
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` plus the special ids the engine needs."""
+
+    def __init__(
+        self, tokenizer: HFTokenizer, *, bos_token_id: int | None, eos_token_id: int | None, source: str
+    ) -> None:
+        self._tok = tokenizer
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.source = source
+
+    @classmethod
+    def from_folder(
+        cls, folder: str | Path, *, vocab_size: int, bos_token_id: int | None, eos_token_id: int | None
+    ) -> Tokenizer:
+        """``folder/tokenizer.json`` if present, else the byte-level fallback sized to ``vocab_size``."""
+        path = Path(folder) / "tokenizer.json"
+        if path.is_file():
+            try:
+                tok = HFTokenizer.from_file(str(path))
+            except Exception as exc:  # the library raises a bare Exception on malformed files
+                raise ValueError(f"{path}: not a valid tokenizers file ({exc})") from exc
+            return cls(tok, bos_token_id=bos_token_id, eos_token_id=eos_token_id, source=str(path))
+        if vocab_size < NUM_BYTES:
+            raise ValueError(
+                f"model folder {str(folder)!r} has no tokenizer.json and its vocab_size {vocab_size} is too "
+                "small for the byte-level fallback (needs >= 256); pass token ids or add a tokenizer.json"
+            )
+        tok = build_byte_level_tokenizer(
+            vocab_size=vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id
+        )
+        return cls(tok, bos_token_id=bos_token_id, eos_token_id=eos_token_id, source="byte-level fallback")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def stream(self, *, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self._tok, skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output tokens into text, one token at a time."""
+
+    def __init__(self, tokenizer: HFTokenizer, *, skip_special_tokens: bool) -> None:
+        self._tok = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._token_ids: list[int] = []
+        self._num_chars = 0
+
+    def push(self, token_id: int) -> str:
+        """The text ``token_id`` completes; '' while a character's bytes are still incomplete."""
+        self._token_ids.append(token_id)
+        text = self._stream.step(self._tok, token_id) or ""
+        self._num_chars += len(text)
+        return text
+
+    def flush(self) -> str:
+        """At the end of the output: whatever is still held back (incomplete bytes decode to U+FFFD)."""
+        full = self._tok.decode(self._token_ids, skip_special_tokens=self._skip_special_tokens)
+        return full[self._num_chars :] if len(full) > self._num_chars else ""
