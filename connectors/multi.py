@@ -56,7 +56,7 @@ class MultiConnector(KVConnectorBase):
         self, role: KVConnectorRole, context: ConnectorContext, options: Mapping[str, Any] | None = None
     ) -> None:
         super().__init__(role, context, options)
-        from connectors.registry import KVConnectorConfig, create
+        from connectors.registry import KVConnectorConfig, create_connector
 
         specs = list(self.options.connectors)
         if not specs:
@@ -76,7 +76,7 @@ class MultiConnector(KVConnectorBase):
                     f"connector 'multi': connectors[{i}] has unknown key {extra[0]!r}"
                 )
             cfg = KVConnectorConfig(name=spec["name"], options=spec.get("options") or {})
-            self.children.append(create(cfg, role, context))
+            self.children.append(create_connector(cfg, role, context))
         # Scheduler half: which child loads each request; which children delayed each free.
         self._loader: dict[RequestId, int] = {}
         self._delayed_by: dict[RequestId, set[int]] = {}

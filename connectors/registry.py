@@ -85,5 +85,7 @@ def resolve(name_or_path: str) -> type[KVConnectorBase]:
     return _import_target(target)
 
 
-def create(config: KVConnectorConfig, role: KVConnectorRole, context: ConnectorContext) -> KVConnectorBase:
+def create_connector(
+    config: KVConnectorConfig, role: KVConnectorRole, context: ConnectorContext
+) -> KVConnectorBase:
     return resolve(config.name)(role, context, config.options)

@@ -147,7 +147,7 @@ class SharedDirConnector(KVConnectorBase):
         assert self._kv is not None, "register_kv_caches was not called"
         import torch
 
-        return memoryview(self._kv[block_id].view(torch.uint8).numpy()).cast("B")  # type: ignore[no-any-return]
+        return memoryview(self._kv[block_id].view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         assert isinstance(metadata, SharedDirMetadata)

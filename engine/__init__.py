@@ -11,8 +11,16 @@ from engine.hashing import BlockHash, HashNamespace, hash_blocks
 from engine.request import Request, RequestId, RequestStatus
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "BlockHash", "HashNamespace", "Request", "RequestId", "RequestStatus", "SamplingParams",
-           "hash_blocks"]
+__all__ = [
+    "LLM",
+    "BlockHash",
+    "HashNamespace",
+    "Request",
+    "RequestId",
+    "RequestStatus",
+    "SamplingParams",
+    "hash_blocks",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from connectors.registry import KVConnectorConfig
 from engine.config import QUEUE_POLICIES, CacheConfig, SchedulerConfig
 from engine.hashing import SUPPORTED_ALGOS
 
@@ -45,6 +46,12 @@ class EngineConfig:
     policy: str = "fcfs"
     hash_algo: str = "sha256"
     seed: int = 0
+    # The KV connector (name or "pkg.module:Class", and its options); None runs the no-op connector.
+    kv_connector: KVConnectorConfig | None = None
+    kv_load_failure_policy: str = "recompute"
+    kv_delay_free_timeout_s: float = 120.0
+    # Names this engine to its peers (p2p transfer parameters, store events).
+    engine_id: str = "engine-0"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -68,6 +75,10 @@ class EngineConfig:
             raise ValueError(
                 f"hash_algo {self.hash_algo!r} is not supported; choose one of {', '.join(SUPPORTED_ALGOS)}"
             )
+        if self.kv_connector is not None and not isinstance(self.kv_connector, KVConnectorConfig):
+            raise ValueError("kv_connector must be a KVConnectorConfig(name=..., options={...})")
+        if not isinstance(self.engine_id, str) or not self.engine_id:
+            raise ValueError("engine_id must be a non-empty string")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         _ = self.scheduler_config  # validates the scheduling limits now, not at first use
@@ -80,6 +91,8 @@ class EngineConfig:
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             policy=self.policy,
+            kv_load_failure_policy=self.kv_load_failure_policy,
+            kv_delay_free_timeout_s=self.kv_delay_free_timeout_s,
         )
 
     def cache_config(self, num_blocks: int) -> CacheConfig:

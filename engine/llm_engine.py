@@ -18,18 +18,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole
+from connectors.registry import KVConnectorConfig, create_connector
 from engine.cpu_memory import tune_malloc_for_tensors
 from engine.engine_config import EngineConfig
 from engine.hashing import HashNamespace
 from engine.kv_cache import KVCacheSpec
 from engine.kv_cache_manager import cdiv
+from engine.kv_events import KVCacheEvent
 from engine.model.loader import LoadedModel, inspect_model_folder, load_model
 from engine.model.make_model import ensure_default_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
-from engine.runner_hooks import KVHooks
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
@@ -60,7 +62,14 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, kv_hooks: KVHooks | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        connectors: tuple[KVConnectorBase, KVConnectorBase] | None = None,
+    ) -> None:
+        """``connectors`` (scheduler half, worker half) overrides ``config.kv_connector``: tests and the
+        conformance kit pass instances they can watch."""
         self.config = config
         device = config.torch_device()
         if device.type == "cpu":
@@ -83,13 +92,26 @@ class LLMEngine:
         )
         probe = KVCacheSpec.for_model(model_config, num_blocks=1, block_size=config.block_size, dtype=dtype)
         self.kv_spec = dataclasses.replace(probe, num_blocks=config.num_blocks_for(probe.bytes_per_block))
+        if connectors is None:
+            context = ConnectorContext(self.namespace, self.kv_spec, engine_id=config.engine_id)
+            cfg = config.kv_connector or KVConnectorConfig()
+            connectors = (
+                create_connector(cfg, KVConnectorRole.SCHEDULER, context),
+                create_connector(cfg, KVConnectorRole.WORKER, context),
+            )
+        self.scheduler_connector, self.worker_connector = connectors
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config(self.kv_spec.num_blocks),
             max_model_len=self.max_model_len,
+            connector=self.scheduler_connector,
         )
         self.runner = ModelRunner(
-            self.model.model, self.kv_spec, device=device, sampler=Sampler(config.seed), hooks=kv_hooks
+            self.model.model,
+            self.kv_spec,
+            device=device,
+            sampler=Sampler(config.seed),
+            connector=self.worker_connector,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._num_steps = 0
@@ -186,6 +208,19 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_pending_work(self) -> bool:
+        """Unfinished requests, or finished ones whose blocks a connector still holds for a reader."""
+        return self.scheduler.has_pending_work()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The local prefix cache's events followed by the connector's own (its store tiers)."""
+        return self.scheduler.kv.take_events() + self.scheduler_connector.take_events()
+
+    def shutdown(self) -> None:
+        """Stop the connector halves (threads, sockets, files).  The engine is unusable afterwards."""
+        self.worker_connector.shutdown()
+        self.scheduler_connector.shutdown()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash (benchmarks, tests).  Refused (False) while any block is in use."""
         return self.scheduler.kv.reset_prefix_cache()
@@ -201,9 +236,8 @@ class LLMEngine:
             request = self.output_processor.request(rid)
             error = request.error if request is not None else None
             self._append_finish(outputs, rid, "error", error)
-        if step.is_empty:
-            return outputs
         try:
+            # Runs even for an empty step: the connector's async loads and sends report through it.
             result = self.runner.execute(step)
         except Exception as exc:
             logger.exception("model step failed; failing the requests it scheduled")

@@ -128,6 +128,8 @@ class OutputProcessor:
             error=error,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(0, request.num_cached_tokens),
+            num_external_tokens=request.num_external_computed_tokens,
+            kv_transfer_params=request.finished_kv_transfer_params if finished else None,
         )
 
     def finish(self, request_id: str, reason: str, *, error: str | None = None) -> RequestOutput | None:

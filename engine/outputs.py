@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,14 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     # Prompt tokens served from the local prefix cache (known once the request was first scheduled).
     num_cached_tokens: int = 0
+    # Prompt tokens loaded by the KV connector (a store, another node) instead of computed.
+    num_external_tokens: int = 0
+    # What the connector returned when the request finished (e.g. where a prefill node holds its KV).
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @property
+    def num_computed_prompt_tokens(self) -> int:
+        return max(0, self.num_prompt_tokens - self.num_cached_tokens - self.num_external_tokens)
 
 
 @dataclass(slots=True)
@@ -40,6 +49,9 @@ class GenerationOutput:
     stop_reason: int | str | None = None
     logprobs: list[float] | None = None
     num_cached_tokens: int = 0
+    num_external_tokens: int = 0
+    num_computed_prompt_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
     # Seconds from submission to the first output token (None if none was produced).
     time_to_first_token: float | None = None
@@ -50,7 +62,10 @@ class GenerationOutput:
         if self.logprobs is not None:
             self.logprobs.extend(delta.new_logprobs)
         self.num_cached_tokens = delta.num_cached_tokens
+        self.num_external_tokens = delta.num_external_tokens
+        self.num_computed_prompt_tokens = delta.num_computed_prompt_tokens
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason
             self.error = delta.error
+            self.kv_transfer_params = delta.kv_transfer_params

@@ -71,6 +71,7 @@ class Request:
         "cache_salt",
         "eos_token_id",
         "error",
+        "finished_kv_transfer_params",
         "kv_transfer_params",
         "lora_name",
         "num_cached_tokens",
@@ -113,7 +114,10 @@ class Request:
         self.lora_name = lora_name
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # Transfer parameters this request arrived with (e.g. where a decode node pulls its prompt KV) ...
         self.kv_transfer_params = kv_transfer_params
+        # ... and those its connector returned when it finished (e.g. where the prefill node holds them).
+        self.finished_kv_transfer_params: dict[str, Any] | None = None
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None

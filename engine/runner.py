@@ -1,11 +1,14 @@
 """The model runner: one ``SchedulerOutput`` in, one sampled token per finishing chunk out.
 
     execute(step):
+        connector.handle_preemptions(meta); connector.start_load_kv(meta)
         inputs = prepare(step)          flat ragged batch: ids, positions, slots, attention metadata
-        hooks.handle_preemptions(meta); hooks.start_load_kv(meta)
         hidden = model(inputs)          per layer: wait_for_layer_load, write KV, attend, save_kv_layer
-        hooks.wait_for_save()
+        connector.wait_for_save(); connector.get_finished(...); get_block_ids_with_load_errors()
         tokens = sampler(logits of the rows that sample)
+
+``connector`` is the worker half of the KV connector (``connectors/base.py``): a ``NullConnector`` when
+none is configured, so this loop never asks whether one exists.
 
 The runner keeps no per-request state: everything it needs (tokens, positions, block tables) comes with
 each step, so preemption, prefix hits and chunked prefill need no bookkeeping here.
@@ -18,11 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
+from connectors.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
+from connectors.null import NullConnector
 from engine.attention import DECODE_GROUP_SIZE, AttentionMetadata, DecodeBatch, GatherWorkspace, PrefillChunk
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from engine.kv_cache_manager import cdiv
 from engine.model.llama import ForwardContext, LlamaForCausalLM
-from engine.runner_hooks import KVHooks, NoKVHooks
 from engine.sampler import Sampler, SamplingRow
 from engine.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -46,7 +50,7 @@ class ModelRunner:
         *,
         device: torch.device,
         sampler: Sampler,
-        hooks: KVHooks | None = None,
+        connector: KVConnectorBase | None = None,
     ) -> None:
         self.model = model
         self.device = device
@@ -54,21 +58,27 @@ class ModelRunner:
         self.block_size = kv_spec.block_size
         self.kv_cache = allocate_kv_cache(kv_spec, device)  # see engine/kv_cache.py for the layout
         self.sampler = sampler
-        self.hooks: KVHooks = hooks if hooks is not None else NoKVHooks()
-        self.hooks.register_kv_caches(self.kv_cache)
+        # The worker half of the KV connector; a NullConnector when none is configured (invariant 9).
+        self.connector = connector if connector is not None else NullConnector(KVConnectorRole.WORKER)
+        self.connector.register_kv_caches(self.kv_cache)
         self.workspace = GatherWorkspace()
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        if step.is_empty:
-            return ModelRunnerOutput()
-        inputs = self.prepare(step.scheduled)
-        ctx = ForwardContext(self.kv_cache, inputs.attn, self.hooks, self.workspace)
-        self.hooks.handle_preemptions(step.kv_connector_metadata)
-        self.hooks.start_load_kv(step.kv_connector_metadata)
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, hidden]
-        self.hooks.wait_for_save()
+        """One step.  The connector is driven even when nothing is computed: async loads and sends
+        started in earlier steps finish, and their completion must be reported."""
+        connector = self.connector
+        meta = step.kv_connector_metadata
+        connector.handle_preemptions(meta)  # before this forward can overwrite preempted blocks
+        connector.start_load_kv(meta)
         out = ModelRunnerOutput()
+        if step.is_empty:
+            self._finish_connector_step(step, out)
+            return out
+        inputs = self.prepare(step.scheduled)
+        ctx = ForwardContext(self.kv_cache, inputs.attn, connector, self.workspace)
+        hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, hidden]
+        self._finish_connector_step(step, out)
         if not inputs.sampling:
             return out
         logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [R, vocab] float32
@@ -79,6 +89,16 @@ class ModelRunner:
             if logprob is not None:
                 out.logprobs[sr.request_id] = logprob
         return out
+
+    def _finish_connector_step(self, step: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        connector = self.connector
+        connector.wait_for_save()
+        sending, recving = connector.get_finished(step.finished_request_ids)
+        invalid = connector.get_block_ids_with_load_errors()
+        if sending or recving or invalid:
+            out.kv_connector_output = KVConnectorOutput(
+                finished_sending=sending, finished_recving=recving, invalid_block_ids=invalid
+            )
 
     def prepare(self, scheduled: Sequence[ScheduledRequest]) -> StepInputs:
         """Lay the step out as one flat batch, single-token queries first (see engine/attention.py)."""

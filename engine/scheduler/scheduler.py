@@ -372,7 +372,7 @@ class Scheduler:
             self.running.remove(request)
         request.set_status(status)
         delay_free, params = self.connector.request_finished(request, self.kv.get_block_ids(rid))
-        request.kv_transfer_params = params
+        request.finished_kv_transfer_params = params
         if delay_free and rid in self.kv.req_to_blocks:
             self.held[rid] = (request, self.clock() + self.config.kv_delay_free_timeout_s)
         else:
