@@ -56,7 +56,9 @@ def steady_state_step_us(quick: bool) -> tuple[float, int]:
         SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256),
         CacheConfig(block_size=BLOCK_SIZE, num_blocks=256 * 48),
     )
-    stream = make_stream(2000, groups=16, prefix_len=256, tail=(32, 256), max_tokens=(64, 256), seed=1)
+    stream = make_stream(
+        1000 if quick else 4000, groups=16, prefix_len=256, tail=(32, 256), max_tokens=(64, 256), seed=1
+    )
     arrivals = iter(stream)
     # Fill up: 256 running requests before measuring.
     for _ in range(300):
