@@ -23,8 +23,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def best_of(fn: Callable[[], Any], *, repeat: int, warmup: int = 1) -> float:
-    """Minimum wall time of ``fn`` over ``repeat`` runs (seconds): the least noisy estimate on 2 cores."""
+def timings(fn: Callable[[], Any], *, repeat: int, warmup: int = 1) -> list[float]:
+    """Wall times of ``repeat`` calls of ``fn`` (seconds), after ``warmup`` untimed calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -32,18 +32,16 @@ def best_of(fn: Callable[[], Any], *, repeat: int, warmup: int = 1) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return times
+
+
+def best_of(fn: Callable[[], Any], *, repeat: int, warmup: int = 1) -> float:
+    """Minimum wall time of ``fn`` over ``repeat`` runs: the least noisy estimate on 2 cores."""
+    return min(timings(fn, repeat=repeat, warmup=warmup))
 
 
 def median_of(fn: Callable[[], Any], *, repeat: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(timings(fn, repeat=repeat, warmup=warmup))
 
 
 @dataclass
