@@ -1,0 +1,37 @@
+"""The command line of the store server, shared by ``pdkv kvstore serve`` and ``python -m kvstore.server``.
+
+Only argument definitions live here, so building the ``pdkv`` parser imports neither ZeroMQ nor a tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kvstore.protocol import Limits
+
+DEFAULT_BIND = "tcp://127.0.0.1:7600"
+READY_PREFIX = "pdkv kvstore: serving on "
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-store",
+        required=True,
+        metavar="SPEC",
+        help="tiers to hold, e.g. cpu:8GiB,disk:/var/cache/pdkv:256GiB (or @file.toml)",
+    )
+    parser.add_argument(
+        "--bind",
+        default=DEFAULT_BIND,
+        help=f"ZeroMQ endpoint to serve on (default {DEFAULT_BIND}; port 0 picks one)",
+    )
+    parser.add_argument(
+        "--max-blocks", type=int, default=Limits.max_blocks, help="most blocks in one request"
+    )
+    parser.add_argument(
+        "--max-block-bytes", type=int, default=Limits.max_unit_bytes, help="largest block payload accepted"
+    )
+    parser.add_argument(
+        "--verify-puts", action="store_true", help="check payload checksums on put too (readers always do)"
+    )
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")

@@ -1,0 +1,496 @@
+"""Store configuration: one string (``--kv-store``) or a TOML table, parsed into frozen, validated configs.
+
+The string is an ordered, comma-separated list of tiers, top (fastest) first:
+
+    cpu:4GiB,disk:/var/cache/pdkv:64GiB,redis://host:6379/0
+    cpu:1GiB,remote:tcp://127.0.0.1:7600
+
+    cpu:SIZE[?verify=BOOL&pin=BOOL|auto&name=NAME]
+    disk:PATH:SIZE[?fsync=never|file|always&name=NAME]
+    redis://[user:password@]host:port[/db][?prefix=P&ttl_s=S&timeout_ms=MS&connect_timeout_ms=MS
+                                          &max_connections=N&cluster=BOOL&batch=N&name=NAME]
+        (also rediss://, and valkey:// / valkeys:// as synonyms)
+    remote:ENDPOINT[?timeout_ms=MS&name=NAME]      ENDPOINT = tcp://host:port | ipc://path
+
+Sizes take B, KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB (powers of 1024), or a bare byte count.
+The TOML form is a table with store-wide options and an array of tier tables (see ``docs/kvstore.md``):
+
+    [kv_store]
+    write_policy = "through"        # or "back": lower tiers receive blocks when an upper tier evicts them
+    write_queue_depth = 1024
+    lookup_timeout_ms = 50
+    [[kv_store.tiers]]
+    kind = "cpu"
+    capacity = "4GiB"
+
+Every error names the offending value and says what would be accepted.  Building tiers
+(``build_tier``) imports a backend only when it is configured, so ``redis`` and ``zmq`` stay optional.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, TypeAlias
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
+
+from kvstore.breaker import BreakerConfig
+from kvstore.tiers.base import TierPolicy
+
+if TYPE_CHECKING:
+    from kvstore.tiers.base import Tier
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+FSYNC_POLICIES = ("never", "file", "always")
+WRITE_POLICIES = ("through", "back")
+_ENDPOINT_RE = re.compile(r"^(tcp://[^\s:/]+:\d+|ipc://\S+|inproc://\S+)$")
+
+
+def parse_size(text: Any, what: str = "size") -> int:
+    """``"4GiB"`` -> 4294967296; ``ValueError`` naming ``what`` and the bad text otherwise."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise ValueError(f"{what} {text!r} must be positive")
+        return text
+    match = _SIZE_RE.match(str(text))
+    if not match:
+        raise ValueError(f"{what} {text!r} is not a size; use e.g. 4GiB, 512MiB, 64GB or a byte count")
+    number, unit = match.group(1), (match.group(2) or "").lower()
+    scale = 1 if unit in ("", "b") else (1024 if "i" in unit else 1000) ** ("kmgt".index(unit[0]) + 1)
+    value = int(float(number) * scale)
+    if value <= 0:
+        raise ValueError(f"{what} {text!r} must be positive")
+    return value
+
+
+def parse_bool(text: Any, what: str) -> bool:
+    if isinstance(text, bool):
+        return text
+    lowered = str(text).strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{what} {text!r} is not a boolean; use true or false")
+
+
+def _positive(value: Any, what: str, kind: Callable[[Any], Any] = float) -> Any:
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} {value!r} is not a number") from None
+    if not number > 0:
+        raise ValueError(f"{what} {value!r} must be positive")
+    return number
+
+
+@dataclass(frozen=True)
+class CpuTierConfig:
+    """In-process memory: ``capacity_bytes`` of payload, LRU; pinned when CUDA is present (``pin_memory``)."""
+
+    capacity_bytes: int
+    verify_payload: bool = False
+    pin_memory: bool | None = None  # None: pin when torch sees a CUDA device
+    name: str = "cpu"
+    kind: str = field(default="cpu", init=False)
+
+    def __post_init__(self) -> None:
+        parse_size(self.capacity_bytes, "cpu tier capacity")
+
+
+@dataclass(frozen=True)
+class DiskTierConfig:
+    """One directory, ``capacity_bytes`` of files, LRU; ``fsync``: never, file (before rename) or always
+    (file and directory)."""
+
+    path: str
+    capacity_bytes: int
+    fsync: str = "never"
+    name: str = "disk"
+    kind: str = field(default="disk", init=False)
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("disk tier path must be a directory path, got ''")
+        parse_size(self.capacity_bytes, "disk tier capacity")
+        if self.fsync not in FSYNC_POLICIES:
+            raise ValueError(
+                f"disk tier fsync {self.fsync!r} is unknown; choose one of {', '.join(FSYNC_POLICIES)}"
+            )
+
+
+@dataclass(frozen=True)
+class RedisTierConfig:
+    """A Redis (or Valkey, or Redis Cluster) server; keys ``prefix:namespace:{anchor}:hash``."""
+
+    url: str
+    prefix: str = "pdkv"
+    ttl_s: float | None = None
+    timeout_s: float = 0.5
+    connect_timeout_s: float = 0.25
+    max_connections: int = 32
+    cluster: bool = False
+    batch: int = 16
+    name: str = "redis"
+    kind: str = field(default="redis", init=False)
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("redis", "rediss", "unix") or not (parts.hostname or parts.path):
+            raise ValueError(f"redis tier url {self.url!r} must look like redis://host:port/db")
+        if not self.prefix or any(c in self.prefix for c in "{}: "):
+            raise ValueError(
+                f"redis tier prefix {self.prefix!r} must be non-empty, without braces, colons or spaces"
+            )
+        if self.ttl_s is not None:
+            _positive(self.ttl_s, "redis tier ttl_s")
+        _positive(self.timeout_s, "redis tier timeout_s")
+        _positive(self.connect_timeout_s, "redis tier connect_timeout_s")
+        _positive(self.max_connections, "redis tier max_connections", int)
+        _positive(self.batch, "redis tier batch", int)
+        if self.cluster and parts.scheme == "unix":
+            raise ValueError(
+                "a Redis Cluster is reached over TCP; drop cluster=true or use redis://host:port"
+            )
+
+
+@dataclass(frozen=True)
+class RemoteTierConfig:
+    """A ``pdkv kvstore serve`` process at ``endpoint`` (ZeroMQ)."""
+
+    endpoint: str
+    timeout_s: float = 1.0
+    name: str = "remote"
+    kind: str = field(default="remote", init=False)
+
+    def __post_init__(self) -> None:
+        if not _ENDPOINT_RE.match(self.endpoint):
+            raise ValueError(
+                f"remote tier endpoint {self.endpoint!r} must look like tcp://host:port or ipc:///path/to/socket"
+            )
+        _positive(self.timeout_s, "remote tier timeout_s")
+
+
+TierConfig: TypeAlias = CpuTierConfig | DiskTierConfig | RedisTierConfig | RemoteTierConfig
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """A stack of tiers, top first, and the store-wide policy."""
+
+    tiers: tuple[TierConfig, ...]
+    write_policy: str = "through"
+    write_queue_depth: int = 1024
+    lookup_timeout_s: float = 0.05
+    get_timeout_s: float = 2.0
+    put_timeout_s: float = 2.0
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+
+    def __post_init__(self) -> None:
+        if not self.tiers:
+            raise ValueError("a kv store needs at least one tier, e.g. cpu:4GiB")
+        names = [t.name for t in self.tiers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(
+                f"tier names must be unique; {', '.join(dupes)} appears more than once (set name=...)"
+            )
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(
+                f"write_policy {self.write_policy!r} is unknown; choose one of {', '.join(WRITE_POLICIES)}"
+            )
+        _positive(self.write_queue_depth, "write_queue_depth", int)
+        for name in ("lookup_timeout_s", "get_timeout_s", "put_timeout_s"):
+            _positive(getattr(self, name), name)
+
+    @property
+    def policy(self) -> TierPolicy:
+        return TierPolicy(self.lookup_timeout_s, self.get_timeout_s, self.put_timeout_s, self.breaker)
+
+    @classmethod
+    def parse(cls, spec: str, **options: Any) -> StoreConfig:
+        """The ``--kv-store`` string (module docstring); ``options`` set store-wide fields."""
+        if not isinstance(spec, str) or not spec.strip():
+            raise ValueError("--kv-store is empty; give tiers like cpu:4GiB,disk:/var/cache/pdkv:64GiB")
+        tiers = [_parse_tier(part.strip(), i + 1) for i, part in enumerate(spec.split(","))]
+        return cls(tuple(_unique_names(tiers)), **options)
+
+    @classmethod
+    def from_mapping(cls, table: Mapping[str, Any]) -> StoreConfig:
+        """A parsed TOML table (``[kv_store]`` or its content)."""
+        if "kv_store" in table and isinstance(table["kv_store"], Mapping):
+            table = table["kv_store"]
+        known = _TOML_STORE_FIELDS
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise ValueError(
+                f"kv_store: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        raw_tiers = table.get("tiers")
+        if not isinstance(raw_tiers, list) or not raw_tiers:
+            raise ValueError("kv_store.tiers must be a non-empty array of tables ([[kv_store.tiers]])")
+        tiers = [_tier_from_mapping(t, i + 1) for i, t in enumerate(raw_tiers)]
+        breaker = BreakerConfig(
+            failures_to_open=int(table.get("breaker_failures", 1)),
+            cooldown_s=_positive(table.get("breaker_cooldown_ms", 1000), "breaker_cooldown_ms") / 1000,
+            max_cooldown_s=_positive(table.get("breaker_max_cooldown_ms", 30000), "breaker_max_cooldown_ms")
+            / 1000,
+        )
+        return cls(
+            tuple(_unique_names(tiers)),
+            write_policy=str(table.get("write_policy", "through")),
+            write_queue_depth=_positive(table.get("write_queue_depth", 1024), "write_queue_depth", int),
+            lookup_timeout_s=_positive(table.get("lookup_timeout_ms", 50), "lookup_timeout_ms") / 1000,
+            get_timeout_s=_positive(table.get("get_timeout_ms", 2000), "get_timeout_ms") / 1000,
+            put_timeout_s=_positive(table.get("put_timeout_ms", 2000), "put_timeout_ms") / 1000,
+            breaker=breaker,
+        )
+
+    @classmethod
+    def from_toml(cls, text: str) -> StoreConfig:
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            import tomli as tomllib  # type: ignore[no-redef]
+        return cls.from_mapping(tomllib.loads(text))
+
+    @classmethod
+    def load(cls, spec: str) -> StoreConfig:
+        """``@path/to/file.toml`` reads a TOML file; anything else is a ``--kv-store`` string."""
+        if spec.startswith("@"):
+            with open(spec[1:], encoding="utf-8") as f:
+                return cls.from_toml(f.read())
+        return cls.parse(spec)
+
+
+# ---- the string form ----------------------------------------------------------------------------------
+
+
+def _split_options(text: str, where: str) -> tuple[str, dict[str, str]]:
+    head, sep, query = text.partition("?")
+    if not sep:
+        return head, {}
+    options: dict[str, str] = {}
+    for pair in query.split("&"):
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise ValueError(f"{where}: option {pair!r} must be key=value")
+        options[key] = value
+    return head, options
+
+
+def _take(options: dict[str, str], allowed: set[str], where: str) -> dict[str, str]:
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(allowed))}"
+        )
+    return options
+
+
+def _parse_tier(text: str, index: int) -> TierConfig:
+    where = f"--kv-store tier {index} {text!r}"
+    try:
+        return _parse_tier_text(text, where)
+    except ValueError as exc:
+        message = str(exc)
+        raise ValueError(message if message.startswith(where) else f"{where}: {message}") from None
+
+
+def _parse_tier_text(text: str, where: str) -> TierConfig:
+    if not text:
+        raise ValueError(f"{where}: empty tier (two commas in a row?)")
+    kind, _, rest = text.partition(":")
+    kind = kind.lower()
+    if kind == "cpu":
+        size, options = _split_options(rest, where)
+        opts = _take(options, {"verify", "pin", "name"}, where)
+        pin = opts.get("pin", "auto")
+        return CpuTierConfig(
+            capacity_bytes=parse_size(size, "capacity"),
+            verify_payload=parse_bool(opts.get("verify", "false"), "verify"),
+            pin_memory=None if pin == "auto" else parse_bool(pin, "pin"),
+            name=opts.get("name", "cpu"),
+        )
+    if kind == "disk":
+        body, options = _split_options(rest, where)
+        path, colon, size = body.rpartition(":")
+        if not colon or not path:
+            raise ValueError(f"{where}: a disk tier is disk:PATH:SIZE, e.g. disk:/var/cache/pdkv:64GiB")
+        opts = _take(options, {"fsync", "name"}, where)
+        return DiskTierConfig(
+            path=path,
+            capacity_bytes=parse_size(size, "capacity"),
+            fsync=opts.get("fsync", "never"),
+            name=opts.get("name", "disk"),
+        )
+    if kind in ("redis", "rediss", "valkey", "valkeys", "unix"):
+        return _parse_redis(text, where)
+    if kind == "remote":
+        endpoint, options = _split_options(rest, where)
+        opts = _take(options, {"timeout_ms", "name"}, where)
+        return RemoteTierConfig(
+            endpoint=endpoint,
+            timeout_s=_positive(opts.get("timeout_ms", 1000), "timeout_ms") / 1000,
+            name=opts.get("name", "remote"),
+        )
+    raise ValueError(
+        f"{where}: unknown tier kind {kind!r}; use cpu:SIZE, disk:PATH:SIZE, redis://... or remote:tcp://..."
+    )
+
+
+_REDIS_OPTIONS = {
+    "prefix",
+    "ttl_s",
+    "timeout_ms",
+    "connect_timeout_ms",
+    "max_connections",
+    "cluster",
+    "batch",
+    "name",
+}
+
+
+def _parse_redis(text: str, where: str) -> RedisTierConfig:
+    parts = urlsplit(text)
+    scheme = {"valkey": "redis", "valkeys": "rediss"}.get(parts.scheme, parts.scheme)
+    ours: dict[str, str] = {}
+    passthrough: list[tuple[str, str]] = []
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        (ours.__setitem__(key, value) if key in _REDIS_OPTIONS else passthrough.append((key, value)))
+    if passthrough:
+        names = ", ".join(k for k, _ in passthrough)
+        raise ValueError(f"{where}: unknown option(s) {names}; known: {', '.join(sorted(_REDIS_OPTIONS))}")
+    url = urlunsplit((scheme, parts.netloc, parts.path, "", ""))
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{where}: port in {parts.netloc!r} is not a number") from None
+    if scheme != "unix" and not parts.hostname:
+        raise ValueError(f"{where}: a redis url needs a host, e.g. redis://127.0.0.1:6379/0")
+    del port  # checked above; a missing port means 6379
+    return RedisTierConfig(
+        url=url,
+        prefix=ours.get("prefix", "pdkv"),
+        ttl_s=_positive(ours["ttl_s"], "ttl_s") if "ttl_s" in ours else None,
+        timeout_s=_positive(ours.get("timeout_ms", 500), "timeout_ms") / 1000,
+        connect_timeout_s=_positive(ours.get("connect_timeout_ms", 250), "connect_timeout_ms") / 1000,
+        max_connections=_positive(ours.get("max_connections", 32), "max_connections", int),
+        cluster=parse_bool(ours.get("cluster", "false"), "cluster"),
+        batch=_positive(ours.get("batch", 16), "batch", int),
+        name=ours.get("name", "redis"),
+    )
+
+
+# ---- the TOML form ----
+
+_TOML_STORE_FIELDS = frozenset(
+    {
+        "tiers",
+        "write_policy",
+        "write_queue_depth",
+        "lookup_timeout_ms",
+        "get_timeout_ms",
+        "put_timeout_ms",
+        "breaker_failures",
+        "breaker_cooldown_ms",
+        "breaker_max_cooldown_ms",
+    }
+)
+_TOML_TIER_FIELDS: dict[str, set[str]] = {
+    "cpu": {"kind", "capacity", "verify", "pin", "name"},
+    "disk": {"kind", "path", "capacity", "fsync", "name"},
+    "redis": {
+        "kind",
+        "url",
+        "prefix",
+        "ttl_s",
+        "timeout_ms",
+        "connect_timeout_ms",
+        "max_connections",
+        "cluster",
+        "batch",
+        "name",
+    },
+    "remote": {"kind", "endpoint", "timeout_ms", "name"},
+}
+
+
+def _tier_from_mapping(table: Any, index: int) -> TierConfig:
+    where = f"kv_store.tiers[{index}]"
+    if not isinstance(table, Mapping):
+        raise ValueError(f"{where} must be a table with a kind, got {table!r}")
+    kind = str(table.get("kind", ""))
+    if kind not in _TOML_TIER_FIELDS:
+        raise ValueError(f"{where}: kind {kind!r} is unknown; choose one of {', '.join(_TOML_TIER_FIELDS)}")
+    unknown = sorted(set(table) - _TOML_TIER_FIELDS[kind])
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)} for a {kind} tier")
+    try:
+        if kind == "cpu":
+            pin = table.get("pin", "auto")
+            return CpuTierConfig(
+                capacity_bytes=parse_size(table.get("capacity"), "capacity"),
+                verify_payload=parse_bool(table.get("verify", False), "verify"),
+                pin_memory=None if pin == "auto" else parse_bool(pin, "pin"),
+                name=str(table.get("name", "cpu")),
+            )
+        if kind == "disk":
+            return DiskTierConfig(
+                path=str(table.get("path", "")),
+                capacity_bytes=parse_size(table.get("capacity"), "capacity"),
+                fsync=str(table.get("fsync", "never")),
+                name=str(table.get("name", "disk")),
+            )
+        if kind == "redis":
+            options = "&".join(f"{k}={_toml_scalar(v)}" for k, v in table.items() if k not in ("kind", "url"))
+            url = str(table.get("url", ""))
+            return _parse_redis(url + ("?" + options if options else ""), where)
+        query = "&".join(f"{k}={v}" for k, v in table.items() if k not in ("kind", "endpoint"))
+        return _parse_tier_text(f"remote:{table.get('endpoint', '')}" + ("?" + query if query else ""), where)
+    except ValueError as exc:
+        message = str(exc)
+        raise ValueError(message if message.startswith(where) else f"{where}: {message}") from None
+
+
+def _toml_scalar(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _unique_names(tiers: list[TierConfig]) -> list[TierConfig]:
+    """Give a repeated default name a numeric suffix (``disk``, ``disk-2``); explicit names stay."""
+    seen: dict[str, int] = {}
+    out: list[TierConfig] = []
+    for tier in tiers:
+        seen[tier.name] = seen.get(tier.name, 0) + 1
+        if seen[tier.name] > 1 and tier.name == tier.kind:
+            tier = replace(tier, name=f"{tier.name}-{seen[tier.name]}")
+        out.append(tier)
+    return out
+
+
+def build_tier(config: TierConfig, policy: TierPolicy | None = None, **kwargs: Any) -> Tier:
+    """Construct the tier a config describes, importing its backend only now."""
+    if isinstance(config, CpuTierConfig):
+        from kvstore.tiers.cpu import CpuTier
+
+        return CpuTier(config, policy=policy, **kwargs)
+    if isinstance(config, DiskTierConfig):
+        from kvstore.tiers.disk import DiskTier
+
+        return DiskTier(config, policy=policy, **kwargs)
+    if isinstance(config, RedisTierConfig):
+        from kvstore.tiers.redis import RedisTier
+
+        return RedisTier(config, policy=policy, **kwargs)
+    if isinstance(config, RemoteTierConfig):
+        from kvstore.tiers.remote import RemoteTier
+
+        return RemoteTier(config, policy=policy, **kwargs)
+    raise TypeError(f"not a tier config: {config!r}")
+
+
+def config_fields(config: TierConfig) -> dict[str, Any]:
+    """A tier config as a plain dict (for logs and ``stats``)."""
+    return {f.name: getattr(config, f.name) for f in fields(config)}

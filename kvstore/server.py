@@ -1,0 +1,262 @@
+"""The store server: one process holding a tier stack (cpu, disk, optionally fronting Redis) that several
+engines on a host share through the ``remote:`` tier.
+
+One ZeroMQ ROUTER socket, one thread, requests served in arrival order (``kvstore.protocol``).  A put is
+stored only if every block's header names the block it is put under and its payload has the length the
+header gives; payload checksums are left to the readers, which verify every block they load (the server
+verifies them too with ``verify_puts``, at a cost of about 7 µs per 256 KiB).  A malformed, oversized or
+inconsistent request gets an error reply (``ok: false``) and the loop carries on: nothing a peer sends can
+stop the server.
+Frames above ``2 x max_unit_bytes`` never reach the application (ZeroMQ disconnects the peer).
+
+Replies to a get send the stored payloads without copying; a payload leased from the cpu tier is
+released only once ZeroMQ reports the frame sent (a message tracker), so a slot is never recycled under a
+send in flight.
+
+Binds to 127.0.0.1 unless told otherwise.  ``pdkv kvstore serve`` (or ``python -m kvstore.server``) prints
+``pdkv kvstore: serving on ENDPOINT`` once it accepts requests and stops cleanly on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import zmq
+
+from kvstore.cli import DEFAULT_BIND, READY_PREFIX, add_serve_arguments
+from kvstore.codec import HEADER_SIZE, check_header, verify_payload
+from kvstore.protocol import PROTOCOL_VERSION, Limits, ProtocolError, Request, decode_request, encode_reply
+from kvstore.results import MissReason, Unit, release_all
+from kvstore.store import TieredStore
+
+logger = logging.getLogger(__name__)
+
+
+class StoreServer:
+    def __init__(
+        self,
+        store: TieredStore,
+        bind: str = DEFAULT_BIND,
+        *,
+        limits: Limits | None = None,
+        verify_puts: bool = False,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.store = store
+        self.limits = limits or Limits()
+        self.verify_puts = verify_puts
+        self._own_context = context is None
+        self._context: zmq.Context[Any] = context or zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, 2 * self.limits.max_unit_bytes)
+        self._socket.bind(bind)
+        self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._in_flight: list[tuple[zmq.MessageTracker, list[Unit]]] = []
+        self.requests: Counter[str] = Counter()
+
+    # ---- the loop --------------------------------------------------------------------------------------
+
+    def serve(self, stop: threading.Event, poll_ms: int = 100) -> None:
+        """Serve until ``stop`` is set (checked at least every ``poll_ms``)."""
+        while not stop.is_set():
+            if self._socket.poll(poll_ms, zmq.POLLIN):
+                self.serve_pending()
+            self._reap()
+
+    def serve_pending(self, limit: int = 64) -> int:
+        """Answer up to ``limit`` requests already received; returns how many."""
+        served = 0
+        while served < limit:
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self._serve_one(frames)
+            served += 1
+        return served
+
+    def _serve_one(self, frames: list[zmq.Frame]) -> None:
+        identity, body = frames[0], frames[1:]
+        units: list[Unit] = []
+        try:
+            reply, units = self._dispatch(body)
+        except ProtocolError as exc:
+            self.requests["refused"] += 1
+            reply = [encode_reply(_peek_id(body), ok=False, error=str(exc))]
+        except Exception as exc:
+            logger.exception("kvstore server: request failed")
+            self.requests["failed"] += 1
+            reply = [encode_reply(_peek_id(body), ok=False, error=f"internal error: {type(exc).__name__}")]
+        try:
+            # The identity goes as bytes: a received (untracked) frame cannot be part of a tracked send.
+            tracker = self._socket.send_multipart([identity.bytes, *reply], copy=False, track=bool(units))
+        except zmq.ZMQError as exc:  # the peer is gone or not keeping up: its loss
+            logger.debug("kvstore server: reply not sent: %s", exc)
+            release_all(units)
+            return
+        except Exception:
+            logger.exception("kvstore server: reply not sent")
+            release_all(units)
+            return
+        if units:
+            assert tracker is not None
+            self._in_flight.append((tracker, units))
+
+    def _reap(self) -> None:
+        """Release the leases of replies ZeroMQ has finished sending."""
+        if not self._in_flight:
+            return
+        still: list[tuple[zmq.MessageTracker, list[Unit]]] = []
+        for tracker, units in self._in_flight:
+            if tracker.done:
+                release_all(units)
+            else:
+                still.append((tracker, units))
+        self._in_flight = still
+
+    # ---- requests --------------------------------------------------------------------------------------
+
+    def _dispatch(self, body: Sequence[zmq.Frame]) -> tuple[list[Any], list[Unit]]:
+        if not body:
+            raise ProtocolError("empty message")
+        request = decode_request(body[0].buffer, self.limits)
+        self.requests[request.op] += 1
+        if request.op != "put" and len(body) != 1:
+            raise ProtocolError(f"{request.op} takes one frame, got {len(body)}")
+        if request.op == "ping":
+            info = {
+                "server": "pdkv-kvstore",
+                "protocol": PROTOCOL_VERSION,
+                "tiers": [t.name for t in self.store.tiers],
+            }
+            return [encode_reply(request.id, info=info)], []
+        if request.op == "stats":
+            info = self.store.stats().to_dict()
+            info["requests"] = dict(self.requests)
+            return [encode_reply(request.id, info=info)], []
+        run = request.run
+        assert run is not None
+        if request.op == "lookup":
+            return [encode_reply(request.id, n=self.store.contains_prefix(run))], []
+        if request.op == "delete":
+            return [encode_reply(request.id, n=self.store.delete(run))], []
+        if request.op == "get":
+            read = self.store.read(run)
+            headers = b"".join(unit.seal() for unit in read.units)
+            frames: list[Any] = [
+                encode_reply(request.id, n=len(read.units), reason=_reason(read.reason)),
+                headers,
+                *(unit.payload for unit in read.units),
+            ]
+            return frames, read.units
+        return self._put(request, body), []
+
+    def _put(self, request: Request, body: Sequence[zmq.Frame]) -> list[Any]:
+        run = request.run
+        assert run is not None
+        n = len(run)
+        if len(body) != 2 + n:
+            raise ProtocolError(
+                f"put of {n} blocks needs {2 + n} frames (header, unit headers, payloads), got {len(body)}"
+            )
+        headers = body[1].buffer
+        if headers.nbytes != HEADER_SIZE * n:
+            raise ProtocolError(
+                f"unit headers frame is {headers.nbytes} bytes; {n} blocks need {HEADER_SIZE * n}"
+            )
+        units: list[Unit] = []
+        reason: MissReason | None = None
+        for i in range(n):
+            payload = body[2 + i].buffer
+            if payload.nbytes > self.limits.max_unit_bytes:
+                raise ProtocolError(
+                    f"block {i} is {payload.nbytes} bytes; the limit is {self.limits.max_unit_bytes}"
+                )
+            raw = headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
+            header = check_header(raw, run.namespace, run.hashes[i], None)
+            if isinstance(header, MissReason):
+                reason = header
+            elif payload.nbytes != header.payload_len:
+                reason = MissReason.TRUNCATED if payload.nbytes < header.payload_len else MissReason.CORRUPT
+            elif self.verify_puts:
+                reason = verify_payload(header, payload)
+            if reason is not None:
+                break  # store the valid leading blocks only
+            units.append(Unit(payload, bytes(raw), keep=True))  # the frame is ours: a memory tier keeps it
+        stored = self.store.put(run.slice(0, len(units)), units) if units else None
+        count = stored.stored if stored is not None else 0
+        out_reason = reason if reason is not None else (stored.reason if stored is not None else None)
+        return [encode_reply(request.id, n=count, reason=_reason(out_reason))]
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        for _, units in self._in_flight:
+            release_all(units)
+        self._in_flight.clear()
+        if self._own_context:
+            self._context.term()
+
+
+def _reason(reason: MissReason | None) -> str | None:
+    return None if reason is None else reason.value
+
+
+def _peek_id(body: Sequence[zmq.Frame]) -> int:
+    """The request id of a message we refuse, when one can be read (else 0)."""
+    if not body or len(body[0].buffer) > 1 << 20:
+        return 0
+    try:
+        parsed = msgpack.unpackb(body[0].buffer, raw=False, max_map_len=64)
+    except Exception:
+        return 0
+    value = parsed.get("id") if isinstance(parsed, dict) else None
+    return value if isinstance(value, int) and value >= 0 else 0
+
+
+# ---- command line -----------------------------------------------------------------------------------------
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serve ``args.kv_store`` on ``args.bind`` until SIGTERM or SIGINT."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    limits = Limits(max_blocks=args.max_blocks, max_unit_bytes=args.max_block_bytes)
+    store = TieredStore.from_config(args.kv_store)
+    try:
+        server = StoreServer(store, args.bind, limits=limits, verify_puts=args.verify_puts)
+    except BaseException:
+        store.close()
+        raise
+    stop = threading.Event()
+
+    def request_stop(signum: int, _frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    print(f"{READY_PREFIX}{server.endpoint}", flush=True)
+    try:
+        server.serve(stop)
+    finally:
+        server.close()
+        store.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvstore.server", description="Serve a pdkv KV store.")
+    add_serve_arguments(parser)
+    return run_server(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

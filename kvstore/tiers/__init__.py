@@ -1,0 +1,1 @@
+"""Storage tiers of the KV store; ``base`` holds the contract every tier implements."""

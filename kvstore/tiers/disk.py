@@ -1,0 +1,406 @@
+"""The ``disk`` tier: one file per block under one directory, bounded by bytes, LRU, survives restarts.
+
+    ROOT/<namespace hex>/<first byte of hash, 2 hex>/<hash hex>            a block: header + payload
+    ROOT/<namespace hex>/<first byte of hash, 2 hex>/.<hash hex>.<pid>.<n>.tmp   a write in progress
+
+Writes are atomic: the block goes to a temp file in its shard folder (one ``writev`` of header and
+payload), optionally ``fsync``-ed, then ``rename``-d into place; a lookup sees the block only after the
+rename, and a crash leaves at most a temp file, which the next start deletes.  ``fsync``: ``never`` (a
+crash may lose recent blocks; checksums catch any torn file), ``file`` (before the rename) or ``always``
+(also the folder after it).
+
+Reads use one ``preadv`` into a header buffer and the caller's block, then verify the header (namespace,
+hash, layout) and the payload checksum; a file that fails is deleted and reported by reason.  On start the
+index is rebuilt from the files (header and size checked, oldest modification first in LRU order); files
+that do not check out are deleted.  Payload checksums are verified when a block is read, not at start.
+
+Write failures (a full or read-only disk) are counted and leave no file behind; they never raise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvstore.buffers import BufferFence
+from kvstore.codec import (
+    HEADER_SIZE,
+    HeaderMatcher,
+    check_header,
+    parse_header,
+    payload_checksum,
+    verify_payload,
+)
+from kvstore.config import DiskTierConfig
+from kvstore.deadline import Deadline
+from kvstore.keys import KeyRun
+from kvstore.layout import BlockLayout
+from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit
+from kvstore.tiers.base import Ghosts, Tier, TierPolicy
+
+logger = logging.getLogger(__name__)
+
+_HEX = frozenset("0123456789abcdef")
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+class DiskTier(Tier):
+    kind = "disk"
+    inline_ops = frozenset({"lookup"})  # answered from the in-memory index: no I/O to wait for
+
+    def __init__(
+        self,
+        config: DiskTierConfig,
+        *,
+        policy: TierPolicy | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        super().__init__(config.name, policy=policy, clock=clock)
+        self.config = config
+        self.root = os.path.abspath(config.path)
+        self.capacity_bytes = config.capacity_bytes
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, LRU first
+        self._used = 0
+        self._reserved = 0  # bytes of writes in progress
+        self._ghosts = Ghosts()
+        self._dirs: set[str] = set()
+        self._tmp_ids = itertools.count()
+        os.makedirs(self.root, exist_ok=True)
+        self.discarded_on_start = self._rebuild_index()
+
+    # ---- paths ---------------------------------------------------------------------------------------
+
+    def _path(self, key: bytes) -> tuple[str, str]:
+        """(shard folder, file path) of a key (namespace + hash)."""
+        ns_hex, hash_hex = key[:16].hex(), key[16:].hex()
+        folder = f"{self.root}/{ns_hex}/{hash_hex[:2]}"
+        return folder, f"{folder}/{hash_hex}"
+
+    # ---- lookups and reads -----------------------------------------------------------------------------
+
+    def _contains_prefix(self, run: KeyRun, deadline: Deadline) -> int:
+        index = self._index
+        ns = run.namespace
+        with self._lock:
+            for i, block_hash in enumerate(run.hashes):
+                if ns + block_hash not in index:
+                    return i
+        return len(run)
+
+    def _touch(self, key: bytes) -> int | None:
+        with self._lock:
+            size = self._index.get(key)
+            if size is not None:
+                self._index.move_to_end(key)
+            return size
+
+    def _miss(self, key: bytes) -> MissReason:
+        with self._lock:
+            return self._ghosts.reason(key)
+
+    def _touch_run(self, run: KeyRun) -> tuple[int, MissReason | None]:
+        """Touch the leading indexed blocks of ``run``: (how many, why the next one is missing)."""
+        index = self._index
+        ns = run.namespace
+        with self._lock:
+            for i, block_hash in enumerate(run.hashes):
+                key = ns + block_hash
+                if key not in index:
+                    return i, self._ghosts.reason(key)
+                index.move_to_end(key)
+        return len(run), None
+
+    def _get_into(
+        self, run: KeyRun, fence: BufferFence, layout: BlockLayout, deadline: Deadline
+    ) -> GetResult:
+        # The hot loop of a disk hit: one open, one preadv (header + payload straight into the caller's
+        # block), one close, a header compared with a template, the payload checksum while it is hot.
+        present, missing = self._touch_run(run)
+        matcher = HeaderMatcher(run.namespace, layout)
+        folder = f"{self.root}/{run.namespace.hex()}/"
+        header = bytearray(HEADER_SIZE)
+        expected = HEADER_SIZE + layout.payload_nbytes
+        checksums: list[int] = []
+        for i in range(present):
+            block_hash = run.hashes[i]
+            name = block_hash.hex()
+            path = f"{folder}{name[:2]}/{name}"
+            try:
+                fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+            except FileNotFoundError:
+                self._forget(run.key(i))
+                missing = MissReason.ABSENT
+                break
+            try:
+                dst = fence.hold(i)
+                try:
+                    got = os.preadv(fd, [header, dst], 0)
+                    if 0 < got < expected:
+                        got = _preadv_all(fd, [header, dst])  # a short read: finish it
+                finally:
+                    fence.let_go()
+            finally:
+                os.close(fd)
+            checksum = matcher.match(header, block_hash) if got >= HEADER_SIZE else MissReason.TRUNCATED
+            if not isinstance(checksum, MissReason) and got < expected:
+                checksum = MissReason.TRUNCATED
+            if not isinstance(checksum, MissReason) and payload_checksum(dst) != checksum:
+                checksum = MissReason.CORRUPT
+            if isinstance(checksum, MissReason):
+                self._discard(run.key(i), path, checksum)
+                missing = checksum
+                break
+            checksums.append(checksum)
+        return GetResult(len(checksums), missing if len(checksums) < len(run) else None, tuple(checksums))
+
+    def _read(self, run: KeyRun, deadline: Deadline) -> ReadResult:
+        units: list[Unit] = []
+        for i, block_hash in enumerate(run.hashes):
+            key = run.key(i)
+            size = self._touch(key)
+            if size is None:
+                return ReadResult(units, self._miss(key))
+            _, path = self._path(key)
+            buf = bytearray(size)
+            try:
+                fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+            except FileNotFoundError:
+                self._forget(key)
+                return ReadResult(units, MissReason.ABSENT)
+            try:
+                got = _preadv_all(fd, [buf])
+            finally:
+                os.close(fd)
+            view = memoryview(buf)
+            header = check_header(view, run.namespace, block_hash, None)
+            if isinstance(header, MissReason):
+                reason: MissReason | None = header
+            else:
+                reason = verify_payload(header, view[HEADER_SIZE:got], got - HEADER_SIZE)
+            if reason is not None:
+                self._discard(key, path, reason)
+                return ReadResult(units, reason)
+            units.append(Unit(view[HEADER_SIZE:], bytes(view[:HEADER_SIZE])))
+        return ReadResult(units)
+
+    # ---- writes ----------------------------------------------------------------------------------------
+
+    def _put(self, run: KeyRun, units: Sequence[Unit], deadline: Deadline) -> PutResult:
+        for i, unit in enumerate(units):
+            key = run.key(i)
+            size = HEADER_SIZE + unit.payload.nbytes
+            with self._lock:
+                if key in self._index:
+                    self._index.move_to_end(key)
+                    continue
+                if not self._make_room(size):
+                    self.metrics.error(
+                        f"put: a {size}-byte block does not fit in {self.capacity_bytes} bytes"
+                    )
+                    return PutResult(i, MissReason.ERROR)
+                self._reserved += size
+            try:
+                self._write_file(key, unit.seal(), unit.payload)
+            except OSError as exc:
+                with self._lock:
+                    self._reserved -= size
+                self.metrics.error(
+                    f"put: {errno.errorcode.get(exc.errno or 0, 'OSError')}: {exc.strerror or exc}"
+                )
+                logger.warning("kvstore disk tier %s: write failed: %s", self.name, exc)
+                return PutResult(i, MissReason.ERROR)
+            with self._lock:
+                self._reserved -= size
+                previous = self._index.pop(key, None)
+                self._used += size - (previous or 0)
+                self._index[key] = size
+                self._ghosts.discard(key)
+        return PutResult(len(run))
+
+    def _write_file(self, key: bytes, header: bytes, payload: memoryview) -> None:
+        folder, path = self._path(key)
+        if folder not in self._dirs:
+            os.makedirs(folder, exist_ok=True)
+            self._dirs.add(folder)
+        tmp = f"{folder}/.{key[16:].hex()}.{os.getpid()}.{next(self._tmp_ids)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+        try:
+            try:
+                _writev_all(fd, [header, payload])
+                if self.config.fsync != "never":
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        if self.config.fsync == "always":
+            dir_fd = os.open(folder, os.O_RDONLY | _O_CLOEXEC)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+
+    def _make_room(self, size: int) -> bool:
+        """Evict LRU files until ``size`` more bytes fit (caller holds the lock)."""
+        if size > self.capacity_bytes:
+            return False
+        while self._used + self._reserved + size > self.capacity_bytes and self._index:
+            key, victim_size = self._index.popitem(last=False)
+            self._used -= victim_size
+            self._ghosts.add(key)
+            self.metrics.count(evictions=1)
+            _unlink_quietly(self._path(key)[1])
+        return self._used + self._reserved + size <= self.capacity_bytes
+
+    def _delete(self, run: KeyRun, deadline: Deadline) -> int:
+        deleted = 0
+        with self._lock:
+            for i in range(len(run)):
+                key = run.key(i)
+                size = self._index.pop(key, None)
+                if size is not None:
+                    self._used -= size
+                    _unlink_quietly(self._path(key)[1])
+                    deleted += 1
+        return deleted
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._used -= size
+
+    def _discard(self, key: bytes, path: str, reason: MissReason) -> None:
+        """A file that failed its checks is garbage: drop it so the block can be stored again."""
+        logger.warning("kvstore disk tier %s: discarding %s (%s)", self.name, path, reason.value)
+        self.metrics.count(discarded_files=1)
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._used -= size
+            _unlink_quietly(path)
+
+    # ---- restart -------------------------------------------------------------------------------------
+
+    def _rebuild_index(self) -> int:
+        """Index every block file under the root; delete temp files and files that fail their checks."""
+        found: list[tuple[int, bytes, int]] = []
+        discarded = 0
+        for ns_name in _listdir(self.root):
+            if len(ns_name) != 32 or not set(ns_name) <= _HEX:
+                continue  # not ours
+            namespace = bytes.fromhex(ns_name)
+            for shard in _listdir(f"{self.root}/{ns_name}"):
+                folder = f"{self.root}/{ns_name}/{shard}"
+                if len(shard) != 2 or not set(shard) <= _HEX or not os.path.isdir(folder):
+                    continue
+                self._dirs.add(folder)
+                for name in _listdir(folder):
+                    path = f"{folder}/{name}"
+                    if name.startswith(".") and name.endswith(".tmp"):
+                        _unlink_quietly(path)  # a write that never completed
+                        discarded += 1
+                        continue
+                    if len(name) not in (32, 64) or not set(name) <= _HEX or not name.startswith(shard):
+                        continue
+                    entry = _check_file(path, namespace, bytes.fromhex(name))
+                    if entry is None:
+                        _unlink_quietly(path)
+                        discarded += 1
+                    else:
+                        found.append((entry[0], namespace + bytes.fromhex(name), entry[1]))
+        found.sort()
+        for _, key, size in found:
+            self._index[key] = size
+            self._used += size
+        with self._lock:
+            self._make_room(0)
+        if discarded:
+            logger.warning(
+                "kvstore disk tier %s: discarded %d incomplete or damaged files", self.name, discarded
+            )
+        return discarded
+
+    def _backend_stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "path": self.root,
+                "capacity_bytes": self.capacity_bytes,
+                "used_bytes": self._used,
+                "blocks": len(self._index),
+                "discarded_on_start": self.discarded_on_start,
+            }
+
+    def keys_lru(self) -> list[bytes]:
+        """Index keys, least recently used first (for tests and tools)."""
+        with self._lock:
+            return list(self._index)
+
+
+def _check_file(path: str, namespace: bytes, block_hash: bytes) -> tuple[int, int] | None:
+    """(mtime, size) of a block file whose header names this block and whose size matches; else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        raw = os.pread(fd, HEADER_SIZE, 0)
+    finally:
+        os.close(fd)
+    header = parse_header(raw)
+    if isinstance(header, MissReason) or header.namespace != namespace or header.block_hash != block_hash:
+        return None
+    if st.st_size != HEADER_SIZE + header.payload_len:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+def _preadv_all(fd: int, buffers: list[Any]) -> int:
+    """Fill ``buffers`` from offset 0 until they are full or the file ends; returns bytes read."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    total = 0
+    while views:
+        n = os.preadv(fd, views, total)
+        if n == 0:
+            break
+        total += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return total
+
+
+def _writev_all(fd: int, buffers: list[Any]) -> None:
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []

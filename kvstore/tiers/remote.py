@@ -1,0 +1,300 @@
+"""The ``remote`` tier: a client of a ``pdkv kvstore serve`` process (``kvstore.server``), over ZeroMQ.
+
+Each calling thread has its own DEALER socket (ZeroMQ sockets are not thread-safe), connected with
+``IMMEDIATE`` (nothing is queued for a server that is not connected: the call fails at once and counts as
+an error), ``LINGER 0`` and automatic reconnection, so a server that restarts is reached again without
+any action here.  Every receive waits with a poll bounded by the call's deadline; a request id tags each
+request, and a reply whose id is not the awaited one (the late answer to a request given up on) is read
+and dropped.
+
+Payloads travel without copies both ways: a put sends the blocks' memory (``copy=False``) and waits for
+ZeroMQ to release it before returning; a get receives each payload frame straight into the caller's block
+(``recv_into``), then checks the header and payload checksum like any untrusted medium.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+from kvstore.buffers import BufferFence
+from kvstore.codec import HEADER_SIZE, HeaderMatcher, check_header, payload_checksum, verify_payload
+from kvstore.config import RemoteTierConfig
+from kvstore.deadline import Deadline
+from kvstore.keys import KeyRun
+from kvstore.layout import BlockLayout
+from kvstore.protocol import ProtocolError, Reply, decode_reply, encode_request
+from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit
+from kvstore.tiers.base import Tier, TierError, TierPolicy, TierTimeout
+
+logger = logging.getLogger(__name__)
+
+PUT_CHUNK = 16  # blocks per put request
+GET_CHUNK = 16  # blocks per get request
+
+
+class RemoteTier(Tier):
+    kind = "remote"
+
+    def __init__(
+        self,
+        config: RemoteTierConfig,
+        *,
+        policy: TierPolicy | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        super().__init__(config.name, policy=policy, clock=clock)
+        self.config = config
+        self._context: zmq.Context[Any] = zmq.Context()
+        self._local = threading.local()
+        self._sockets: list[zmq.Socket[Any]] = []
+        self._sockets_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self.late_replies = 0
+
+    # ---- sockets and exchanges -------------------------------------------------------------------------
+
+    def _socket(self) -> zmq.Socket[Any]:
+        sock: zmq.Socket[Any] | None = getattr(self._local, "socket", None)
+        if sock is None:
+            sock = self._context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.RECONNECT_IVL, 50)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            sock.connect(self.config.endpoint)
+            self._local.socket = sock
+            with self._sockets_lock:
+                self._sockets.append(sock)
+        return sock
+
+    def _drop_socket(self) -> None:
+        """Close this thread's socket (a send may still hold payloads); the next call opens a new one."""
+        sock: zmq.Socket[Any] | None = getattr(self._local, "socket", None)
+        if sock is not None:
+            self._local.socket = None
+            with self._sockets_lock:
+                self._sockets.remove(sock)
+            sock.close(linger=0)
+
+    def _send(
+        self, frames: list[Any], deadline: Deadline, *, track: bool = False
+    ) -> zmq.MessageTracker | None:
+        sock = self._socket()
+        sock.setsockopt(zmq.SNDTIMEO, max(1, int(deadline.remaining() * 1000)))
+        try:
+            return sock.send_multipart(frames, copy=False, track=track)
+        except zmq.Again:
+            raise TierError(f"store server {self.config.endpoint} is not connected") from None
+
+    def _await_reply(self, request_id: int, deadline: Deadline) -> Reply:
+        """The reply to ``request_id``; its further frames are left for the caller to read."""
+        sock = self._socket()
+        while True:
+            wait_ms = int(deadline.remaining() * 1000)
+            if wait_ms <= 0 or not sock.poll(wait_ms, zmq.POLLIN):
+                raise TierTimeout(f"no reply from {self.config.endpoint} within the deadline")
+            first = sock.recv(zmq.NOBLOCK, copy=True)
+            try:
+                reply = decode_reply(first)
+            except ProtocolError as exc:
+                _drain(sock)
+                raise TierError(f"bad reply from {self.config.endpoint}: {exc}") from None
+            if reply.id == request_id:
+                if not reply.ok:
+                    _drain(sock)
+                    raise TierError(f"store server refused the request: {reply.error}")
+                return reply
+            self.late_replies += 1  # the answer to a request given up on: drop it
+            _drain(sock)
+
+    def _call_simple(self, op: str, run: KeyRun | None, deadline: Deadline) -> Reply:
+        request_id = next(self._ids)
+        self._send([encode_request(request_id, op, run)], deadline)
+        reply = self._await_reply(request_id, deadline)
+        _drain(self._socket())
+        return reply
+
+    # ---- tier operations -------------------------------------------------------------------------------
+
+    def ping(self, deadline: Deadline | None = None) -> dict[str, Any]:
+        """The server's ping info (raises ``TierError``/``TierTimeout``: a health check, not a data path)."""
+        reply = self._call_simple("ping", None, deadline or Deadline.after(self.config.timeout_s))
+        return reply.info or {}
+
+    def server_stats(self, deadline: Deadline | None = None) -> dict[str, Any]:
+        reply = self._call_simple("stats", None, deadline or Deadline.after(self.config.timeout_s))
+        return reply.info or {}
+
+    def _contains_prefix(self, run: KeyRun, deadline: Deadline) -> int:
+        return self._call_simple("lookup", run, deadline).n
+
+    def _get_into(
+        self, run: KeyRun, fence: BufferFence, layout: BlockLayout, deadline: Deadline
+    ) -> GetResult:
+        # One request per GET_CHUNK blocks, all sent at once: a reply arrives whole, so while this side
+        # copies chunk k into the caller's blocks, chunk k + 1 is already on the wire.
+        pending = []
+        for lo in range(0, len(run), GET_CHUNK):
+            request_id = next(self._ids)
+            self._send([encode_request(request_id, "get", run.slice(lo, lo + GET_CHUNK))], deadline)
+            pending.append((request_id, lo, min(GET_CHUNK, len(run) - lo)))
+        matcher = HeaderMatcher(run.namespace, layout)
+        checksums: list[int | None] = []
+        result: GetResult | None = None
+        for request_id, lo, size in pending:
+            if result is not None:  # already answered: let the rest of the replies go by
+                self._skip_reply(request_id, deadline)
+                continue
+            reply = self._await_reply(request_id, deadline)
+            loaded, reason = self._receive_chunk(run, lo, min(reply.n, size), fence, matcher, checksums)
+            if reason is None and reply.n < size:
+                reason = _miss_reason(reply.reason)
+            if reason is not None:
+                result = GetResult(lo + loaded, reason, tuple(checksums))
+        return result or GetResult(len(run), None, tuple(checksums))
+
+    def _receive_chunk(
+        self,
+        run: KeyRun,
+        lo: int,
+        n: int,
+        fence: BufferFence,
+        matcher: HeaderMatcher,
+        checksums: list[int | None],
+    ) -> tuple[int, MissReason | None]:
+        """Read the rest of a get reply (n blocks from block ``lo``) into the caller's blocks."""
+        sock = self._socket()
+        try:
+            headers = _recv_frame(sock) if n else b""
+            if len(headers) < HEADER_SIZE * n:
+                raise TierError("get reply: unit headers frame has the wrong size")
+            for j in range(n):
+                i = lo + j
+                _expect_more(sock)
+                dst = fence.hold(i)
+                try:
+                    received = sock.recv_into(dst, flags=zmq.NOBLOCK)
+                finally:
+                    fence.let_go()
+                checksum = matcher.match(headers[j * HEADER_SIZE : (j + 1) * HEADER_SIZE], run.hashes[i])
+                if isinstance(checksum, MissReason):
+                    return j, checksum
+                if received != dst.nbytes:
+                    return j, MissReason.TRUNCATED if received < dst.nbytes else MissReason.CORRUPT
+                if payload_checksum(dst) != checksum:
+                    return j, MissReason.CORRUPT
+                checksums.append(checksum)
+            return n, None
+        finally:
+            _drain(sock)
+
+    def _skip_reply(self, request_id: int, deadline: Deadline) -> None:
+        try:
+            self._await_reply(request_id, deadline)
+        except (TierError, TierTimeout):
+            return  # a reply that does not come is dropped by id later
+        _drain(self._socket())
+
+    def _read(self, run: KeyRun, deadline: Deadline) -> ReadResult:
+        request_id = next(self._ids)
+        self._send([encode_request(request_id, "get", run)], deadline)
+        reply = self._await_reply(request_id, deadline)
+        sock = self._socket()
+        units: list[Unit] = []
+        try:
+            n = min(reply.n, len(run))
+            headers = _recv_frame(sock) if reply.n else b""
+            if len(headers) != HEADER_SIZE * reply.n:
+                raise TierError("get reply: unit headers frame has the wrong size")
+            for i in range(n):
+                _expect_more(sock)
+                frame = sock.recv(zmq.NOBLOCK, copy=False)
+                payload = memoryview(frame.buffer)
+                raw = headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
+                header = check_header(raw, run.namespace, run.hashes[i], None)
+                reason = header if isinstance(header, MissReason) else verify_payload(header, payload)
+                if reason is not None:
+                    return ReadResult(units, reason)
+                units.append(Unit(payload, bytes(raw)))
+        finally:
+            _drain(sock)
+        return ReadResult(units, None if n == len(run) else _miss_reason(reply.reason))
+
+    def _put(self, run: KeyRun, units: Sequence[Unit], deadline: Deadline) -> PutResult:
+        # Chunks of PUT_CHUNK blocks, all sent before the first reply is awaited: the server stores one
+        # chunk while the next is on the wire, and this side seals (checksums) a chunk while the previous
+        # one is being sent.
+        pending: list[tuple[int, int]] = []  # (request id, blocks)
+        trackers: list[zmq.MessageTracker] = []
+        try:
+            for lo in range(0, len(run), PUT_CHUNK):
+                chunk = units[lo : lo + PUT_CHUNK]
+                request_id = next(self._ids)
+                headers = b"".join(unit.seal() for unit in chunk)
+                request = encode_request(request_id, "put", run.slice(lo, lo + len(chunk)))
+                tracker = self._send(
+                    [request, headers, *(unit.payload for unit in chunk)], deadline, track=True
+                )
+                assert tracker is not None
+                trackers.append(tracker)
+                pending.append((request_id, len(chunk)))
+            stored = 0
+            for request_id, size in pending:
+                reply = self._await_reply(request_id, deadline)
+                _drain(self._socket())
+                stored += min(reply.n, size)
+                if reply.n < size:
+                    return PutResult(stored, _miss_reason(reply.reason) if reply.reason else MissReason.ERROR)
+            return PutResult(stored)
+        finally:
+            if not all(tracker.done for tracker in trackers):
+                # ZeroMQ may still read the payloads: close the socket so it lets go of them before we return.
+                self._drop_socket()
+                for tracker in trackers:
+                    try:
+                        tracker.wait(max(0.05, deadline.remaining()))
+                    except zmq.NotDone:
+                        logger.warning(
+                            "kvstore remote tier %s: a put's payloads outlived its socket", self.name
+                        )
+                        break
+
+    def _delete(self, run: KeyRun, deadline: Deadline) -> int:
+        return self._call_simple("delete", run, deadline).n
+
+    def _backend_stats(self) -> dict[str, Any]:
+        return {"endpoint": self.config.endpoint, "late_replies": self.late_replies}
+
+    def _close(self) -> None:
+        with self._sockets_lock:
+            self._sockets.clear()
+        self._context.destroy(linger=0)  # closes every thread's socket
+
+
+def _expect_more(sock: zmq.Socket[Any]) -> None:
+    if not sock.getsockopt(zmq.RCVMORE):
+        raise TierError("reply ended early")
+
+
+def _recv_frame(sock: zmq.Socket[Any]) -> bytes:
+    _expect_more(sock)
+    return sock.recv(zmq.NOBLOCK)
+
+
+def _drain(sock: zmq.Socket[Any]) -> None:
+    """Discard the rest of the current multipart message."""
+    while sock.getsockopt(zmq.RCVMORE):
+        sock.recv(zmq.NOBLOCK, copy=False)
+
+
+def _miss_reason(value: str | None) -> MissReason:
+    try:
+        return MissReason(value) if value else MissReason.ABSENT
+    except ValueError:
+        return MissReason.ERROR

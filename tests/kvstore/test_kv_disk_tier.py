@@ -1,0 +1,238 @@
+"""The disk tier: prefix lookups, exact reads, LRU by bytes, atomic writes, restarts, damaged files, a
+disk that refuses writes."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from kvtest import BLOCK, LAYOUT, NAMESPACE, OTHER_NAMESPACE, Blocks
+
+from kvstore.codec import HEADER_SIZE, BlockCodec
+from kvstore.config import DiskTierConfig
+from kvstore.results import MissReason
+from kvstore.tiers.disk import DiskTier
+
+FILE = HEADER_SIZE + BLOCK
+
+
+def disk(path: Path, blocks: int = 64, fsync: str = "never") -> DiskTier:
+    return DiskTier(DiskTierConfig(str(path), blocks * FILE, fsync=fsync))
+
+
+def block_file(tier: DiskTier, b: Blocks, i: int) -> Path:
+    return Path(tier._path(NAMESPACE + b.hashes[i])[1])
+
+
+def files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def test_prefix_lookup_and_exact_get(tmp_path: Path, make_blocks: Callable[..., Blocks]) -> None:
+    b = make_blocks(6)
+    tier = disk(tmp_path)
+    assert tier.put(b.run(0, 4), b.units(0, 4)).stored == 4
+    assert tier.contains_prefix(b.run()) == 4
+    assert tier.contains_prefix(b.run(1)) == 3
+    result = tier.get_into(b.run(), b.out_views, LAYOUT)
+    assert (result.loaded, result.reason) == (4, MissReason.ABSENT)
+    assert b.loaded(4)
+    # one file per block, in a shard folder under the namespace
+    assert block_file(tier, b, 0).parent.parent.name == NAMESPACE.hex()
+    assert len(files(tmp_path)) == 4
+
+
+def test_lru_eviction_by_bytes(tmp_path: Path, make_blocks: Callable[..., Blocks]) -> None:
+    b = make_blocks(5)
+    tier = disk(tmp_path, blocks=3)
+    tier.put(b.run(0, 3), b.units(0, 3))
+    tier.get_into(b.run(0, 1), b.out_views[:1], LAYOUT)  # touch block 0
+    tier.put(b.run(3, 5), b.units(3, 5))  # evicts 1, then 2
+    assert tier.keys_lru() == [NAMESPACE + b.hashes[i] for i in (0, 3, 4)]
+    assert not block_file(tier, b, 1).exists() and not block_file(tier, b, 2).exists()
+    assert tier.get_into(b.run(1, 2), b.out_views[:1], LAYOUT).reason is MissReason.EVICTED
+    stats = tier.stats()
+    assert stats.counter("evictions") == 2 and stats.backend["used_bytes"] == 3 * FILE
+
+
+def test_a_failed_rename_leaves_nothing_visible(
+    tmp_path: Path, make_blocks: Callable[..., Blocks], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = make_blocks(2)
+    tier = disk(tmp_path)
+
+    def no_rename(src: str, dst: str) -> None:
+        raise OSError(errno.EIO, "simulated failure between write and rename")
+
+    monkeypatch.setattr(os, "rename", no_rename)
+    result = tier.put(b.run(), b.units())
+    assert (result.stored, result.reason) == (0, MissReason.ERROR)
+    assert tier.contains_prefix(b.run()) == 0
+    assert files(tmp_path) == []  # the temp file is gone too
+    assert "EIO" in tier.stats().last_error
+
+
+def test_a_crash_between_write_and_rename(tmp_path: Path, make_blocks: Callable[..., Blocks]) -> None:
+    # A child process writes a block and dies (os._exit) in place of the rename: a real crash.
+    child = textwrap.dedent(
+        f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from kvtest import NAMESPACE, chain, LAYOUT
+        from kvstore.codec import BlockCodec
+        from kvstore.config import DiskTierConfig
+        from kvstore.keys import KeyRun
+        from kvstore.results import Unit
+        from kvstore.tiers.disk import DiskTier
+        tier = DiskTier(DiskTierConfig({str(tmp_path)!r}, 1 << 20))
+        hashes = chain(1)
+        codec = BlockCodec(NAMESPACE, LAYOUT)
+        payload = memoryview(bytes(LAYOUT.payload_nbytes))
+        os.rename = lambda src, dst: os._exit(17)
+        tier.put(KeyRun.of_chain(NAMESPACE, hashes), [Unit(payload, codec.header_of(hashes[0], payload))])
+        """
+    )
+    code = subprocess.run([sys.executable, "-c", child], timeout=60).returncode
+    assert code == 17
+    leftovers = files(tmp_path)
+    assert len(leftovers) == 1 and leftovers[0].name.endswith(".tmp")  # the crash left a partial write
+    tier = disk(tmp_path)  # the restart
+    assert tier.contains_prefix(make_blocks(1).run()) == 0
+    assert tier.discarded_on_start == 1 and files(tmp_path) == []
+
+
+def test_restart_rebuilds_the_index(tmp_path: Path, make_blocks: Callable[..., Blocks]) -> None:
+    b = make_blocks(4)
+    first = disk(tmp_path)
+    first.put(b.run(), b.units())
+    for i in range(4):  # distinct modification times, oldest first
+        os.utime(block_file(first, b, i), (1_700_000_000 + i, 1_700_000_000 + i))
+    first.close()
+    second = disk(tmp_path)
+    assert second.contains_prefix(b.run()) == 4
+    assert second.keys_lru() == [NAMESPACE + h for h in b.hashes]
+    assert second.get_into(b.run(), b.out_views, LAYOUT).loaded == 4 and b.loaded(4)
+    assert second.stats().backend["used_bytes"] == 4 * FILE
+
+
+def test_restart_discards_damaged_files_and_enforces_capacity(
+    tmp_path: Path, make_blocks: Callable[..., Blocks]
+) -> None:
+    b = make_blocks(5)
+    first = disk(tmp_path)
+    first.put(b.run(), b.units())
+    truncated, bad_header, misnamed = (block_file(first, b, i) for i in (1, 2, 3))
+    truncated.write_bytes(truncated.read_bytes()[: FILE // 2])
+    raw = bytearray(bad_header.read_bytes())
+    raw[0] ^= 0xFF
+    bad_header.write_bytes(bytes(raw))
+    misnamed.write_bytes(block_file(first, b, 4).read_bytes())  # block 4's bytes under block 3's name
+    (tmp_path / "not-ours.txt").write_text("left alone")
+    first.close()
+    second = disk(tmp_path, blocks=1)
+    assert second.discarded_on_start == 3
+    assert not truncated.exists() and not bad_header.exists() and not misnamed.exists()
+    assert second.stats().backend["blocks"] == 1  # of blocks 0 and 4, capacity keeps one
+    assert (tmp_path / "not-ours.txt").exists()
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        ("truncate", MissReason.TRUNCATED),
+        ("flip", MissReason.CORRUPT),
+        ("other_model", MissReason.WRONG_NAMESPACE),
+    ],
+)
+def test_a_damaged_file_is_a_miss_and_is_removed(
+    tmp_path: Path, make_blocks: Callable[..., Blocks], damage: str, reason: MissReason
+) -> None:
+    b = make_blocks(3)
+    tier = disk(tmp_path)
+    tier.put(b.run(), b.units())
+    path = block_file(tier, b, 1)
+    if damage == "truncate":
+        path.write_bytes(path.read_bytes()[:-10])
+    elif damage == "flip":
+        raw = bytearray(path.read_bytes())
+        raw[HEADER_SIZE + 100] ^= 0x04
+        path.write_bytes(bytes(raw))
+    else:
+        path.write_bytes(BlockCodec(OTHER_NAMESPACE, LAYOUT).encode(b.hashes[1], b.views[1]))
+    result = tier.get_into(b.run(), b.out_views, LAYOUT)
+    assert (result.loaded, result.reason) == (1, reason)
+    assert not path.exists() and tier.contains_prefix(b.run()) == 1
+    assert tier.stats().missed(reason) == 1
+
+
+def test_a_file_deleted_behind_its_back_is_absent(tmp_path: Path, make_blocks: Callable[..., Blocks]) -> None:
+    b = make_blocks(2)
+    tier = disk(tmp_path)
+    tier.put(b.run(), b.units())
+    block_file(tier, b, 0).unlink()
+    assert tier.get_into(b.run(), b.out_views, LAYOUT).reason is MissReason.ABSENT
+    assert tier.contains_prefix(b.run()) == 0
+
+
+def test_a_full_disk_is_counted_and_never_raises(
+    tmp_path: Path, make_blocks: Callable[..., Blocks], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = make_blocks(3)
+    tier = disk(tmp_path)
+    tier.put(b.run(0, 1), b.units(0, 1))
+
+    def full(fd: int, buffers: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "writev", full)
+    result = tier.put(b.run(1, 3), b.units(1, 3))
+    assert (result.stored, result.reason) == (0, MissReason.ERROR)
+    stats = tier.stats()
+    assert stats.put_failures == {"error": 2} and "ENOSPC" in stats.last_error
+    assert stats.breakers == {"read": "closed", "write": "open"}  # reads go on
+    assert [p.name for p in files(tmp_path)] == [block_file(tier, b, 0).name]  # no partial file left
+    assert tier.get_into(b.run(0, 1), b.out_views[:1], LAYOUT).loaded == 1
+    assert tier.put(b.run(1, 3), b.units(1, 3)).reason is MissReason.UNAVAILABLE  # skipped while open
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_folder_is_counted(tmp_path: Path, make_blocks: Callable[..., Blocks]) -> None:
+    b = make_blocks(1)
+    tier = disk(tmp_path)
+    tmp_path.chmod(0o555)
+    try:
+        assert tier.put(b.run(), b.units()).reason is MissReason.ERROR
+    finally:
+        tmp_path.chmod(0o755)
+
+
+@pytest.mark.parametrize(("policy", "expected"), [("never", 0), ("file", 2), ("always", 4)])
+def test_fsync_policy(
+    tmp_path: Path,
+    make_blocks: Callable[..., Blocks],
+    monkeypatch: pytest.MonkeyPatch,
+    policy: str,
+    expected: int,
+) -> None:
+    b = make_blocks(2)
+    tier = disk(tmp_path, fsync=policy)
+    calls: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real_fsync(fd)))
+    tier.put(b.run(), b.units())
+    assert len(calls) == expected  # per block: the file, then (always) its folder
+
+
+def test_read_returns_verified_units(tmp_path: Path, make_blocks: Callable[..., Blocks]) -> None:
+    b = make_blocks(3)
+    tier = disk(tmp_path)
+    tier.put(b.run(0, 2), b.units(0, 2))
+    read = tier.read(b.run())
+    assert [bytes(u.payload) for u in read.units] == [bytes(v) for v in b.views[:2]]
+    assert read.reason is MissReason.ABSENT

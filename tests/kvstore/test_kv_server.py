@@ -1,0 +1,263 @@
+"""The store server as a real process, reached through the ``remote:`` tier: round trips, garbage frames,
+a server that dies or stalls mid-run, restarts, and the ``pdkv kvstore`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+from kvtest import BLOCK, LAYOUT, NAMESPACE, Blocks, StoreServerProcess, wait_until
+
+from kvstore.breaker import BreakerConfig
+from kvstore.codec import BlockCodec
+from kvstore.config import RemoteTierConfig
+from kvstore.deadline import Deadline
+from kvstore.layout import BlockLayout
+from kvstore.protocol import decode_reply, encode_request
+from kvstore.results import MissReason, Unit
+from kvstore.store import KVStore
+from kvstore.tiers.base import TierPolicy
+from kvstore.tiers.remote import RemoteTier
+
+POLICY = TierPolicy(
+    lookup_timeout_s=0.5, get_timeout_s=1.0, put_timeout_s=1.0, breaker=BreakerConfig(cooldown_s=0.1)
+)
+
+StartServer = Callable[..., StoreServerProcess]
+
+
+@pytest.fixture
+def remote() -> Iterator[Callable[[str], RemoteTier]]:
+    tiers: list[RemoteTier] = []
+
+    def connect(endpoint: str) -> RemoteTier:
+        tier = RemoteTier(RemoteTierConfig(endpoint, timeout_s=1.0), policy=POLICY)
+        tiers.append(tier)
+        return tier
+
+    yield connect
+    for tier in tiers:
+        tier.close()
+
+
+def raw_request(endpoint: str, frames: list[bytes], timeout_ms: int = 2000) -> list[bytes]:
+    """Send frames on a fresh DEALER and return the reply frames."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart(frames)
+        assert sock.poll(timeout_ms), "the server did not answer"
+        return sock.recv_multipart()
+    finally:
+        sock.close()
+
+
+def test_put_get_lookup_through_the_remote_tier(
+    store_server: StartServer, remote: Callable[[str], RemoteTier], make_blocks: Callable[..., Blocks]
+) -> None:
+    server = store_server("cpu:64KiB")
+    tier = remote(server.endpoint)
+    b = make_blocks(40)
+    assert tier.ping()["server"] == "pdkv-kvstore"
+    assert tier.contains_prefix(b.run()) == 0
+    assert tier.put(b.run(0, 30), b.units(0, 30)).stored == 30  # two put requests on the wire
+    assert tier.contains_prefix(b.run()) == 30
+    result = tier.get_into(b.run(), b.out_views, LAYOUT)
+    assert (result.loaded, result.reason) == (30, MissReason.ABSENT) and b.loaded(30)
+    read = tier.read(b.run(28))
+    assert [bytes(u.payload) for u in read.units] == [bytes(v) for v in b.views[28:30]]
+    assert tier.delete(b.run(10, 12)) == 2 and tier.contains_prefix(b.run()) == 10
+    requests = tier.server_stats()["requests"]
+    assert requests["put"] == 2 and requests["lookup"] == 3
+
+
+def test_over_ipc_with_a_disk_tier(
+    store_server: StartServer,
+    remote: Callable[[str], RemoteTier],
+    make_blocks: Callable[..., Blocks],
+    tmp_path: Path,
+) -> None:
+    server = store_server(
+        f"cpu:{2 * BLOCK},disk:{tmp_path / 'disk'}:1MiB", bind=f"ipc://{tmp_path / 'kv.sock'}"
+    )
+    tier = remote(server.endpoint)
+    b = make_blocks(6)
+    assert tier.put(b.run(), b.units()).stored == 6
+    wait_until(lambda: len(list((tmp_path / "disk").rglob("*"))) >= 6 + 2, 5.0, "the write-down to disk")
+    assert tier.get_into(b.run(), b.out_views, LAYOUT).loaded == 6 and b.loaded(
+        6
+    )  # most from the server's disk
+
+
+def test_engines_with_different_layouts_share_one_server(store_server: StartServer) -> None:
+    server = store_server("cpu:1MiB")
+    bf16 = BlockLayout(2, 2, 8, 4, "bfloat16")
+    namespace = "ab" * 16
+    one = KVStore.open(f"remote:{server.endpoint}", namespace_id=namespace, layout=LAYOUT)
+    two = KVStore.open(f"remote:{server.endpoint}", namespace_id=namespace, layout=bf16)
+    try:
+        hashes = [bytes([i]) * 32 for i in range(3)]
+        assert one.put(hashes, [bytes([1]) * BLOCK] * 3).stored == 3
+        assert one.contains_prefix(hashes) == 3 and two.contains_prefix(hashes) == 0
+    finally:
+        one.close()
+        two.close()
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"not msgpack \xc1"],
+        [msgpack.packb([1, 2, 3])],
+        [msgpack.packb({"v": 1, "id": 7, "op": "format_disk"})],
+        [msgpack.packb({"v": 99, "id": 7, "op": "ping"})],
+        [
+            msgpack.packb(
+                {"v": 1, "id": 7, "op": "lookup", "ns": b"x", "start": 0, "hashes": [], "anchors": []}
+            )
+        ],
+        [b"x" * (2 << 20)],  # an oversized header frame
+        [msgpack.packb({"v": 1, "id": 7, "op": "ping"}), b"extra"],
+    ],
+)
+def test_garbage_gets_an_error_reply_and_the_server_keeps_serving(
+    store_server: StartServer, remote: Callable[[str], RemoteTier], frames: list[bytes]
+) -> None:
+    server = store_server()
+    reply = decode_reply(raw_request(server.endpoint, frames)[0])
+    assert not reply.ok and reply.error
+    assert remote(server.endpoint).ping()["protocol"] == 1
+
+
+def test_bad_puts_are_refused_block_by_block(
+    store_server: StartServer, remote: Callable[[str], RemoteTier], make_blocks: Callable[..., Blocks]
+) -> None:
+    server = store_server("cpu:1MiB", extra=("--max-blocks", "8"))
+    b = make_blocks(3)
+    codec = BlockCodec(NAMESPACE, LAYOUT)
+    run = b.run()
+    headers = [codec.header_of(h, v) for h, v in zip(b.hashes, b.views, strict=True)]
+    header_frame = encode_request(5, "put", run)
+    # block 1 carries block 2's header: blocks 0 is stored, the rest refused
+    frames = [header_frame, headers[0] + headers[2] + headers[2], *(bytes(v) for v in b.views)]
+    reply = decode_reply(raw_request(server.endpoint, frames)[0])
+    assert (reply.ok, reply.n, reply.reason) == (True, 1, "wrong_hash")
+    # a frame count that does not match the run
+    reply = decode_reply(raw_request(server.endpoint, [header_frame, b"".join(headers)])[0])
+    assert not reply.ok and "frames" in (reply.error or "")
+    # more blocks than the server accepts
+    big = make_blocks(9, salt=1)
+    reply = decode_reply(raw_request(server.endpoint, [encode_request(6, "lookup", big.run())])[0])
+    assert not reply.ok and "limit" in (reply.error or "")
+    tier = remote(server.endpoint)
+    assert tier.contains_prefix(run) == 1
+
+
+def test_corrupt_payloads_are_caught_by_readers_and_by_a_verifying_server(
+    store_server: StartServer, remote: Callable[[str], RemoteTier], make_blocks: Callable[..., Blocks]
+) -> None:
+    b = make_blocks(2)
+    codec = BlockCodec(NAMESPACE, LAYOUT)
+    header = codec.header_of(b.hashes[0], b.views[0])
+    flipped = bytearray(b.views[0])
+    flipped[7] ^= 1
+    for extra, stored in (((), 1), (("--verify-puts",), 0)):
+        server = store_server("cpu:1MiB", extra=extra)
+        tier = remote(server.endpoint)
+        result = tier.put(b.run(0, 1), [Unit(memoryview(bytes(flipped)), header)])
+        assert result.stored == stored
+        got = tier.get_into(b.run(0, 1), b.out_views[:1], LAYOUT)
+        assert got.loaded == 0 and got.reason in (MissReason.CORRUPT, MissReason.ABSENT)
+
+
+def test_a_killed_server_is_a_bounded_miss_and_is_reconnected_after_restart(
+    store_server: StartServer, remote: Callable[[str], RemoteTier], make_blocks: Callable[..., Blocks]
+) -> None:
+    server = store_server()
+    tier = remote(server.endpoint)
+    b = make_blocks(4)
+    tier.put(b.run(), b.units())
+    server.kill()
+    start = time.monotonic()
+    assert tier.contains_prefix(b.run(), Deadline.after(0.3)) == 0
+    assert tier.get_into(b.run(), b.out_views, LAYOUT, Deadline.after(0.3)).loaded == 0
+    assert tier.put(b.run(), b.units(), Deadline.after(0.3)).stored == 0
+    assert time.monotonic() - start < 2.5  # three calls of 0.3 s each, plus slack for a busy host
+    assert tier.stats().breakers["read"] != "closed"
+    server.start()  # the same endpoint, an empty store
+    wait_until(lambda: tier.put(b.run(), b.units()).stored == 4, 10.0, "the client to reconnect")
+    wait_until(lambda: tier.contains_prefix(b.run()) == 4, 10.0, "lookups to work again")
+    assert tier.get_into(b.run(), b.out_views, LAYOUT).loaded == 4 and b.loaded(4)
+
+
+def test_a_late_reply_is_recognised_and_dropped(
+    store_server: StartServer, remote: Callable[[str], RemoteTier], make_blocks: Callable[..., Blocks]
+) -> None:
+    server = store_server()
+    tier = remote(server.endpoint)
+    b = make_blocks(2)
+    tier.put(b.run(), b.units())
+    assert tier.contains_prefix(b.run()) == 2  # the lookup lane's socket is connected
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGSTOP)  # the request is delivered, the answer comes late
+    try:
+        assert tier.contains_prefix(b.run(), Deadline.after(0.2)) == 0
+        # the abandoned call gives up too before the server answers: its reply is late for certain
+        wait_until(lambda: not tier._lanes["lookup"].stuck(), 5.0, "the abandoned lookup to return")
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    tier.read_breaker.record_success()  # skip the cooldown
+    assert tier.contains_prefix(b.run()) == 2
+    assert tier.stats().backend["late_replies"] == 1
+
+
+def test_sigterm_stops_the_server_cleanly(store_server: StartServer) -> None:
+    server = store_server()
+    assert server.terminate() == 0
+
+
+def test_pdkv_kvstore_command_line(store_server: StartServer, capsys: pytest.CaptureFixture[str]) -> None:
+    from pdkv.commands import kvstore as command
+
+    parser = argparse.ArgumentParser(prog="pdkv")
+    command.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["kvstore", "serve", "--kv-store", "cpu:1MiB", "--bind", "tcp://127.0.0.1:0"])
+    assert args.kv_store == "cpu:1MiB" and args.func.__name__ == "_serve"
+    server = store_server()
+    args = parser.parse_args(["kvstore", "ping", "--connect", server.endpoint, "--stats"])
+    assert args.func(args) == 0
+    assert '"pdkv-kvstore"' in capsys.readouterr().out
+    server.kill()
+    args = parser.parse_args(["kvstore", "ping", "--connect", server.endpoint, "--timeout-ms", "200"])
+    assert args.func(args) == 1
+
+
+def test_two_engines_share_blocks_through_the_server(store_server: StartServer) -> None:
+    # The deployment the server exists for: each engine's stack is cpu,remote:...; what one engine
+    # saves, the other finds, loads and promotes into its own memory.
+    server = store_server("cpu:1MiB")
+    spec = f"cpu:{4 * BLOCK},remote:{server.endpoint}"
+    namespace = "cd" * 16
+    hashes = [bytes([i + 1]) * 32 for i in range(4)]
+    payloads = [bytes([i + 7]) * BLOCK for i in range(4)]
+    first = KVStore.open(spec, namespace_id=namespace, layout=LAYOUT)
+    second = KVStore.open(spec, namespace_id=namespace, layout=LAYOUT)
+    try:
+        assert first.put(hashes, payloads).stored == 4
+        assert first.drain(5.0)  # written down to the server in the background
+        assert second.contains_prefix(hashes) == 4
+        out = [bytearray(BLOCK) for _ in range(4)]
+        assert second.get_into(hashes, out).loaded == 4 and [bytes(o) for o in out] == payloads
+        assert second.stats().tier("cpu").counter("promotions") == 4
+        assert second.store.tiers[0].contains_prefix(second._run(hashes, 0)) == 4  # now in its memory
+    finally:
+        first.close()
+        second.close()
