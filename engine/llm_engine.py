@@ -142,8 +142,15 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        prior_output_token_ids: Sequence[int] = (),
     ) -> Request:
-        """Validate and queue one request.  Raises ValueError (naming the field) for bad input."""
+        """Validate and queue one request.  Raises ValueError (naming the field) for bad input.
+
+        ``prior_output_token_ids``: output tokens another engine already sampled and streamed as token ids
+        (a prefill node's first token).  They must end the prompt; ``sampling_params.max_tokens`` counts
+        only the tokens still to sample.  Their text comes out with this request's first output, and stop
+        strings see it, so the text continues exactly as on one engine.
+        """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if self.scheduler.get_request(request_id) is not None or request_id in self.output_processor:
@@ -152,6 +159,12 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         token_ids = self._prompt_token_ids(prompt)
+        prior = list(prior_output_token_ids)
+        if prior and (len(prior) >= len(token_ids) or token_ids[-len(prior) :] != prior):
+            raise ValueError(
+                "prior_output_token_ids must be the last tokens of the prompt, after at least one prompt "
+                f"token; got {prior} for a prompt of {len(token_ids)} tokens"
+            )
         if not params.ignore_eos and len(self.eos_token_ids) > 1:
             # The request tracks one EOS id; the model's other EOS ids stop it as stop tokens.
             extra = tuple(t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids)
@@ -168,7 +181,7 @@ class LLMEngine:
             kv_transfer_params=kv_transfer_params,
         )
         self.scheduler.add_request(request)
-        self.output_processor.add_request(request)
+        self.output_processor.add_request(request, prior)
         self._num_added += 1
         return request
 
@@ -211,6 +224,18 @@ class LLMEngine:
     def has_pending_work(self) -> bool:
         """Unfinished requests, or finished ones whose blocks a connector still holds for a reader."""
         return self.scheduler.has_pending_work()
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Step until no request is unfinished and no connector holds blocks (async saves written,
+        sends acknowledged), or ``timeout_s`` passes.  Returns whether the engine is idle."""
+        deadline = time.monotonic() + timeout_s
+        while self.has_pending_work():
+            if time.monotonic() >= deadline:
+                return False
+            self.step()
+            if not self.scheduler.has_unfinished_requests():
+                time.sleep(0.001)  # only connector work left: let its threads run instead of spinning
+        return True
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """The local prefix cache's events followed by the connector's own (its store tiers)."""

@@ -1,0 +1,340 @@
+"""``offload``: the engine's KV blocks in the tiered store (CPU, disk, Redis, a store server).
+
+Options::
+
+    {"kv_store": "cpu:4GiB,disk:/var/cache/pdkv:64GiB",   # kvstore's --kv-store string (required)
+     "lookup_timeout_s": 0.2,   # an unanswered lookup counts as zero hits after this long
+     "load_timeout_s": 5.0,     # a load that does not finish in time: its missing blocks are load errors
+     "save_timeout_s": 5.0}     # a save that does not finish in time is dropped (and counted)
+
+How the halves split the work:
+
+- scheduler half: ``get_num_new_matched_tokens`` asks the store, from ``request.block_hashes`` alone,
+  how many blocks past the local hit it holds.  The lookup runs off the step loop (``lookup_async``):
+  until the answer is in the call returns ``None`` ("ask next step"); past ``lookup_timeout_s`` it is
+  zero hits.  After allocation it remembers which blocks to load; each step it lists in the metadata the
+  loads and the blocks that became full (to save).
+- worker half: loads in ``start_load_kv``, before any layer reads the cache (blocks are stored whole,
+  all layers together, so one read per block; the store's read path writes straight into the block).
+  A block the store cannot return (evicted since the lookup, corrupt, another layout, a tier timing out)
+  is a load error: the engine recomputes from it.  Saves run on a background thread after the forward
+  (``wait_for_save`` only queues them), so they never stall the step; they are fenced: a preempted
+  request's saves finish in ``handle_preemptions`` before its blocks can be reused, and a finished
+  request with saves in flight is a delayed free until they are done (``finished_sending``).
+
+Both halves of one process use one store instance (``_SharedStores``): the store is the shared backend
+(as a store server would be); the halves still talk only through metadata and the worker's report.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from engine.hashing import BlockHash
+from engine.request import Request, RequestId
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.scheduler.output import SchedulerOutput
+    from kvstore.store import KVStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    kv_store: str = ""
+    lookup_timeout_s: float = 0.2
+    load_timeout_s: float = 5.0
+    save_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kv_store, str) or not self.kv_store:
+            raise ValueError(
+                "connector 'offload': option 'kv_store' must be a --kv-store string, e.g. 'cpu:1GiB'"
+            )
+        for name in ("lookup_timeout_s", "load_timeout_s", "save_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(
+                    f"connector 'offload': option {name!r} must be a positive number, got {value!r}"
+                )
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRun:
+    """Blocks ``[start, start + len(block_ids))`` of one request: engine block ids and their chain."""
+
+    request_id: RequestId
+    block_ids: list[int]
+    hashes: list[BlockHash]  # the request's chain from block 0 up to start + len(block_ids)
+    start: int
+
+
+@dataclass
+class OffloadMetadata(KVConnectorMetadata):
+    loads: list[BlockRun] = field(default_factory=list)
+    saves: list[BlockRun] = field(default_factory=list)
+
+
+class _SharedStores:
+    """One open ``KVStore`` per (config, namespace, layout) in a process, closed with its last user."""
+
+    _lock = threading.Lock()
+    _stores: dict[tuple[str, str, Any], tuple[KVStore, int]] = {}
+
+    @classmethod
+    def acquire(cls, spec: str, namespace_id: str, layout: Any) -> KVStore:
+        from kvstore.store import KVStore
+
+        key = (spec, namespace_id, layout)
+        with cls._lock:
+            store, users = cls._stores.get(key, (None, 0))
+            if store is None:
+                store = KVStore.open(spec, namespace_id=namespace_id, layout=layout)
+            cls._stores[key] = (store, users + 1)
+            return store
+
+    @classmethod
+    def release(cls, store: KVStore) -> None:
+        with cls._lock:
+            for key, (s, users) in list(cls._stores.items()):
+                if s is store:
+                    if users > 1:
+                        cls._stores[key] = (s, users - 1)
+                    else:
+                        del cls._stores[key]
+                        s.close()
+                    return
+
+
+@dataclass
+class _Lookup:
+    start: int
+    limit: int
+    future: Future[int]
+    deadline: float
+    answer: int | None = None
+
+
+class OffloadConnector(KVConnectorBase):
+    name = "offload"
+    Options = OffloadOptions
+
+    def __init__(
+        self, role: KVConnectorRole, context: ConnectorContext, options: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__(role, context, options)
+        from kvstore.layout import BlockLayout
+
+        spec = context.spec
+        self.layout = BlockLayout(
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.block_size,
+            str(spec.dtype).removeprefix("torch."),
+        )
+        self.store = _SharedStores.acquire(self.options.kv_store, context.namespace.namespace_id, self.layout)
+        self.block_size = context.block_size
+        # scheduler half
+        self._lookups: dict[RequestId, _Lookup] = {}
+        self._requests: dict[RequestId, Request] = {}
+        self._saved_upto: dict[RequestId, int] = {}
+        self._had_saves: set[RequestId] = set()
+        self._pending_loads: list[BlockRun] = []
+        self.num_lookup_timeouts = 0
+        # worker half
+        self._kv: torch.Tensor | None = None
+        self._saver: ThreadPoolExecutor | None = None
+        self._saves_in_flight: dict[RequestId, list[Future[Any]]] = {}
+        self._awaiting_release: set[RequestId] = set()
+        self._load_errors: set[int] = set()
+        self._metadata: OffloadMetadata | None = None
+        self.stats_counters = {
+            "blocks_loaded": 0,
+            "blocks_load_failed": 0,
+            "blocks_saved": 0,
+            "saves_failed": 0,
+        }
+
+    # ---------------------------------------------------------------- scheduler half
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        bs = self.block_size
+        start = num_computed_tokens // bs
+        limit = min(len(request.block_hashes), (request.num_tokens - 1) // bs)  # never the last token
+        if start >= limit:
+            return 0, False
+        rid = request.request_id
+        lookup = self._lookups.get(rid)
+        if lookup is None or (lookup.start, lookup.limit) != (start, limit):
+            # Asking again for the same range reuses the answer: repeated calls are idempotent.
+            future = self.store.lookup_async(
+                request.block_hashes[:limit], start, timeout_s=self.options.lookup_timeout_s
+            )
+            lookup = _Lookup(start, limit, future, time.monotonic() + self.options.lookup_timeout_s)
+            self._lookups[rid] = lookup
+        if lookup.answer is None:
+            if lookup.future.done():
+                try:
+                    lookup.answer = max(0, min(int(lookup.future.result()), limit - start))
+                except Exception:  # the store reports failures as misses; anything else is a miss too
+                    logger.exception("offload: lookup failed")
+                    lookup.answer = 0
+            elif time.monotonic() >= lookup.deadline:
+                self.num_lookup_timeouts += 1
+                lookup.answer = 0
+            else:
+                return None, False
+        return lookup.answer * bs, False
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        rid = request.request_id
+        bs = self.block_size
+        first = request.num_computed_tokens // bs
+        n = num_external_tokens // bs
+        if n:
+            self._pending_loads.append(
+                BlockRun(
+                    rid, list(block_ids[first : first + n]), list(request.block_hashes[: first + n]), first
+                )
+            )
+        self._lookups.pop(rid, None)
+        self._requests[rid] = request
+        # Blocks before this point are in the store already (loaded from it) or were local hits.
+        self._saved_upto[rid] = first + n
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = OffloadMetadata(
+            preempted_request_ids=list(scheduler_output.preempted_request_ids), loads=self._pending_loads
+        )
+        self._pending_loads = []
+        bs = self.block_size
+        for sr in scheduler_output.scheduled:
+            request = self._requests.get(sr.request_id)
+            if request is None:
+                continue
+            full = min((sr.start_position + sr.num_tokens) // bs, len(request.block_hashes))
+            start = self._saved_upto.get(sr.request_id, 0)
+            if full > start:
+                meta.saves.append(
+                    BlockRun(
+                        sr.request_id,
+                        list(sr.block_ids[start:full]),
+                        list(request.block_hashes[:full]),
+                        start,
+                    )
+                )
+                self._saved_upto[sr.request_id] = full
+                self._had_saves.add(sr.request_id)
+        for rid in scheduler_output.preempted_request_ids:
+            self._saved_upto.pop(rid, None)  # it comes back through update_state_after_alloc
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._lookups.pop(rid, None)
+        self._requests.pop(rid, None)
+        self._saved_upto.pop(rid, None)
+        had_saves = rid in self._had_saves
+        self._had_saves.discard(rid)
+        # Saves run in the background: its blocks stay ours until the worker says they are written.
+        return had_saves, None
+
+    # ---------------------------------------------------------------- worker half
+
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        self._kv = kv_cache
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-save")
+
+    def _blocks(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        assert self._kv is not None, "register_kv_caches was not called"
+        return [self._kv[b] for b in block_ids]  # each a contiguous [L, 2, bs, H, D] view, no copy
+
+    def handle_preemptions(self, metadata: KVConnectorMetadata) -> None:
+        for rid in metadata.preempted_request_ids:
+            self._wait_saves(rid)
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        assert isinstance(metadata, OffloadMetadata)
+        self._metadata = metadata
+        for run in metadata.loads:
+            result = self.store.get_into(
+                run.hashes, self._blocks(run.block_ids), run.start, timeout_s=self.options.load_timeout_s
+            )
+            self.stats_counters["blocks_loaded"] += result.loaded
+            failed = run.block_ids[result.loaded :]
+            if failed:
+                reason = result.reason.value if result.reason is not None else "unknown"
+                logger.warning(
+                    "offload: %d of %d blocks of %s not loaded (%s); recomputing them",
+                    len(failed),
+                    len(run.block_ids),
+                    run.request_id,
+                    reason,
+                )
+                self.stats_counters["blocks_load_failed"] += len(failed)
+                self._load_errors.update(failed)
+
+    def wait_for_save(self) -> None:
+        meta, self._metadata = self._metadata, None
+        if meta is None or not meta.saves:
+            return
+        assert self._saver is not None
+        for run in meta.saves:
+            future = self._saver.submit(self._save, run)
+            self._saves_in_flight.setdefault(run.request_id, []).append(future)
+
+    def _save(self, run: BlockRun) -> None:
+        result = self.store.put(
+            run.hashes, self._blocks(run.block_ids), run.start, timeout_s=self.options.save_timeout_s
+        )
+        self.stats_counters["blocks_saved"] += result.stored
+        if result.stored < len(run.block_ids):
+            self.stats_counters["saves_failed"] += len(run.block_ids) - result.stored
+
+    def _wait_saves(self, rid: RequestId) -> None:
+        futures = self._saves_in_flight.pop(rid, [])
+        if futures:
+            wait_futures(futures, timeout=self.options.save_timeout_s + 1.0)
+
+    def get_finished(self, finished_req_ids: set[RequestId]) -> tuple[set[RequestId], set[RequestId]]:
+        self._awaiting_release |= finished_req_ids
+        done: set[RequestId] = set()
+        for rid in list(self._awaiting_release):
+            futures = self._saves_in_flight.get(rid, [])
+            if all(f.done() for f in futures):
+                self._saves_in_flight.pop(rid, None)
+                self._awaiting_release.discard(rid)
+                done.add(rid)
+        return done, set()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ---------------------------------------------------------------- both
+
+    def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.shutdown(wait=True)
+            self._saver = None
+        if self.store is not None:
+            _SharedStores.release(self.store)
+            self.store = None  # type: ignore[assignment]
