@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from engine.hashing import BlockHash
@@ -89,8 +89,8 @@ class OffloadMetadata(KVConnectorMetadata):
 class _SharedStores:
     """One open ``KVStore`` per (config, namespace, layout) in a process, closed with its last user."""
 
-    _lock = threading.Lock()
-    _stores: dict[tuple[str, str, Any], tuple[KVStore, int]] = {}
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+    _stores: ClassVar[dict[tuple[str, str, Any], tuple[KVStore, int]]] = {}
 
     @classmethod
     def acquire(cls, spec: str, namespace_id: str, layout: Any) -> KVStore:
