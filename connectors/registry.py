@@ -21,6 +21,8 @@ BUILTINS: dict[str, str] = {
     "null": "connectors.null:NullConnector",
     "shared-dir": "connectors.shared_dir:SharedDirConnector",
     "multi": "connectors.multi:MultiConnector",
+    "offload": "connectors.offload:OffloadConnector",
+    "p2p": "connectors.p2p:P2PConnector",
 }
 
 
@@ -42,17 +44,46 @@ class KVConnectorConfig:
             raise ValueError(f"kv connector options must be a mapping, got {type(self.options).__name__}")
 
 
+BUILTIN_ORIGIN = "built-in"
+
+
+@dataclass(frozen=True)
+class ConnectorEntry:
+    """One connector the registry knows: its name, its ``module:Class`` target and where it comes from."""
+
+    name: str
+    target: str
+    origin: str  # BUILTIN_ORIGIN, or the distribution that provides the entry point
+
+
+def discover_entries() -> list[ConnectorEntry]:
+    """Built-ins (in registry order), then entry-point plugins by name.  A name defined twice is an error.
+
+    Nothing is imported: targets are strings until a connector is chosen.
+    """
+    found = {name: ConnectorEntry(name, target, BUILTIN_ORIGIN) for name, target in BUILTINS.items()}
+    plugins: list[ConnectorEntry] = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        dist = getattr(ep, "dist", None)
+        entry = ConnectorEntry(
+            ep.name, ep.value, dist.name if dist is not None else "an unknown distribution"
+        )
+        seen = found.get(ep.name)
+        if seen is not None:
+            if seen.target == entry.target and seen.origin == entry.origin:
+                continue  # the same distribution seen twice on sys.path (e.g. an editable install)
+            raise ValueError(
+                f"kv connector name {ep.name!r} is defined twice: {seen.target} ({seen.origin}) and "
+                f"{entry.target} (entry point of {entry.origin}); uninstall one or rename its entry point"
+            )
+        found[ep.name] = entry
+        plugins.append(entry)
+    return [found[name] for name in BUILTINS] + sorted(plugins, key=lambda e: e.name)
+
+
 def discover() -> dict[str, str]:
     """Every connector name known here -> its ``module:Class`` target.  Duplicates are an error."""
-    found = dict(BUILTINS)
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in found and found[ep.name] != ep.value:
-            raise ValueError(
-                f"kv connector name {ep.name!r} is defined twice: {found[ep.name]} and {ep.value} "
-                f"(entry point of {ep.dist.name if ep.dist else 'an unknown distribution'})"
-            )
-        found[ep.name] = ep.value
-    return found
+    return {e.name: e.target for e in discover_entries()}
 
 
 def _import_target(target: str) -> type[KVConnectorBase]:

@@ -1,7 +1,8 @@
 """``shared-dir``: KV blocks as files in a plain directory.  The connector to copy when writing your own.
 
-Options: ``{"path": "/some/dir"}`` (created if missing).  Any number of engines, in any number of
-processes, may share the directory: a block another engine saved is a hit here.
+Options: ``{"path": "/some/dir"}`` (created if missing; if it cannot be, lookups miss and saves are
+skipped with a warning: an engine still serves while the share is down).  Any number of engines, in any
+number of processes, may share the directory: a block another engine saved is a hit here.
 
 Layout on disk (one file per block, written atomically: temp file + rename, so a reader never sees a
 half-written block)::
@@ -67,7 +68,12 @@ class SharedDirConnector(KVConnectorBase):
     ) -> None:
         super().__init__(role, context, options)
         self.dir = Path(self.options.path) / context.namespace.namespace_id
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a share that is down costs hits, never the engine (contract rule 3)
+            logger.warning(
+                "shared-dir: cannot create %s (%s): every lookup misses until it can", self.dir, exc
+            )
         self.block_size = context.block_size
         # scheduler half
         self._requests: dict[RequestId, Request] = {}

@@ -12,7 +12,11 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-_SUBCOMMANDS = ("pdkv.commands.model",)
+_SUBCOMMANDS = (
+    "pdkv.commands.model",
+    "pdkv.commands.kvstore",
+    "pdkv.commands.connectors",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

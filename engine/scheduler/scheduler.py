@@ -95,6 +95,8 @@ class Scheduler:
         )
         self.running: list[Request] = []
         self.loading: dict[RequestId, Request] = {}
+        # Where each loading request's KV ends once its load lands (local hit + this load's tokens).
+        self._load_ends: dict[RequestId, int] = {}
         # Finished requests whose blocks the connector holds: request and the deadline to reclaim them.
         self.held: dict[RequestId, tuple[Request, float]] = {}
         self._reclaimed: set[RequestId] = set()
@@ -202,8 +204,9 @@ class Scheduler:
         for request in self.waiting.candidates():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if request.num_computed_tokens > 0:
-                # Back from an async load: it already holds its blocks up to num_computed_tokens.
+            if request.request_id in self.kv.req_to_blocks:
+                # Back from an async load: it already holds its blocks (up to num_computed_tokens, which is
+                # 0 if the first loaded block failed; the connector is not asked again for the same blocks).
                 hit, num_external, load_async = NO_HIT, 0, False
             else:
                 hit = self.kv.get_computed_blocks(request)
@@ -221,8 +224,10 @@ class Scheduler:
             if self.config.long_prefill_token_threshold:
                 num_new = min(num_new, self.config.long_prefill_token_threshold)
             if self.kv.allocate_slots(request, num_new, hit, num_external, delay_caching=load_async) is None:
-                if not self.running and not out.scheduled and not self.loading:
-                    # Alone with an empty pool and still no room: it can never run.
+                idle = not self.running and not out.scheduled and not self.loading and not self.held
+                if idle and not self._release_parked(request, out):
+                    # Alone with an empty pool (nothing held for a connector either) and still no room: it
+                    # can never run.
                     self._finish(request, RequestStatus.FINISHED_ERROR)
                     request.error = (
                         f"request needs more KV blocks than the cache has ({self.kv.pool.num_blocks} blocks "
@@ -242,6 +247,7 @@ class Scheduler:
             if load_async:
                 request.set_status(RequestStatus.WAITING_FOR_REMOTE_KV)
                 self.loading[request.request_id] = request
+                self._load_ends[request.request_id] = computed
                 continue
             request.num_computed_tokens = computed
             request.set_status(RequestStatus.RUNNING)
@@ -250,6 +256,25 @@ class Scheduler:
             self._emit(out, request, num_new)
             budget -= num_new
         self.waiting.passed_over(admitted)
+
+    def _release_parked(self, request: Request, out: SchedulerOutput) -> bool:
+        """Free the blocks of another request parked after its async load; False if there is none.
+
+        Called only when nothing runs, loads or is held, so every other block owner is a waiting request
+        back from an async load.  Two of those can fill the pool so that neither fits; the most recently
+        allocated one lets go, like a preemption (its loaded blocks stay in the prefix cache until reused).
+        """
+        parked = [rid for rid in self.kv.req_to_blocks if rid != request.request_id]
+        if not parked:
+            return False
+        victim = self.requests[parked[-1]]
+        assert victim.status == RequestStatus.WAITING, f"{victim} owns blocks while the engine is idle"
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted_request_ids.append(victim.request_id)
+        return True
 
     def _external_hit(self, request: Request, num_local: int) -> tuple[int | None, bool]:
         """Ask the connector; clamp an answer that breaks the contract (and say so) rather than crash."""
@@ -368,6 +393,7 @@ class Scheduler:
             self.waiting.remove(rid)
         elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
             self.loading.pop(rid, None)
+            self._load_ends.pop(rid, None)
         elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         request.set_status(status)
@@ -415,7 +441,9 @@ class Scheduler:
             return
         bs = self.kv.block_size
         ids = self.kv.req_to_block_ids.get(rid, [])
-        loaded_end = request.num_computed_tokens + request.num_external_computed_tokens
+        # Not num_external_computed_tokens: that records the first admission, and a request preempted
+        # after its first load may load again, a different number of tokens.
+        loaded_end = self._load_ends.pop(rid)
         first_bad = next((i for i, b in enumerate(ids) if b in self._failed_blocks), None)
         if first_bad is not None and first_bad * bs < loaded_end:
             self.num_load_failures += 1
@@ -489,7 +517,7 @@ class Scheduler:
         for rid in owners - expected:
             # Back from an async load, waiting to compute the rest: it keeps the blocks it loaded into.
             r = self.requests.get(rid)
-            assert r is not None and r.status == RequestStatus.WAITING and r.num_computed_tokens > 0, (
+            assert r is not None and r.status == RequestStatus.WAITING, (
                 f"blocks owned by {rid}, which is {r.status.name if r else 'finished'}"
             )
         assert expected <= owners, f"{sorted(expected - owners)} should hold blocks but hold none"

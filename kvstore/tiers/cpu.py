@@ -108,12 +108,16 @@ class CpuTier(Tier):
     # ---- lookups and reads -----------------------------------------------------------------------------
 
     def _contains_prefix(self, run: KeyRun, deadline: Deadline) -> int:
+        # A hit becomes most recently used: blocks a scheduler is about to load are the last this tier
+        # evicts, so a lookup's answer holds until the load (recency only; no entry is added or removed).
         index = self._index
         ns = run.namespace
         with self._lock:
             for i, block_hash in enumerate(run.hashes):
-                if ns + block_hash not in index:
+                key = ns + block_hash
+                if key not in index:
                     return i
+                index.move_to_end(key)
         return len(run)
 
     def _lease_run(self, run: KeyRun) -> tuple[list[_Entry], MissReason | None]:

@@ -57,15 +57,19 @@ def test_lru_eviction_order(make_blocks: Callable[..., Blocks]) -> None:
     tier = cpu(4)
     tier.put(b.run(0, 4), b.units(0, 4))
     assert tier.keys_lru() == [key(b, i) for i in range(4)]
-    assert tier.contains_prefix(b.run(0, 1)) == 1  # a lookup does not touch
-    assert tier.keys_lru() == [key(b, i) for i in range(4)]
-    tier.get_into(b.run(0, 1), b.out_views[:1], LAYOUT)  # a get does
-    assert tier.keys_lru() == [key(b, i) for i in (1, 2, 3, 0)]
-    tier.put(b.run(4, 6), b.units(4, 6))  # evicts 1 and 2, least recently used
-    assert tier.keys_lru() == [key(b, i) for i in (3, 0, 4, 5)]
+    tier.get_into(b.run(1, 2), b.out_views[:1], LAYOUT)  # a get touches
+    assert tier.keys_lru() == [key(b, i) for i in (0, 2, 3, 1)]
+    # A lookup's hits touch too: the blocks a scheduler is about to load are evicted last.
+    assert tier.contains_prefix(b.run(0, 1)) == 1
+    assert tier.keys_lru() == [key(b, i) for i in (2, 3, 1, 0)]
+    tier.get_into(b.run(1, 2), b.out_views[:1], LAYOUT)
+    assert tier.keys_lru() == [key(b, i) for i in (2, 3, 0, 1)]
+    tier.put(b.run(4, 6), b.units(4, 6))  # evicts 2 and 3, least recently used
+    assert tier.keys_lru() == [key(b, i) for i in (0, 1, 4, 5)]
     stats = tier.stats()
     assert stats.counter("evictions") == 2
     assert stats.backend["used_bytes"] == 4 * BLOCK and stats.backend["allocated_bytes"] == 4 * BLOCK
+
 
 
 def test_evicted_and_absent_are_told_apart(make_blocks: Callable[..., Blocks]) -> None:

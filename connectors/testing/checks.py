@@ -1,0 +1,449 @@
+"""The contract checks.  Each takes the target and an empty directory, drives real engines, and raises
+``ConformanceError("[contract item] what happened")`` on a violation (``NotApplicable`` when it needs a
+hook the target does not give).
+
+Most checks start the same way: engine A, with the connector, generates the kit's prompts (saving their
+KV), then a fresh engine B with the same backend works from what A left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from connectors.testing.harness import (
+    ABORT_LEAK,
+    DELAYED_FREE,
+    EXACT_MULTIPLE,
+    EXPIRED_LEAK,
+    FINISHED_ONCE,
+    LOAD_ERRORS,
+    LOADS,
+    LONG_PROMPT,
+    LOOKUP,
+    NONE_ANSWER,
+    PARAMS,
+    PREEMPT_LEAK,
+    PROMPTS,
+    UNREACHABLE,
+    WHOLE_BLOCKS,
+    ConformanceError,
+    KitEngine,
+    NotApplicable,
+    engine_config,
+    max_hit_tokens,
+    reference,
+)
+from connectors.testing.target import ConformanceTarget
+from engine.outputs import GenerationOutput
+from engine.sampling_params import SamplingParams
+
+LONG_PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+# The engine's reclaim timeout when the kit checks that the connector itself ends its delayed frees.
+LONG_RECLAIM_S = 600.0
+
+
+# -- shared steps -----------------------------------------------------------------------------------------
+
+
+def _expect_outputs(
+    item: str, outs: Sequence[GenerationOutput], ref: Sequence[Sequence[int]], who: str
+) -> None:
+    for i, (out, want) in enumerate(zip(outs, ref, strict=True)):
+        if out.finish_reason == "error":
+            raise ConformanceError(item, f"{who}: prompt {i} ended with an error: {out.error}")
+        if out.token_ids != list(want):
+            raise ConformanceError(
+                item,
+                f"{who}: prompt {i} ({len(out.prompt_token_ids)} tokens, {out.num_external_tokens} of them "
+                f"from the connector) generated {out.token_ids}; without a connector the engine generates "
+                f"{list(want)}, so the KV the connector provided is not the prompt's",
+            )
+
+
+def _save(
+    target: ConformanceTarget, shared: Path, item: str, *, snapshot: bool = False, **options: Any
+) -> dict[bytes, Any]:
+    """Engine A generates the kit's prompts with the connector; returns A's prompt blocks if asked."""
+    with KitEngine(target, target.config(shared), item=item, engine_id="kit-a", **options) as a:
+        _expect_outputs(item, a.generate(PROMPTS), reference(target, PROMPTS), "engine A (saving)")
+        a.drain(target.send_deadline_s, "engine A, after generating")
+        blocks: dict[bytes, Any] = {}
+        if snapshot:
+            for prompt in PROMPTS:
+                hashes = a.block_hashes(prompt)
+                for h in hashes[: max_hit_tokens(len(prompt), len(hashes), a.block_size) // a.block_size]:
+                    blocks[h] = a.cached_block_bytes(h)
+        return blocks
+
+
+def _check_answers(item: str, kit: KitEngine) -> None:
+    """Every lookup the spy saw answered whole blocks within the request's hashed prefix, or None."""
+    bs = kit.block_size
+    for lk in kit.scheduler_spy.lookups:
+        answer = lk.answer
+        if answer is None:
+            continue
+        call = (
+            f"get_num_new_matched_tokens(request of {lk.num_tokens} tokens, num_computed_tokens="
+            f"{lk.num_computed_tokens}) answered {answer!r}"
+        )
+        if not isinstance(answer, int) or isinstance(answer, bool) or answer < 0:
+            raise ConformanceError(item, f"{call}: the answer must be a non-negative int, or None")
+        if not isinstance(lk.load_async, bool):
+            raise ConformanceError(item, f"{call} with load_async={lk.load_async!r}: it must be a bool")
+        if answer % bs:
+            raise ConformanceError(item, f"{call}: not a whole number of {bs}-token blocks")
+        limit = max_hit_tokens(lk.num_tokens, lk.num_block_hashes, bs) - lk.num_computed_tokens
+        if answer > limit:
+            why = (
+                "it covers the request's last token, which must be computed to produce the logits"
+                if lk.num_computed_tokens + answer >= lk.num_tokens
+                else "it reaches past the request's hashed blocks"
+            )
+            raise ConformanceError(item, f"{call}: {why}; at most {max(0, limit)} tokens may come from it")
+
+
+# -- the checks -------------------------------------------------------------------------------------------
+
+
+def check_lookups_are_idempotent(target: ConformanceTarget, shared: Path) -> None:
+    """Asking again gives the same answer, and asking changes nothing: not what the engine later loads,
+    not what another engine is told."""
+    item = LOOKUP
+    _save(target, shared, item)
+    ref = reference(target, PROMPTS)
+    with KitEngine(target, target.config(shared), item=item, engine_id="kit-b") as b:
+        rids = [b.add(p) for p in PROMPTS]
+        baseline = []
+        for i, rid in enumerate(rids):
+            first = b.lookup_answer(rid, 0)
+            again = [b.lookup_answer(rid, 0) for _ in range(3)]
+            if any(a != first for a in again):
+                raise ConformanceError(
+                    item,
+                    f"prompt {i}: get_num_new_matched_tokens(request, 0) answered {first}, then {again} for "
+                    "the same request: it may be asked again (after a failed allocation, after preemption) "
+                    "and must give the same answer",
+                )
+            baseline.append(first)
+        ghost = b.add(PROMPTS[0])  # asked about, then aborted before it was ever scheduled
+        b.lookup_answer(ghost, 0)
+        b.abort(ghost)
+        outs = b.wait(rids)
+        _expect_outputs(item, outs, ref, "engine B (after repeated lookups)")
+        for i, (out, asked) in enumerate(zip(outs, baseline, strict=True)):
+            limit = max_hit_tokens(len(PROMPTS[i]), len(b.block_hashes(PROMPTS[i])), b.block_size)
+            offered = min(asked - asked % b.block_size, limit)
+            if out.num_external_tokens != offered:
+                raise ConformanceError(
+                    item,
+                    f"prompt {i}: lookups answered {asked} before the request was scheduled, then the engine "
+                    f"got {out.num_external_tokens} external tokens for it: the earlier lookups changed what "
+                    "the connector provides",
+                )
+    with KitEngine(target, target.config(shared), item=item, engine_id="kit-c") as c:
+        for i, prompt in enumerate(PROMPTS):
+            rid = c.add(prompt)
+            now = c.lookup_answer(rid, 0)
+            if now < baseline[i]:
+                raise ConformanceError(
+                    item,
+                    f"prompt {i}: a fresh engine is now offered {now} tokens where engine B was offered "
+                    f"{baseline[i]}: looking up (or loading) consumed what the backend holds",
+                )
+            c.abort(rid)
+
+
+def check_whole_block_hits(target: ConformanceTarget, shared: Path) -> None:
+    """Answers are whole blocks, contiguous from the first block past ``num_computed_tokens``, and leave
+    the last prompt token to be computed, even when every block of the prompt was saved."""
+    item = WHOLE_BLOCKS
+    _save(target, shared, item)
+    with KitEngine(target, target.config(shared), item=item, engine_id="kit-b") as b:
+        bs = b.block_size
+        rids = [b.add(p) for p in PROMPTS]
+        answers = {(rid, nc): b.lookup_answer(rid, nc) for rid in rids for nc in (0, bs, 2 * bs)}
+        _check_answers(item, b)
+        for i, rid in enumerate(rids):
+            whole, after_one = answers[(rid, 0)], answers[(rid, bs)]
+            if whole >= bs and after_one != whole - bs:
+                raise ConformanceError(
+                    item,
+                    f"prompt {i}: {whole} tokens are offered from block 0 but {after_one} from block 1; hits "
+                    "are contiguous from the first block past num_computed_tokens",
+                )
+        exact = PROMPTS[EXACT_MULTIPLE]
+        full = answers[(rids[EXACT_MULTIPLE], 0)]
+        if target.provides_hits and full != len(exact) - bs:
+            raise ConformanceError(
+                item,
+                f"a {len(exact)}-token prompt ({len(exact) // bs} full blocks, all saved by engine A) is "
+                f"offered {full} tokens; expected {len(exact) - bs}: every block but the one holding the "
+                "last token",
+            )
+        b.wait(rids)
+        _check_answers(item, b)  # the engine's own lookups, too
+
+
+def check_none_is_followed_by_an_answer(target: ConformanceTarget, shared: Path) -> None:
+    """A lookup may answer None ("still looking") while its backend works; a number must follow within
+    ``lookup_deadline_s``, and the request then runs normally."""
+    item = NONE_ANSWER
+    _save(target, shared, item)
+    ref = reference(target, PROMPTS)
+    with KitEngine(target, target.config(shared), item=item, engine_id="kit-b") as b:
+        # Every step loop of the kit fails a request told None for longer than lookup_deadline_s.
+        rids = [b.add(p) for p in PROMPTS]
+        b.wait(rids, deadline_s=target.lookup_deadline_s + 60)
+        _expect_outputs(item, [b.results[r] for r in rids], ref, "engine B")
+
+
+def check_loads_reproduce_saved_kv(target: ConformanceTarget, shared: Path) -> None:
+    """Engine B loads every block but the tail's from the connector, byte for byte what engine A computed,
+    computes only the tail, and generates what an engine without a connector generates."""
+    item = LOADS
+    saved = _save(target, shared, item, snapshot=True)
+    with KitEngine(target, target.config(shared), item=item, engine_id="kit-b") as b:
+        import torch
+
+        bs = b.block_size
+        rids = [b.add(p) for p in PROMPTS]
+        outs = b.wait(rids)
+        _expect_outputs(item, outs, reference(target, PROMPTS), "engine B (loading)")
+        if not target.provides_hits:
+            loaded = [o.num_external_tokens for o in outs]
+            if any(loaded):
+                raise ConformanceError(item, f"provides_hits=False, yet engine B loaded {loaded} tokens")
+            return
+        failures = b.engine.stats().scheduler.num_load_failures
+        if failures:
+            raise ConformanceError(item, f"{failures} loads failed although nothing was damaged")
+        for i, (rid, out) in enumerate(zip(rids, outs, strict=True)):
+            n = len(PROMPTS[i])
+            hashes = b.block_hashes(PROMPTS[i])
+            want = max_hit_tokens(n, len(hashes), bs)
+            if (out.num_cached_tokens, out.num_external_tokens) != (0, want):
+                raise ConformanceError(
+                    item,
+                    f"prompt {i} ({n} tokens, every full block saved by engine A): engine B took "
+                    f"{out.num_external_tokens} tokens from the connector and computed "
+                    f"{out.num_computed_prompt_tokens}; expected {want} from the connector and only the "
+                    f"{n - want}-token tail computed",
+                )
+            alloc = b.scheduler_spy.first_load(rid)
+            assert alloc is not None, "kit bug: a load without update_state_after_alloc"
+            first = alloc.num_computed_tokens // bs
+            for j in range(first, first + out.num_external_tokens // bs):
+                got, expected = b.block_bytes(alloc.block_ids[j]), saved[hashes[j]]
+                if not torch.equal(got, expected):
+                    ndiff = int((got != expected).sum())
+                    raise ConformanceError(
+                        item,
+                        f"prompt {i}, block {j}: {ndiff} of {expected.numel()} bytes engine B loaded differ "
+                        "from the block engine A computed and saved",
+                    )
+
+
+def check_load_errors_are_reported(target: ConformanceTarget, shared: Path) -> None:
+    """After ``corrupt(shared)``, damaged blocks are load errors (the engine recomputes) or misses: no
+    exception, no failed request, correct outputs, and nothing damaged left in the local cache."""
+    if target.corrupt is None:
+        raise NotApplicable("the target gives no corrupt(shared) hook")
+    item = LOAD_ERRORS
+    _save(target, shared, item)
+    target.corrupt(shared)
+    ref = reference(target, PROMPTS)
+    with KitEngine(target, target.config(shared), item=item, engine_id="kit-b") as b:
+        outs = b.generate(PROMPTS)
+        for i, out in enumerate(outs):
+            if out.finish_reason == "error":
+                raise ConformanceError(
+                    item,
+                    f"prompt {i} failed ({out.error}): a damaged block must be reported through "
+                    "get_block_ids_with_load_errors (the engine then recomputes from it), not raised",
+                )
+        _expect_outputs(item, outs, ref, "engine B (damaged backend)")
+        loaded = sum(o.num_external_tokens for o in outs)
+        if loaded and not b.engine.stats().scheduler.num_load_failures:
+            raise ConformanceError(
+                item,
+                f"after corrupt(), engine B loaded {loaded} tokens and reported no load error: a damaged "
+                "block must be detected (a checksum) and reported, or be a miss",
+            )
+        _expect_outputs(item, b.generate(PROMPTS), ref, "engine B, second run (from its local cache)")
+        b.drain(target.send_deadline_s, "engine B, after the failed loads")
+        b.assert_no_leak("failed loads")
+
+
+def check_request_finished_exactly_once(target: ConformanceTarget, shared: Path) -> None:
+    """Every request, however it ends (length, stop token, abort while waiting or running, an abort after
+    it finished), gets one ``request_finished`` returning ``(bool, dict or None)``, and the worker reports
+    each delayed free's ``finished_sending`` once."""
+    item = FINISHED_ONCE
+    _save(target, shared, item)
+    stop_token = reference(target, PROMPTS[2:3])[0][2]
+    with KitEngine(target, target.config(shared), item=item, engine_id="kit-b") as b:
+        waiting = b.add(PROMPTS[0])
+        b.abort(waiting)
+        stopped = b.add(PROMPTS[2], dataclasses.replace(PARAMS, stop_token_ids=(stop_token,)))
+        normal = [b.add(PROMPTS[1]), b.add(PROMPTS[3])]
+        running = b.add(LONG_PROMPT, LONG_PARAMS)
+        b.step()
+        b.abort(running)
+        b.abort(running)  # a second abort is a no-op
+        b.wait([stopped, *normal])
+        for rid in normal:
+            b.abort(rid)  # after it finished: a no-op, or the end of a delayed free
+        b.drain(target.send_deadline_s, "engine B, after every request ended")
+        spy = b.scheduler_spy
+        for rid in (waiting, stopped, *normal, running):
+            if spy.finished[rid] != 1:
+                raise ConformanceError(item, f"request_finished ran {spy.finished[rid]} times for {rid}")
+            result = spy.finish_results[rid]
+            ok = (
+                isinstance(result, tuple)
+                and len(result) == 2
+                and isinstance(result[0], bool)
+                and (result[1] is None or isinstance(result[1], dict))
+            )
+            if not ok:
+                raise ConformanceError(
+                    item, f"request_finished returned {result!r}; it must be (delay_free: bool, dict or None)"
+                )
+        twice = sorted(r for r, n in b.worker_spy.finished_sending.items() if n > 1)
+        if twice:
+            raise ConformanceError(item, f"finished_sending listed {twice} more than once")
+
+
+def check_no_leak_after_abort(target: ConformanceTarget, shared: Path) -> None:
+    """Aborts while waiting, mid-prefill, loading (just admitted with a hit), decoding and after finishing
+    leave every block free once the connector's work is done."""
+    item = ABORT_LEAK
+    _save(target, shared, item)
+    with KitEngine(
+        target, target.config(shared), item=item, engine_id="kit-b", long_prefill_token_threshold=8
+    ) as b:
+        waiting = b.add(PROMPTS[0])
+        b.abort(waiting)
+        prefill = b.add(LONG_PROMPT, LONG_PARAMS)  # 40 fresh tokens, 8 per step
+        loading = b.add(PROMPTS[1], LONG_PARAMS)
+        decoding = b.add(PROMPTS[2], LONG_PARAMS)
+        finished = b.add(PROMPTS[3])
+        scheduler = b.engine.scheduler
+        # Abort each as soon as it is in its state: the long prompt with its first chunk computed, the
+        # saved one as soon as it has blocks (loading, if the connector loads asynchronously).
+        ready = {
+            prefill: lambda: b.request(prefill).num_computed_tokens > 0,
+            loading: lambda: loading in scheduler.kv.req_to_blocks,
+        }
+
+        def abort_when_ready() -> bool:
+            for rid, is_ready in list(ready.items()):
+                if is_ready():
+                    if rid == prefill:
+                        computed = b.request(prefill).num_computed_tokens
+                        assert computed < len(LONG_PROMPT), "kit bug: not mid-prefill"
+                    b.abort(rid)
+                    del ready[rid]
+            return not ready
+
+        b.step_until(abort_when_ready, 30.0, "requests were never admitted")
+        b.step_until(
+            lambda: bool(b.results[decoding].token_ids), 30.0, "the decoding request produced no token"
+        )
+        b.abort(decoding)
+        b.wait([finished])
+        b.abort(finished)
+        b.drain(target.send_deadline_s, "engine B, after the aborts")
+        b.assert_no_leak("aborts in every state")
+
+
+def check_no_leak_after_preemption(target: ConformanceTarget, shared: Path) -> None:
+    """With a pool too small for the batch, requests are preempted (their blocks reused) while the
+    connector loads and saves; outputs stay exact and every block comes back."""
+    item = PREEMPT_LEAK
+    _save(target, shared, item)
+    ref = reference(target, PROMPTS, LONG_PARAMS)
+    with KitEngine(target, target.config(shared), item=item, engine_id="kit-b", num_blocks=12) as b:
+        outs = b.generate(PROMPTS, LONG_PARAMS)
+        assert b.engine.stats().scheduler.num_preemptions > 0, "kit bug: nothing was preempted"
+        _expect_outputs(item, outs, ref, "engine B (preempting)")
+        b.drain(target.send_deadline_s, "engine B, after the preemptions")
+        b.assert_no_leak("preemptions")
+
+
+def check_delayed_free_ends_with_finished_sending(target: ConformanceTarget, shared: Path) -> None:
+    """A connector that delays a free (``delay_free=True``) lists the request in ``finished_sending``
+    within ``send_deadline_s``.  The engine's reclaim timeout is set far above that: relying on it fails."""
+    item = DELAYED_FREE
+    reclaim_s = max(LONG_RECLAIM_S, 100 * target.send_deadline_s)
+    with KitEngine(
+        target, target.config(shared), item=item, engine_id="kit-a", kv_delay_free_timeout_s=reclaim_s
+    ) as a:
+        _expect_outputs(item, a.generate(PROMPTS), reference(target, PROMPTS), "engine A")
+        a.drain(target.send_deadline_s, "engine A, after generating")
+        a.assert_no_leak("the delayed frees")
+
+
+def check_no_leak_after_expired_delayed_free(target: ConformanceTarget, shared: Path) -> None:
+    """With a reclaim timeout shorter than any send, the engine reclaims delayed frees and tells the
+    connector (``KVConnectorOutput.reclaimed``); the connector copes, and nothing leaks."""
+    item = EXPIRED_LEAK
+    _save(target, shared, item, kv_delay_free_timeout_s=0.001)
+    ref = reference(target, PROMPTS)
+    with KitEngine(
+        target, target.config(shared), item=item, engine_id="kit-b", kv_delay_free_timeout_s=0.001
+    ) as b:
+        for run in ("first", "second"):
+            _expect_outputs(item, b.generate(PROMPTS), ref, f"engine B ({run} run)")
+            b.drain(target.send_deadline_s, f"engine B, after the {run} run")
+            b.assert_no_leak(f"the {run} run's delayed frees expired")
+
+
+def check_unreachable_backend(target: ConformanceTarget, shared: Path) -> None:
+    """With the backend unreachable, an engine starts and generates correct outputs within
+    ``unreachable_deadline_s``, with zero external tokens."""
+    if target.unreachable_factory is None:
+        raise NotApplicable("the target gives no unreachable_factory(shared) hook")
+    item = UNREACHABLE
+    config = target.unreachable_config(shared)
+    ref = reference(target, PROMPTS)
+    engine_config(target, "kit-unreachable")  # the model is written before the clock starts
+    deadline = target.unreachable_deadline_s
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            with KitEngine(target, config, item=item, engine_id="kit-unreachable") as b:
+                box["outs"] = b.generate(PROMPTS, deadline_s=deadline)
+        except BaseException as exc:
+            box["error"] = exc
+
+    _run_with_deadline(work, deadline, item, f"engine start + {len(PROMPTS)} short prompts")
+    if "error" in box:
+        error = box["error"]
+        if isinstance(error, ConformanceError):
+            raise error
+        raise ConformanceError(item, f"raised {error!r}") from error
+    outs = box["outs"]
+    _expect_outputs(item, outs, ref, "engine with the backend down")
+    loaded = [o.num_external_tokens for o in outs]
+    if any(loaded):
+        raise ConformanceError(item, f"an unreachable backend provided {loaded} tokens")
+
+
+def _run_with_deadline(work: Callable[[], None], deadline_s: float, item: str, what: str) -> None:
+    # A daemon thread: if a call hangs on the backend, the check still ends (the thread is abandoned).
+    thread = threading.Thread(target=work, name="pdkv-conformance-unreachable", daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    if thread.is_alive():
+        raise ConformanceError(
+            item,
+            f"with the backend unreachable, {what} did not finish within {deadline_s:g}s: some call waited "
+            "on the backend without a bound (a backend that does not answer in time counts as zero hits)",
+        )

@@ -1,0 +1,366 @@
+"""The kit's workbench: a tiny random model, fixed prompts, and engines whose connector halves are spied on.
+
+Every engine runs the same tiny Llama (written once per process into a temporary folder), on the CPU in
+float32 with 4-token blocks unless the target says otherwise, so a check takes milliseconds.  Prompts
+are fixed: their lengths cover a partial last block and an exact multiple of the block size.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from connectors.base import ConnectorContext, KVConnectorRole
+from connectors.registry import KVConnectorConfig, create_connector
+from connectors.testing.spy import SchedulerSpy, WorkerSpy
+from connectors.testing.target import ConformanceTarget
+from engine.engine_config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model.make_model import TinyLlamaSpec, make_model
+from engine.outputs import GenerationOutput
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+# Wide weights (init_std 0.2) spread the logits, so greedy decoding has no near-ties and outputs compare
+# exactly whether a prefix was loaded or computed: over the kit's prompts and 12 generated tokens, the
+# top-2 logit gap never falls below 0.017 (float32 rounding moves logits by ~1e-6).
+KIT_MODEL_SPEC = TinyLlamaSpec(
+    layers=2,
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    vocab=300,
+    intermediate_size=128,
+    max_position_embeddings=256,
+    init_std=0.2,
+    seed=0,
+)
+BLOCK_SIZE = 4
+MAX_TOKENS = 6
+PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _prompts(lengths: Sequence[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        # A distinct first token per prompt: no two prompts share a block, so no local prefix hits.
+        out.append([seed % 50 + i] + [rng.randrange(256) for _ in range(n - 1)])
+    return out
+
+
+# 18 and 23: a partial last block; 16: an exact multiple of the block size (the last token is the last
+# token of a full block); 11 and 9 short ones.
+PROMPTS = _prompts((18, 16, 11, 23, 9), seed=1)
+EXACT_MULTIPLE = 1  # index of the 16-token prompt
+LONG_PROMPT = _prompts((40,), seed=101)[0]  # never saved by anyone: always computed
+
+
+# The contract items, as failure messages name them ("[item] what happened").
+LOOKUP = "idempotent, side-effect-free lookups"
+WHOLE_BLOCKS = "whole-block prefix hits, never the last token"
+NONE_ANSWER = "None means 'ask again', and an answer follows in bounded time"
+LOADS = "loads reproduce the saved KV bit for bit"
+LOAD_ERRORS = "load errors are reported, not raised"
+FINISHED_ONCE = "request_finished exactly once"
+ABORT_LEAK = "no block leaked after an abort"
+PREEMPT_LEAK = "no block leaked after preemption"
+DELAYED_FREE = "a delayed free ends with finished_sending, in bounded time"
+EXPIRED_LEAK = "no block leaked after an expired delayed free"
+UNREACHABLE = "an unreachable backend costs bounded time and gives zero hits"
+
+
+class ConformanceError(AssertionError):
+    """A contract item the connector under test violates.  The message starts with ``[item]``."""
+
+    def __init__(self, item: str, detail: str) -> None:
+        super().__init__(f"[{item}] {detail}")
+        self.item = item
+
+
+class NotApplicable(Exception):
+    """The check needs a hook the target does not give (the suite reports it as skipped)."""
+
+
+@functools.cache
+def kit_model_dir() -> Path:
+    """The kit's tiny model, written once per process."""
+    root = Path(tempfile.mkdtemp(prefix="pdkv-conformance-"))
+    atexit.register(shutil.rmtree, root, True)
+    return make_model(root / "kit-llama", KIT_MODEL_SPEC)
+
+
+def engine_config(target: ConformanceTarget | None, engine_id: str, **options: Any) -> EngineConfig:
+    base: dict[str, Any] = {"device": "cpu", "dtype": "float32", "block_size": BLOCK_SIZE, "num_blocks": 64}
+    if target is not None:
+        base.update(target.engine_options)
+    base.update(options)
+    return EngineConfig(model=kit_model_dir(), engine_id=engine_id, **base)
+
+
+@functools.cache
+def _context(config: EngineConfig) -> ConnectorContext:
+    """What the engine would tell its connector: built from a probe engine with no connector."""
+    probe = LLMEngine(config)
+    return ConnectorContext(probe.namespace, probe.kv_spec, engine_id=config.engine_id)
+
+
+class KitEngine:
+    """An ``LLMEngine`` running the connector under test behind spies; steps with deadlines.
+
+    Every failure that is the connector's fault surfaces as a ``ConformanceError`` naming ``item``.
+    """
+
+    def __init__(
+        self,
+        target: ConformanceTarget,
+        connector: KVConnectorConfig,
+        *,
+        item: str,
+        engine_id: str,
+        **options: Any,
+    ) -> None:
+        self.item = item
+        self.lookup_deadline_s = target.lookup_deadline_s
+        config = engine_config(target, engine_id, **options)
+        context = _context(config)
+        try:
+            self.scheduler_spy = SchedulerSpy(create_connector(connector, KVConnectorRole.SCHEDULER, context))
+            self.worker_spy = WorkerSpy(create_connector(connector, KVConnectorRole.WORKER, context))
+            self.engine = LLMEngine(config, connectors=(self.scheduler_spy, self.worker_spy))
+        except Exception as exc:
+            raise ConformanceError(item, f"building an engine with {connector} raised {exc!r}") from exc
+        self.block_size = self.engine.kv_spec.block_size
+        self.results: dict[str, GenerationOutput] = {}
+        self._ids = 0
+
+    def __enter__(self) -> KitEngine:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            self.engine.shutdown()
+        except Exception as err:
+            if exc is None:
+                raise ConformanceError(self.item, f"connector shutdown() raised {err!r}") from err
+
+    # -- requests -----------------------------------------------------------------------------------------
+
+    def add(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams = PARAMS,
+        *,
+        cache_salt: str | None = None,
+    ) -> str:
+        rid = f"{self.engine.config.engine_id}-{self._ids}"
+        self._ids += 1
+        self.engine.add_request(rid, prompt, params, cache_salt=cache_salt)
+        self.results[rid] = GenerationOutput(rid, list(prompt))
+        return rid
+
+    def request(self, rid: str) -> Request:
+        request = self.engine.scheduler.get_request(rid)
+        assert request is not None, f"kit bug: {rid} is not in the engine"
+        return request
+
+    def abort(self, rid: str) -> None:
+        out = self._guard(lambda: self.engine.abort_request(rid), f"abort_request({rid!r})")
+        if out is not None:
+            self.results[rid].add(out)
+
+    def lookup(self, rid: str, num_computed_tokens: int = 0) -> tuple[int | None, bool]:
+        """Ask the connector directly (through the spy) about a request that is still waiting."""
+        request = self.request(rid)
+        return self._guard(
+            lambda: self.scheduler_spy.get_num_new_matched_tokens(request, num_computed_tokens),
+            "get_num_new_matched_tokens",
+        )
+
+    def lookup_answer(self, rid: str, num_computed_tokens: int = 0) -> int:
+        """Ask until the answer is not ``None`` (an async lookup still running); fail past the deadline."""
+        end = time.monotonic() + self.lookup_deadline_s
+        asks = 0
+        while True:
+            answer, _ = self.lookup(rid, num_computed_tokens)
+            asks += 1
+            if answer is not None:
+                return answer
+            if time.monotonic() > end:
+                raise ConformanceError(
+                    NONE_ANSWER,
+                    f"get_num_new_matched_tokens answered None {asks} times over {self.lookup_deadline_s:g}s "
+                    "for one request: None means 'ask again next step', and an answer must follow in "
+                    "bounded time",
+                )
+            time.sleep(0.001)  # poll: the connector's async lookup runs on its own
+
+    # -- stepping -----------------------------------------------------------------------------------------
+
+    def _guard(self, fn: Callable[[], Any], what: str) -> Any:
+        try:
+            return fn()
+        except ConformanceError:
+            raise
+        except Exception as exc:
+            raise ConformanceError(
+                self.item,
+                f"{what} raised {exc!r}: a connector reports problems, it never raises into the engine",
+            ) from exc
+
+    def step(self) -> int:
+        """One engine step; returns how many outputs it produced."""
+        outs = self._guard(self.engine.step, "engine.step()")
+        for out in outs:
+            self.results[out.request_id].add(out)
+        return len(outs)
+
+    def wait(self, rids: Sequence[str], *, deadline_s: float = 60.0) -> list[GenerationOutput]:
+        """Step until every request in ``rids`` finished."""
+
+        def done() -> bool:
+            return all(self.results[r].finish_reason is not None for r in rids)
+
+        if not self.step_until(done, deadline_s):
+            late = [r for r in rids if self.results[r].finish_reason is None]
+            raise ConformanceError(self.item, f"requests {late} did not finish within {deadline_s:g}s")
+        return [self.results[r] for r in rids]
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams = PARAMS, *, deadline_s: float = 60.0
+    ) -> list[GenerationOutput]:
+        return self.wait([self.add(p, params) for p in prompts], deadline_s=deadline_s)
+
+    def step_until(self, done: Callable[[], bool], deadline_s: float, what: str = "") -> bool:
+        """Step until ``done()``; False if the deadline passed first (``what`` set: raise instead)."""
+        end = time.monotonic() + deadline_s
+        while not done():
+            if time.monotonic() > end:
+                if what:
+                    raise ConformanceError(self.item, what)
+                return False
+            if self.step() == 0:
+                time.sleep(0.0005)  # nothing advanced: an async load or send is in flight elsewhere
+            self._check_lookups_progress()
+        return True
+
+    def _check_lookups_progress(self) -> None:
+        """No request may be told ``None`` ("still looking") for longer than the lookup deadline."""
+        spy, now = self.scheduler_spy, time.monotonic()
+        for rid, asked in spy.first_asked.items():
+            if (
+                rid not in spy.first_answered
+                and now - asked > self.lookup_deadline_s
+                and self.engine.scheduler.get_request(rid) is not None  # not aborted meanwhile
+            ):
+                asks = len(spy.lookups_of(rid))
+                raise ConformanceError(
+                    NONE_ANSWER,
+                    f"{rid} was asked {asks} times over {now - asked:.1f}s and answered None every time "
+                    f"(the deadline is {self.lookup_deadline_s:g}s): a lookup that never finishes stalls "
+                    "its request forever",
+                )
+
+    def drain(self, deadline_s: float, what: str) -> None:
+        """Step until no request is unfinished and no block is held for the connector.
+
+        Blocks still held past the deadline are the connector's doing: it returned ``delay_free=True``
+        and never listed the request in ``finished_sending``.
+        """
+        if self.step_until(lambda: not self.engine.has_pending_work(), deadline_s):
+            return
+        held = sorted(self.engine.scheduler.held)
+        if held and not self.engine.has_unfinished_requests():
+            raise ConformanceError(
+                DELAYED_FREE,
+                f"{what}: {len(held)} finished requests ({', '.join(held)}) still hold their blocks "
+                f"{deadline_s:g}s after request_finished returned delay_free=True; the worker must list "
+                "them in get_finished()'s finished_sending once its sends are done (the engine's reclaim "
+                "after kv_delay_free_timeout_s is a safety net for a lost peer, not the protocol)",
+            )
+        raise ConformanceError(self.item, f"{what}: work still pending after {deadline_s:g}s")
+
+    # -- books --------------------------------------------------------------------------------------------
+
+    def assert_no_leak(self, after: str) -> None:
+        scheduler = self.engine.scheduler
+        try:
+            scheduler.check_integrity()
+        except AssertionError as exc:
+            raise ConformanceError(
+                self.item, f"after {after}, the block books do not balance: {exc}"
+            ) from exc
+        if scheduler.held or scheduler.loading:
+            raise ConformanceError(
+                self.item,
+                f"after {after}, blocks are still held for {sorted(scheduler.held)} and loading for "
+                f"{sorted(scheduler.loading)}",
+            )
+        free, total = scheduler.kv.num_free_blocks, scheduler.kv.pool.num_blocks
+        if free != total:
+            raise ConformanceError(
+                self.item, f"after {after}, {total - free} of {total} blocks are still in use"
+            )
+
+    def block_hashes(self, prompt: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
+        probe = Request("kit-probe", prompt, PARAMS, namespace=self.engine.namespace, cache_salt=cache_salt)
+        return list(probe.block_hashes)
+
+    def cached_block_bytes(self, block_hash: bytes) -> Any:
+        """A copy of the KV of the block cached locally under ``block_hash`` (a torch uint8 tensor)."""
+        import torch
+
+        block = self.engine.scheduler.kv.pool.get_cached_block(block_hash)  # type: ignore[arg-type]
+        assert block is not None, "kit bug: the block is no longer in the engine's prefix cache"
+        return self.block_bytes(block.block_id).clone().view(torch.uint8)
+
+    def block_bytes(self, block_id: int) -> Any:
+        import torch
+
+        return self.engine.runner.kv_cache[block_id].view(torch.uint8)
+
+
+def max_hit_tokens(prompt_len: int, num_hashes: int, block_size: int) -> int:
+    """Whole blocks, never the last token: the most a connector may offer for a fresh request."""
+    return min(num_hashes, (prompt_len - 1) // block_size) * block_size
+
+
+@functools.cache
+def _reference(
+    prompts: tuple[tuple[int, ...], ...], params: SamplingParams, options: tuple[tuple[str, Any], ...]
+) -> tuple[tuple[int, ...], ...]:
+    engine = LLMEngine(engine_config(None, "kit-reference", **dict(options)))
+    out = []
+    for i, prompt in enumerate(prompts):  # one at a time: nothing shared, nothing preempted
+        rid = f"ref-{i}"
+        engine.add_request(rid, list(prompt), params)
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                tokens.extend(o.new_token_ids)
+        out.append(tuple(tokens))
+    return tuple(out)
+
+
+def reference(
+    target: ConformanceTarget, prompts: Sequence[Sequence[int]], params: SamplingParams = PARAMS
+) -> list[list[int]]:
+    """Greedy outputs of an engine with no connector: what every connector run must reproduce."""
+    options = tuple(sorted(_output_options(target.engine_options).items()))
+    ref = _reference(tuple(tuple(p) for p in prompts), params, options)
+    return [list(t) for t in ref]
+
+
+def _output_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The target's engine options that may change outputs (device, dtype), not just the pool's size."""
+    return {k: v for k, v in options.items() if k not in ("num_blocks", "kv_delay_free_timeout_s")}

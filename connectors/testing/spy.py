@@ -1,0 +1,165 @@
+"""Recording proxies around the connector halves under test: every call is passed through unchanged.
+
+The kit builds the halves itself (``connectors.registry.create_connector``) and hands the engine these
+proxies, so it can check what the engine cannot: what each lookup answered, how often
+``request_finished`` ran for each request, what the worker reported.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput
+from engine.kv_events import KVCacheEvent
+from engine.request import Request, RequestId
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.scheduler.output import SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """One ``get_num_new_matched_tokens`` call and its answer, with the request as it was then."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_tokens: int
+    num_block_hashes: int
+    answer: Any  # what the connector returned, unchecked (an int, None, or a contract violation)
+    load_async: Any
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Alloc:
+    """One ``update_state_after_alloc`` call: the block table and where the external tokens sit in it."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int  # the local hit: the external tokens start here
+    num_external_tokens: int
+
+
+class _Proxy(KVConnectorBase):
+    def __init__(self, inner: KVConnectorBase) -> None:
+        # No super().__init__: the options were validated when ``inner`` was built.
+        self.inner = inner
+        self.role = inner.role
+        self.context = inner.context
+        self.options = inner.options
+        self.__dict__["name"] = inner.name  # the engine's log lines name the connector under test
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
+class SchedulerSpy(_Proxy):
+    def __init__(self, inner: KVConnectorBase) -> None:
+        super().__init__(inner)
+        self.lookups: list[Lookup] = []
+        self.allocs: list[Alloc] = []
+        self.finished: Counter[str] = Counter()
+        self.finish_results: dict[str, tuple[Any, Any]] = {}
+        self.reclaimed: set[str] = set()
+        # When each request was first asked about, and first got a number (not None) back.
+        self.first_asked: dict[str, float] = {}
+        self.first_answered: dict[str, float] = {}
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        answer, load_async = self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
+        rid, now = request.request_id, time.monotonic()
+        self.lookups.append(
+            Lookup(
+                rid,
+                num_computed_tokens,
+                request.num_tokens,
+                len(request.block_hashes),
+                answer,
+                load_async,
+                now,
+            )
+        )
+        self.first_asked.setdefault(rid, now)
+        if answer is not None:
+            self.first_answered.setdefault(rid, now)
+        return answer, load_async
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        self.allocs.append(
+            Alloc(request.request_id, tuple(block_ids), request.num_computed_tokens, num_external_tokens)
+        )
+        self.inner.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.inner.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self.reclaimed |= output.reclaimed
+        self.inner.update_connector_output(output)
+
+    def request_finished(
+        self, request: Request, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self.finished[request.request_id] += 1
+        result = self.inner.request_finished(request, block_ids)
+        self.finish_results[request.request_id] = result
+        return result
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.inner.take_events()
+
+    def lookups_of(self, request_id: str) -> list[Lookup]:
+        return [lk for lk in self.lookups if lk.request_id == request_id]
+
+    def first_load(self, request_id: str) -> Alloc | None:
+        """The allocation that placed the request's external tokens (an async load has a second one)."""
+        return next(
+            (a for a in self.allocs if a.request_id == request_id and a.num_external_tokens > 0), None
+        )
+
+
+class WorkerSpy(_Proxy):
+    def __init__(self, inner: KVConnectorBase) -> None:
+        super().__init__(inner)
+        self.finished_sending: Counter[str] = Counter()
+        self.finished_recving: Counter[str] = Counter()
+        self.load_errors: set[int] = set()
+
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        self.inner.register_kv_caches(kv_cache)
+
+    def handle_preemptions(self, metadata: KVConnectorMetadata) -> None:
+        self.inner.handle_preemptions(metadata)
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        self.inner.start_load_kv(metadata)
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        self.inner.wait_for_layer_load(layer)
+
+    def save_kv_layer(self, layer: int, kv_cache: torch.Tensor, attn_metadata: Any) -> None:
+        self.inner.save_kv_layer(layer, kv_cache, attn_metadata)
+
+    def wait_for_save(self) -> None:
+        self.inner.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[RequestId]) -> tuple[set[RequestId], set[RequestId]]:
+        sending, recving = self.inner.get_finished(finished_req_ids)
+        self.finished_sending.update(sending)
+        self.finished_recving.update(recving)
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors = self.inner.get_block_ids_with_load_errors()
+        self.load_errors |= errors
+        return errors

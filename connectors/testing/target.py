@@ -1,0 +1,79 @@
+"""What the conformance kit needs from a plugin author: a config factory, and optional hooks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from connectors.registry import KVConnectorConfig
+
+# ``factory(shared) -> config``: the connector pointed at a backend rooted at ``shared`` (a fresh, empty
+# directory per check).  Two engines built from configs for the same ``shared`` must share the backend.
+ConfigFactory = Callable[[Path], KVConnectorConfig]
+
+# EngineConfig fields the kit sets itself; a target's ``engine_options`` may not override them.
+_KIT_OWNED = frozenset({"model", "kv_connector", "engine_id"})
+
+
+@dataclass(frozen=True)
+class ConformanceTarget:
+    """A connector under test.
+
+    ``factory``              ``shared -> KVConnectorConfig`` (see ``ConfigFactory``).
+    ``unreachable_factory``  ``shared -> KVConnectorConfig`` for a backend that cannot be reached (a dead
+                             address, a path that cannot be a directory).  Enables the bounded-time check.
+    ``corrupt``              ``shared -> None``: damage every block stored under ``shared`` (flip bytes,
+                             truncate).  Enables the load-error check.
+    ``provides_hits``        False for a connector that never loads (e.g. ``null``): the load checks then
+                             require zero external tokens instead of a full prefix hit.
+    ``lookup_deadline_s``    how long a lookup may answer ``None`` before it must give a number.
+    ``send_deadline_s``      how long after a request finished a delayed free may last: the connector
+                             must report ``finished_sending`` by then (the engine's reclaim timeout is set
+                             far above it, so relying on the reclaim fails the check).
+    ``unreachable_deadline_s``  engine start + generating the kit's prompts with the backend down.
+    ``engine_options``       extra ``EngineConfig`` fields (e.g. ``{"device": "cuda"}``).  The kit runs
+                             on the CPU in float32 with ``block_size=4`` unless told otherwise.
+    """
+
+    factory: ConfigFactory
+    unreachable_factory: ConfigFactory | None = None
+    corrupt: Callable[[Path], None] | None = None
+    provides_hits: bool = True
+    lookup_deadline_s: float = 5.0
+    send_deadline_s: float = 5.0
+    unreachable_deadline_s: float = 10.0
+    engine_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not callable(self.factory):
+            raise TypeError("ConformanceTarget.factory must be callable: shared_dir -> KVConnectorConfig")
+        for name in ("unreachable_factory", "corrupt"):
+            hook = getattr(self, name)
+            if hook is not None and not callable(hook):
+                raise TypeError(f"ConformanceTarget.{name} must be callable or None")
+        for name in ("lookup_deadline_s", "send_deadline_s", "unreachable_deadline_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(
+                    f"ConformanceTarget.{name} must be a positive number of seconds, got {value!r}"
+                )
+        owned = sorted(_KIT_OWNED & set(self.engine_options))
+        if owned:
+            raise ValueError(f"ConformanceTarget.engine_options may not set {owned[0]!r}: the kit sets it")
+
+    def config(self, shared: Path) -> KVConnectorConfig:
+        return _checked(self.factory(shared), "factory")
+
+    def unreachable_config(self, shared: Path) -> KVConnectorConfig:
+        assert self.unreachable_factory is not None
+        return _checked(self.unreachable_factory(shared), "unreachable_factory")
+
+
+def _checked(config: object, hook: str) -> KVConnectorConfig:
+    if not isinstance(config, KVConnectorConfig):
+        raise TypeError(
+            f"ConformanceTarget.{hook} must return a KVConnectorConfig, got {type(config).__name__}"
+        )
+    return config

@@ -1,0 +1,221 @@
+"""Connectors for testing the conformance kit itself, named in a config by their ``module:Class`` path
+(``"tests.kit_connectors:LastTokenConnector"``).
+
+Each broken one is ``shared-dir`` with one thing done wrong, to prove the kit fails it.
+``AsyncSharedDirConnector`` conforms but takes every slow path the contract allows, to prove the kit
+passes it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from connectors.base import ConnectorContext, KVConnectorMetadata, KVConnectorRole
+from connectors.shared_dir import SharedDirConnector, SharedDirMetadata
+from engine.request import Request, RequestId
+
+if TYPE_CHECKING:
+    from engine.scheduler.output import SchedulerOutput
+
+
+class LastTokenConnector(SharedDirConnector):
+    """Offers every saved block, including the one that holds the prompt's last token."""
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        bs = self.block_size
+        n = 0
+        for h in request.block_hashes[num_computed_tokens // bs :]:  # bug: no "- 1" on the last token
+            if not self._file(h).is_file():
+                break
+            n += 1
+        return n * bs, False
+
+
+class ShrinkingLookupConnector(SharedDirConnector):
+    """Each lookup of the same request offers one block fewer (a per-request "hit budget")."""
+
+    def __init__(
+        self, role: KVConnectorRole, context: ConnectorContext, options: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__(role, context, options)
+        self._asked: Counter[str] = Counter()
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        n, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        penalty = self._asked[request.request_id] * self.block_size
+        self._asked[request.request_id] += 1
+        return max(0, (n or 0) - penalty), load_async
+
+
+class ClaimingLookupConnector(SharedDirConnector):
+    """Claims what it finds: the matched block files are renamed to ``*.taken`` (its own loads read them
+    there).  The same request gets the same answer again -- but every other engine now misses."""
+
+    def __init__(
+        self, role: KVConnectorRole, context: ConnectorContext, options: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__(role, context, options)
+        self._answers: dict[tuple[str, int], int] = {}
+
+    def _file(self, block_hash: bytes) -> Path:
+        path = super()._file(block_hash)
+        taken = path.with_suffix(".taken")
+        return taken if self.role == KVConnectorRole.WORKER and taken.exists() else path
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        key = (request.request_id, num_computed_tokens)
+        if key not in self._answers:
+            n, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
+            first = num_computed_tokens // self.block_size
+            for h in request.block_hashes[first : first + (n or 0) // self.block_size]:
+                path = self._file(h)
+                os.replace(path, path.with_suffix(".taken"))
+            self._answers[key] = n or 0
+        return self._answers[key], False
+
+
+class NeverAnswersConnector(SharedDirConnector):
+    """An async lookup that never completes: ``None`` forever."""
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return None, False
+
+
+class PerturbingLoadConnector(SharedDirConnector):
+    """Loads, then flips the lowest bit of each loaded block's first byte: a near-copy, not the saved KV."""
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        super().start_load_kv(metadata)
+        assert isinstance(metadata, SharedDirMetadata)
+        for block_id, _ in metadata.loads:
+            view = self._block_bytes(block_id)
+            view[0] ^= 1
+
+
+class RaisingLoadConnector(SharedDirConnector):
+    """Raises on a damaged block instead of reporting it."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors = super().get_block_ids_with_load_errors()
+        if errors:
+            raise RuntimeError(f"blocks {sorted(errors)} are damaged")
+        return errors
+
+
+class TrustingLoadConnector(SharedDirConnector):
+    """Copies a block file's payload without checking it: damage is loaded as if it were KV."""
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        from kvstore.codec import HEADER_SIZE
+
+        assert isinstance(metadata, SharedDirMetadata)
+        self._metadata = metadata
+        for block_id, block_hash in metadata.loads:
+            payload = self._file(block_hash).read_bytes()[HEADER_SIZE:]
+            view = self._block_bytes(block_id)
+            view[: len(payload)] = payload
+
+
+class NeverSendsConnector(SharedDirConnector):
+    """Delays every free (as if sending the blocks to a peer) and never reports ``finished_sending``: its
+    blocks come back only when the engine's reclaim deadline passes."""
+
+    def request_finished(
+        self, request: Request, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        super().request_finished(request, block_ids)
+        return True, {"peer": "nowhere"}
+
+
+class SlowConnectConnector(SharedDirConnector):
+    """Its first lookup waits ``connect_s`` (default 1 s) for a backend that never answers, longer than the
+    kit's deadline in the test."""
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if not getattr(self, "_gave_up", False):
+            threading.Event().wait(1.0)  # stands for a connect() with a long timeout
+            self._gave_up = True
+        return 0, False
+
+
+@dataclass
+class AsyncMetadata(SharedDirMetadata):
+    load_requests: list[RequestId] = field(default_factory=list)  # whose blocks are in ``loads``
+    sends: list[RequestId] = field(default_factory=list)  # finished requests whose free was delayed
+
+
+class AsyncSharedDirConnector(SharedDirConnector):
+    """Conforms, the slow way: every first lookup of a request answers None ("still looking"), hits load
+    asynchronously (the request waits in WAITING_FOR_REMOTE_KV), and every free is delayed.  Loads and
+    sends started in one step are reported one step later, like transfers in flight."""
+
+    def __init__(
+        self, role: KVConnectorRole, context: ConnectorContext, options: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__(role, context, options)
+        # scheduler half
+        self._asked: set[str] = set()
+        self._load_requests: list[RequestId] = []
+        self._sends: list[RequestId] = []
+        # worker half: started this step / to report at the next get_finished
+        self._started: tuple[set[RequestId], set[RequestId]] = (set(), set())
+        self._in_flight: tuple[set[RequestId], set[RequestId]] = (set(), set())
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if request.request_id not in self._asked:
+            self._asked.add(request.request_id)
+            return None, False
+        n, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return n, bool(n)
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        super().update_state_after_alloc(request, block_ids, num_external_tokens)
+        if num_external_tokens:
+            self._load_requests.append(request.request_id)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        assert isinstance(meta, SharedDirMetadata)
+        out = AsyncMetadata(
+            meta.preempted_request_ids, meta.loads, meta.saves, self._load_requests, self._sends
+        )
+        self._load_requests, self._sends = [], []
+        return out
+
+    def request_finished(
+        self, request: Request, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        super().request_finished(request, block_ids)
+        self._asked.discard(request.request_id)
+        self._sends.append(request.request_id)
+        return True, None
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        assert isinstance(metadata, AsyncMetadata)
+        super().start_load_kv(metadata)  # the bytes land now; the report comes one step later
+        self._in_flight = self._started
+        self._started = (set(metadata.sends), set(metadata.load_requests))
+
+    def get_finished(self, finished_req_ids: set[RequestId]) -> tuple[set[RequestId], set[RequestId]]:
+        done, self._in_flight = self._in_flight, (set(), set())
+        return done

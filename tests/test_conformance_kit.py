@@ -1,0 +1,196 @@
+"""The conformance kit can fail: each deliberately broken connector (tests/kit_connectors.py) is
+flagged by the check for the contract item it breaks, with a message naming that item."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from connectors.registry import KVConnectorConfig
+from connectors.testing import (
+    CHECKS,
+    ConformanceError,
+    ConformanceTarget,
+    check_delayed_free_ends_with_finished_sending,
+    check_load_errors_are_reported,
+    check_loads_reproduce_saved_kv,
+    check_lookups_are_idempotent,
+    check_no_leak_after_expired_delayed_free,
+    check_none_is_followed_by_an_answer,
+    check_unreachable_backend,
+    check_whole_block_hits,
+    conformance_suite,
+)
+from connectors.testing import checks as kit
+from tests.test_conformance_builtins import corrupt_block_files, unreachable
+
+
+def broken(name: str, **hooks: Any) -> ConformanceTarget:
+    def factory(shared: Path) -> KVConnectorConfig:
+        return KVConnectorConfig(f"tests.kit_connectors:{name}", {"path": str(shared / "kv")})
+
+    return ConformanceTarget(factory, **hooks)
+
+
+def same_backend(name: str) -> Any:
+    return lambda shared: KVConnectorConfig(f"tests.kit_connectors:{name}", {"path": str(shared / "kv")})
+
+
+CASES = [
+    (
+        "LastTokenConnector",
+        {},
+        check_whole_block_hits,
+        kit.WHOLE_BLOCKS,
+        "last token",
+    ),
+    ("ShrinkingLookupConnector", {}, check_lookups_are_idempotent, kit.LOOKUP, "must give the same answer"),
+    (
+        "ClaimingLookupConnector",
+        {},
+        check_lookups_are_idempotent,
+        kit.LOOKUP,
+        "consumed what the backend holds",
+    ),
+    (
+        "NeverAnswersConnector",
+        {"lookup_deadline_s": 0.2},
+        check_none_is_followed_by_an_answer,
+        kit.NONE_ANSWER,
+        "answered None",
+    ),
+    (
+        "PerturbingLoadConnector",
+        {},
+        check_loads_reproduce_saved_kv,
+        kit.LOADS,
+        "bytes engine B loaded differ",
+    ),
+    (
+        "RaisingLoadConnector",
+        {"corrupt": corrupt_block_files},
+        check_load_errors_are_reported,
+        kit.LOAD_ERRORS,
+        "not raised",
+    ),
+    (
+        "TrustingLoadConnector",
+        {"corrupt": corrupt_block_files},
+        check_load_errors_are_reported,
+        kit.LOAD_ERRORS,
+        "reported no load error",
+    ),
+    (
+        "NeverSendsConnector",
+        {"send_deadline_s": 0.2},
+        check_delayed_free_ends_with_finished_sending,
+        kit.DELAYED_FREE,
+        "finished_sending",
+    ),
+    (
+        "SlowConnectConnector",
+        {"unreachable_factory": same_backend("SlowConnectConnector"), "unreachable_deadline_s": 0.3},
+        check_unreachable_backend,
+        kit.UNREACHABLE,
+        "did not finish within 0.3s",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "hooks", "check", "item", "fragment"), CASES, ids=[case[0] for case in CASES]
+)
+def test_the_kit_flags_each_broken_connector(
+    tmp_path: Path, name: str, hooks: dict[str, Any], check: Any, item: str, fragment: str
+) -> None:
+    with pytest.raises(ConformanceError) as info:
+        check(broken(name, **hooks), tmp_path)
+    assert info.value.item == item
+    assert str(info.value).startswith(f"[{item}] ")
+    assert fragment in str(info.value), str(info.value)
+
+
+TestAsyncSharedDir = conformance_suite(
+    same_backend("AsyncSharedDirConnector"),
+    corrupt=corrupt_block_files,
+    unreachable_factory=lambda shared: KVConnectorConfig(
+        "tests.kit_connectors:AsyncSharedDirConnector", {"path": str(unreachable(shared))}
+    ),
+)
+"""The kit passes a connector that takes every slow path the contract allows (None answers, async
+loads, delayed frees): what it demands is the contract, not one implementation's shortcuts."""
+
+
+def test_the_engines_reclaim_deadline_hides_a_never_sending_connector_from_the_expiry_check(
+    tmp_path: Path,
+) -> None:
+    """Why the delayed-free check sets the reclaim timeout far above its own deadline: with a short
+    reclaim timeout the engine cleans up after a connector that never reports its sends."""
+    check_no_leak_after_expired_delayed_free(broken("NeverSendsConnector", send_deadline_s=5.0), tmp_path)
+
+
+def test_the_one_line_suite_reports_exactly_the_broken_item(tmp_path: Path) -> None:
+    module = tmp_path / "test_generated_kit.py"
+    module.write_text(
+        textwrap.dedent(
+            """
+            from connectors.registry import KVConnectorConfig
+            from connectors.testing import conformance_suite
+
+            def factory(shared):
+                return KVConnectorConfig("tests.kit_connectors:LastTokenConnector", {"path": str(shared)})
+
+            TestLastToken = conformance_suite(factory)
+            """
+        )
+    )
+
+    class Collect:
+        def __init__(self) -> None:
+            self.reports: list[Any] = []
+
+        def pytest_runtest_logreport(self, report: Any) -> None:
+            if report.when == "call" or report.outcome != "passed":
+                self.reports.append(report)
+
+    collect = Collect()
+    code = pytest.main(
+        [
+            str(module),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:timeout",
+            "--import-mode=importlib",
+            f"--basetemp={tmp_path / 'basetemp'}",
+        ],
+        plugins=[collect],
+    )
+    outcomes = {r.nodeid.rsplit("::", 1)[-1]: r.outcome for r in collect.reports}
+    assert set(outcomes) == set(CHECKS)
+    failed = {name for name, outcome in outcomes.items() if outcome == "failed"}
+    assert failed == {"test_hits_are_whole_blocks_and_never_the_last_token"}
+    assert code == pytest.ExitCode.TESTS_FAILED
+    report = next(r for r in collect.reports if r.outcome == "failed")
+    assert f"[{kit.WHOLE_BLOCKS}]" in report.longreprtext
+    skipped = {name for name, outcome in outcomes.items() if outcome == "skipped"}
+    assert skipped == {
+        "test_load_errors_are_reported_not_raised",
+        "test_unreachable_backend_bounded_time_zero_hits",
+    }
+
+
+def test_conformance_suite_validates_its_target() -> None:
+    with pytest.raises(TypeError, match="factory must be callable"):
+        conformance_suite("shared-dir")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="send_deadline_s must be a positive"):
+        conformance_suite(same_backend("LastTokenConnector"), send_deadline_s=0)
+    with pytest.raises(ValueError, match="may not set 'model'"):
+        ConformanceTarget(same_backend("LastTokenConnector"), engine_options={"model": "x"})
+    suite = conformance_suite(same_backend("LastTokenConnector"))
+    assert getattr(suite, "__test__", False)
+    assert sorted(n for n in vars(suite) if n.startswith("test_")) == sorted(CHECKS)

@@ -1,0 +1,69 @@
+"""The example plugin (examples/pdkv-example-connector, installed by scripts/setup.sh) is found through
+its entry point, listed by ``pdkv connectors list``, validates its options and passes the kit."""
+
+from __future__ import annotations
+
+import pytest
+from pdkv_example_connector import MemoryConnector, get_store
+
+from connectors.base import ConnectorOptionsError
+from connectors.registry import KVConnectorConfig, discover_entries, resolve
+from connectors.testing import conformance_suite
+from engine.sampling_params import SamplingParams
+from pdkv.cli import main
+
+TARGET = "pdkv_example_connector.memory:MemoryConnector"
+
+
+def test_discovered_by_name_through_its_entry_point() -> None:
+    entries = {e.name: e for e in discover_entries()}
+    assert (entries["example-memory"].target, entries["example-memory"].origin) == (
+        TARGET,
+        "pdkv-example-connector",
+    )
+    assert resolve("example-memory") is MemoryConnector
+
+
+def test_pdkv_connectors_list_shows_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["connectors", "list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["NAME", "TARGET", "ORIGIN"]
+    assert ["example-memory", TARGET, "pdkv-example-connector"] in [line.split() for line in lines]
+    assert ["shared-dir", "connectors.shared_dir:SharedDirConnector", "built-in"] in [
+        line.split() for line in lines
+    ]
+
+
+def test_options_are_validated_naming_the_bad_key() -> None:
+    with pytest.raises(ConnectorOptionsError, match=r"unknown option 'stor'; known options: store"):
+        resolve("example-memory")(None, None, {"stor": "x"})  # type: ignore[arg-type]
+
+
+def test_two_engines_share_a_store_by_name() -> None:
+    from engine.llm import LLM
+    from tests.tiny_models import pdkv_tiny_model_dir, random_prompts
+
+    model = pdkv_tiny_model_dir()
+    config = KVConnectorConfig("example-memory", {"store": "test-example-plugin"})
+    prompts = random_prompts([21, 13], seed=3, vocab=256)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    first = LLM(model, device="cpu", block_size=4, num_blocks=64, kv_connector=config).generate(
+        prompts, params
+    )
+    second = LLM(model, device="cpu", block_size=4, num_blocks=64, kv_connector=config).generate(
+        prompts, params
+    )
+    assert [o.token_ids for o in second] == [o.token_ids for o in first]
+    assert [(o.num_external_tokens, o.num_computed_prompt_tokens) for o in second] == [(20, 1), (12, 1)]
+    assert get_store("test-example-plugin").blocks
+
+
+def damage(shared: object) -> None:
+    blocks = get_store(str(shared)).blocks
+    for key, block in blocks.items():
+        blocks[key] = block._replace(payload=bytes([block.payload[0] ^ 1]) + block.payload[1:])
+
+
+TestExampleMemory = conformance_suite(
+    lambda shared: KVConnectorConfig("example-memory", {"store": str(shared)}), corrupt=damage
+)

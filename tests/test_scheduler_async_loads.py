@@ -1,0 +1,81 @@
+"""Scheduler <-> connector corner cases the conformance kit found (async loads, delayed frees), pinned here
+with the scripted connector of test_scheduler_connector."""
+
+from __future__ import annotations
+
+from connectors.base import KVConnectorOutput
+from engine.request import RequestStatus
+from tests.factories import make_request
+from tests.test_scheduler_connector import ScriptedConnector, make, step
+
+
+def test_async_load_failing_at_its_first_block_recomputes_without_asking_again() -> None:
+    conn = ScriptedConnector()
+    s = make(conn)
+    conn.answers["r"] = (8, True)
+    s.add_request(make_request("r", range(10), max_tokens=1))
+    step(s)
+    ids = s.kv.get_block_ids("r")  # type: ignore[arg-type]
+    step(s, KVConnectorOutput(invalid_block_ids={ids[0]}))
+    step(s, KVConnectorOutput(finished_recving={"r"}))  # type: ignore[arg-type]
+    so, _ = step(s)
+    # Recomputed from token 0 in the blocks it holds; the connector, which offered the bad block, is not
+    # asked again (it would offer the same block, and the request would load it forever).
+    assert [(sr.request_id, sr.start_position, sr.num_tokens) for sr in so.scheduled] == [("r", 0, 10)]
+    assert conn.lookups["r"] == 1
+    assert not s.has_unfinished_requests() and s.kv.num_free_blocks == 32
+    assert s.stats().num_load_failures == 1
+
+
+def test_a_second_async_load_after_preemption_counts_its_own_tokens() -> None:
+    conn = ScriptedConnector()
+    s = make(conn)
+    conn.answers["r"] = (8, True)
+    s.add_request(make_request("r", range(10), max_tokens=4))
+    step(s)
+    step(s, KVConnectorOutput(finished_recving={"r"}))  # type: ignore[arg-type]
+    step(s)  # computes tokens 8..9, samples one
+    r = s.get_request("r")
+    assert r is not None and r.status == RequestStatus.RUNNING
+    s.running.remove(r)
+    s._preempt(r)
+    assert s.kv.reset_prefix_cache()  # its blocks are gone: no local hit on the way back
+    conn.answers["r"] = (4, True)  # the second load brings one block, not two
+    step(s)
+    step(s, KVConnectorOutput(finished_recving={"r"}))  # type: ignore[arg-type]
+    so, _ = step(s)
+    assert [(sr.request_id, sr.start_position, sr.num_tokens) for sr in so.scheduled] == [("r", 4, 7)]
+
+
+def test_blocks_held_for_a_connector_make_a_waiting_request_wait_not_fail() -> None:
+    conn = ScriptedConnector()
+    conn.delay_free = True
+    s = make(conn, num_blocks=4)
+    s.add_request(make_request("first", range(10), max_tokens=1))
+    step(s)
+    assert "first" in s.held and s.kv.num_free_blocks == 1
+    s.add_request(make_request("second", range(20, 30), max_tokens=1))
+    so, _ = step(s)
+    assert so.errored_request_ids == [] and so.scheduled == []  # waits for the held blocks
+    step(s, KVConnectorOutput(finished_sending={"first"}))  # type: ignore[arg-type]
+    so, _ = step(s)
+    assert [sr.request_id for sr in so.scheduled] == ["second"]
+
+
+def test_requests_parked_after_their_loads_never_starve_each_other_into_an_error() -> None:
+    """Two loaded requests wait holding 2 blocks each; each needs 3 more and 2 are free.  One lets go
+    (like a preemption) instead of the other being failed as "larger than the cache"."""
+    conn = ScriptedConnector()
+    s = make(conn, num_blocks=6)
+    for rid in ("r1", "r2"):
+        conn.answers[rid] = (8, True)
+        s.add_request(make_request(rid, range(20) if rid == "r1" else range(30, 50), max_tokens=1))
+    errored: list[str] = []
+    for _ in range(30):
+        if not s.has_unfinished_requests():
+            break
+        so, _ = step(s, KVConnectorOutput(finished_recving=set(s.loading)))
+        errored += so.errored_request_ids
+    assert errored == [] and not s.has_unfinished_requests()
+    assert s.num_preemptions >= 1 and s.kv.num_free_blocks == 6
+    assert conn.finished == {"r1": 1, "r2": 1}
