@@ -22,12 +22,14 @@ How the halves split the work:
   request's saves finish in ``handle_preemptions`` before its blocks can be reused, and a finished
   request with saves in flight is a delayed free until they are done (``finished_sending``).
 
-Both halves of one process use one store instance (``_SharedStores``): the store is the shared backend
-(as a store server would be); the halves still talk only through metadata and the worker's report.
+Every engine of a process -- and both halves of each -- uses one store instance per configuration
+(``_SharedStores``): the store is the shared backend, as a store server would be; the halves still talk
+only through metadata and the worker's report.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -87,10 +89,15 @@ class OffloadMetadata(KVConnectorMetadata):
 
 
 class _SharedStores:
-    """One open ``KVStore`` per (config, namespace, layout) in a process, closed with its last user."""
+    """One open ``KVStore`` per (config, namespace, layout) per process, open until the process exits.
+
+    The store is a process-wide resource, like a connection pool: every engine (and both halves of each)
+    in the process attaches to the same one, so a ``cpu`` tier filled by one engine serves the next one
+    even after the first has shut down.
+    """
 
     _lock: ClassVar[threading.Lock] = threading.Lock()
-    _stores: ClassVar[dict[tuple[str, str, Any], tuple[KVStore, int]]] = {}
+    _stores: ClassVar[dict[tuple[str, str, Any], KVStore]] = {}
 
     @classmethod
     def acquire(cls, spec: str, namespace_id: str, layout: Any) -> KVStore:
@@ -98,23 +105,20 @@ class _SharedStores:
 
         key = (spec, namespace_id, layout)
         with cls._lock:
-            store, users = cls._stores.get(key, (None, 0))
+            store = cls._stores.get(key)
             if store is None:
                 store = KVStore.open(spec, namespace_id=namespace_id, layout=layout)
-            cls._stores[key] = (store, users + 1)
+                if not cls._stores:
+                    atexit.register(cls.close_all)
+                cls._stores[key] = store
             return store
 
     @classmethod
-    def release(cls, store: KVStore) -> None:
+    def close_all(cls) -> None:
         with cls._lock:
-            for key, (s, users) in list(cls._stores.items()):
-                if s is store:
-                    if users > 1:
-                        cls._stores[key] = (s, users - 1)
-                    else:
-                        del cls._stores[key]
-                        s.close()
-                    return
+            stores, cls._stores = list(cls._stores.values()), {}
+        for store in stores:
+            store.close()
 
 
 @dataclass
@@ -335,6 +339,4 @@ class OffloadConnector(KVConnectorBase):
         if self._saver is not None:
             self._saver.shutdown(wait=True)
             self._saver = None
-        if self.store is not None:
-            _SharedStores.release(self.store)
-            self.store = None  # type: ignore[assignment]
+        # The store stays open for the other engines of this process (see _SharedStores).

@@ -73,8 +73,19 @@ class DiskTier(Tier):
         self._ghosts = Ghosts()
         self._dirs: set[str] = set()
         self._tmp_ids = itertools.count()
-        os.makedirs(self.root, exist_ok=True)
-        self.discarded_on_start = self._rebuild_index()
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            self.discarded_on_start = self._rebuild_index()
+        except OSError as exc:
+            # An unusable folder (missing mount, a file in the way, no permission) makes an empty tier
+            # whose writes fail and are counted: the engine serves on, recomputing what it cannot load.
+            logger.error(
+                "disk tier %s: cannot use %s (%s); it holds nothing until writes succeed",
+                self.name,
+                self.root,
+                exc,
+            )
+            self.discarded_on_start = 0
 
     # ---- paths ---------------------------------------------------------------------------------------
 
