@@ -33,7 +33,9 @@ One request's life through both halves::
       request_finished(request, block_ids) -> (delay_free, kv_transfer_params)   # exactly once
           delay_free: the blocks stay allocated until the worker lists the request in finished_sending,
           the request is aborted, or ``kv_delay_free_timeout_s`` passes (then the engine reclaims them
-          and says so in ``KVConnectorOutput.reclaimed``).
+          and says so at once, in an ``update_connector_output`` call whose output lists them in
+          ``reclaimed``: the scheduler half must tell its worker in this step's metadata, because the
+          freed blocks may be written by this step's forward pass).
 
 Rules every connector keeps (the conformance kit in ``connectors.testing`` checks them):
 
@@ -102,7 +104,8 @@ class KVConnectorOutput:
     finished_recving: set[RequestId] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
     stats: dict[str, float] = field(default_factory=dict)
-    # Filled by the engine, not the worker: delayed frees it reclaimed (deadline passed or request aborted).
+    # Filled by the engine, not the worker: delayed frees it reclaimed (deadline passed or request aborted),
+    # reported in an update_connector_output call of its own, before the next metadata is built.
     reclaimed: set[RequestId] = field(default_factory=set)
 
     @property

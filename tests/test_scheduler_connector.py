@@ -217,7 +217,7 @@ def test_delayed_free_expires_and_the_connector_is_told() -> None:
     clock.now = 10.1
     step(s)
     assert s.held == {} and s.kv.num_free_blocks == 32
-    assert conn.outputs[-1].reclaimed == {"r"}
+    assert any(o.reclaimed == {"r"} for o in conn.outputs)
     assert s.stats().num_delay_free_expired == 1
 
 

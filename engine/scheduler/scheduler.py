@@ -99,7 +99,6 @@ class Scheduler:
         self._load_ends: dict[RequestId, int] = {}
         # Finished requests whose blocks the connector holds: request and the deadline to reclaim them.
         self.held: dict[RequestId, tuple[Request, float]] = {}
-        self._reclaimed: set[RequestId] = set()
         # Block ids reported as failed loads, kept until the loading request they belong to lands.
         self._failed_blocks: set[int] = set()
         self._finished_since_last_step: set[RequestId] = set()
@@ -343,8 +342,6 @@ class Scheduler:
             self._finish_loading(rid, result)
         for rid in kv_out.finished_sending:
             self._release_held(rid)
-        kv_out.reclaimed |= self._reclaimed
-        self._reclaimed = set()
         self.connector.update_connector_output(kv_out)
         for sr in scheduler_output.scheduled:
             if not sr.sample or sr.request_id in tainted:
@@ -414,9 +411,11 @@ class Scheduler:
             self.kv.free(entry[0])
 
     def _reclaim(self, rid: RequestId) -> None:
-        """Free a delayed-free request's blocks without the connector's say-so; it is told next update."""
+        """Free a delayed-free request's blocks without the connector's say-so, and tell it at once."""
         self._release_held(rid)
-        self._reclaimed.add(rid)
+        # Tell the connector now, not with the next step's report: its scheduler half puts the reclaim in
+        # this step's metadata, so the worker stops reading these blocks before the forward can reuse them.
+        self.connector.update_connector_output(KVConnectorOutput(reclaimed={rid}))
 
     def _expire_held(self) -> None:
         if not self.held:

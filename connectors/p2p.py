@@ -1,0 +1,532 @@
+"""``p2p``: stream a request's prompt KV from a prefill engine (producer) to a decode engine (consumer).
+
+The flow (ARCHITECTURE.md §1; params format in ``connectors.p2p_params``; wire format in
+``connectors.p2p_transfer``)::
+
+    producer engine                                          consumer engine
+    request with {"do_remote_decode": true} finishes
+    scheduler half: request_finished -> delay_free=True,
+      params {kv_endpoint, remote_request_id, block_hashes, num_tokens, ...}
+    worker half (next step): lease registered in the
+      BlockServer (ROUTER thread)            ── router ──▶   request (prompt + first token, params)
+                                                             scheduler half: get_num_new_matched_tokens
+                                                               -> (prompt blocks not held locally, async)
+                                                             worker half: BlockPuller thread
+                        ◀── read [first, n) + hashes ──────    DEALER, window of reads
+                        ─── header + n raw frames ────────▶    recv_into the paged cache, checksums
+                        ◀── release ───────────────────────    ... then finished_recving
+    lease closed; once ZeroMQ sent every frame:
+      finished_sending -> the engine frees the blocks
+
+Options (``P2POptions``; a bad value is a ``ConnectorOptionsError`` naming the key): ``bind`` (the
+producer's ROUTER address, default ``tcp://127.0.0.1:0``: any free port, reported in the params),
+``advertise_host`` (the host put in the params when binding a wildcard address), ``lease_s``,
+``pull_timeout_s``, ``recv_timeout_s``, ``max_in_flight`` (concurrent pulls), ``batch_bytes`` (payload
+per read), ``window`` (reads outstanding per pull), ``fence_timeout_s``.
+
+Every hold has an end (invariant 7): a lease ends on the consumer's ``release``, when ``lease_s`` passes
+unread, or when the engine reclaims the blocks (abort, ``kv_delay_free_timeout_s`` -- keep it above
+``lease_s``); a pull ends by success, failure (reported as load errors: the engine recomputes from the
+first bad block) or cancellation (the request was aborted: its free is delayed until the pull stopped
+writing).
+
+No block is reused under a transfer (invariant 8).  Sends are tracked (``connectors.p2p_server``), and
+the scheduler half watches the blocks it has handed to a lease or a pull: if this step is about to write
+one of them for another request -- which the engine can only do after reclaiming them -- the step's
+metadata carries a *fence*, and the worker half stops that transfer and waits for it before the forward
+pass (``handle_preemptions``), instead of learning about the reclaim a step too late.
+
+The halves share no state but one: with a port chosen at bind time (``:0``), the worker half publishes
+the bound endpoint for the scheduler half of the same engine (``_EndpointBoard``, keyed by the engine's
+``ConnectorContext``).  With a fixed port or an ``ipc://`` address the scheduler half derives it from
+the options alone.  The cache must be on the CPU (a CUDA cache would need a pinned staging buffer).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from connectors.base import (
+    ConnectorContext,
+    ConnectorOptionsError,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+)
+from connectors.p2p_params import (
+    RemotePrefill,
+    TransferParamsError,
+    is_remote_prefill,
+    wants_remote_decode,
+)
+from connectors.p2p_transfer import MAX_READ_BLOCKS, TransferStats
+from engine.kv_cache import KVCacheSpec
+from engine.request import Request, RequestId, RequestStatus
+from kvstore.layout import BlockLayout
+
+if TYPE_CHECKING:
+    import torch
+
+    from connectors.p2p_client import BlockPuller, PullJob
+    from connectors.p2p_server import BlockServer
+    from engine.scheduler.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
+
+
+# ---- options ------------------------------------------------------------------------------------------
+
+
+def _fail(key: str, message: str) -> ConnectorOptionsError:
+    return ConnectorOptionsError(f"connector 'p2p': option {key!r} {message}")
+
+
+def _split_tcp(endpoint: str) -> tuple[str, str]:
+    """``tcp://host:port`` -> (host, port); ``ValueError`` if it is not that shape."""
+    host, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(endpoint)
+    return host, port
+
+
+@dataclass(frozen=True)
+class P2POptions:
+    bind: str = "tcp://127.0.0.1:0"
+    advertise_host: str = ""
+    lease_s: float = 30.0
+    pull_timeout_s: float = 30.0
+    recv_timeout_s: float = 5.0
+    max_in_flight: int = 4
+    batch_bytes: int = 8 << 20
+    window: int = 2
+    fence_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bind, str) or not self.bind.startswith(("tcp://", "ipc://")):
+            raise _fail("bind", f"must be a tcp://host:port or ipc://path address, got {self.bind!r}")
+        if not isinstance(self.advertise_host, str) or any(c in self.advertise_host for c in "/ \t"):
+            raise _fail("advertise_host", f"must be a host name or address, got {self.advertise_host!r}")
+        if self.bind.startswith("tcp://"):
+            try:
+                host, _ = _split_tcp(self.bind)
+            except ValueError:
+                raise _fail(
+                    "bind", f"must look like tcp://host:port (port 0 picks one), got {self.bind!r}"
+                ) from None
+            if host in _WILDCARD_HOSTS and not self.advertise_host:
+                raise _fail(
+                    "advertise_host", f"must be set when 'bind' listens on all interfaces ({self.bind})"
+                )
+        elif len(self.bind) <= len("ipc://"):
+            raise _fail("bind", "must name a path after ipc://")
+        for key in ("lease_s", "pull_timeout_s", "recv_timeout_s", "fence_timeout_s"):
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise _fail(key, f"must be a positive number of seconds, got {value!r}")
+        for key, top in (("max_in_flight", 256), ("window", 64), ("batch_bytes", 1 << 31)):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= top:
+                raise _fail(key, f"must be an int in [1, {top}], got {value!r}")
+
+    def advertised(self, bound: str) -> str:
+        """The endpoint peers connect to, given the one actually bound."""
+        if not self.advertise_host or not bound.startswith("tcp://"):
+            return bound
+        _, port = _split_tcp(bound)
+        host = f"[{self.advertise_host}]" if ":" in self.advertise_host else self.advertise_host
+        return f"tcp://{host}:{port}"
+
+    @property
+    def static_endpoint(self) -> str | None:
+        """The advertised endpoint when the options fix it (no port chosen at bind time), else None."""
+        if self.bind.startswith("ipc://"):
+            return self.bind
+        _, port = _split_tcp(self.bind)
+        return self.advertised(self.bind) if int(port) else None
+
+
+class _EndpointBoard:
+    """Where a worker half publishes the endpoint it bound, for the scheduler half of the same engine.
+
+    Keyed by the ``ConnectorContext`` the engine hands both halves (by identity; by equality when exactly
+    one published context is equal, e.g. a test that built the halves with equal contexts).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[int, tuple[weakref.ref[ConnectorContext], str]] = {}
+
+    def publish(self, context: ConnectorContext, endpoint: str) -> None:
+        with self._lock:
+            self._entries[id(context)] = (weakref.ref(context), endpoint)
+
+    def retract(self, context: ConnectorContext) -> None:
+        with self._lock:
+            entry = self._entries.get(id(context))
+            if entry is not None and entry[0]() is context:
+                del self._entries[id(context)]
+
+    def lookup(self, context: ConnectorContext) -> str | None:
+        with self._lock:
+            entry = self._entries.get(id(context))
+            if entry is not None and entry[0]() is context:
+                return entry[1]
+            equal = [ep for ref, ep in self._entries.values() if ref() == context]
+            return equal[0] if len(equal) == 1 else None
+
+
+_BOARD = _EndpointBoard()
+
+
+def layout_of(spec: KVCacheSpec) -> BlockLayout:
+    """The block layout of an engine's cache spec (what a peer's layout must equal)."""
+    dtype = str(spec.dtype).removeprefix("torch.")
+    return BlockLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size, dtype)
+
+
+# ---- metadata -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseSpec:
+    request_id: RequestId
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+    lease_s: float
+
+
+@dataclass
+class P2PMetadata(KVConnectorMetadata):
+    """One step's instructions to the worker half."""
+
+    leases: list[LeaseSpec] = field(default_factory=list)  # producer: start serving these
+    releases: list[RequestId] = field(default_factory=list)  # producer: engine reclaimed them: stop serving
+    pulls: list[PullJob] = field(default_factory=list)  # consumer: start pulling these
+    cancels: list[RequestId] = field(default_factory=list)  # consumer: request ended: stop pulling
+    # Transfers whose blocks this step's forward reuses: stop them and wait, before the forward runs.
+    fences: list[RequestId] = field(default_factory=list)
+
+
+_LEASABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+class P2PConnector(KVConnectorBase):
+    name = "p2p"
+    Options = P2POptions
+
+    def __init__(
+        self, role: KVConnectorRole, context: ConnectorContext, options: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__(role, context, options)
+        self.options: P2POptions
+        self.block_size = context.block_size
+        self.layout = layout_of(context.spec)
+        self.stats = TransferStats()
+        # scheduler half: transfers in progress, and every block they use (to spot a reuse, see fences)
+        self._leases: dict[RequestId, tuple[int, ...]] = {}  # until the worker reports finished_sending
+        self._pulls: dict[RequestId, tuple[int, ...]] = {}  # until the worker reports finished_recving
+        self._owners: dict[int, set[RequestId]] = {}
+        self._pulled: set[RequestId] = set()  # requests whose remote prefill was pulled (or tried): no second
+        self._next = P2PMetadata()
+        # worker half
+        self._server: BlockServer | None = None
+        self._puller: BlockPuller | None = None
+        self._pulling: set[RequestId] = set()
+        self._cancelled: set[RequestId] = set()
+        self._load_errors: set[int] = set()
+
+    # ================================ scheduler half ================================================
+
+    def _remote_prefill(self, request: Request) -> RemotePrefill | None:
+        """The producer's params of ``request`` when they can be used here; None otherwise."""
+        params = request.kv_transfer_params
+        if not is_remote_prefill(params) or request.request_id in self._pulled:
+            return None
+        if request.request_id in self._pulls:
+            return None  # an earlier request of this id is still stopping its pull: compute this one
+        assert params is not None
+        try:
+            remote = RemotePrefill.from_params(params)
+        except TransferParamsError as exc:
+            self._reject(request, "bad_params", str(exc))
+            return None
+        if remote.namespace_id != self.context.namespace.namespace_id:
+            self._reject(request, "namespace", f"namespace {remote.namespace_id} is not this model's")
+            return None
+        if remote.layout != self.layout:
+            self._reject(request, "layout", f"layout {remote.layout.describe()} is not this cache's")
+            return None
+        return remote
+
+    def _reject(self, request: Request, reason: str, detail: str) -> None:
+        """Count and log params this engine cannot use; the request recomputes its prompt."""
+        logger.warning(
+            "p2p: %s recomputes its prompt: kv_transfer_params unusable: %s", request.request_id, detail
+        )
+        self.stats.add(f"params_rejected.{reason}")
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        remote = self._remote_prefill(request)
+        if remote is None:
+            return 0, False
+        bs = self.block_size
+        first = num_computed_tokens // bs
+        last = min(len(remote.block_hashes), len(request.block_hashes), (request.num_tokens - 1) // bs)
+        if last <= first:
+            return 0, False
+        if tuple(request.block_hashes[:last]) != remote.block_hashes[:last]:
+            self._reject(request, "hash_mismatch", "the producer's block hashes are not this prompt's")
+            return 0, False
+        return (last - first) * bs, True
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        first = request.num_computed_tokens // self.block_size
+        self._check_reuse(block_ids[first:], request.request_id)  # fresh blocks: about to be written
+        if num_external_tokens <= 0:
+            return
+        remote = self._remote_prefill(request)
+        assert remote is not None, "external tokens were only offered for usable params"
+        from connectors.p2p_client import PullJob
+
+        n = num_external_tokens // self.block_size
+        dest = tuple(block_ids[first : first + n])
+        self._next.pulls.append(
+            PullJob(
+                request.request_id,
+                remote.kv_endpoint,
+                remote.remote_request_id,
+                first,
+                dest,
+                tuple(request.block_hashes[first : first + n]),
+            )
+        )
+        self._pulled.add(request.request_id)
+        self._pulls[request.request_id] = dest
+        self._guard(request.request_id, dest)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self._owners:
+            bs = self.block_size
+            for sr in scheduler_output.scheduled:
+                lo = sr.start_position // bs
+                hi = (sr.start_position + sr.num_tokens - 1) // bs
+                self._check_reuse(sr.block_ids[lo : hi + 1], sr.request_id)
+        meta, self._next = self._next, P2PMetadata()
+        meta.preempted_request_ids = list(scheduler_output.preempted_request_ids)
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for rid in output.finished_sending:
+            self._forget(rid)
+        for rid in output.finished_recving:
+            self._forget(rid)
+        for rid in output.reclaimed:
+            # The engine freed the blocks without waiting for us.  They stay guarded until the worker
+            # confirms the transfer stopped, so a reuse before that still fences it.
+            if self._withdraw(rid):
+                self._forget(rid)
+            elif rid in self._leases:
+                self._next.releases.append(rid)
+            elif rid in self._pulls:
+                self._next.cancels.append(rid)
+
+    def request_finished(
+        self, request: Request, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._pulled.discard(rid)
+        if self._withdraw(rid):
+            self._forget(rid)  # its pull never reached the worker: nothing writes into the blocks
+            return False, None
+        if rid in self._pulls:
+            # Ended while its blocks are being written: they stay allocated until the pull stopped.
+            self._next.cancels.append(rid)
+            return True, None
+        if not wants_remote_decode(request.kv_transfer_params) or request.status not in _LEASABLE:
+            return False, None
+        return self._lease(request, block_ids)
+
+    def _lease(self, request: Request, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
+        bs = self.block_size
+        endpoint = self.options.static_endpoint or _BOARD.lookup(self.context)
+        if endpoint is None:
+            logger.warning(
+                "p2p: no block server is running for this engine; %s is not leased", request.request_id
+            )
+            self.stats.add("leases_unavailable")
+            return False, None
+        n = min(
+            request.num_prompt_tokens // bs,
+            request.num_computed_tokens // bs,
+            len(block_ids),
+            len(request.block_hashes),
+        )
+        lease = LeaseSpec(
+            request.request_id, tuple(block_ids[:n]), tuple(request.block_hashes[:n]), self.options.lease_s
+        )
+        params = RemotePrefill(
+            engine_id=self.context.engine_id,
+            kv_endpoint=endpoint,
+            remote_request_id=request.request_id,
+            block_ids=lease.block_ids,
+            block_hashes=lease.block_hashes,
+            num_tokens=n * bs,
+            lease_s=float(self.options.lease_s),
+            layout=self.layout,
+            namespace_id=self.context.namespace.namespace_id,
+        ).to_params()
+        if n == 0:
+            return False, params  # a prompt shorter than a block: nothing worth holding
+        self._next.leases.append(lease)
+        self._leases[request.request_id] = lease.block_ids
+        self._guard(request.request_id, lease.block_ids)
+        return True, params
+
+    # -- which blocks our transfers use ---------------------------------------------------------------------
+
+    def _guard(self, rid: RequestId, block_ids: Iterable[int]) -> None:
+        for b in block_ids:
+            self._owners.setdefault(b, set()).add(rid)
+
+    def _forget(self, rid: RequestId) -> None:
+        blocks = self._leases.pop(rid, ()) + self._pulls.pop(rid, ())
+        for b in blocks:
+            owners = self._owners.get(b)
+            if owners is not None:
+                owners.discard(rid)
+                if not owners:
+                    del self._owners[b]
+
+    def _withdraw(self, rid: RequestId) -> bool:
+        """Take ``rid``'s lease or pull out of the metadata not yet sent; True if there was one."""
+        step = self._next
+        leases = [lease for lease in step.leases if lease.request_id != rid]
+        pulls = [job for job in step.pulls if job.request_id != rid]
+        withdrawn = len(leases) < len(step.leases) or len(pulls) < len(step.pulls)
+        step.leases, step.pulls = leases, pulls
+        return withdrawn
+
+    def _check_reuse(self, block_ids: Iterable[int], writer: RequestId) -> None:
+        """``writer`` is about to write ``block_ids``: fence every other transfer still using one."""
+        if not self._owners:
+            return
+        for b in block_ids:
+            owners = self._owners.get(b)
+            if owners and owners - {writer}:
+                for rid in sorted(owners - {writer}):
+                    if not self._withdraw(rid):  # already handed to the worker: stop it before the forward
+                        logger.warning("p2p: blocks of %s are reused while it transfers; fencing it", rid)
+                        self._next.fences.append(rid)
+                    self._forget(rid)
+
+    # ================================ worker half ===================================================
+
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        import zmq
+
+        from connectors.p2p_client import BlockPuller
+        from connectors.p2p_server import BlockServer
+        from connectors.p2p_transfer import BlockViews
+
+        views = BlockViews(kv_cache)
+        opts = self.options
+        try:
+            self._server = BlockServer(
+                views,
+                opts.bind,
+                stats=self.stats,
+                engine_id=self.context.engine_id,
+                max_read_blocks=MAX_READ_BLOCKS,
+                fence_timeout_s=opts.fence_timeout_s,
+            )
+        except zmq.ZMQError as exc:
+            raise ConnectorOptionsError(
+                f"connector 'p2p': cannot bind option 'bind' {opts.bind!r}: {exc}"
+            ) from exc
+        _BOARD.publish(self.context, opts.advertised(self._server.endpoint))
+        self._puller = BlockPuller(
+            views,
+            stats=self.stats,
+            threads=opts.max_in_flight,
+            recv_timeout_s=opts.recv_timeout_s,
+            pull_timeout_s=opts.pull_timeout_s,
+            batch_blocks=max(1, min(MAX_READ_BLOCKS, opts.batch_bytes // views.block_nbytes)),
+            window=opts.window,
+        )
+
+    @property
+    def endpoint(self) -> str | None:
+        """The advertised endpoint of this worker half's block server (None before registration)."""
+        return None if self._server is None else self.options.advertised(self._server.endpoint)
+
+    def handle_preemptions(self, metadata: KVConnectorMetadata) -> None:
+        if not isinstance(metadata, P2PMetadata) or not metadata.fences:
+            return
+        assert self._server is not None and self._puller is not None, "register_kv_caches was not called"
+        for rid in metadata.fences:
+            self._server.fence(rid)
+            if rid in self._pulling:
+                self._cancelled.add(rid)
+                self._puller.fence(rid, self.options.fence_timeout_s + self.options.recv_timeout_s)
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        if not isinstance(metadata, P2PMetadata):
+            return
+        assert self._server is not None and self._puller is not None, "register_kv_caches was not called"
+        for lease in metadata.leases:
+            self._server.add_lease(lease.request_id, lease.block_ids, lease.block_hashes, lease.lease_s)
+        for rid in metadata.releases:
+            self._server.release(rid)
+        for job in metadata.pulls:
+            self._pulling.add(RequestId(job.request_id))
+            self._puller.submit(job)
+        for rid in metadata.cancels:
+            if rid in self._pulling:
+                self._cancelled.add(rid)
+                self._puller.cancel(rid)
+
+    def get_finished(self, finished_req_ids: set[RequestId]) -> tuple[set[RequestId], set[RequestId]]:
+        if self._server is None or self._puller is None:
+            return set(), set()
+        sending = {RequestId(rid) for rid in self._server.take_finished()}
+        recving: set[RequestId] = set()
+        for result in self._puller.take_finished():
+            rid = RequestId(result.request_id)
+            recving.add(rid)
+            self._pulling.discard(rid)
+            if rid in self._cancelled:
+                self._cancelled.discard(rid)  # its blocks may belong to another request by now
+                continue
+            self._load_errors.update(result.failed_block_ids)
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ================================ both ==========================================================
+
+    def transfer_stats(self) -> dict[str, float]:
+        """Counters for metrics (see ``TransferStats``); the scheduler half counts rejected params."""
+        return self.stats.snapshot()
+
+    def shutdown(self) -> None:
+        if self._puller is not None:
+            self._puller.close()
+            self._puller = None
+        if self._server is not None:
+            _BOARD.retract(self.context)
+            self._server.close()
+            self._server = None

@@ -1,0 +1,414 @@
+"""The producer side of ``p2p``: serve leased blocks of the paged cache over a ZeroMQ ROUTER socket.
+
+One background thread owns the socket and answers requests in arrival order (wire format:
+``connectors.p2p_transfer``).  The engine thread adds leases, releases them and fences them; every piece
+of lease state is guarded by one lock, which the serving thread holds from "is this lease still serving?"
+to "the send is queued and its tracker recorded", so a lease that was fenced is never read again.
+
+A lease's life::
+
+    add_lease ──▶ SERVING ──(consumer release | engine release | expiry | fence)──▶ CLOSING
+                                                    │ every tracked send of it done
+                                                    ▼
+                                     reported by take_finished(): its blocks may be reused
+
+Right after a lease is added the serving thread *seals* it: it computes every block's checksum (the
+``sums`` of the data replies) while no reader waits yet -- the decode request is still on its way through
+the router -- so a transfer does not pay for it, and a block overwritten between lease and send is caught
+by the consumer's check.  A read that comes before the seal is done computes the missing sums itself.
+
+Payload frames point into the engine's cache (``copy=False``): ZeroMQ's I/O thread reads them after
+``send`` returned.  Every data reply is sent with a ``MessageTracker``; a lease reaches "finished" only
+when all its trackers are done (invariant 8).  ``fence`` -- the engine is about to reuse the blocks --
+waits for them synchronously; a peer that stopped reading cannot stall it for longer than
+``fence_timeout_s``: then the socket is closed (ZeroMQ drops what it queued, releasing the frames) and
+bound again at the same endpoint.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from connectors.p2p_transfer import (
+    MAX_HEADER_BYTES,
+    BlockViews,
+    ErrorCode,
+    PingRequest,
+    ProtocolError,
+    ReadRequest,
+    TransferStats,
+    decode_request,
+    encode_data,
+    encode_error,
+    encode_pong,
+)
+from kvstore.codec import payload_checksum
+
+logger = logging.getLogger(__name__)
+
+_MAX_TOMBSTONES = 4096  # ended leases remembered, so a late reader gets a final answer
+
+
+class LeaseState(enum.Enum):
+    SERVING = "serving"
+    CLOSING = "closing"  # no new sends; waiting for the sends in flight
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    """Blocks of one finished request, held for a remote reader until ``deadline``."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    hashes: tuple[bytes, ...]
+    deadline: float
+    state: LeaseState = LeaseState.SERVING
+    reason: ErrorCode = ErrorCode.RELEASED  # what a reader is told once the lease is closing
+    sums: list[int | None] = field(default_factory=list)  # payload checksums (sealing), None until computed
+    sealed_upto: int = 0  # sums[:sealed_upto] are computed by the sealer
+    trackers: list[zmq.MessageTracker] = field(default_factory=list)
+
+    def pending_trackers(self) -> list[zmq.MessageTracker]:
+        self.trackers = [t for t in self.trackers if not t.done]
+        return self.trackers
+
+
+def wait_trackers(trackers: Sequence[zmq.MessageTracker], timeout_s: float) -> bool:
+    """True once every tracker is done; False if ``timeout_s`` passed first."""
+    deadline = time.monotonic() + timeout_s
+    for tracker in trackers:
+        while not tracker.done:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                tracker.wait(min(left, 0.05))
+            except zmq.NotDone:
+                continue
+    return True
+
+
+class BlockServer:
+    """Serves leased blocks of one engine's cache; see the module docstring for the life of a lease."""
+
+    def __init__(
+        self,
+        views: BlockViews,
+        bind: str,
+        *,
+        stats: TransferStats,
+        engine_id: str = "",
+        max_read_blocks: int = 4096,
+        fence_timeout_s: float = 5.0,
+        poll_s: float = 0.02,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.views = views
+        self.stats = stats
+        self.engine_id = engine_id
+        self.max_read_blocks = max_read_blocks
+        self.fence_timeout_s = fence_timeout_s
+        self.clock = clock
+        self._poll_ms = max(1, int(poll_s * 1000))
+        self._context: zmq.Context[Any] = zmq.Context()
+        self._socket = self._open(bind)
+        # The address actually bound (the port chosen for ":0"); a reset binds here again.
+        self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self._tombstones: OrderedDict[str, ErrorCode] = OrderedDict()
+        self._finished: list[str] = []
+        self._unsealed: deque[Lease] = deque()
+        self._reset_requested = threading.Event()
+        self._reset_done = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"p2p-server-{engine_id}", daemon=True)
+        self._thread.start()
+
+    def _open(self, bind: str) -> zmq.Socket[Any]:
+        sock = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES)  # requests are headers only; bigger: disconnect
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer fails instead of vanishing
+        try:
+            sock.bind(bind)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        return sock
+
+    # ---- the engine thread's side ------------------------------------------------------------------------
+
+    def add_lease(
+        self, request_id: str, block_ids: Sequence[int], hashes: Sequence[bytes], lease_s: float
+    ) -> None:
+        """Serve ``block_ids`` (the request's leading blocks, whose hashes are ``hashes``) for ``lease_s``."""
+        assert len(block_ids) == len(hashes), "one hash per leased block"
+        lease = Lease(
+            request_id,
+            tuple(block_ids),
+            tuple(hashes),
+            deadline=self.clock() + lease_s,
+            sums=[None] * len(block_ids),
+        )
+        with self._lock:
+            old = self._leases.get(request_id)
+            if old is not None and old.state is LeaseState.SERVING:
+                # The engine finished a request under the same id again: the old lease's reader lost.
+                logger.warning("p2p: lease %s registered twice; closing the older one", request_id)
+                self._close_locked(old, ErrorCode.RELEASED)
+            if old is not None:
+                # Keep the old lease's trackers: its blocks are reported free only when they are done.
+                lease.trackers = old.trackers
+            self._leases[request_id] = lease
+            self._tombstones.pop(request_id, None)
+            self._unsealed.append(lease)
+        self.stats.add("leases_registered")
+
+    def release(self, request_id: str) -> None:
+        """Stop serving (the engine reclaimed the blocks or no longer needs the lease).  Asynchronous:
+        ``take_finished`` reports the lease once its sends in flight are done."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is not None and lease.state is LeaseState.SERVING:
+                self._close_locked(lease, ErrorCode.RELEASED)
+                self.stats.add("leases_dropped")
+
+    def fence(self, request_id: str) -> bool:
+        """Stop serving and return only when no send of the lease is in flight (the engine is about to
+        reuse its blocks).  False if even a socket reset did not release the frames (logged)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return True
+            if lease.state is LeaseState.SERVING:
+                self._close_locked(lease, ErrorCode.RELEASED)
+                self.stats.add("leases_dropped")
+            trackers = list(lease.pending_trackers())
+        self.stats.add("fences")
+        if wait_trackers(trackers, self.fence_timeout_s):
+            return True
+        logger.warning(
+            "p2p: sends of lease %s still in flight after %.1fs (a peer stopped reading): resetting socket",
+            request_id,
+            self.fence_timeout_s,
+        )
+        self._reset_done.clear()
+        self._reset_requested.set()
+        self._reset_done.wait(self.fence_timeout_s + 1.0)
+        if wait_trackers(trackers, self.fence_timeout_s):
+            return True
+        logger.error(
+            "p2p: sends of lease %s never completed; its blocks may be reused under a send", request_id
+        )
+        return False
+
+    def take_finished(self) -> list[str]:
+        """Request ids whose leases ended and whose blocks no send reads any more (each reported once)."""
+        with self._lock:
+            self._reap_locked()
+            out, self._finished = self._finished, []
+        return out
+
+    def is_sealed(self, request_id: str) -> bool:
+        """True once every block of the lease has its checksum (or the lease is gone)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            return lease is None or lease.sealed_upto == len(lease.block_ids)
+
+    def num_leases(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._socket.close(linger=0)
+        self._context.term()
+
+    # ---- lease bookkeeping (lock held) -------------------------------------------------------------------
+
+    def _close_locked(self, lease: Lease, reason: ErrorCode) -> None:
+        lease.state = LeaseState.CLOSING
+        lease.reason = reason
+
+    def _reap_locked(self) -> None:
+        now = self.clock()
+        for lease in list(self._leases.values()):
+            if lease.state is LeaseState.SERVING and now >= lease.deadline:
+                logger.info("p2p: lease %s expired; freeing its blocks", lease.request_id)
+                self._close_locked(lease, ErrorCode.EXPIRED)
+                self.stats.add("lease_expiries")
+            if lease.state is LeaseState.CLOSING and not lease.pending_trackers():
+                del self._leases[lease.request_id]
+                self._tombstones[lease.request_id] = lease.reason
+                while len(self._tombstones) > _MAX_TOMBSTONES:
+                    self._tombstones.popitem(last=False)
+                self._finished.append(lease.request_id)
+
+    # ---- the serving thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        import torch
+
+        torch.set_num_threads(1)  # this thread moves data; see FLOORS.md
+        while not self._stop.is_set():
+            if self._reset_requested.is_set():
+                self._reset_socket()
+            try:
+                ready = self._socket.poll(0 if self._unsealed else self._poll_ms, zmq.POLLIN)
+            except zmq.ZMQError as exc:
+                logger.error("p2p: server socket failed (%s); resetting it", exc)
+                self._reset_socket()
+                continue
+            try:
+                if ready:
+                    self._serve_pending()
+                with self._lock:
+                    self._reap_locked()
+                self._seal_some()
+            except Exception:  # a bug: log it and keep serving (leases still end by expiry)
+                logger.exception("p2p: server loop failed")
+
+    def _serve_pending(self, limit: int = 64) -> None:
+        for _ in range(limit):
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._serve_one(frames)
+            except Exception:  # never let one request stop the server
+                logger.exception("p2p: serving a request failed")
+                self._reply(frames[0].bytes, [encode_error(0, ErrorCode.INTERNAL, "internal error")])
+
+    def _serve_one(self, frames: list[zmq.Frame]) -> None:
+        identity, body = frames[0].bytes, frames[1:]
+        try:
+            if len(body) != 1:
+                raise ProtocolError(f"a request is one header frame, got {len(body)} frames")
+            request = decode_request(body[0].buffer)
+        except ProtocolError as exc:
+            self.stats.add("requests_refused")
+            self._reply(identity, [encode_error(exc.request_id, exc.code, str(exc))])
+            return
+        if isinstance(request, PingRequest):
+            info = {"engine_id": self.engine_id, "leases": self.num_leases()}
+            self._reply(identity, [encode_pong(request.id, info)])
+        elif isinstance(request, ReadRequest):
+            self._serve_read(identity, request)
+        else:
+            with self._lock:
+                lease = self._leases.get(request.rid)
+                if lease is not None and lease.state is LeaseState.SERVING:
+                    self._close_locked(lease, ErrorCode.RELEASED)
+                    self.stats.add("leases_released")
+
+    def _serve_read(self, identity: bytes, request: ReadRequest) -> None:
+        with self._lock:  # held until the tracker is recorded: a fence cannot slip in between
+            refusal = self._check_read_locked(request)
+            if refusal is not None:
+                self.stats.add("requests_refused")
+                self._reply(identity, [encode_error(request.id, *refusal)])
+                return
+            lease = self._leases[request.rid]
+            count = len(request.hashes)
+            block_ids = lease.block_ids[request.first : request.first + count]
+            payloads = [self.views.block(b) for b in block_ids]
+            sums = [self._checksum_locked(lease, request.first + j, p) for j, p in enumerate(payloads)]
+            frames = [zmq.Frame(p, copy=False, track=True) for p in payloads]
+            parts: list[Any] = [encode_data(request.id, request.first, sums), *frames]
+            # Tracked even when the send fails: a partly queued message may still read the blocks (the
+            # frames ZeroMQ never took are released as soon as this function drops them).
+            lease.trackers.append(zmq.MessageTracker(*frames))
+            if self._reply(identity, parts, copy=False):
+                self.stats.add("blocks_sent", count)
+                self.stats.add("bytes_sent", count * self.views.block_nbytes)
+
+    def _check_read_locked(self, request: ReadRequest) -> tuple[ErrorCode, str] | None:
+        lease = self._leases.get(request.rid)
+        if lease is None:
+            code = self._tombstones.get(request.rid, ErrorCode.UNKNOWN_LEASE)
+            return code, f"no lease for request {request.rid!r}"
+        if lease.state is LeaseState.SERVING and self.clock() >= lease.deadline:
+            self._close_locked(lease, ErrorCode.EXPIRED)
+            self.stats.add("lease_expiries")
+        if lease.state is not LeaseState.SERVING:
+            return lease.reason, f"the lease of request {request.rid!r} has ended ({lease.reason.value})"
+        count = len(request.hashes)
+        if count > self.max_read_blocks or request.first + count > len(lease.block_ids):
+            return (
+                ErrorCode.BAD_RANGE,
+                f"blocks [{request.first}, {request.first + count}) of a lease of {len(lease.block_ids)} "
+                f"blocks (at most {self.max_read_blocks} per read)",
+            )
+        if lease.hashes[request.first : request.first + count] != request.hashes:
+            return ErrorCode.HASH_MISMATCH, "the requested block hashes are not the leased blocks' hashes"
+        return None
+
+    def _seal_some(self, max_blocks: int = 64) -> None:
+        """Checksum the next blocks of the oldest unsealed lease, outside the lock (requests keep flowing).
+
+        Sealing at lease time, not at send time, means the consumer checks the bytes it received against
+        what the blocks held when the request finished: a block overwritten in between is caught.  A
+        lease fenced meanwhile keeps nothing computed here (its blocks may already hold other KV).
+        """
+        with self._lock:
+            while self._unsealed and (
+                self._unsealed[0].state is not LeaseState.SERVING
+                or self._unsealed[0].sealed_upto == len(self._unsealed[0].block_ids)
+            ):
+                self._unsealed.popleft()
+            if not self._unsealed:
+                return
+            lease = self._unsealed[0]
+            start = lease.sealed_upto
+            end = min(len(lease.block_ids), start + max_blocks)
+            todo = [i for i in range(start, end) if lease.sums[i] is None]
+        sums = [payload_checksum(self.views.block(lease.block_ids[i])) for i in todo]
+        with self._lock:
+            if lease.state is LeaseState.SERVING:
+                for i, value in zip(todo, sums, strict=True):
+                    if lease.sums[i] is None:
+                        lease.sums[i] = value
+                lease.sealed_upto = end
+
+    @staticmethod
+    def _checksum_locked(lease: Lease, index: int, payload: memoryview) -> int:
+        cached = lease.sums[index]
+        if cached is None:
+            cached = lease.sums[index] = payload_checksum(payload)
+        return cached
+
+    def _reply(self, identity: bytes, parts: list[Any], *, copy: bool = True) -> bool:
+        """Send ``parts`` to the peer ``identity`` without blocking; False if it could not be queued."""
+        try:
+            self._socket.send_multipart([identity, *parts], flags=zmq.NOBLOCK, copy=copy)
+            return True
+        except zmq.ZMQError as exc:  # the peer vanished (EHOSTUNREACH) or does not read (EAGAIN)
+            logger.debug("p2p: reply dropped: %s", exc)
+            self.stats.add("replies_dropped")
+            return False
+
+    def _reset_socket(self) -> None:
+        """Close the socket (ZeroMQ drops every queued frame) and bind the same endpoint again."""
+        self._reset_requested.clear()
+        self.stats.add("socket_resets")
+        self._socket.close(linger=0)
+        while not self._stop.is_set():
+            try:
+                self._socket = self._open(self.endpoint)
+                break
+            except zmq.ZMQError as exc:
+                logger.warning("p2p: cannot bind %s again yet: %s", self.endpoint, exc)
+                self._stop.wait(0.1)
+        self._reset_done.set()

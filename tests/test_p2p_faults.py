@@ -1,0 +1,480 @@
+"""The ``p2p`` connector when things go wrong: every failure ends in a recompute or a free, never a hang.
+
+Engine-level faults use two in-process engines (``tests/p2p_harness.py``); wire-level faults use the
+block server and the puller directly against sockets the test controls.  Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+import connectors.p2p_server as p2p_server
+from connectors.p2p_client import BlockPuller, PullJob
+from connectors.p2p_server import BlockServer
+from connectors.p2p_transfer import (
+    BlockViews,
+    DataReply,
+    ErrorCode,
+    ErrorReply,
+    Pong,
+    ProtocolError,
+    ReadRequest,
+    TransferStats,
+    decode_reply,
+    decode_request,
+    encode_data,
+    encode_ping,
+    encode_read,
+    encode_release,
+)
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from kvstore.codec import payload_checksum
+from tests.p2p_harness import (
+    BLOCK_SIZE,
+    assert_idle,
+    decode,
+    local_reference,
+    make_engine,
+    prefill,
+    run_until,
+    stats,
+    tokens,
+    worker,
+)
+from tests.tiny_models import random_prompts
+
+PROMPT = random_prompts([23], seed=3)[0]  # 5 full blocks of 4 tokens, then 3 tokens
+MAX_TOKENS = 6
+DEADLINE_S = 10.0
+
+
+@pytest.fixture
+def producer() -> Iterator[LLMEngine]:
+    engine = make_engine("prefill-0")
+    yield engine
+    engine.shutdown()
+
+
+def make_consumer(**options: Any) -> LLMEngine:
+    return make_engine("decode-0", recv_timeout_s=0.5, **options)
+
+
+@pytest.fixture
+def consumer() -> Iterator[LLMEngine]:
+    engine = make_consumer()
+    yield engine
+    engine.shutdown()
+
+
+def server_of(engine: LLMEngine) -> BlockServer:
+    server = worker(engine)._server
+    assert server is not None
+    return server
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    pause = threading.Event()
+    while not condition():
+        assert time.monotonic() < deadline, f"condition not met within {timeout_s}s"
+        pause.wait(0.002)
+
+
+class ReadGate:
+    """Replaces a server's read handler: the first ``serve`` reads are answered, later ones are dropped
+    (the producer looks dead to the reader) and counted in ``dropped``."""
+
+    def __init__(self, server: BlockServer, monkeypatch: pytest.MonkeyPatch, serve: int = 0) -> None:
+        self.serve = serve
+        self.dropped = threading.Event()
+        original = server._serve_read
+
+        def gated(identity: bytes, request: ReadRequest) -> None:
+            if self.serve > 0:
+                self.serve -= 1
+                original(identity, request)
+            else:
+                self.dropped.set()
+
+        monkeypatch.setattr(server, "_serve_read", gated)
+
+
+# ---- engine-level faults -----------------------------------------------------------------------------------
+
+
+def test_producer_stopped_mid_transfer_consumer_recomputes(
+    producer: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One block per read, one read at a time: the transfer is mid-way after the first reply.
+    consumer = make_consumer(batch_bytes=producer.kv_spec.bytes_per_block, window=1)
+    try:
+        pre = prefill(producer, "r", PROMPT)
+        gate = ReadGate(server_of(producer), monkeypatch, serve=1)
+        consumer.add_request("r", [*PROMPT, pre.first_token], None, kv_transfer_params=pre.params)
+        run_until([consumer, producer], gate.dropped.is_set, timeout_s=DEADLINE_S)
+        producer.shutdown()  # the producer is gone: its socket closed, nothing more will answer
+        started = time.monotonic()
+        outs = run_until([consumer], lambda: not consumer.has_pending_work(), timeout_s=DEADLINE_S)["r"]
+        assert time.monotonic() - started < 3.0  # recv_timeout_s=0.5, then the recompute
+        got = [pre.first_token, *tokens(outs)]
+        assert got == local_reference(tuple(PROMPT), len(got))
+        s = stats(consumer)
+        assert s["pulls_failed"] == 1 and s["failures.timeout"] == 1
+        assert s["blocks_received"] == 1
+        assert consumer.scheduler.num_load_failures == 1
+        assert_idle(consumer)
+    finally:
+        consumer.shutdown()
+
+
+def test_lease_expiry_frees_the_blocks_when_no_consumer_comes(consumer: LLMEngine) -> None:
+    producer = make_engine("prefill-0", lease_s=0.3)
+    try:
+        pre = prefill(producer, "r", PROMPT)
+        assert producer.has_pending_work()
+        run_until([producer], lambda: not producer.has_pending_work(), timeout_s=DEADLINE_S)
+        assert stats(producer)["lease_expiries"] == 1
+        assert_idle(producer)
+        # A consumer that comes too late is told so, and recomputes.
+        outs = decode(producer, consumer, "r", PROMPT, pre, MAX_TOKENS)
+        assert [pre.first_token, *tokens(outs)] == local_reference(tuple(PROMPT), MAX_TOKENS)
+        assert stats(consumer)["failures.expired"] == 1
+        assert consumer.scheduler.num_load_failures == 1
+        assert_idle(consumer)
+    finally:
+        producer.shutdown()
+
+
+def test_consumer_abort_while_pulling_frees_both_sides(
+    producer: LLMEngine, consumer: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pre = prefill(producer, "r", PROMPT)
+    gate = ReadGate(server_of(producer), monkeypatch)  # reads go unanswered: the pull stays in flight
+    consumer.add_request("r", [*PROMPT, pre.first_token], None, kv_transfer_params=pre.params)
+    run_until([consumer, producer], gate.dropped.is_set, timeout_s=DEADLINE_S)
+    assert "r" in consumer.scheduler.loading
+    aborted = consumer.abort_request("r")
+    assert aborted is not None and aborted.finish_reason == "abort"
+    assert consumer.has_pending_work()  # blocks held until the pull stopped writing into them
+    run_until(
+        [consumer, producer],
+        lambda: not consumer.has_pending_work() and not producer.has_pending_work(),
+        timeout_s=DEADLINE_S,
+    )
+    assert stats(consumer)["pulls_cancelled"] == 1
+    assert stats(producer)["leases_released"] == 1  # the consumer told the producer it is done
+    assert_idle(consumer)
+    assert_idle(producer)
+
+
+def test_checksum_mismatch_is_a_load_error_and_the_engine_recomputes(
+    producer: LLMEngine, consumer: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+
+    def corrupt_third(payload: Any) -> int:
+        calls.append(1)
+        value = payload_checksum(payload)
+        return value ^ 1 if len(calls) == 3 else value  # the producer's checksum of block 2 is wrong
+
+    monkeypatch.setattr(p2p_server, "payload_checksum", corrupt_third)
+    pre = prefill(producer, "r", PROMPT)
+    outs = decode(producer, consumer, "r", PROMPT, pre, MAX_TOKENS)
+    assert [pre.first_token, *tokens(outs)] == local_reference(tuple(PROMPT), MAX_TOKENS)
+    s = stats(consumer)
+    assert s["failures.checksum"] == 1 and s["pulls_failed"] == 1
+    assert consumer.scheduler.num_load_failures == 1
+    # Blocks 0 and 1 were good; the engine recomputed from block 2 on.
+    assert consumer.scheduler.prompt_tokens_external == 20
+    assert_idle(consumer)
+    assert_idle(producer)
+
+
+@pytest.mark.parametrize("registered", [True, False])
+def test_a_reclaimed_lease_never_serves_blocks_that_are_reused(registered: bool) -> None:
+    # 8 blocks: the held request keeps 6, so the next request must reuse some of them once reclaimed.
+    producer = make_engine("prefill-0", num_blocks=8)
+    try:
+        prefill(producer, "held", PROMPT)
+        if registered:
+            producer.step()  # the worker half registers the lease in the step after the request finished
+        assert server_of(producer).num_leases() == int(registered)
+        producer.abort_request("held")  # the router cancelled: the engine frees the blocks at once
+        producer.add_request("next", random_prompts([27], seed=5)[0], SamplingParams(max_tokens=2))
+        run_until([producer], lambda: not producer.has_pending_work(), timeout_s=DEADLINE_S)
+        # Registered: stopped (sends waited for) before the forward that overwrote the blocks.
+        # Not yet registered: the lease never reaches the worker.
+        assert stats(producer).get("fences", 0) == int(registered)
+        assert stats(producer).get("leases_registered", 0) == int(registered)
+        assert server_of(producer).num_leases() == 0
+        assert_idle(producer)
+    finally:
+        producer.shutdown()
+
+
+def test_garbage_to_the_endpoint_is_refused_and_serving_continues(
+    producer: LLMEngine, consumer: LLMEngine
+) -> None:
+    endpoint = worker(producer).endpoint
+    assert endpoint is not None
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    garbage: list[list[bytes]] = [
+        [b"\xc1\xff not msgpack"],
+        [b""],
+        [b"\x93\x01\x02\x03"],  # a msgpack array, not a map
+        [b"\x81\xa1v\x07"],  # {"v": 7}: another version
+        [encode_read(5, "nope", 0, [b"x" * 32])],  # unknown lease
+        [encode_read(6, "r", -1, [b"x" * 32])[:-3]],  # truncated msgpack
+        [encode_release(7, "nope"), b"extra frame"],
+        [encode_ping(8)],
+    ]
+    for frames in garbage:
+        dealer.send_multipart(frames)
+    replies = []
+    for _ in garbage:  # every message gets an answer: seven errors and the pong
+        assert dealer.poll(int(DEADLINE_S * 1000))
+        replies.append(decode_reply(dealer.recv()))
+    errors = [r for r in replies if isinstance(r, ErrorReply)]
+    assert len(errors) == 7 and any(isinstance(r, Pong) for r in replies)
+    assert {r.code for r in errors} >= {ErrorCode.MALFORMED, ErrorCode.VERSION, ErrorCode.UNKNOWN_LEASE}
+    # Bytes that are not even ZeroMQ, and a frame beyond the size limit: the peer is dropped.
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as raw:
+        raw.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(range(256)) * 64)
+    dealer.send(b"\x00" * (2 << 20))
+    dealer.close()
+    ctx.term()
+    # ... and a real transfer still works.
+    pre = prefill(producer, "r", PROMPT)
+    outs = decode(producer, consumer, "r", PROMPT, pre, MAX_TOKENS)
+    assert [pre.first_token, *tokens(outs)] == local_reference(tuple(PROMPT), MAX_TOKENS)
+    assert outs[-1].num_external_tokens == len(PROMPT) // BLOCK_SIZE * BLOCK_SIZE
+    assert stats(producer)["requests_refused"] >= 7
+    assert_idle(producer)
+    assert_idle(consumer)
+
+
+def test_shutdown_with_a_pull_in_flight_returns(producer: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    consumer = make_engine("decode-0", recv_timeout_s=30.0)
+    pre = prefill(producer, "r", PROMPT)
+    gate = ReadGate(server_of(producer), monkeypatch)
+    consumer.add_request("r", [*PROMPT, pre.first_token], None, kv_transfer_params=pre.params)
+    run_until([consumer, producer], gate.dropped.is_set, timeout_s=DEADLINE_S)
+    started = time.monotonic()
+    consumer.shutdown()
+    assert time.monotonic() - started < 2.0
+
+
+# ---- wire-level faults -------------------------------------------------------------------------------------
+
+BLOCK_NBYTES = 4 * 2 * 16 * 8 * 64 * 4  # 256 KiB: a realistic engine block
+
+
+def cache(num_blocks: int, fill: float | None = None) -> torch.Tensor:
+    kv = torch.zeros(num_blocks, 4, 2, 16, 8, 64)
+    if fill is None:
+        torch.manual_seed(0)
+        kv.normal_()
+    else:
+        kv.fill_(fill)
+    return kv
+
+
+HASHES = [bytes([i]) * 32 for i in range(64)]
+
+
+def test_fence_waits_for_sends_still_in_flight_and_resets_a_stuck_socket() -> None:
+    views = BlockViews(cache(64))
+    st = TransferStats()
+    server = BlockServer(views, "tcp://127.0.0.1:0", stats=st, fence_timeout_s=0.3)
+    ctx = zmq.Context()
+    try:
+        server.add_lease("r", range(64), HASHES, 30.0)
+        # A reader that asks for 16 MiB and never reads: ZeroMQ still holds frames over the engine's blocks.
+        stuck = ctx.socket(zmq.DEALER)
+        stuck.setsockopt(zmq.LINGER, 0)
+        stuck.setsockopt(zmq.RCVHWM, 1)
+        stuck.setsockopt(zmq.RCVBUF, 4096)
+        stuck.connect(server.endpoint)
+        for k in range(8):
+            stuck.send(encode_read(k + 1, "r", k * 8, HASHES[k * 8 : k * 8 + 8]))
+        wait_for(lambda: st.get("blocks_sent") == 64)
+        with server._lock:
+            in_flight = len(server._leases["r"].pending_trackers())
+        assert in_flight > 0
+        assert server.fence("r")  # the engine wants the blocks back: waits, then resets the socket
+        assert st.get("socket_resets") == 1
+        with server._lock:
+            assert not server._leases["r"].pending_trackers()
+        assert server.take_finished() == ["r"]
+        # The server serves again at the same endpoint after the reset.
+        server.add_lease("s", [0, 1], HASHES[:2], 30.0)
+        fresh = ctx.socket(zmq.DEALER)
+        fresh.setsockopt(zmq.LINGER, 0)
+        fresh.connect(server.endpoint)
+        fresh.send(encode_read(99, "s", 0, HASHES[:2]))
+        assert fresh.poll(int(DEADLINE_S * 1000))
+        frames = fresh.recv_multipart()
+        reply = decode_reply(frames[0])
+        assert isinstance(reply, DataReply) and reply.id == 99 and len(frames) == 3
+        assert bytes(frames[1]) == bytes(views.block(0))
+        stuck.close()
+        fresh.close()
+    finally:
+        server.close()
+        ctx.term()
+
+
+class FakeProducer:
+    """A ROUTER the test scripts: ``answer(request, frames_out)`` decides what each read gets."""
+
+    def __init__(self, views: BlockViews, answer: Callable[[ReadRequest, Callable[..., None]], None]) -> None:
+        self.views = views
+        self.answer = answer
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind("tcp://127.0.0.1:0")
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.reads: list[ReadRequest] = []
+        self.releases = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def data(self, request: ReadRequest, *, reply_id: int | None = None) -> list[Any]:
+        blocks = [self.views.block(request.first + j) for j in range(len(request.hashes))]
+        sums = [payload_checksum(b) for b in blocks]
+        rid = request.id if reply_id is None else reply_id
+        return [encode_data(rid, request.first, sums), *(bytes(b) for b in blocks)]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.sock.poll(10):
+                continue
+            identity, *body = self.sock.recv_multipart()
+            request = decode_request(body[0])
+            if isinstance(request, ReadRequest):
+                self.reads.append(request)
+                self.answer(
+                    request, lambda frames, ident=identity: self.sock.send_multipart([ident, *frames])
+                )
+            else:
+                self.releases += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def puller_setup() -> Iterator[tuple[BlockViews, BlockViews, TransferStats]]:
+    src = BlockViews(cache(8))
+    dst = BlockViews(cache(8, fill=0.0))
+    yield src, dst, TransferStats()
+
+
+def test_a_late_reply_with_a_stale_id_is_dropped(
+    puller_setup: tuple[BlockViews, BlockViews, TransferStats],
+) -> None:
+    src, dst, st = puller_setup
+    fake = FakeProducer(src, lambda req, send: None)
+
+    def stale_then_real(request: ReadRequest, send: Callable[..., None]) -> None:
+        stale = fake.data(request, reply_id=request.id + 1000)
+        stale[1] = b"\xff" * BLOCK_NBYTES  # garbage that must not land anywhere
+        send(stale)
+        send(fake.data(request))
+
+    fake.answer = stale_then_real
+    puller = BlockPuller(dst, stats=st, threads=1, recv_timeout_s=2.0, batch_blocks=2)
+    try:
+        job = PullJob("r", fake.endpoint, "remote-r", 0, (4, 5, 6, 7), tuple(HASHES[:4]))
+        result = puller.submit(job).wait(DEADLINE_S)
+        assert result is not None and result.ok and result.num_loaded == 4
+        for j in range(4):
+            assert bytes(dst.block(4 + j)) == bytes(src.block(j))
+        assert st.get("late_replies") == 2
+        assert [bytes(dst.block(b)) == bytes(BLOCK_NBYTES) for b in range(4)] == [True] * 4
+        wait_for(lambda: fake.releases == 1)  # the pull acknowledged
+    finally:
+        puller.close()
+        fake.close()
+
+
+def test_a_silent_producer_times_out_and_the_next_pull_reconnects(
+    puller_setup: tuple[BlockViews, BlockViews, TransferStats],
+) -> None:
+    src, dst, st = puller_setup
+    silent = {"on": True}
+    fake = FakeProducer(src, lambda req, send: None)
+    fake.answer = lambda req, send: None if silent["on"] else send(fake.data(req))
+    puller = BlockPuller(dst, stats=st, threads=1, recv_timeout_s=0.3, batch_blocks=4)
+    try:
+        job = PullJob("a", fake.endpoint, "remote-a", 0, (0, 1, 2), tuple(HASHES[:3]))
+        started = time.monotonic()
+        failed = puller.submit(job).wait(DEADLINE_S)
+        assert failed is not None and failed.reason == "timeout"
+        assert failed.failed_block_ids == (0, 1, 2) and time.monotonic() - started < 2.0
+        silent["on"] = False
+        job = PullJob("b", fake.endpoint, "remote-b", 1, (5, 6), tuple(HASHES[1:3]))
+        ok = puller.submit(job).wait(DEADLINE_S)
+        assert ok is not None and ok.ok
+        assert bytes(dst.block(5)) == bytes(src.block(1)) and bytes(dst.block(6)) == bytes(src.block(2))
+        assert [r.first for r in fake.reads] == [0, 1]
+        assert {r.request_id for r in puller.take_finished()} == {"a", "b"}
+    finally:
+        puller.close()
+        fake.close()
+
+
+@pytest.mark.parametrize(
+    ("reply", "reason"),
+    [
+        (lambda fake, req: [encode_data(req.id, req.first, [0])], "truncated"),  # sums but no frames
+        (lambda fake, req: [*fake.data(req)[:1], b"short"], "size"),
+        (lambda fake, req: [b"\x92\x01\x02"], "malformed"),
+        (lambda fake, req: [*fake.data(req), b"extra"], "malformed"),
+    ],
+)
+def test_a_malformed_reply_fails_the_pull_without_using_it(
+    puller_setup: tuple[BlockViews, BlockViews, TransferStats],
+    reply: Callable[[FakeProducer, ReadRequest], list[Any]],
+    reason: str,
+) -> None:
+    src, dst, st = puller_setup
+    fake = FakeProducer(src, lambda req, send: None)
+    fake.answer = lambda req, send: send(reply(fake, req))
+    puller = BlockPuller(dst, stats=st, threads=1, recv_timeout_s=2.0, batch_blocks=1)
+    try:
+        result = puller.submit(PullJob("r", fake.endpoint, "x", 0, (3,), (HASHES[0],))).wait(DEADLINE_S)
+        assert result is not None and result.reason == reason and result.failed_block_ids == (3,)
+        assert st.get(f"failures.{reason}") == 1
+    finally:
+        puller.close()
+        fake.close()
+
+
+def test_refused_requests_carry_their_id_and_a_code() -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_request(msgpack.packb({"v": 2, "op": "read", "id": 41}))
+    assert (info.value.code, info.value.request_id) == (ErrorCode.VERSION, 41)
+    with pytest.raises(ProtocolError) as info:
+        decode_request(encode_read(42, "r", 0, [b"short"]))
+    assert (info.value.code, info.value.request_id) == (ErrorCode.MALFORMED, 42)
+    assert decode_request(encode_read(3, "r", 2, [HASHES[0]])) == ReadRequest(3, "r", 2, (HASHES[0],))
