@@ -1,1 +1,1 @@
-"""pdkv decode_node."""
+"""The decode node: continues prefilled requests (pulling their KV) and streams the output tokens."""

@@ -7,11 +7,16 @@ scheduler owns every lifecycle change).  Until a request finishes, the last ``le
 characters are held back from the deltas, since they may turn out to be the start of a stop string.
 
 The token that ended a request by EOS or a stop token id contributes no text.
+
+A request can arrive with output tokens another engine already sampled (a prefill node's first token,
+now the last tokens of its prompt here): ``add_request(request, prior_output_token_ids)`` primes the
+detokenizer and the stop-string search with them, so the text continues exactly as if this engine had
+sampled them.  Their text has not been streamed yet: it is emitted with the request's first delta.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.outputs import RequestOutput
@@ -36,14 +41,18 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, prior_output_token_ids: Sequence[int] = ()) -> None:
+        """Track ``request``; ``prior_output_token_ids`` were sampled elsewhere (see the module docstring)."""
         params = request.sampling_params
-        self._states[request.request_id] = _RequestState(
+        state = _RequestState(
             request=request,
             detokenizer=self.tokenizer.stream(skip_special_tokens=params.skip_special_tokens),
             stops=params.stop,
             max_stop_len=max((len(s) for s in params.stop), default=0),
         )
+        for token in prior_output_token_ids:
+            state.text += state.detokenizer.push(token)
+        self._states[request.request_id] = state
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._states

@@ -16,6 +16,9 @@ _SUBCOMMANDS = (
     "pdkv.commands.model",
     "pdkv.commands.kvstore",
     "pdkv.commands.connectors",
+    "pdkv.commands.serve",
+    "pdkv.commands.health",
+    "pdkv.commands.up",
 )
 
 

@@ -1,1 +1,1 @@
-"""pdkv router."""
+"""The client-facing gateway: tokenize, pick nodes, run prefill then decode, relay the stream."""

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The main job: set up .venv, then generate text with the local engine on the embedded default model.
+# The main job: set up .venv, start the local cluster (KV store, a prefill node, a decode node, the
+# router) on the embedded default model, generate once through the router, and stop everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/pdkv generate "${@:-The quick brown fox}"
+exec .venv/bin/pdkv up --router-address 127.0.0.1:0 --oneshot "${*:-The quick brown fox}"

@@ -1,9 +1,10 @@
 """``pdkv make-model`` and ``pdkv generate``: write a random model, generate text with the local engine.
 
 ``generate`` runs an in-process engine on ``--model`` (a local Hugging Face folder) or, without it, on the
-embedded default model (written on first use).  It streams the completion to stdout and prints one line of
-stats to stderr.  Torch and the engine are imported inside the command functions, so ``pdkv --help``
-stays fast.
+embedded default model (written on first use).  With ``--server HOST:PORT`` it sends the request to a
+router instead (``pdkv up``) and streams the tokens as they arrive.  Either way the completion goes to
+stdout and one line of stats to stderr.  Torch and the engine are imported inside the command
+functions, so ``pdkv --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -49,7 +50,15 @@ def register(subparsers: Any) -> None:
     gen.add_argument("--seed", type=int, default=None, help="per-request sampling seed (reproducible)")
     gen.add_argument("--stop", action="append", default=[], metavar="STRING", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
-    engine = gen.add_argument_group("engine")
+    remote = gen.add_argument_group("remote (a router started by pdkv up or pdkv serve-router)")
+    remote.add_argument(
+        "--server",
+        metavar="HOST:PORT",
+        help="send the request to this router over gRPC instead of running locally",
+    )
+    remote.add_argument("--cache-salt", default=None, help="isolate prefix-cache entries (tenant)")
+    remote.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    engine = gen.add_argument_group("engine (local generation)")
     engine.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     engine.add_argument("--block-size", type=int, default=16)
@@ -76,17 +85,10 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    # A later issue adds --server HOST:PORT here: the same arguments, sent to a router instead.
-    return _generate_local(args)
-
-
-def _generate_local(args: argparse.Namespace) -> int:
-    from engine.engine_config import EngineConfig
-    from engine.llm_engine import LLMEngine
+def _sampling_params(args: argparse.Namespace) -> Any:
     from engine.sampling_params import SamplingParams
 
-    params = SamplingParams(
+    return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -96,6 +98,55 @@ def _generate_local(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    if args.server:
+        return _generate_remote(args)
+    return _generate_local(args)
+
+
+def _generate_remote(args: argparse.Namespace) -> int:
+    """Stream the completion from a router, printing text as it arrives."""
+    import grpc
+
+    from serving.client import GenerationClient, generate_request
+
+    request = generate_request(args.prompt, _sampling_params(args), cache_salt=args.cache_salt)
+
+    def show(delta: Any) -> None:
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+
+    with GenerationClient(args.server) as client:
+        try:
+            out = client.generate(request, timeout=args.timeout, on_delta=show)
+        except grpc.RpcError as exc:
+            sys.stdout.write("\n")
+            code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
+            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            print(f"pdkv generate: {args.server}: {code}: {details}", file=sys.stderr)
+            return 1
+    sys.stdout.write("\n")
+    u = out.usage
+    ttft_ms = (out.time_to_first_token_s or float("nan")) * 1e3
+    cached = (
+        f"local={u.cached.local_prefix},store={u.cached.store},remote={u.cached.remote_prefill}" if u else "-"
+    )
+    print(
+        f"[pdkv] request_id={out.request_id} prompt_tokens={u.prompt_tokens if u else '?'} "
+        f"cached_tokens={cached} output_tokens={len(out.token_ids)} ttft_ms={ttft_ms:.1f} "
+        f"finish_reason={out.finish_reason}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _generate_local(args: argparse.Namespace) -> int:
+    from engine.engine_config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    params = _sampling_params(args)
     engine = LLMEngine(
         EngineConfig(
             model=args.model,

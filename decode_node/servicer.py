@@ -1,0 +1,51 @@
+"""``pdkv.v1.DecodeNode``: proto in, ``decode_request`` to the engine, its outputs streamed out."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from decode_node.decode import decode_request
+from engine.outputs import RequestOutput
+from engine.serving import EngineDriver
+from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
+from serving import convert
+from serving.calls import EngineCall
+from serving.errors import CallRecorder, rpc_errors
+
+
+class DecodeNodeServicer(node_pb2_grpc.DecodeNodeServicer):
+    def __init__(self, driver: EngineDriver, calls: CallRecorder) -> None:
+        self.driver = driver
+        self.calls = calls
+
+    def Decode(
+        self, request: node_pb2.DecodeRequest, context: grpc.ServicerContext
+    ) -> Iterator[node_pb2.DecodeResponse]:
+        with rpc_errors(context, self.calls, "Decode"):
+            rid = convert.request_id(request.request_id)
+            engine_request = decode_request(
+                rid,
+                convert.token_ids(request.prompt_token_ids, "prompt_token_ids"),
+                convert.sampling_params(request.sampling),
+                convert.cache_salt(request),
+                request.first_token_id if request.HasField("first_token_id") else None,
+                convert.decode_transfer_params(request.kv_transfer_params),
+            )
+            for out in EngineCall(self.driver, engine_request, context).outputs():
+                yield _response(rid, out)
+
+
+def _response(rid: str, out: RequestOutput) -> node_pb2.DecodeResponse:
+    msg = node_pb2.DecodeResponse(
+        request_id=rid,
+        token_ids=out.new_token_ids,
+        text=out.new_text,
+        logprobs=out.new_logprobs,
+        finished=out.finished,
+        finish_reason=convert.finish_reason_proto(out.finish_reason),
+        prompt=convert.prompt_usage(out),
+    )
+    convert.set_stop_reason(msg, out.stop_reason)
+    return msg

@@ -1,0 +1,447 @@
+"""``EngineDriver``: one thread owns an ``LLMEngine``; server threads submit, abort and read streams.
+
+The engine is not thread-safe, so exactly one thread touches it.  Everything else talks to that thread
+through a command queue, and reads each request's outputs from the request's own ``RequestStream``::
+
+    server thread                         driver thread (owns the engine)
+    submit(EngineRequest) ── command ──▶  engine.add_request   (a ValueError travels back to submit)
+    stream.get(timeout)   ◀── outputs ──  engine.step() -> RequestOutput -> the stream of its request
+    abort(request_id)     ── command ──▶  engine.abort_request -> final output "abort" closes the stream
+    call(fn)              ── command ──▶  fn(engine) on the driver thread (stats, integrity checks)
+
+The loop never spins.  With requests running it steps back to back; with only connector work pending it
+steps, then waits for a command for up to ``poll_interval_s`` (requests waiting: an async KV load or
+lookup about to land, which a request's first token waits on) or ``held_poll_interval_s`` (only blocks
+held for a remote reader, whose release is not urgent), so those hand-offs still advance; with nothing
+pending it blocks until a command arrives.
+
+Load shedding happens at ``submit``: a driver admits at most ``max_num_requests`` unfinished requests
+and raises ``EngineOverloaded`` beyond that (the gRPC edge maps it to RESOURCE_EXHAUSTED).
+This module is gRPC-free: the node servers (``serving/``) wrap it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineOverloaded(RuntimeError):
+    """The driver already holds ``max_num_requests`` unfinished requests."""
+
+
+class EngineStopped(RuntimeError):
+    """The driver is stopping (or its engine failed) and takes no more requests."""
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request for ``EngineDriver.submit``: the arguments of ``LLMEngine.add_request``."""
+
+    request_id: str
+    prompt: str | Sequence[int]
+    sampling_params: SamplingParams
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    prior_output_token_ids: tuple[int, ...] = ()
+
+
+class RequestStream:
+    """The outputs of one request, in order, ending with one whose ``finished`` is True.
+
+    Filled by the driver thread, read by one consumer thread.
+    """
+
+    def __init__(self, request_id: str, num_prompt_tokens: int) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self._finished = threading.Event()
+
+    @property
+    def finished(self) -> bool:
+        """The final output has been delivered (it may not have been read yet)."""
+        return self._finished.is_set()
+
+    def put(self, output: RequestOutput) -> None:
+        self._queue.put(output)
+        if output.finished:
+            self._finished.set()
+
+    def get(self, timeout: float | None = None) -> RequestOutput | None:
+        """The next output, or None if none arrived within ``timeout`` seconds (None: wait forever)."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+@dataclass(frozen=True)
+class _Submit:
+    request: EngineRequest
+    future: Future[RequestStream]
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: Future[Any]
+
+
+_Command = _Submit | _Abort | _Call
+
+
+class EngineDriver:
+    """Runs ``engine``'s step loop on a thread of its own; see the module docstring."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_num_requests: int = 256,
+        poll_interval_s: float = 0.002,
+        held_poll_interval_s: float = 0.05,
+        name: str = "engine-driver",
+    ) -> None:
+        if max_num_requests <= 0:
+            raise ValueError(f"max_num_requests must be positive, got {max_num_requests}")
+        if not 0 < poll_interval_s <= held_poll_interval_s:
+            raise ValueError(
+                f"poll intervals must satisfy 0 < poll_interval_s ({poll_interval_s}) <= "
+                f"held_poll_interval_s ({held_poll_interval_s})"
+            )
+        self.engine = engine
+        self.max_num_requests = max_num_requests
+        self.poll_interval_s = poll_interval_s
+        self.held_poll_interval_s = held_poll_interval_s
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # driver thread only
+        self._lock = threading.Lock()
+        self._num_admitted = 0  # unfinished requests submitted (under _lock)
+        self._stopping = False
+        self._error: str | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+
+    def start(self) -> EngineDriver:
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        """The loop runs and takes requests (False once stopping or after the engine failed)."""
+        return self._thread.is_alive() and not self._stopping and self._error is None
+
+    @property
+    def error(self) -> str | None:
+        """Why the engine loop died, if it did."""
+        return self._error
+
+    @property
+    def num_requests(self) -> int:
+        """Unfinished requests submitted through this driver."""
+        with self._lock:
+            return self._num_admitted
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Refuse new requests, abort the unfinished ones (their streams end with "abort"), join the loop,
+        and shut the engine's connectors down."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+        self._commands.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.error("engine driver did not stop within %.1fs", timeout)
+            return
+        self.engine.shutdown()
+
+    # -- commands (any thread) ----------------------------------------------------------------------------
+
+    def submit(self, request: EngineRequest, timeout: float | None = None) -> RequestStream:
+        """Queue ``request``; returns its stream once the engine accepted it.
+
+        Raises ValueError (bad input, naming the field), EngineOverloaded, EngineStopped, or TimeoutError
+        if the engine thread did not answer within ``timeout`` seconds.
+        """
+        with self._lock:
+            self._check_accepting()
+            if self._num_admitted >= self.max_num_requests:
+                raise EngineOverloaded(
+                    f"the node already runs {self._num_admitted} requests (max_num_requests "
+                    f"{self.max_num_requests}); retry later or send it to another node"
+                )
+            self._num_admitted += 1
+        future: Future[RequestStream] = Future()
+        self._commands.put(_Submit(request, future))
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            if not future.cancel():
+                self.abort(request.request_id)  # admitted after all, but nobody reads it
+            raise
+
+    def abort(self, request_id: str) -> None:
+        """Abort ``request_id`` in any state (also blocks held for a remote reader).  Never blocks."""
+        self._commands.put(_Abort(request_id))
+
+    def call(self, fn: Callable[[LLMEngine], T], timeout: float | None = 5.0) -> T:
+        """Run ``fn(engine)`` on the driver thread and return its result (or raise its exception)."""
+        with self._lock:
+            self._check_accepting()
+        future: Future[T] = Future()
+        self._commands.put(_Call(fn, future))
+        return future.result(timeout)
+
+    def _check_accepting(self) -> None:
+        if self._error is not None:
+            raise EngineStopped(f"the engine failed: {self._error}")
+        if self._stopping:
+            raise EngineStopped("the node is shutting down")
+
+    # -- the loop (driver thread) -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:
+            logger.exception("engine loop failed; failing every request it held")
+            self._error = repr(exc)
+        finally:
+            self._abort_all("error" if self._error else "abort")
+            self._drain_after_stop()
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            if engine.has_unfinished_requests() and self._has_runnable_work():
+                command = self._next_command(block=False)
+            elif engine.has_pending_work():
+                command = self._next_command(timeout=self._pending_poll_s())
+            else:
+                command = self._next_command(block=True)
+            while command is not _NONE:
+                if command is None:
+                    return
+                self._execute(command)
+                command = self._next_command(block=False)
+            if engine.has_pending_work():
+                self._route(engine.step())
+
+    def _has_runnable_work(self) -> bool:
+        """Requests that computed last step.  Waiting ones were offered a place then: if they are still
+        waiting (a connector lookup pending, no free blocks), stepping at once would only spin."""
+        return bool(self.engine.scheduler.running)
+
+    def _pending_poll_s(self) -> float:
+        scheduler = self.engine.scheduler
+        if scheduler.has_unfinished_requests():  # waiting or loading: a first token waits on it
+            return self.poll_interval_s
+        return self.held_poll_interval_s
+
+    def _next_command(self, *, block: bool = True, timeout: float | None = None) -> Any:
+        try:
+            if timeout is not None:
+                return self._commands.get(timeout=timeout)
+            return self._commands.get(block=block)
+        except queue.Empty:
+            return _NONE
+
+    def _execute(self, command: _Command) -> None:
+        if isinstance(command, _Submit):
+            self._admit(command)
+        elif isinstance(command, _Abort):
+            out = self.engine.abort_request(command.request_id)
+            if out is not None:
+                self._route([out])
+        elif command.future.set_running_or_notify_cancel():
+            try:
+                command.future.set_result(command.fn(self.engine))
+            except Exception as exc:
+                command.future.set_exception(exc)
+
+    def _admit(self, command: _Submit) -> None:
+        """Add the request to the engine; the admission count drops again if it is not added."""
+        if not command.future.set_running_or_notify_cancel():
+            self._release_slot()
+            return
+        r = command.request
+        try:
+            request = self.engine.add_request(
+                r.request_id,
+                r.prompt,
+                r.sampling_params,
+                cache_salt=r.cache_salt,
+                kv_transfer_params=r.kv_transfer_params,
+                prior_output_token_ids=r.prior_output_token_ids,
+            )
+        except Exception as exc:
+            self._release_slot()
+            command.future.set_exception(exc)
+            return
+        stream = RequestStream(r.request_id, request.num_prompt_tokens)
+        self._streams[r.request_id] = stream
+        command.future.set_result(stream)
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+                self._release_slot()
+
+    def _release_slot(self) -> None:
+        with self._lock:
+            self._num_admitted -= 1
+
+    def _abort_all(self, reason: str) -> None:
+        for rid in list(self._streams):
+            try:
+                out = self.engine.abort_request(rid)
+            except Exception:  # the engine is broken: close the stream ourselves
+                logger.exception("aborting %s failed", rid)
+                out = None
+            if out is None or not out.finished:
+                out = RequestOutput(rid, [], "", [], True, finish_reason=reason, error=self._error)
+            self._route([out])
+
+    def _drain_after_stop(self) -> None:
+        """Answer what is still queued so no caller waits forever on a stopped driver."""
+        while True:
+            command = self._next_command(block=False)
+            if command is _NONE:
+                return
+            if isinstance(command, _Submit):
+                self._release_slot()
+            if isinstance(command, _Submit | _Call) and command.future.set_running_or_notify_cancel():
+                command.future.set_exception(EngineStopped(self._error or "the node is shutting down"))
+
+
+class _Sentinel:
+    pass
+
+
+_NONE = _Sentinel()
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """An engine's counters and its KV pool's books at one moment (read on the driver thread)."""
+
+    engine_id: str
+    num_running: int
+    num_waiting: int
+    num_loading: int
+    num_held: int
+    num_total_blocks: int
+    num_free_blocks: int
+    kv_usage: float
+    prompt_tokens_local: int
+    prompt_tokens_external: int
+    prompt_tokens_computed: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_lease_expiries: int
+    num_load_failures: int
+    num_requests_finished: int
+    num_generated_tokens: int
+    num_steps: int
+    model_fingerprint: str
+    block_size: int
+    hash_algo: str
+    # Where the connector serves KV to peers ("" when it serves none), and its own counters.
+    kv_endpoint: str = ""
+    connector_stats: dict[str, float] | None = None
+    # None when not checked; "" when the books balance; else why they do not.
+    integrity_error: str | None = None
+
+
+def snapshot(engine: LLMEngine, *, check_integrity: bool = False) -> EngineSnapshot:
+    """Run on the driver thread (``driver.call(snapshot)``): the engine is not thread-safe.
+
+    Connector halves (and the children of ``multi``) export, when they have them, counters through
+    ``transfer_stats()`` or ``stats()`` (``Mapping[str, float]``; summed over halves) and the address
+    they serve KV on as ``endpoint`` or ``kv_endpoint``.  Both are optional: a connector need not know
+    about nodes.
+    """
+    stats = engine.stats()
+    s = stats.scheduler
+    integrity: str | None = None
+    if check_integrity:
+        try:
+            engine.scheduler.check_integrity()
+            integrity = ""
+        except AssertionError as exc:
+            integrity = str(exc) or "integrity check failed"
+    counters: dict[str, float] = {}
+    endpoint = ""
+    for c in _connector_tree(engine.scheduler_connector) + _connector_tree(engine.worker_connector):
+        for attr in ("endpoint", "kv_endpoint"):
+            value = getattr(c, attr, None)
+            if isinstance(value, str) and value and not endpoint:
+                endpoint = value
+        for method in ("transfer_stats", "stats"):
+            fn = getattr(c, method, None)
+            if callable(fn):
+                for key, value in dict(fn()).items():
+                    if isinstance(value, int | float) and not isinstance(value, bool):
+                        counters[str(key)] = counters.get(str(key), 0.0) + float(value)
+                break
+    return EngineSnapshot(
+        engine_id=engine.config.engine_id,
+        num_running=s.num_running,
+        num_waiting=s.num_waiting,
+        num_loading=s.num_loading,
+        num_held=s.num_held_for_send,
+        num_total_blocks=engine.kv_spec.num_blocks,
+        num_free_blocks=s.num_free_blocks,
+        kv_usage=s.kv_usage,
+        prompt_tokens_local=s.prompt_tokens_local,
+        prompt_tokens_external=s.prompt_tokens_external,
+        prompt_tokens_computed=s.prompt_tokens_computed,
+        prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits,
+        num_preemptions=s.num_preemptions,
+        num_lease_expiries=s.num_delay_free_expired,
+        num_load_failures=s.num_load_failures,
+        num_requests_finished=stats.num_requests_finished,
+        num_generated_tokens=stats.num_generated_tokens,
+        num_steps=stats.num_steps,
+        model_fingerprint=engine.namespace.model_fingerprint,
+        block_size=engine.namespace.block_size,
+        hash_algo=engine.namespace.algo,
+        kv_endpoint=endpoint,
+        connector_stats=counters,
+        integrity_error=integrity,
+    )
+
+
+def _connector_tree(connector: Any) -> list[Any]:
+    children = getattr(connector, "children", None)
+    if isinstance(children, list):
+        return [connector, *(c for child in children for c in _connector_tree(child))]
+    return [connector]

@@ -1,0 +1,76 @@
+"""What "prefill" means for the engine: a one-token request whose KV is kept for a remote decoder.
+
+The router sends the client's own sampling parameters; here the request becomes::
+
+    prompt                  the client's prompt token ids
+    max_tokens              1 (the decode node samples the rest)
+    kv_transfer_params      {"do_remote_decode": True}   -> the connector holds the blocks under a lease
+
+When the engine finishes it, its final ``RequestOutput.kv_transfer_params`` (from the connector) say
+where the KV is held; they travel to the decode node untouched.  A request can also end right here (EOS,
+a stop, the client's ``max_tokens`` is 1, the context is full): then no decode node will come, and the
+held blocks are released at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.serving import EngineRequest
+
+DO_REMOTE_DECODE: dict[str, Any] = {"do_remote_decode": True}
+
+
+def prefill_request(
+    request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, cache_salt: str | None
+) -> EngineRequest:
+    return EngineRequest(
+        request_id=request_id,
+        prompt=list(prompt_token_ids),
+        sampling_params=dataclasses.replace(params, max_tokens=1),
+        cache_salt=cache_salt,
+        kv_transfer_params=dict(DO_REMOTE_DECODE),
+    )
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """The first token, whether the request ended with it, and where its KV waits for a decode node."""
+
+    output: RequestOutput  # the engine's final output of the one-token request
+    ends_here: bool
+    finish_reason: str | None  # the client-visible reason when ends_here
+
+    @property
+    def first_token_id(self) -> int:
+        return self.output.new_token_ids[0]
+
+    @property
+    def first_logprob(self) -> float | None:
+        return self.output.new_logprobs[0] if self.output.new_logprobs else None
+
+    @property
+    def text(self) -> str:
+        """The first token's text when the request ends here; otherwise the decode node emits it (its
+        detokenizer is primed with the token, so the text continues exactly as on one engine)."""
+        return self.output.new_text if self.ends_here else ""
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        return None if self.ends_here else self.output.kv_transfer_params
+
+
+def prefill_result(output: RequestOutput, params: SamplingParams, max_model_len: int) -> PrefillResult:
+    """Interpret the finished one-token request against the client's ``params``."""
+    assert output.finished and output.new_token_ids, f"prefill output without a token: {output}"
+    full_context = output.num_prompt_tokens + 1 >= max_model_len
+    if output.finish_reason == "stop":
+        return PrefillResult(output, True, "stop")
+    if params.max_tokens == 1 or full_context:
+        return PrefillResult(output, True, "length")
+    return PrefillResult(output, False, None)

@@ -1,0 +1,52 @@
+"""``pdkv.v1.PrefillNode``: proto in, ``prefill_request`` to the engine, proto out."""
+
+from __future__ import annotations
+
+import grpc
+
+from engine.serving import EngineDriver
+from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
+from prefill_node.prefill import PrefillResult, prefill_request, prefill_result
+from serving import convert
+from serving.calls import EngineCall
+from serving.errors import CallRecorder, rpc_errors
+
+
+class PrefillNodeServicer(node_pb2_grpc.PrefillNodeServicer):
+    def __init__(self, driver: EngineDriver, calls: CallRecorder) -> None:
+        self.driver = driver
+        self.calls = calls
+
+    def Prefill(
+        self, request: node_pb2.PrefillRequest, context: grpc.ServicerContext
+    ) -> node_pb2.PrefillResponse:
+        with rpc_errors(context, self.calls, "Prefill"):
+            rid = convert.request_id(request.request_id)
+            params = convert.sampling_params(request.sampling)
+            prompt = convert.token_ids(request.prompt_token_ids, "prompt_token_ids")
+            call = EngineCall(
+                self.driver, prefill_request(rid, prompt, params, convert.cache_salt(request)), context
+            )
+            final = list(call.outputs())[-1]
+            result = prefill_result(final, params, self.driver.engine.max_model_len)
+            if result.ends_here:
+                self.driver.abort(rid)  # no decode node will read the held KV: free it now
+            return _response(rid, result)
+        raise AssertionError("unreachable: rpc_errors aborts the call")
+
+
+def _response(rid: str, result: PrefillResult) -> node_pb2.PrefillResponse:
+    response = node_pb2.PrefillResponse(
+        request_id=rid,
+        first_token_id=result.first_token_id,
+        finished=result.ends_here,
+        finish_reason=convert.finish_reason_proto(result.finish_reason),
+        text=result.text,
+        prompt=convert.prompt_usage(result.output),
+        kv_transfer_params=convert.encode_transfer_params(result.kv_transfer_params),
+    )
+    if result.first_logprob is not None:
+        response.first_logprob = result.first_logprob
+    if result.ends_here:
+        convert.set_stop_reason(response, result.output.stop_reason)
+    return response

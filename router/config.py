@@ -1,0 +1,116 @@
+"""``RouterConfig``: which nodes, which mode and policy, and the router's limits; frozen and validated."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from serving.config import parse_address
+
+MODES = ("disaggregated", "colocated")
+POLICIES = ("round-robin", "least-loaded")
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+# The line the router prints once it serves: READY_PREFIX + "HOST:PORT mode=... metrics=..."
+READY_PREFIX = "pdkv router: serving on "
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """``disaggregated``: prefill on a ``prefill_nodes`` node, decode on a ``decode_nodes`` node.
+    ``colocated``: the whole request on one of ``decode_nodes`` (nodes started with role colocated)."""
+
+    mode: str = "disaggregated"
+    prefill_nodes: tuple[str, ...] = ()
+    decode_nodes: tuple[str, ...] = ()
+    policy: str = "least-loaded"
+    model: str | None = None
+    address: str = DEFAULT_ADDRESS
+    metrics_address: str = "127.0.0.1:0"
+    # Client calls in flight before RESOURCE_EXHAUSTED.
+    max_inflight: int = 256
+    # Prefill nodes tried for one request (a node that fails before answering is skipped).
+    prefill_attempts: int = 2
+    health_interval_s: float = 0.5
+    health_timeout_s: float = 1.0
+    # Resolve node host names to every address they have (one node per replica), on every health round.
+    dns_discovery: bool = False
+    grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} is unknown; choose one of {', '.join(MODES)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r} is unknown; choose one of {', '.join(POLICIES)}")
+        object.__setattr__(self, "prefill_nodes", tuple(self.prefill_nodes))
+        object.__setattr__(self, "decode_nodes", tuple(self.decode_nodes))
+        if self.mode == "disaggregated" and not self.prefill_nodes:
+            raise ValueError("disaggregated mode needs at least one prefill node (--prefill HOST:PORT)")
+        if not self.decode_nodes:
+            raise ValueError(
+                "at least one decode node is needed (--decode HOST:PORT; in colocated mode, the nodes)"
+            )
+        if self.mode == "colocated" and self.prefill_nodes:
+            raise ValueError("colocated mode takes its nodes from --decode only; drop --prefill")
+        for a in (*self.prefill_nodes, *self.decode_nodes):
+            parse_address(a, "node address")
+        parse_address(self.address, "address")
+        if self.metrics_address:
+            parse_address(self.metrics_address, "metrics_address")
+        for name in ("max_inflight", "prefill_attempts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("health_interval_s", "health_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+    @property
+    def max_workers(self) -> int:
+        return self.max_inflight + 16
+
+
+def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--address", default=DEFAULT_ADDRESS, help=f"HOST:PORT to listen on ({DEFAULT_ADDRESS})"
+    )
+    parser.add_argument(
+        "--metrics-address", default="127.0.0.1:0", help="HOST:PORT for /metrics ('none': off)"
+    )
+    parser.add_argument("--mode", choices=MODES, default="disaggregated")
+    parser.add_argument(
+        "--prefill", default="", metavar="ADDRS", help="prefill nodes, comma-separated HOST:PORT list"
+    )
+    parser.add_argument(
+        "--decode", default="", metavar="ADDRS", help="decode (or colocated) nodes, comma-separated"
+    )
+    parser.add_argument("--policy", choices=POLICIES, default="least-loaded")
+    parser.add_argument("--model", metavar="DIR", help="the nodes' model folder, for its tokenizer")
+    parser.add_argument("--max-inflight", type=int, default=256)
+    parser.add_argument("--prefill-attempts", type=int, default=2)
+    parser.add_argument("--health-interval-s", type=float, default=0.5)
+    parser.add_argument(
+        "--dns-discovery", action="store_true", help="one node per address a name resolves to"
+    )
+    parser.add_argument("--grace-s", type=float, default=5.0)
+    parser.add_argument("--log-level", default="WARNING")
+
+
+def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
+    def split(text: str) -> tuple[str, ...]:
+        return tuple(a.strip() for a in text.split(",") if a.strip())
+
+    metrics = "" if str(args.metrics_address).lower() in ("", "none", "off") else args.metrics_address
+    return RouterConfig(
+        mode=args.mode,
+        prefill_nodes=split(args.prefill),
+        decode_nodes=split(args.decode),
+        policy=args.policy,
+        model=args.model,
+        address=args.address,
+        metrics_address=metrics,
+        max_inflight=args.max_inflight,
+        prefill_attempts=args.prefill_attempts,
+        health_interval_s=args.health_interval_s,
+        dns_discovery=args.dns_discovery,
+        grace_s=args.grace_s,
+    )

@@ -1,0 +1,224 @@
+"""The router's view of its nodes: one channel and stubs per node, health, and in-flight counts.
+
+A ``NodePool`` holds the nodes of one kind (prefill, or decode/colocated).  ``HealthMonitor`` asks every
+node's health service each ``interval`` and marks it up or down; a call that fails with UNAVAILABLE marks
+its node down at once, so the next request avoids it without waiting for the monitor.  With DNS discovery
+a configured ``name:port`` stands for every address the name resolves to (compose replicas).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import grpc
+
+from engine.hashing import HashNamespace
+from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
+from serving.health import SERVING, check
+
+logger = logging.getLogger(__name__)
+
+# Reconnect quickly to a node that restarts (gRPC's default backoff grows to two minutes).
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+ABORT_TIMEOUT_S = 2.0
+
+
+class NodeHandle:
+    """One node: stubs over one channel, whether it is healthy, and how many router calls it serves."""
+
+    def __init__(self, address: str, service: str) -> None:
+        self.address = address
+        self.service = service  # the health service name to check
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.prefill = node_pb2_grpc.PrefillNodeStub(self.channel)
+        self.decode = node_pb2_grpc.DecodeNodeStub(self.channel)
+        self.control = node_pb2_grpc.NodeStub(self.channel)
+        # The node's block-hash namespace (from Stats), for prefix-aware policies.
+        self.namespace: HashNamespace | None = None
+        self._lock = threading.Lock()
+        self._healthy = False
+        self._inflight = 0
+        self.last_error = "not checked yet"
+
+    def __repr__(self) -> str:
+        return f"NodeHandle({self.address!r}, healthy={self._healthy}, inflight={self._inflight})"
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    def mark_down(self, reason: str) -> None:
+        with self._lock:
+            was_up, self._healthy, self.last_error = self._healthy, False, reason
+        if was_up:
+            logger.warning("node %s is down: %s", self.address, reason)
+
+    def mark_up(self) -> None:
+        with self._lock:
+            was_up, self._healthy, self.last_error = self._healthy, True, ""
+        if not was_up:
+            logger.info("node %s is up", self.address)
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Count one router call against this node while the block runs (least-loaded reads it)."""
+        with self._lock:
+            self._inflight += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inflight -= 1
+
+    def abort_async(self, request_id: str) -> None:
+        """Tell the node to abort ``request_id`` (and free what it holds for it); never blocks."""
+        try:
+            future = self.control.Abort.future(
+                node_pb2.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S
+            )
+        except ValueError as exc:  # the channel is closed: the router is shutting down
+            logger.info("abort of %s on %s not sent: %s", request_id, self.address, exc)
+            return
+        future.add_done_callback(lambda f: _log_abort_failure(self.address, request_id, f))
+
+    def check(self, timeout: float) -> None:
+        status = check(self.address, service=self.service, timeout=timeout, channel=self.channel)
+        if status != SERVING:
+            self.mark_down(status)
+            return
+        if self.namespace is None:
+            self.namespace = self._fetch_namespace(timeout)
+        self.mark_up()
+
+    def _fetch_namespace(self, timeout: float) -> HashNamespace | None:
+        try:
+            stats = self.control.Stats(node_pb2.StatsRequest(), timeout=timeout)
+            return HashNamespace(
+                model_fingerprint=stats.model_fingerprint, block_size=stats.block_size, algo=stats.hash_algo
+            )
+        except (grpc.RpcError, ValueError) as exc:
+            logger.debug("no namespace from %s yet: %r", self.address, exc)
+            return None
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _log_abort_failure(address: str, request_id: str, future: grpc.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.info("abort of %s on %s failed: %s", request_id, address, future.exception())
+
+
+class NodePool:
+    """The nodes of one kind; ``service`` is the health service they must report SERVING."""
+
+    def __init__(
+        self, kind: str, addresses: Sequence[str], service: str, *, dns_discovery: bool = False
+    ) -> None:
+        self.kind = kind
+        self.configured = tuple(addresses)
+        self.service = service
+        self.dns_discovery = dns_discovery
+        self._lock = threading.Lock()
+        self._nodes: dict[str, NodeHandle] = {}
+        self.refresh()
+
+    def nodes(self) -> list[NodeHandle]:
+        with self._lock:
+            return list(self._nodes.values())
+
+    def healthy(self, exclude: Sequence[NodeHandle] = ()) -> list[NodeHandle]:
+        return [n for n in self.nodes() if n.healthy and n not in exclude]
+
+    def refresh(self) -> None:
+        """Add the nodes the configured addresses stand for now; drop those they no longer do."""
+        targets = self._targets()
+        with self._lock:
+            for address in targets - set(self._nodes):
+                self._nodes[address] = NodeHandle(address, self.service)
+            gone = [self._nodes.pop(a) for a in set(self._nodes) - targets]
+        for node in gone:
+            logger.warning("node %s left pool %s (no longer resolved)", node.address, self.kind)
+            node.close()
+
+    def _targets(self) -> set[str]:
+        if not self.dns_discovery:
+            return set(self.configured)
+        found: set[str] = set()
+        for address in self.configured:
+            host, _, port = address.rpartition(":")
+            try:
+                infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+            except OSError as exc:
+                logger.warning("cannot resolve %s: %s", address, exc)
+                continue
+            for info in infos:
+                ip = str(info[4][0])
+                found.add(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+        return found
+
+    def close(self) -> None:
+        for node in self.nodes():
+            node.close()
+
+
+class HealthMonitor:
+    """Checks every node of ``pools`` each ``interval`` seconds on a daemon thread; calls ``on_round``
+    after each round (the router updates its own health from it)."""
+
+    def __init__(
+        self,
+        pools: Sequence[NodePool],
+        *,
+        interval: float,
+        timeout: float,
+        on_round: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.pools = tuple(pools)
+        self.interval = interval
+        self.timeout = timeout
+        self.on_round = on_round
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="health-monitor", daemon=True)
+
+    def start(self) -> HealthMonitor:
+        self._thread.start()
+        return self
+
+    def check_all(self) -> None:
+        """One round: every node checked in parallel (a dead node's timeout does not delay the others)."""
+        checks = []
+        for pool in self.pools:
+            if pool.dns_discovery:
+                pool.refresh()
+            for node in pool.nodes():
+                t = threading.Thread(target=node.check, args=(self.timeout,), daemon=True)
+                t.start()
+                checks.append(t)
+        for t in checks:
+            t.join(self.timeout + 1.0)
+        self.on_round()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.check_all()
+            except Exception:
+                logger.exception("health round failed")
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(self.timeout + 2.0)

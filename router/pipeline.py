@@ -1,0 +1,370 @@
+"""The two-phase call behind ``Generate``: prefill on one node, decode on another, one stream out.
+
+    disaggregated:  choose prefill node ──Prefill──▶ first token + kv_transfer_params
+                    (fails before answering: mark it down, try the next node)
+                    yield the first token ──▶ choose decode node ──Decode(stream)──▶ yield each delta
+    colocated:      choose a node ──Decode(stream, whole request)──▶ yield each delta
+                    (fails before its first message: try the next node)
+
+Cancellation: every downstream call registers with the request's ``Cancellation``; when the client's
+call ends early (cancel, deadline) it cancels them, and gRPC carries the cancel to the nodes, whose
+engines abort the request.  Deadlines: every downstream call gets the client's remaining time.
+
+Once Prefill returned, the prefill node holds the prompt's KV for a decode node (under a lease).  When
+the decode phase ends -- done, failed or cancelled -- the router sends the prefill node an ``Abort`` for
+the request: usually a no-op (the decode node's acknowledgement freed the blocks), but it also ends the
+holds no transfer will end (the decode node had the blocks cached and pulled nothing, or died) without
+waiting for the lease to expire.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+from pdkv_proto.pdkv.v1 import node_pb2
+from router.nodes import NodeHandle, NodePool
+from router.policy import NodeSelector, RoutingInfo
+from serving import convert
+from serving.calls import time_remaining
+from serving.errors import ServingError
+
+logger = logging.getLogger(__name__)
+
+# A node that answers these before producing anything is skipped and the next one is tried.
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+class CallScope(Protocol):
+    """What the pipeline needs from the client's call (``grpc.ServicerContext`` has it)."""
+
+    def time_remaining(self) -> float | None: ...
+    def add_callback(self, callback: Callable[[], None]) -> bool: ...
+    def is_active(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class ClientRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class Delta:
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    local_prefix: int = 0
+    store: int = 0
+    remote_prefill: int = 0
+    computed_prompt_tokens: int = 0
+    time_to_first_token_s: float = 0.0
+    total_time_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str | None
+    stop_reason: int | str | None
+    usage: Usage
+
+
+Event = Delta | Done
+
+
+class Cancellation:
+    """Hooks run once if the client's call ends before the pipeline finished (cancel or deadline)."""
+
+    def __init__(self, scope: CallScope) -> None:
+        self._lock = threading.Lock()
+        self._hooks: list[Callable[[], None]] = []
+        self._done = False
+        self.cancelled = False
+        scope.add_callback(self._fire)
+
+    def on_cancel(self, hook: Callable[[], None]) -> None:
+        with self._lock:
+            if not self.cancelled:
+                self._hooks.append(hook)
+                return
+        hook()  # already cancelled: run it now
+
+    def finish(self) -> None:
+        with self._lock:
+            self._done = True
+
+    def _fire(self) -> None:
+        with self._lock:
+            if self._done or self.cancelled:
+                return
+            self.cancelled = True
+            hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            try:
+                hook()
+            except Exception:
+                logger.exception("cancel hook failed")
+
+
+class Pipeline:
+    """Runs client requests over the pools in ``mode`` ("disaggregated" or "colocated");
+    ``new_selector`` makes the node-selection policy of each pool."""
+
+    def __init__(
+        self,
+        mode: str,
+        prefill_pool: NodePool | None,
+        decode_pool: NodePool,
+        new_selector: Callable[[], NodeSelector],
+        *,
+        prefill_attempts: int = 2,
+        max_inflight: int = 256,
+    ) -> None:
+        assert mode == "colocated" or prefill_pool is not None, "disaggregated mode needs a prefill pool"
+        self.mode = mode
+        self.prefill_pool = prefill_pool
+        self.decode_pool = decode_pool
+        # One selector per pool: a round-robin turn taken in one pool must not skip a node in the other.
+        self._selectors = {
+            id(pool): new_selector() for pool in (prefill_pool, decode_pool) if pool is not None
+        }
+        self.prefill_attempts = prefill_attempts
+        self.max_inflight = max_inflight
+        self._inflight = 0
+        self._lock = threading.Lock()
+
+    @property
+    def inflight(self) -> int:
+        """Client calls in flight."""
+        return self._inflight
+
+    def generate(self, request: ClientRequest, scope: CallScope) -> Iterator[Event]:
+        """The request's deltas, then one ``Done``.  Raises ``ServingError`` with the status to return."""
+        self._admit()
+        try:
+            cancellation = Cancellation(scope)
+            run = self._disaggregated if self.mode == "disaggregated" else self._colocated
+            yield from run(request, scope, cancellation, time.perf_counter())
+            cancellation.finish()
+        finally:
+            with self._lock:
+                self._inflight -= 1
+
+    def _admit(self) -> None:
+        with self._lock:
+            if self._inflight >= self.max_inflight:
+                raise ServingError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the router already serves {self._inflight} requests "
+                    f"(max_inflight {self.max_inflight}); retry later",
+                )
+            self._inflight += 1
+
+    # -- disaggregated ------------------------------------------------------------------------------------
+
+    def _disaggregated(
+        self, request: ClientRequest, scope: CallScope, cancellation: Cancellation, start: float
+    ) -> Iterator[Event]:
+        assert self.prefill_pool is not None
+        prefill_msg = node_pb2.PrefillRequest(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=convert.sampling_params_proto(request.params),
+        )
+        if request.cache_salt is not None:
+            prefill_msg.cache_salt = request.cache_salt
+        prefill_node, first = self._prefill(request, prefill_msg, scope, cancellation)
+        # From here the prefill node holds the KV for a decode node: free it if the client goes away.
+        cancellation.on_cancel(lambda: prefill_node.abort_async(request.request_id))
+        usage = Usage(
+            prompt_tokens=len(request.prompt_token_ids),
+            completion_tokens=1,
+            local_prefix=first.prompt.local_prefix_tokens,
+            store=first.prompt.external_tokens,
+            computed_prompt_tokens=first.prompt.computed_tokens,
+            time_to_first_token_s=time.perf_counter() - start,
+        )
+        yield Delta(
+            [first.first_token_id],
+            first.text,
+            [first.first_logprob] if first.HasField("first_logprob") else [],
+        )
+        if first.finished:
+            usage.total_time_s = time.perf_counter() - start
+            yield Done(convert.finish_reason(first.finish_reason), convert.stop_reason(first), usage)
+            return
+        decode_msg = node_pb2.DecodeRequest(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=prefill_msg.sampling,
+            first_token_id=first.first_token_id,
+            kv_transfer_params=first.kv_transfer_params,
+        )
+        if request.cache_salt is not None:
+            decode_msg.cache_salt = request.cache_salt
+        try:
+            node = self._choose(self.decode_pool, request, ())
+            yield from self._relay(node, decode_msg, scope, cancellation, usage, start, first_message=False)
+        finally:
+            # The decode node has read the held KV, or never will (it had the blocks already, it failed,
+            # the client left): release what the prefill node may still hold.  A no-op when the
+            # transfer's own acknowledgement already freed it.
+            prefill_node.abort_async(request.request_id)
+
+    def _prefill(
+        self,
+        request: ClientRequest,
+        msg: node_pb2.PrefillRequest,
+        scope: CallScope,
+        cancellation: Cancellation,
+    ) -> tuple[NodeHandle, node_pb2.PrefillResponse]:
+        assert self.prefill_pool is not None
+        tried: list[NodeHandle] = []
+        errors: list[str] = []
+        for _ in range(self.prefill_attempts):
+            node = self._choose(self.prefill_pool, request, tried, errors)
+            tried.append(node)
+            future = node.prefill.Prefill.future(msg, timeout=time_remaining(scope))
+            cancellation.on_cancel(future.cancel)
+            try:
+                with node.busy():
+                    return node, future.result()
+            except grpc.FutureCancelledError as exc:
+                raise ServingError(grpc.StatusCode.CANCELLED, "the client cancelled the request") from exc
+            except grpc.RpcError as exc:
+                code, details = _code_details(exc)
+                if code not in RETRYABLE or not scope.is_active():
+                    raise ServingError(code, f"prefill node {node.address}: {details}") from exc
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    node.mark_down(details)
+                errors.append(f"{node.address}: {code.name} {details}")
+        raise ServingError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"prefill failed on {len(tried)} node(s) ({'; '.join(errors)}); retry later",
+        )
+
+    # -- colocated ----------------------------------------------------------------------------------------
+
+    def _colocated(
+        self, request: ClientRequest, scope: CallScope, cancellation: Cancellation, start: float
+    ) -> Iterator[Event]:
+        msg = node_pb2.DecodeRequest(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=convert.sampling_params_proto(request.params),
+        )
+        if request.cache_salt is not None:
+            msg.cache_salt = request.cache_salt
+        usage = Usage(prompt_tokens=len(request.prompt_token_ids))
+        tried: list[NodeHandle] = []
+        errors: list[str] = []
+        for attempt in range(self.prefill_attempts):
+            node = self._choose(self.decode_pool, request, tried, errors)
+            tried.append(node)
+            try:
+                yield from self._relay(node, msg, scope, cancellation, usage, start, first_message=True)
+                return
+            except _FailedBeforeOutput as failed:
+                errors.append(f"{node.address}: {failed.code.name} {failed.details}")
+                if attempt + 1 == self.prefill_attempts:
+                    raise ServingError(failed.code, f"node {node.address}: {failed.details}") from None
+
+    # -- shared -------------------------------------------------------------------------------------------
+
+    def _relay(
+        self,
+        node: NodeHandle,
+        msg: node_pb2.DecodeRequest,
+        scope: CallScope,
+        cancellation: Cancellation,
+        usage: Usage,
+        start: float,
+        *,
+        first_message: bool,
+    ) -> Iterator[Event]:
+        """Stream ``node``'s Decode as deltas, then Done.  With ``first_message`` (nothing sent to the
+        client yet), a retryable failure before the node's first message raises _FailedBeforeOutput."""
+        stream = node.decode.Decode(msg, timeout=time_remaining(scope))
+        cancellation.on_cancel(stream.cancel)
+        last: node_pb2.DecodeResponse | None = None
+        with node.busy():
+            try:
+                for last in stream:
+                    if first_message and last.token_ids and usage.time_to_first_token_s == 0.0:
+                        usage.time_to_first_token_s = time.perf_counter() - start
+                    usage.completion_tokens += len(last.token_ids)
+                    if last.token_ids or last.text:
+                        yield Delta(list(last.token_ids), last.text, list(last.logprobs))
+            except grpc.RpcError as exc:
+                code, details = _code_details(exc)
+                if cancellation.cancelled or code == grpc.StatusCode.CANCELLED:
+                    raise ServingError(grpc.StatusCode.CANCELLED, "the client cancelled the request") from exc
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    node.mark_down(details)
+                if first_message and last is None and code in RETRYABLE and scope.is_active():
+                    raise _FailedBeforeOutput(code, details) from exc
+                raise ServingError(
+                    code,
+                    f"decode node {node.address} failed mid-request ({code.name}: {details}); "
+                    "the output is incomplete, retry the request",
+                ) from exc
+        if last is None or not last.finished:
+            raise ServingError(
+                grpc.StatusCode.UNAVAILABLE, f"decode node {node.address} ended the stream early"
+            )
+        if self.mode == "colocated":
+            usage.local_prefix = last.prompt.local_prefix_tokens
+            usage.store = last.prompt.external_tokens
+            usage.computed_prompt_tokens = last.prompt.computed_tokens
+        else:
+            usage.remote_prefill = last.prompt.external_tokens
+        usage.total_time_s = time.perf_counter() - start
+        yield Done(convert.finish_reason(last.finish_reason), convert.stop_reason(last), usage)
+
+    def _choose(
+        self,
+        pool: NodePool,
+        request: ClientRequest,
+        tried: Sequence[NodeHandle],
+        errors: Sequence[str] = (),
+    ) -> NodeHandle:
+        candidates = pool.healthy(exclude=tried)
+        if not candidates:
+            detail = f"; tried {'; '.join(errors)}" if errors else ""
+            down = ", ".join(f"{n.address} ({n.last_error})" for n in pool.nodes() if not n.healthy)
+            raise ServingError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no healthy {pool.kind} node{detail}"
+                + (f"; down: {down}" if down else "")
+                + "; retry later",
+            )
+        info = RoutingInfo(request.request_id, request.prompt_token_ids, request.cache_salt)
+        return self._selectors[id(pool)].choose(candidates, info)
+
+
+class _FailedBeforeOutput(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+def _code_details(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, grpc.Call):
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.UNKNOWN, str(exc)

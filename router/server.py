@@ -1,0 +1,176 @@
+"""The router process: pools + health monitor + pipeline + gRPC server (Generation, health, reflection).
+
+The router reports SERVING on its health service when every pool it needs has a healthy node, so
+``pdkv health ROUTER`` (and ``pdkv up``) wait for the whole topology, not just the router.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.tokenizer import Tokenizer
+from pdkv_proto.pdkv.v1 import generation_pb2_grpc
+from router.config import READY_PREFIX, RouterConfig
+from router.nodes import HealthMonitor, NodePool
+from router.pipeline import Pipeline
+from router.policy import make_selector
+from router.servicer import GenerationServicer
+from router.tokenizer import load_tokenizer, model_folder
+from serving.metrics import MetricFamily, MetricsServer, RpcCounters
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "pdkv.v1.Generation"
+
+
+@dataclass
+class RouterRuntime:
+    """Everything the router owns besides its gRPC server."""
+
+    config: RouterConfig
+    tokenizer: Tokenizer
+    vocab_size: int
+    pools: tuple[NodePool, ...]
+    pipeline: Pipeline
+    monitor: HealthMonitor
+    health: health.HealthServicer
+    calls: RpcCounters
+
+    @classmethod
+    def build(cls, config: RouterConfig) -> RouterRuntime:
+        tokenizer, vocab_size = load_tokenizer(model_folder(config.model))
+        decode_service = "pdkv.v1.DecodeNode"
+        decode = NodePool(
+            "decode" if config.mode == "disaggregated" else "colocated",
+            config.decode_nodes,
+            decode_service,
+            dns_discovery=config.dns_discovery,
+        )
+        prefill = (
+            NodePool(
+                "prefill", config.prefill_nodes, "pdkv.v1.PrefillNode", dns_discovery=config.dns_discovery
+            )
+            if config.mode == "disaggregated"
+            else None
+        )
+        pools = (decode,) if prefill is None else (prefill, decode)
+        pipeline = Pipeline(
+            mode=config.mode,
+            prefill_pool=prefill,
+            decode_pool=decode,
+            new_selector=lambda: make_selector(config.policy),
+            prefill_attempts=config.prefill_attempts,
+            max_inflight=config.max_inflight,
+        )
+        servicer = health.HealthServicer()
+        _publish_health(servicer, pools)  # NOT_SERVING until a health round found the nodes up
+        monitor = HealthMonitor(
+            pools,
+            interval=config.health_interval_s,
+            timeout=config.health_timeout_s,
+            on_round=lambda: _publish_health(servicer, pools),
+        )
+        return cls(config, tokenizer, vocab_size, pools, pipeline, monitor, servicer, RpcCounters())
+
+    def update_health(self) -> None:
+        _publish_health(self.health, self.pools)
+
+    def metrics(self) -> list[MetricFamily]:
+        one = MetricFamily.single
+        families = [
+            one("pdkv_router_inflight_requests", "gauge", "client calls in flight", self.pipeline.inflight)
+        ]
+        for pool in self.pools:
+            nodes = pool.nodes()
+            families.append(
+                MetricFamily(
+                    f"pdkv_router_{pool.kind}_node_up",
+                    "gauge",
+                    f"1 when the {pool.kind} node answers its health check",
+                    tuple(((("node", n.address),), 1.0 if n.healthy else 0.0) for n in nodes),
+                )
+            )
+            families.append(
+                MetricFamily(
+                    f"pdkv_router_{pool.kind}_node_inflight",
+                    "gauge",
+                    f"router calls in flight on each {pool.kind} node",
+                    tuple(((("node", n.address),), float(n.inflight)) for n in nodes),
+                )
+            )
+        return families + self.calls.families("pdkv_router")
+
+    def stop(self, server: grpc.Server | None = None, grace_s: float | None = None) -> None:
+        grace = self.config.grace_s if grace_s is None else grace_s
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if server is not None:
+            server.stop(grace).wait(grace + 1.0)
+        self.monitor.stop()
+        for pool in self.pools:
+            pool.close()
+
+
+def _publish_health(servicer: health.HealthServicer, pools: tuple[NodePool, ...]) -> None:
+    """SERVING when every pool has at least one healthy node."""
+    ready = all(pool.healthy() for pool in pools)
+    status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        servicer.set(name, status)
+
+
+def create_server(runtime: RouterRuntime, address: str) -> tuple[grpc.Server, int]:
+    """The router's gRPC server bound to ``address`` (port 0 picks one), not started."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=runtime.config.max_workers, thread_name_prefix="router-rpc"),
+        options=[("grpc.so_reuseport", 0)],
+    )
+    servicer = GenerationServicer(runtime.pipeline, runtime.tokenizer, runtime.vocab_size, runtime.calls)
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(runtime.health, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot listen on {address}: the address is in use or not local")
+    return server, port
+
+
+def run_router(config: RouterConfig) -> int:
+    """Serve until SIGTERM or SIGINT; print one ready line once listening."""
+    runtime = RouterRuntime.build(config)
+    server, port = create_server(runtime, config.address)
+    runtime.update_health()
+    metrics = (
+        MetricsServer(config.metrics_address, runtime.metrics).start() if config.metrics_address else None
+    )
+    server.start()
+    runtime.monitor.start()
+    stop = threading.Event()
+
+    def request_stop(signum: int, _frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    host = config.address.rpartition(":")[0]
+    print(
+        f"{READY_PREFIX}{host}:{port} mode={config.mode} metrics={metrics.address if metrics else '-'}",
+        flush=True,
+    )
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        runtime.stop(server)
+        if metrics is not None:
+            metrics.close()
+    return 0

@@ -1,0 +1,97 @@
+"""``pdkv.v1.Generation``: proto in (text is tokenized here), the pipeline's events out."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import grpc
+
+from engine.tokenizer import Tokenizer
+from pdkv_proto.pdkv.v1 import generation_pb2, generation_pb2_grpc
+from router.pipeline import ClientRequest, Delta, Done, Pipeline, Usage
+from serving import convert
+from serving.errors import CallRecorder, invalid, rpc_errors
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(
+        self, pipeline: Pipeline, tokenizer: Tokenizer, vocab_size: int, calls: CallRecorder
+    ) -> None:
+        self.pipeline = pipeline
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.calls = calls
+
+    def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[generation_pb2.GenerateResponse]:
+        with rpc_errors(context, self.calls, "Generate"):
+            client_request = self._client_request(request)
+            rid = client_request.request_id
+            for event in self.pipeline.generate(client_request, context):
+                if isinstance(event, Delta):
+                    delta = generation_pb2.TokenDelta(
+                        token_ids=event.token_ids, text=event.text, logprobs=event.logprobs
+                    )
+                    yield generation_pb2.GenerateResponse(request_id=rid, delta=delta)
+                else:
+                    yield generation_pb2.GenerateResponse(request_id=rid, done=_completion(event))
+
+    def GenerateUnary(
+        self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> generation_pb2.GenerateResult:
+        with rpc_errors(context, self.calls, "GenerateUnary"):
+            client_request = self._client_request(request)
+            result = generation_pb2.GenerateResult(request_id=client_request.request_id)
+            for event in self.pipeline.generate(client_request, context):
+                if isinstance(event, Delta):
+                    result.token_ids.extend(event.token_ids)
+                    result.text += event.text
+                    result.logprobs.extend(event.logprobs)
+                else:
+                    result.done.CopyFrom(_completion(event))
+            return result
+        raise AssertionError("unreachable: rpc_errors aborts the call")
+
+    def _client_request(self, request: generation_pb2.GenerateRequest) -> ClientRequest:
+        rid = convert.request_id(request.request_id) if request.request_id else f"req-{uuid.uuid4().hex}"
+        params = convert.sampling_params(request.sampling)
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            if not request.text:
+                raise invalid("prompt.text", "is empty")
+            token_ids = self.tokenizer.encode(request.text)
+        elif which == "token_ids":
+            token_ids = convert.token_ids(request.token_ids.ids, "prompt.token_ids.ids")
+            for i, t in enumerate(token_ids):
+                if t >= self.vocab_size:
+                    raise invalid(
+                        f"prompt.token_ids.ids[{i}]", f"{t} is outside the vocabulary [0, {self.vocab_size})"
+                    )
+        else:
+            raise invalid("prompt", "set text or token_ids")
+        if not token_ids:
+            raise invalid("prompt.text", "has no tokens")
+        return ClientRequest(rid, token_ids, params, convert.cache_salt(request))
+
+
+def _completion(done: Done) -> generation_pb2.Completion:
+    msg = generation_pb2.Completion(
+        finish_reason=convert.finish_reason_proto(done.finish_reason), usage=_usage(done.usage)
+    )
+    convert.set_stop_reason(msg, done.stop_reason)
+    return msg
+
+
+def _usage(u: Usage) -> generation_pb2.Usage:
+    return generation_pb2.Usage(
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
+        cached=generation_pb2.CachedTokens(
+            local_prefix=u.local_prefix, store=u.store, remote_prefill=u.remote_prefill
+        ),
+        computed_prompt_tokens=u.computed_prompt_tokens,
+        time_to_first_token_s=u.time_to_first_token_s,
+        total_time_s=u.total_time_s,
+    )

@@ -1,0 +1,103 @@
+"""A small client of ``pdkv.v1.Generation``: what ``pdkv generate --server``, the benchmark and the tests
+use to talk to a router."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+from pdkv_proto.pdkv.v1 import generation_pb2, generation_pb2_grpc
+from serving import convert
+
+
+@dataclass
+class Completion:
+    """One finished request as the client saw it; times are measured on the client."""
+
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    usage: generation_pb2.Usage | None = None
+    time_to_first_token_s: float | None = None
+    # Arrival time (seconds after the call started) of every message that carried tokens.
+    token_times_s: list[float] = field(default_factory=list)
+    total_time_s: float = 0.0
+
+
+def generate_request(
+    prompt: str | Sequence[int],
+    params: SamplingParams | None = None,
+    *,
+    request_id: str = "",
+    cache_salt: str | None = None,
+) -> generation_pb2.GenerateRequest:
+    msg = generation_pb2.GenerateRequest(
+        request_id=request_id, sampling=convert.sampling_params_proto(params or SamplingParams())
+    )
+    if isinstance(prompt, str):
+        msg.text = prompt
+    else:
+        msg.token_ids.ids.extend(prompt)
+    if cache_salt is not None:
+        msg.cache_salt = cache_salt
+    return msg
+
+
+class GenerationClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(address)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+
+    def __enter__(self) -> GenerationClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def stream(
+        self, request: generation_pb2.GenerateRequest, *, timeout: float | None = None
+    ) -> Iterator[generation_pb2.GenerateResponse]:
+        """The raw response stream (cancel it by closing the iterator's call: ``.cancel()``)."""
+        return self.stub.Generate(request, timeout=timeout)  # type: ignore[no-any-return]
+
+    def generate(
+        self,
+        request: generation_pb2.GenerateRequest,
+        *,
+        timeout: float | None = None,
+        on_delta: Callable[[generation_pb2.TokenDelta], None] | None = None,
+    ) -> Completion:
+        """Run one request to completion; ``on_delta(TokenDelta)`` is called for each delta as it arrives.
+        Raises ``grpc.RpcError`` with the router's status on failure."""
+        start = time.perf_counter()
+        out = Completion()
+        for msg in self.stream(request, timeout=timeout):
+            out.request_id = msg.request_id
+            now = time.perf_counter() - start
+            if msg.HasField("delta"):
+                if msg.delta.token_ids:
+                    out.token_times_s.append(now)
+                    if out.time_to_first_token_s is None:
+                        out.time_to_first_token_s = now
+                out.token_ids.extend(msg.delta.token_ids)
+                out.text += msg.delta.text
+                out.logprobs.extend(msg.delta.logprobs)
+                if on_delta is not None:
+                    on_delta(msg.delta)
+            else:
+                out.finish_reason = convert.finish_reason(msg.done.finish_reason)
+                out.stop_reason = convert.stop_reason(msg.done)
+                out.usage = msg.done.usage
+        out.total_time_s = time.perf_counter() - start
+        return out

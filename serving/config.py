@@ -1,0 +1,182 @@
+"""Node configuration: one frozen ``NodeConfig`` per node process, built from the command line.
+
+    pdkv serve-prefill --address 0.0.0.0:50061 --model DIR --kv-connector '{"name": "multi", ...}'
+
+The connector stack is one option, ``--kv-connector SPEC``: ``none``, a registered name (``p2p``), a JSON
+object ``{"name": ..., "options": {...}}`` (``multi`` takes a list of children), or ``@file.json``.  In
+the spec, ``{hostname}`` and ``{ip}`` stand for this machine's name and address, so one spec serves every
+replica of a scaled service (each advertises its own KV endpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from connectors.registry import KVConnectorConfig
+from engine.engine_config import EngineConfig
+
+ROLES = ("prefill", "decode", "colocated")
+# The line a node prints once it serves: READY_PREFIX + "HOST:PORT role=... metrics=... kv_endpoint=..."
+READY_PREFIX = "pdkv node: serving on "
+DEFAULT_PORTS = {"prefill": 50061, "decode": 50071, "colocated": 50081}
+
+
+def own_ip() -> str:
+    """This machine's address as its host name resolves (a container's address in compose)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def parse_connector_spec(spec: str | None) -> KVConnectorConfig | None:
+    """``--kv-connector``: none | NAME | JSON object | @file.json -> a connector config (None: no-op)."""
+    text = (spec or "").strip()
+    if text.lower() in ("", "none", "null"):
+        return None
+    if text.startswith("@"):
+        path = Path(text[1:]).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"--kv-connector {spec}: cannot read {path} ({exc.strerror})") from exc
+    if "{hostname}" in text:
+        text = text.replace("{hostname}", socket.gethostname())
+    if "{ip}" in text:
+        text = text.replace("{ip}", own_ip())
+    if not text.lstrip().startswith("{"):
+        return KVConnectorConfig(name=text)
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f'--kv-connector: not valid JSON ({exc}); e.g. \'{{"name": "p2p"}}\'') from exc
+    extra = sorted(set(raw) - {"name", "options"})
+    if extra or "name" not in raw:
+        raise ValueError(
+            "--kv-connector: a JSON spec is an object with 'name' and optional 'options'"
+            + (f"; unknown key {extra[0]!r}" if extra else "")
+        )
+    return KVConnectorConfig(name=raw["name"], options=raw.get("options") or {})
+
+
+def parse_address(text: str, what: str = "address") -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); port 0 means "pick a free one"."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{what} {text!r} must look like HOST:PORT, e.g. 127.0.0.1:50061")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """One node process: its role, where it listens, its engine, and its limits."""
+
+    role: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    address: str = "127.0.0.1:0"
+    # Where /metrics is served over HTTP ("" disables it); port 0 picks a free one.
+    metrics_address: str = "127.0.0.1:0"
+    node_id: str = ""
+    # Unfinished requests the engine takes before RESOURCE_EXHAUSTED.
+    max_num_requests: int = 64
+    # Seconds in-flight RPCs get to finish when the node stops.
+    grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role {self.role!r} is unknown; choose one of {', '.join(ROLES)}")
+        parse_address(self.address, "address")
+        if self.metrics_address:
+            parse_address(self.metrics_address, "metrics_address")
+        if not isinstance(self.max_num_requests, int) or self.max_num_requests <= 0:
+            raise ValueError(f"max_num_requests must be a positive integer, got {self.max_num_requests!r}")
+        if not self.grace_s >= 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s!r}")
+        if not self.node_id:
+            object.__setattr__(self, "node_id", f"{self.role}-{socket.gethostname()}-{os.getpid()}")
+
+    @property
+    def max_workers(self) -> int:
+        """Server threads: one per admitted request plus room for health, stats and abort calls."""
+        return self.max_num_requests + 16
+
+
+def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
+    parser.add_argument(
+        "--address",
+        default=f"127.0.0.1:{DEFAULT_PORTS[role]}",
+        help=f"gRPC HOST:PORT to listen on (default 127.0.0.1:{DEFAULT_PORTS[role]}; port 0 picks one)",
+    )
+    parser.add_argument(
+        "--metrics-address",
+        default="127.0.0.1:0",
+        help="HOST:PORT for Prometheus /metrics (default a free port on 127.0.0.1; 'none' disables)",
+    )
+    parser.add_argument(
+        "--node-id", default="", help="name in logs, stats and metrics (default ROLE-HOST-PID)"
+    )
+    parser.add_argument(
+        "--kv-connector",
+        default="none",
+        metavar="SPEC",
+        help="the KV connector stack: none | NAME | JSON {'name': ..., 'options': {...}} | @file.json",
+    )
+    parser.add_argument("--max-num-requests", type=int, default=64, help="requests before RESOURCE_EXHAUSTED")
+    parser.add_argument("--grace-s", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
+    parser.add_argument("--log-level", default="WARNING")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument(
+        "--model", metavar="DIR", help="a local Hugging Face folder (default: embedded model)"
+    )
+    engine.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--num-blocks", type=int, default=None)
+    engine.add_argument("--kv-cache-bytes", type=int, default=None)
+    engine.add_argument("--max-num-seqs", type=int, default=64)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument(
+        "--kv-delay-free-timeout-s",
+        type=float,
+        default=120.0,
+        help="the engine reclaims blocks a connector holds (for a decode node) after this long; keep it "
+        "above the connector's own lease",
+    )
+    engine.add_argument("--engine-id", default="", help="this engine's name to its peers (default: node id)")
+
+
+def node_config_from_args(args: argparse.Namespace, role: str) -> NodeConfig:
+    metrics = "" if str(args.metrics_address).lower() in ("", "none", "off") else args.metrics_address
+    node_id = args.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+    options: dict[str, Any] = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "device": args.device,
+        "block_size": args.block_size,
+        "num_blocks": args.num_blocks,
+        "kv_cache_bytes": args.kv_cache_bytes,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "seed": args.seed,
+        "kv_delay_free_timeout_s": args.kv_delay_free_timeout_s,
+        "kv_connector": parse_connector_spec(args.kv_connector),
+        "engine_id": args.engine_id or node_id,
+    }
+    return NodeConfig(
+        role=role,
+        engine=EngineConfig(**options),
+        address=args.address,
+        metrics_address=metrics,
+        node_id=node_id,
+        max_num_requests=args.max_num_requests,
+        grace_s=args.grace_s,
+    )

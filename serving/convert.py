@@ -1,0 +1,142 @@
+"""Proto <-> domain objects: sampling parameters, finish and stop reasons, prompt usage, transfer params.
+
+Everything the servicers need to translate lives here, so a servicer reads as "convert, call, convert".
+Validation failures raise ``ServingError(INVALID_ARGUMENT)`` naming the field as the client spells it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import msgpack
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from pdkv_proto.pdkv.v1 import types_pb2
+from serving.errors import ServingError, invalid
+
+MAX_REQUEST_ID_LEN = 256
+
+_FINISH_TO_PROTO: dict[str, types_pb2.FinishReason] = {
+    "stop": types_pb2.FINISH_REASON_STOP,
+    "length": types_pb2.FINISH_REASON_LENGTH,
+}
+_FINISH_FROM_PROTO: dict[int, str] = {int(v): k for k, v in _FINISH_TO_PROTO.items()}
+
+
+def sampling_params(msg: types_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
+    """``SamplingParams`` from its proto; unset optional fields take the engine's defaults."""
+    options: dict[str, Any] = {
+        "temperature": msg.temperature,
+        "top_k": msg.top_k,
+        "min_p": msg.min_p,
+        "stop_token_ids": tuple(msg.stop_token_ids),
+        "stop": tuple(msg.stop),
+        "ignore_eos": msg.ignore_eos,
+        "logprobs": msg.logprobs,
+    }
+    if msg.HasField("max_tokens"):
+        options["max_tokens"] = msg.max_tokens
+    if msg.HasField("top_p"):
+        options["top_p"] = msg.top_p
+    if msg.HasField("seed"):
+        options["seed"] = msg.seed
+    if msg.HasField("skip_special_tokens"):
+        options["skip_special_tokens"] = msg.skip_special_tokens
+    try:
+        return SamplingParams(**options)
+    except ValueError as exc:  # the message starts with the field's name
+        raise ServingError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}.{exc}") from exc
+
+
+def sampling_params_proto(params: SamplingParams) -> types_pb2.SamplingParams:
+    msg = types_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        stop_token_ids=list(params.stop_token_ids),
+        stop=list(params.stop),
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+        skip_special_tokens=params.skip_special_tokens,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def request_id(value: str, field: str = "request_id") -> str:
+    if not value:
+        raise invalid(field, "must be a non-empty string")
+    if len(value) > MAX_REQUEST_ID_LEN or not value.isprintable():
+        raise invalid(field, f"must be at most {MAX_REQUEST_ID_LEN} printable characters")
+    return value
+
+
+def cache_salt(msg: Any, field: str = "cache_salt") -> str | None:
+    """The optional ``cache_salt`` of a request message: None when unset; empty is refused."""
+    if not msg.HasField("cache_salt"):
+        return None
+    if not msg.cache_salt:
+        raise invalid(field, "must be non-empty when set (leave it unset for no salt)")
+    return str(msg.cache_salt)
+
+
+def token_ids(values: Any, field: str) -> list[int]:
+    ids = list(values)
+    if not ids:
+        raise invalid(field, "is empty: a prompt needs at least one token")
+    return ids
+
+
+def finish_reason_proto(reason: str | None) -> types_pb2.FinishReason:
+    return _FINISH_TO_PROTO.get(reason or "", types_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+def finish_reason(value: types_pb2.FinishReason | int) -> str | None:
+    return _FINISH_FROM_PROTO.get(int(value))
+
+
+def set_stop_reason(msg: Any, stop_reason: int | str | None) -> None:
+    """Fill a message's ``oneof stop_reason`` (stop_token_id | stop_string)."""
+    if isinstance(stop_reason, str):
+        msg.stop_string = stop_reason
+    elif isinstance(stop_reason, int):
+        msg.stop_token_id = stop_reason
+
+
+def stop_reason(msg: Any) -> int | str | None:
+    which = msg.WhichOneof("stop_reason")
+    return getattr(msg, which) if which else None
+
+
+def prompt_usage(out: RequestOutput) -> types_pb2.PromptUsage:
+    return types_pb2.PromptUsage(
+        prompt_tokens=out.num_prompt_tokens,
+        local_prefix_tokens=out.num_cached_tokens,
+        external_tokens=out.num_external_tokens,
+        computed_tokens=out.num_computed_prompt_tokens,
+    )
+
+
+def encode_transfer_params(params: dict[str, Any] | None) -> bytes:
+    """The connector's transfer parameters as msgpack (empty bytes for none): lossless for ints, bytes,
+    strings, lists and maps, which is what the p2p contract allows."""
+    if not params:
+        return b""
+    return msgpack.packb(params, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def decode_transfer_params(raw: bytes, field: str = "kv_transfer_params") -> dict[str, Any] | None:
+    if not raw:
+        return None
+    try:
+        value = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise invalid(field, f"is not a msgpack map ({exc}); pass PrefillResponse's bytes untouched") from exc
+    if not isinstance(value, dict):
+        raise invalid(field, f"must be a msgpack map, got {type(value).__name__}")
+    return value

@@ -1,0 +1,47 @@
+"""Client side of the standard gRPC health service: one check, or wait until serving (with a deadline).
+
+Used by ``pdkv health HOST:PORT`` (container health checks), the router's node monitor and ``pdkv up``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SERVING = "SERVING"
+
+
+def check(
+    address: str, *, service: str = "", timeout: float = 1.0, channel: grpc.Channel | None = None
+) -> str:
+    """The health status name of ``service`` at ``address`` ("SERVING", "NOT_SERVING", ...), or
+    "UNREACHABLE: <why>" when the call fails (down, deadline, unknown service)."""
+    own = channel is None
+    ch = channel if channel is not None else grpc.insecure_channel(address)
+    try:
+        stub = health_pb2_grpc.HealthStub(ch)
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+    except grpc.RpcError as exc:
+        code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
+        details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+        return f"UNREACHABLE: {code} {details}"
+    finally:
+        if own:
+            ch.close()
+
+
+def wait_healthy(address: str, *, timeout: float, service: str = "", interval: float = 0.1) -> None:
+    """Return once ``address`` reports SERVING; TimeoutError (with the last answer) after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        while True:
+            remaining = deadline - time.monotonic()
+            status = check(address, service=service, timeout=max(0.05, min(1.0, remaining)), channel=channel)
+            if status == SERVING:
+                return
+            if time.monotonic() + interval > deadline:
+                raise TimeoutError(f"{address} is not serving after {timeout:.1f}s (last answer: {status})")
+            time.sleep(interval)

@@ -1,0 +1,428 @@
+"""The local launcher behind ``pdkv up``: the compose topology as plain processes on this machine.
+
+    with Cluster.start(Topology(num_prefill=1, num_decode=1)) as cluster:
+        print(cluster.router_address)
+
+Start order and readiness (every wait has a deadline; a process that dies while starting is reported
+with the tail of its log)::
+
+    redis-server (--redis)  ─┐
+    pdkv kvstore serve      ─┴▶ ready line ─▶ prefill + decode nodes (in parallel) ─▶ ready lines
+                                           ─▶ pdkv serve-router ─▶ its health says SERVING (= every pool
+                                              has a healthy node)
+
+Every child runs in its own session (a terminal's Ctrl-C reaches only the launcher, which stops them in
+order: router, nodes, store, redis) and, on Linux, dies with the launcher even if the launcher is killed
+(``PR_SET_PDEATHSIG``), so nothing is orphaned.  Children's output goes to ``LOG_DIR/NAME.log``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore import cli as kvstore_cli
+from router import config as router_config
+from serving import config as node_config
+from serving.health import wait_healthy
+
+logger = logging.getLogger(__name__)
+
+MODES = ("disaggregated", "colocated")
+NODE_READY = node_config.READY_PREFIX
+ROUTER_READY = router_config.READY_PREFIX
+STORE_READY = kvstore_cli.READY_PREFIX
+REDIS_READY = "Ready to accept connections"
+DEFAULT_STORE = "cpu:256MiB,disk:{run_dir}/kvstore:1GiB"
+# p2p leases must end before the engine's own reclaim deadline (see connectors/p2p.py).
+P2P_LEASE_S = 30.0
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What to run.  ``kv_store``: tiers of the shared store server (``{run_dir}`` is replaced), or None
+    for no store.  ``kv_connector`` overrides the connector stack the launcher derives for every node."""
+
+    mode: str = "disaggregated"
+    num_prefill: int = 1
+    num_decode: int = 1
+    model: str | None = None
+    kv_store: str | None = DEFAULT_STORE
+    redis: bool = False
+    host: str = "127.0.0.1"
+    router_port: int = 0
+    kv_connector: str | None = None
+    node_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    log_dir: Path | None = None
+    startup_timeout_s: float = 180.0
+    grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} is unknown; choose one of {', '.join(MODES)}")
+        if self.num_decode < 1:
+            raise ValueError(f"--decode must be at least 1, got {self.num_decode}")
+        if self.mode == "disaggregated" and self.num_prefill < 1:
+            raise ValueError(f"--prefill must be at least 1 in disaggregated mode, got {self.num_prefill}")
+        if self.redis and self.kv_store is None:
+            raise ValueError("--redis adds a tier to the KV store: it needs --kv-store (not 'none')")
+        if not 0 <= self.router_port <= 65535:
+            raise ValueError(f"router port {self.router_port} is not a port")
+        if self.startup_timeout_s <= 0:
+            raise ValueError("startup_timeout_s must be positive")
+
+
+@dataclass
+class Process:
+    """One child: its name, role, command and what its ready line said."""
+
+    name: str
+    role: str
+    argv: list[str]
+    log_path: Path
+    popen: subprocess.Popen[str] | None = None
+    ready_line: str = ""
+    info: dict[str, str] = field(default_factory=dict)
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def address(self) -> str:
+        """Where it serves (HOST:PORT, or a ZeroMQ endpoint for the store)."""
+        return self.info.get("address", "")
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid if self.popen is not None else -1
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: SIGKILL this child when the launcher dies, however it dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def available_connectors() -> set[str]:
+    from connectors.registry import discover
+
+    return set(discover())
+
+
+def connector_stack(role: str, mode: str, store_spec: str | None, known: set[str]) -> str:
+    """The ``--kv-connector`` spec of a node, from what the registry has: ``offload`` (the store) where
+    prompts are computed (prefill, colocated), ``p2p`` in disaggregated mode; ``none`` when neither
+    applies.  A decode node takes its prompt KV from the prefill node only."""
+    children: list[dict[str, Any]] = []
+    if store_spec is not None and "offload" in known and role != "decode":
+        children.append({"name": "offload", "options": {"kv_store": store_spec}})
+    if mode == "disaggregated" and "p2p" in known:
+        children.append({"name": "p2p", "options": {"lease_s": P2P_LEASE_S}})
+    if not children:
+        return "none"
+    if len(children) == 1:
+        return json.dumps(children[0])
+    return json.dumps({"name": "multi", "options": {"connectors": children}})
+
+
+class Cluster:
+    """A running topology.  ``start`` returns once the router is SERVING; ``stop`` ends every child."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        # Logs and the store's disk tier go to log_dir when given (kept), else to a folder removed at stop.
+        self._own_dir = topology.log_dir is None
+        self.run_dir = Path(topology.log_dir or tempfile.mkdtemp(prefix="pdkv-up-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.processes: list[Process] = []
+        self.router: Process | None = None
+        self.store_endpoint: str | None = None
+
+    # -- start --------------------------------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, topology: Topology) -> Cluster:
+        cluster = cls(topology)
+        try:
+            cluster._start()
+        except BaseException:
+            cluster.stop()
+            raise
+        return cluster
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def router_address(self) -> str:
+        assert self.router is not None
+        return self.router.address
+
+    @property
+    def prefill_nodes(self) -> list[Process]:
+        return [p for p in self.processes if p.role == "prefill"]
+
+    @property
+    def decode_nodes(self) -> list[Process]:
+        return [p for p in self.processes if p.role in ("decode", "colocated")]
+
+    def _start(self) -> None:
+        t = self.topology
+        deadline = time.monotonic() + t.startup_timeout_s
+        model = self._model_folder()
+        store_tiers = None
+        if t.kv_store is not None:
+            store_tiers = t.kv_store.replace("{run_dir}", str(self.run_dir))
+            if t.redis:
+                store_tiers += f",redis://127.0.0.1:{self._start_redis(deadline)}/0"
+            store = self._spawn(
+                "kvstore",
+                "store",
+                [
+                    *_pdkv(),
+                    "kvstore",
+                    "serve",
+                    "--kv-store",
+                    store_tiers,
+                    "--bind",
+                    f"tcp://{t.host}:0",
+                ],
+            )
+            self._wait_ready([store], deadline)
+            self.store_endpoint = store.address
+        node_store = f"cpu:64MiB,remote:{self.store_endpoint}" if self.store_endpoint else None
+        known = available_connectors()
+        roles = (
+            ["prefill"] * t.num_prefill + ["decode"] * t.num_decode
+            if t.mode == "disaggregated"
+            else ["colocated"] * t.num_decode
+        )
+        nodes = []
+        counts: dict[str, int] = {}
+        for role in roles:
+            i = counts[role] = counts.get(role, -1) + 1
+            name = f"{role}-{i}"
+            spec = t.kv_connector or connector_stack(role, t.mode, node_store, known)
+            argv = [
+                *_pdkv(),
+                f"serve-{role}",
+                "--address",
+                f"{t.host}:0",
+                "--metrics-address",
+                f"{t.host}:0",
+                "--node-id",
+                name,
+                "--kv-connector",
+                spec,
+                "--model",
+                model,
+                *t.node_args,
+            ]
+            nodes.append(self._spawn(name, role, argv))
+        self._wait_ready(nodes, deadline)
+        decode = ",".join(p.address for p in self.decode_nodes)
+        prefill = ",".join(p.address for p in self.prefill_nodes)
+        argv = [
+            *_pdkv(),
+            "serve-router",
+            "--address",
+            f"{t.host}:{t.router_port}",
+            "--mode",
+            t.mode,
+            "--decode",
+            decode,
+            "--model",
+            model,
+            "--metrics-address",
+            f"{t.host}:0",
+            *t.router_args,
+        ]
+        if prefill:
+            argv += ["--prefill", prefill]
+        self.router = self._spawn("router", "router", argv)
+        self._wait_ready([self.router], deadline)
+        self._wait_serving(self.router, deadline)
+
+    def _model_folder(self) -> str:
+        if self.topology.model is not None:
+            return str(Path(self.topology.model).expanduser())
+        from engine.model.make_model import ensure_default_model
+
+        return str(ensure_default_model())  # written once here, not raced by every node
+
+    def _start_redis(self, deadline: float) -> int:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError(
+                "--redis needs the redis-server binary on PATH (e.g. apt install redis-server)"
+            )
+        port = free_port()
+        argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        redis = self._spawn("redis", "redis", argv)
+        self._wait_ready([redis], deadline)
+        return port
+
+    def _spawn(self, name: str, role: str, argv: list[str]) -> Process:
+        proc = Process(name, role, argv, self.run_dir / f"{name}.log")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc.popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        self.processes.append(proc)
+        threading.Thread(target=_pump, args=(proc,), name=f"log-{name}", daemon=True).start()
+        return proc
+
+    def _wait_ready(self, procs: Sequence[Process], deadline: float) -> None:
+        for proc in procs:
+            while not proc.ready.wait(0.05):
+                if not proc.alive():
+                    raise RuntimeError(
+                        f"{proc.name} exited (code {proc.popen.poll() if proc.popen else '?'}) before it "
+                        f"was ready; its log ({proc.log_path}):\n{proc.log_tail()}"
+                    )
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{proc.name} was not ready within {self.topology.startup_timeout_s:.0f}s; its log "
+                        f"({proc.log_path}):\n{proc.log_tail()}"
+                    )
+
+    def _wait_serving(self, proc: Process, deadline: float) -> None:
+        try:
+            wait_healthy(proc.address, timeout=max(0.1, deadline - time.monotonic()))
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}; router log ({proc.log_path}):\n{proc.log_tail()}") from None
+
+    # -- stop ---------------------------------------------------------------------------------------------
+
+    def kill(self, proc: Process, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to one child (fault tests) and reap it."""
+        if proc.popen is not None and proc.alive():
+            proc.popen.send_signal(sig)
+            proc.popen.wait(30)
+
+    def stop(self) -> None:
+        """Router first (no new work), then nodes (in-flight calls get the grace period), then the store
+        and Redis.  SIGTERM, then SIGKILL after the grace period."""
+        order = {"router": 0, "prefill": 1, "decode": 1, "colocated": 1, "store": 2, "redis": 3}
+        for rank in sorted(set(order.values())):
+            group = [p for p in self.processes if order.get(p.role, 1) == rank and p.alive()]
+            for p in group:
+                with contextlib.suppress(ProcessLookupError):
+                    assert p.popen is not None
+                    p.popen.send_signal(signal.SIGTERM)
+            for p in group:
+                assert p.popen is not None
+                try:
+                    p.popen.wait(self.topology.grace_s + 5.0)
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop on SIGTERM; killing it", p.name)
+                    p.popen.kill()
+                    p.popen.wait(10)
+        if self._own_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def describe(self) -> str:
+        rows = [
+            f"  {p.name:<12} pid {p.pid:<8} {p.address:<28} {p.info.get('metrics', '')}"
+            for p in self.processes
+        ]
+        return "\n".join(rows)
+
+
+def _pdkv() -> list[str]:
+    return [sys.executable, "-m", "pdkv"]
+
+
+def _pump(proc: Process) -> None:
+    """Copy a child's output to its log; parse its ready line."""
+    assert proc.popen is not None and proc.popen.stdout is not None
+    with proc.log_path.open("w", encoding="utf-8") as log:
+        for line in proc.popen.stdout:
+            log.write(line)
+            log.flush()
+            if not proc.ready.is_set():
+                info = _parse_ready(line)
+                if info is not None:
+                    proc.ready_line = line.strip()
+                    proc.info = info
+                    proc.ready.set()
+
+
+def _parse_ready(line: str) -> dict[str, str] | None:
+    """``pdkv node: serving on HOST:PORT k=v ...`` (and the router's, the store's, redis') -> fields."""
+    for prefix in (NODE_READY, ROUTER_READY, STORE_READY):
+        if line.startswith(prefix):
+            address, *rest = line[len(prefix) :].split()
+            info = {"address": address}
+            for item in rest:
+                key, _, value = item.partition("=")
+                info[key] = value
+            return info
+    if REDIS_READY in line:
+        return {"address": ""}
+    return None
+
+
+def run_until_signal(cluster: Cluster, on_ready: Callable[[Cluster], None]) -> int:
+    """Call ``on_ready``, then wait for SIGINT/SIGTERM (or a child dying); stop everything."""
+    stop = threading.Event()
+
+    def request_stop(signum: int, _frame: Any) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        on_ready(cluster)
+        while not stop.wait(0.5):
+            dead = [p for p in cluster.processes if not p.alive()]
+            if dead:
+                print(
+                    f"pdkv up: {dead[0].name} exited; stopping. Its log:\n{dead[0].log_tail()}",
+                    file=sys.stderr,
+                )
+                return 1
+        return 0
+    finally:
+        cluster.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -1,0 +1,81 @@
+"""Helpers for the serving tests: clusters of real processes on loopback, node stats, waits.
+
+Every wait polls a condition against a deadline (``wait_until``); nothing sleeps and hopes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
+from serving.launcher import Cluster, Topology
+from tests.tiny_models import pdkv_tiny_model_dir, tiny_model_dir
+
+T = TypeVar("T")
+
+# Small pools so "every block is free again" is cheap to check; small enough models to start fast.
+NODE_ARGS = ("--num-blocks", "512", "--device", "cpu", "--log-level", "INFO")
+HF_NODE_ARGS = ("--num-blocks", "256", "--block-size", "4", "--device", "cpu", "--log-level", "INFO")
+
+
+def pdkv_model() -> str:
+    """A make-model checkpoint with a real BPE tokenizer (text prompts, stop strings)."""
+    return str(pdkv_tiny_model_dir())
+
+
+def hf_model() -> str:
+    """The transformers-written tiny Llama of tests/tiny_models.py (vocab 320, 256 positions)."""
+    return str(tiny_model_dir("llama"))
+
+
+def start_cluster(**options: Any) -> Cluster:
+    options.setdefault("model", pdkv_model())
+    options.setdefault("kv_store", None)
+    options.setdefault("node_args", NODE_ARGS)
+    options.setdefault("startup_timeout_s", 120.0)
+    options.setdefault("grace_s", 2.0)
+    return Cluster.start(Topology(**options))
+
+
+def node_stats(address: str, *, check_integrity: bool = True) -> node_pb2.NodeStats:
+    with grpc.insecure_channel(address) as channel:
+        stub = node_pb2_grpc.NodeStub(channel)
+        return stub.Stats(node_pb2.StatsRequest(check_integrity=check_integrity), timeout=10)
+
+
+def wait_until(predicate: Callable[[], T], *, timeout: float, what: str, interval: float = 0.05) -> T:
+    """Poll ``predicate`` until it returns something truthy; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout
+    last: T = predicate()
+    while not last:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what} (last: {last!r})")
+        time.sleep(interval)
+        last = predicate()
+    return last
+
+
+def assert_node_idle(address: str, *, timeout: float = 10.0) -> node_pb2.NodeStats:
+    """Wait until the node holds nothing: no request, every block free, the books balance."""
+
+    def idle() -> node_pb2.NodeStats | None:
+        s = node_stats(address)
+        ok = (
+            s.num_requests == 0
+            and s.num_running == 0
+            and s.num_waiting == 0
+            and s.num_loading == 0
+            and s.num_held == 0
+            and s.num_free_blocks == s.num_total_blocks
+            and s.integrity_ok
+        )
+        return s if ok else None
+
+    try:
+        return wait_until(idle, timeout=timeout, what=f"node {address} to be idle")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; stats: {node_stats(address)}") from None

@@ -1,0 +1,166 @@
+"""``EngineDriver`` (engine/serving.py): one thread owns the engine; others submit, stream and abort."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from engine.engine_config import EngineConfig
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.serving import (
+    EngineDriver,
+    EngineOverloaded,
+    EngineRequest,
+    EngineStopped,
+    RequestStream,
+    snapshot,
+)
+from tests.serving.helpers import pdkv_model, wait_until
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Hello, world!", "What is the answer? " * 4]
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLM:
+    return LLM(pdkv_model(), device="cpu", num_blocks=128)
+
+
+@pytest.fixture
+def driver() -> Iterator[EngineDriver]:
+    engine = LLMEngine(EngineConfig(model=pdkv_model(), device="cpu", num_blocks=128))
+    d = EngineDriver(engine, max_num_requests=4).start()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def drain(stream: RequestStream, timeout: float = 30.0) -> list[RequestOutput]:
+    outs: list[RequestOutput] = []
+    while not outs or not outs[-1].finished:
+        out = stream.get(timeout)
+        assert out is not None, f"no output within {timeout}s"
+        outs.append(out)
+    return outs
+
+
+def test_concurrent_submissions_match_offline_generation(driver: EngineDriver, reference: LLM) -> None:
+    params = SamplingParams(max_tokens=12)
+    expected = reference.generate(PROMPTS, params)
+    results: dict[int, list[RequestOutput]] = {}
+
+    def run(i: int) -> None:
+        results[i] = drain(driver.submit(EngineRequest(f"r{i}", PROMPTS[i], params)))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i, exp in enumerate(expected):
+        outs = results[i]
+        assert [t for o in outs for t in o.new_token_ids] == exp.token_ids
+        assert "".join(o.new_text for o in outs) == exp.text
+        assert outs[-1].finish_reason == exp.finish_reason
+    assert driver.num_requests == 0
+
+
+def test_bad_input_raises_at_submit_and_frees_the_slot(driver: EngineDriver) -> None:
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        driver.submit(EngineRequest("bad", [10**6], SamplingParams()))
+    assert driver.num_requests == 0
+
+
+def test_overload_is_refused(driver: EngineDriver) -> None:
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    streams = [driver.submit(EngineRequest(f"long{i}", PROMPTS[0], long)) for i in range(4)]
+    with pytest.raises(EngineOverloaded, match="max_num_requests 4"):
+        driver.submit(EngineRequest("one-too-many", PROMPTS[0], long))
+    for s in streams:
+        driver.abort(s.request_id)
+    for s in streams:
+        assert drain(s)[-1].finish_reason == "abort"
+    assert driver.num_requests == 0
+
+
+def test_abort_mid_stream_frees_every_block(driver: EngineDriver) -> None:
+    stream = driver.submit(EngineRequest("a", PROMPTS[2], SamplingParams(max_tokens=400, ignore_eos=True)))
+    first = stream.get(30)
+    assert first is not None and first.new_token_ids
+    driver.abort("a")
+    assert drain(stream)[-1].finish_reason == "abort"
+    snap = driver.call(lambda e: snapshot(e, check_integrity=True))
+    assert snap.integrity_error == ""
+    assert snap.num_free_blocks == snap.num_total_blocks
+    assert snap.num_running == snap.num_waiting == snap.num_held == 0
+
+
+def test_idle_driver_does_not_step(driver: EngineDriver) -> None:
+    drain(driver.submit(EngineRequest("x", PROMPTS[1], SamplingParams(max_tokens=4))))
+    steps = driver.call(lambda e: e.stats().num_steps)
+    # Nothing is pending: the loop blocks on its command queue instead of stepping (calls do not step).
+    with pytest.raises(AssertionError, match="timed out"):
+        wait_until(lambda: driver.call(lambda e: e.stats().num_steps) != steps, timeout=0.3, what="a step")
+
+
+def test_stop_ends_streams_and_refuses_new_requests() -> None:
+    engine = LLMEngine(EngineConfig(model=pdkv_model(), device="cpu", num_blocks=64))
+    d = EngineDriver(engine).start()
+    stream = d.submit(EngineRequest("s", PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True)))
+    d.stop()
+    assert drain(stream)[-1].finish_reason == "abort"
+    with pytest.raises(EngineStopped, match="shutting down"):
+        d.submit(EngineRequest("late", PROMPTS[0], SamplingParams()))
+    assert not d.alive
+
+
+# -- prior output tokens: the decode node's view of a request a prefill node started --------------------
+
+
+@pytest.mark.parametrize(
+    "prompt, params",
+    [
+        (PROMPTS[0], SamplingParams(max_tokens=12)),
+        (PROMPTS[2], SamplingParams(max_tokens=20, stop=(" a",))),
+        ("Hello", SamplingParams(max_tokens=16, stop=("ll",), ignore_eos=True)),
+    ],
+)
+def test_prior_output_tokens_continue_the_text_exactly(
+    prompt: str, params: SamplingParams, reference: LLM
+) -> None:
+    """Prefill samples token 1; a second engine continues from prompt + [token 1] with the token as prior
+    output: token ids and text are exactly the single engine's, stop strings included."""
+    expected = reference.generate([prompt], params)[0]
+    engine = reference.engine
+    prompt_ids = engine.tokenizer.encode(prompt)
+    first = expected.token_ids[0]
+    if len(expected.token_ids) < 2:
+        pytest.skip("the reference stopped at its first token")
+    engine.add_request(
+        "cont",
+        [*prompt_ids, first],
+        dataclasses.replace(params, max_tokens=params.max_tokens - 1),
+        prior_output_token_ids=[first],
+    )
+    tokens, text, reason = [first], "", None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            text += out.new_text
+            reason = out.finish_reason if out.finished else reason
+    assert tokens == expected.token_ids
+    assert text == expected.text
+    assert reason == expected.finish_reason
+
+
+def test_prior_output_tokens_must_end_the_prompt(reference: LLM) -> None:
+    with pytest.raises(ValueError, match="prior_output_token_ids must be the last tokens"):
+        reference.engine.add_request("p", [1, 2, 3], SamplingParams(), prior_output_token_ids=[4])
+    with pytest.raises(ValueError, match="prior_output_token_ids"):
+        reference.engine.add_request("q", [4], SamplingParams(), prior_output_token_ids=[4])

@@ -1,0 +1,119 @@
+"""The API's .proto files: checked-in stubs are fresh, and a client built from the .proto files alone
+(no pdkv import) can call the router, its health service and its reflection service."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from serving.launcher import Cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_checked_in_stubs_match_the_proto_files() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_stubs_are_not_a_top_level_proto_package() -> None:
+    import pdkv_proto.pdkv.v1.generation_pb2 as generation_pb2
+
+    assert generation_pb2.DESCRIPTOR.name == "pdkv/v1/generation.proto"
+    assert not (ROOT / "proto" / "__init__.py").exists()
+    with pytest.raises(ModuleNotFoundError):
+        __import__("pdkv.v1")  # `pdkv` is the command line package; the stubs live in pdkv_proto
+
+
+CLIENT = textwrap.dedent(
+    """
+    import json, pathlib, sys
+    from grpc_tools import protoc
+    import grpc_tools
+
+    gen = pathlib.Path(sys.argv[1])
+    proto_root, address = sys.argv[2], sys.argv[3]
+    well_known = pathlib.Path(grpc_tools.__file__).parent / "_proto"
+    files = [str(p.relative_to(proto_root)) for p in pathlib.Path(proto_root).glob("pdkv/v1/*.proto")]
+    assert protoc.main(["protoc", f"-I{proto_root}", f"-I{well_known}", f"--python_out={gen}",
+                        f"--grpc_python_out={gen}", *files]) == 0
+    for pkg in (gen / "pdkv", gen / "pdkv" / "v1"):
+        (pkg / "__init__.py").write_text("")
+    sys.path.insert(0, str(gen))
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+    from pdkv.v1 import generation_pb2, generation_pb2_grpc, types_pb2
+
+    channel = grpc.insecure_channel(address)
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    request = generation_pb2.GenerateRequest(
+        text="Hello from a stand-alone client", sampling=types_pb2.SamplingParams(max_tokens=8))
+    kinds, tokens, done = [], [], None
+    for msg in stub.Generate(request, timeout=60):
+        kinds.append(msg.WhichOneof("event"))
+        if msg.HasField("delta"):
+            tokens.extend(msg.delta.token_ids)
+        else:
+            done = msg.done
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    services = sorted(ProtoReflectionDescriptorDatabase(channel).get_services())
+    imported = sorted(m for m in sys.modules if m.split(".")[0] in
+                      ("engine", "serving", "router", "pdkv_proto", "connectors", "kvstore"))
+    print(json.dumps({
+        "pdkv_file": sys.modules["pdkv"].__file__, "kinds": kinds, "tokens": tokens,
+        "finish": types_pb2.FinishReason.Name(done.finish_reason), "prompt_tokens": done.usage.prompt_tokens,
+        "health": health_pb2.HealthCheckResponse.ServingStatus.Name(health.status),
+        "services": services, "imported": imported,
+    }))
+    """
+)
+
+
+def test_a_client_generated_from_the_proto_files_alone_can_generate(cluster: Cluster, tmp_path: Path) -> None:
+    script = tmp_path / "client.py"
+    script.write_text(CLIENT)
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-I", str(script), str(gen), str(ROOT / "proto"), cluster.router_address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["pdkv_file"].startswith(str(gen))
+    assert out["imported"] == []
+    assert out["kinds"][-1] == "done" and set(out["kinds"][:-1]) == {"delta"}
+    assert len(out["tokens"]) == 8 and out["finish"] == "FINISH_REASON_LENGTH"
+    assert out["prompt_tokens"] > 0
+    assert out["health"] == "SERVING"
+    assert {"pdkv.v1.Generation", "grpc.health.v1.Health"} <= set(out["services"])
+
+
+def test_nodes_answer_health_and_reflection(cluster: Cluster) -> None:
+    import grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    from serving.health import check
+
+    for node in cluster.prefill_nodes + cluster.decode_nodes:
+        service = "pdkv.v1.PrefillNode" if node.role == "prefill" else "pdkv.v1.DecodeNode"
+        assert check(node.address, service=service) == "SERVING"
+        assert check(node.address, service="pdkv.v1.Node") == "SERVING"
+        with grpc.insecure_channel(node.address) as channel:
+            services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+        assert {service, "pdkv.v1.Node", "grpc.health.v1.Health"} <= services

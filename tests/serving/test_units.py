@@ -1,0 +1,177 @@
+"""The serving pieces without processes: conversion, configs, status mapping, phases, node selection."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from connectors.registry import KVConnectorConfig
+from decode_node.decode import decode_request
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.serving import EngineOverloaded, EngineStopped
+from pdkv_proto.pdkv.v1 import types_pb2
+from prefill_node.prefill import DO_REMOTE_DECODE, prefill_request, prefill_result
+from router.config import RouterConfig
+from router.nodes import NodeHandle
+from router.policy import LeastLoaded, RoundRobin, RoutingInfo
+from serving import convert
+from serving.config import NodeConfig, parse_connector_spec
+from serving.errors import ServingError, status_for
+from serving.launcher import Topology, _parse_ready, connector_stack
+
+# -- conversion -------------------------------------------------------------------------------------------
+
+
+def test_sampling_params_round_trip() -> None:
+    params = SamplingParams(
+        max_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=4, stop=("x",), logprobs=True
+    )
+    assert convert.sampling_params(convert.sampling_params_proto(params)) == params
+    assert convert.sampling_params(types_pb2.SamplingParams()) == SamplingParams()  # unset = defaults
+
+
+def test_bad_sampling_params_name_the_field() -> None:
+    with pytest.raises(ServingError) as info:
+        convert.sampling_params(types_pb2.SamplingParams(top_p=1.5))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.message.startswith("sampling.top_p")
+
+
+def test_transfer_params_travel_losslessly() -> None:
+    params = {
+        "do_remote_prefill": True,
+        "block_ids": [1, 2, 2**40],
+        "block_hashes": ["ab" * 32],
+        "raw": b"\x00\xff",
+        "lease_s": 30.0,
+        "layout": {"num_layers": 2, "dtype": "float32"},
+    }
+    assert convert.decode_transfer_params(convert.encode_transfer_params(params)) == params
+    assert convert.encode_transfer_params(None) == b"" and convert.decode_transfer_params(b"") is None
+    with pytest.raises(ServingError, match="kv_transfer_params"):
+        convert.decode_transfer_params(b"\xc1garbage")
+
+
+def test_status_mapping() -> None:
+    assert status_for(ValueError("x"))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert status_for(EngineOverloaded("x"))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status_for(EngineStopped("x"))[0] == grpc.StatusCode.UNAVAILABLE
+    assert status_for(TimeoutError())[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert status_for(RuntimeError("boom"))[0] == grpc.StatusCode.INTERNAL
+
+
+# -- the two phases ---------------------------------------------------------------------------------------
+
+
+def output(tokens: list[int], reason: str, *, prompt: int = 10, params: dict | None = None) -> RequestOutput:
+    return RequestOutput(
+        "r", tokens, "t", [], True, finish_reason=reason, num_prompt_tokens=prompt, kv_transfer_params=params
+    )
+
+
+def test_prefill_is_a_one_token_request_kept_for_a_decode_node() -> None:
+    req = prefill_request("r", [1, 2, 3], SamplingParams(max_tokens=9, stop=("x",)), "salt")
+    assert req.sampling_params.max_tokens == 1 and req.sampling_params.stop == ("x",)
+    assert req.kv_transfer_params == DO_REMOTE_DECODE and req.cache_salt == "salt"
+
+
+@pytest.mark.parametrize(
+    "reason, max_tokens, prompt, ends, client_reason",
+    [
+        ("length", 9, 10, False, None),  # the usual case: decode continues
+        ("stop", 9, 10, True, "stop"),  # EOS or a stop on the first token
+        ("length", 1, 10, True, "length"),  # the client asked for one token
+        ("length", 9, 99, True, "length"),  # prompt + 1 fills max_model_len 100
+    ],
+)
+def test_prefill_result(
+    reason: str, max_tokens: int, prompt: int, ends: bool, client_reason: str | None
+) -> None:
+    result = prefill_result(
+        output([5], reason, prompt=prompt, params={"k": 1}), SamplingParams(max_tokens=max_tokens), 100
+    )
+    assert result.ends_here is ends and result.finish_reason == client_reason
+    assert result.first_token_id == 5
+    assert result.text == ("t" if ends else "")
+    assert result.kv_transfer_params == (None if ends else {"k": 1})
+
+
+def test_decode_continues_with_the_first_token() -> None:
+    params = {"do_remote_prefill": True}
+    req = decode_request("r", [1, 2, 3], SamplingParams(max_tokens=5), None, 7, params)
+    assert list(req.prompt) == [1, 2, 3, 7] and req.prior_output_token_ids == (7,)
+    assert req.sampling_params.max_tokens == 4 and req.kv_transfer_params is params
+    whole = decode_request("r", [1, 2, 3], SamplingParams(max_tokens=5), None, None, None)
+    assert list(whole.prompt) == [1, 2, 3] and whole.sampling_params.max_tokens == 5
+    with pytest.raises(ServingError, match=r"sampling\.max_tokens"):
+        decode_request("r", [1], SamplingParams(max_tokens=1), None, 7, None)
+    with pytest.raises(ServingError, match="first_token_id"):
+        decode_request("r", [1], SamplingParams(), None, None, params)
+
+
+# -- configuration ----------------------------------------------------------------------------------------
+
+
+def test_connector_spec_forms(tmp_path: object) -> None:
+    assert parse_connector_spec("none") is None
+    assert parse_connector_spec("p2p") == KVConnectorConfig("p2p")
+    spec = parse_connector_spec('{"name": "p2p", "options": {"advertise_host": "{ip}", "lease_s": 5}}')
+    assert spec is not None and spec.options["lease_s"] == 5 and "{ip}" not in spec.options["advertise_host"]
+    with pytest.raises(ValueError, match="unknown key 'option'"):
+        parse_connector_spec('{"name": "p2p", "option": {}}')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        parse_connector_spec("{nope")
+
+
+def test_configs_validate_at_construction() -> None:
+    with pytest.raises(ValueError, match="role 'both' is unknown"):
+        NodeConfig(role="both")
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        NodeConfig(role="prefill", address="nowhere")
+    with pytest.raises(ValueError, match="needs at least one prefill node"):
+        RouterConfig(decode_nodes=("127.0.0.1:1",))
+    with pytest.raises(ValueError, match="drop --prefill"):
+        RouterConfig(mode="colocated", prefill_nodes=("127.0.0.1:1",), decode_nodes=("127.0.0.1:2",))
+    with pytest.raises(ValueError, match="--prefill must be at least 1"):
+        Topology(num_prefill=0)
+
+
+def test_connector_stack_follows_what_is_registered() -> None:
+    both = connector_stack("prefill", "disaggregated", "cpu:1GiB", {"offload", "p2p"})
+    assert '"multi"' in both and '"offload"' in both and '"p2p"' in both
+    assert connector_stack("decode", "disaggregated", "cpu:1GiB", {"offload", "p2p"}).startswith(
+        '{"name": "p2p"'
+    )
+    assert '"offload"' in connector_stack("colocated", "colocated", "cpu:1GiB", {"offload", "p2p"})
+    assert connector_stack("colocated", "colocated", None, {"p2p"}) == "none"
+
+
+def test_ready_lines_parse() -> None:
+    info = _parse_ready("pdkv node: serving on 127.0.0.1:5 role=decode metrics=127.0.0.1:6 kv_endpoint=-\n")
+    assert info == {"address": "127.0.0.1:5", "role": "decode", "metrics": "127.0.0.1:6", "kv_endpoint": "-"}
+    assert _parse_ready("some log line") is None
+
+
+# -- node selection ---------------------------------------------------------------------------------------
+
+
+def test_round_robin_and_least_loaded() -> None:
+    nodes = [NodeHandle(f"127.0.0.1:{p}", "x") for p in (3, 1, 2)]
+    info = RoutingInfo("r", [1, 2, 3])
+    try:
+        rr = RoundRobin()
+        assert [rr.choose(nodes, info).address for _ in range(4)] == [
+            "127.0.0.1:1",
+            "127.0.0.1:2",
+            "127.0.0.1:3",
+            "127.0.0.1:1",
+        ]
+        ll = LeastLoaded()
+        with nodes[1].busy(), nodes[2].busy():
+            assert ll.choose(nodes, info) is nodes[0]
+            with nodes[0].busy(), nodes[0].busy():
+                assert ll.choose(nodes, info) in (nodes[1], nodes[2])
+    finally:
+        for n in nodes:
+            n.close()
