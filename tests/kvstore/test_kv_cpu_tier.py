@@ -71,7 +71,6 @@ def test_lru_eviction_order(make_blocks: Callable[..., Blocks]) -> None:
     assert stats.backend["used_bytes"] == 4 * BLOCK and stats.backend["allocated_bytes"] == 4 * BLOCK
 
 
-
 def test_evicted_and_absent_are_told_apart(make_blocks: Callable[..., Blocks]) -> None:
     b = make_blocks(3)
     tier = cpu(1)
