@@ -40,6 +40,23 @@ def best_of(fn: Callable[[], Any], *, repeat: int, warmup: int = 1) -> float:
     return min(timings(fn, repeat=repeat, warmup=warmup))
 
 
+def best_of_interleaved(
+    fns: dict[str, Callable[[], Any]], *, repeat: int, warmup: int = 1
+) -> dict[str, float]:
+    """Minimum wall time of each function, the functions run in turns: a load spike from elsewhere on
+    the machine hits every contender alike instead of skewing their ratio."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
 def median_of(fn: Callable[[], Any], *, repeat: int, warmup: int = 1) -> float:
     return statistics.median(timings(fn, repeat=repeat, warmup=warmup))
 
