@@ -4,4 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/pdkv up --router-address 127.0.0.1:0 --oneshot "${*:-The quick brown fox}"
+# The default prompt spans several KV blocks, so the stats line shows the decode node pulling them from
+# the prefill node (remote_prefill) instead of computing them.
+exec .venv/bin/pdkv up --router-address 127.0.0.1:0 --oneshot \
+    "${*:-The quick brown fox jumps over the lazy dog, and then the dog chases the fox around the barn.}"
