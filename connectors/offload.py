@@ -335,6 +335,25 @@ class OffloadConnector(KVConnectorBase):
 
     # ---------------------------------------------------------------- both
 
+    def stats(self) -> dict[str, float]:
+        """Flat counters for the node's metrics (summed over both halves there, so the store's own
+        per-tier counters come from the worker half only): ``offload_*`` and ``store_<tier>_<counter>``."""
+        out: dict[str, float] = {"offload_lookup_timeouts": float(self.num_lookup_timeouts)}
+        if self.role is not KVConnectorRole.WORKER:
+            return out
+        out.update({f"offload_{k}": float(v) for k, v in self.stats_counters.items()})
+        store = self.store.stats()
+        out["store_write_jobs_dropped"] = float(store.write_jobs_dropped)
+        for tier in store.tiers:
+            for group in (
+                tier.counters,
+                {f"miss_{k}": v for k, v in tier.misses.items()},
+                {f"put_failure_{k}": v for k, v in tier.put_failures.items()},
+            ):
+                for key, value in group.items():
+                    out[f"store_{tier.name}_{key}"] = float(value)
+        return out
+
     def shutdown(self) -> None:
         if self._saver is not None:
             self._saver.shutdown(wait=True)
