@@ -46,6 +46,8 @@ class MultiMetadata(KVConnectorMetadata):
     children: list[KVConnectorMetadata] = field(default_factory=list)
     # request -> indices of the children that delayed its free (their sends must all finish).
     delayed_by: dict[RequestId, set[int]] = field(default_factory=dict)
+    # Delayed frees the engine reclaimed: no longer waited for.
+    reclaimed: list[RequestId] = field(default_factory=list)
 
 
 class MultiConnector(KVConnectorBase):
@@ -80,6 +82,7 @@ class MultiConnector(KVConnectorBase):
         # Scheduler half: which child loads each request; which children delayed each free.
         self._loader: dict[RequestId, int] = {}
         self._delayed_by: dict[RequestId, set[int]] = {}
+        self._reclaimed: list[RequestId] = []
         # Worker half: delayed frees being waited on, and which children reported each done.
         self._pending_sends: dict[RequestId, set[int]] = {}
         self._sent: dict[RequestId, set[int]] = {}
@@ -111,13 +114,15 @@ class MultiConnector(KVConnectorBase):
             preempted_request_ids=list(scheduler_output.preempted_request_ids),
             children=[c.build_connector_meta(scheduler_output) for c in self.children],
             delayed_by=self._delayed_by,
+            reclaimed=self._reclaimed,
         )
-        self._delayed_by = {}
+        self._delayed_by, self._reclaimed = {}, []
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_recving | output.finished_sending | output.reclaimed:
             self._loader.pop(rid, None)
+        self._reclaimed.extend(output.reclaimed)
         for child in self.children:
             child.update_connector_output(output)
 
@@ -159,6 +164,9 @@ class MultiConnector(KVConnectorBase):
         assert isinstance(metadata, MultiMetadata)
         for rid, children in metadata.delayed_by.items():
             self._pending_sends[rid] = set(children)
+        for rid in metadata.reclaimed:
+            self._pending_sends.pop(rid, None)
+            self._sent.pop(rid, None)
         for i, child in enumerate(self.children):
             child.start_load_kv(self._child_meta(metadata, i))
 
@@ -181,7 +189,9 @@ class MultiConnector(KVConnectorBase):
             s, r = child.get_finished(finished_req_ids)
             recving |= r  # only the loading child receives a request
             for rid in s:
-                self._sent.setdefault(rid, set()).add(i)
+                # Only frees some child delayed are tracked: a child may report every finished request.
+                if rid in self._pending_sends:
+                    self._sent.setdefault(rid, set()).add(i)
         for rid in list(self._sent):
             expected = self._pending_sends.get(rid)
             if expected is not None and expected <= self._sent[rid]:

@@ -39,7 +39,13 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from connectors.base import (
+    ConnectorContext,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+)
 from engine.hashing import BlockHash
 from engine.request import Request, RequestId
 
@@ -86,6 +92,8 @@ class BlockRun:
 class OffloadMetadata(KVConnectorMetadata):
     loads: list[BlockRun] = field(default_factory=list)
     saves: list[BlockRun] = field(default_factory=list)
+    # Held requests the engine reclaimed: their blocks may be reused by this step's forward pass.
+    reclaimed: list[RequestId] = field(default_factory=list)
 
 
 class _SharedStores:
@@ -156,6 +164,8 @@ class OffloadConnector(KVConnectorBase):
         self._saved_upto: dict[RequestId, int] = {}
         self._had_saves: set[RequestId] = set()
         self._pending_loads: list[BlockRun] = []
+        self._block_tables: dict[RequestId, list[int]] = {}  # as of the last step, to map load errors
+        self._reclaimed: list[RequestId] = []
         self.num_lookup_timeouts = 0
         # worker half
         self._kv: torch.Tensor | None = None
@@ -163,6 +173,7 @@ class OffloadConnector(KVConnectorBase):
         self._saves_in_flight: dict[RequestId, list[Future[Any]]] = {}
         self._awaiting_release: set[RequestId] = set()
         self._load_errors: set[int] = set()
+        self._failed_loads: set[RequestId] = set()
         self._metadata: OffloadMetadata | None = None
         self.stats_counters = {
             "blocks_loaded": 0,
@@ -219,19 +230,26 @@ class OffloadConnector(KVConnectorBase):
             )
         self._lookups.pop(rid, None)
         self._requests[rid] = request
-        # Blocks before this point are in the store already (loaded from it) or were local hits.
-        self._saved_upto[rid] = first + n
+        self._block_tables[rid] = list(block_ids)
+        # Never saved from here: blocks that were local hits or that this connector loads (they are in
+        # the store), and blocks another connector loaded for the request (under multi, where this one
+        # is told 0): if that load failed, the step computed over them, and such KV is never stored.
+        loaded_elsewhere_end = (request.num_local_cached_tokens + request.num_external_computed_tokens) // bs
+        self._saved_upto[rid] = max(first + n, loaded_elsewhere_end)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = OffloadMetadata(
-            preempted_request_ids=list(scheduler_output.preempted_request_ids), loads=self._pending_loads
+            preempted_request_ids=list(scheduler_output.preempted_request_ids),
+            loads=self._pending_loads,
+            reclaimed=self._reclaimed,
         )
-        self._pending_loads = []
+        self._pending_loads, self._reclaimed = [], []
         bs = self.block_size
         for sr in scheduler_output.scheduled:
             request = self._requests.get(sr.request_id)
             if request is None:
                 continue
+            self._block_tables[sr.request_id] = sr.block_ids
             full = min((sr.start_position + sr.num_tokens) // bs, len(request.block_hashes))
             start = self._saved_upto.get(sr.request_id, 0)
             if full > start:
@@ -249,10 +267,22 @@ class OffloadConnector(KVConnectorBase):
             self._saved_upto.pop(rid, None)  # it comes back through update_state_after_alloc
         return meta
 
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        # A reclaim frees blocks a save may still read: the worker fences it before the next forward.
+        self._reclaimed.extend(output.reclaimed)
+        if output.invalid_block_ids:
+            # The engine cuts those requests back to their first bad block and recomputes; the worker
+            # dropped this step's saves of theirs, so save again from the first bad block.
+            for rid, table in self._block_tables.items():
+                bad = next((i for i, b in enumerate(table) if b in output.invalid_block_ids), None)
+                if bad is not None and rid in self._saved_upto:
+                    self._saved_upto[rid] = min(self._saved_upto[rid], bad)
+
     def request_finished(
         self, request: Request, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        self._block_tables.pop(rid, None)
         self._lookups.pop(rid, None)
         self._requests.pop(rid, None)
         self._saved_upto.pop(rid, None)
@@ -264,6 +294,12 @@ class OffloadConnector(KVConnectorBase):
     # ---------------------------------------------------------------- worker half
 
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        if kv_cache.device.type != "cpu":
+            # The store reads and writes host memory; a GPU cache would need pinned staging buffers.
+            raise ValueError(
+                f"connector 'offload' needs the KV cache in host memory, but it is on {kv_cache.device}; "
+                "run the engine with device='cpu' or use another connector"
+            )
         self._kv = kv_cache
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-save")
 
@@ -272,12 +308,14 @@ class OffloadConnector(KVConnectorBase):
         return [self._kv[b] for b in block_ids]  # each a contiguous [L, 2, bs, H, D] view, no copy
 
     def handle_preemptions(self, metadata: KVConnectorMetadata) -> None:
-        for rid in metadata.preempted_request_ids:
+        assert isinstance(metadata, OffloadMetadata)
+        for rid in [*metadata.preempted_request_ids, *metadata.reclaimed]:
             self._wait_saves(rid)
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         assert isinstance(metadata, OffloadMetadata)
         self._metadata = metadata
+        self._failed_loads = set()
         for run in metadata.loads:
             result = self.store.get_into(
                 run.hashes, self._blocks(run.block_ids), run.start, timeout_s=self.options.load_timeout_s
@@ -295,6 +333,7 @@ class OffloadConnector(KVConnectorBase):
                 )
                 self.stats_counters["blocks_load_failed"] += len(failed)
                 self._load_errors.update(failed)
+                self._failed_loads.add(run.request_id)
 
     def wait_for_save(self) -> None:
         meta, self._metadata = self._metadata, None
@@ -302,21 +341,33 @@ class OffloadConnector(KVConnectorBase):
             return
         assert self._saver is not None
         for run in meta.saves:
+            if run.request_id in self._failed_loads:
+                continue  # computed over blocks that did not load: wrong KV, never stored
             future = self._saver.submit(self._save, run)
             self._saves_in_flight.setdefault(run.request_id, []).append(future)
 
     def _save(self, run: BlockRun) -> None:
-        result = self.store.put(
-            run.hashes, self._blocks(run.block_ids), run.start, timeout_s=self.options.save_timeout_s
-        )
+        try:
+            result = self.store.put(
+                run.hashes, self._blocks(run.block_ids), run.start, timeout_s=self.options.save_timeout_s
+            )
+        except Exception:  # the store reports backend failures; anything else must not vanish silently
+            logger.exception("offload: saving %d blocks of %s failed", len(run.block_ids), run.request_id)
+            self.stats_counters["saves_failed"] += len(run.block_ids)
+            return
         self.stats_counters["blocks_saved"] += result.stored
         if result.stored < len(run.block_ids):
             self.stats_counters["saves_failed"] += len(run.block_ids) - result.stored
 
     def _wait_saves(self, rid: RequestId) -> None:
+        """Fence: when this returns, no save of ``rid`` reads its blocks any more."""
         futures = self._saves_in_flight.pop(rid, [])
-        if futures:
-            wait_futures(futures, timeout=self.options.save_timeout_s + 1.0)
+        running = [f for f in futures if not f.cancel()]  # queued saves are dropped, not waited for
+        if running:
+            # One saver thread: at most one runs, bounded by its own store deadline.
+            _, late = wait_futures(running, timeout=self.options.save_timeout_s + 5.0)
+            if late:
+                logger.error("offload: a save of %s outlived its deadline; its blocks may be reused", rid)
 
     def get_finished(self, finished_req_ids: set[RequestId]) -> tuple[set[RequestId], set[RequestId]]:
         self._awaiting_release |= finished_req_ids

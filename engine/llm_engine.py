@@ -31,7 +31,7 @@ from engine.model.make_model import ensure_default_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, StepFailed
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
@@ -265,8 +265,12 @@ class LLMEngine:
             # Runs even for an empty step: the connector's async loads and sends report through it.
             result = self.runner.execute(step)
         except Exception as exc:
-            logger.exception("model step failed; failing the requests it scheduled")
-            self._fail_step(outputs, step, f"model step failed: {exc!r}")
+            cause = exc.__cause__ if isinstance(exc, StepFailed) and exc.__cause__ is not None else exc
+            logger.error("model step failed; failing the requests it scheduled", exc_info=cause)
+            self._fail_step(outputs, step, f"model step failed: {cause!r}")
+            if isinstance(exc, StepFailed):
+                # The step's requests are finished now; what the connector reported still applies.
+                self.scheduler.update_from_output(step, exc.output)
             return outputs
         core = self.scheduler.update_from_output(step, result)
         for out in self.output_processor.process(core.updates, self.scheduler):
@@ -285,11 +289,14 @@ class LLMEngine:
     def _fail_step(self, outputs: list[RequestOutput], step: SchedulerOutput, error: str) -> None:
         """End every request of a failed forward pass with ``error``; the other requests carry on."""
         bs = self.kv_spec.block_size
+        admitted = set(step.new_request_ids)
         for sr in step.scheduled:
             request = self.scheduler.get_request(sr.request_id)
             if request is not None:
-                # The blocks this chunk was writing may hold half-written KV: no later request may hit them.
-                self.scheduler.kv.uncache_from(request, sr.start_position // bs)
+                # The blocks this chunk was writing may hold half-written KV, and a request admitted this
+                # step may have had blocks loaded by the connector: no later request may hit either.
+                start = request.num_local_cached_tokens if sr.request_id in admitted else sr.start_position
+                self.scheduler.kv.uncache_from(request, start // bs)
         for sr in step.scheduled:
             self.scheduler.finish_request(sr.request_id, RequestStatus.FINISHED_ERROR, error=error)
             self._append_finish(outputs, sr.request_id, "error", error)

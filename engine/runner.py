@@ -16,6 +16,7 @@ each step, so preemption, prefix hits and chunked prefill need no bookkeeping he
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,17 @@ from engine.kv_cache_manager import cdiv
 from engine.model.llama import ForwardContext, LlamaForCausalLM
 from engine.sampler import Sampler, SamplingRow
 from engine.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class StepFailed(RuntimeError):
+    """The forward pass (or the connector around it) raised.  ``output`` holds the connector's report
+    for the step, without sampled tokens: the engine fails the step's requests, then applies it."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        super().__init__("model step failed")
+        self.output = output
 
 
 @dataclass(slots=True)
@@ -69,15 +81,24 @@ class ModelRunner:
         started in earlier steps finish, and their completion must be reported."""
         connector = self.connector
         meta = step.kv_connector_metadata
-        connector.handle_preemptions(meta)  # before this forward can overwrite preempted blocks
-        connector.start_load_kv(meta)
         out = ModelRunnerOutput()
-        if step.is_empty:
-            self._finish_connector_step(step, out)
-            return out
-        inputs = self.prepare(step.scheduled)
-        ctx = ForwardContext(self.kv_cache, inputs.attn, connector, self.workspace)
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, hidden]
+        try:
+            connector.handle_preemptions(meta)  # before this forward can overwrite preempted blocks
+            connector.start_load_kv(meta)
+            if step.is_empty:
+                self._finish_connector_step(step, out)
+                return out
+            inputs = self.prepare(step.scheduled)
+            ctx = ForwardContext(self.kv_cache, inputs.attn, connector, self.workspace)
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, hidden]
+        except Exception as exc:
+            # The connector's report (finished sends, load errors) must still reach the scheduler, or
+            # held blocks stay held and load errors arrive a step late against reused block ids.
+            try:
+                self._finish_connector_step(step, out)
+            except Exception:
+                logger.exception("the KV connector failed to finish a failed step")
+            raise StepFailed(out) from exc
         self._finish_connector_step(step, out)
         if not inputs.sampling:
             return out

@@ -114,6 +114,13 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.request_id in self.held or request.request_id in self.kv.req_to_blocks:
+            # Its blocks are still held for a connector (e.g. a remote reader): a new request under the
+            # same id would be mistaken for their owner.
+            raise ValueError(
+                f"request_id {request.request_id!r} is still in use: its KV is held for a transfer; "
+                "use a new request_id"
+            )
         assert request.status == RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
