@@ -7,11 +7,8 @@ The router reports SERVING on its health service when every pool it needs has a 
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,6 +22,7 @@ from router.pipeline import Pipeline
 from router.policy import make_selector
 from router.servicer import GenerationServicer
 from router.tokenizer import load_tokenizer, model_folder
+from serving.config import stop_on_signals
 from serving.metrics import MetricFamily, MetricsServer, RpcCounters
 
 logger = logging.getLogger(__name__)
@@ -154,13 +152,7 @@ def run_router(config: RouterConfig) -> int:
     )
     server.start()
     runtime.monitor.start()
-    stop = threading.Event()
-
-    def request_stop(signum: int, _frame: Any) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    stop = stop_on_signals()
     host = config.address.rpartition(":")[0]
     print(
         f"{READY_PREFIX}{host}:{port} mode={config.mode} metrics={metrics.address if metrics else '-'}",

@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,3 +182,15 @@ def node_config_from_args(args: argparse.Namespace, role: str) -> NodeConfig:
         max_num_requests=args.max_num_requests,
         grace_s=args.grace_s,
     )
+
+
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGTERM or SIGINT: a server process waits on it, then stops gracefully."""
+    stop = threading.Event()
+
+    def request_stop(signum: int, _frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    return stop

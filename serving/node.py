@@ -18,11 +18,8 @@ in-flight calls get their grace period.
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -34,7 +31,7 @@ from engine.serving import EngineDriver, EngineSnapshot, snapshot
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
 from prefill_node.servicer import PrefillNodeServicer
 from serving import convert
-from serving.config import READY_PREFIX, NodeConfig
+from serving.config import READY_PREFIX, NodeConfig, stop_on_signals
 from serving.errors import CallRecorder, rpc_errors
 from serving.metrics import MetricFamily, MetricsServer, RpcCounters
 
@@ -223,13 +220,7 @@ def run_node(config: NodeConfig) -> int:
         metrics = MetricsServer(config.metrics_address, lambda: node_metrics(node)).start()
     server.start()
     node.set_serving(True)
-    stop = threading.Event()
-
-    def request_stop(signum: int, _frame: Any) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    stop = stop_on_signals()
     host = config.address.rpartition(":")[0]
     kv_endpoint = node.snapshot().kv_endpoint
     print(
