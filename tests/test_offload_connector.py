@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,7 @@ import pytest
 from connectors.registry import KVConnectorConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.kvstore.kvtest import RedisProcess, StoreServerProcess, free_port
+from tests.kvstore.kvtest import RedisProcess, StoreServerProcess
 from tests.tiny_models import hf_greedy, random_prompts, tiny_model_dir
 
 MODEL = "llama"
@@ -55,26 +55,6 @@ def assert_from_store(outs: list) -> None:  # type: ignore[type-arg]
         assert out.num_external_tokens == whole, (out.num_external_tokens, whole)
         assert out.num_cached_tokens == 0
         assert out.num_computed_prompt_tokens == len(prompt) - whole
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisProcess]:
-    server = RedisProcess(free_port())
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def store_server(tmp_path: Path) -> Iterator[StoreServerProcess]:
-    server = StoreServerProcess("cpu:64MiB", f"tcp://127.0.0.1:{free_port()}", ())
-    server.start()
-    try:
-        yield server
-    finally:
-        server.kill()
 
 
 def test_cpu_tier_serves_a_second_engine_in_the_same_process() -> None:
@@ -135,7 +115,7 @@ def test_a_second_process_takes_its_prefix_from_each_tier(
     elif tier == "redis":
         spec = f"redis://127.0.0.1:{request.getfixturevalue('redis_server').port}/0"
     else:
-        spec = f"remote:{request.getfixturevalue('store_server').endpoint}"
+        spec = f"remote:{request.getfixturevalue('store_server')('cpu:64MiB').endpoint}"
     first = run_writer_process(spec)  # also the restart test for disk: a new process finds the files
     assert first == expected()
     second = make_llm(spec)
@@ -161,11 +141,14 @@ def test_redis_stopped_mid_run_costs_hits_not_correctness(redis_server: RedisPro
     llm.engine.shutdown()
 
 
-def test_store_server_killed_costs_hits_not_correctness(store_server: StoreServerProcess) -> None:
-    spec = f"remote:{store_server.endpoint}?timeout_ms=200"
+def test_store_server_killed_costs_hits_not_correctness(
+    store_server: Callable[..., StoreServerProcess],
+) -> None:
+    server = store_server("cpu:64MiB")
+    spec = f"remote:{server.endpoint}?timeout_ms=200"
     llm = make_llm(spec)
     assert [o.token_ids for o in run(llm)] == expected()
-    store_server.kill()
+    server.kill()
     assert llm.engine.reset_prefix_cache()
     t0 = time.monotonic()
     outs = run(llm)
