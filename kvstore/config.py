@@ -401,18 +401,7 @@ _TOML_STORE_FIELDS = frozenset(
 _TOML_TIER_FIELDS: dict[str, set[str]] = {
     "cpu": {"kind", "capacity", "verify", "pin", "name"},
     "disk": {"kind", "path", "capacity", "fsync", "name"},
-    "redis": {
-        "kind",
-        "url",
-        "prefix",
-        "ttl_s",
-        "timeout_ms",
-        "connect_timeout_ms",
-        "max_connections",
-        "cluster",
-        "batch",
-        "name",
-    },
+    "redis": {"kind", "url", *_REDIS_OPTIONS},
     "remote": {"kind", "endpoint", "timeout_ms", "name"},
 }
 

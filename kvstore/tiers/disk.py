@@ -100,15 +100,7 @@ class DiskTier(Tier):
     def _contains_prefix(self, run: KeyRun, deadline: Deadline) -> int:
         # A hit becomes most recently used: blocks a scheduler is about to load are the last this tier
         # evicts, so a lookup's answer holds until the load (recency only; no entry is added or removed).
-        index = self._index
-        ns = run.namespace
-        with self._lock:
-            for i, block_hash in enumerate(run.hashes):
-                key = ns + block_hash
-                if key not in index:
-                    return i
-                index.move_to_end(key)
-        return len(run)
+        return self._touch_run(run)[0]
 
     def _touch(self, key: bytes) -> int | None:
         with self._lock:
