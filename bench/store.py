@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from engine.cpu_memory import tune_malloc_for_tensors
 from kvstore.codec import BlockCodec
 from kvstore.config import CpuTierConfig, DiskTierConfig, RedisTierConfig, RemoteTierConfig
 from kvstore.deadline import Deadline
@@ -360,6 +361,7 @@ def _zmq_floor_server(endpoint: str, nbytes: int, n: int) -> None:
     import zmq
 
     torch.set_num_threads(1)
+    tune_malloc_for_tensors()
     payloads = [torch.zeros(nbytes, dtype=torch.uint8).numpy() for _ in range(n)]
     headers = bytes(96 * n)
     sock: Any = zmq.Context.instance().socket(zmq.ROUTER)

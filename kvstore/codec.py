@@ -211,6 +211,13 @@ class HeaderMatcher:
         checked = check_header(header, self.namespace, block_hash, self.layout)
         return checked if isinstance(checked, MissReason) else checked.checksum
 
+    def parse(self, header: Any, block_hash: bytes) -> BlockHeader | MissReason:
+        """``match`` as a parsed header (what ``check_header`` answers for a valid one)."""
+        checksum = self.match(header, block_hash)
+        if isinstance(checksum, MissReason):
+            return checksum
+        return BlockHeader(self.namespace, block_hash, self.layout, self.layout.payload_nbytes, checksum)
+
 
 class BlockCodec:
     """Encodes and decodes the blocks of one namespace and one layout (what one engine stores)."""

@@ -62,7 +62,7 @@ class BlockLayout:
     def itemsize(self) -> int:
         return DTYPES[self.dtype][1]
 
-    @property
+    @functools.cached_property
     def payload_nbytes(self) -> int:
         """Bytes of one block's payload (all layers, K and V)."""
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize

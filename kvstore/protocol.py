@@ -21,10 +21,12 @@ a request it gave up on).  ``ns``, ``start``, ``hashes`` and ``anchors`` describ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import zmq
 
 from kvstore.keys import ANCHOR_SPAN, KeyRun
 
@@ -164,3 +166,18 @@ def _unpack(frame: Any, *, max_array_len: int, max_map_len: int, max_str_len: in
 
 def _str_or_none(value: Any) -> str | None:
     return value if isinstance(value, str) else None
+
+
+def send_frames(
+    sock: zmq.Socket[Any], frames: Sequence[Any], *, track: bool = False
+) -> zmq.MessageTracker | None:
+    """Send ``frames`` as one message without copying its large frames; with ``track``, a tracker that is
+    done once ZeroMQ has let go of every frame.
+
+    Only the last frame is tracked: ZeroMQ releases the frames of one message in order, so the last one
+    released means all are.  (pyzmq's ``send_multipart(track=True)`` tracks every frame, at about 40 us
+    each, and returns the last one's tracker all the same.)  Raises what ``Socket.send`` raises.
+    """
+    for frame in frames[:-1]:
+        sock.send(frame, zmq.SNDMORE, copy=False)
+    return sock.send(frames[-1], 0, copy=False, track=track)

@@ -11,6 +11,10 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvstore.codec import BlockHeader
 
 
 class MissReason(str, Enum):
@@ -66,7 +70,8 @@ class Unit:
     ``release()`` exactly once when it no longer reads ``payload``.
 
     ``keep`` marks a payload that nobody will ever write again (a received ZeroMQ frame): a memory tier
-    may keep the buffer itself instead of copying it.
+    may keep the buffer itself instead of copying it.  ``parsed`` is ``header`` already parsed and checked
+    against the key the unit is put under, so a memory tier need not parse it again.
     """
 
     payload: memoryview
@@ -74,6 +79,7 @@ class Unit:
     sealer: Callable[[memoryview], bytes] | None = field(default=None, repr=False)
     release_fn: Callable[[], None] | None = field(default=None, repr=False)
     keep: bool = False
+    parsed: BlockHeader | None = field(default=None, repr=False)
 
     def seal(self, stable_copy: memoryview | None = None) -> bytes:
         """The header, computing it over ``stable_copy`` (or the payload itself) the first time."""

@@ -13,6 +13,9 @@ Replies to a get send the stored payloads without copying; a payload leased from
 released only once ZeroMQ reports the frame sent (a message tracker), so a slot is never recycled under a
 send in flight.
 
+The process keeps freed memory instead of handing it back to the kernel (``tune_malloc_for_tensors``):
+every put brings ZeroMQ buffers of a block each, and without it each one is page-faulted in anew.
+
 Binds to 127.0.0.1 unless told otherwise.  ``pdkv kvstore serve`` (or ``python -m kvstore.server``) prints
 ``pdkv kvstore: serving on ENDPOINT`` once it accepts requests and stops cleanly on SIGTERM or SIGINT.
 """
@@ -30,9 +33,18 @@ from typing import Any
 import msgpack
 import zmq
 
+from engine.cpu_memory import tune_malloc_for_tensors
 from kvstore.cli import DEFAULT_BIND, READY_PREFIX, add_serve_arguments
-from kvstore.codec import HEADER_SIZE, check_header, verify_payload
-from kvstore.protocol import PROTOCOL_VERSION, Limits, ProtocolError, Request, decode_request, encode_reply
+from kvstore.codec import HEADER_SIZE, HeaderMatcher, check_header, verify_payload
+from kvstore.protocol import (
+    PROTOCOL_VERSION,
+    Limits,
+    ProtocolError,
+    Request,
+    decode_request,
+    encode_reply,
+    send_frames,
+)
 from kvstore.results import MissReason, Unit, release_all
 from kvstore.store import TieredStore
 
@@ -97,7 +109,7 @@ class StoreServer:
             reply = [encode_reply(_peek_id(body), ok=False, error=f"internal error: {type(exc).__name__}")]
         try:
             # The identity goes as bytes: a received (untracked) frame cannot be part of a tracked send.
-            tracker = self._socket.send_multipart([identity.bytes, *reply], copy=False, track=bool(units))
+            tracker = send_frames(self._socket, [identity.bytes, *reply], track=bool(units))
         except zmq.ZMQError as exc:  # the peer is gone or not keeping up: its loss
             logger.debug("kvstore server: reply not sent: %s", exc)
             release_all(units)
@@ -174,6 +186,9 @@ class StoreServer:
             )
         units: list[Unit] = []
         reason: MissReason | None = None
+        # The first header is parsed in full; it names the layout, and one run (one namespace) has one
+        # layout, so the rest are compared with that block's bytes (``HeaderMatcher``).
+        matcher: HeaderMatcher | None = None
         for i in range(n):
             payload = body[2 + i].buffer
             if payload.nbytes > self.limits.max_unit_bytes:
@@ -181,16 +196,24 @@ class StoreServer:
                     f"block {i} is {payload.nbytes} bytes; the limit is {self.limits.max_unit_bytes}"
                 )
             raw = headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
-            header = check_header(raw, run.namespace, run.hashes[i], None)
+            if matcher is None:
+                header = check_header(raw, run.namespace, run.hashes[i], None)
+                if not isinstance(header, MissReason):
+                    matcher = HeaderMatcher(run.namespace, header.layout)
+            else:
+                header = matcher.parse(raw, run.hashes[i])
             if isinstance(header, MissReason):
                 reason = header
-            elif payload.nbytes != header.payload_len:
+                break  # store the valid leading blocks only
+            if payload.nbytes != header.payload_len:
                 reason = MissReason.TRUNCATED if payload.nbytes < header.payload_len else MissReason.CORRUPT
             elif self.verify_puts:
                 reason = verify_payload(header, payload)
             if reason is not None:
-                break  # store the valid leading blocks only
-            units.append(Unit(payload, bytes(raw), keep=True))  # the frame is ours: a memory tier keeps it
+                break
+            units.append(
+                Unit(payload, bytes(raw), keep=True, parsed=header)
+            )  # the frame is ours: a memory tier keeps it
         stored = self.store.put(run.slice(0, len(units)), units) if units else None
         count = stored.stored if stored is not None else 0
         out_reason = reason if reason is not None else (stored.reason if stored is not None else None)
@@ -230,6 +253,7 @@ def run_server(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     limits = Limits(max_blocks=args.max_blocks, max_unit_bytes=args.max_block_bytes)
+    tune_malloc_for_tensors()
     store = TieredStore.from_config(args.kv_store)
     try:
         server = StoreServer(store, args.bind, limits=limits, verify_puts=args.verify_puts)

@@ -267,7 +267,10 @@ class CpuTier(Tier):
             sealer = None if unit.header is not None else unit.sealer
             assert unit.header is not None or sealer is not None, "a unit is sealed or carries its sealer"
             entries.append(
-                (run.key(i), _Entry(unit.header, slot, nbytes, run.start + i, run.anchor(i), sealer))
+                (
+                    run.key(i),
+                    _Entry(unit.header, slot, nbytes, run.start + i, run.anchor(i), sealer, unit.parsed),
+                )
             )
         with self._lock:
             for key, entry in entries:

@@ -28,7 +28,7 @@ from kvstore.config import RemoteTierConfig
 from kvstore.deadline import Deadline
 from kvstore.keys import KeyRun
 from kvstore.layout import BlockLayout
-from kvstore.protocol import ProtocolError, Reply, decode_reply, encode_request
+from kvstore.protocol import ProtocolError, Reply, decode_reply, encode_request, send_frames
 from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit
 from kvstore.tiers.base import Tier, TierError, TierPolicy, TierTimeout
 
@@ -88,7 +88,7 @@ class RemoteTier(Tier):
         sock = self._socket()
         sock.setsockopt(zmq.SNDTIMEO, max(1, int(deadline.remaining() * 1000)))
         try:
-            return sock.send_multipart(frames, copy=False, track=track)
+            return send_frames(sock, frames, track=track)
         except zmq.Again:
             raise TierError(f"store server {self.config.endpoint} is not connected") from None
 
