@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from connectors.base import KVConnectorOutput
 from engine.request import RequestStatus
+from engine.scheduler import ModelRunnerOutput
 from tests.factories import make_request
 from tests.test_scheduler_connector import ScriptedConnector, make, step
 
@@ -79,3 +80,32 @@ def test_requests_parked_after_their_loads_never_starve_each_other_into_an_error
     assert errored == [] and not s.has_unfinished_requests()
     assert s.num_preemptions >= 1 and s.kv.num_free_blocks == 6
     assert conn.finished == {"r1": 1, "r2": 1}
+
+
+def test_a_failed_sync_load_is_not_kept_by_an_async_loader_that_took_it_as_a_local_hit() -> None:
+    """A synchronous loader (under multi, say) brings blocks 0..1 of "a"; "b", admitted in the same step,
+    takes them as local hits and waits on its own asynchronous load of block 2.  The synchronous load of
+    block 0 fails and "a" is aborted before it recomputes it: "b" must recompute block 0 too, not keep
+    the failed block as computed when its own load lands."""
+    conn = ScriptedConnector()
+    s = make(conn)
+    conn.answers["a"] = (8, False)  # tokens 0..7 loaded synchronously, in this step's forward
+    conn.answers["b"] = (4, True)  # tokens 8..11 loaded asynchronously
+    prompt = list(range(100, 108))
+    s.add_request(make_request("a", [*prompt, 1, 2, 3, 4, 5], max_tokens=4))
+    s.add_request(make_request("b", [*prompt, 50, 51, 52, 53, 54, 55], max_tokens=1))
+    so = s.schedule()
+    assert [sr.request_id for sr in so.scheduled] == ["a"]
+    a_ids = s.kv.get_block_ids("a")  # type: ignore[arg-type]
+    b = s.get_request("b")
+    assert b is not None and b.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    assert s.kv.get_block_ids("b")[:2] == a_ids[:2]  # type: ignore[arg-type]  # b shares a's blocks 0..1
+    s.update_from_output(
+        so,
+        ModelRunnerOutput({"a": 7}, kv_connector_output=KVConnectorOutput(invalid_block_ids={a_ids[0]})),  # type: ignore[dict-item]
+    )
+    s.abort_request("a")  # gone before it recomputes block 0: nothing heals that block now
+    so, _ = step(s, KVConnectorOutput(finished_recving={"b"}))  # type: ignore[arg-type]
+    so, _ = step(s)
+    assert [(sr.request_id, sr.start_position) for sr in so.scheduled] == [("b", 0)]
+    assert s.stats().num_load_failures >= 2

@@ -457,7 +457,10 @@ class Scheduler:
                 self._failed_blocks -= set(ids)
                 self._fail_load(request, result)
                 return
-            loaded_end = max(request.num_computed_tokens, first_bad * bs)
+            # The bad block may come before this request's own load: a local hit on a block that another
+            # request's load failed to fill.  Recompute from it, and let nobody else take it as cached.
+            self.kv.uncache_from(request, first_bad)
+            loaded_end = first_bad * bs
         self._failed_blocks -= set(ids)
         del self.loading[rid]
         request.num_computed_tokens = loaded_end
