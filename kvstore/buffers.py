@@ -95,6 +95,15 @@ class BufferFence:
             raise Abandoned
         return self._buffers[i]
 
+    def hold_all(self) -> Sequence[memoryview]:
+        """Every block for writing, until ``let_go()``: for a loop that writes several blocks in a row
+        (hold the fence for a few blocks at a time, so that ``close`` never waits long)."""
+        self._lock.acquire()
+        if self._closed:
+            self._lock.release()
+            raise Abandoned
+        return self._buffers
+
     def let_go(self) -> None:
         self._lock.release()
 

@@ -26,11 +26,12 @@ frame, an ``iovec``, a separate Redis argument chunk), so the payload is never c
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from kvstore.layout import BlockLayout
@@ -210,6 +211,44 @@ class HeaderMatcher:
             return int(_CHECKSUM.unpack_from(header, _CHECKSUM_OFFSET)[0])
         checked = check_header(header, self.namespace, block_hash, self.layout)
         return checked if isinstance(checked, MissReason) else checked.checksum
+
+    def match_run(
+        self, headers: Any, hashes: Sequence[bytes]
+    ) -> tuple[list[int], tuple[int, MissReason] | None]:
+        """``match`` for ``len(hashes)`` headers laid end to end in ``headers``, in one vectorised comparison.
+
+        Answers the payload checksums of the leading headers that match, and the index and reason of the
+        first one that does not (``None`` when all match).
+        """
+        n = len(hashes)
+        if n == 0:
+            return [], None
+        size = len(hashes[0])
+        parts = self._parts.get(size)
+        if parts is None or any(len(h) != size for h in hashes):
+            return self._match_each(headers, hashes, 0, [])
+        got = np.frombuffer(headers, dtype=np.uint8, count=n * HEADER_SIZE).reshape(n, HEADER_SIZE)
+        want = np.empty((n, _CHECKSUM_OFFSET), dtype=np.uint8)
+        want[:, :24] = np.frombuffer(parts[0], dtype=np.uint8)
+        want[:, 24 : 24 + size] = np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(n, size)
+        want[:, 24 + size :] = np.frombuffer(parts[1], dtype=np.uint8)
+        same = (got[:, :_CHECKSUM_OFFSET] == want).all(axis=1)
+        first = n if bool(same.all()) else int(np.argmin(same))
+        sums = got[:first, _CHECKSUM_OFFSET : _CHECKSUM_OFFSET + 8].copy().view("<u8").ravel().tolist()
+        if first == n:
+            return sums, None
+        return self._match_each(headers, hashes, first, sums)  # the full check says why (or that it is fine)
+
+    def _match_each(
+        self, headers: Any, hashes: Sequence[bytes], start: int, sums: list[int]
+    ) -> tuple[list[int], tuple[int, MissReason] | None]:
+        view = memoryview(headers).cast("B")
+        for i in range(start, len(hashes)):
+            checksum = self.match(view[i * HEADER_SIZE : (i + 1) * HEADER_SIZE], hashes[i])
+            if isinstance(checksum, MissReason):
+                return sums, (i, checksum)
+            sums.append(checksum)
+        return sums, None
 
     def parse(self, header: Any, block_hash: bytes) -> BlockHeader | MissReason:
         """``match`` as a parsed header (what ``check_header`` answers for a valid one)."""

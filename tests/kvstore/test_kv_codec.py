@@ -132,6 +132,30 @@ def test_header_matcher_agrees_with_the_full_check() -> None:
     assert matcher.match(flipped, HASH) is MissReason.CORRUPT
 
 
+@pytest.mark.parametrize("hash_size", [16, 32])
+def test_header_matcher_match_run_answers_what_match_answers_block_by_block(hash_size: int) -> None:
+    matcher = HeaderMatcher(NAMESPACE, LAYOUT)
+    hashes = [h[:hash_size] for h in chain(12)]
+    headers = [bytearray(pack_header(NAMESPACE, h, LAYOUT, 1000 + i)) for i, h in enumerate(hashes)]
+    assert matcher.match_run(b"".join(headers), hashes) == ([1000 + i for i in range(12)], None)
+    assert matcher.match_run(b"", []) == ([], None)
+    # damage: a header for another block at 7, a corrupt header checksum at 5 (the first one decides)
+    headers[7] = bytearray(pack_header(NAMESPACE, hashes[8], LAYOUT, 1))
+    assert matcher.match_run(b"".join(headers), hashes) == (
+        [1000 + i for i in range(7)],
+        (7, MissReason.WRONG_HASH),
+    )
+    headers[5][2] ^= 1
+    assert matcher.match_run(b"".join(headers), hashes) == (
+        [1000 + i for i in range(5)],
+        (5, MissReason.CORRUPT),
+    )
+    # a run of mixed hash lengths takes the block-by-block path and answers the same
+    mixed = [*hashes[:3], chain(1)[0]]
+    mixed_headers = b"".join(pack_header(NAMESPACE, h, LAYOUT, 7) for h in mixed)
+    assert matcher.match_run(mixed_headers, mixed) == ([7, 7, 7, 7], None)
+
+
 def test_store_namespace_separates_models_and_layouts() -> None:
     model_a = HashNamespace("model-a", 16).namespace_id
     model_b = HashNamespace("model-b", 16).namespace_id

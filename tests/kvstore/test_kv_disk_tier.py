@@ -171,6 +171,47 @@ def test_a_damaged_file_is_a_miss_and_is_removed(
     assert tier.stats().missed(reason) == 1
 
 
+@pytest.mark.parametrize(
+    ("damages", "first", "reason"),
+    [
+        ({19: "flip", 23: "other_model"}, 19, MissReason.CORRUPT),  # a payload before a bad header
+        ({19: "other_model", 23: "flip"}, 19, MissReason.WRONG_NAMESPACE),
+        ({21: "flip", 20: "truncate"}, 20, MissReason.TRUNCATED),  # the short file stops the read
+        ({22: "flip", 17: "delete"}, 17, MissReason.ABSENT),
+        ({3: "truncate"}, 3, MissReason.TRUNCATED),
+    ],
+)
+def test_the_first_damaged_file_of_a_long_run_ends_the_get(
+    tmp_path: Path,
+    make_blocks: Callable[..., Blocks],
+    damages: dict[int, str],
+    first: int,
+    reason: MissReason,
+) -> None:
+    b = make_blocks(40)
+    tier = disk(tmp_path)
+    tier.put(b.run(), b.units())
+    for i, damage in damages.items():
+        path = block_file(tier, b, i)
+        if damage == "truncate":
+            path.write_bytes(path.read_bytes()[: HEADER_SIZE + 7])
+        elif damage == "flip":
+            raw = bytearray(path.read_bytes())
+            raw[-1] ^= 0x80
+            path.write_bytes(bytes(raw))
+        elif damage == "delete":
+            path.unlink()
+        else:
+            path.write_bytes(BlockCodec(OTHER_NAMESPACE, LAYOUT).encode(b.hashes[i], b.views[i]))
+    result = tier.get_into(b.run(), b.out_views, LAYOUT)
+    assert (result.loaded, result.reason) == (first, reason)
+    assert b.loaded(first)
+    assert len(result.checksums) == first
+    assert not block_file(tier, b, first).exists()  # the damaged file is gone (the later one waits its turn)
+    assert tier.contains_prefix(b.run()) == first
+    assert tier.stats().missed(reason) == 1
+
+
 def test_a_file_deleted_behind_its_back_is_absent(tmp_path: Path, make_blocks: Callable[..., Blocks]) -> None:
     b = make_blocks(2)
     tier = disk(tmp_path)
