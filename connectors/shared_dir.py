@@ -19,7 +19,8 @@ How the halves split the work:
 - worker half: loads synchronously in ``start_load_kv`` (before any layer reads) and saves
   synchronously in ``wait_for_save`` (after the forward), so it never needs delayed frees or fences.
   A file that is missing, truncated, corrupt or for another model/layout is a load error, reported
-  through ``get_block_ids_with_load_errors`` -- the engine recomputes from there.
+  through ``get_block_ids_with_load_errors`` -- the engine recomputes from there -- and a bad file is
+  removed, so the block is saved again, good, after it is recomputed.
 """
 
 from __future__ import annotations
@@ -126,10 +127,13 @@ class SharedDirConnector(KVConnectorBase):
                 continue
             # Blocks whose every token has KV once this step's forward is done.
             full = min((sr.start_position + sr.num_tokens) // self.block_size, len(request.block_hashes))
-            start = self._saved_upto.get(sr.request_id, 0)
+            # Normally from where the last save stopped; from where this step starts when that is earlier:
+            # blocks whose load failed are recomputed now, and their bad files were removed.
+            saved = self._saved_upto.get(sr.request_id, 0)
+            start = min(saved, sr.start_position // self.block_size)
             for i in range(start, full):
                 meta.saves.append((sr.block_ids[i], request.block_hashes[i]))
-            self._saved_upto[sr.request_id] = max(start, full)
+            self._saved_upto[sr.request_id] = max(saved, full)
         return meta
 
     def request_finished(
@@ -169,6 +173,15 @@ class SharedDirConnector(KVConnectorBase):
             if reason is not None:
                 logger.warning("shared-dir: block %s is a miss: %s", block_hash.hex()[:16], reason.value)
                 self._load_errors.add(block_id)
+                self._remove_bad_file(block_hash)
+
+    def _remove_bad_file(self, block_hash: bytes) -> None:
+        """A file that failed its checks helps nobody: remove it, so the next save of the block (this
+        engine's, after it recomputes it, or another's) writes a good one instead of keeping the bad one."""
+        try:
+            self._file(block_hash).unlink(missing_ok=True)
+        except OSError as exc:
+            logger.warning("shared-dir: cannot remove bad block file %s: %s", block_hash.hex()[:16], exc)
 
     def wait_for_save(self) -> None:
         meta, self._metadata = self._metadata, None

@@ -174,3 +174,9 @@ def test_truncated_or_bit_flipped_block_files_are_load_errors_and_outputs_stay_e
     # The recomputed blocks are served from the local cache afterwards, still exactly.
     assert [o.token_ids for o in loader.generate(prompts, PARAMS)] == want
     loader.engine.scheduler.check_integrity()
+    # The bad files were replaced by good ones: a fresh engine loads both prefixes without a failure.
+    fresh = llm(model, tmp_path)
+    outs = fresh.generate(prompts, PARAMS)
+    assert [o.token_ids for o in outs] == want
+    assert fresh.stats().scheduler.num_load_failures == 0
+    assert [o.num_external_tokens for o in outs] == [(len(p) - 1) // BS * BS for p in prompts]
