@@ -32,6 +32,7 @@ class DecodeNodeServicer(node_pb2_grpc.DecodeNodeServicer):
                 convert.cache_salt(request),
                 request.first_token_id if request.HasField("first_token_id") else None,
                 convert.decode_transfer_params(request.kv_transfer_params),
+                list(request.resume_output_token_ids),
             )
             for out in EngineCall(self.driver, engine_request, context).outputs():
                 yield _response(rid, out)

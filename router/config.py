@@ -30,6 +30,9 @@ class RouterConfig:
     max_inflight: int = 256
     # Prefill nodes tried for one request (a node that fails before answering is skipped).
     prefill_attempts: int = 2
+    # Decode (or colocated) nodes one request may go through: a node that fails, even mid-stream, hands
+    # the request to the next one, which resumes after the tokens the client already has.
+    decode_attempts: int = 2
     health_interval_s: float = 0.5
     health_timeout_s: float = 1.0
     # Resolve node host names to every address they have (one node per replica), on every health round.
@@ -56,7 +59,7 @@ class RouterConfig:
         parse_address(self.address, "address")
         if self.metrics_address:
             parse_address(self.metrics_address, "metrics_address")
-        for name in ("max_inflight", "prefill_attempts"):
+        for name in ("max_inflight", "prefill_attempts", "decode_attempts"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -86,7 +89,13 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=POLICIES, default="least-loaded")
     parser.add_argument("--model", metavar="DIR", help="the nodes' model folder, for its tokenizer")
     parser.add_argument("--max-inflight", type=int, default=256)
-    parser.add_argument("--prefill-attempts", type=int, default=2)
+    parser.add_argument("--prefill-attempts", type=int, default=2, help="prefill nodes tried per request")
+    parser.add_argument(
+        "--decode-attempts",
+        type=int,
+        default=2,
+        help="decode nodes per request: a failed one hands it to the next, which resumes the stream",
+    )
     parser.add_argument("--health-interval-s", type=float, default=0.5)
     parser.add_argument(
         "--dns-discovery", action="store_true", help="one node per address a name resolves to"
@@ -110,6 +119,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         metrics_address=metrics,
         max_inflight=args.max_inflight,
         prefill_attempts=args.prefill_attempts,
+        decode_attempts=args.decode_attempts,
         health_interval_s=args.health_interval_s,
         dns_discovery=args.dns_discovery,
         grace_s=args.grace_s,

@@ -4,7 +4,16 @@
                     (fails before answering: mark it down, try the next node)
                     yield the first token ──▶ choose decode node ──Decode(stream)──▶ yield each delta
     colocated:      choose a node ──Decode(stream, whole request)──▶ yield each delta
-                    (fails before its first message: try the next node)
+
+A decode (or colocated) node that fails with a retryable status -- before its first message or in the
+middle of the stream -- is marked down and the request goes on on another node, up to ``decode_attempts``
+nodes in all.  When nothing new reached the client, the same call is sent again (in disaggregated mode
+with the prefill node's transfer parameters: it may still hold the prompt's KV).  Otherwise the request is
+*resumed*: the new node gets every token the client already has (``resume_output_token_ids``), computes
+(or loads from its KV store) their KV and samples on from there; the router drops the part of its text
+the client already has.  Greedy output is exactly what one node would have produced.  A seeded sampled
+request stays reproducible but draws a different continuation after a resume (the seed counts positions
+from the first token each node samples).
 
 Cancellation: every downstream call registers with the request's ``Cancellation``; when the client's
 call ends early (cancel, deadline) it cancels them, and gRPC carries the cancel to the nodes, whose
@@ -23,7 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
@@ -133,6 +142,7 @@ class Pipeline:
         new_selector: Callable[[], NodeSelector],
         *,
         prefill_attempts: int = 2,
+        decode_attempts: int = 2,
         max_inflight: int = 256,
     ) -> None:
         assert mode == "colocated" or prefill_pool is not None, "disaggregated mode needs a prefill pool"
@@ -144,7 +154,9 @@ class Pipeline:
             id(pool): new_selector() for pool in (prefill_pool, decode_pool) if pool is not None
         }
         self.prefill_attempts = prefill_attempts
+        self.decode_attempts = decode_attempts
         self.max_inflight = max_inflight
+        self.resumed = 0  # requests continued on another decode node after output had reached the client
         self._inflight = 0
         self._lock = threading.Lock()
 
@@ -217,9 +229,9 @@ class Pipeline:
         )
         if request.cache_salt is not None:
             decode_msg.cache_salt = request.cache_salt
+        sent = _Sent([first.first_token_id], len(first.text))
         try:
-            node = self._choose(self.decode_pool, request, ())
-            yield from self._relay(node, decode_msg, scope, cancellation, usage, start, first_message=False)
+            yield from self._decode(request, decode_msg, scope, cancellation, usage, start, sent)
         finally:
             # The decode node has read the held KV, or never will (it had the blocks already, it failed,
             # the client left): release what the prefill node may still hold.  A no-op when the
@@ -271,20 +283,51 @@ class Pipeline:
         if request.cache_salt is not None:
             msg.cache_salt = request.cache_salt
         usage = Usage(prompt_tokens=len(request.prompt_token_ids))
-        tried: list[NodeHandle] = []
-        errors: list[str] = []
-        for attempt in range(self.prefill_attempts):
-            node = self._choose(self.decode_pool, request, tried, errors)
-            tried.append(node)
-            try:
-                yield from self._relay(node, msg, scope, cancellation, usage, start, first_message=True)
-                return
-            except _FailedBeforeOutput as failed:
-                errors.append(f"{node.address}: {failed.code.name} {failed.details}")
-                if attempt + 1 == self.prefill_attempts:
-                    raise ServingError(failed.code, f"node {node.address}: {failed.details}") from None
+        yield from self._decode(request, msg, scope, cancellation, usage, start, _Sent())
 
     # -- shared -------------------------------------------------------------------------------------------
+
+    def _decode(
+        self,
+        request: ClientRequest,
+        msg: node_pb2.DecodeRequest,
+        scope: CallScope,
+        cancellation: Cancellation,
+        usage: Usage,
+        start: float,
+        sent: _Sent,
+    ) -> Iterator[Event]:
+        """Stream ``msg`` from a decode node; when a node fails on the way, go on on another one."""
+        tried: list[NodeHandle] = []
+        errors: list[str] = []
+        while True:
+            try:
+                node = self._choose(self.decode_pool, request, tried, errors)
+            except ServingError as exc:
+                if not errors:
+                    raise
+                raise ServingError(exc.code, _gave_up(sent, exc.message)) from None
+            tried.append(node)
+            carried = _carried_tokens(msg)
+            try:
+                yield from self._relay(node, msg, scope, cancellation, usage, start, sent)
+                return
+            except _Interrupted as failed:
+                errors.append(f"{node.address}: {failed.code.name} {failed.details}")
+                if len(tried) >= self.decode_attempts:
+                    raise ServingError(
+                        failed.code, _gave_up(sent, f"decode node {node.address}: {failed.details}")
+                    ) from None
+            if sent.token_ids != carried:  # the client got more than the message carries: resume after it
+                msg = _resume_message(request, msg, sent.token_ids)
+                self.resumed += 1
+                logger.warning(
+                    "request %s: decode node %s failed after %d tokens (%s); resuming on another node",
+                    request.request_id,
+                    node.address,
+                    len(sent.token_ids),
+                    errors[-1],
+                )
 
     def _relay(
         self,
@@ -294,36 +337,43 @@ class Pipeline:
         cancellation: Cancellation,
         usage: Usage,
         start: float,
-        *,
-        first_message: bool,
+        sent: _Sent,
     ) -> Iterator[Event]:
-        """Stream ``node``'s Decode as deltas, then Done.  With ``first_message`` (nothing sent to the
-        client yet), a retryable failure before the node's first message raises _FailedBeforeOutput."""
+        """Stream ``node``'s Decode as deltas, then Done; record what reached the client in ``sent``.
+
+        A retryable failure while the client still waits raises ``_Interrupted``.  The node re-emits the
+        text of the output tokens the message carries (``sent.chars`` of it already reached the client),
+        which is dropped here."""
         stream = node.decode.Decode(msg, timeout=time_remaining(scope))
         cancellation.on_cancel(stream.cancel)
         last: node_pb2.DecodeResponse | None = None
+        skip = sent.chars
         with node.busy():
             try:
                 for last in stream:
-                    if first_message and last.token_ids and usage.time_to_first_token_s == 0.0:
+                    text = last.text
+                    if skip:
+                        cut = min(skip, len(text))
+                        text, skip = text[cut:], skip - cut
+                    if last.token_ids and usage.time_to_first_token_s == 0.0:
                         usage.time_to_first_token_s = time.perf_counter() - start
                     usage.completion_tokens += len(last.token_ids)
-                    if last.token_ids or last.text:
-                        yield Delta(list(last.token_ids), last.text, list(last.logprobs))
+                    if last.token_ids or text:
+                        sent.token_ids.extend(last.token_ids)
+                        sent.chars += len(text)
+                        yield Delta(list(last.token_ids), text, list(last.logprobs))
             except grpc.RpcError as exc:
                 code, details = _code_details(exc)
                 if cancellation.cancelled or code == grpc.StatusCode.CANCELLED:
                     raise ServingError(grpc.StatusCode.CANCELLED, "the client cancelled the request") from exc
                 if code == grpc.StatusCode.UNAVAILABLE:
                     node.mark_down(details)
-                if first_message and last is None and code in RETRYABLE and scope.is_active():
-                    raise _FailedBeforeOutput(code, details) from exc
-                raise ServingError(
-                    code,
-                    f"decode node {node.address} failed mid-request ({code.name}: {details}); "
-                    "the output is incomplete, retry the request",
-                ) from exc
+                if code in RETRYABLE and scope.is_active():
+                    raise _Interrupted(code, details) from exc
+                raise ServingError(code, _gave_up(sent, f"decode node {node.address}: {details}")) from exc
         if last is None or not last.finished:
+            if scope.is_active():
+                raise _Interrupted(grpc.StatusCode.UNAVAILABLE, "it ended the stream early")
             raise ServingError(
                 grpc.StatusCode.UNAVAILABLE, f"decode node {node.address} ended the stream early"
             )
@@ -357,11 +407,48 @@ class Pipeline:
         return self._selectors[id(pool)].choose(candidates, info)
 
 
-class _FailedBeforeOutput(Exception):
+@dataclass
+class _Sent:
+    """What reached the client so far: every token id, and how many characters of text."""
+
+    token_ids: list[int] = field(default_factory=list)
+    chars: int = 0
+
+
+class _Interrupted(Exception):
+    """A node failed with a retryable status (or ended its stream early) while the client still waits."""
+
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
         self.code = code
         self.details = details
+
+
+def _carried_tokens(msg: node_pb2.DecodeRequest) -> list[int]:
+    """The output tokens a Decode message hands the node (which the client already has)."""
+    if msg.resume_output_token_ids:
+        return list(msg.resume_output_token_ids)
+    return [msg.first_token_id] if msg.HasField("first_token_id") else []
+
+
+def _resume_message(
+    request: ClientRequest, msg: node_pb2.DecodeRequest, token_ids: list[int]
+) -> node_pb2.DecodeRequest:
+    resumed = node_pb2.DecodeRequest(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        sampling=msg.sampling,
+        resume_output_token_ids=token_ids,
+    )
+    if request.cache_salt is not None:
+        resumed.cache_salt = request.cache_salt
+    return resumed
+
+
+def _gave_up(sent: _Sent, why: str) -> str:
+    if sent.token_ids:
+        return f"{why}; the output is incomplete ({len(sent.token_ids)} tokens sent), retry the request"
+    return why
 
 
 def _code_details(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:

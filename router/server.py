@@ -67,6 +67,7 @@ class RouterRuntime:
             decode_pool=decode,
             new_selector=lambda: make_selector(config.policy),
             prefill_attempts=config.prefill_attempts,
+            decode_attempts=config.decode_attempts,
             max_inflight=config.max_inflight,
         )
         servicer = health.HealthServicer()
@@ -85,7 +86,13 @@ class RouterRuntime:
     def metrics(self) -> list[MetricFamily]:
         one = MetricFamily.single
         families = [
-            one("pdkv_router_inflight_requests", "gauge", "client calls in flight", self.pipeline.inflight)
+            one("pdkv_router_inflight_requests", "gauge", "client calls in flight", self.pipeline.inflight),
+            one(
+                "pdkv_router_decode_resumes_total",
+                "counter",
+                "requests resumed on another decode node after their first one failed mid-stream",
+                self.pipeline.resumed,
+            ),
         ]
         for pool in self.pools:
             nodes = pool.nodes()

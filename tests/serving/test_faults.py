@@ -1,13 +1,18 @@
-"""Faults with real processes: a decode node killed mid-stream, prefill nodes killed before they answer."""
+"""Faults with real processes: a decode node killed mid-stream (with and without another node to resume
+on), prefill nodes killed before they answer."""
 
 from __future__ import annotations
+
+import urllib.request
 
 import grpc
 import pytest
 
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from serving.client import GenerationClient, generate_request
-from tests.serving.helpers import assert_node_idle, start_cluster
+from serving.launcher import Cluster, Process
+from tests.serving.helpers import assert_node_idle, node_stats, pdkv_model, start_cluster
 
 LONG = SamplingParams(max_tokens=3000, ignore_eos=True)
 PROMPT = "A prompt of a few blocks, so that the prefill node holds KV for the decode node. " * 3
@@ -56,5 +61,43 @@ def test_prefill_nodes_killed_before_they_answer() -> None:
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "prefill" in info.value.details()
         assert_node_idle(cluster.decode_nodes[0].address)
+    finally:
+        cluster.stop()
+
+
+def serving_node(cluster: Cluster) -> Process:
+    """The decode (or colocated) node running the one request in flight."""
+    busy = [p for p in cluster.decode_nodes if node_stats(p.address, check_integrity=False).num_running]
+    assert len(busy) == 1, "exactly one node should be running the request"
+    return busy[0]
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_a_decode_node_killed_mid_stream_hands_the_request_to_another(mode: str) -> None:
+    """The stream goes on on the other node, which resumes after the tokens the client already has: the
+    client sees one uninterrupted greedy output, token for token and character for character."""
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    cluster = start_cluster(mode=mode, num_prefill=1 if mode == "disaggregated" else 0, num_decode=2)
+    try:
+        with GenerationClient(cluster.router_address) as client:
+            call = client.stream(generate_request(PROMPT, params), timeout=120)
+            token_ids: list[int] = []
+            text = ""
+            killed: Process | None = None
+            for msg in call:
+                if msg.HasField("delta"):
+                    token_ids += msg.delta.token_ids
+                    text += msg.delta.text
+                    if killed is None and len(token_ids) >= 5:
+                        killed = serving_node(cluster)
+                        cluster.kill(killed)
+            assert killed is not None
+        expected = LLM(pdkv_model(), device="cpu", num_blocks=512).generate([PROMPT], params)[0]
+        assert token_ids == expected.token_ids
+        assert text == expected.text
+        survivor = next(p for p in cluster.decode_nodes if p is not killed)
+        assert_node_idle(survivor.address)
+        metrics = urllib.request.urlopen(f"http://{cluster.router.info['metrics']}/metrics", timeout=10)
+        assert b"pdkv_router_decode_resumes_total 1" in metrics.read()
     finally:
         cluster.stop()

@@ -110,6 +110,18 @@ def test_decode_continues_with_the_first_token() -> None:
         decode_request("r", [1], SamplingParams(), None, None, params)
 
 
+def test_decode_resumes_after_the_tokens_the_client_has() -> None:
+    req = decode_request("r", [1, 2, 3], SamplingParams(max_tokens=6), None, None, None, [7, 8, 9])
+    assert list(req.prompt) == [1, 2, 3, 7, 8, 9] and req.prior_output_token_ids == (7, 8, 9)
+    assert req.sampling_params.max_tokens == 3 and req.kv_transfer_params is None
+    with pytest.raises(ServingError, match="nothing is left to generate"):
+        decode_request("r", [1], SamplingParams(max_tokens=3), None, None, None, [7, 8, 9])
+    with pytest.raises(ServingError, match="resume_output_token_ids: excludes"):
+        decode_request("r", [1], SamplingParams(max_tokens=9), None, 7, None, [7, 8])
+    with pytest.raises(ServingError, match="resume_output_token_ids: excludes"):
+        decode_request("r", [1], SamplingParams(max_tokens=9), None, None, {"k": 1}, [7, 8])
+
+
 # -- configuration ----------------------------------------------------------------------------------------
 
 
