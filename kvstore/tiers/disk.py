@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 _HEX = frozenset("0123456789abcdef")
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# Reads leave the access time alone: a cache has no use for it, and on a relatime mount the first read of
+# each new file would otherwise dirty its inode.  Only a file's owner may ask (EPERM otherwise).
+_O_NOATIME = getattr(os, "O_NOATIME", 0)
 _FENCE_GROUP = 16  # blocks read per hold of the caller's fence
 
 
@@ -74,6 +77,7 @@ class DiskTier(Tier):
         self._ghosts = Ghosts()
         self._dirs: set[str] = set()
         self._tmp_ids = itertools.count()
+        self._read_flags = os.O_RDONLY | _O_CLOEXEC | _O_NOATIME
         try:
             os.makedirs(self.root, exist_ok=True)
             self.discarded_on_start = self._rebuild_index()
@@ -139,7 +143,7 @@ class DiskTier(Tier):
         headers = memoryview(bytearray(HEADER_SIZE * present))
         actual: list[int] = []  # payload checksums of the blocks read whole
         short: tuple[int, str, int] | None = None  # a block that was not: (index, path, bytes read)
-        flags = os.O_RDONLY | _O_CLOEXEC
+        flags = self._read_flags
         for lo in range(0, present, _FENCE_GROUP):
             dsts = fence.hold_all()
             try:
@@ -151,6 +155,9 @@ class DiskTier(Tier):
                     except FileNotFoundError:
                         short = (i, path, -1)
                         break
+                    except PermissionError:
+                        fd = self._open_not_owned(path)
+                        flags = self._read_flags
                     try:
                         dst = dsts[i]
                         header = headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
@@ -202,10 +209,12 @@ class DiskTier(Tier):
             _, path = self._path(key)
             buf = bytearray(size)
             try:
-                fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+                fd = os.open(path, self._read_flags)
             except FileNotFoundError:
                 self._forget(key)
                 return ReadResult(units, MissReason.ABSENT)
+            except PermissionError:
+                fd = self._open_not_owned(path)
             try:
                 got = _preadv_all(fd, [buf])
             finally:
@@ -304,6 +313,13 @@ class DiskTier(Tier):
                     _unlink_quietly(self._path(key)[1])
                     deleted += 1
         return deleted
+
+    def _open_not_owned(self, path: str) -> int:
+        """Open a file another user owns (O_NOATIME is refused there): without it, from now on."""
+        if not self._read_flags & _O_NOATIME:
+            raise PermissionError(errno.EACCES, "permission denied", path)
+        self._read_flags &= ~_O_NOATIME
+        return os.open(path, self._read_flags)
 
     def _forget(self, key: bytes) -> None:
         with self._lock:

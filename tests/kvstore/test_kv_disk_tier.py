@@ -212,6 +212,29 @@ def test_the_first_damaged_file_of_a_long_run_ends_the_get(
     assert tier.stats().missed(reason) == 1
 
 
+@pytest.mark.skipif(not getattr(os, "O_NOATIME", 0), reason="no O_NOATIME here")
+def test_files_another_user_owns_are_read_without_noatime(
+    tmp_path: Path, make_blocks: Callable[..., Blocks], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = make_blocks(3)
+    tier = disk(tmp_path)
+    tier.put(b.run(), b.units())
+    real_open = os.open
+    refused: list[str] = []
+
+    def open_as_non_owner(path: str, flags: int, *args: int, **kw: int) -> int:
+        if flags & os.O_NOATIME:  # what the kernel answers a reader that does not own the file
+            refused.append(path)
+            raise PermissionError(errno.EPERM, "Operation not permitted", path)
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr("kvstore.tiers.disk.os.open", open_as_non_owner)
+    result = tier.get_into(b.run(), b.out_views, LAYOUT)
+    assert (result.loaded, result.reason) == (3, None) and b.loaded(3)
+    assert len(refused) == 1  # asked once, then never again
+    assert [u.payload.tobytes() for u in tier.read(b.run()).units] == [bytes(v) for v in b.views]
+
+
 def test_a_file_deleted_behind_its_back_is_absent(tmp_path: Path, make_blocks: Callable[..., Blocks]) -> None:
     b = make_blocks(2)
     tier = disk(tmp_path)
