@@ -176,8 +176,12 @@ def send_frames(
 
     Only the last frame is tracked: ZeroMQ releases the frames of one message in order, so the last one
     released means all are.  (pyzmq's ``send_multipart(track=True)`` tracks every frame, at about 40 us
-    each, and returns the last one's tracker all the same.)  Raises what ``Socket.send`` raises.
+    each, and returns the last one's tracker all the same.)  A ``zmq.Frame`` among ``frames`` goes out
+    sharing its buffer (by reference count).  Raises what ``Socket.send`` raises.
     """
     for frame in frames[:-1]:
         sock.send(frame, zmq.SNDMORE, copy=False)
-    return sock.send(frames[-1], 0, copy=False, track=track)
+    last = frames[-1]
+    if track and isinstance(last, zmq.Frame) and last.tracker is None:
+        last = last.buffer  # a received frame cannot be tracked: send a new zero-copy frame over its buffer
+    return sock.send(last, 0, copy=False, track=track)

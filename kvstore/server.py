@@ -166,7 +166,7 @@ class StoreServer:
             frames: list[Any] = [
                 encode_reply(request.id, n=len(read.units), reason=_reason(read.reason)),
                 headers,
-                *(unit.payload for unit in read.units),
+                *(_wire_frame(unit.payload) for unit in read.units),
             ]
             return frames, read.units
         return self._put(request, body), []
@@ -226,6 +226,16 @@ class StoreServer:
         self._in_flight.clear()
         if self._own_context:
             self._context.term()
+
+
+def _wire_frame(payload: memoryview) -> Any:
+    """What to send for a stored payload: the ZeroMQ frame it arrived in when the cpu tier kept that frame
+    whole (ZeroMQ then shares its buffer by reference count: no new frame, no release to track for it),
+    else the view itself (sent without a copy)."""
+    frame = payload.obj
+    if isinstance(frame, zmq.Frame) and payload.nbytes == len(frame):
+        return frame
+    return payload
 
 
 def _reason(reason: MissReason | None) -> str | None:

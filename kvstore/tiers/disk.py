@@ -174,7 +174,8 @@ class DiskTier(Tier):
                 fence.let_go()
             if short is not None:
                 break
-        recorded, bad = HeaderMatcher(run.namespace, layout).match_run(headers, hashes[: len(actual)])
+        matcher = HeaderMatcher(run.namespace, layout)
+        recorded, bad = matcher.match_run(headers, hashes[: len(actual)])
         for i, (want, have) in enumerate(zip(recorded, actual, strict=False)):
             if want != have:
                 bad = (i, MissReason.CORRUPT)
@@ -186,11 +187,7 @@ class DiskTier(Tier):
                 bad = (i, MissReason.ABSENT)
             else:
                 head = headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
-                reason = (
-                    HeaderMatcher(run.namespace, layout).match(head, hashes[i])
-                    if got >= HEADER_SIZE
-                    else None
-                )
+                reason = matcher.match(head, hashes[i]) if got >= HEADER_SIZE else None
                 bad = (i, reason if isinstance(reason, MissReason) else MissReason.TRUNCATED)
         if bad is None:
             return GetResult(present, missing if present < len(run) else None, tuple(recorded))
