@@ -19,9 +19,8 @@ Without a first token the request is an ordinary one (colocated mode): the node 
 Without transfer parameters (the prefill node has no transfer connector) the node recomputes the prompt's
 KV; the output is the same, only slower.
 
-Seeded sampling on the decode node counts output positions from the first token it samples, so a
-sampled (temperature > 0) seeded request draws a different, equally reproducible, sequence than on one
-engine; greedy output is identical.
+Seeded sampling counts output positions from the request's first token wherever it was sampled (the
+prior tokens count), so a seeded request draws exactly what one engine would have drawn.
 """
 
 from __future__ import annotations

@@ -149,7 +149,8 @@ class LLMEngine:
         ``prior_output_token_ids``: output tokens another engine already sampled and streamed as token ids
         (a prefill node's first token).  They must end the prompt; ``sampling_params.max_tokens`` counts
         only the tokens still to sample.  Their text comes out with this request's first output, and stop
-        strings see it, so the text continues exactly as on one engine.
+        strings see it, so the text continues exactly as on one engine; seeded sampling counts them too, so
+        a seeded request draws what one engine would have drawn.
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -179,6 +180,7 @@ class LLMEngine:
             priority=priority,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             kv_transfer_params=kv_transfer_params,
+            num_prior_output_tokens=len(prior),
         )
         self.scheduler.add_request(request)
         self.output_processor.add_request(request, prior)

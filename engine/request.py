@@ -79,6 +79,7 @@ class Request:
         "num_external_computed_tokens",
         "num_local_cached_tokens",
         "num_preemptions",
+        "num_prior_output_tokens",
         "output_logprobs",
         "output_token_ids",
         "priority",
@@ -103,6 +104,7 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        num_prior_output_tokens: int = 0,
     ) -> None:
         self.request_id = RequestId(request_id)
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
@@ -129,6 +131,9 @@ class Request:
         self.num_cached_tokens = -1  # -1 until first scheduled
         self.num_preemptions = 0
         self.times_passed_over = 0
+        # Output tokens another engine sampled before this one took over (they end the prompt): this
+        # request's first sampled token is output number num_prior_output_tokens, for seeded sampling too.
+        self.num_prior_output_tokens = num_prior_output_tokens
         self._namespace = namespace
         self.block_hashes: list[BlockHash] = []
         extend_block_hashes(

@@ -6,7 +6,8 @@ one descending sort), then min-p on the resulting probabilities.  The draw is an
 
 Reproducibility: a request with a ``seed`` draws its noise from a generator seeded with
 ``mix(seed, output_index)``, so its n-th token depends only on its own logits, its seed and n -- never on
-which other requests share the batch, nor on whether it was preempted and recomputed.  The noise is made
+which other requests share the batch, nor on whether it was preempted and recomputed, nor on which node
+sampled it (a decode node continuing a prefill counts the first token as output 0).  The noise is made
 on the CPU so a seed means the same thing on every device.  Unseeded requests share the engine's
 generator.
 

@@ -11,9 +11,8 @@ nodes in all.  When nothing new reached the client, the same call is sent again 
 with the prefill node's transfer parameters: it may still hold the prompt's KV).  Otherwise the request is
 *resumed*: the new node gets every token the client already has (``resume_output_token_ids``), computes
 (or loads from its KV store) their KV and samples on from there; the router drops the part of its text
-the client already has.  Greedy output is exactly what one node would have produced.  A seeded sampled
-request stays reproducible but draws a different continuation after a resume (the seed counts positions
-from the first token each node samples).
+the client already has.  The output is what one node would have produced: greedy, and seeded sampling too
+(the seed counts output positions from the request's first token, wherever it was sampled).
 
 Cancellation: every downstream call registers with the request's ``Cancellation``; when the client's
 call ends early (cancel, deadline) it cancels them, and gRPC carries the cancel to the nodes, whose

@@ -30,7 +30,8 @@ class ScheduledRequest:
     block_ids: list[int]
     sample: bool
     sampling_params: SamplingParams
-    # Index of the output token this step samples (seeded sampling stays reproducible across preemption).
+    # Index of the output token this step samples, counting tokens another engine sampled before this one
+    # took over (seeded sampling stays reproducible across preemption and across nodes).
     output_index: int = 0
 
     @property

@@ -323,7 +323,7 @@ class Scheduler:
                 block_ids=self.kv.get_block_ids(request.request_id),
                 sample=end == request.num_tokens,
                 sampling_params=request.sampling_params,
-                output_index=request.num_output_tokens,
+                output_index=request.num_prior_output_tokens + request.num_output_tokens,
             )
         )
         out.num_scheduled_tokens[request.request_id] = num_new

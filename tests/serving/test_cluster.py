@@ -90,6 +90,16 @@ def test_greedy_outputs_equal_local_generation(
             assert_node_idle(p.address)
 
 
+def test_seeded_sampling_over_prefill_and_decode_draws_what_one_engine_draws(
+    client: GenerationClient, reference: LLM
+) -> None:
+    """The prefill node samples output 0, the decode node outputs 1.. with the same seed: the cluster's
+    sampled output is one engine's, token for token."""
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=77)
+    outs = generate_all(client, TEXT_PROMPTS, params)
+    assert_same(outs, reference, TEXT_PROMPTS, params)
+
+
 def test_stop_strings_and_stop_tokens_behave_as_locally(client: GenerationClient, reference: LLM) -> None:
     local = reference.generate(TEXT_PROMPTS[:2], SamplingParams(max_tokens=16))
     # Stop on a piece of what the model really writes (and on its third token id), so the stop fires.

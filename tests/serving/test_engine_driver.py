@@ -159,6 +159,41 @@ def test_prior_output_tokens_continue_the_text_exactly(
     assert reason == expected.finish_reason
 
 
+@pytest.mark.parametrize("num_prior", [1, 5])
+def test_seeded_sampling_continues_after_prior_tokens_as_one_engine_would(
+    num_prior: int, reference: LLM
+) -> None:
+    """Another engine sampled the first ``num_prior`` tokens (a prefill node's first token, or a decode
+    node that died mid-stream); this one continues with the same seed and draws the same tokens."""
+    params = SamplingParams(max_tokens=14, temperature=1.0, top_k=40, seed=1234, ignore_eos=True)
+    expected = reference.generate([PROMPTS[0]], params)[0]
+    engine = reference.engine
+    prior = expected.token_ids[:num_prior]
+    engine.add_request(
+        "seeded",
+        [*engine.tokenizer.encode(PROMPTS[0]), *prior],
+        dataclasses.replace(params, max_tokens=params.max_tokens - num_prior),
+        prior_output_token_ids=prior,
+    )
+    tokens = list(prior)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    assert tokens == expected.token_ids
+    # The same tokens as a plain prompt (the draws count from 0 again) give another continuation: the
+    # match above is the prior count at work, not a draw that ignores positions.
+    engine.add_request(
+        "as-prompt",
+        [*engine.tokenizer.encode(PROMPTS[0]), *prior],
+        dataclasses.replace(params, max_tokens=params.max_tokens - num_prior),
+    )
+    plain: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            plain += out.new_token_ids
+    assert plain != expected.token_ids[num_prior:]
+
+
 def test_prior_output_tokens_must_end_the_prompt(reference: LLM) -> None:
     with pytest.raises(ValueError, match="prior_output_token_ids must be the last tokens"):
         reference.engine.add_request("p", [1, 2, 3], SamplingParams(), prior_output_token_ids=[4])

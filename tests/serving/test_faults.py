@@ -72,11 +72,18 @@ def serving_node(cluster: Cluster) -> Process:
     return busy[0]
 
 
-@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_a_decode_node_killed_mid_stream_hands_the_request_to_another(mode: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "params"),
+    [
+        ("disaggregated", SamplingParams(max_tokens=400, ignore_eos=True)),
+        ("colocated", SamplingParams(max_tokens=400, ignore_eos=True, temperature=1.0, top_k=40, seed=5)),
+    ],
+)
+def test_a_decode_node_killed_mid_stream_hands_the_request_to_another(
+    mode: str, params: SamplingParams
+) -> None:
     """The stream goes on on the other node, which resumes after the tokens the client already has: the
-    client sees one uninterrupted greedy output, token for token and character for character."""
-    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    client sees one uninterrupted output, greedy or seeded, token for token and character for character."""
     cluster = start_cluster(mode=mode, num_prefill=1 if mode == "disaggregated" else 0, num_decode=2)
     try:
         with GenerationClient(cluster.router_address) as client:
