@@ -21,6 +21,9 @@ blocks are, at any time:
     loading        WAITING_FOR_REMOTE_KV: blocks allocated, an async load filling them, not yet cached
     held           finished, blocks kept for the connector (delayed free) until it reports the send
                    done, the request is aborted, or ``kv_delay_free_timeout_s`` passes
+
+``ConnectorBooks`` (``connector_books.py``) keeps the loading and held requests and the failed loads; this
+module decides what they mean for each request.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from connectors.null import NullConnector
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache_manager import NO_HIT, KVCacheManager
 from engine.request import Request, RequestId, RequestStatus
+from engine.scheduler.connector_books import ConnectorBooks
 from engine.scheduler.output import (
     EngineCoreOutputs,
     ModelRunnerOutput,
@@ -94,20 +98,27 @@ class Scheduler:
             max_passed_over=scheduler_config.max_passed_over,
         )
         self.running: list[Request] = []
-        self.loading: dict[RequestId, Request] = {}
-        # Where each loading request's KV ends once its load lands (local hit + this load's tokens).
-        self._load_ends: dict[RequestId, int] = {}
-        # Finished requests whose blocks the connector holds: request and the deadline to reclaim them.
-        self.held: dict[RequestId, tuple[Request, float]] = {}
-        # Block ids reported as failed loads, kept until the loading request they belong to lands.
-        self._failed_blocks: set[int] = set()
+        self.books = ConnectorBooks(self.kv, self.connector, clock, scheduler_config.kv_delay_free_timeout_s)
         self._finished_since_last_step: set[RequestId] = set()
         self.num_preemptions = 0
         self.num_load_failures = 0
-        self.num_delay_free_expired = 0
         self.prompt_tokens_local = 0
         self.prompt_tokens_external = 0
         self.prompt_tokens_computed = 0
+
+    @property
+    def loading(self) -> dict[RequestId, Request]:
+        """Requests whose async load is in flight (read-only: ``books`` keeps them)."""
+        return self.books.loading
+
+    @property
+    def held(self) -> dict[RequestId, tuple[Request, float]]:
+        """Finished requests whose blocks the connector holds, with their reclaim deadlines (read-only)."""
+        return self.books.held
+
+    @property
+    def num_delay_free_expired(self) -> int:
+        return self.books.num_delay_free_expired
 
     # -- requests in and out ------------------------------------------------------------------------------
 
@@ -130,7 +141,7 @@ class Scheduler:
         rid = RequestId(request_id)
         if rid in self.held:
             # Already finished for its client; the blocks it left for a remote reader go now.
-            self._reclaim(rid)
+            self.books.reclaim(rid)
             return None
         request = self.requests.get(rid)
         if request is None:
@@ -170,7 +181,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self._expire_held()
+        self.books.expire()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted_request_ids:
@@ -216,7 +227,7 @@ class Scheduler:
                 hit, num_external, load_async = NO_HIT, 0, False
             else:
                 hit = self.kv.get_computed_blocks(request)
-                answer, load_async = self._external_hit(request, hit.num_tokens)
+                answer, load_async = self.books.external_hit(request, hit.num_tokens)
                 if answer is None:
                     continue  # the connector is still looking: ask again next step
                 num_external = answer
@@ -252,8 +263,7 @@ class Scheduler:
             admitted.add(request.request_id)
             if load_async:
                 request.set_status(RequestStatus.WAITING_FOR_REMOTE_KV)
-                self.loading[request.request_id] = request
-                self._load_ends[request.request_id] = computed
+                self.books.start_loading(request, computed)
                 continue
             request.num_computed_tokens = computed
             request.set_status(RequestStatus.RUNNING)
@@ -281,27 +291,6 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted_request_ids.append(victim.request_id)
         return True
-
-    def _external_hit(self, request: Request, num_local: int) -> tuple[int | None, bool]:
-        """Ask the connector; clamp an answer that breaks the contract (and say so) rather than crash."""
-        num, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
-        if num is None or num == 0:
-            return num, False
-        bs = self.kv.block_size
-        limit = self.kv.max_hit_blocks(request) * bs - num_local
-        clamped = min(num - num % bs, max(0, limit))
-        if clamped != num:
-            logger.warning(
-                "connector %s offered %d tokens for %s after %d local; the contract allows %d (whole blocks, "
-                "never the last token): using %d",
-                self.connector.name,
-                num,
-                request.request_id,
-                num_local,
-                clamped,
-                clamped,
-            )
-        return clamped, bool(load_async) and clamped > 0
 
     def _record_prompt_sources(self, request: Request, num_local: int, num_external: int) -> None:
         request.num_cached_tokens = num_local
@@ -348,7 +337,7 @@ class Scheduler:
         for rid in kv_out.finished_recving:
             self._finish_loading(rid, result)
         for rid in kv_out.finished_sending:
-            self._release_held(rid)
+            self.books.release(rid)
         self.connector.update_connector_output(kv_out)
         for sr in scheduler_output.scheduled:
             if not sr.sample or sr.request_id in tainted:
@@ -396,15 +385,14 @@ class Scheduler:
         if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(rid)
         elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-            self.loading.pop(rid, None)
-            self._load_ends.pop(rid, None)
+            self.books.stop_loading(rid)
         elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         request.set_status(status)
         delay_free, params = self.connector.request_finished(request, self.kv.get_block_ids(rid))
         request.finished_kv_transfer_params = params
         if delay_free and rid in self.kv.req_to_blocks:
-            self.held[rid] = (request, self.clock() + self.config.kv_delay_free_timeout_s)
+            self.books.hold(request)
         else:
             self.kv.free(request)
         del self.requests[rid]
@@ -412,57 +400,24 @@ class Scheduler:
 
     # -- connector results --------------------------------------------------------------------------------
 
-    def _release_held(self, rid: RequestId) -> None:
-        entry = self.held.pop(rid, None)
-        if entry is not None:
-            self.kv.free(entry[0])
-
-    def _reclaim(self, rid: RequestId) -> None:
-        """Free a delayed-free request's blocks without the connector's say-so, and tell it at once."""
-        self._release_held(rid)
-        # Tell the connector now, not with the next step's report: its scheduler half puts the reclaim in
-        # this step's metadata, so the worker stops reading these blocks before the forward can reuse them.
-        self.connector.update_connector_output(KVConnectorOutput(reclaimed={rid}))
-
-    def _expire_held(self) -> None:
-        if not self.held:
-            return
-        now = self.clock()
-        for rid in [rid for rid, (_, deadline) in self.held.items() if deadline <= now]:
-            logger.warning(
-                "delayed free of %s expired after %.1fs: reclaiming its blocks",
-                rid,
-                self.config.kv_delay_free_timeout_s,
-            )
-            self.num_delay_free_expired += 1
-            self._reclaim(rid)
-
     def _finish_loading(self, rid: RequestId, result: EngineCoreOutputs) -> None:
         """An async load landed: cache the good blocks, then the request waits to compute the rest."""
-        if rid in self.held:
-            self._release_held(rid)  # it was aborted while loading; the receive is over now
+        if self.books.release(rid):
+            return  # it was aborted while loading; the receive is over now
+        landed = self.books.land(rid)
+        if landed is None:
             return
-        request = self.loading.get(rid)
-        if request is None:
-            return
+        request, loaded_end, first_bad = landed.request, landed.loaded_end, landed.first_bad
         bs = self.kv.block_size
-        ids = self.kv.req_to_block_ids.get(rid, [])
-        # Not num_external_computed_tokens: that records the first admission, and a request preempted
-        # after its first load may load again, a different number of tokens.
-        loaded_end = self._load_ends.pop(rid)
-        first_bad = next((i for i, b in enumerate(ids) if b in self._failed_blocks), None)
         if first_bad is not None and first_bad * bs < loaded_end:
             self.num_load_failures += 1
             if self.config.kv_load_failure_policy == "fail":
-                self._failed_blocks -= set(ids)
                 self._fail_load(request, result)
                 return
             # The bad block may come before this request's own load: a local hit on a block that another
             # request's load failed to fill.  Recompute from it, and let nobody else take it as cached.
             self.kv.uncache_from(request, first_bad)
             loaded_end = first_bad * bs
-        self._failed_blocks -= set(ids)
-        del self.loading[rid]
         request.num_computed_tokens = loaded_end
         self.kv.cache_blocks(request, loaded_end)
         request.set_status(RequestStatus.WAITING)
@@ -472,7 +427,7 @@ class Scheduler:
         """Cut running requests back to their first bad block; return those whose sample is void."""
         if not invalid:
             return set()
-        self._failed_blocks |= invalid
+        self.books.record_failed(invalid)
         tainted: set[RequestId] = set()
         bs = self.kv.block_size
         for request in list(self.running):
@@ -487,9 +442,7 @@ class Scheduler:
                 self._fail_load(request, result)
                 continue
             request.num_computed_tokens = min(request.num_computed_tokens, first_bad * bs)
-        # Blocks of requests still loading stay recorded until their load lands; others are done with.
-        pending = {b for r in self.loading for b in self.kv.req_to_block_ids.get(r, [])}
-        self._failed_blocks &= pending
+        self.books.forget_failed_outside_loads()
         return tainted
 
     def _fail_load(self, request: Request, result: EngineCoreOutputs) -> None:
