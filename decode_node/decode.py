@@ -44,15 +44,12 @@ def decode_request(
     resume_output_token_ids: Sequence[int] = (),
 ) -> EngineRequest:
     if resume_output_token_ids:
-        return _resume_request(
-            request_id,
-            prompt_token_ids,
-            params,
-            cache_salt,
-            first_token_id,
-            kv_transfer_params,
-            resume_output_token_ids,
-        )
+        if first_token_id is not None or kv_transfer_params is not None:
+            raise invalid(
+                "resume_output_token_ids",
+                "excludes first_token_id and kv_transfer_params (a resumed request computes its own KV)",
+            )
+        return _resume_request(request_id, prompt_token_ids, params, cache_salt, resume_output_token_ids)
     if first_token_id is None:
         if kv_transfer_params is not None:
             raise invalid("first_token_id", "is required with kv_transfer_params (the token Prefill sampled)")
@@ -78,15 +75,8 @@ def _resume_request(
     prompt_token_ids: Sequence[int],
     params: SamplingParams,
     cache_salt: str | None,
-    first_token_id: int | None,
-    kv_transfer_params: dict[str, Any] | None,
     resumed: Sequence[int],
 ) -> EngineRequest:
-    if first_token_id is not None or kv_transfer_params is not None:
-        raise invalid(
-            "resume_output_token_ids",
-            "excludes first_token_id and kv_transfer_params (a resumed request computes its own KV)",
-        )
     if params.max_tokens <= len(resumed):
         raise invalid(
             "resume_output_token_ids",

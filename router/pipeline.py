@@ -230,7 +230,9 @@ class Pipeline:
             decode_msg.cache_salt = request.cache_salt
         sent = _Sent([first.first_token_id], len(first.text))
         try:
-            yield from self._decode(request, decode_msg, scope, cancellation, usage, start, sent)
+            yield from self._decode(
+                _ClientStream(request, scope, cancellation, usage, start, sent), decode_msg
+            )
         finally:
             # The decode node has read the held KV, or never will (it had the blocks already, it failed,
             # the client left): release what the prefill node may still hold.  A no-op when the
@@ -282,21 +284,13 @@ class Pipeline:
         if request.cache_salt is not None:
             msg.cache_salt = request.cache_salt
         usage = Usage(prompt_tokens=len(request.prompt_token_ids))
-        yield from self._decode(request, msg, scope, cancellation, usage, start, _Sent())
+        yield from self._decode(_ClientStream(request, scope, cancellation, usage, start, _Sent()), msg)
 
     # -- shared -------------------------------------------------------------------------------------------
 
-    def _decode(
-        self,
-        request: ClientRequest,
-        msg: node_pb2.DecodeRequest,
-        scope: CallScope,
-        cancellation: Cancellation,
-        usage: Usage,
-        start: float,
-        sent: _Sent,
-    ) -> Iterator[Event]:
+    def _decode(self, client: _ClientStream, msg: node_pb2.DecodeRequest) -> Iterator[Event]:
         """Stream ``msg`` from a decode node; when a node fails on the way, go on on another one."""
+        request, sent = client.request, client.sent
         tried: list[NodeHandle] = []
         errors: list[str] = []
         while True:
@@ -309,7 +303,7 @@ class Pipeline:
             tried.append(node)
             carried = _carried_tokens(msg)
             try:
-                yield from self._relay(node, msg, scope, cancellation, usage, start, sent)
+                yield from self._relay(client, node, msg)
                 return
             except _Interrupted as failed:
                 errors.append(f"{node.address}: {failed.code.name} {failed.details}")
@@ -328,23 +322,15 @@ class Pipeline:
                     errors[-1],
                 )
 
-    def _relay(
-        self,
-        node: NodeHandle,
-        msg: node_pb2.DecodeRequest,
-        scope: CallScope,
-        cancellation: Cancellation,
-        usage: Usage,
-        start: float,
-        sent: _Sent,
-    ) -> Iterator[Event]:
-        """Stream ``node``'s Decode as deltas, then Done; record what reached the client in ``sent``.
+    def _relay(self, client: _ClientStream, node: NodeHandle, msg: node_pb2.DecodeRequest) -> Iterator[Event]:
+        """Stream ``node``'s Decode as deltas, then Done; record what reached the client in ``client.sent``.
 
         A retryable failure while the client still waits raises ``_Interrupted``.  The node re-emits the
         text of the output tokens the message carries (``sent.chars`` of it already reached the client),
         which is dropped here."""
+        scope, usage, sent = client.scope, client.usage, client.sent
         stream = node.decode.Decode(msg, timeout=time_remaining(scope))
-        cancellation.on_cancel(stream.cancel)
+        client.cancellation.on_cancel(stream.cancel)
         last: node_pb2.DecodeResponse | None = None
         skip = sent.chars
         with node.busy():
@@ -355,7 +341,7 @@ class Pipeline:
                         cut = min(skip, len(text))
                         text, skip = text[cut:], skip - cut
                     if last.token_ids and usage.time_to_first_token_s == 0.0:
-                        usage.time_to_first_token_s = time.perf_counter() - start
+                        usage.time_to_first_token_s = time.perf_counter() - client.start
                     usage.completion_tokens += len(last.token_ids)
                     if last.token_ids or text:
                         sent.token_ids.extend(last.token_ids)
@@ -363,7 +349,7 @@ class Pipeline:
                         yield Delta(list(last.token_ids), text, list(last.logprobs))
             except grpc.RpcError as exc:
                 code, details = _code_details(exc)
-                if cancellation.cancelled or code == grpc.StatusCode.CANCELLED:
+                if client.cancellation.cancelled or code == grpc.StatusCode.CANCELLED:
                     raise ServingError(grpc.StatusCode.CANCELLED, "the client cancelled the request") from exc
                 if code == grpc.StatusCode.UNAVAILABLE:
                     node.mark_down(details)
@@ -382,7 +368,7 @@ class Pipeline:
             usage.computed_prompt_tokens = last.prompt.computed_tokens
         else:
             usage.remote_prefill = last.prompt.external_tokens
-        usage.total_time_s = time.perf_counter() - start
+        usage.total_time_s = time.perf_counter() - client.start
         yield Done(convert.finish_reason(last.finish_reason), convert.stop_reason(last), usage)
 
     def _choose(
@@ -412,6 +398,18 @@ class _Sent:
 
     token_ids: list[int] = field(default_factory=list)
     chars: int = 0
+
+
+@dataclass
+class _ClientStream:
+    """One client call's decode phase: what it asked, how long it may take, what it has been sent."""
+
+    request: ClientRequest
+    scope: CallScope
+    cancellation: Cancellation
+    usage: Usage
+    start: float
+    sent: _Sent
 
 
 class _Interrupted(Exception):
