@@ -191,6 +191,9 @@ def test_conformance_suite_validates_its_target() -> None:
         conformance_suite(same_backend("LastTokenConnector"), send_deadline_s=0)
     with pytest.raises(ValueError, match="may not set 'model'"):
         ConformanceTarget(same_backend("LastTokenConnector"), engine_options={"model": "x"})
+    with pytest.raises(ValueError, match="num_blocks is 16; the kit's prompts"):
+        ConformanceTarget(same_backend("LastTokenConnector"), engine_options={"num_blocks": 16})
+    ConformanceTarget(same_backend("LastTokenConnector"), engine_options={"num_blocks": 128})
     suite = conformance_suite(same_backend("LastTokenConnector"))
     assert getattr(suite, "__test__", False)
     assert sorted(n for n in vars(suite) if n.startswith("test_")) == sorted(CHECKS)

@@ -21,7 +21,7 @@ from typing import Any
 from connectors.base import ConnectorContext, KVConnectorRole
 from connectors.registry import KVConnectorConfig, create_connector
 from connectors.testing.spy import SchedulerSpy, WorkerSpy
-from connectors.testing.target import ConformanceTarget
+from connectors.testing.target import MIN_KIT_BLOCKS, ConformanceTarget
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model.make_model import TinyLlamaSpec, make_model
@@ -99,7 +99,12 @@ def kit_model_dir() -> Path:
 
 
 def engine_config(target: ConformanceTarget | None, engine_id: str, **options: Any) -> EngineConfig:
-    base: dict[str, Any] = {"device": "cpu", "dtype": "float32", "block_size": BLOCK_SIZE, "num_blocks": 64}
+    base: dict[str, Any] = {
+        "device": "cpu",
+        "dtype": "float32",
+        "block_size": BLOCK_SIZE,
+        "num_blocks": MIN_KIT_BLOCKS,
+    }
     if target is not None:
         base.update(target.engine_options)
     base.update(options)

@@ -15,6 +15,9 @@ ConfigFactory = Callable[[Path], KVConnectorConfig]
 
 # EngineConfig fields the kit sets itself; a target's ``engine_options`` may not override them.
 _KIT_OWNED = frozenset({"model", "kv_connector", "engine_id"})
+# The kit's prompts and concurrent requests fill this many blocks (of block_size 4); a smaller pool would
+# fail checks for want of room, not for anything the connector did.
+MIN_KIT_BLOCKS = 64
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,12 @@ class ConformanceTarget:
         owned = sorted(_KIT_OWNED & set(self.engine_options))
         if owned:
             raise ValueError(f"ConformanceTarget.engine_options may not set {owned[0]!r}: the kit sets it")
+        num_blocks = self.engine_options.get("num_blocks", MIN_KIT_BLOCKS)
+        if not isinstance(num_blocks, int) or num_blocks < MIN_KIT_BLOCKS:
+            raise ValueError(
+                f"ConformanceTarget.engine_options num_blocks is {num_blocks!r}; the kit's prompts and "
+                f"concurrent requests need at least {MIN_KIT_BLOCKS} blocks (leave it out for the default)"
+            )
 
     def config(self, shared: Path) -> KVConnectorConfig:
         return _checked(self.factory(shared), "factory")
