@@ -34,7 +34,7 @@ from kvstore.tiers.base import Tier, TierError, TierPolicy, TierTimeout
 
 logger = logging.getLogger(__name__)
 
-PUT_CHUNK = 16  # blocks per put request
+PUT_CHUNK = 32  # blocks per put request (8 MiB of 256 KiB blocks: fewer replies to wait for than 16)
 GET_CHUNK = 16  # blocks per get request
 
 
