@@ -23,7 +23,7 @@ from kvstore.protocol import decode_reply, encode_request
 from kvstore.results import MissReason, Unit
 from kvstore.store import KVStore
 from kvstore.tiers.base import TierPolicy
-from kvstore.tiers.remote import RemoteTier
+from kvstore.tiers.remote import PUT_CHUNK, RemoteTier
 
 POLICY = TierPolicy(
     lookup_timeout_s=0.5, get_timeout_s=1.0, put_timeout_s=1.0, breaker=BreakerConfig(cooldown_s=0.1)
@@ -63,17 +63,18 @@ def raw_request(endpoint: str, frames: list[bytes], timeout_ms: int = 2000) -> l
 def test_put_get_lookup_through_the_remote_tier(
     store_server: StartServer, remote: Callable[[str], RemoteTier], make_blocks: Callable[..., Blocks]
 ) -> None:
-    server = store_server("cpu:64KiB")
+    server = store_server("cpu:1MiB")
     tier = remote(server.endpoint)
-    b = make_blocks(40)
+    n = PUT_CHUNK + 6  # two put requests on the wire, three get requests
+    b = make_blocks(n + 10)
     assert tier.ping()["server"] == "pdkv-kvstore"
     assert tier.contains_prefix(b.run()) == 0
-    assert tier.put(b.run(0, 30), b.units(0, 30)).stored == 30  # two put requests on the wire
-    assert tier.contains_prefix(b.run()) == 30
+    assert tier.put(b.run(0, n), b.units(0, n)).stored == n
+    assert tier.contains_prefix(b.run()) == n
     result = tier.get_into(b.run(), b.out_views, LAYOUT)
-    assert (result.loaded, result.reason) == (30, MissReason.ABSENT) and b.loaded(30)
-    read = tier.read(b.run(28))
-    assert [bytes(u.payload) for u in read.units] == [bytes(v) for v in b.views[28:30]]
+    assert (result.loaded, result.reason) == (n, MissReason.ABSENT) and b.loaded(n)
+    read = tier.read(b.run(n - 2))
+    assert [bytes(u.payload) for u in read.units] == [bytes(v) for v in b.views[n - 2 : n]]
     assert tier.delete(b.run(10, 12)) == 2 and tier.contains_prefix(b.run()) == 10
     requests = tier.server_stats()["requests"]
     assert requests["put"] == 2 and requests["lookup"] == 3
