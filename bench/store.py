@@ -501,7 +501,7 @@ def run(quick: bool, disk_dir: str | None, block_kib: int) -> dict[str, Any]:
     from kvstore.tiers.redis import RedisTier
     from kvstore.tiers.remote import RemoteTier
 
-    reps = 5 if quick else 15
+    reps = 5 if quick else 25
     n = 64 if quick else 256
     # A realistic engine block: block_kib KiB of bf16 KV (e.g. 16 layers x 2 x 16 tokens x 8 heads x 32).
     head_dim = block_kib * 1024 // (16 * 2 * 16 * 8 * 2)
