@@ -1,5 +1,5 @@
 """Faults with real processes: a decode node killed mid-stream (with and without another node to resume
-on), prefill nodes killed before they answer."""
+on), prefill nodes killed before they answer and while they compute."""
 
 from __future__ import annotations
 
@@ -12,7 +12,14 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from serving.client import GenerationClient, generate_request
 from serving.launcher import Cluster, Process
-from tests.serving.helpers import assert_node_idle, node_stats, pdkv_model, start_cluster
+from tests.serving.helpers import (
+    NODE_ARGS,
+    assert_node_idle,
+    node_stats,
+    pdkv_model,
+    start_cluster,
+    wait_until,
+)
 
 LONG = SamplingParams(max_tokens=3000, ignore_eos=True)
 PROMPT = "A prompt of a few blocks, so that the prefill node holds KV for the decode node. " * 3
@@ -106,5 +113,49 @@ def test_a_decode_node_killed_mid_stream_hands_the_request_to_another(
         assert_node_idle(survivor.address)
         metrics = urllib.request.urlopen(f"http://{cluster.router.info['metrics']}/metrics", timeout=10)
         assert b"pdkv_router_decode_resumes_total 1" in metrics.read()
+    finally:
+        cluster.stop()
+
+
+def test_a_prefill_node_killed_while_it_computes_hands_the_request_to_another() -> None:
+    """Chunked prefill of 16 tokens a step makes a long prompt take many steps; the node computing it is
+    killed on the way, and the router runs the prefill again on the other node: the client sees one
+    complete, exact output."""
+    prompt = PROMPT * 12
+    params = SamplingParams(max_tokens=8)
+    cluster = start_cluster(
+        num_prefill=2,
+        num_decode=1,
+        node_args=(*NODE_ARGS, "--max-num-batched-tokens", "16"),
+        router_args=("--health-interval-s", "60"),
+    )
+    try:
+        with GenerationClient(cluster.router_address) as client:
+            call = client.stream(generate_request(prompt, params), timeout=120)
+
+            def computing() -> Process | None:
+                busy = [
+                    p
+                    for p in cluster.prefill_nodes
+                    if node_stats(p.address, check_integrity=False).num_running
+                ]
+                return busy[0] if busy else None
+
+            victim = wait_until(
+                computing, timeout=30, what="a prefill node to start computing", interval=0.01
+            )
+            assert node_stats(victim.address, check_integrity=False).num_requests == 1
+            cluster.kill(victim)
+            token_ids: list[int] = []
+            text = ""
+            for msg in call:
+                if msg.HasField("delta"):
+                    token_ids += msg.delta.token_ids
+                    text += msg.delta.text
+        expected = LLM(pdkv_model(), device="cpu", num_blocks=512).generate([prompt], params)[0]
+        assert token_ids == expected.token_ids and text == expected.text
+        survivor = next(p for p in cluster.prefill_nodes if p is not victim)
+        assert_node_idle(survivor.address)
+        assert_node_idle(cluster.decode_nodes[0].address)
     finally:
         cluster.stop()
