@@ -15,7 +15,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.outputs import GenerationOutput
-from tests.tiny_models import VARIANTS, hf_greedy, random_prompts, tiny_model_dir
+from tests.tiny_models import VARIANTS, hf_greedy, hf_logits, random_prompts, tiny_model_dir
 
 NEW_TOKENS = 10
 PROMPTS = random_prompts([5, 17, 33, 40], seed=1)
@@ -115,15 +115,29 @@ def test_block_size_one_and_large_blocks_agree() -> None:
         assert_matches_transformers("mistral_window", PROMPTS, llm.generate(PROMPTS, GREEDY))
 
 
+HALF_LOGPROB_TOL = 0.15  # measured: up to ~0.08 between pdkv and transformers in bf16 / fp16 here
+HALF_MARGIN = 0.1  # a greedy pick may differ from transformers' only where its top two are this close
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_runs(dtype: str) -> None:
+def test_half_precision_matches_transformers_in_the_same_dtype(dtype: str) -> None:
+    """Half precision: teacher-forced against transformers with the same weights in the same dtype, every
+    greedy pick is transformers' argmax (or within a hair of it) and every logprob is close."""
     llm = make_llm("llama", dtype=dtype)
     outs = llm.generate(PROMPTS, GREEDY)
-    assert all(len(o.token_ids) == NEW_TOKENS for o in outs)
-    assert all(o.logprobs is not None and all(lp <= 0 for lp in o.logprobs) for o in outs)
-    # Half precision is close to float32: the first greedy token of most prompts agrees.
-    refs = hf_greedy("llama", PROMPTS, NEW_TOKENS)
-    assert sum(o.token_ids[0] == r.token_ids[0] for o, r in zip(outs, refs, strict=True)) >= len(PROMPTS) - 1
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert len(out.token_ids) == NEW_TOKENS and out.logprobs is not None
+        logits = hf_logits("llama", dtype, [*prompt, *out.token_ids])
+        logprobs = logits.log_softmax(-1)
+        for j, token in enumerate(out.token_ids):
+            position = len(prompt) - 1 + j  # the logits that predicted output j
+            best = int(logits[position].argmax())
+            gap = float(logits[position, best] - logits[position, token])
+            assert gap <= HALF_MARGIN, f"token {j}: pdkv picked {token}, transformers {best} by {gap:.3f}"
+            ref = float(logprobs[position, token])
+            assert math.isclose(out.logprobs[j], ref, abs_tol=HALF_LOGPROB_TOL), (
+                f"token {j}: logprob {out.logprobs[j]:.4f} vs transformers' {ref:.4f} in {dtype}"
+            )
 
 
 def test_full_prompt_hit_leaves_a_one_token_chunk() -> None:

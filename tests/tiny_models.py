@@ -120,10 +120,19 @@ def _rewrite_legacy_rope(path: Path) -> None:
 
 
 @functools.cache
-def hf_model(name: str) -> Any:
+def hf_model(name: str, dtype: str = "float32") -> Any:
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir(name), dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir(name), dtype=getattr(torch, dtype)
+    ).eval()
+
+
+def hf_logits(name: str, dtype: str, token_ids: Sequence[int]) -> torch.Tensor:
+    """transformers' logits ``[len(token_ids), vocab]`` (as float32) over ``token_ids`` in one forward, the
+    model's weights in ``dtype``: a teacher-forced reference for outputs pdkv produced."""
+    with torch.inference_mode():
+        return hf_model(name, dtype)(torch.tensor([list(token_ids)])).logits[0].float()
 
 
 @dataclass(frozen=True)
