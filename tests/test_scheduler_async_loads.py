@@ -109,3 +109,31 @@ def test_a_failed_sync_load_is_not_kept_by_an_async_loader_that_took_it_as_a_loc
     so, _ = step(s)
     assert [(sr.request_id, sr.start_position) for sr in so.scheduled] == [("b", 0)]
     assert s.stats().num_load_failures >= 2
+
+
+def test_a_failed_block_shared_by_two_async_loaders_is_recomputed_by_both() -> None:
+    """As above with two waiting requests on the failed block: the first to land (then aborted before it
+    recomputes) must not clear the block's failure for the second."""
+    conn = ScriptedConnector()
+    s = make(conn)
+    conn.answers["a"] = (8, False)
+    conn.answers["b"] = (4, True)
+    conn.answers["c"] = (4, True)
+    prompt = list(range(100, 108))
+    s.add_request(make_request("a", [*prompt, 1, 2, 3, 4, 5], max_tokens=4))
+    s.add_request(make_request("b", [*prompt, 50, 51, 52, 53, 54, 55], max_tokens=1))
+    s.add_request(make_request("c", [*prompt, 60, 61, 62, 63, 64, 65], max_tokens=1))
+    so = s.schedule()
+    a_ids = s.kv.get_block_ids("a")  # type: ignore[arg-type]
+    for rid in ("b", "c"):
+        assert s.kv.get_block_ids(rid)[:2] == a_ids[:2]  # type: ignore[arg-type]
+    s.update_from_output(
+        so,
+        ModelRunnerOutput({"a": 7}, kv_connector_output=KVConnectorOutput(invalid_block_ids={a_ids[0]})),  # type: ignore[dict-item]
+    )
+    s.abort_request("a")
+    step(s, KVConnectorOutput(finished_recving={"b"}))  # type: ignore[arg-type]
+    s.abort_request("b")  # gone before it recomputes block 0
+    step(s, KVConnectorOutput(finished_recving={"c"}))  # type: ignore[arg-type]
+    so, _ = step(s)
+    assert [(sr.request_id, sr.start_position) for sr in so.scheduled] == [("c", 0)]

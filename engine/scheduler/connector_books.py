@@ -95,7 +95,9 @@ class ConnectorBooks:
         loaded_end = self._load_ends.pop(rid)
         ids = self.kv.req_to_block_ids.get(rid, [])
         first_bad = next((i for i, b in enumerate(ids) if b in self._failed_blocks), None)
-        self._failed_blocks -= set(ids)
+        # A failed block another loading request shares (a local hit on it) stays recorded for that one.
+        still_loading = {b for r in self.loading for b in self.kv.req_to_block_ids.get(r, [])}
+        self._failed_blocks -= set(ids) - still_loading
         return LandedLoad(request, loaded_end, first_bad)
 
     def record_failed(self, invalid: set[int]) -> None:
