@@ -19,8 +19,9 @@ How the halves split the work:
 - worker half: loads synchronously in ``start_load_kv`` (before any layer reads) and saves
   synchronously in ``wait_for_save`` (after the forward), so it never needs delayed frees or fences.
   A file that is missing, truncated, corrupt or for another model/layout is a load error, reported
-  through ``get_block_ids_with_load_errors`` -- the engine recomputes from there -- and a bad file is
-  removed, so the block is saved again, good, after it is recomputed.
+  through ``get_block_ids_with_load_errors`` -- the engine recomputes from there -- and a damaged file
+  is removed, so the block is saved again, good, after it is recomputed.  Blocks computed in a step whose
+  load failed under them are not saved (their KV attended to the bad block).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from engine.hashing import BlockHash
 from engine.request import Request, RequestId
+from kvstore.results import MissReason
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +59,9 @@ class SharedDirOptions:
 @dataclass
 class SharedDirMetadata(KVConnectorMetadata):
     loads: list[tuple[int, BlockHash]] = field(default_factory=list)  # (block id, hash) to read now
-    saves: list[tuple[int, BlockHash]] = field(default_factory=list)  # (block id, hash) to write after
+    # (request, block id, hash) to write after the forward, and the block table of each such request
+    saves: list[tuple[RequestId, int, BlockHash]] = field(default_factory=list)
+    tables: dict[RequestId, list[int]] = field(default_factory=dict)
 
 
 class SharedDirConnector(KVConnectorBase):
@@ -132,7 +136,9 @@ class SharedDirConnector(KVConnectorBase):
             saved = self._saved_upto.get(sr.request_id, 0)
             start = min(saved, sr.start_position // self.block_size)
             for i in range(start, full):
-                meta.saves.append((sr.block_ids[i], request.block_hashes[i]))
+                meta.saves.append((sr.request_id, sr.block_ids[i], request.block_hashes[i]))
+            if start < full:
+                meta.tables[sr.request_id] = list(sr.block_ids)
             self._saved_upto[sr.request_id] = max(saved, full)
         return meta
 
@@ -173,7 +179,8 @@ class SharedDirConnector(KVConnectorBase):
             if reason is not None:
                 logger.warning("shared-dir: block %s is a miss: %s", block_hash.hex()[:16], reason.value)
                 self._load_errors.add(block_id)
-                self._remove_bad_file(block_hash)
+                if reason is not MissReason.WRONG_LAYOUT:  # that one is another dtype's engine's, and good
+                    self._remove_bad_file(block_hash)
 
     def _remove_bad_file(self, block_hash: bytes) -> None:
         """A file that failed its checks helps nobody: remove it, so the next save of the block (this
@@ -187,7 +194,12 @@ class SharedDirConnector(KVConnectorBase):
         meta, self._metadata = self._metadata, None
         if meta is None:
             return
-        for block_id, block_hash in meta.saves:
+        # A request whose blocks include one that failed to load this step computed its new blocks over
+        # bad KV: they are not saved (the engine recomputes from the bad block, and they are saved then).
+        tainted = {rid for rid, ids in meta.tables.items() if not self._load_errors.isdisjoint(ids)}
+        for rid, block_id, block_hash in meta.saves:
+            if rid in tainted:
+                continue
             path = self._file(block_hash)
             if path.exists():
                 continue  # content-addressed: the same hash is the same KV

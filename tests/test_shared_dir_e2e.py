@@ -180,3 +180,46 @@ def test_truncated_or_bit_flipped_block_files_are_load_errors_and_outputs_stay_e
     assert [o.token_ids for o in outs] == want
     assert fresh.stats().scheduler.num_load_failures == 0
     assert [o.num_external_tokens for o in outs] == [(len(p) - 1) // BS * BS for p in prompts]
+
+
+def test_blocks_computed_over_a_failed_load_are_not_saved(tmp_path: Path) -> None:
+    """A prompt sharing two blocks with a saved one loads them; the first is damaged.  The blocks the
+    engine computes in that step attended to the bad block: they must not be saved (they are saved
+    after the recompute instead), or every later reader would load wrong KV with valid checksums."""
+    model = pdkv_tiny_model_dir()
+    saved = random_prompts([13], seed=8, vocab=256)[0]  # blocks 0..2 saved
+    prompt = saved[: 2 * BS] + random_prompts([12], seed=9, vocab=256)[0]  # shares blocks 0..1
+    want = [o.token_ids for o in llm(model).generate([prompt], PARAMS)]
+    llm(model, tmp_path).generate([saved], PARAMS)
+    damaged = block_files(llm(model).engine, tmp_path, saved)[0]
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    loader = llm(model, tmp_path)
+    assert [o.token_ids for o in loader.generate([prompt], PARAMS)] == want
+    assert loader.stats().scheduler.num_load_failures == 1
+    fresh = llm(model, tmp_path)
+    outs = fresh.generate([prompt], PARAMS)
+    assert [o.token_ids for o in outs] == want
+    assert fresh.stats().scheduler.num_load_failures == 0
+    assert [o.num_external_tokens for o in outs] == [(len(prompt) - 1) // BS * BS]
+
+
+def test_another_dtypes_blocks_are_misses_and_stay(tmp_path: Path) -> None:
+    """One model, two dtypes, one directory: the block files are keyed by model, not dtype.  A bfloat16
+    engine misses on a float32 engine's files (wrong layout) and leaves them for their owner."""
+    model = pdkv_tiny_model_dir()
+    prompt = random_prompts([18], seed=12, vocab=256)[0]
+    llm(model, tmp_path).generate([prompt], PARAMS)
+    files = block_files(llm(model).engine, tmp_path, prompt)
+    contents = [f.read_bytes() for f in files]
+    half = LLM(
+        model, device="cpu", dtype="bfloat16", block_size=BS, num_blocks=64, kv_connector=shared_dir(tmp_path)
+    )
+    [out] = half.generate([prompt], PARAMS)
+    assert len(out.token_ids) == NEW_TOKENS and half.stats().scheduler.num_load_failures == 1
+    assert [f.read_bytes() for f in files] == contents  # neither removed nor overwritten
+    owner = llm(model, tmp_path)
+    [again] = owner.generate([prompt], PARAMS)
+    assert again.num_external_tokens == (len(prompt) - 1) // BS * BS
+    assert owner.stats().scheduler.num_load_failures == 0
