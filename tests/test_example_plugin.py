@@ -67,3 +67,38 @@ def damage(shared: object) -> None:
 TestExampleMemory = conformance_suite(
     lambda shared: KVConnectorConfig("example-memory", {"store": str(shared)}), corrupt=damage
 )
+
+
+def test_blocks_computed_over_a_failed_load_are_not_stored() -> None:
+    """The example does what shared-dir does: a block whose stored bytes changed is a load error, the
+    blocks computed over it in that step are not stored, and after the recompute a fresh engine loads
+    right KV."""
+    from pdkv_example_connector.memory import StoredBlock
+
+    from engine.llm import LLM
+    from engine.request import Request
+    from tests.tiny_models import pdkv_tiny_model_dir, random_prompts
+
+    model = pdkv_tiny_model_dir()
+    config = KVConnectorConfig("example-memory", {"store": "test-example-tainted"})
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    saved = random_prompts([13], seed=8, vocab=256)[0]
+    prompt = saved[:8] + random_prompts([12], seed=9, vocab=256)[0]  # shares blocks 0..1 of 4 tokens
+
+    def engine(connector: KVConnectorConfig | None = config) -> LLM:
+        return LLM(model, device="cpu", block_size=4, num_blocks=64, kv_connector=connector)
+
+    want = engine(None).generate([prompt], params)[0].token_ids
+    engine().generate([saved], params)
+    store = get_store("test-example-tainted")
+    block0 = Request("probe", saved, params, namespace=engine(None).engine.namespace).block_hashes[0]
+    key = next(k for k in store.blocks if k.endswith(block0))
+    good = store.blocks[key]
+    store.blocks[key] = StoredBlock(good.checksum, bytes([good.payload[0] ^ 1]) + good.payload[1:])
+    loader = engine()
+    assert loader.generate([prompt], params)[0].token_ids == want
+    assert loader.stats().scheduler.num_load_failures == 1
+    fresh = engine()
+    [out] = fresh.generate([prompt], params)
+    assert out.token_ids == want and fresh.stats().scheduler.num_load_failures == 0
+    assert out.num_external_tokens == (len(prompt) - 1) // 4 * 4  # the recomputed blocks were stored

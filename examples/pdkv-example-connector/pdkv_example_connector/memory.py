@@ -57,6 +57,10 @@ class MemoryStore:
         with self._lock:
             self.blocks[key] = StoredBlock(_checksum(payload), payload)
 
+    def discard(self, key: bytes) -> None:
+        with self._lock:
+            self.blocks.pop(key, None)
+
     def get(self, key: bytes) -> bytes | None:
         """The payload, or None if the key is unknown or the bytes changed since they were stored."""
         with self._lock:
@@ -99,7 +103,8 @@ class MemoryMetadata(KVConnectorMetadata):
     """What the worker half does this step (the only thing the scheduler half tells it)."""
 
     loads: list[tuple[int, bytes]] = field(default_factory=list)  # (block id, block hash): read in
-    saves: list[tuple[int, bytes]] = field(default_factory=list)  # (block id, block hash): write out
+    saves: list[tuple[str, int, bytes]] = field(default_factory=list)  # (request, block id, hash): write out
+    tables: dict[str, list[int]] = field(default_factory=dict)  # the block table of each request saving
 
 
 class MemoryConnector(KVConnectorBase):
@@ -163,9 +168,16 @@ class MemoryConnector(KVConnectorBase):
                 continue
             # Blocks whose every token has KV once this step's forward pass is done.
             full = min((sr.start_position + sr.num_tokens) // self.block_size, len(request.block_hashes))
-            start = self._saved_upto[sr.request_id]
-            meta.saves.extend((sr.block_ids[i], request.block_hashes[i]) for i in range(start, full))
-            self._saved_upto[sr.request_id] = max(start, full)
+            # From where the last save stopped, or from where this step starts if that is earlier: after a
+            # failed load the engine recomputes from the bad block, and those blocks are saved again.
+            saved = self._saved_upto[sr.request_id]
+            start = min(saved, sr.start_position // self.block_size)
+            meta.saves.extend(
+                (sr.request_id, sr.block_ids[i], request.block_hashes[i]) for i in range(start, full)
+            )
+            if start < full:
+                meta.tables[sr.request_id] = list(sr.block_ids)
+            self._saved_upto[sr.request_id] = max(saved, full)
         return meta
 
     def request_finished(
@@ -191,6 +203,7 @@ class MemoryConnector(KVConnectorBase):
             payload = self.store.get(self._key(block_hash))
             if payload is None or len(payload) != nbytes:
                 self._load_errors.add(block_id)  # reported, never raised: the engine recomputes it
+                self.store.discard(self._key(block_hash))  # so the recomputed block is stored again
                 continue
             raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             self._kv[block_id].copy_(raw.view(self._kv.dtype).view(block_shape))
@@ -201,7 +214,12 @@ class MemoryConnector(KVConnectorBase):
         meta, self._metadata = self._metadata, None
         if meta is None or self._kv is None:
             return
-        for block_id, block_hash in meta.saves:
+        # A request holding a block whose load failed this step computed its new blocks over bad KV: saving
+        # them would hand every later reader wrong KV.  They are saved after the engine recomputes them.
+        tainted = {rid for rid, ids in meta.tables.items() if not self._load_errors.isdisjoint(ids)}
+        for rid, block_id, block_hash in meta.saves:
+            if rid in tainted:
+                continue
             key = self._key(block_hash)
             if key in self.store:
                 continue  # content-addressed: the same hash is the same KV
