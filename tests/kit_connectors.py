@@ -197,7 +197,12 @@ class AsyncSharedDirConnector(SharedDirConnector):
         meta = super().build_connector_meta(scheduler_output)
         assert isinstance(meta, SharedDirMetadata)
         out = AsyncMetadata(
-            meta.preempted_request_ids, meta.loads, meta.saves, self._load_requests, self._sends
+            meta.preempted_request_ids,
+            loads=meta.loads,
+            saves=meta.saves,
+            tables=meta.tables,
+            load_requests=self._load_requests,
+            sends=self._sends,
         )
         self._load_requests, self._sends = [], []
         return out

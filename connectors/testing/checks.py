@@ -20,6 +20,7 @@ from connectors.testing.harness import (
     EXACT_MULTIPLE,
     EXPIRED_LEAK,
     FINISHED_ONCE,
+    FORKS,
     LOAD_ERRORS,
     LOADS,
     LONG_PROMPT,
@@ -258,6 +259,9 @@ def check_load_errors_are_reported(target: ConformanceTarget, shared: Path) -> N
     target.corrupt(shared)
     ref = reference(target, PROMPTS)
     with KitEngine(target, target.config(shared), item=item, engine_id="kit-b") as b:
+        # First, forks of the damaged prompts: their shared blocks fail to load, and the blocks computed
+        # in that step attended to damaged KV -- a connector must not save them (engine C checks).
+        _expect_outputs(item, b.generate(FORKS), reference(target, FORKS), "engine B, forks of the prompts")
         outs = b.generate(PROMPTS)
         for i, out in enumerate(outs):
             if out.finish_reason == "error":
@@ -277,6 +281,14 @@ def check_load_errors_are_reported(target: ConformanceTarget, shared: Path) -> N
         _expect_outputs(item, b.generate(PROMPTS), ref, "engine B, second run (from its local cache)")
         b.drain(target.send_deadline_s, "engine B, after the failed loads")
         b.assert_no_leak("failed loads")
+    # Whatever engine B saved or replaced after its failed loads must be right.
+    with KitEngine(target, target.config(shared), item=item, engine_id="kit-c") as c:
+        _expect_outputs(
+            item,
+            c.generate([*PROMPTS, *FORKS]),
+            reference(target, [*PROMPTS, *FORKS]),
+            "engine C, after engine B recovered (were blocks computed over a failed load saved?)",
+        )
 
 
 def check_request_finished_exactly_once(target: ConformanceTarget, shared: Path) -> None:

@@ -62,6 +62,14 @@ def _prompts(lengths: Sequence[int], seed: int) -> list[list[int]]:
 PROMPTS = _prompts((18, 16, 11, 23, 9), seed=1)
 EXACT_MULTIPLE = 1  # index of the 16-token prompt
 LONG_PROMPT = _prompts((40,), seed=101)[0]  # never saved by anyone: always computed
+# The first two blocks of each prompt that has them, then a tail of its own: a fork loads the shared
+# blocks and computes the rest (the case where blocks computed over a failed load could be saved).
+FORKS = [
+    p[: 2 * BLOCK_SIZE] + tail
+    for p, tail in zip(
+        [p for p in PROMPTS if len(p) > 2 * BLOCK_SIZE], _prompts((13, 13, 13, 13), seed=7), strict=False
+    )
+]
 
 
 # The contract items, as failure messages name them ("[item] what happened").
