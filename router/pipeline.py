@@ -37,7 +37,7 @@ from typing import Protocol
 import grpc
 
 from engine.sampling_params import SamplingParams
-from pdkv_proto.pdkv.v1 import node_pb2
+from pdkv_proto.pdkv.v1 import node_pb2, types_pb2
 from router.nodes import NodeHandle, NodePool
 from router.policy import NodeSelector, RoutingInfo
 from serving import convert
@@ -46,7 +46,7 @@ from serving.errors import ServingError
 
 logger = logging.getLogger(__name__)
 
-# A node that answers these before producing anything is skipped and the next one is tried.
+# A node that fails with these is skipped and the next one is tried (a decode node's stream is resumed).
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
@@ -313,7 +313,8 @@ class Pipeline:
                     ) from None
             if sent.token_ids != carried:  # the client got more than the message carries: resume after it
                 msg = _resume_message(request, msg, sent.token_ids)
-                self.resumed += 1
+                with self._lock:
+                    self.resumed += 1
                 logger.warning(
                     "request %s: decode node %s failed after %d tokens (%s); resuming on another node",
                     request.request_id,
@@ -336,6 +337,9 @@ class Pipeline:
         with node.busy():
             try:
                 for last in stream:
+                    if not client.prompt_recorded and not msg.resume_output_token_ids:
+                        self._record_prompt(usage, last.prompt)  # the client's prompt, as the node saw it
+                        client.prompt_recorded = True
                     text = last.text
                     if skip:
                         cut = min(skip, len(text))
@@ -362,14 +366,18 @@ class Pipeline:
             raise ServingError(
                 grpc.StatusCode.UNAVAILABLE, f"decode node {node.address} ended the stream early"
             )
-        if self.mode == "colocated":
-            usage.local_prefix = last.prompt.local_prefix_tokens
-            usage.store = last.prompt.external_tokens
-            usage.computed_prompt_tokens = last.prompt.computed_tokens
-        else:
-            usage.remote_prefill = last.prompt.external_tokens
+        if not client.prompt_recorded:  # only resumed nodes answered (their prompt has the resumed tokens)
+            self._record_prompt(usage, last.prompt)
         usage.total_time_s = time.perf_counter() - client.start
         yield Done(convert.finish_reason(last.finish_reason), convert.stop_reason(last), usage)
+
+    def _record_prompt(self, usage: Usage, prompt: types_pb2.PromptUsage) -> None:
+        if self.mode == "colocated":
+            usage.local_prefix = prompt.local_prefix_tokens
+            usage.store = prompt.external_tokens
+            usage.computed_prompt_tokens = prompt.computed_tokens
+        else:
+            usage.remote_prefill = prompt.external_tokens
 
     def _choose(
         self,
@@ -410,6 +418,7 @@ class _ClientStream:
     usage: Usage
     start: float
     sent: _Sent
+    prompt_recorded: bool = False  # usage holds the prompt figures of the first node that saw the prompt
 
 
 class _Interrupted(Exception):

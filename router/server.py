@@ -90,7 +90,7 @@ class RouterRuntime:
             one(
                 "pdkv_router_decode_resumes_total",
                 "counter",
-                "requests resumed on another decode node after their first one failed mid-stream",
+                "decode streams resumed on another node after theirs failed mid-stream (one per resume)",
                 self.pipeline.resumed,
             ),
         ]

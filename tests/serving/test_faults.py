@@ -98,6 +98,7 @@ def test_a_decode_node_killed_mid_stream_hands_the_request_to_another(
             token_ids: list[int] = []
             text = ""
             killed: Process | None = None
+            done = None
             for msg in call:
                 if msg.HasField("delta"):
                     token_ids += msg.delta.token_ids
@@ -105,7 +106,16 @@ def test_a_decode_node_killed_mid_stream_hands_the_request_to_another(
                     if killed is None and len(token_ids) >= 5:
                         killed = serving_node(cluster)
                         cluster.kill(killed)
-            assert killed is not None
+                elif msg.HasField("done"):
+                    done = msg.done
+            assert killed is not None and done is not None
+        # Usage speaks of the client's prompt and output, not of the resumed node's longer prompt.
+        usage = done.usage
+        assert usage.completion_tokens == len(token_ids)
+        assert usage.computed_prompt_tokens <= usage.prompt_tokens
+        assert usage.cached.local_prefix + usage.cached.store <= usage.prompt_tokens
+        if mode == "disaggregated":  # the first decode node pulled the prompt's blocks before it died
+            assert usage.cached.remote_prefill > 0
         expected = LLM(pdkv_model(), device="cpu", num_blocks=512).generate([PROMPT], params)[0]
         assert token_ids == expected.token_ids
         assert text == expected.text
