@@ -172,16 +172,37 @@ def send_frames(
     sock: zmq.Socket[Any], frames: Sequence[Any], *, track: bool = False
 ) -> zmq.MessageTracker | None:
     """Send ``frames`` as one message without copying its large frames; with ``track``, a tracker that is
-    done once ZeroMQ has let go of every frame.
+    done once ZeroMQ has let go of every frame it did not copy.
 
-    Only the last frame is tracked: ZeroMQ releases the frames of one message in order, so the last one
-    released means all are.  (pyzmq's ``send_multipart(track=True)`` tracks every frame, at about 40 us
-    each, and returns the last one's tracker all the same.)  A ``zmq.Frame`` among ``frames`` goes out
-    sharing its buffer (by reference count).  Raises what ``Socket.send`` raises.
+    Only one frame is tracked: the last one ZeroMQ takes without a copy (pyzmq copies frames under its
+    ``copy_threshold``, and those hold no caller memory).  ZeroMQ releases the frames of one message in
+    order, so that one released means all are.  (pyzmq's ``send_multipart(track=True)`` tracks every
+    frame, at about 40 us each, and returns the last one's tracker, which is done at once when that frame
+    was small.)  A ``zmq.Frame`` among ``frames`` goes out sharing its buffer (by reference count).  Raises
+    what ``Socket.send`` raises.
     """
-    for frame in frames[:-1]:
-        sock.send(frame, zmq.SNDMORE, copy=False)
-    last = frames[-1]
-    if track and isinstance(last, zmq.Frame) and last.tracker is None:
-        last = last.buffer  # a received frame cannot be tracked: send a new zero-copy frame over its buffer
-    return sock.send(last, 0, copy=False, track=track)
+    frames = list(frames)
+    tracked = -1
+    if track:
+        threshold = sock.copy_threshold
+        for i in range(len(frames) - 1, -1, -1):
+            if not isinstance(frames[i], bytes) and _nbytes(frames[i]) >= threshold:
+                tracked = i
+                break
+        if tracked >= 0 and isinstance(frames[tracked], zmq.Frame) and frames[tracked].tracker is None:
+            frames[tracked] = frames[
+                tracked
+            ].buffer  # a received frame cannot be tracked: a new zero-copy one
+    tracker: zmq.MessageTracker | None = zmq.MessageTracker() if track else None  # nothing to wait for
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        flags = 0 if i == last else zmq.SNDMORE
+        if i == tracked:
+            tracker = sock.send(frame, flags, copy=False, track=True)
+        else:
+            sock.send(frame, flags, copy=False)
+    return tracker
+
+
+def _nbytes(frame: Any) -> int:
+    return len(frame) if isinstance(frame, zmq.Frame) else memoryview(frame).nbytes

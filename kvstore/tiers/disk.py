@@ -151,13 +151,14 @@ class DiskTier(Tier):
                     name = hashes[i].hex()
                     path = f"{folder}{name[:2]}/{name}"
                     try:
-                        fd = os.open(path, flags)
+                        try:
+                            fd = os.open(path, flags)
+                        except PermissionError:
+                            fd = self._open_not_owned(path)
+                            flags = self._read_flags
                     except FileNotFoundError:
                         short = (i, path, -1)
                         break
-                    except PermissionError:
-                        fd = self._open_not_owned(path)
-                        flags = self._read_flags
                     try:
                         dst = dsts[i]
                         header = headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
@@ -206,12 +207,13 @@ class DiskTier(Tier):
             _, path = self._path(key)
             buf = bytearray(size)
             try:
-                fd = os.open(path, self._read_flags)
+                try:
+                    fd = os.open(path, self._read_flags)
+                except PermissionError:
+                    fd = self._open_not_owned(path)
             except FileNotFoundError:
                 self._forget(key)
                 return ReadResult(units, MissReason.ABSENT)
-            except PermissionError:
-                fd = self._open_not_owned(path)
             try:
                 got = _preadv_all(fd, [buf])
             finally:

@@ -233,6 +233,12 @@ def test_files_another_user_owns_are_read_without_noatime(
     assert (result.loaded, result.reason) == (3, None) and b.loaded(3)
     assert len(refused) == 1  # asked once, then never again
     assert [u.payload.tobytes() for u in tier.read(b.run()).units] == [bytes(v) for v in b.views]
+    # A file gone between the refusal and the second open is a miss like any missing file.
+    fresh = disk(tmp_path / "other")
+    fresh.put(b.run(), b.units())
+    block_file(fresh, b, 0).unlink()  # refused with O_NOATIME first, then not found without it
+    result = fresh.get_into(b.run(), b.out_views, LAYOUT)
+    assert (result.loaded, result.reason) == (0, MissReason.ABSENT)
 
 
 def test_a_file_deleted_behind_its_back_is_absent(tmp_path: Path, make_blocks: Callable[..., Blocks]) -> None:

@@ -19,7 +19,7 @@ from kvstore.codec import BlockCodec
 from kvstore.config import RemoteTierConfig
 from kvstore.deadline import Deadline
 from kvstore.layout import BlockLayout
-from kvstore.protocol import decode_reply, encode_request
+from kvstore.protocol import decode_reply, encode_request, send_frames
 from kvstore.results import MissReason, Unit
 from kvstore.store import KVStore
 from kvstore.tiers.base import TierPolicy
@@ -262,3 +262,27 @@ def test_two_engines_share_blocks_through_the_server(store_server: StartServer) 
     finally:
         first.close()
         second.close()
+
+
+def test_send_frames_tracks_the_last_frame_zeromq_did_not_copy() -> None:
+    """A message of a large block and a small trailer: the tracker follows the block (pyzmq copies the
+    small frame, so tracking it would say "done" while ZeroMQ still reads the block)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://send-frames")
+        b.connect("inproc://send-frames")
+        block = bytearray(1 << 20)
+        tracker = send_frames(a, [b"header", memoryview(block), b"trailer"], track=True)
+        assert tracker is not None and not tracker.done  # the message waits, unread, holding the block
+        frames = b.recv_multipart(copy=False)
+        assert [len(f) for f in frames] == [6, 1 << 20, 7]
+        del frames
+        tracker.wait(5)
+        small = send_frames(a, [b"x", memoryview(bytearray(16))], track=True)
+        assert small is not None and small.done  # nothing sent without a copy: nothing to wait for
+        b.recv_multipart()
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
