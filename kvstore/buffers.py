@@ -5,8 +5,9 @@ store sees their bytes).  ``host_view`` turns either into a flat ``memoryview`` 
 copying.
 
 ``BufferFence`` guards the buffers of one ``get_into`` call against a tier call that outlives its deadline:
-a tier writes block ``i`` only inside ``with fence.writing(i) as dst``; once the caller gives up it calls
-``fence.close()``, which waits for a write in progress to finish and makes every later ``writing`` raise
+a tier writes block ``i`` only inside ``with fence.writing(i) as dst`` (or a few blocks in a row between
+``hold_all()`` and ``let_go()``); once the caller gives up it calls ``fence.close()``, which waits for the
+write in progress (at most that group of blocks) to finish and makes every later write raise
 ``Abandoned``, so no byte lands in an engine block after the store has reported it as a miss.
 """
 
