@@ -7,9 +7,13 @@ number of processes, may share the directory: a block another engine saved is a 
 Layout on disk (one file per block, written atomically: temp file + rename, so a reader never sees a
 half-written block)::
 
-    <path>/<namespace id>/<first two hex chars of the hash>/<block hash hex>.kv
+    <path>/<namespace id>/<dtype>-<layers>x<kv heads>x<head dim>/<hash hex[:2]>/<block hash hex>.kv
         = kvstore block codec: a 96-byte header (magic, namespace, block hash, layout, checksums)
           followed by the block's payload: kv_cache[block_id], all layers' K and V
+
+The namespace id names the model and the block size; the folder below it, the cache's dtype and geometry,
+so engines running one model in two dtypes share a directory without reading (or replacing) each other's
+blocks.
 
 How the halves split the work:
 
@@ -37,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from engine.hashing import BlockHash
 from engine.request import Request, RequestId
-from kvstore.results import MissReason
 
 if TYPE_CHECKING:
     import torch
@@ -72,7 +75,11 @@ class SharedDirConnector(KVConnectorBase):
         self, role: KVConnectorRole, context: ConnectorContext, options: Mapping[str, Any] | None = None
     ) -> None:
         super().__init__(role, context, options)
-        self.dir = Path(self.options.path) / context.namespace.namespace_id
+        spec = context.spec
+        layout = (
+            f"{str(spec.dtype).removeprefix('torch.')}-{spec.num_layers}x{spec.num_kv_heads}x{spec.head_dim}"
+        )
+        self.dir = Path(self.options.path) / context.namespace.namespace_id / layout
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # a share that is down costs hits, never the engine (contract rule 3)
@@ -179,8 +186,7 @@ class SharedDirConnector(KVConnectorBase):
             if reason is not None:
                 logger.warning("shared-dir: block %s is a miss: %s", block_hash.hex()[:16], reason.value)
                 self._load_errors.add(block_id)
-                if reason is not MissReason.WRONG_LAYOUT:  # that one is another dtype's engine's, and good
-                    self._remove_bad_file(block_hash)
+                self._remove_bad_file(block_hash)
 
     def _remove_bad_file(self, block_hash: bytes) -> None:
         """A file that failed its checks helps nobody: remove it, so the next save of the block (this

@@ -81,7 +81,9 @@ def block_files(
 ) -> list[Path]:
     """Where shared-dir keeps the prompt's full blocks (the layout in connectors/shared_dir.py)."""
     request = Request("probe", prompt, PARAMS, namespace=engine.namespace, cache_salt=salt)
-    root = kv_dir / engine.namespace.namespace_id
+    spec = engine.kv_spec
+    layout = f"{str(spec.dtype).removeprefix('torch.')}-{spec.num_layers}x{spec.num_kv_heads}x{spec.head_dim}"
+    root = kv_dir / engine.namespace.namespace_id / layout
     return [root / h.hex()[:2] / f"{h.hex()}.kv" for h in request.block_hashes]
 
 
@@ -205,21 +207,33 @@ def test_blocks_computed_over_a_failed_load_are_not_saved(tmp_path: Path) -> Non
     assert [o.num_external_tokens for o in outs] == [(len(prompt) - 1) // BS * BS]
 
 
-def test_another_dtypes_blocks_are_misses_and_stay(tmp_path: Path) -> None:
-    """One model, two dtypes, one directory: the block files are keyed by model, not dtype.  A bfloat16
-    engine misses on a float32 engine's files (wrong layout) and leaves them for their owner."""
+def test_two_dtypes_of_one_model_share_a_directory_without_stepping_on_each_other(tmp_path: Path) -> None:
+    """Block hashes name the model, not the cache's dtype: the files of a float32 and a bfloat16 engine of
+    one model live in separate folders, and each engine hits its own."""
     model = pdkv_tiny_model_dir()
     prompt = random_prompts([18], seed=12, vocab=256)[0]
+    full = (len(prompt) - 1) // BS * BS
+
+    def half() -> LLM:
+        return LLM(
+            model,
+            device="cpu",
+            dtype="bfloat16",
+            block_size=BS,
+            num_blocks=64,
+            kv_connector=shared_dir(tmp_path),
+        )
+
     llm(model, tmp_path).generate([prompt], PARAMS)
     files = block_files(llm(model).engine, tmp_path, prompt)
     contents = [f.read_bytes() for f in files]
-    half = LLM(
-        model, device="cpu", dtype="bfloat16", block_size=BS, num_blocks=64, kv_connector=shared_dir(tmp_path)
-    )
-    [out] = half.generate([prompt], PARAMS)
-    assert len(out.token_ids) == NEW_TOKENS and half.stats().scheduler.num_load_failures == 1
-    assert [f.read_bytes() for f in files] == contents  # neither removed nor overwritten
+    first_half = half()
+    [out] = first_half.generate([prompt], PARAMS)
+    assert out.num_external_tokens == 0 and first_half.stats().scheduler.num_load_failures == 0
+    assert [f.read_bytes() for f in files] == contents  # the float32 blocks are untouched
+    second_half = half()
+    [again] = second_half.generate([prompt], PARAMS)
+    assert again.num_external_tokens == full and again.token_ids == out.token_ids
     owner = llm(model, tmp_path)
-    [again] = owner.generate([prompt], PARAMS)
-    assert again.num_external_tokens == (len(prompt) - 1) // BS * BS
-    assert owner.stats().scheduler.num_load_failures == 0
+    [mine] = owner.generate([prompt], PARAMS)
+    assert mine.num_external_tokens == full and owner.stats().scheduler.num_load_failures == 0
