@@ -189,10 +189,10 @@ def send_frames(
             if not isinstance(frames[i], bytes) and _nbytes(frames[i]) >= threshold:
                 tracked = i
                 break
-        if tracked >= 0 and isinstance(frames[tracked], zmq.Frame) and frames[tracked].tracker is None:
-            frames[tracked] = frames[
-                tracked
-            ].buffer  # a received frame cannot be tracked: a new zero-copy one
+        received = frames[tracked] if tracked >= 0 else None
+        if isinstance(received, zmq.Frame) and received.tracker is None:
+            # A received frame cannot be tracked: send a new zero-copy frame over its buffer instead.
+            frames[tracked] = received.buffer
     tracker: zmq.MessageTracker | None = zmq.MessageTracker() if track else None  # nothing to wait for
     last = len(frames) - 1
     for i, frame in enumerate(frames):

@@ -211,9 +211,8 @@ class StoreServer:
                 reason = verify_payload(header, payload)
             if reason is not None:
                 break
-            units.append(
-                Unit(payload, bytes(raw), keep=True, parsed=header)
-            )  # the frame is ours: a memory tier keeps it
+            # The frame is ours: a memory tier keeps it as it is.
+            units.append(Unit(payload, bytes(raw), keep=True, parsed=header))
         stored = self.store.put(run.slice(0, len(units)), units) if units else None
         count = stored.stored if stored is not None else 0
         out_reason = reason if reason is not None else (stored.reason if stored is not None else None)

@@ -143,7 +143,6 @@ class DiskTier(Tier):
         headers = memoryview(bytearray(HEADER_SIZE * present))
         actual: list[int] = []  # payload checksums of the blocks read whole
         short: tuple[int, str, int] | None = None  # a block that was not: (index, path, bytes read)
-        flags = self._read_flags
         for lo in range(0, present, _FENCE_GROUP):
             dsts = fence.hold_all()
             try:
@@ -151,11 +150,7 @@ class DiskTier(Tier):
                     name = hashes[i].hex()
                     path = f"{folder}{name[:2]}/{name}"
                     try:
-                        try:
-                            fd = os.open(path, flags)
-                        except PermissionError:
-                            fd = self._open_not_owned(path)
-                            flags = self._read_flags
+                        fd = self._open_for_read(path)
                     except FileNotFoundError:
                         short = (i, path, -1)
                         break
@@ -207,10 +202,7 @@ class DiskTier(Tier):
             _, path = self._path(key)
             buf = bytearray(size)
             try:
-                try:
-                    fd = os.open(path, self._read_flags)
-                except PermissionError:
-                    fd = self._open_not_owned(path)
+                fd = self._open_for_read(path)
             except FileNotFoundError:
                 self._forget(key)
                 return ReadResult(units, MissReason.ABSENT)
@@ -313,12 +305,16 @@ class DiskTier(Tier):
                     deleted += 1
         return deleted
 
-    def _open_not_owned(self, path: str) -> int:
-        """Open a file another user owns (O_NOATIME is refused there): without it, from now on."""
-        if not self._read_flags & _O_NOATIME:
-            raise PermissionError(errno.EACCES, "permission denied", path)
-        self._read_flags &= ~_O_NOATIME
-        return os.open(path, self._read_flags)
+    def _open_for_read(self, path: str) -> int:
+        """A block file opened for reading (``FileNotFoundError`` when it is gone), with ``O_NOATIME``
+        until a file another user owns refuses it: then without it, from now on."""
+        try:
+            return os.open(path, self._read_flags)
+        except PermissionError:
+            if not self._read_flags & _O_NOATIME:
+                raise
+            self._read_flags &= ~_O_NOATIME
+            return os.open(path, self._read_flags)
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
