@@ -25,7 +25,9 @@ DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
 class EngineConfig:
     """Options of one engine.  ``model=None`` means the embedded default model (written on first use).
 
-    ``dtype="auto"``: float32 on the CPU; on CUDA the checkpoint's 16-bit dtype, else bfloat16.
+    ``dtype="auto"``: on CUDA the checkpoint's 16-bit dtype, else bfloat16.  On the CPU, a checkpoint
+    stored in float32 runs in float32 (its weights are not rounded); any other runs in bfloat16 where the
+    CPU has AVX512_BF16 or AMX (``engine/cpu_features.py``), else in float32.
     ``device="auto"``: CUDA when present, else the CPU.
     ``max_model_len``: the longest request (prompt + output); defaults to the model's
     ``max_position_embeddings`` and may not exceed it.
@@ -126,13 +128,25 @@ class EngineConfig:
     def torch_dtype(self, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
         import torch
 
+        from engine.cpu_features import fast_bf16_flags
+
         if self.dtype != "auto":
             return getattr(torch, self.dtype)  # type: ignore[no-any-return]
         if device.type == "cpu":
-            return torch.float32
+            if checkpoint_dtype == "float32" or not fast_bf16_flags():
+                return torch.float32
+            return torch.bfloat16
         if checkpoint_dtype in ("float16", "bfloat16"):
             return getattr(torch, checkpoint_dtype)  # type: ignore[no-any-return]
         return torch.bfloat16
+
+    def dtype_reason(self, device: torch.device, dtype: torch.dtype) -> str:
+        """Why ``torch_dtype`` chose ``dtype``: one phrase for the log."""
+        from engine.cpu_features import auto_cpu_dtype_note
+
+        if self.dtype != "auto":
+            return f"--dtype {self.dtype}"
+        return auto_cpu_dtype_note() if device.type == "cpu" else "auto on CUDA"
 
 
 def _positive_int(name: str, value: object) -> None:

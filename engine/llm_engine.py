@@ -26,8 +26,8 @@ from engine.hashing import HashNamespace
 from engine.kv_cache import KVCacheSpec
 from engine.kv_cache_manager import cdiv
 from engine.kv_events import KVCacheEvent
-from engine.model.loader import LoadedModel, inspect_model_folder, load_model
-from engine.model.make_model import ensure_default_model
+from engine.model.embedded import ensure_default_model
+from engine.model.loader import LoadedModel, inspect_model, load_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
@@ -75,18 +75,14 @@ class LLMEngine:
         if device.type == "cpu":
             tune_malloc_for_tensors()  # see engine/cpu_memory.py: stops per-op page faults
         model_path = config.model if config.model is not None else ensure_default_model()
-        folder = inspect_model_folder(model_path)  # refuses a bad folder before any weight is read
-        dtype = config.torch_dtype(device, folder.config.checkpoint_dtype)
-        self.model: LoadedModel = load_model(folder, dtype=dtype, device=device)
+        source = inspect_model(model_path)  # refuses a bad folder or file before any weight is read
+        self.tokenizer = Tokenizer.for_model(source)
+        dtype = config.torch_dtype(device, source.config.checkpoint_dtype)
+        logger.info("model %s: %s on %s (%s)", source.path, dtype, device, config.dtype_reason(device, dtype))
+        self.model: LoadedModel = load_model(source, dtype=dtype, device=device)
         model_config = self.model.config
         self.max_model_len = self._max_model_len(config, model_config.max_position_embeddings)
         self.eos_token_ids = model_config.eos_token_ids
-        self.tokenizer = Tokenizer.from_folder(
-            folder.path,
-            vocab_size=model_config.vocab_size,
-            bos_token_id=model_config.bos_token_id,
-            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
-        )
         self.namespace = HashNamespace(
             model_fingerprint=self.model.fingerprint, block_size=config.block_size, algo=config.hash_algo
         )

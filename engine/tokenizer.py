@@ -1,9 +1,12 @@
 """Text <-> token ids, and incremental detokenization of a growing output.
 
-A model folder's ``tokenizer.json`` is loaded with the ``tokenizers`` library.  A folder without one gets
-a byte-level fallback (token ``b`` is byte ``b`` for ``b < 256``; bos/eos from ``config.json`` are special
-tokens; every other id decodes to nothing), so a bare checkpoint still runs end to end.  The same builder
-writes the embedded default model's tokenizer (``engine/model/make_model.py``).
+``Tokenizer.for_model(source)`` builds it from what the model ships: a folder's ``tokenizer.json`` (with
+the ``tokenizers`` library), or a GGUF file's ``tokenizer.ggml.*`` metadata
+(``engine/model/gguf_tokenizer.py``), plus the model's chat template when it has one.  A folder without
+``tokenizer.json`` is refused -- guessing a tokenizer gives wrong text without an error -- except for our
+random-weight test models (their ``config.json`` says so), which get a byte-level tokenizer (token ``b``
+is byte ``b`` for ``b < 256``; bos/eos are special tokens; every other id decodes to nothing).  The same
+builder writes ``pdkv make-model``'s tokenizer (``engine/model/make_model.py``).
 
 Detokenization streams through ``tokenizers.decoders.DecodeStream``: it emits text only once the bytes
 of a character are complete, so a delta never ends in half a UTF-8 sequence.
@@ -14,10 +17,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
+
+if TYPE_CHECKING:
+    from engine.chat_template import ChatTemplate
+    from engine.model.loader import ModelSource
 
 NUM_BYTES = 256
 BOS_TEXT = "<bos>"
@@ -80,34 +88,49 @@ class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus the special ids the engine needs."""
 
     def __init__(
-        self, tokenizer: HFTokenizer, *, bos_token_id: int | None, eos_token_id: int | None, source: str
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        source: str,
+        chat_template: ChatTemplate | None = None,
     ) -> None:
         self._tok = tokenizer
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.source = source
+        self.chat_template = chat_template
 
     @classmethod
-    def from_folder(
-        cls, folder: str | Path, *, vocab_size: int, bos_token_id: int | None, eos_token_id: int | None
-    ) -> Tokenizer:
-        """``folder/tokenizer.json`` if present, else the byte-level fallback sized to ``vocab_size``."""
-        path = Path(folder) / "tokenizer.json"
-        if path.is_file():
-            try:
-                tok = HFTokenizer.from_file(str(path))
-            except Exception as exc:  # the library raises a bare Exception on malformed files
-                raise ValueError(f"{path}: not a valid tokenizers file ({exc})") from exc
-            return cls(tok, bos_token_id=bos_token_id, eos_token_id=eos_token_id, source=str(path))
-        if vocab_size < NUM_BYTES:
-            raise ValueError(
-                f"model folder {str(folder)!r} has no tokenizer.json and its vocab_size {vocab_size} is too "
-                "small for the byte-level fallback (needs >= 256); pass token ids or add a tokenizer.json"
-            )
-        tok = build_byte_level_tokenizer(
-            vocab_size=vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id
+    def for_model(cls, model: ModelSource) -> Tokenizer:
+        """The tokenizer (and chat template) ``model`` ships; see the module docstring for the rules."""
+        from engine.model.gguf import GGUFModel
+
+        config = model.config
+        eos = config.eos_token_ids[0] if config.eos_token_ids else None
+        if isinstance(model, GGUFModel):
+            from engine.model.gguf_tokenizer import build_gguf_tokenizer
+
+            tok = build_gguf_tokenizer(model.tokenizer, source=str(model.path))
+            source = f"{model.path} (tokenizer.ggml)"
+        else:
+            path = model.path / "tokenizer.json"
+            if path.is_file():
+                tok = _read_tokenizer_json(path)
+                source = str(path)
+            elif model.is_random:
+                tok = _fallback(model.path, config.vocab_size, config.bos_token_id, eos)
+                source = "byte-level tokenizer of a random test model"
+            else:
+                raise FileNotFoundError(
+                    f"model folder {str(model.path)!r} has no tokenizer.json; copy the model's tokenizer.json"
+                    " into it (pdkv does not guess a tokenizer)"
+                )
+        template = _chat_template(tok, model, eos)
+        return cls(
+            tok, bos_token_id=config.bos_token_id, eos_token_id=eos, source=source, chat_template=template
         )
-        return cls(tok, bos_token_id=bos_token_id, eos_token_id=eos_token_id, source="byte-level fallback")
 
     @property
     def vocab_size(self) -> int:
@@ -121,6 +144,39 @@ class Tokenizer:
 
     def stream(self, *, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._tok, skip_special_tokens=skip_special_tokens)
+
+
+def _read_tokenizer_json(path: Path) -> HFTokenizer:
+    try:
+        return HFTokenizer.from_file(str(path))
+    except Exception as exc:  # the library raises a bare Exception on malformed files
+        raise ValueError(f"{path}: not a valid tokenizers file ({exc})") from exc
+
+
+def _fallback(folder: Path, vocab_size: int, bos: int | None, eos: int | None) -> HFTokenizer:
+    if vocab_size < NUM_BYTES:
+        raise ValueError(
+            f"model folder {str(folder)!r} has no tokenizer.json and its vocab_size {vocab_size} is too "
+            "small for the byte-level tokenizer (needs >= 256); pass token ids or add a tokenizer.json"
+        )
+    return build_byte_level_tokenizer(vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos)
+
+
+def _chat_template(tok: HFTokenizer, model: ModelSource, eos: int | None) -> ChatTemplate | None:
+    source = model.chat_template
+    if source is None:
+        return None
+    from engine.chat_template import ChatTemplate
+
+    def text(token_id: int | None) -> str:
+        return "" if token_id is None else (tok.id_to_token(token_id) or "")
+
+    special = {
+        "bos_token": text(model.config.bos_token_id),
+        "eos_token": text(eos),
+    }
+    vocab = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    return ChatTemplate.build(source, special_tokens=special, vocab=vocab, origin=str(model.path))
 
 
 class IncrementalDetokenizer:

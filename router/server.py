@@ -21,7 +21,7 @@ from router.nodes import HealthMonitor, NodePool
 from router.pipeline import Pipeline
 from router.policy import make_selector
 from router.servicer import GenerationServicer
-from router.tokenizer import load_tokenizer, model_folder
+from router.tokenizer import load_tokenizer, model_path
 from serving.config import stop_on_signals
 from serving.metrics import MetricFamily, MetricsServer, RpcCounters
 
@@ -45,7 +45,7 @@ class RouterRuntime:
 
     @classmethod
     def build(cls, config: RouterConfig) -> RouterRuntime:
-        tokenizer, vocab_size = load_tokenizer(model_folder(config.model))
+        tokenizer, vocab_size = load_tokenizer(model_path(config.model))
         decode_service = "pdkv.v1.DecodeNode"
         decode = NodePool(
             "decode" if config.mode == "disaggregated" else "colocated",

@@ -1,35 +1,23 @@
-"""The router's tokenizer: the nodes' model folder's, loaded without the model (no torch import)."""
+"""The router's tokenizer: the nodes' model's (folder or GGUF), loaded without the weights (no torch)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from engine.model.config import ModelConfig
+from engine.model.loader import inspect_model
 from engine.tokenizer import Tokenizer
 
 
-def model_folder(model: str | None) -> Path:
-    """``model``, or the embedded default model's folder (written on first use, as the nodes do)."""
+def model_path(model: str | None) -> Path:
+    """``model``, or the embedded default model's file (fetched on first use, as the nodes do)."""
     if model is not None:
         return Path(model).expanduser()
-    from engine.model.make_model import ensure_default_model  # imports torch: only for the default
+    from engine.model.embedded import ensure_default_model
 
     return ensure_default_model()
 
 
-def load_tokenizer(folder: Path) -> tuple[Tokenizer, int]:
-    """The tokenizer of ``folder`` and the model's vocabulary size (token ids are checked against it)."""
-    config_path = folder / "config.json"
-    try:
-        raw = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{config_path}: cannot read the model config ({exc})") from exc
-    config = ModelConfig.from_hf(raw, source=str(config_path))
-    tokenizer = Tokenizer.from_folder(
-        folder,
-        vocab_size=config.vocab_size,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_ids[0] if config.eos_token_ids else None,
-    )
-    return tokenizer, config.vocab_size
+def load_tokenizer(path: Path) -> tuple[Tokenizer, int]:
+    """The tokenizer of the model at ``path`` and its vocabulary size (token ids are checked against it)."""
+    source = inspect_model(path)
+    return Tokenizer.for_model(source), source.config.vocab_size

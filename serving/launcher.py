@@ -279,9 +279,9 @@ class Cluster:
     def _model_folder(self) -> str:
         if self.topology.model is not None:
             return str(Path(self.topology.model).expanduser())
-        from engine.model.make_model import ensure_default_model
+        from engine.model.embedded import ensure_default_model
 
-        return str(ensure_default_model())  # written once here, not raced by every node
+        return str(ensure_default_model())  # fetched once here, not raced by every node
 
     def _start_redis(self, deadline: float) -> int:
         binary = shutil.which("redis-server")

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.model.make_model import TinyLlamaSpec, ensure_default_model, make_model
+from engine.model.loader import inspect_model
+from engine.model.make_model import TinyLlamaSpec, ensure_random_model, make_model
 from engine.tokenizer import Tokenizer
 from pdkv.cli import main
 from tests.tiny_models import TINY_PDKV_SPEC
@@ -33,9 +34,7 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path: Path) -> None:
 
 def test_tokenizer_covers_bytes_and_specials(tmp_path: Path) -> None:
     folder = make_model(tmp_path / "m", SPEC)
-    tok = Tokenizer.from_folder(
-        folder, vocab_size=SPEC.vocab, bos_token_id=SPEC.bos_token_id, eos_token_id=SPEC.eos_token_id
-    )
+    tok = Tokenizer.for_model(inspect_model(folder))
     assert tok.vocab_size == SPEC.vocab
     text = "The quick brown fox, naïve café ☕ \x00\x7f"
     ids = tok.encode(text)
@@ -80,10 +79,10 @@ def _ensure_in_child(cache: str, queue: multiprocessing.Queue) -> None:  # type:
     import os
 
     os.environ["PDKV_CACHE_DIR"] = cache
-    queue.put(str(ensure_default_model(SPEC)))
+    queue.put(str(ensure_random_model(SPEC)))
 
 
-def test_default_model_written_once_even_when_processes_race(
+def test_random_model_written_once_even_when_processes_race(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ctx = multiprocessing.get_context("spawn")
@@ -101,7 +100,7 @@ def test_default_model_written_once_even_when_processes_race(
     assert [p.name for p in folder.parent.iterdir()] == [folder.name], "temporary folders left behind"
     monkeypatch.setenv("PDKV_CACHE_DIR", str(tmp_path))
     mtime = (folder / "model.safetensors").stat().st_mtime_ns
-    assert ensure_default_model(SPEC) == folder
+    assert ensure_random_model(SPEC) == folder
     assert (folder / "model.safetensors").stat().st_mtime_ns == mtime  # reused, not rewritten
 
 

@@ -108,7 +108,17 @@ def tiny_model_dir(name: str) -> Path:
     model.save_pretrained(out, **kwargs)
     if variant.legacy_rope_keys:
         _rewrite_legacy_rope(out / "config.json")
+    mark_random(out)
     return out
+
+
+def mark_random(folder: Path) -> None:
+    """Say in ``config.json`` that this checkpoint has random weights and no tokenizer.json on purpose:
+    pdkv then gives it a byte-level tokenizer instead of refusing the folder."""
+    path = folder / "config.json"
+    raw = json.loads(path.read_text())
+    raw["pdkv_random_model"] = {"written_by": "tests/tiny_models.py"}
+    path.write_text(json.dumps(raw, indent=2))
 
 
 def _rewrite_legacy_rope(path: Path) -> None:

@@ -1,4 +1,7 @@
-"""Load a Llama-family model from a local Hugging Face folder.  Nothing is ever downloaded.
+"""Load a Llama-family model from a local Hugging Face folder or GGUF file.  Nothing is ever downloaded.
+
+``inspect_model(path)`` dispatches: a file is read as GGUF (``engine/model/gguf.py``), a folder as a
+Hugging Face checkpoint.  Both answer the same questions (config, fingerprint, weights, chat template).
 
 A folder holds ``config.json`` and its weights as either one ``model.safetensors``, several shards listed
 by ``model.safetensors.index.json``, or several ``*.safetensors`` files without an index.  Everything
@@ -12,18 +15,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors import safe_open
+from typing import TYPE_CHECKING, Any
 
 from engine.model.config import ModelConfig
 from engine.model.fingerprint import model_fingerprint
-from engine.model.llama import LlamaForCausalLM
+from engine.model.gguf import GGUFModel, inspect_gguf
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.model.llama import LlamaForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
+# make-model and the tests' random checkpoints carry this key in config.json (see is_random).
+RANDOM_MODEL_KEY = "pdkv_random_model"
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,41 @@ class ModelFolder:
     def fingerprint(self) -> str:
         return model_fingerprint(self.config.architecture, self.raw_config, self.weight_files)
 
+    @property
+    def is_random(self) -> bool:
+        """A random-weight test model (``pdkv make-model``, the tests' checkpoints) says so in its config."""
+        return RANDOM_MODEL_KEY in self.raw_config
+
+    @property
+    def chat_template(self) -> str | None:
+        """``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template`` (None: no template)."""
+        jinja = self.path / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text(encoding="utf-8")
+        cfg = self.path / "tokenizer_config.json"
+        if not cfg.is_file():
+            return None
+        try:
+            raw = json.loads(cfg.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{cfg}: cannot be read as JSON ({exc})") from exc
+        template = raw.get("chat_template") if isinstance(raw, dict) else None
+        if isinstance(template, list):  # the older list-of-named-templates form: take "default"
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        return template if isinstance(template, str) else None
+
+    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        for file in self.weight_files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in list(f.keys()):
+                    yield name, f.get_tensor(name)
+
+
+ModelSource = ModelFolder | GGUFModel
+
 
 @dataclass(frozen=True)
 class LoadedModel:
@@ -48,6 +91,14 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     device: torch.device
+
+
+def inspect_model(path: str | Path) -> ModelSource:
+    """A GGUF file or a Hugging Face folder, checked without reading weights."""
+    p = Path(path).expanduser()
+    if p.is_file() or (not p.exists() and p.suffix.lower() == ".gguf"):
+        return inspect_gguf(p)
+    return inspect_model_folder(p)
 
 
 def inspect_model_folder(path: str | Path) -> ModelFolder:
@@ -109,31 +160,28 @@ def _weight_files(folder: Path) -> tuple[Path, ...]:
     raise FileNotFoundError(f"model folder {str(folder)!r} has no *.safetensors weights")
 
 
-def load_model(path: str | Path | ModelFolder, *, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_model(path: str | Path | ModelSource, *, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     """Build the model for ``path`` on ``device`` in ``dtype`` and fill every parameter from its files."""
-    folder = path if isinstance(path, ModelFolder) else inspect_model_folder(path)
-    model = LlamaForCausalLM(folder.config, dtype=dtype, device=device)
+    from engine.model.llama import LlamaForCausalLM
+
+    source = path if isinstance(path, ModelFolder | GGUFModel) else inspect_model(path)
+    model = LlamaForCausalLM(source.config, dtype=dtype, device=device)
     expected = model.expected_weight_names()
-    loaded: set[str] = set()
-    unknown: set[str] = set()
-    for file in folder.weight_files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            names = list(f.keys())
-            got, bad = model.load_weights((name, f.get_tensor(name)) for name in names)
-        loaded |= got
-        unknown |= bad
+    loaded, unknown = model.load_weights(source.weights(dtype))
+    what = (
+        f"GGUF file {str(source.path)!r}"
+        if isinstance(source, GGUFModel)
+        else f"model folder {str(source.path)!r}"
+    )
     missing = expected - loaded
     if missing:
-        raise ValueError(f"model folder {str(folder.path)!r} is missing weights: {_few(missing)}")
+        raise ValueError(f"{what} is missing weights: {_few(missing)}")
     # Rotary caches and the like are not weights; anything else unknown means another architecture.
     unknown = {n for n in unknown if not n.endswith("rotary_emb.inv_freq")}
     if unknown:
-        raise ValueError(
-            f"model folder {str(folder.path)!r} has weights a {folder.config.architecture} does not use: "
-            f"{_few(unknown)}"
-        )
+        raise ValueError(f"{what} has weights a {source.config.architecture} does not use: {_few(unknown)}")
     model.eval()
-    return LoadedModel(model, folder.config, folder.fingerprint, folder.path, dtype, device)
+    return LoadedModel(model, source.config, source.fingerprint, source.path, dtype, device)
 
 
 def _few(names: set[str], limit: int = 5) -> str:

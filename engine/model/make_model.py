@@ -1,13 +1,15 @@
-"""Write a small random-weight Llama in Hugging Face format: the embedded default model.
+"""Write a small random-weight Llama in Hugging Face format (``pdkv make-model``; the tests' models).
 
 ``make_model(out_dir, TinyLlamaSpec(...))`` writes ``config.json``, ``model.safetensors`` and a byte-level
 BPE ``tokenizer.json`` (256 byte tokens, merges learnt from a short built-in text, ``<bos>``/``<eos>``).
 The same spec and seed always give the same bytes.  Only torch, safetensors and tokenizers are used, so
 the folder can be written on a fresh machine with nothing downloaded.
 
-``ensure_default_model()`` returns the default model's folder, writing it on first use under
+``ensure_random_model(spec)`` returns the folder of ``spec``, writing it on first use under
 ``$PDKV_CACHE_DIR`` (else ``~/.cache/pdkv``).  Every folder is written into a temporary sibling and renamed
 into place, so a reader never sees half a model and two processes racing both end with a valid folder.
+Its ``config.json`` says it is random (``pdkv_random_model``).  The embedded default model is a real one:
+``engine/model/embedded.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import pre_tokenizers
 
+from engine.model.embedded import cache_dir
 from engine.tokenizer import NUM_BYTES, build_byte_level_tokenizer
 
 FORMAT_VERSION = 1
@@ -234,18 +237,9 @@ def _write_model(folder: Path, spec: TinyLlamaSpec) -> None:
     tok.save(str(folder / "tokenizer.json"))
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("PDKV_CACHE_DIR")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "pdkv"
-
-
-def default_model_spec() -> TinyLlamaSpec:
-    return TinyLlamaSpec()
-
-
-def ensure_default_model(spec: TinyLlamaSpec | None = None) -> Path:
-    """The embedded default model's folder, written on first use (safe against concurrent writers)."""
-    spec = spec or default_model_spec()
+def ensure_random_model(spec: TinyLlamaSpec | None = None) -> Path:
+    """The folder of the random model ``spec``, written on first use (safe against concurrent writers)."""
+    spec = spec or TinyLlamaSpec()
     key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
     return make_model(cache_dir() / "models" / f"tiny-llama-v{FORMAT_VERSION}-{key}", spec, exist_ok=True)
 

@@ -1,0 +1,132 @@
+"""A model's chat template: a list of messages -> the prompt text the model was trained on.
+
+Templates are Jinja2, as Hugging Face defines them (``tokenizer_config.json``'s ``chat_template``, a
+``chat_template.jinja`` file, or a GGUF file's ``tokenizer.chat_template``).  They come with the model,
+so they are rendered in Jinja's immutable sandbox (no attribute access to Python internals, no mutation
+of the arguments) with the globals transformers provides: ``raise_exception``, ``strftime_now`` and a
+``tojson`` filter; ``trim_blocks`` and ``lstrip_blocks`` as transformers sets them.
+
+Rendering always passes ``add_generation_prompt`` (default True: the text ends where the assistant's turn
+begins).  The rendered text is tokenized *without* adding special tokens (the template writes BOS itself
+where the model wants it).  ``end_of_turn_token_ids`` are the special tokens that close a turn in this
+template (``<|im_end|>``, ``<|eot_id|>``, ...): a chat completion stops at them as it stops at EOS.
+
+The engine applies nothing implicitly: a raw text prompt stays raw; callers choose to render.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+# Special tokens named like these close a turn when the template writes them.
+_END_OF_TURN = re.compile(r"^<\|?(im_end|eot_id|eom_id|end|end_of_turn)\|?>$")
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered: a bad message, or the template itself raised."""
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.content}
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A compiled template plus the special-token strings it may refer to (``bos_token``, ...)."""
+
+    source: str
+    special_tokens: Mapping[str, str] = field(default_factory=dict)
+    end_of_turn_token_ids: tuple[int, ...] = ()
+    origin: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_compiled", _environment().from_string(self.source))
+
+    @classmethod
+    def build(
+        cls, source: str, *, special_tokens: Mapping[str, str], vocab: Mapping[str, int], origin: str
+    ) -> ChatTemplate:
+        """``vocab``: the special tokens' ids (to find the template's end-of-turn tokens)."""
+        import jinja2
+
+        try:
+            _environment().parse(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ChatTemplateError(f"{origin}: the chat template does not parse: {exc}") from exc
+        eot = tuple(sorted({i for t, i in vocab.items() if _END_OF_TURN.match(t) and t in source}))
+        return cls(source, dict(special_tokens), eot, origin)
+
+    def render(
+        self, messages: Sequence[ChatMessage | Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> str:
+        import jinja2
+
+        checked = [_check_message(i, m) for i, m in enumerate(messages)]
+        if not checked:
+            raise ChatTemplateError("messages: at least one message is needed")
+        try:
+            return str(
+                self._compiled.render(  # type: ignore[attr-defined]
+                    messages=checked,
+                    add_generation_prompt=add_generation_prompt,
+                    tools=None,
+                    documents=None,
+                    **self.special_tokens,
+                )
+            )
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from exc
+
+
+def _check_message(i: int, m: ChatMessage | Mapping[str, Any]) -> dict[str, str]:
+    d = m.as_dict() if isinstance(m, ChatMessage) else dict(m)
+    role, content = d.get("role"), d.get("content")
+    if not isinstance(role, str) or role not in ROLES:
+        raise ChatTemplateError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+    if not isinstance(content, str):
+        raise ChatTemplateError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+    return {"role": role, "content": content}
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"the chat template refused the messages: {message}")
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+_ENV: Any = None
+
+
+def _environment() -> Any:
+    global _ENV
+    if _ENV is None:
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        _ENV = env
+    return _ENV
