@@ -14,10 +14,10 @@ of a character are complete, so a delta never ends in half a UTF-8 sequence.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
@@ -138,6 +138,25 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """``messages`` rendered with the model's chat template and tokenized (the template writes every
+        special token itself, so none is added).  ``ChatTemplateError`` names what is wrong."""
+        from engine.chat_template import ChatTemplateError
+
+        if self.chat_template is None:
+            raise ChatTemplateError(f"the model ({self.source}) has no chat template; send text or token ids")
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+    @property
+    def end_of_turn_token_ids(self) -> tuple[int, ...]:
+        """Tokens that end a chat reply (the template's end-of-turn tokens and EOS)."""
+        ids = self.chat_template.end_of_turn_token_ids if self.chat_template is not None else ()
+        eos = () if self.eos_token_id is None else (self.eos_token_id,)
+        return tuple(dict.fromkeys((*ids, *eos)))
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

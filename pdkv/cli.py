@@ -12,6 +12,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from engine.model.embedded import FetchError
+
 _SUBCOMMANDS = (
     "pdkv.commands.model",
     "pdkv.commands.kvstore",
@@ -39,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, FetchError) as exc:
         print(f"pdkv {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

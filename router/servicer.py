@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Iterator
 
 import grpc
 
+from engine.chat_template import ChatTemplateError
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from pdkv_proto.pdkv.v1 import generation_pb2, generation_pb2_grpc
 from router.pipeline import ClientRequest, Delta, Done, Pipeline, Usage
@@ -62,6 +65,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if not request.text:
                 raise invalid("prompt.text", "is empty")
             token_ids = self.tokenizer.encode(request.text)
+        elif which == "messages":
+            token_ids, params = self._chat(request.messages, params)
         elif which == "token_ids":
             token_ids = convert.token_ids(request.token_ids.ids, "prompt.token_ids.ids")
             for i, t in enumerate(token_ids):
@@ -70,10 +75,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         f"prompt.token_ids.ids[{i}]", f"{t} is outside the vocabulary [0, {self.vocab_size})"
                     )
         else:
-            raise invalid("prompt", "set text or token_ids")
+            raise invalid("prompt", "set text, token_ids or messages")
         if not token_ids:
             raise invalid("prompt.text", "has no tokens")
         return ClientRequest(rid, token_ids, params, convert.cache_salt(request))
+
+    def _chat(
+        self, messages: generation_pb2.ChatMessages, params: SamplingParams
+    ) -> tuple[list[int], SamplingParams]:
+        """The conversation rendered with the model's template; the reply stops at its end of turn."""
+        conversation = [{"role": m.role, "content": m.content} for m in messages.messages]
+        try:
+            token_ids = self.tokenizer.apply_chat_template(conversation)
+        except ChatTemplateError as exc:
+            raise invalid("prompt.messages", str(exc)) from None
+        stops = tuple(dict.fromkeys((*params.stop_token_ids, *self.tokenizer.end_of_turn_token_ids)))
+        return token_ids, dataclasses.replace(params, stop_token_ids=stops)
 
 
 def _completion(done: Done) -> generation_pb2.Completion:

