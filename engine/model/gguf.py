@@ -30,6 +30,7 @@ import dataclasses
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -104,7 +105,7 @@ class GGUFModel:
     @property
     def fingerprint(self) -> str:
         """Same file, same fingerprint on every node; another quantization is another file's bytes."""
-        return model_fingerprint(self.config.architecture, self.hf_config, (self.path,))
+        return model_fingerprint(self.config.architecture, self.hf_config, (self.path,), by_name=False)
 
     @property
     def is_random(self) -> bool:
@@ -141,10 +142,19 @@ def is_gguf_path(path: str | Path) -> bool:
 
 
 def inspect_gguf(path: str | Path) -> GGUFModel:
-    """Validate ``path`` as a GGUF model pdkv can run, without dequantizing any weight."""
+    """Validate ``path`` as a GGUF model pdkv can run, without dequantizing any weight.
+
+    Parsing a file's metadata takes seconds (the reader builds an array per vocabulary entry), so the
+    result is kept per (path, size, mtime): a second engine on the same file in one process skips it."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise FileNotFoundError(f"GGUF file {str(p)!r} does not exist or is not a file")
+    st = p.stat()
+    return _inspect(p.resolve(), st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=4)
+def _inspect(p: Path, size: int, mtime_ns: int) -> GGUFModel:
     with p.open("rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
