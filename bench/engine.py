@@ -1,6 +1,6 @@
 """Offline generation throughput of the pdkv engine against transformers, on the same weights.
 
-    python -m bench.engine [--quick] [--json PATH]
+    python -m bench.engine [--quick] [--json PATH] [--part tiny|real|all]
 
 A bench-sized random Llama (4 layers, hidden 512, 8 heads) is written with make-model into a temporary
 folder.  The same batch of prompts (default: 32 prompts of 256-1024 tokens, 128 new tokens each, greedy,
@@ -16,6 +16,9 @@ token of a prompt whose prefix is fully cached against the same prompt length co
 (``ttft_speedup_prefix_hit``).  Each side runs ``--repeat`` times, interleaved, and keeps its best time
 (the prefix cache is reset between pdkv runs): on a shared 2-core machine the minimum is the least noisy
 estimate.
+
+Then the same comparison on the embedded real model, SmolLM2-135M-Instruct, in bfloat16 and float32, with
+its matmul floor (``bench/engine_real.py``; ``--part tiny`` skips it).
 """
 
 from __future__ import annotations
@@ -81,14 +84,27 @@ def ttft(llm: LLM, prompt: list[int]) -> float:
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=0, help="runs per side (default: 3 with --quick, else 2)")
+    p.add_argument("--part", choices=("tiny", "real", "all"), default="all", help="which model(s)")
     args = p.parse_args()
+    report = Report("engine")
+    if args.part in ("tiny", "all"):
+        run_tiny(report, args)
+    if args.part in ("real", "all"):
+        from bench import engine_real
+
+        engine_real.run(
+            report, quick=args.quick, dtypes=["bfloat16", "float32"], repeats=1 if args.quick else 2
+        )
+    report.emit(args.json)
+
+
+def run_tiny(report: Report, args: Any) -> None:
     if args.quick:
         n, lengths, new_tokens, ttft_len, ttft_repeats = 8, (64, 192), 32, 512, 3
     else:
         n, lengths, new_tokens, ttft_len, ttft_repeats = 32, (256, 1024), 128, 1024, 5
     repeats = args.repeat or (3 if args.quick else 2)
     torch.manual_seed(0)
-    report = Report("engine")
     with tempfile.TemporaryDirectory(prefix="pdkv-bench-") as tmp:
         folder = make_model(Path(tmp) / "model", BENCH_SPEC)
         prompts = make_prompts(n, lengths, BENCH_SPEC.vocab, seed=0)
@@ -134,7 +150,6 @@ def main() -> None:
     report.figure("ttft_prefix_hit_ms", hot * 1e3)
     report.ratio("speedup_vs_transformers", hf_s / pdkv_s, ">= 2")
     report.ratio("ttft_speedup_prefix_hit", cold / hot)
-    report.emit(args.json)
 
 
 if __name__ == "__main__":
