@@ -25,8 +25,13 @@ _SUBCOMMANDS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from engine.cpu_features import auto_cpu_dtype_note
+
     parser = argparse.ArgumentParser(
-        prog="pdkv", description="Disaggregated LLM serving with a tiered KV cache."
+        prog="pdkv",
+        description="Disaggregated LLM serving with a tiered KV cache.",
+        epilog="Models: the embedded default is SmolLM2-135M-Instruct (fetched once by pdkv fetch-model); "
+        f"--model takes a GGUF file or a Hugging Face folder.  dtype {auto_cpu_dtype_note()}.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _SUBCOMMANDS:

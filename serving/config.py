@@ -20,10 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+
 from connectors.registry import KVConnectorConfig
+from engine.cpu_features import auto_cpu_dtype_note
 from engine.engine_config import EngineConfig
 
 ROLES = ("prefill", "decode", "colocated")
+
+
+def _dtype_help() -> str:
+    return f"weights and KV cache dtype; {auto_cpu_dtype_note()}; on CUDA the checkpoint's 16-bit dtype"
 # The line a node prints once it serves: READY_PREFIX + "HOST:PORT role=... metrics=... kv_endpoint=..."
 READY_PREFIX = "pdkv node: serving on "
 DEFAULT_PORTS = {"prefill": 50061, "decode": 50071, "colocated": 50081}
@@ -134,9 +140,13 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--log-level", default="WARNING")
     engine = parser.add_argument_group("engine")
     engine.add_argument(
-        "--model", metavar="DIR", help="a local Hugging Face folder (default: embedded model)"
+        "--model",
+        metavar="PATH",
+        help="a local GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)",
     )
-    engine.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    engine.add_argument(
+        "--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto", help=_dtype_help()
+    )
     engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--num-blocks", type=int, default=None)
