@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 from connectors.registry import KVConnectorConfig
 from engine.cpu_features import auto_cpu_dtype_note
 from engine.engine_config import EngineConfig
@@ -30,6 +29,8 @@ ROLES = ("prefill", "decode", "colocated")
 
 def _dtype_help() -> str:
     return f"weights and KV cache dtype; {auto_cpu_dtype_note()}; on CUDA the checkpoint's 16-bit dtype"
+
+
 # The line a node prints once it serves: READY_PREFIX + "HOST:PORT role=... metrics=... kv_endpoint=..."
 READY_PREFIX = "pdkv node: serving on "
 DEFAULT_PORTS = {"prefill": 50061, "decode": 50071, "colocated": 50081}
