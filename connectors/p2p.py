@@ -337,6 +337,9 @@ class P2PConnector(KVConnectorBase):
             # confirms the transfer stopped, so a reuse before that still fences it.
             if self._withdraw(rid):
                 self._forget(rid)
+                # A lease withdrawn before the server learnt it: the server still hears of it, so a
+                # puller that already has the params is refused at once, not after its deadline.
+                self._next.releases.append(rid)
             elif rid in self._leases:
                 self._next.releases.append(rid)
             elif rid in self._pulls:

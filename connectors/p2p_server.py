@@ -182,6 +182,10 @@ class BlockServer:
             if lease is not None and lease.state is LeaseState.SERVING:
                 self._close_locked(lease, ErrorCode.RELEASED)
                 self.stats.add("leases_dropped")
+            elif lease is None and request_id not in self._tombstones:
+                # Withdrawn before it was served: readers get a final "released", not "unknown" (which
+                # they retry until their deadline, since a lease may be registered a step late).
+                self._remember_locked(request_id, ErrorCode.RELEASED)
 
     def fence(self, request_id: str) -> bool:
         """Stop serving and return only when no send of the lease is in flight (the engine is about to
@@ -250,10 +254,13 @@ class BlockServer:
                 self.stats.add("lease_expiries")
             if lease.state is LeaseState.CLOSING and not lease.pending_trackers():
                 del self._leases[lease.request_id]
-                self._tombstones[lease.request_id] = lease.reason
-                while len(self._tombstones) > _MAX_TOMBSTONES:
-                    self._tombstones.popitem(last=False)
+                self._remember_locked(lease.request_id, lease.reason)
                 self._finished.append(lease.request_id)
+
+    def _remember_locked(self, request_id: str, reason: ErrorCode) -> None:
+        self._tombstones[request_id] = reason
+        while len(self._tombstones) > _MAX_TOMBSTONES:
+            self._tombstones.popitem(last=False)
 
     # ---- the serving thread ------------------------------------------------------------------------------
 

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+# Below this temperature a request is greedy: logits / 1e-300 overflow to inf, and inf / inf is NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each output token and when to stop.
 
-    ``temperature == 0`` is greedy.  ``seed`` makes a sampled request reproducible regardless of what else
-    runs in the batch.  ``stop`` strings are matched on the detokenized output and cut from the text.
+    ``temperature`` below ``GREEDY_TEMPERATURE`` (1e-5, 0 included) is greedy; it must be finite, as must
+    ``top_p`` and ``min_p``.  ``seed`` makes a sampled request reproducible regardless of what else runs
+    in the batch.  ``stop`` strings are matched on the detokenized output and cut from the text.
     """
 
     max_tokens: int = 16
@@ -33,6 +38,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -52,4 +61,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE

@@ -77,9 +77,12 @@ class RequestStream:
         return self._finished.is_set()
 
     def put(self, output: RequestOutput) -> None:
-        self._queue.put(output)
+        # Finished before the output is visible: a consumer that read the final output (and ended its
+        # RPC) must never see the request as unfinished, or its RPC's done-callback aborts a request
+        # that finished -- which reclaims a p2p lease the decode node is about to pull.
         if output.finished:
             self._finished.set()
+        self._queue.put(output)
 
     def get(self, timeout: float | None = None) -> RequestOutput | None:
         """The next output, or None if none arrived within ``timeout`` seconds (None: wait forever)."""

@@ -10,6 +10,7 @@ from serving.config import parse_address
 MODES = ("disaggregated", "colocated")
 POLICIES = ("round-robin", "least-loaded")
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_HTTP_ADDRESS = "127.0.0.1:8000"
 # The line the router prints once it serves: READY_PREFIX + "HOST:PORT mode=... metrics=..."
 READY_PREFIX = "pdkv router: serving on "
 
@@ -26,6 +27,11 @@ class RouterConfig:
     model: str | None = None
     address: str = DEFAULT_ADDRESS
     metrics_address: str = "127.0.0.1:0"
+    # The OpenAI-compatible HTTP API ("" = off) and the name clients give as "model".
+    http_address: str = DEFAULT_HTTP_ADDRESS
+    served_model_name: str | None = None
+    # Longest an HTTP request may take (the SDK sets no deadline the server can see).
+    http_timeout_s: float = 600.0
     # Client calls in flight before RESOURCE_EXHAUSTED.
     max_inflight: int = 256
     # Prefill nodes tried for one request (a node that fails before answering is skipped).
@@ -59,6 +65,10 @@ class RouterConfig:
         parse_address(self.address, "address")
         if self.metrics_address:
             parse_address(self.metrics_address, "metrics_address")
+        if self.http_address:
+            parse_address(self.http_address, "http_address")
+        if not self.http_timeout_s > 0:
+            raise ValueError(f"http_timeout_s must be positive, got {self.http_timeout_s!r}")
         for name in ("max_inflight", "prefill_attempts", "decode_attempts"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -79,6 +89,15 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-address", default="127.0.0.1:0", help="HOST:PORT for /metrics ('none': off)"
     )
+    parser.add_argument(
+        "--http-address",
+        default=DEFAULT_HTTP_ADDRESS,
+        help=f"HOST:PORT of the OpenAI-compatible HTTP API ({DEFAULT_HTTP_ADDRESS}; 'none': off)",
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="the model's name in the HTTP API (default: from --model)"
+    )
+    parser.add_argument("--http-timeout-s", type=float, default=600.0, help="longest HTTP request")
     parser.add_argument("--mode", choices=MODES, default="disaggregated")
     parser.add_argument(
         "--prefill", default="", metavar="ADDRS", help="prefill nodes, comma-separated HOST:PORT list"
@@ -87,7 +106,11 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode", default="", metavar="ADDRS", help="decode (or colocated) nodes, comma-separated"
     )
     parser.add_argument("--policy", choices=POLICIES, default="least-loaded")
-    parser.add_argument("--model", metavar="DIR", help="the nodes' model folder, for its tokenizer")
+    parser.add_argument(
+        "--model",
+        metavar="PATH",
+        help="the nodes' model (GGUF file or folder), for its tokenizer and template",
+    )
     parser.add_argument("--max-inflight", type=int, default=256)
     parser.add_argument("--prefill-attempts", type=int, default=2, help="prefill nodes tried per request")
     parser.add_argument(
@@ -109,6 +132,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         return tuple(a.strip() for a in text.split(",") if a.strip())
 
     metrics = "" if str(args.metrics_address).lower() in ("", "none", "off") else args.metrics_address
+    http = "" if str(args.http_address).lower() in ("", "none", "off") else args.http_address
     return RouterConfig(
         mode=args.mode,
         prefill_nodes=split(args.prefill),
@@ -117,6 +141,9 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         model=args.model,
         address=args.address,
         metrics_address=metrics,
+        http_address=http,
+        served_model_name=args.served_model_name,
+        http_timeout_s=args.http_timeout_s,
         max_inflight=args.max_inflight,
         prefill_attempts=args.prefill_attempts,
         decode_attempts=args.decode_attempts,

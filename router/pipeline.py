@@ -103,7 +103,8 @@ class Cancellation:
         self._hooks: list[Callable[[], None]] = []
         self._done = False
         self.cancelled = False
-        scope.add_callback(self._fire)
+        if not scope.add_callback(self._fire):  # the call already ended: it was cancelled
+            self.cancelled = True
 
     def on_cancel(self, hook: Callable[[], None]) -> None:
         with self._lock:
@@ -202,12 +203,15 @@ class Pipeline:
         prefill_node, first = self._prefill(request, prefill_msg, scope, cancellation)
         # From here the prefill node holds the KV for a decode node: free it if the client goes away.
         cancellation.on_cancel(lambda: prefill_node.abort_async(request.request_id))
+        n = len(request.prompt_token_ids)
+        local = min(first.prompt.local_prefix_tokens, n)
+        store = min(first.prompt.external_tokens, n - local)
         usage = Usage(
-            prompt_tokens=len(request.prompt_token_ids),
+            prompt_tokens=n,
             completion_tokens=1,
-            local_prefix=first.prompt.local_prefix_tokens,
-            store=first.prompt.external_tokens,
-            computed_prompt_tokens=first.prompt.computed_tokens,
+            local_prefix=local,
+            store=store,
+            computed_prompt_tokens=n - local - store,
             time_to_first_token_s=time.perf_counter() - start,
         )
         yield Delta(
@@ -372,12 +376,21 @@ class Pipeline:
         yield Done(convert.finish_reason(last.finish_reason), convert.stop_reason(last), usage)
 
     def _record_prompt(self, usage: Usage, prompt: types_pb2.PromptUsage) -> None:
+        """Fold a node's prompt figures into the client's usage.  The accounting, on every path:
+
+            local_prefix + store + computed_prompt_tokens == prompt_tokens
+
+        ``remote_prefill`` is not a fourth source: those tokens were computed (or loaded) by the prefill
+        node and are counted there; it says how many of them the decode node received instead of
+        recomputing.  A resumed node's prompt covers the client's prompt plus the tokens resumed, so its
+        figures are cut to the client's prompt."""
+        n = usage.prompt_tokens
         if self.mode == "colocated":
-            usage.local_prefix = prompt.local_prefix_tokens
-            usage.store = prompt.external_tokens
-            usage.computed_prompt_tokens = prompt.computed_tokens
+            usage.local_prefix = min(prompt.local_prefix_tokens, n)
+            usage.store = min(prompt.external_tokens, n - usage.local_prefix)
+            usage.computed_prompt_tokens = n - usage.local_prefix - usage.store
         else:
-            usage.remote_prefill = prompt.external_tokens
+            usage.remote_prefill = min(prompt.external_tokens, n)
 
     def _choose(
         self,

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from engine.tokenizer import Tokenizer
 from pdkv_proto.pdkv.v1 import generation_pb2_grpc
@@ -21,9 +20,10 @@ from router.nodes import HealthMonitor, NodePool
 from router.pipeline import Pipeline
 from router.policy import make_selector
 from router.servicer import GenerationServicer
-from router.tokenizer import load_tokenizer, model_path
+from router.tokenizer import RouterModel, load_model, model_path
 from serving.config import stop_on_signals
 from serving.metrics import MetricFamily, MetricsServer, RpcCounters
+from serving.reflection import enable_reflection
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +35,7 @@ class RouterRuntime:
     """Everything the router owns besides its gRPC server."""
 
     config: RouterConfig
-    tokenizer: Tokenizer
-    vocab_size: int
+    model: RouterModel
     pools: tuple[NodePool, ...]
     pipeline: Pipeline
     monitor: HealthMonitor
@@ -45,7 +44,7 @@ class RouterRuntime:
 
     @classmethod
     def build(cls, config: RouterConfig) -> RouterRuntime:
-        tokenizer, vocab_size = load_tokenizer(model_path(config.model))
+        model = load_model(model_path(config.model), config.served_model_name)
         decode_service = "pdkv.v1.DecodeNode"
         decode = NodePool(
             "decode" if config.mode == "disaggregated" else "colocated",
@@ -78,7 +77,28 @@ class RouterRuntime:
             timeout=config.health_timeout_s,
             on_round=lambda: _publish_health(servicer, pools),
         )
-        return cls(config, tokenizer, vocab_size, pools, pipeline, monitor, servicer, RpcCounters())
+        return cls(config, model, pools, pipeline, monitor, servicer, RpcCounters())
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.model.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    def healthy(self) -> bool:
+        """Every pool (prefill and decode, or the colocated nodes) has a healthy node."""
+        return all(pool.healthy() for pool in self.pools)
+
+    def http_app(self) -> object:
+        from router.openai_api import ServedModel, create_app
+
+        m = self.model
+        served = ServedModel(m.name, m.context_length, m.vocab_size, m.tokenizer)
+        return create_app(
+            self.pipeline, served, healthy=self.healthy, request_timeout_s=self.config.http_timeout_s
+        )
 
     def update_health(self) -> None:
         _publish_health(self.health, self.pools)
@@ -139,10 +159,10 @@ def create_server(runtime: RouterRuntime, address: str) -> tuple[grpc.Server, in
         futures.ThreadPoolExecutor(max_workers=runtime.config.max_workers, thread_name_prefix="router-rpc"),
         options=[("grpc.so_reuseport", 0)],
     )
-    servicer = GenerationServicer(runtime.pipeline, runtime.tokenizer, runtime.vocab_size, runtime.calls)
+    servicer = GenerationServicer(runtime.pipeline, runtime.model, runtime.calls, runtime.pools)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(runtime.health, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    enable_reflection((SERVICE_NAME, health.SERVICE_NAME), server)
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {address}: the address is in use or not local")
@@ -157,12 +177,18 @@ def run_router(config: RouterConfig) -> int:
     metrics = (
         MetricsServer(config.metrics_address, runtime.metrics).start() if config.metrics_address else None
     )
+    http = None
+    if config.http_address:
+        from router.openai_api import HttpServer
+
+        http = HttpServer(runtime.http_app(), config.http_address).start()
     server.start()
     runtime.monitor.start()
     stop = stop_on_signals()
     host = config.address.rpartition(":")[0]
     print(
-        f"{READY_PREFIX}{host}:{port} mode={config.mode} metrics={metrics.address if metrics else '-'}",
+        f"{READY_PREFIX}{host}:{port} mode={config.mode} metrics={metrics.address if metrics else '-'} "
+        f"http={http.address if http else '-'}",
         flush=True,
     )
     try:
@@ -170,6 +196,8 @@ def run_router(config: RouterConfig) -> int:
             pass
     finally:
         runtime.stop(server)
+        if http is not None:
+            http.close()
         if metrics is not None:
             metrics.close()
     return 0

@@ -12,19 +12,46 @@ from engine.chat_template import ChatTemplateError
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from pdkv_proto.pdkv.v1 import generation_pb2, generation_pb2_grpc
+from router.nodes import NodePool
 from router.pipeline import ClientRequest, Delta, Done, Pipeline, Usage
+from router.tokenizer import RouterModel
 from serving import convert
 from serving.errors import CallRecorder, invalid, rpc_errors
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(
-        self, pipeline: Pipeline, tokenizer: Tokenizer, vocab_size: int, calls: CallRecorder
+        self,
+        pipeline: Pipeline,
+        model: RouterModel,
+        calls: CallRecorder,
+        pools: tuple[NodePool, ...] = (),
     ) -> None:
         self.pipeline = pipeline
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
+        self.model = model
+        self.tokenizer: Tokenizer = model.tokenizer
+        self.vocab_size = model.vocab_size
         self.calls = calls
+        self.pools = pools
+
+    def GetModelInfo(
+        self, request: generation_pb2.GetModelInfoRequest, context: grpc.ServicerContext
+    ) -> generation_pb2.ModelInfo:
+        with rpc_errors(context, self.calls, "GetModelInfo"):
+            m = self.model
+            block_size = next(
+                (n.namespace.block_size for p in self.pools for n in p.nodes() if n.namespace is not None), 0
+            )
+            return generation_pb2.ModelInfo(
+                name=m.name,
+                vocab_size=m.vocab_size,
+                context_length=m.context_length,
+                eos_token_ids=list(m.eos_token_ids),
+                block_size=block_size,
+                has_chat_template=self.tokenizer.chat_template is not None,
+                end_of_turn_token_ids=list(self.tokenizer.end_of_turn_token_ids),
+            )
+        raise AssertionError("unreachable: rpc_errors aborts the call")
 
     def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext

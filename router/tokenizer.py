@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.model.loader import inspect_model
@@ -17,7 +18,30 @@ def model_path(model: str | None) -> Path:
     return ensure_default_model()
 
 
-def load_tokenizer(path: Path) -> tuple[Tokenizer, int]:
-    """The tokenizer of the model at ``path`` and its vocabulary size (token ids are checked against it)."""
+@dataclass(frozen=True)
+class RouterModel:
+    """What the router knows of the nodes' model: its tokenizer (with the chat template) and shape."""
+
+    name: str
+    tokenizer: Tokenizer
+    vocab_size: int
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+
+
+def load_model(path: Path, name: str | None = None) -> RouterModel:
+    """The model at ``path`` without its weights; ``name`` is what clients call it (default: the file's
+    stem or the folder's name; the embedded model is SmolLM2-135M-Instruct)."""
+    from engine.model.embedded import DEFAULT_MODEL_NAME, default_model_path
+
     source = inspect_model(path)
-    return Tokenizer.for_model(source), source.config.vocab_size
+    if name is None:
+        resolved = path.expanduser().resolve()
+        if resolved == default_model_path().resolve():
+            name = DEFAULT_MODEL_NAME
+        else:
+            name = resolved.stem if resolved.is_file() else resolved.name
+    c = source.config
+    return RouterModel(
+        name, Tokenizer.for_model(source), c.vocab_size, c.max_position_embeddings, c.eos_token_ids
+    )

@@ -7,5 +7,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # The chat-templated prompt spans several KV blocks, so the stats line shows the decode node pulling them
 # from the prefill node (remote_prefill) instead of computing them.
-exec .venv/bin/pdkv up --router-address 127.0.0.1:0 --chat --max-tokens 64 --oneshot \
+exec .venv/bin/pdkv up --router-address 127.0.0.1:0 --http-port 0 --chat --max-tokens 64 --oneshot \
     "${*:-What is the capital of France?}"

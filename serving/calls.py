@@ -48,8 +48,11 @@ class EngineCall:
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"the engine did not accept request {request.request_id!r} within {timeout:.1f}s",
             ) from exc
-        # Runs when the RPC ends for any reason; aborting a finished request is a no-op.
-        context.add_callback(self._on_rpc_done)
+        # Runs when the RPC ends for any reason; aborting a finished request is a no-op.  add_callback
+        # returns False when the RPC has already ended (a client that cancelled at once): abort now, or the
+        # request runs on with nobody to read it.
+        if not context.add_callback(self._on_rpc_done):
+            self._on_rpc_done()
 
     def _on_rpc_done(self) -> None:
         if not self.stream.finished:

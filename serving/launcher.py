@@ -66,6 +66,8 @@ class Topology:
     redis: bool = False
     host: str = "127.0.0.1"
     router_port: int = 0
+    # The router's OpenAI-compatible HTTP API on ``host`` (0: any free port; None: off).
+    http_port: int | None = 0
     kv_connector: str | None = None
     node_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
@@ -82,8 +84,9 @@ class Topology:
             raise ValueError(f"--prefill must be at least 1 in disaggregated mode, got {self.num_prefill}")
         if self.redis and self.kv_store is None:
             raise ValueError("--redis adds a tier to the KV store: it needs --kv-store (not 'none')")
-        if not 0 <= self.router_port <= 65535:
-            raise ValueError(f"router port {self.router_port} is not a port")
+        for name, port in (("router", self.router_port), ("http", self.http_port)):
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{name} port {port} is not a port")
         if self.startup_timeout_s <= 0:
             raise ValueError("startup_timeout_s must be positive")
 
@@ -192,6 +195,13 @@ class Cluster:
         return self.router.address
 
     @property
+    def http_address(self) -> str | None:
+        """HOST:PORT of the router's OpenAI-compatible API, or None when it is off."""
+        assert self.router is not None
+        value = self.router.info.get("http", "-")
+        return None if value == "-" else value
+
+    @property
     def prefill_nodes(self) -> list[Process]:
         return [p for p in self.processes if p.role == "prefill"]
 
@@ -268,6 +278,8 @@ class Cluster:
             model,
             "--metrics-address",
             f"{t.host}:0",
+            "--http-address",
+            "none" if t.http_port is None else f"{t.host}:{t.http_port}",
             *t.router_args,
         ]
         if prefill:

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from decode_node.servicer import DecodeNodeServicer
 from engine.llm_engine import LLMEngine
@@ -34,6 +33,7 @@ from serving import convert
 from serving.config import READY_PREFIX, NodeConfig, stop_on_signals
 from serving.errors import CallRecorder, rpc_errors
 from serving.metrics import MetricFamily, MetricsServer, RpcCounters
+from serving.reflection import enable_reflection
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +159,7 @@ def create_server(node: NodeRuntime, address: str) -> tuple[grpc.Server, int]:
         node_pb2_grpc.add_DecodeNodeServicer_to_server(DecodeNodeServicer(node.driver, node.calls), server)
     node_pb2_grpc.add_NodeServicer_to_server(NodeServicer(node, node.calls), server)
     health_pb2_grpc.add_HealthServicer_to_server(node.health, server)
-    names = (*node.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
+    enable_reflection((*node.service_names, health.SERVICE_NAME), server)
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {address}: the address is in use or not local")

@@ -194,8 +194,11 @@ def test_checksum_mismatch_is_a_load_error_and_the_engine_recomputes(
     s = stats(consumer)
     assert s["failures.checksum"] == 1 and s["pulls_failed"] == 1
     assert consumer.scheduler.num_load_failures == 1
-    # Blocks 0 and 1 were good; the engine recomputed from block 2 on.
-    assert consumer.scheduler.prompt_tokens_external == 20
+    # Blocks 0 and 1 were good; the engine recomputed from block 2 on, and says so: 8 tokens loaded (not
+    # the 20 offered), the rest computed -- the usage a client sees counts what really was loaded.
+    assert consumer.scheduler.prompt_tokens_external == 2 * BLOCK_SIZE
+    assert outs[-1].num_external_tokens == 2 * BLOCK_SIZE
+    assert outs[-1].num_computed_prompt_tokens == len(PROMPT) + 1 - 2 * BLOCK_SIZE
     assert_idle(consumer)
     assert_idle(producer)
 
@@ -220,6 +223,32 @@ def test_a_reclaimed_lease_never_serves_blocks_that_are_reused(registered: bool)
         assert_idle(producer)
     finally:
         producer.shutdown()
+
+
+def test_a_lease_withdrawn_before_it_was_served_fails_the_puller_at_once() -> None:
+    """The 30 s stall an outside soak found: the prefill request finished, its RPC's end aborted it before
+    the worker half registered the lease, and the decode node's pulls got "unknown lease" -- which it
+    retries, since a lease may be registered a step late -- until its deadline.  A withdrawn lease is
+    now told to the server, which answers "released": the consumer recomputes at once."""
+    producer = make_engine("prefill-0")
+    consumer = make_consumer(pull_timeout_s=30.0)
+    try:
+        pre = prefill(producer, "gone", PROMPT)
+        assert server_of(producer).num_leases() == 0  # queued for the worker half, not registered yet
+        producer.abort_request("gone")
+        producer.step()  # the withdrawal reaches the worker half
+        start = time.monotonic()
+        outs = decode(producer, consumer, "gone", PROMPT, pre, MAX_TOKENS, timeout_s=DEADLINE_S)
+        elapsed = time.monotonic() - start
+        assert elapsed < 5.0, f"the pull waited {elapsed:.1f}s for a lease that was withdrawn"
+        assert tokens(outs) == local_reference(tuple(PROMPT), MAX_TOKENS)[1:]
+        assert consumer.scheduler.num_load_failures == 1
+        assert stats(producer).get("leases_registered", 0) == 0
+        assert_idle(consumer)
+        assert_idle(producer)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
 
 
 def test_garbage_to_the_endpoint_is_refused_and_serving_continues(

@@ -64,6 +64,30 @@ def test_top_k_1_and_tiny_top_p_and_min_p_1_equal_greedy(llm: LLM) -> None:
     assert sample(llm, temperature=1.5, min_p=1.0, seed=3, ignore_eos=True) == greedy
 
 
+def test_a_vanishing_temperature_is_greedy_not_token_zero(llm: LLM) -> None:
+    """logits / 1e-300 overflow to inf and softmax(inf) is NaN, whose argmax is token 0: an outside client
+    saw every output token be 0.  Temperatures below 1e-5 are greedy."""
+    greedy = sample(llm, ignore_eos=True)
+    assert set(greedy) != {0}
+    for t in (1e-300, 1e-30, 1e-6):
+        assert sample(llm, temperature=t, seed=5, ignore_eos=True) == greedy, t
+        assert sample(llm, temperature=t, ignore_eos=True) == greedy, t
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_sampling_numbers_are_refused_naming_the_field(field: str, value: float) -> None:
+    from pdkv_proto.pdkv.v1 import types_pb2
+    from serving.convert import sampling_params
+    from serving.errors import ServingError
+
+    with pytest.raises(ValueError, match=rf"^{field} must be a finite number"):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+    with pytest.raises(ServingError, match=rf"sampling\.{field} must be a finite number") as err:
+        sampling_params(types_pb2.SamplingParams(**{field: value}))
+    assert err.value.code.name == "INVALID_ARGUMENT"
+
+
 def test_sampler_filters_restrict_the_support() -> None:
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]])
     sampler = Sampler(seed=0)

@@ -418,6 +418,7 @@ class Scheduler:
             # request's load failed to fill.  Recompute from it, and let nobody else take it as cached.
             self.kv.uncache_from(request, first_bad)
             loaded_end = first_bad * bs
+            self._correct_prompt_sources(request, loaded_end)
         request.num_computed_tokens = loaded_end
         self.kv.cache_blocks(request, loaded_end)
         request.set_status(RequestStatus.WAITING)
@@ -442,8 +443,23 @@ class Scheduler:
                 self._fail_load(request, result)
                 continue
             request.num_computed_tokens = min(request.num_computed_tokens, first_bad * bs)
+            self._correct_prompt_sources(request, first_bad * bs)
         self.books.forget_failed_outside_loads()
         return tainted
+
+    def _correct_prompt_sources(self, request: Request, valid_end: int) -> None:
+        """A load failed from token ``valid_end`` on: what lies past it is recomputed, not cached or
+        loaded, and the request's usage (and the counters) say what really was."""
+        if request.num_cached_tokens < 0:
+            return  # sources not recorded yet
+        local = min(request.num_cached_tokens, valid_end)
+        external = min(request.num_external_computed_tokens, max(0, valid_end - local))
+        d_local = request.num_cached_tokens - local
+        d_external = request.num_external_computed_tokens - external
+        request.num_cached_tokens, request.num_external_computed_tokens = local, external
+        self.prompt_tokens_local -= d_local
+        self.prompt_tokens_external -= d_external
+        self.prompt_tokens_computed += d_local + d_external
 
     def _fail_load(self, request: Request, result: EngineCoreOutputs) -> None:
         request.error = "loading the prompt's KV from the connector failed (kv_load_failure_policy=fail)"

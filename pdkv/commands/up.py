@@ -45,6 +45,12 @@ def register(subparsers: Any) -> None:
         "--router-address", default="127.0.0.1:50051", help="where the router listens (port 0: any)"
     )
     parser.add_argument(
+        "--http-port",
+        default="8000",
+        metavar="PORT",
+        help="the OpenAI-compatible HTTP API's port on the router's host (0: any; 'none': off)",
+    )
+    parser.add_argument(
         "--kv-connector", default=None, metavar="SPEC", help="override every node's connector stack"
     )
     parser.add_argument(
@@ -81,6 +87,7 @@ def _up(args: argparse.Namespace) -> int:
         redis=args.redis,
         host=host,
         router_port=port,
+        http_port=None if args.http_port.lower() == "none" else int(args.http_port),
         kv_connector=args.kv_connector,
         node_args=tuple(shlex.split(args.node_args)),
         log_dir=Path(args.log_dir) if args.log_dir else None,
@@ -97,6 +104,8 @@ def _up(args: argparse.Namespace) -> int:
     def ready(c: Cluster) -> None:
         print(c.describe(), file=sys.stderr)
         print(f"pdkv up: router listening on {c.router_address}", flush=True)
+        if c.http_address:
+            print(f"pdkv up: OpenAI API on http://{c.http_address}/v1", flush=True)
         print(
             f'pdkv up: try: pdkv generate --server {c.router_address} "Hello"   (Ctrl-C stops everything)',
             file=sys.stderr,
@@ -123,6 +132,8 @@ def _oneshot(cluster: Any, prompt: str, max_tokens: int, *, chat: bool) -> int:
     from serving.client import GenerationClient, generate_request
 
     print(f"pdkv up: router listening on {cluster.router_address}", file=sys.stderr, flush=True)
+    if cluster.http_address:
+        print(f"pdkv up: OpenAI API on http://{cluster.http_address}/v1", file=sys.stderr, flush=True)
     what: Any = [{"role": "user", "content": prompt}] if chat else prompt
     request = generate_request(what, SamplingParams(max_tokens=max_tokens))
 

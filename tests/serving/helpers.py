@@ -79,3 +79,13 @@ def assert_node_idle(address: str, *, timeout: float = 10.0) -> node_pb2.NodeSta
         return wait_until(idle, timeout=timeout, what=f"node {address} to be idle")
     except AssertionError as exc:
         raise AssertionError(f"{exc}; stats: {node_stats(address)}") from None
+
+
+def assert_usage_adds_up(usage: object) -> None:
+    """The accounting every path keeps (generation.proto's Usage): local + store + computed == prompt;
+    remote_prefill counts tokens the prefill node computed, so it is never more than those."""
+    u: Any = usage
+    assert u is not None
+    c = u.cached
+    assert c.local_prefix + c.store + u.computed_prompt_tokens == u.prompt_tokens, u
+    assert c.remote_prefill <= u.prompt_tokens, u

@@ -24,7 +24,7 @@ from router.server import RouterRuntime, create_server
 from serving.client import Completion, GenerationClient, generate_request
 from serving.health import wait_healthy
 from serving.launcher import Cluster
-from tests.serving.helpers import assert_node_idle, node_stats, pdkv_model
+from tests.serving.helpers import assert_node_idle, assert_usage_adds_up, node_stats, pdkv_model
 
 TEXT_PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -78,6 +78,7 @@ def assert_same(outs: list[Completion], reference: LLM, prompts: list, params: S
         assert out.finish_reason == exp.finish_reason
         assert out.usage is not None and out.usage.completion_tokens == len(exp.token_ids)
         assert out.usage.prompt_tokens == len(exp.prompt_token_ids)
+        assert_usage_adds_up(out.usage)
 
 
 def test_greedy_outputs_equal_local_generation(
@@ -154,6 +155,9 @@ def test_decode_node_receives_the_prompt_blocks_and_computes_only_the_tail(
     received = after.connector_stats["bytes_received"] - before.connector_stats.get("bytes_received", 0.0)
     assert received == full // bs * reference.engine.kv_spec.bytes_per_block
     assert [o.usage.cached.remote_prefill for o in outs if o.usage] == [len(p) // bs * bs for p in prompts]
+    for o in outs:  # the reported bug: prompt 63, remote 48, computed 63 -- now computed by the prefill node
+        assert_usage_adds_up(o.usage)
+        assert o.usage is not None and o.usage.computed_prompt_tokens == o.usage.prompt_tokens
     assert_node_idle(cluster.prefill_nodes[0].address)  # the decode node acknowledged: blocks freed
 
 

@@ -199,3 +199,49 @@ def test_prior_output_tokens_must_end_the_prompt(reference: LLM) -> None:
         reference.engine.add_request("p", [1, 2, 3], SamplingParams(), prior_output_token_ids=[4])
     with pytest.raises(ValueError, match="prior_output_token_ids"):
         reference.engine.add_request("q", [4], SamplingParams(), prior_output_token_ids=[4])
+
+
+def test_a_consumer_that_read_the_final_output_sees_the_request_finished() -> None:
+    """The race behind the 30 s stall: the final output was enqueued before the stream was marked
+    finished, so an RPC that read it and ended ran its done-callback on an "unfinished" request and
+    aborted it -- reclaiming the p2p lease its decode node was about to pull."""
+    import queue
+
+    stream = RequestStream("r", num_prompt_tokens=3)
+    seen: list[bool] = []
+
+    class Probe(queue.SimpleQueue):  # type: ignore[type-arg]
+        def put(self, item: RequestOutput, block: bool = True, timeout: float | None = None) -> None:
+            seen.append(stream.finished)  # what a consumer woken by this put would see
+            super().put(item, block, timeout)
+
+    stream._queue = Probe()
+    stream.put(RequestOutput("r", [1], "a", [], finished=False))
+    stream.put(RequestOutput("r", [2], "b", [], finished=True, finish_reason="length"))
+    assert seen == [False, True]
+
+
+class _EndedContext:
+    """A gRPC context whose RPC already ended: add_callback refuses the callback (returns False)."""
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def add_callback(self, callback: object) -> bool:
+        return False
+
+    def is_active(self) -> bool:
+        return False
+
+
+def test_a_call_that_ended_before_its_callback_was_added_aborts_the_request(driver: EngineDriver) -> None:
+    """A client that cancels at the first message: grpc's add_callback returns False and never runs the
+    callback, so the request used to run on with nobody reading it."""
+    from serving.calls import EngineCall
+
+    request = EngineRequest("early-cancel", PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
+    call = EngineCall(driver, request, _EndedContext())  # type: ignore[arg-type]
+    outs = drain(call.stream)
+    assert outs[-1].finish_reason == "abort"
+    snap = driver.call(lambda e: snapshot(e, check_integrity=True))
+    assert snap.num_running == snap.num_waiting == 0 and snap.num_free_blocks == snap.num_total_blocks

@@ -12,7 +12,14 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from serving.client import GenerationClient, generate_request
 from serving.launcher import DEFAULT_STORE, Cluster
-from tests.serving.helpers import HF_NODE_ARGS, assert_node_idle, hf_model, node_stats, start_cluster
+from tests.serving.helpers import (
+    HF_NODE_ARGS,
+    assert_node_idle,
+    assert_usage_adds_up,
+    hf_model,
+    node_stats,
+    start_cluster,
+)
 from tests.serving.test_cluster import TEXT_PROMPTS, assert_same, generate_all
 from tests.tiny_models import hf_greedy, random_prompts
 
@@ -67,6 +74,8 @@ def test_a_repeated_prompt_hits_the_store_on_the_other_prefill_node(cluster_2x2:
     assert first.usage.cached.store == 0
     assert second.usage.cached.local_prefix == 0
     assert second.usage.cached.store == (40 - 1) // 4 * 4  # whole blocks, never the last token
+    assert_usage_adds_up(first.usage)
+    assert_usage_adds_up(second.usage)
     assert second.token_ids == first.token_ids
     externals = [node_stats(p.address).prompt_tokens_external for p in cluster_2x2.prefill_nodes]
     assert sum(externals) == second.usage.cached.store
@@ -82,6 +91,7 @@ def test_colocated_mode_matches_local_engine() -> None:
             again = client.generate(generate_request(TEXT_PROMPTS[1], GREEDY), timeout=60)
         assert_same(outs, LLM(pdkv_model(), device="cpu", num_blocks=512), TEXT_PROMPTS, GREEDY)
         assert again.usage is not None and again.usage.cached.local_prefix > 0
+        assert_usage_adds_up(again.usage)
         assert again.usage.cached.remote_prefill == 0
         assert_node_idle(c.decode_nodes[0].address)
     finally:

@@ -44,6 +44,11 @@ class GenerationStub:
                 request_serializer=pdkv_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pdkv_dot_v1_dot_generation__pb2.GenerateResult.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/pdkv.v1.Generation/GetModelInfo',
+                request_serializer=pdkv_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=pdkv_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -67,6 +72,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """What the served model is: what a client needs before its first request (no config.json to read).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +91,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GenerateUnary,
                     request_deserializer=pdkv_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
                     response_serializer=pdkv_dot_v1_dot_generation__pb2.GenerateResult.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=pdkv_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=pdkv_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +152,33 @@ class Generation:
             '/pdkv.v1.Generation/GenerateUnary',
             pdkv_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             pdkv_dot_v1_dot_generation__pb2.GenerateResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdkv.v1.Generation/GetModelInfo',
+            pdkv_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
+            pdkv_dot_v1_dot_generation__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,528 @@
+"""The OpenAI-compatible HTTP API on the router: the same pipeline as gRPC, behind FastAPI + uvicorn.
+
+    POST /v1/chat/completions   messages -> the model's chat template -> the pipeline
+    POST /v1/completions        prompt (text, or token ids) -> the pipeline
+    GET  /v1/models             the served model and its context length
+    GET  /health                200 only while every pool (prefill and decode) has a healthy node
+
+``stream: true`` answers with server-sent events: one ``data: {chunk}`` per delta, a last chunk with the
+finish reason, a usage chunk when ``stream_options.include_usage``, then ``data: [DONE]``.  Errors are
+OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``) with the status the gRPC code maps
+to (``HTTP_STATUS``); a malformed body is 400 naming the field.
+
+The pipeline is synchronous (it blocks on node calls), so each request runs it on a thread of its own
+that hands events to the event loop.  ``HttpCallScope`` stands in for a gRPC context: when the client
+disconnects (or the server-side deadline passes) the scope ends, which cancels the node calls, and the
+nodes abort the request -- no work is left running for a client that left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from engine.chat_template import ChatTemplateError
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from router.openai_schema import ChatCompletionRequest, CompletionRequest
+from router.pipeline import ClientRequest, Delta, Done, Event, Pipeline, Usage
+from serving.errors import ServingError
+
+logger = logging.getLogger(__name__)
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+# Completions without max_tokens generate 16 tokens (OpenAI's documented default); chat completions
+# without it generate until the model's context is full, capped here.
+DEFAULT_COMPLETION_TOKENS = 16
+MAX_DEFAULT_CHAT_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the API says about the model: its name (``model`` in requests), context and tokenizer."""
+
+    name: str
+    context_length: int
+    vocab_size: int
+    tokenizer: Tokenizer
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, *, kind: str, param: str | None = None, code: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    @classmethod
+    def invalid(cls, param: str, message: str) -> ApiError:
+        return cls(400, f"{param}: {message}", kind="invalid_request_error", param=param)
+
+    @classmethod
+    def from_serving(cls, exc: ServingError) -> ApiError:
+        status, kind = HTTP_STATUS.get(exc.code, (500, "internal_error"))
+        return cls(status, exc.message, kind=kind, code=exc.code.name.lower())
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class HttpCallScope:
+    """The pipeline's view of one HTTP request (what a ``grpc.ServicerContext`` gives the gRPC path)."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+        self._ended = False
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        with self._lock:
+            if self._ended:
+                return False
+            self._callbacks.append(callback)
+            return True
+
+    def is_active(self) -> bool:
+        return not self._ended
+
+    def end(self) -> None:
+        """The client left (or the response is complete): run every callback once."""
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            try:
+                cb()
+            except Exception:
+                logger.exception("http: a cancel callback failed")
+
+
+async def _events(pipeline: Pipeline, request: ClientRequest, scope: HttpCallScope) -> AsyncIterator[Event]:
+    """The pipeline's events on the event loop; the pipeline itself runs on a thread of its own, which
+    always runs it to its end (so its books close), even after the client left."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Event | BaseException | None] = asyncio.Queue()
+
+    def run() -> None:
+        try:
+            for event in pipeline.generate(request, scope):
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+        except BaseException as exc:
+            loop.call_soon_threadsafe(queue.put_nowait, exc)
+        else:
+            loop.call_soon_threadsafe(queue.put_nowait, None)
+
+    threading.Thread(target=run, name=f"http-{request.request_id}", daemon=True).start()
+    try:
+        while True:
+            item = await queue.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        scope.end()  # done, failed or abandoned by the client: cancel whatever still runs downstream
+
+
+def create_app(
+    pipeline: Pipeline,
+    model: ServedModel,
+    *,
+    healthy: Callable[[], bool],
+    request_timeout_s: float | None = 600.0,
+) -> Any:
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI(title="pdkv", docs_url=None, redoc_url=None, openapi_url=None)
+    created = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": ("body",), "msg": "invalid body"}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or "body"
+        return JSONResponse(ApiError.invalid(param, str(first.get("msg"))).body(), status_code=400)
+
+    @app.get("/health")
+    async def _health() -> JSONResponse:
+        ok = healthy()
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def _models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(model, created)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def _model(name: str) -> dict[str, Any]:
+        _check_model(model, name)
+        return _model_card(model, created)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def _chat(body: ChatCompletionRequest, http: Request) -> Any:
+        request, include_usage = _chat_request(body, model)
+        return await _respond(http, body.stream, include_usage, request, chat=True, logprobs=body.logprobs)
+
+    @app.post("/v1/completions", response_model=None)
+    async def _completions(body: CompletionRequest, http: Request) -> Any:
+        request, include_usage = _completion_request(body, model)
+        return await _respond(
+            http, body.stream, include_usage, request, chat=False, logprobs=body.logprobs is not None
+        )
+
+    async def _respond(
+        http: Request,
+        stream: bool,
+        include_usage: bool,
+        request: ClientRequest,
+        *,
+        chat: bool,
+        logprobs: bool,
+    ) -> Any:
+        scope = HttpCallScope(request_timeout_s)
+        shape = _Shape(model, request.request_id, created=int(time.time()), chat=chat, logprobs=logprobs)
+        if stream:
+            return StreamingResponse(
+                _sse(pipeline, request, scope, shape, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        watcher = asyncio.create_task(_watch_disconnect(http, scope))
+        try:
+            deltas: list[Delta] = []
+            done: Done | None = None
+            try:
+                async for event in _events(pipeline, request, scope):
+                    if isinstance(event, Delta):
+                        deltas.append(event)
+                    else:
+                        done = event
+            except ServingError as exc:
+                raise ApiError.from_serving(exc) from None
+            assert done is not None
+            return JSONResponse(shape.whole(deltas, done))
+        finally:
+            watcher.cancel()
+
+    return app
+
+
+async def _watch_disconnect(http: Any, scope: HttpCallScope) -> None:
+    while scope.is_active():
+        if await http.is_disconnected():
+            scope.end()
+            return
+        await asyncio.sleep(0.1)
+
+
+async def _sse(
+    pipeline: Pipeline, request: ClientRequest, scope: HttpCallScope, shape: _Shape, include_usage: bool
+) -> AsyncIterator[bytes]:
+    def data(obj: Any) -> bytes:
+        return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+    try:
+        if shape.chat:
+            yield data(shape.chunk({"role": "assistant", "content": ""}, None))
+        async for event in _events(pipeline, request, scope):
+            if isinstance(event, Delta):
+                yield data(shape.delta_chunk(event))
+            else:
+                yield data(shape.chunk({} if shape.chat else "", event.finish_reason))
+                if include_usage:
+                    yield data({**shape.envelope(), "choices": [], "usage": shape.usage(event.usage)})
+    except ServingError as exc:
+        yield data(ApiError.from_serving(exc).body())  # the status line is sent: the error goes in-band
+    yield b"data: [DONE]\n\n"
+
+
+class _Shape:
+    """Builds one request's response objects (chat.completion / text_completion, whole or chunked)."""
+
+    def __init__(
+        self, model: ServedModel, request_id: str, *, created: int, chat: bool, logprobs: bool
+    ) -> None:
+        self.model, self.id, self.created, self.chat, self.logprobs = (
+            model,
+            request_id,
+            created,
+            chat,
+            logprobs,
+        )
+
+    def envelope(self) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model.name}
+
+    def chunk(self, delta: Any, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
+        if self.chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        return {**self.envelope(), "choices": [choice]}
+
+    def delta_chunk(self, d: Delta) -> dict[str, Any]:
+        lp = self._logprobs(d.token_ids, d.logprobs) if self.logprobs else None
+        return self.chunk({"content": d.text} if self.chat else d.text, None, lp)
+
+    def whole(self, deltas: list[Delta], done: Done) -> dict[str, Any]:
+        text = "".join(d.text for d in deltas)
+        ids = [t for d in deltas for t in d.token_ids]
+        lps = [x for d in deltas for x in d.logprobs]
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": done.finish_reason,
+            "logprobs": self._logprobs(ids, lps) if self.logprobs else None,
+        }
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+            kind = "chat.completion"
+        else:
+            choice["text"] = text
+            kind = "text_completion"
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model.name,
+            "choices": [choice],
+            "usage": self.usage(done.usage),
+        }
+
+    def _logprobs(self, ids: list[int], lps: list[float]) -> Any:
+        tok = self.model.tokenizer
+        tokens = [tok.decode([t], skip_special_tokens=False) for t in ids]
+        if self.chat:
+            return {
+                "content": [
+                    {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
+                    for s, lp in zip(tokens, lps, strict=False)
+                ]
+            }
+        offsets, at = [], 0
+        for s in tokens:
+            offsets.append(at)
+            at += len(s)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+
+    @staticmethod
+    def usage(u: Usage) -> dict[str, Any]:
+        cached = u.local_prefix + u.store
+        return {
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "pdkv": {
+                "cached_tokens_by_source": {
+                    "local_prefix": u.local_prefix,
+                    "store": u.store,
+                    "remote_prefill": u.remote_prefill,
+                },
+                "computed_prompt_tokens": u.computed_prompt_tokens,
+                "time_to_first_token_s": round(u.time_to_first_token_s, 6),
+            },
+        }
+
+
+def _model_card(model: ServedModel, created: int) -> dict[str, Any]:
+    return {
+        "id": model.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "pdkv",
+        "max_model_len": model.context_length,
+        "context_length": model.context_length,
+    }
+
+
+def _check_model(model: ServedModel, name: str) -> None:
+    if name != model.name:
+        raise ApiError(
+            404,
+            f"model {name!r} is not served here; this server serves {model.name!r} (GET /v1/models)",
+            kind="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _sampling(
+    body: Any, max_tokens: int | None, prompt_len: int, model: ServedModel, default: int
+) -> SamplingParams:
+    if body.n != 1:
+        raise ApiError.invalid("n", f"only n=1 is served, got {body.n}; send one request per completion")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) != 0:
+            raise ApiError.invalid(name, "penalties are not supported; leave it at 0")
+    room = model.context_length - prompt_len
+    if room <= 0:
+        raise ApiError.invalid(
+            "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            f"has {prompt_len} tokens; the model's context holds {model.context_length}",
+        )
+    if max_tokens is not None and max_tokens > room:
+        raise ApiError.invalid(
+            "max_tokens",
+            f"{max_tokens} does not fit: the prompt has {prompt_len} tokens and the context holds "
+            f"{model.context_length}",
+        )
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
+    for i, t in enumerate(body.stop_token_ids):
+        if not 0 <= t < model.vocab_size:
+            raise ApiError.invalid(f"stop_token_ids[{i}]", f"{t} is outside the vocabulary")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else min(room, default),
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            seed=body.seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(body.stop_token_ids),
+            ignore_eos=body.ignore_eos,
+            logprobs=bool(body.logprobs),
+        )
+    except ValueError as exc:  # the message starts with the field's name
+        field = str(exc).split(" ", 1)[0]
+        raise ApiError.invalid(field, str(exc)) from None
+
+
+def _request_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+def _chat_request(body: ChatCompletionRequest, model: ServedModel) -> tuple[ClientRequest, bool]:
+    _check_model(model, body.model)
+    if body.tools:
+        raise ApiError.invalid("tools", "tool calls are not supported")
+    if body.top_logprobs:
+        raise ApiError.invalid("top_logprobs", "only the chosen token's logprob is returned; use 0")
+    messages = []
+    for i, m in enumerate(body.messages):
+        content = m.content
+        if isinstance(content, list):  # text parts only
+            parts = []
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError.invalid(f"messages.{i}.content.{j}", "only text parts are supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        messages.append({"role": m.role, "content": content or ""})
+    tok = model.tokenizer
+    try:
+        ids = tok.apply_chat_template(messages)
+    except ChatTemplateError as exc:
+        raise ApiError.invalid("messages", str(exc)) from None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = _sampling(body, max_tokens, len(ids), model, MAX_DEFAULT_CHAT_TOKENS)
+    stops = tuple(dict.fromkeys((*params.stop_token_ids, *tok.end_of_turn_token_ids)))
+    import dataclasses
+
+    params = dataclasses.replace(params, stop_token_ids=stops)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return ClientRequest(_request_id("chatcmpl"), ids, params, body.cache_salt), include_usage
+
+
+def _completion_request(body: CompletionRequest, model: ServedModel) -> tuple[ClientRequest, bool]:
+    _check_model(model, body.model)
+    if body.echo:
+        raise ApiError.invalid("echo", "echo is not supported")
+    if body.suffix:
+        raise ApiError.invalid("suffix", "suffix is not supported")
+    if body.logprobs:
+        raise ApiError.invalid("logprobs", "only the chosen token's logprob is returned; use 0")
+    prompt: Any = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise ApiError.invalid(
+                "prompt", f"a list of {len(prompt)} prompts is not served; send one prompt per request"
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError.invalid("prompt", "is empty")
+        ids = model.tokenizer.encode(prompt)
+    else:
+        ids = list(prompt)
+        for i, t in enumerate(ids):
+            if not 0 <= t < model.vocab_size:
+                raise ApiError.invalid(
+                    f"prompt.{i}", f"token id {t} is outside the vocabulary [0, {model.vocab_size})"
+                )
+    if not ids:
+        raise ApiError.invalid("prompt", "has no tokens")
+    params = _sampling(body, body.max_tokens, len(ids), model, DEFAULT_COMPLETION_TOKENS)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return ClientRequest(_request_id("cmpl"), ids, params, body.cache_salt), include_usage
+
+
+class HttpServer:
+    """uvicorn serving ``app`` on its own thread and event loop, on a socket bound here (port 0 works)."""
+
+    def __init__(self, app: Any, address: str) -> None:
+        import uvicorn
+
+        from serving.config import parse_address
+
+        host, port = parse_address(address, "--http-address")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.address = f"{host}:{self._sock.getsockname()[1]}"
+        config = uvicorn.Config(
+            app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._run, name="router-http", daemon=True)
+
+    def _run(self) -> None:
+        self._server.run(sockets=[self._sock])
+
+    def start(self) -> HttpServer:
+        self._thread.start()
+        deadline = time.monotonic() + 10.0
+        while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self._server.started:
+            raise OSError(f"the HTTP API did not start on {self.address}")
+        return self
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=5.0)
+        self._sock.close()

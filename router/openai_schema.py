@@ -1,0 +1,66 @@
+"""The request bodies of the OpenAI-compatible API, as pydantic models (what the official SDK sends).
+
+Fields pdkv does not serve are either accepted and ignored because they cannot change the output
+(``user``, ``presence_penalty`` = 0, ...) or refused with 400 naming the field (``n`` > 1,
+``top_logprobs`` > 0, non-zero penalties, tools).  ``cache_salt`` is vLLM's extension: requests with the
+same salt share cached KV, and only they do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored, as OpenAI's own server does for fields an SDK version adds.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # pdkv extensions (vLLM's names): top_k, min_p, ignore_eos, stop_token_ids.
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    # A string, or a list of text parts ({"type": "text", "text": ...}) as newer SDKs send.
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+
+
+class CompletionRequest(_Sampling):
+    # A string, a list of one string, token ids, or a list of one list of token ids.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None

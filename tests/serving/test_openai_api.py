@@ -1,0 +1,265 @@
+"""The OpenAI-compatible HTTP API, driven by the official ``openai`` SDK (and curl, for the raw bytes)
+against a real local cluster: router + 1 prefill + 1 decode on a small GGUF model with a ChatML template.
+
+Greedy outputs equal the local engine's on the same file, token for token and character for character;
+a client that disconnects mid-stream leaves both nodes idle.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from serving.launcher import Cluster
+from tests.gguf_models import write_gguf
+from tests.serving.helpers import NODE_ARGS, assert_node_idle, start_cluster, wait_until
+from tests.tiny_models import pdkv_tiny_model_dir
+
+openai = pytest.importorskip("openai")
+
+QUESTION = "Once upon a time, there was a little house in the middle of the forest."
+N = 12
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gguf(pdkv_tiny_model_dir(), tmp_path_factory.mktemp("http") / "tiny-chat.gguf", qtype="F32")
+
+
+@pytest.fixture(scope="module")
+def cluster(model_file: Path) -> Iterator[Cluster]:
+    c = start_cluster(
+        model=str(model_file), node_args=(*NODE_ARGS, "--dtype", "float32"), kv_store="cpu:64MiB"
+    )
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def local(model_file: Path) -> LLM:
+    return LLM(model_file, device="cpu", dtype="float32", num_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
+    assert cluster.http_address is not None
+    with openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def expected_chat(local: LLM, content: str, max_tokens: int = N) -> tuple[list[int], str, str]:
+    tok = local.tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": content}])
+    params = SamplingParams(max_tokens=max_tokens, stop_token_ids=tok.end_of_turn_token_ids)
+    out = local.generate([ids], params)[0]
+    assert out.finish_reason is not None
+    return ids, out.text, out.finish_reason
+
+
+def test_models_and_health(client: openai.OpenAI, cluster: Cluster) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny-chat"]
+    assert models[0].model_extra is not None and models[0].model_extra["max_model_len"] == 4096
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{cluster.http_address}/health", timeout=10) as r:
+        assert r.status == 200
+
+
+def test_chat_completion_equals_the_local_engine(client: openai.OpenAI, local: LLM) -> None:
+    ids, text, finish = expected_chat(local, QUESTION)
+    r = client.chat.completions.create(
+        model="tiny-chat", messages=[{"role": "user", "content": QUESTION}], max_tokens=N, temperature=0
+    )
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == text
+    assert r.choices[0].finish_reason == finish
+    u = r.usage
+    assert u is not None and u.prompt_tokens == len(ids)
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details is not None and u.prompt_tokens_details.cached_tokens is not None
+    extra = u.model_extra or {}
+    by_source = extra["pdkv"]["cached_tokens_by_source"]
+    assert by_source["remote_prefill"] == (len(ids) - 1) // 16 * 16  # moved, not recomputed
+    assert u.prompt_tokens_details.cached_tokens == by_source["local_prefix"] + by_source["store"]
+
+
+def test_chat_stream_with_usage(client: openai.OpenAI, local: LLM) -> None:
+    _, text, finish = expected_chat(local, QUESTION)
+    stream = client.chat.completions.create(
+        model="tiny-chat",
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=N,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [finish]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens > 0
+
+
+def test_completions_text_and_token_ids_stream_and_not(client: openai.OpenAI, local: LLM) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog."
+    want = local.generate([prompt], SamplingParams(max_tokens=N))[0]
+    r = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=N, temperature=0)
+    assert r.choices[0].text == want.text
+    ids = local.tokenizer.encode(prompt)
+    r2 = client.completions.create(model="tiny-chat", prompt=ids, max_tokens=N, temperature=0, logprobs=0)
+    assert r2.choices[0].text == want.text
+    assert r2.choices[0].logprobs is not None and len(r2.choices[0].logprobs.token_logprobs or []) == len(
+        want.token_ids
+    )
+    streamed = client.completions.create(
+        model="tiny-chat", prompt=[prompt], max_tokens=N, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == want.text
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    def run() -> str | None:
+        r = client.chat.completions.create(
+            model="tiny-chat",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=N,
+            temperature=1.0,
+            seed=7,
+        )
+        return r.choices[0].message.content
+
+    assert run() == run()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"temperature": 5.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 10**6}, "max_tokens"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ({"messages": []}, "messages"),
+        ({"top_logprobs": 3, "logprobs": True}, "top_logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+    ],
+)
+def test_a_bad_parameter_is_a_bad_request_naming_it(client: openai.OpenAI, kwargs: dict, param: str) -> None:
+    body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**body)
+    assert err.value.status_code == 400
+    assert param in str(err.value)
+    assert isinstance(err.value.body, dict) and err.value.body.get("param") == param
+
+
+def test_a_non_finite_temperature_is_refused(cluster: Cluster) -> None:
+    """Raw JSON may carry NaN (Python's json writes it): refused naming the field, never sampled."""
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"model": "tiny-chat", "prompt": "hi", "temperature": float("nan")}).encode()
+    req = urllib.request.Request(
+        f"http://{cluster.http_address}/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    assert err.value.code == 400
+    error = json.loads(err.value.read())["error"]
+    assert error["param"] == "temperature" and error["type"] == "invalid_request_error"
+
+
+def test_an_unknown_model_is_not_found(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    assert "tiny-chat" in str(err.value)
+
+
+def test_a_list_of_prompts_is_refused(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="send one prompt per request"):
+        client.completions.create(model="tiny-chat", prompt=["a", "b"], max_tokens=2)
+
+
+def test_raw_sse_bytes_with_curl(cluster: Cluster, local: LLM) -> None:
+    _, text, _ = expected_chat(local, QUESTION)
+    body = json.dumps(
+        {"model": "tiny-chat", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": N,
+         "temperature": 0, "stream": True}
+    )  # fmt: skip
+    out = subprocess.run(
+        ["curl", "-sS", "-N", "-H", "Content-Type: application/json", "-d", body,
+         f"http://{cluster.http_address}/v1/chat/completions"],
+        capture_output=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    events = out.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    assert all(e.startswith(b"data: ") for e in events[:-1])
+    chunks = [json.loads(e[len(b"data: ") :]) for e in events[:-2]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text
+
+
+def test_a_client_that_disconnects_mid_stream_leaves_both_nodes_idle(cluster: Cluster) -> None:
+    import http.client
+
+    assert cluster.http_address is not None
+    host, port = cluster.http_address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps(
+        {"model": "tiny-chat", "prompt": "The quick brown fox", "max_tokens": 3000, "temperature": 0,
+         "ignore_eos": True, "stream": True}
+    )  # fmt: skip
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    for _ in range(3):  # a few deltas: the request runs on the decode node
+        assert resp.fp.readline().startswith(b"data: ")
+        resp.fp.readline()
+    conn.sock.close()  # the client goes away mid-stream
+    conn.close()
+    gone = time.monotonic()
+    for node in cluster.prefill_nodes + cluster.decode_nodes:
+        assert_node_idle(node.address, timeout=5.0)
+    assert time.monotonic() - gone < 3.0
+
+
+def test_health_is_503_without_a_healthy_decode_node(model_file: Path) -> None:
+    """A router whose decode node is gone answers /health with 503 (and requests with 503)."""
+    c = start_cluster(model=str(model_file), node_args=(*NODE_ARGS, "--dtype", "float32"), kv_store=None)
+    try:
+        import urllib.error
+        import urllib.request
+
+        c.decode_nodes[0].popen.kill()  # type: ignore[union-attr]
+
+        def unhealthy() -> bool:
+            try:
+                urllib.request.urlopen(f"http://{c.http_address}/health", timeout=5)
+            except urllib.error.HTTPError as exc:
+                return exc.code == 503
+            return False
+
+        wait_until(unhealthy, timeout=20, what="/health to report 503")
+        with (
+            openai.OpenAI(base_url=f"http://{c.http_address}/v1", api_key="x", max_retries=0) as cl,
+            pytest.raises(openai.APIStatusError) as err,
+        ):
+            cl.completions.create(model="tiny-chat", prompt="hi", max_tokens=2)
+        assert err.value.status_code == 503
+    finally:
+        c.stop()
