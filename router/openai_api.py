@@ -30,6 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.chat_template import ChatTemplateError
 from engine.sampling_params import SamplingParams
@@ -157,10 +160,6 @@ def create_app(
     healthy: Callable[[], bool],
     request_timeout_s: float | None = 600.0,
 ) -> Any:
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
-
     app = FastAPI(title="pdkv", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
 
@@ -414,7 +413,8 @@ def _sampling(
             stop=tuple(stop),
             stop_token_ids=tuple(body.stop_token_ids),
             ignore_eos=body.ignore_eos,
-            logprobs=bool(body.logprobs),
+            # chat: a bool; completions: an int, where 0 asks for the chosen token's logprob only
+            logprobs=body.logprobs if isinstance(body.logprobs, bool) else body.logprobs is not None,
         )
     except ValueError as exc:  # the message starts with the field's name
         field = str(exc).split(" ", 1)[0]
