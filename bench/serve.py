@@ -18,7 +18,13 @@ Modes (real processes started by ``serving.launcher``, same model, same workload
 Figures per mode: time to first token and time per output token (p50, p99, client-side), output
 throughput, and prompt tokens served by source (local prefix cache, store, remote prefill) as a share of
 all prompt tokens.  Ratios compare each mode with plain colocated.  ``transfer_fraction_of_socket``
-comes from ``bench.transfer`` (the p2p path against a raw socket).  Until the ``offload`` connector is
+comes from ``bench.transfer`` (the p2p path against a raw socket).
+
+HTTP against gRPC: on the disaggregated cluster, the same streamed request (a cached prompt, so the
+engines' work is the same every time) alternates between ``pdkv.v1.Generation/Generate`` and the
+OpenAI-compatible ``POST /v1/completions`` with ``stream: true``; time to the first token message (gRPC)
+or the first ``data:`` chunk (HTTP, one per delta), client-side.  ``http_ttft_overhead_ms`` is the p50
+difference (goal <= 1 ms).  Until the ``offload`` connector is
 registered the "store" modes run without it (``offload_available`` = 0 says so).
 """
 
@@ -71,6 +77,8 @@ MODES: dict[str, dict[str, Any]] = {
 class ModeResult:
     completions: list[Completion] = field(default_factory=list)
     wall_s: float = 0.0
+    # TTFT samples (seconds) of the HTTP-vs-gRPC comparison, by path; measured on one mode only.
+    http_vs_grpc: dict[str, list[float]] = field(default_factory=dict)
 
     def figures(self, prefix: str) -> dict[str, float]:
         ttft = [c.time_to_first_token_s for c in self.completions if c.time_to_first_token_s is not None]
@@ -143,11 +151,60 @@ def run_chats(address: str, workload: Workload) -> ModeResult:
     return result
 
 
-def measure_mode(name: str, model: Path, workload: Workload) -> ModeResult:
+def measure_mode(name: str, model: Path, workload: Workload, http_rounds: int = 0) -> ModeResult:
     topology = Topology(model=str(model), router_port=0, node_args=("--num-blocks", "2048"), **MODES[name])
     with Cluster.start(topology) as cluster:
         run_chats(cluster.router_address, Workload(1, 1, 32, 8, 4, seed=99))  # warm-up (first-call costs)
-        return run_chats(cluster.router_address, workload)
+        result = run_chats(cluster.router_address, workload)
+        if http_rounds:
+            result.http_vs_grpc = http_vs_grpc_ttft(cluster, http_rounds)
+        return result
+
+
+def http_vs_grpc_ttft(cluster: Cluster, rounds: int) -> dict[str, list[float]]:
+    """TTFT (seconds) of the same streamed request over gRPC and over HTTP, in turns."""
+    import http.client
+    import json
+
+    assert cluster.http_address is not None
+    prompt = random.Random(7).sample(range(BENCH_SPEC.vocab - 2), 64)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    host, port = cluster.http_address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    name = Path(cluster.topology.model or "model").name
+    body = json.dumps(
+        {
+            "model": name,
+            "prompt": prompt,
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    )
+    times: dict[str, list[float]] = {"grpc": [], "http": []}
+    with GenerationClient(cluster.router_address) as client:
+        for i in range(rounds + 2):  # the first two rounds warm both paths up (and cache the prompt)
+            out = client.generate(generate_request(prompt, params), timeout=60)
+            assert out.time_to_first_token_s is not None
+            t0 = time.perf_counter()
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+            first = None
+            while line := resp.readline():
+                if first is None and line.startswith(b"data: {"):
+                    first = time.perf_counter() - t0
+                if line.startswith(b"data: [DONE]"):
+                    break
+            resp.read()
+            assert first is not None
+            if i >= 2:
+                times["grpc"].append(out.time_to_first_token_s)
+                times["http"].append(first)
+    conn.close()
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     report.figure("p2p_available", float("p2p" in discover()))
     with tempfile.TemporaryDirectory(prefix="pdkv-bench-serve-") as tmp:
         model = make_model(Path(tmp) / "model", BENCH_SPEC)
-        results = {name: measure_mode(name, model, workload) for name in MODES}
+        http_rounds = 15 if args.quick else 60
+        results = {
+            name: measure_mode(name, model, workload, http_rounds if name == "disaggregated_store" else 0)
+            for name in MODES
+        }
     for name, result in results.items():
         for key, value in result.figures(name).items():
             report.figure(key, value)
@@ -176,6 +237,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{name}_throughput_vs_colocated",
             base[f"{name}_throughput_tok_s"] / base["colocated_throughput_tok_s"],
         )
+    ttft = results["disaggregated_store"].http_vs_grpc
+    for path in ("grpc", "http"):
+        report.figure(f"{path}_ttft_p50_ms", _quantile(ttft[path], 0.5) * 1e3)
+        report.figure(f"{path}_ttft_p99_ms", _quantile(ttft[path], 0.99) * 1e3)
+    report.ratio(
+        "http_ttft_overhead_ms",
+        (_quantile(ttft["http"], 0.5) - _quantile(ttft["grpc"], 0.5)) * 1e3,
+        "<= 1 (ms)",
+    )
     if not args.no_transfer:
         try:
             from bench.transfer import measure_transfer

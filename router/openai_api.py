@@ -502,6 +502,9 @@ class HttpServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Accepted sockets inherit it: uvicorn writes a response's head and body separately, and with
+        # Nagle on, the body waits for the client's delayed ACK (40 ms on Linux) -- every small response.
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock.bind((host, port))
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         config = uvicorn.Config(
