@@ -242,7 +242,9 @@ def test_a_soak_of_2000_disaggregated_requests_has_no_stall(client: GenerationCl
     """The intermittent 30 s stall (about once per 300-1800 requests): a prefill request aborted by its own
     RPC's end after it finished, its lease withdrawn silently, the decode node waiting out its pull
     deadline.  2000 requests, 8 at a time: none over 5 s, every output exact."""
-    prompts = [f"Soak prompt {i}: the prefill node computes it and the decode node pulls it." for i in range(16)]
+    prompts = [
+        f"Soak prompt {i}: the prefill node computes it and the decode node pulls it." for i in range(16)
+    ]
     params = SamplingParams(max_tokens=3)
     want = {p: o.token_ids for p, o in zip(prompts, reference.generate(prompts, params), strict=True)}
     worst: list[float] = []

@@ -117,3 +117,53 @@ def test_nodes_answer_health_and_reflection(cluster: Cluster) -> None:
         with grpc.insecure_channel(node.address) as channel:
             services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
         assert {service, "pdkv.v1.Node", "grpc.health.v1.Health"} <= services
+
+
+def _v1_list_services(address: str) -> list[str]:
+    """ListServices over ``grpc.reflection.v1`` (the messages are v1alpha's, byte for byte the same)."""
+    import grpc
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    with grpc.insecure_channel(address) as channel:
+        call = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        [reply] = list(call(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+    return [s.name for s in reply.list_services_response.service]
+
+
+def test_reflection_v1_is_served_next_to_v1alpha(cluster: Cluster) -> None:
+    """A v1-only tool (newer grpcurl) got UNIMPLEMENTED before."""
+    names = set(_v1_list_services(cluster.router_address))
+    assert {"pdkv.v1.Generation", "grpc.reflection.v1.ServerReflection"} <= names
+    assert "grpc.reflection.v1alpha.ServerReflection" in names
+    node = cluster.decode_nodes[0].address
+    assert "pdkv.v1.Node" in set(_v1_list_services(node))
+
+
+def test_get_model_info_says_what_a_client_needs(cluster: Cluster) -> None:
+    import grpc
+
+    from pdkv_proto.pdkv.v1 import generation_pb2, generation_pb2_grpc
+    from tests.serving.helpers import pdkv_model
+    from tests.tiny_models import TINY_PDKV_SPEC
+
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        info = generation_pb2_grpc.GenerationStub(channel).GetModelInfo(
+            generation_pb2.GetModelInfoRequest(), timeout=10
+        )
+    assert info.name == Path(pdkv_model()).name
+    assert info.vocab_size == TINY_PDKV_SPEC["vocab"]
+    assert info.context_length == 4096
+    assert list(info.eos_token_ids) == [TINY_PDKV_SPEC["vocab"] - 1]
+    assert info.block_size == 16
+    assert info.has_chat_template is False  # make-model folders have none
+
+
+def test_the_proto_files_name_packages_for_other_languages() -> None:
+    for f in sorted((ROOT / "proto" / "pdkv" / "v1").glob("*.proto")):
+        text = f.read_text()
+        for option in ("go_package", "java_package", "csharp_namespace"):
+            assert f"option {option} = " in text, f"{f.name} lacks {option}"
