@@ -1,6 +1,6 @@
 """Offline generation throughput of the pdkv engine against transformers, on the same weights.
 
-    python -m bench.engine [--quick] [--json PATH] [--part tiny|real|all]
+    python -m bench.engine [--quick] [--json PATH] [--part tiny|real|all] [--llamacpp]
 
 A bench-sized random Llama (4 layers, hidden 512, 8 heads) is written with make-model into a temporary
 folder.  The same batch of prompts (default: 32 prompts of 256-1024 tokens, 128 new tokens each, greedy,
@@ -85,6 +85,11 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=0, help="runs per side (default: 3 with --quick, else 2)")
     p.add_argument("--part", choices=("tiny", "real", "all"), default="all", help="which model(s)")
+    p.add_argument(
+        "--llamacpp",
+        action="store_true",
+        help="with the real model: llama.cpp's figures too (bench/llamacpp.py)",
+    )
     args = p.parse_args()
     report = Report("engine")
     if args.part in ("tiny", "all"):

@@ -92,7 +92,20 @@ def matmul_floor_seconds(llm: LLM, batch: int, *, repeat: int) -> float:
     return statistics.median(times)
 
 
-def run(report: Report, *, quick: bool, dtypes: list[str], repeats: int) -> dict[str, Any]:
+def ttft_seconds(llm: LLM, prompt: list[int], repeat: int = 3) -> float:
+    """Median time to first token of ``prompt`` with a cold prefix cache."""
+    times = []
+    for _ in range(repeat):
+        assert llm.engine.reset_prefix_cache()
+        [out] = llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+        assert out.time_to_first_token is not None
+        times.append(out.time_to_first_token)
+    return statistics.median(times)
+
+
+def run(
+    report: Report, *, quick: bool, dtypes: list[str], repeats: int, llamacpp: bool = False
+) -> dict[str, Any]:
     if quick:
         n, lengths, new_tokens, steps = 8, (100, 300), 32, 8
     else:
@@ -112,19 +125,20 @@ def run(report: Report, *, quick: bool, dtypes: list[str], repeats: int) -> dict
             generate_seconds(llm, make_prompts(2, (16, 32), 49152, seed=1), 4)  # warm up
             hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
             run_transformers(hf, make_prompts(2, (16, 32), 49152, seed=1), 4)
-            ours, theirs = [], []
+            ours: list[float] = []
+            theirs_s: list[float] = []
             for _ in range(repeats):
                 ours.append(generate_seconds(llm, prompts, new_tokens))
-                theirs.append(run_transformers(hf, prompts, new_tokens)[0])
+                theirs_s.append(run_transformers(hf, prompts, new_tokens)[0])
             del hf
             tag = "bf16" if dtype == "bfloat16" else "fp32"
             print(
                 f"real {tag} runs (s): pdkv {[round(t, 2) for t in ours]} "
-                f"transformers {[round(t, 2) for t in theirs]}"
+                f"transformers {[round(t, 2) for t in theirs_s]}"
             )
             report.figure(f"real_{tag}_pdkv_output_tokens_per_s", total_new / min(ours))
-            report.figure(f"real_{tag}_transformers_output_tokens_per_s", total_new / min(theirs))
-            results[f"speedup_{tag}"] = min(theirs) / min(ours)
+            report.figure(f"real_{tag}_transformers_output_tokens_per_s", total_new / min(theirs_s))
+            results[f"speedup_{tag}"] = min(theirs_s) / min(ours)
             for batch in (1, 8, 32):
                 step_s = decode_step_seconds(llm, batch, steps=steps)
                 floor_s = matmul_floor_seconds(llm, batch, repeat=steps)
@@ -132,11 +146,40 @@ def run(report: Report, *, quick: bool, dtypes: list[str], repeats: int) -> dict
                 report.figure(f"real_{tag}_matmul_floor_ms_b{batch}", floor_s * 1e3)
                 report.figure(f"real_{tag}_decode_tokens_per_s_b{batch}", batch / step_s)
                 results[f"fraction_{tag}_b{batch}"] = floor_s / step_s
+                results[f"tokens_per_s_{tag}_b{batch}"] = batch / step_s
+            if tag == "bf16":
+                [long_prompt] = make_prompts(1, (1000, 1000), 49152, seed=101)
+                results["ttft_1000_bf16"] = ttft_seconds(llm, long_prompt)
+                report.figure("real_bf16_ttft_1000_ms", results["ttft_1000_bf16"] * 1e3)
             llm.engine.shutdown()
+        if llamacpp and "ttft_1000_bf16" in results:
+            from bench import llamacpp as lcpp
+
+            bf16 = lcpp.write_bf16_gguf(gguf, Path(tmp) / "smollm2-bf16.gguf")
+            theirs: dict[str, float] = lcpp.measure(
+                bf16,
+                steps=steps,
+                prompts_for=lambda b, n=lcpp.CONTEXT: make_prompts(b, (n, n), 49152, seed=100 + b),
+            )
+            for key, value in theirs.items():
+                report.figure(key, value)
+            for batch in (1, 8, 32):
+                mine = results[f"tokens_per_s_bf16_b{batch}"]
+                results[f"vs_llamacpp_b{batch}"] = mine / theirs[f"llamacpp_decode_tokens_per_s_b{batch}"]
+            results["prefill_vs_llamacpp"] = theirs["llamacpp_ttft_1000_ms"] / 1e3 / results["ttft_1000_bf16"]
     if "speedup_bf16" in results:
         report.ratio("speedup_vs_transformers_real", results["speedup_bf16"], ">= 2.5")
     if "speedup_fp32" in results:
         report.ratio("speedup_vs_transformers_real_fp32", results["speedup_fp32"])
+    for batch in (1, 8, 32):
+        if f"vs_llamacpp_b{batch}" in results:
+            report.ratio(
+                f"speedup_vs_llamacpp_b{batch}",
+                results[f"vs_llamacpp_b{batch}"],
+                "> 1" if batch > 1 else None,
+            )
+    if "prefill_vs_llamacpp" in results:
+        report.ratio("prefill_speedup_vs_llamacpp", results["prefill_vs_llamacpp"], "> 1")
     main_tag = "bf16" if "fraction_bf16_b8" in results else "fp32"
     for batch in (8, 32):
         report.ratio(

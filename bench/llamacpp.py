@@ -1,0 +1,206 @@
+"""llama.cpp at its strongest on this CPU, as the peer ``bench.engine --llamacpp`` compares pdkv with.
+
+    python -m bench.llamacpp [--quick] [--json PATH]      (alone: llama.cpp's figures only)
+
+Needs ``llama_cpp`` (llama-cpp-python, built from source: ``pip install llama-cpp-python`` takes about
+5 minutes here; kept out of the default setup and CI).  ``PDKV_LLAMACPP_PATH`` may name a folder it was
+installed into with ``pip install --target``.
+
+The model is the embedded default's weights as a **BF16 GGUF** (the Q4_1 file dequantized; norms stay
+F32; llama.cpp's q/k layout kept as the file has it), so both engines read the same bytes per step.
+Decoding is batched the way llama.cpp's own server does it: one ``llama_decode`` per step over every
+sequence (one token each), flash attention on (its CPU default), 2 threads.  Figures: output tokens/s
+at batch 1, 8 and 32 (each sequence has a 128-token prompt, then ``steps`` decode steps), and time to
+first token of a 1000-token prompt.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+CONTEXT = 128
+PREFILL_TOKENS = 1000
+
+
+def import_llama_cpp() -> Any:
+    extra = os.environ.get("PDKV_LLAMACPP_PATH")
+    if extra and extra not in sys.path:
+        sys.path.insert(0, extra)
+    import llama_cpp
+
+    return llama_cpp
+
+
+def write_bf16_gguf(src: Path, dst: Path) -> Path:
+    """``src`` with every quantized matrix stored as BF16 (same metadata, same tensor layout)."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, quants
+
+    reader = GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
+            continue
+        vtype = field.types[0]
+        sub = field.types[1] if vtype == GGUFValueType.ARRAY and len(field.types) > 1 else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_BF16))
+    for t in reader.tensors:
+        array = quants.dequantize(t.data, t.tensor_type)
+        if array.ndim == 1 or t.tensor_type == GGMLQuantizationType.F32:
+            writer.add_tensor(t.name, np.ascontiguousarray(array, dtype=np.float32))
+        else:
+            q = GGMLQuantizationType.BF16
+            writer.add_tensor(
+                t.name, quants.quantize(np.ascontiguousarray(array, dtype=np.float32), q), raw_dtype=q
+            )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+class LlamaCpp:
+    """One llama.cpp context with ``n_seq`` sequences, driven through the low-level C API."""
+
+    def __init__(self, path: Path, *, n_seq: int, n_ctx: int, threads: int = 2) -> None:
+        ll = self.ll = import_llama_cpp()
+        ll.llama_backend_init()
+        mparams = ll.llama_model_default_params()
+        self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        cparams = ll.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = max(n_ctx, 1024)
+        cparams.n_ubatch = 512
+        cparams.n_seq_max = n_seq
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        if hasattr(cparams, "flash_attn_type"):
+            cparams.flash_attn_type = 1  # LLAMA_FLASH_ATTN_TYPE_ENABLED
+        elif hasattr(cparams, "flash_attn"):
+            cparams.flash_attn = True
+        self.ctx = ll.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        self.vocab = ll.llama_model_get_vocab(self.model)
+        self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
+        self.batch = ll.llama_batch_init(max(n_ctx, 1024), 0, n_seq)
+
+    def close(self) -> None:
+        ll = self.ll
+        ll.llama_batch_free(self.batch)
+        ll.llama_free(self.ctx)
+        ll.llama_model_free(self.model)
+
+    def clear(self) -> None:
+        ll = self.ll
+        mem = ll.llama_get_memory(self.ctx)
+        ll.llama_memory_clear(mem, True)
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
+        """items: (token, position, sequence, wants logits)."""
+        b = self.batch
+        for i, (tok, pos, seq, logits) in enumerate(items):
+            b.token[i] = tok
+            b.pos[i] = pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = logits
+        b.n_tokens = len(items)
+        rc = self.ll.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def _argmax(self, i: int) -> int:
+        logits = self.ll.llama_get_logits_ith(self.ctx, i)
+        arr = (ctypes.c_float * self.n_vocab).from_address(ctypes.addressof(logits.contents))
+        import numpy as np
+
+        return int(np.frombuffer(arr, dtype=np.float32).argmax())
+
+    def prefill(self, prompts: list[list[int]]) -> list[int]:
+        """Each prompt into its own sequence (one decode call each); the greedy next token of each."""
+        first = []
+        for seq, p in enumerate(prompts):
+            self._decode([(t, j, seq, j == len(p) - 1) for j, t in enumerate(p)])
+            first.append(self._argmax(len(p) - 1))
+        return first
+
+    def decode_steps(self, prompts: list[list[int]], first: list[int], steps: int) -> list[float]:
+        """``steps`` batched decode steps (one token per sequence each); the time of each step."""
+        last, pos = list(first), [len(p) for p in prompts]
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            self._decode([(last[s], pos[s], s, True) for s in range(len(prompts))])
+            last = [self._argmax(s) for s in range(len(prompts))]
+            times.append(time.perf_counter() - t0)
+            pos = [p + 1 for p in pos]
+        return times
+
+
+def measure(gguf_bf16: Path, *, steps: int, prompts_for: Any) -> dict[str, float]:
+    """llama.cpp's decode tokens/s at batch 1/8/32 and TTFT of a 1000-token prompt."""
+    out: dict[str, float] = {}
+    for batch in (1, 8, 32):
+        lc = LlamaCpp(gguf_bf16, n_seq=batch, n_ctx=batch * (CONTEXT + steps + 8))
+        try:
+            prompts = prompts_for(batch)
+            first = lc.prefill(prompts)
+            lc.decode_steps(prompts, first, 2)  # warm up
+            lc.clear()
+            first = lc.prefill(prompts)
+            step = statistics.median(lc.decode_steps(prompts, first, steps))
+            out[f"llamacpp_decode_tokens_per_s_b{batch}"] = batch / step
+        finally:
+            lc.close()
+    lc = LlamaCpp(gguf_bf16, n_seq=1, n_ctx=PREFILL_TOKENS + 16)
+    try:
+        [prompt] = prompts_for(1, PREFILL_TOKENS)
+        times = []
+        for _ in range(3):
+            lc.clear()
+            t0 = time.perf_counter()
+            lc.prefill([prompt])
+            times.append(time.perf_counter() - t0)
+        out["llamacpp_ttft_1000_ms"] = statistics.median(times) * 1e3
+    finally:
+        lc.close()
+    return out
+
+
+def main() -> None:
+    import tempfile
+
+    from bench.common import Report, parser
+    from bench.engine_real import make_prompts
+    from engine.model.embedded import ensure_default_model
+
+    p = parser(__doc__.splitlines()[0])
+    args = p.parse_args()
+    report = Report("llamacpp")
+    with tempfile.TemporaryDirectory(prefix="pdkv-llamacpp-") as tmp:
+        bf16 = write_bf16_gguf(ensure_default_model(), Path(tmp) / "smollm2-bf16.gguf")
+        figures = measure(
+            bf16,
+            steps=8 if args.quick else 24,
+            prompts_for=lambda b, n=CONTEXT: make_prompts(b, (n, n), 49152, seed=100 + b),
+        )
+    for k, v in figures.items():
+        report.figure(k, v)
+    report.emit(args.json)
+
+
+if __name__ == "__main__":
+    main()
