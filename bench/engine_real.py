@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.common import Report, parser
+from bench.common import Report, median_of, parser
 from bench.engine import run_transformers
 from engine import LLM, SamplingParams
 from engine.model.convert_gguf import convert_gguf
@@ -82,14 +82,7 @@ def matmul_floor_seconds(llm: LLM, batch: int, *, repeat: int) -> float:
             F.linear(inputs[w.shape[1]], w)
 
     with torch.inference_mode():
-        for _ in range(3):
-            step()
-        times = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        return median_of(step, repeat=repeat, warmup=3)
 
 
 def ttft_seconds(llm: LLM, prompt: list[int], repeat: int = 3) -> float:

@@ -26,6 +26,7 @@ from tokenizers.decoders import DecodeStream
 if TYPE_CHECKING:
     from engine.chat_template import ChatTemplate
     from engine.model.loader import ModelSource
+    from engine.sampling_params import SamplingParams
 
 NUM_BYTES = 256
 BOS_TEXT = "<bos>"
@@ -157,6 +158,13 @@ class Tokenizer:
         ids = self.chat_template.end_of_turn_token_ids if self.chat_template is not None else ()
         eos = () if self.eos_token_id is None else (self.eos_token_id,)
         return tuple(dict.fromkeys((*ids, *eos)))
+
+    def chat_sampling(self, params: SamplingParams) -> SamplingParams:
+        """``params`` for a chat reply: it also stops at the template's end-of-turn tokens."""
+        import dataclasses
+
+        stops = tuple(dict.fromkeys((*params.stop_token_ids, *self.end_of_turn_token_ids)))
+        return dataclasses.replace(params, stop_token_ids=stops)
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

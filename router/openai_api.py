@@ -448,11 +448,7 @@ def _chat_request(body: ChatCompletionRequest, model: ServedModel) -> tuple[Clie
     except ChatTemplateError as exc:
         raise ApiError.invalid("messages", str(exc)) from None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = _sampling(body, max_tokens, len(ids), model, MAX_DEFAULT_CHAT_TOKENS)
-    stops = tuple(dict.fromkeys((*params.stop_token_ids, *tok.end_of_turn_token_ids)))
-    import dataclasses
-
-    params = dataclasses.replace(params, stop_token_ids=stops)
+    params = tok.chat_sampling(_sampling(body, max_tokens, len(ids), model, MAX_DEFAULT_CHAT_TOKENS))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return ClientRequest(_request_id("chatcmpl"), ids, params, body.cache_salt), include_usage
 

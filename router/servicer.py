@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from collections.abc import Iterator
 
@@ -116,8 +115,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             token_ids = self.tokenizer.apply_chat_template(conversation)
         except ChatTemplateError as exc:
             raise invalid("prompt.messages", str(exc)) from None
-        stops = tuple(dict.fromkeys((*params.stop_token_ids, *self.tokenizer.end_of_turn_token_ids)))
-        return token_ids, dataclasses.replace(params, stop_token_ids=stops)
+        return token_ids, self.tokenizer.chat_sampling(params)
 
 
 def _completion(done: Done) -> generation_pb2.Completion:

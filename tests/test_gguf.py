@@ -268,3 +268,21 @@ def test_a_folder_without_tokenizer_json_is_refused_unless_it_is_a_random_test_m
         LLM(real, device="cpu")
     (real / "config.json").write_text(json.dumps(raw))  # says it is random: a byte-level tokenizer
     assert LLM(real, device="cpu", num_blocks=16).tokenizer.source.startswith("byte-level")
+
+
+def test_generate_chat_renders_the_template_and_stops_at_the_end_of_turn(
+    files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = files["F32"]
+    llm = _llm(path)
+    tok = llm.tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": "hello there"}])
+    want = llm.generate([ids], tok.chat_sampling(SamplingParams(max_tokens=6)))[0]
+    argv = ["generate", "--model", str(path), "--dtype", "float32", "--device", "cpu", "--block-size", "4"]
+    assert main([*argv, "--num-blocks", "64", "--max-tokens", "6", "--chat", "hello there"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == want.text + "\n"
+    assert f"prompt_tokens={len(ids)}" in captured.err
+    assert main([*argv, "--num-blocks", "64", "--max-tokens", "6", "hello there"]) == 0  # raw: no template
+    raw = llm.generate([tok.encode("hello there")], SamplingParams(max_tokens=6))[0]
+    assert capsys.readouterr().out == raw.text + "\n"

@@ -214,13 +214,8 @@ def _generate_local(args: argparse.Namespace) -> int:
     )
     prompt: Any = args.prompt
     if args.chat:
-        import dataclasses
-
-        tok = engine.tokenizer
-        prompt = tok.apply_chat_template(chat_messages(args.prompt, args.system))
-        params = dataclasses.replace(
-            params, stop_token_ids=(*params.stop_token_ids, *tok.end_of_turn_token_ids)
-        )
+        prompt = engine.tokenizer.apply_chat_template(chat_messages(args.prompt, args.system))
+        params = engine.tokenizer.chat_sampling(params)
     start = time.perf_counter()
     request = engine.add_request("cli-0", prompt, params)
     first_token_at: float | None = None
