@@ -69,11 +69,23 @@ def write_bf16_gguf(src: Path, dst: Path) -> Path:
     return dst
 
 
+_LOG_CALLBACK: Any = None
+
+
+def _quiet(ll: Any) -> None:
+    """Drop llama.cpp's log lines: at its default level it prints per decode call, which costs time."""
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is None:
+        _LOG_CALLBACK = ll.llama_log_callback(lambda level, text, user_data: None)
+        ll.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+
+
 class LlamaCpp:
     """One llama.cpp context with ``n_seq`` sequences, driven through the low-level C API."""
 
     def __init__(self, path: Path, *, n_seq: int, n_ctx: int, threads: int = 2) -> None:
         ll = self.ll = import_llama_cpp()
+        _quiet(ll)
         ll.llama_backend_init()
         mparams = ll.llama_model_default_params()
         self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
