@@ -61,6 +61,16 @@ def median_of(fn: Callable[[], Any], *, repeat: int, warmup: int = 1) -> float:
     return statistics.median(timings(fn, repeat=repeat, warmup=warmup))
 
 
+def random_prompts(
+    n: int, lengths: tuple[int, int], vocab: int, seed: int, *, low: int = 0
+) -> list[list[int]]:
+    """``n`` prompts of random ids in ``[low, vocab)`` with lengths drawn from ``lengths`` (inclusive)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(low, vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
 @dataclass
 class Report:
     name: str
@@ -88,3 +98,28 @@ class Report:
             json_path.write_text(
                 json.dumps({"figures": self.figures, "ratios": self.ratios}, indent=2) + "\n"
             )
+
+
+def run_transformers(model: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    """transformers' batched greedy ``generate`` (left padding, a mask): seconds and output tokens."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    elapsed = time.perf_counter() - start
+    return elapsed, out[:, width:].tolist()

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from bench.common import Report, parser
+from bench.common import Report, parser, run_transformers
 from engine import LLM, SamplingParams
 from engine.model.make_model import TinyLlamaSpec, make_model
 
@@ -51,28 +51,6 @@ def run_pdkv(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     return elapsed, [o.token_ids for o in outs]
-
-
-def run_transformers(model: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=mask,
-            do_sample=False,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    elapsed = time.perf_counter() - start
-    return elapsed, out[:, width:].tolist()
 
 
 def ttft(llm: LLM, prompt: list[int]) -> float:

@@ -18,7 +18,6 @@ the time of its own matmuls.
 
 from __future__ import annotations
 
-import random
 import statistics
 import tempfile
 import time
@@ -28,8 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.common import Report, median_of, parser
-from bench.engine import run_transformers
+from bench.common import Report, median_of, parser, random_prompts, run_transformers
 from engine import LLM, SamplingParams
 from engine.model.convert_gguf import convert_gguf
 from engine.model.embedded import ensure_default_model
@@ -37,8 +35,7 @@ from engine.model.embedded import ensure_default_model
 
 def make_prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
     """Random ordinary token ids (ids below 20 are SmolLM2's special tokens and are skipped)."""
-    rng = random.Random(seed)
-    return [[rng.randrange(20, vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+    return random_prompts(n, lengths, vocab, seed, low=20)
 
 
 def generate_seconds(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:

@@ -195,8 +195,7 @@ def measure(gguf_bf16: Path, *, steps: int, prompts_for: Any) -> dict[str, float
 def main() -> None:
     import tempfile
 
-    from bench.common import Report, parser
-    from bench.engine_real import make_prompts
+    from bench.common import Report, parser, random_prompts
     from engine.model.embedded import ensure_default_model
 
     p = parser(__doc__.splitlines()[0])
@@ -207,7 +206,7 @@ def main() -> None:
         figures = measure(
             bf16,
             steps=8 if args.quick else 24,
-            prompts_for=lambda b, n=CONTEXT: make_prompts(b, (n, n), 49152, seed=100 + b),
+            prompts_for=lambda b, n=CONTEXT: random_prompts(b, (n, n), 49152, seed=100 + b, low=20),
         )
     for k, v in figures.items():
         report.figure(k, v)

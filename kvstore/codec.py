@@ -35,7 +35,7 @@ import numpy as np
 import xxhash
 
 from kvstore.layout import BlockLayout
-from kvstore.results import MissReason
+from kvstore.reasons import MissReason
 
 MAGIC = b"PDKV"
 FORMAT_VERSION = 1

@@ -24,7 +24,8 @@ The TOML form is a table with store-wide options and an array of tier tables (se
     capacity = "4GiB"
 
 Every error names the offending value and says what would be accepted.  Building tiers
-(``build_tier``) imports a backend only when it is configured, so ``redis`` and ``zmq`` stay optional.
+(``kvstore.tiers.factory.build_tier``) imports a backend only when it is configured, so ``redis`` and
+``zmq`` stay optional.
 """
 
 from __future__ import annotations
@@ -32,14 +33,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, TypeAlias
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from kvstore.breaker import BreakerConfig
 from kvstore.tiers.base import TierPolicy
-
-if TYPE_CHECKING:
-    from kvstore.tiers.base import Tier
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 FSYNC_POLICIES = ("never", "file", "always")
@@ -457,27 +455,6 @@ def _unique_names(tiers: list[TierConfig]) -> list[TierConfig]:
             tier = replace(tier, name=f"{tier.name}-{seen[tier.name]}")
         out.append(tier)
     return out
-
-
-def build_tier(config: TierConfig, policy: TierPolicy | None = None, **kwargs: Any) -> Tier:
-    """Construct the tier a config describes, importing its backend only now."""
-    if isinstance(config, CpuTierConfig):
-        from kvstore.tiers.cpu import CpuTier
-
-        return CpuTier(config, policy=policy, **kwargs)
-    if isinstance(config, DiskTierConfig):
-        from kvstore.tiers.disk import DiskTier
-
-        return DiskTier(config, policy=policy, **kwargs)
-    if isinstance(config, RedisTierConfig):
-        from kvstore.tiers.redis import RedisTier
-
-        return RedisTier(config, policy=policy, **kwargs)
-    if isinstance(config, RemoteTierConfig):
-        from kvstore.tiers.remote import RemoteTier
-
-        return RemoteTier(config, policy=policy, **kwargs)
-    raise TypeError(f"not a tier config: {config!r}")
 
 
 def config_fields(config: TierConfig) -> dict[str, Any]:

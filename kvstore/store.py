@@ -39,7 +39,7 @@ from typing import Any
 
 from kvstore.buffers import host_views
 from kvstore.codec import BlockCodec, check_block_hash, pack_header, payload_checksum, store_namespace
-from kvstore.config import StoreConfig, build_tier
+from kvstore.config import StoreConfig
 from kvstore.deadline import Deadline
 from kvstore.keys import KeyRun
 from kvstore.lane import Lane
@@ -48,6 +48,7 @@ from kvstore.metrics import TierStats
 from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit, UnitBatch, release_all
 from kvstore.tiers.base import Tier, TierPolicy
 from kvstore.tiers.cpu import CpuTier
+from kvstore.tiers.factory import build_tier
 from kvstore.writeback import WriteQueue
 
 

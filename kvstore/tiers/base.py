@@ -49,8 +49,8 @@ from kvstore.keys import KeyRun
 from kvstore.lane import Lane
 from kvstore.layout import BlockLayout
 from kvstore.metrics import TierMetrics, TierStats
+from kvstore.reasons import FAILURE_REASONS
 from kvstore.results import (
-    FAILURE_REASONS,
     GetResult,
     MissReason,
     PutResult,

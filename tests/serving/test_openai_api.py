@@ -263,3 +263,43 @@ def test_health_is_503_without_a_healthy_decode_node(model_file: Path) -> None:
         assert err.value.status_code == 503
     finally:
         c.stop()
+
+
+def test_overload_is_429_and_a_deadline_is_504(model_file: Path) -> None:
+    """A router at --max-inflight answers 429 (rate_limit_error); a request past --http-timeout-s is 504."""
+    c = start_cluster(
+        model=str(model_file),
+        node_args=(*NODE_ARGS, "--dtype", "float32"),
+        kv_store=None,
+        router_args=("--max-inflight", "1", "--http-timeout-s", "1.0"),
+    )
+    try:
+        with openai.OpenAI(base_url=f"http://{c.http_address}/v1", api_key="x", max_retries=0) as cl:
+            held = cl.completions.create(
+                model="tiny-chat", prompt="hold the only slot", max_tokens=3000, temperature=0, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            next(iter(held))  # the slot is taken while this streams
+            with pytest.raises(openai.RateLimitError) as err:
+                cl.completions.create(model="tiny-chat", prompt="hi", max_tokens=2)
+            assert err.value.status_code == 429
+            held.close()
+            wait_until(lambda: _served(cl), timeout=10, what="the slot to be free again")
+            with pytest.raises(openai.APIStatusError) as late:
+                cl.completions.create(
+                    model="tiny-chat", prompt="too slow", max_tokens=3000, temperature=0,
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+            assert late.value.status_code == 504
+        for node in c.prefill_nodes + c.decode_nodes:
+            assert_node_idle(node.address, timeout=10.0)
+    finally:
+        c.stop()
+
+
+def _served(cl: openai.OpenAI) -> bool:
+    try:
+        cl.completions.create(model="tiny-chat", prompt="hi", max_tokens=1)
+    except openai.RateLimitError:
+        return False
+    return True
