@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine.hashing import BlockHash
+from engine.integrity import require
 from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
@@ -232,17 +233,18 @@ class BlockPool:
     # -- proof --------------------------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Raise AssertionError unless free + in use == total and the cache map is consistent."""
+        """Raise ``IntegrityError`` unless free + in use == total and the cache map is consistent."""
         free = list(self.free_queue)
         free_ids = {b.block_id for b in free}
-        assert len(free_ids) == len(free) == self.free_queue.num_free_blocks, "free queue corrupt"
+        require(len(free_ids) == len(free) == self.free_queue.num_free_blocks, "free queue corrupt")
         in_use = [b for b in self.blocks if b.ref_cnt > 0]
-        assert all(b.ref_cnt == 0 for b in free), "a block in the free queue has references"
-        assert len(free) + len(in_use) == self.num_blocks, (
-            f"free {len(free)} + in use {len(in_use)} != total {self.num_blocks}"
+        require(all(b.ref_cnt == 0 for b in free), "a block in the free queue has references")
+        require(
+            len(free) + len(in_use) == self.num_blocks,
+            f"free {len(free)} + in use {len(in_use)} != total {self.num_blocks}",
         )
-        assert all(b.ref_cnt >= 0 for b in self.blocks), "negative ref count"
+        require(all(b.ref_cnt >= 0 for b in self.blocks), "negative ref count")
         for h, block in self.cached.items():
-            assert block.block_hash == h, f"cache map entry {h.hex()[:8]} points at {block}"
+            require(block.block_hash == h, f"cache map entry {h.hex()[:8]} points at {block}")
         cached_blocks = sum(1 for b in self.blocks if b.block_hash is not None)
-        assert cached_blocks == len(self.cached), "a block carries a hash the cache map does not know"
+        require(cached_blocks == len(self.cached), "a block carries a hash the cache map does not know")

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool, KVCacheBlock
+from engine.integrity import require
 from engine.kv_events import KVCacheEvent
 from engine.request import Request, RequestId
 
@@ -249,10 +250,13 @@ class KVCacheManager:
         self.pool.check_integrity()
         refs: dict[int, int] = {}
         for rid, blocks in self.req_to_blocks.items():
-            assert self.req_to_block_ids[rid] == [b.block_id for b in blocks], f"{rid}: block id table stale"
+            require(
+                self.req_to_block_ids[rid] == [b.block_id for b in blocks], f"{rid}: block id table stale"
+            )
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for block in self.pool.blocks:
-            assert block.ref_cnt == refs.get(block.block_id, 0), (
-                f"{block}: ref count {block.ref_cnt} but held by {refs.get(block.block_id, 0)} requests"
+            require(
+                block.ref_cnt == refs.get(block.block_id, 0),
+                f"{block}: ref count {block.ref_cnt} but held by {refs.get(block.block_id, 0)} requests",
             )

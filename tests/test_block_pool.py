@@ -198,3 +198,27 @@ def test_check_integrity_catches_a_corrupt_free_queue() -> None:
     pool.get_new_blocks(1)[0].ref_cnt = 0  # dropped without going back to the free queue
     with pytest.raises(AssertionError, match="free 3 \\+ in use 0 != total 4"):
         pool.check_integrity()
+
+
+def test_check_integrity_still_checks_under_python_dash_o() -> None:
+    """Built on raise, not assert: ``python -O`` strips asserts, and a check that passes silently then
+    would hide a leak."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        from engine.block_pool import BlockPool
+        from engine.integrity import IntegrityError
+        pool = BlockPool(4)
+        pool.blocks[0].ref_cnt = 1  # a reference nobody owns, while the block sits in the free queue
+        try:
+            pool.check_integrity()
+        except IntegrityError as exc:
+            print("raised:", exc)
+        """
+    )
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("raised: a block in the free queue has references"), out.stdout

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from connectors.base import KVConnectorBase, KVConnectorOutput
 from connectors.null import NullConnector
 from engine.config import CacheConfig, SchedulerConfig
+from engine.integrity import require
 from engine.kv_cache_manager import NO_HIT, KVCacheManager
 from engine.request import Request, RequestId, RequestStatus
 from engine.scheduler.connector_books import ConnectorBooks
@@ -495,11 +496,13 @@ class Scheduler:
         for rid in owners - expected:
             # Back from an async load, waiting to compute the rest: it keeps the blocks it loaded into.
             r = self.requests.get(rid)
-            assert r is not None and r.status == RequestStatus.WAITING, (
-                f"blocks owned by {rid}, which is {r.status.name if r else 'finished'}"
+            require(
+                r is not None and r.status == RequestStatus.WAITING,
+                f"blocks owned by {rid}, which is {r.status.name if r else 'finished'}",
             )
-        assert expected <= owners, f"{sorted(expected - owners)} should hold blocks but hold none"
+        require(expected <= owners, f"{sorted(expected - owners)} should hold blocks but hold none")
         for rid in self.loading:
-            assert self.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KV
+            status = self.requests[rid].status
+            require(status == RequestStatus.WAITING_FOR_REMOTE_KV, f"{rid} is loading but {status.name}")
         for rid in self.held:
-            assert rid not in self.requests, f"{rid} is held for a send but not finished"
+            require(rid not in self.requests, f"{rid} is held for a send but not finished")
