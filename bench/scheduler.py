@@ -15,11 +15,11 @@ import random
 import time
 
 from bench.common import Report, parser
-from engine.config import CacheConfig, SchedulerConfig
 from engine.hashing import HashNamespace
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelRunnerOutput, Scheduler
+from engine.scheduler.config import CacheConfig, SchedulerConfig
 
 BLOCK_SIZE = 16
 NS = HashNamespace("bench-scheduler", BLOCK_SIZE)

@@ -29,8 +29,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from engine.driver import EngineRequest
 from engine.sampling_params import SamplingParams
-from engine.serving import EngineRequest
 from serving.errors import invalid
 
 

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import grpc
 
 from decode_node.decode import decode_request
+from engine.driver import EngineDriver
 from engine.outputs import RequestOutput
-from engine.serving import EngineDriver
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
 from serving import convert
 from serving.calls import EngineCall

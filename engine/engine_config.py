@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from connectors.registry import KVConnectorConfig
-from engine.config import QUEUE_POLICIES, CacheConfig, SchedulerConfig
 from engine.hashing import SUPPORTED_ALGOS
+from engine.scheduler.config import QUEUE_POLICIES, CacheConfig, SchedulerConfig
 
 if TYPE_CHECKING:
     import torch

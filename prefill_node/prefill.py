@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.driver import EngineRequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.serving import EngineRequest
 
 DO_REMOTE_DECODE: dict[str, Any] = {"do_remote_decode": True}
 

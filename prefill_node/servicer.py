@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from engine.serving import EngineDriver
+from engine.driver import EngineDriver
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
 from prefill_node.prefill import PrefillResult, prefill_request, prefill_result
 from serving import convert

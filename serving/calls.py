@@ -14,8 +14,8 @@ from typing import Any
 
 import grpc
 
+from engine.driver import EngineDriver, EngineRequest, RequestStream
 from engine.outputs import RequestOutput
-from engine.serving import EngineDriver, EngineRequest, RequestStream
 from serving.errors import ServingError
 
 # The engine thread answers a submit between two steps; this bounds the wait when the call has no deadline.

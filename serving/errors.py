@@ -12,7 +12,7 @@ from typing import NoReturn, Protocol
 
 import grpc
 
-from engine.serving import EngineOverloaded, EngineStopped
+from engine.driver import EngineOverloaded, EngineStopped
 
 
 class ServingError(Exception):

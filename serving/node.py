@@ -25,8 +25,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from decode_node.servicer import DecodeNodeServicer
+from engine.driver import EngineDriver, EngineSnapshot, snapshot
 from engine.llm_engine import LLMEngine
-from engine.serving import EngineDriver, EngineSnapshot, snapshot
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
 from prefill_node.servicer import PrefillNodeServicer
 from serving import convert

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.config import CacheConfig, SchedulerConfig
 from engine.hashing import HashNamespace
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from engine.scheduler.config import CacheConfig, SchedulerConfig
 
 NS4 = HashNamespace(model_fingerprint="test-model", block_size=4)
 

@@ -193,8 +193,8 @@ def test_stop_token_ids_eos_and_ignore_eos() -> None:
 
 
 def test_max_model_len_caps_generation() -> None:
-    from engine.config import CacheConfig, SchedulerConfig
     from engine.scheduler import Scheduler
+    from engine.scheduler.config import CacheConfig, SchedulerConfig
 
     s = Scheduler(SchedulerConfig(), CacheConfig(block_size=4, num_blocks=8), max_model_len=6)
     s.add_request(make_request("a", range(4), max_tokens=100))

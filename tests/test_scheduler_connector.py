@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from connectors.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
-from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request, RequestStatus
 from engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from engine.scheduler.config import CacheConfig, SchedulerConfig
 from tests.factories import make_request
 
 

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 from connectors.base import KVConnectorBase, KVConnectorOutput
 from connectors.null import NullConnector
-from engine.config import CacheConfig, SchedulerConfig
 from engine.integrity import require
 from engine.kv_cache_manager import NO_HIT, KVCacheManager
 from engine.request import Request, RequestId, RequestStatus
+from engine.scheduler.config import CacheConfig, SchedulerConfig
 from engine.scheduler.connector_books import ConnectorBooks
 from engine.scheduler.output import (
     EngineCoreOutputs,

@@ -1,4 +1,4 @@
-"""``EngineDriver`` (engine/serving.py): one thread owns the engine; others submit, stream and abort."""
+"""``EngineDriver`` (engine/driver.py): one thread owns the engine; others submit, stream and abort."""
 
 from __future__ import annotations
 
@@ -8,12 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.engine_config import EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.serving import (
+from engine.driver import (
     EngineDriver,
     EngineOverloaded,
     EngineRequest,
@@ -21,6 +16,11 @@ from engine.serving import (
     RequestStream,
     snapshot,
 )
+from engine.engine_config import EngineConfig
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 from tests.serving.helpers import pdkv_model, wait_until
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Hello, world!", "What is the answer? " * 4]

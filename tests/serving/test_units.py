@@ -7,9 +7,9 @@ import pytest
 
 from connectors.registry import KVConnectorConfig
 from decode_node.decode import decode_request
+from engine.driver import EngineOverloaded, EngineStopped
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.serving import EngineOverloaded, EngineStopped
 from pdkv_proto.pdkv.v1 import types_pb2
 from prefill_node.prefill import DO_REMOTE_DECODE, prefill_request, prefill_result
 from router.config import RouterConfig
