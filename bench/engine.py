@@ -76,7 +76,11 @@ def main() -> None:
         from bench import engine_real
 
         engine_real.run(
-            report, quick=args.quick, dtypes=["bfloat16", "float32"], repeats=1 if args.quick else 2
+            report,
+            quick=args.quick,
+            dtypes=["bfloat16", "float32"],
+            repeats=1 if args.quick else 2,
+            llamacpp=args.llamacpp,
         )
     report.emit(args.json)
 
