@@ -188,6 +188,7 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated (first one sets the ratios)")
     p.add_argument("--repeat", type=int, default=0, help="runs per side (default 1 with --quick, else 2)")
+    p.add_argument("--llamacpp", action="store_true", help="add llama.cpp's figures (bench/llamacpp.py)")
     args = p.parse_args()
     report = Report("engine_real")
     run(
@@ -195,6 +196,7 @@ def main() -> None:
         quick=args.quick,
         dtypes=args.dtypes.split(","),
         repeats=args.repeat or (1 if args.quick else 2),
+        llamacpp=args.llamacpp,
     )
     report.emit(args.json)
 
