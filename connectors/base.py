@@ -119,6 +119,25 @@ class KVConnectorOutput:
         )
 
 
+@dataclass(frozen=True)
+class ConnectorStats:
+    """What one connector half reports to its node (``get_stats``): monotonic counters by name (the
+    node sums the two halves', and ``multi`` its children's) and the address it serves KV on, if any.
+
+    Counters become ``pdkv_node_connector_<name>_total`` in ``/metrics`` and ``connector_stats`` in the
+    ``Node/Stats`` RPC, unchanged: adding a counter to a connector touches that connector only."""
+
+    counters: Mapping[str, float] = field(default_factory=dict)
+    kv_endpoint: str | None = None
+
+    def merged(self, other: ConnectorStats) -> ConnectorStats:
+        """Counters summed; the first endpoint found wins."""
+        counters = dict(self.counters)
+        for key, value in other.counters.items():
+            counters[key] = counters.get(key, 0.0) + float(value)
+        return ConnectorStats(counters, self.kv_endpoint or other.kv_endpoint)
+
+
 class ConnectorOptionsError(ValueError):
     """A connector's options dict is wrong; the message names the key."""
 
@@ -242,6 +261,11 @@ class KVConnectorBase:
         return set()
 
     # ================================ both ==========================================================
+
+    def get_stats(self) -> ConnectorStats:
+        """Counters and the KV endpoint for the node's Stats RPC and metrics (read on the engine thread;
+        keep it cheap).  The default reports nothing."""
+        return ConnectorStats()
 
     def shutdown(self) -> None:
         """Release threads, sockets and files.  Called once when the engine stops."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from connectors.base import (
     ConnectorContext,
     ConnectorOptionsError,
+    ConnectorStats,
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorOutput,
@@ -86,6 +87,12 @@ class MultiConnector(KVConnectorBase):
         # Worker half: delayed frees being waited on, and which children reported each done.
         self._pending_sends: dict[RequestId, set[int]] = {}
         self._sent: dict[RequestId, set[int]] = {}
+
+    def get_stats(self) -> ConnectorStats:
+        out = ConnectorStats()
+        for child in self.children:
+            out = out.merged(child.get_stats())
+        return out
 
     # ---------------------------------------------------------------- scheduler half
 

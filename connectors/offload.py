@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from connectors.base import (
     ConnectorContext,
+    ConnectorStats,
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorOutput,
@@ -385,6 +386,9 @@ class OffloadConnector(KVConnectorBase):
         return errors
 
     # ---------------------------------------------------------------- both
+
+    def get_stats(self) -> ConnectorStats:
+        return ConnectorStats(self.stats())
 
     def stats(self) -> dict[str, float]:
         """Flat counters for the node's metrics (summed over both halves there, so the store's own

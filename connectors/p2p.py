@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 from connectors.base import (
     ConnectorContext,
     ConnectorOptionsError,
+    ConnectorStats,
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorOutput,
@@ -520,6 +521,9 @@ class P2PConnector(KVConnectorBase):
         return errors
 
     # ================================ both ==========================================================
+
+    def get_stats(self) -> ConnectorStats:
+        return ConnectorStats(self.transfer_stats(), self.endpoint)
 
     def transfer_stats(self) -> dict[str, float]:
         """Counters for metrics (see ``TransferStats``); the scheduler half counts rejected params."""

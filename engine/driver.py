@@ -386,10 +386,8 @@ class EngineSnapshot:
 def snapshot(engine: LLMEngine, *, check_integrity: bool = False) -> EngineSnapshot:
     """Run on the driver thread (``driver.call(snapshot)``): the engine is not thread-safe.
 
-    Connector halves (and the children of ``multi``) export, when they have them, counters through
-    ``transfer_stats()`` or ``stats()`` (``Mapping[str, float]``; summed over halves) and the address
-    they serve KV on as ``endpoint`` or ``kv_endpoint``.  Both are optional: a connector need not know
-    about nodes.
+    The connector's counters and KV endpoint come from ``KVConnectorBase.get_stats()`` of both halves,
+    merged (``ConnectorStats.merged``).
     """
     stats = engine.stats()
     s = stats.scheduler
@@ -400,20 +398,7 @@ def snapshot(engine: LLMEngine, *, check_integrity: bool = False) -> EngineSnaps
             integrity = ""
         except AssertionError as exc:
             integrity = str(exc) or "integrity check failed"
-    counters: dict[str, float] = {}
-    endpoint = ""
-    for c in _connector_tree(engine.scheduler_connector) + _connector_tree(engine.worker_connector):
-        for attr in ("endpoint", "kv_endpoint"):
-            value = getattr(c, attr, None)
-            if isinstance(value, str) and value and not endpoint:
-                endpoint = value
-        for method in ("transfer_stats", "stats"):
-            fn = getattr(c, method, None)
-            if callable(fn):
-                for key, value in dict(fn()).items():
-                    if isinstance(value, int | float) and not isinstance(value, bool):
-                        counters[str(key)] = counters.get(str(key), 0.0) + float(value)
-                break
+    conn = engine.scheduler_connector.get_stats().merged(engine.worker_connector.get_stats())
     return EngineSnapshot(
         engine_id=engine.config.engine_id,
         num_running=s.num_running,
@@ -437,14 +422,7 @@ def snapshot(engine: LLMEngine, *, check_integrity: bool = False) -> EngineSnaps
         model_fingerprint=engine.namespace.model_fingerprint,
         block_size=engine.namespace.block_size,
         hash_algo=engine.namespace.algo,
-        kv_endpoint=endpoint,
-        connector_stats=counters,
+        kv_endpoint=conn.kv_endpoint or "",
+        connector_stats={str(k): float(v) for k, v in conn.counters.items()},
         integrity_error=integrity,
     )
-
-
-def _connector_tree(connector: Any) -> list[Any]:
-    children = getattr(connector, "children", None)
-    if isinstance(children, list):
-        return [connector, *(c for child in children for c in _connector_tree(child))]
-    return [connector]
