@@ -336,11 +336,13 @@ class P2PConnector(KVConnectorBase):
         for rid in output.reclaimed:
             # The engine freed the blocks without waiting for us.  They stay guarded until the worker
             # confirms the transfer stopped, so a reuse before that still fences it.
+            was_lease = any(lease.request_id == rid for lease in self._next.leases)
             if self._withdraw(rid):
                 self._forget(rid)
-                # A lease withdrawn before the server learnt it: the server still hears of it, so a
-                # puller that already has the params is refused at once, not after its deadline.
-                self._next.releases.append(rid)
+                if was_lease:
+                    # A lease withdrawn before the server learnt it: the server still hears of it, so a
+                    # puller that already has the params is refused at once, not after its deadline.
+                    self._next.releases.append(rid)
             elif rid in self._leases:
                 self._next.releases.append(rid)
             elif rid in self._pulls:

@@ -89,6 +89,10 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from exc
+        except Exception as exc:  # a template's own runtime error (a type error in its expressions, ...)
+            raise ChatTemplateError(
+                f"the chat template failed on these messages: {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 def _check_message(i: int, m: ChatMessage | Mapping[str, Any]) -> dict[str, str]:

