@@ -294,3 +294,20 @@ def test_generate_chat_renders_the_template_and_stops_at_the_end_of_turn(
     assert main([*argv, "--num-blocks", "64", "--max-tokens", "6", "hello there"]) == 0  # raw: no template
     raw = llm.generate([tok.encode("hello there")], SamplingParams(max_tokens=6))[0]
     assert capsys.readouterr().out == raw.text + "\n"
+
+
+def test_the_llama3_pre_tokenizer_takes_whole_words_from_the_vocabulary() -> None:
+    """llama.cpp's llama-bpe (like Llama 3's tokenizer.json) ignores merges for a pre-token the
+    vocabulary holds whole; gpt2-style pre-tokenizers build every token from merges."""
+    from engine.model.gguf import GGUFTokenizerSpec
+    from engine.model.gguf_tokenizer import build_gguf_tokenizer
+
+    def spec(pre: str) -> GGUFTokenizerSpec:
+        return GGUFTokenizerSpec(
+            model="gpt2", pre=pre, tokens=("a", "b", "c", "ab", "abc"), token_types=(1, 1, 1, 1, 1),
+            merges=("a b",), bos_token_id=None, eos_token_id=None, unk_token_id=None, pad_token_id=None,
+            add_bos_token=False, add_eos_token=False,
+        )  # fmt: skip
+
+    assert build_gguf_tokenizer(spec("llama-bpe"), source="t").encode("abc").ids == [4]
+    assert build_gguf_tokenizer(spec("gpt2"), source="t").encode("abc").ids == [3, 2]

@@ -47,7 +47,15 @@ def build_gguf_tokenizer(spec: GGUFTokenizerSpec, *, source: str) -> HFTokenizer
         if not sep or not a or not b:
             raise GGUFError(f"{source}: tokenizer.ggml.merges[{i}] {merge!r} is not 'left right'")
         merges.append((a, b))
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    # llama.cpp (and Llama 3's own tokenizer.json) look a whole pre-token up in the vocabulary before
+    # merging for the Llama 3 pre-tokenizer: a word the vocabulary holds is one token even when the
+    # merges would not build it.
+    ignore_merges = spec.pre in ("llama-bpe", "llama3")
+    tok = HFTokenizer(
+        models.BPE(
+            vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges
+        )
+    )
     tok.pre_tokenizer = _pre_tokenizer(spec.pre, source)
     tok.decoder = decoders.ByteLevel()
     types = spec.token_types or (0,) * len(spec.tokens)
