@@ -140,7 +140,7 @@ class EngineConfig:
             return getattr(torch, checkpoint_dtype)  # type: ignore[no-any-return]
         return torch.bfloat16
 
-    def dtype_reason(self, device: torch.device, dtype: torch.dtype) -> str:
+    def dtype_reason(self, device: torch.device) -> str:
         """Why ``torch_dtype`` chose ``dtype``: one phrase for the log."""
         from engine.cpu_features import auto_cpu_dtype_note
 

@@ -78,7 +78,7 @@ class LLMEngine:
         source = inspect_model(model_path)  # refuses a bad folder or file before any weight is read
         self.tokenizer = Tokenizer.for_model(source)
         dtype = config.torch_dtype(device, source.config.checkpoint_dtype)
-        logger.info("model %s: %s on %s (%s)", source.path, dtype, device, config.dtype_reason(device, dtype))
+        logger.info("model %s: %s on %s (%s)", source.path, dtype, device, config.dtype_reason(device))
         self.model: LoadedModel = load_model(source, dtype=dtype, device=device)
         model_config = self.model.config
         self.max_model_len = self._max_model_len(config, model_config.max_position_embeddings)

@@ -28,7 +28,6 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -38,9 +37,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.chat_template import ChatTemplateError
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
 from router.openai_schema import ChatCompletionRequest, CompletionRequest
 from router.pipeline import ClientRequest, Delta, Done, Event, Pipeline, Usage
+from router.tokenizer import RouterModel
 from serving.errors import ServingError
 
 logger = logging.getLogger(__name__)
@@ -59,16 +58,6 @@ HTTP_STATUS = {
 # without it generate until the model's context is full, capped here.
 DEFAULT_COMPLETION_TOKENS = 16
 MAX_DEFAULT_CHAT_TOKENS = 4096
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """What the API says about the model: its name (``model`` in requests), context and tokenizer."""
-
-    name: str
-    context_length: int
-    vocab_size: int
-    tokenizer: Tokenizer
 
 
 class ApiError(Exception):
@@ -161,7 +150,7 @@ async def _events(
 
 def create_app(
     pipeline: Pipeline,
-    model: ServedModel,
+    model: RouterModel,
     *,
     healthy: Callable[[], bool],
     request_timeout_s: float | None = 600.0,
@@ -306,7 +295,7 @@ class _Shape:
     """Builds one request's response objects (chat.completion / text_completion, whole or chunked)."""
 
     def __init__(
-        self, model: ServedModel, request_id: str, *, created: int, chat: bool, logprobs: bool
+        self, model: RouterModel, request_id: str, *, created: int, chat: bool, logprobs: bool
     ) -> None:
         self.model, self.id, self.created, self.chat, self.logprobs = (
             model,
@@ -392,7 +381,7 @@ class _Shape:
         }
 
 
-def _model_card(model: ServedModel, created: int) -> dict[str, Any]:
+def _model_card(model: RouterModel, created: int) -> dict[str, Any]:
     return {
         "id": model.name,
         "object": "model",
@@ -403,7 +392,7 @@ def _model_card(model: ServedModel, created: int) -> dict[str, Any]:
     }
 
 
-def _check_model(model: ServedModel, name: str) -> None:
+def _check_model(model: RouterModel, name: str) -> None:
     if name != model.name:
         raise ApiError(
             404,
@@ -415,7 +404,7 @@ def _check_model(model: ServedModel, name: str) -> None:
 
 
 def _sampling(
-    body: Any, max_tokens: int | None, prompt_len: int, model: ServedModel, default: int
+    body: Any, max_tokens: int | None, prompt_len: int, model: RouterModel, default: int
 ) -> SamplingParams:
     if body.n != 1:
         raise ApiError.invalid("n", f"only n=1 is served, got {body.n}; send one request per completion")
@@ -461,7 +450,7 @@ def _request_id(kind: str) -> str:
     return f"{kind}-{uuid.uuid4().hex}"
 
 
-def _chat_request(body: ChatCompletionRequest, model: ServedModel) -> tuple[ClientRequest, bool]:
+def _chat_request(body: ChatCompletionRequest, model: RouterModel) -> tuple[ClientRequest, bool]:
     _check_model(model, body.model)
     if body.tools:
         raise ApiError.invalid("tools", "tool calls are not supported")
@@ -489,7 +478,7 @@ def _chat_request(body: ChatCompletionRequest, model: ServedModel) -> tuple[Clie
     return ClientRequest(_request_id("chatcmpl"), ids, params, body.cache_salt), include_usage
 
 
-def _completion_request(body: CompletionRequest, model: ServedModel) -> tuple[ClientRequest, bool]:
+def _completion_request(body: CompletionRequest, model: RouterModel) -> tuple[ClientRequest, bool]:
     _check_model(model, body.model)
     if body.echo:
         raise ApiError.invalid("echo", "echo is not supported")

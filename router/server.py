@@ -89,15 +89,13 @@ class RouterRuntime:
 
     def healthy(self) -> bool:
         """Every pool (prefill and decode, or the colocated nodes) has a healthy node."""
-        return all(pool.healthy() for pool in self.pools)
+        return _all_healthy(self.pools)
 
     def http_app(self) -> object:
-        from router.openai_api import ServedModel, create_app
+        from router.openai_api import create_app
 
-        m = self.model
-        served = ServedModel(m.name, m.context_length, m.vocab_size, m.tokenizer)
         return create_app(
-            self.pipeline, served, healthy=self.healthy, request_timeout_s=self.config.http_timeout_s
+            self.pipeline, self.model, healthy=self.healthy, request_timeout_s=self.config.http_timeout_s
         )
 
     def update_health(self) -> None:
@@ -145,9 +143,13 @@ class RouterRuntime:
             pool.close()
 
 
+def _all_healthy(pools: tuple[NodePool, ...]) -> bool:
+    return all(pool.healthy() for pool in pools)
+
+
 def _publish_health(servicer: health.HealthServicer, pools: tuple[NodePool, ...]) -> None:
     """SERVING when every pool has at least one healthy node."""
-    ready = all(pool.healthy() for pool in pools)
+    ready = _all_healthy(pools)
     status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", SERVICE_NAME):
         servicer.set(name, status)

@@ -107,10 +107,6 @@ class GGUFModel:
         """Same file, same fingerprint on every node; another quantization is another file's bytes."""
         return model_fingerprint(self.config.architecture, self.hf_config, (self.path,), by_name=False)
 
-    @property
-    def is_random(self) -> bool:
-        return False
-
     def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor in ``dtype``) for every tensor of the file, dequantized on the fly."""
         import numpy as np
@@ -250,6 +246,11 @@ class _Metadata:
         except (ValueError, IndexError, UnicodeDecodeError) as exc:
             raise GGUFError(f"{self._path}: metadata {key!r} cannot be read ({exc})") from exc
 
+    def array_length(self, key: str) -> int:
+        """How many elements the array ``key`` holds (0 if absent), without decoding them."""
+        f = self._fields.get(key)
+        return len(f.data) if f is not None and len(f.types) > 1 else 0
+
     def required(self, key: str) -> Any:
         value = self.optional(key)
         if value is None:
@@ -298,8 +299,7 @@ def _hf_config(meta: _Metadata, arch: str, tensor_names: set[str]) -> dict[str, 
             f"{meta._path}: {arch}.rope.dimension_count {rope_dim} differs from the head size {head_dim} "
             "(partial rotary embeddings are not supported)"
         )
-    tokens = meta.optional("tokenizer.ggml.tokens")
-    vocab = meta.integer(f"{arch}.vocab_size", len(tokens) if isinstance(tokens, list) else 0)
+    vocab = meta.integer(f"{arch}.vocab_size", meta.array_length("tokenizer.ggml.tokens"))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": meta.number(f"{arch}.rope.freq_base", 1e4)}
     scaling = meta.optional(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
