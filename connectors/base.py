@@ -22,20 +22,27 @@ One request's life through both halves::
       update_state_after_alloc(request, block_ids, n)     # remember what to load
       (load_async: request parks in WAITING_FOR_REMOTE_KV until the worker reports it received)
       build_connector_meta(scheduler_output) -> metadata  # once per step, after all decisions
-    worker: handle_preemptions(metadata)                  # fence saves of preempted requests' blocks
-            start_load_kv(metadata)
+    worker: handle_preemptions(metadata)                  # finish saves of preempted requests' blocks
+            start_load_kv(metadata)                       # also: stop the transfers of stop_request_ids
             per layer: wait_for_layer_load(i); attention; save_kv_layer(i, kv_cache, attn_metadata)
             wait_for_save()
             get_finished(finished_req_ids) -> (finished_sending, finished_recving)
             get_block_ids_with_load_errors() -> blocks whose load failed
     scheduler: update_connector_output(output)            # the worker's report
       ... decode steps ...
-      request_finished(request, block_ids) -> (delay_free, kv_transfer_params)   # exactly once
-          delay_free: the blocks stay allocated until the worker lists the request in finished_sending,
-          the request is aborted, or ``kv_delay_free_timeout_s`` passes (then the engine reclaims them
-          and says so at once, in an ``update_connector_output`` call whose output lists them in
-          ``reclaimed``: the scheduler half must tell its worker in this step's metadata, because the
-          freed blocks may be written by this step's forward pass).
+      request_finished(request, block_ids) -> (hold, kv_transfer_params)   # exactly once
+          hold: the blocks stay allocated until the worker lists the request in finished_sending.
+
+Holds are released in two phases: the engine never frees a held block before the worker said it is
+done with it.  A hold ends when the worker reports the request in ``finished_sending``.  When the request
+is aborted, or ``kv_hold_timeout_s`` passes, the engine lists it in the next step's
+``metadata.stop_request_ids``; the worker stops the transfer (it owns its threads and sockets, so it can
+within the step) and then reports the request as usual.  A request that ends while its async load runs
+is held the same way, without asking the connector: it is in ``stop_request_ids`` at once, and its hold
+ends with ``finished_recving``.  Should the worker never confirm, the engine frees the blocks after
+``kv_stop_timeout_s`` and logs an error: that is a broken connector, not the protocol.  So a connector
+keeps no books of its own about reclaimed or reused blocks: while it has not reported a request, its
+blocks are its own.
 
 Rules every connector keeps (the conformance kit in ``connectors.testing`` checks them):
 
@@ -46,9 +53,12 @@ Rules every connector keeps (the conformance kit in ``connectors.testing`` check
 3. A backend that does not answer in time counts as zero hits; no call blocks the engine unboundedly.
 4. Load failures are reported through ``get_block_ids_with_load_errors``, never raised: the engine cuts
    the request back to the first bad block and recomputes from there.
-5. No block is reused while an async save still reads it: ``handle_preemptions`` fences saves of
-   preempted requests; a connector saving asynchronously after a request finished returns
-   ``delay_free=True`` from ``request_finished`` until its save is done.
+5. No block is reused while a transfer still reads or writes it: a connector whose saves outlive the
+   step returns ``hold=True`` from ``request_finished`` and reports the request in ``finished_sending``
+   when they are done; ``handle_preemptions`` finishes (or drops) the saves of preempted requests, whose
+   blocks the same step may overwrite; every request in ``stop_request_ids`` is reported in
+   ``finished_sending`` / ``finished_recving`` (whichever its hold waits for) within the step, or as
+   soon as its transfer stopped.
 """
 
 from __future__ import annotations
@@ -90,10 +100,16 @@ class ConnectorContext:
 
 @dataclass
 class KVConnectorMetadata:
-    """Per-step instructions from the scheduler half to the worker half.  Connectors subclass it."""
+    """Per-step instructions from the scheduler half to the worker half.  Connectors subclass it.
 
-    # Requests preempted this step: their blocks may be reused by the next forward pass.
+    The engine fills the two fields below after ``build_connector_meta`` returns: a connector need not
+    copy them (``multi`` hands them to its children)."""
+
+    # Requests preempted this step: their blocks may be overwritten by this step's forward pass.
     preempted_request_ids: list[RequestId] = field(default_factory=list)
+    # Held requests the engine wants back (aborted, or past kv_hold_timeout_s): stop their transfers,
+    # then report them in finished_sending / finished_recving.  Their blocks stay allocated until then.
+    stop_request_ids: list[RequestId] = field(default_factory=list)
 
 
 @dataclass
@@ -104,19 +120,10 @@ class KVConnectorOutput:
     finished_recving: set[RequestId] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
     stats: dict[str, float] = field(default_factory=dict)
-    # Filled by the engine, not the worker: delayed frees it reclaimed (deadline passed or request aborted),
-    # reported in an update_connector_output call of its own, before the next metadata is built.
-    reclaimed: set[RequestId] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:
-        return not (
-            self.finished_sending
-            or self.finished_recving
-            or self.invalid_block_ids
-            or self.stats
-            or self.reclaimed
-        )
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids or self.stats)
 
 
 @dataclass(frozen=True)
@@ -210,9 +217,10 @@ class KVConnectorBase:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Once per step, after all scheduling decisions: what the worker half must load and save.
 
-        Resets per-step state.  Must not change ``scheduler_output``.
+        Resets per-step state.  Must not change ``scheduler_output``.  The engine then fills
+        ``preempted_request_ids`` and ``stop_request_ids``.
         """
-        return KVConnectorMetadata(preempted_request_ids=list(scheduler_output.preempted_request_ids))
+        return KVConnectorMetadata()
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """The worker half's report for the step (finished sends/receives, failed blocks, stats)."""
@@ -222,9 +230,10 @@ class KVConnectorBase:
     ) -> tuple[bool, dict[str, Any] | None]:
         """Exactly once per request, before its blocks are freed.
 
-        Returns ``(delay_free, kv_transfer_params)``.  ``delay_free=True``: the connector owns the blocks
-        until the worker reports the request in ``finished_sending`` (or the engine reclaims them).  The
-        params go back to the caller (the router hands them to the decode node).
+        Returns ``(hold, kv_transfer_params)``.  ``hold=True``: the blocks stay allocated until the worker
+        reports the request in ``finished_sending`` (asked by ``stop_request_ids`` on abort or past
+        ``kv_hold_timeout_s``).  The params go back to the caller (the router hands them to the decode
+        node).  A request that ends while its async load runs is held by the engine whatever this says.
         """
         return False, None
 
@@ -238,10 +247,11 @@ class KVConnectorBase:
         """Once at start-up: the paged cache `[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]`."""
 
     def handle_preemptions(self, metadata: KVConnectorMetadata) -> None:
-        """Before the forward pass can reuse preempted requests' blocks: fence or finish their saves."""
+        """Before the forward pass may overwrite preempted requests' blocks: finish or drop their saves."""
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
-        """Before the forward pass: start the loads this step needs."""
+        """Before the forward pass: start the loads this step needs; stop the transfers of
+        ``metadata.stop_request_ids`` (report each in ``get_finished`` once stopped)."""
 
     def wait_for_layer_load(self, layer: int) -> None:
         """Inside the forward, before layer ``layer`` reads its KV (lets loads overlap compute)."""

@@ -8,8 +8,9 @@ Options::
   tokens.  A child that answers ``None`` (still looking) before any hit makes the whole answer ``None``,
   so a preferred child is never skipped just because it is slow to answer.
 - Saves and step hooks go to every child.
-- ``request_finished`` is called on every child; the free is delayed if any child delays it, and the
-  request is reported in ``finished_sending`` only when every child that delayed it has finished.
+- ``request_finished`` is called on every child; the request is held if any child holds it, and it is
+  reported in ``finished_sending`` only when every child that held it has finished (a stop reaches every
+  child, and each reports it once stopped).
   Which children those are travels to the worker half in the step metadata (the halves share no state).
 """
 
@@ -45,10 +46,8 @@ class MultiOptions:
 @dataclass
 class MultiMetadata(KVConnectorMetadata):
     children: list[KVConnectorMetadata] = field(default_factory=list)
-    # request -> indices of the children that delayed its free (their sends must all finish).
-    delayed_by: dict[RequestId, set[int]] = field(default_factory=dict)
-    # Delayed frees the engine reclaimed: no longer waited for.
-    reclaimed: list[RequestId] = field(default_factory=list)
+    # request -> indices of the children that held it (their sends must all finish).
+    held_by: dict[RequestId, set[int]] = field(default_factory=dict)
 
 
 class MultiConnector(KVConnectorBase):
@@ -80,11 +79,10 @@ class MultiConnector(KVConnectorBase):
                 )
             cfg = KVConnectorConfig(name=spec["name"], options=spec.get("options") or {})
             self.children.append(create_connector(cfg, role, context))
-        # Scheduler half: which child loads each request; which children delayed each free.
+        # Scheduler half: which child loads each request; which children held each finished request.
         self._loader: dict[RequestId, int] = {}
-        self._delayed_by: dict[RequestId, set[int]] = {}
-        self._reclaimed: list[RequestId] = []
-        # Worker half: delayed frees being waited on, and which children reported each done.
+        self._held_by: dict[RequestId, set[int]] = {}
+        # Worker half: holds being waited on, and which children reported each done.
         self._pending_sends: dict[RequestId, set[int]] = {}
         self._sent: dict[RequestId, set[int]] = {}
 
@@ -118,36 +116,33 @@ class MultiConnector(KVConnectorBase):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = MultiMetadata(
-            preempted_request_ids=list(scheduler_output.preempted_request_ids),
             children=[c.build_connector_meta(scheduler_output) for c in self.children],
-            delayed_by=self._delayed_by,
-            reclaimed=self._reclaimed,
+            held_by=self._held_by,
         )
-        self._delayed_by, self._reclaimed = {}, []
+        self._held_by = {}
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        for rid in output.finished_recving | output.finished_sending | output.reclaimed:
+        for rid in output.finished_recving | output.finished_sending:
             self._loader.pop(rid, None)
-        self._reclaimed.extend(output.reclaimed)
         for child in self.children:
             child.update_connector_output(output)
 
     def request_finished(
         self, request: Request, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        delayed: set[int] = set()
+        held: set[int] = set()
         params: dict[str, Any] = {}
         for i, child in enumerate(self.children):
-            delay, child_params = child.request_finished(request, block_ids)
-            if delay:
-                delayed.add(i)
+            hold, child_params = child.request_finished(request, block_ids)
+            if hold:
+                held.add(i)
             for key, value in (child_params or {}).items():
                 params.setdefault(key, value)  # the first child's value wins, as for loads
         self._loader.pop(request.request_id, None)
-        if delayed:
-            self._delayed_by[request.request_id] = delayed
-        return bool(delayed), params or None
+        if held:
+            self._held_by[request.request_id] = held
+        return bool(held), params or None
 
     def take_events(self) -> list[KVCacheEvent]:
         return [e for child in self.children for e in child.take_events()]
@@ -156,8 +151,12 @@ class MultiConnector(KVConnectorBase):
 
     @staticmethod
     def _child_meta(metadata: KVConnectorMetadata, i: int) -> KVConnectorMetadata:
+        """Child ``i``'s metadata, with the engine's own instructions (filled in multi's) handed down."""
         assert isinstance(metadata, MultiMetadata), "multi's worker half needs multi's metadata"
-        return metadata.children[i]
+        child = metadata.children[i]
+        child.preempted_request_ids = metadata.preempted_request_ids
+        child.stop_request_ids = metadata.stop_request_ids
+        return child
 
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         for child in self.children:
@@ -169,11 +168,8 @@ class MultiConnector(KVConnectorBase):
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         assert isinstance(metadata, MultiMetadata)
-        for rid, children in metadata.delayed_by.items():
+        for rid, children in metadata.held_by.items():
             self._pending_sends[rid] = set(children)
-        for rid in metadata.reclaimed:
-            self._pending_sends.pop(rid, None)
-            self._sent.pop(rid, None)
         for i, child in enumerate(self.children):
             child.start_load_kv(self._child_meta(metadata, i))
 
@@ -196,7 +192,7 @@ class MultiConnector(KVConnectorBase):
             s, r = child.get_finished(finished_req_ids)
             recving |= r  # only the loading child receives a request
             for rid in s:
-                # Only frees some child delayed are tracked: a child may report every finished request.
+                # Only requests some child held are tracked: a child may report every finished request.
                 if rid in self._pending_sends:
                     self._sent.setdefault(rid, set()).add(i)
         for rid in list(self._sent):

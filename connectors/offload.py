@@ -18,9 +18,10 @@ How the halves split the work:
   all layers together, so one read per block; the store's read path writes straight into the block).
   A block the store cannot return (evicted since the lookup, corrupt, another layout, a tier timing out)
   is a load error: the engine recomputes from it.  Saves run on a background thread after the forward
-  (``wait_for_save`` only queues them), so they never stall the step; they are fenced: a preempted
-  request's saves finish in ``handle_preemptions`` before its blocks can be reused, and a finished
-  request with saves in flight is a delayed free until they are done (``finished_sending``).
+  (``wait_for_save`` only queues them), so they never stall the step.  A preempted request's saves finish
+  in ``handle_preemptions``, before the forward may overwrite its blocks; a finished request with saves in
+  flight is held until they are done (``finished_sending``), and a hold the engine stops (abort, deadline)
+  drops the queued saves and waits for the running one before reporting it.
 
 Every engine of a process -- and both halves of each -- uses one store instance per configuration
 (``_SharedStores``): the store is the shared backend, as a store server would be; the halves still talk
@@ -93,8 +94,6 @@ class BlockRun:
 class OffloadMetadata(KVConnectorMetadata):
     loads: list[BlockRun] = field(default_factory=list)
     saves: list[BlockRun] = field(default_factory=list)
-    # Held requests the engine reclaimed: their blocks may be reused by this step's forward pass.
-    reclaimed: list[RequestId] = field(default_factory=list)
 
 
 class _SharedStores:
@@ -166,7 +165,6 @@ class OffloadConnector(KVConnectorBase):
         self._had_saves: set[RequestId] = set()
         self._pending_loads: list[BlockRun] = []
         self._block_tables: dict[RequestId, list[int]] = {}  # as of the last step, to map load errors
-        self._reclaimed: list[RequestId] = []
         self.num_lookup_timeouts = 0
         # worker half
         self._kv: torch.Tensor | None = None
@@ -239,12 +237,8 @@ class OffloadConnector(KVConnectorBase):
         self._saved_upto[rid] = max(first + n, loaded_elsewhere_end)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = OffloadMetadata(
-            preempted_request_ids=list(scheduler_output.preempted_request_ids),
-            loads=self._pending_loads,
-            reclaimed=self._reclaimed,
-        )
-        self._pending_loads, self._reclaimed = [], []
+        meta = OffloadMetadata(loads=self._pending_loads)
+        self._pending_loads = []
         bs = self.block_size
         for sr in scheduler_output.scheduled:
             request = self._requests.get(sr.request_id)
@@ -269,8 +263,6 @@ class OffloadConnector(KVConnectorBase):
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        # A reclaim frees blocks a save may still read: the worker fences it before the next forward.
-        self._reclaimed.extend(output.reclaimed)
         if output.invalid_block_ids:
             # The engine cuts those requests back to their first bad block and recomputes; the worker
             # dropped this step's saves of theirs, so save again from the first bad block.
@@ -289,7 +281,7 @@ class OffloadConnector(KVConnectorBase):
         self._saved_upto.pop(rid, None)
         had_saves = rid in self._had_saves
         self._had_saves.discard(rid)
-        # Saves run in the background: its blocks stay ours until the worker says they are written.
+        # Saves run in the background: its blocks are held until the worker says they are written.
         return had_saves, None
 
     # ---------------------------------------------------------------- worker half
@@ -310,7 +302,9 @@ class OffloadConnector(KVConnectorBase):
 
     def handle_preemptions(self, metadata: KVConnectorMetadata) -> None:
         assert isinstance(metadata, OffloadMetadata)
-        for rid in [*metadata.preempted_request_ids, *metadata.reclaimed]:
+        # Preempted: this step's forward may overwrite the blocks.  Stopped: the engine wants them back
+        # (get_finished then reports the request, its saves being over).
+        for rid in [*metadata.preempted_request_ids, *metadata.stop_request_ids]:
             self._wait_saves(rid)
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
@@ -361,7 +355,7 @@ class OffloadConnector(KVConnectorBase):
             self.stats_counters["saves_failed"] += len(run.block_ids) - result.stored
 
     def _wait_saves(self, rid: RequestId) -> None:
-        """Fence: when this returns, no save of ``rid`` reads its blocks any more."""
+        """When this returns, no save of ``rid`` reads its blocks any more."""
         futures = self._saves_in_flight.pop(rid, [])
         running = [f for f in futures if not f.cancel()]  # queued saves are dropped, not waited for
         if running:

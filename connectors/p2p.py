@@ -22,19 +22,20 @@ Options (``P2POptions``; a bad value is a ``ConnectorOptionsError`` naming the k
 producer's ROUTER address, default ``tcp://127.0.0.1:0``: any free port, reported in the params),
 ``advertise_host`` (the host put in the params when binding a wildcard address), ``lease_s``,
 ``pull_timeout_s``, ``recv_timeout_s``, ``max_in_flight`` (concurrent pulls), ``batch_bytes`` (payload
-per read), ``window`` (reads outstanding per pull), ``fence_timeout_s``.
+per read), ``window`` (reads outstanding per pull), ``stop_timeout_s`` (how long a stop waits for sends
+in flight before resetting the socket).
 
-Every hold has an end (invariant 7): a lease ends on the consumer's ``release``, when ``lease_s`` passes
-unread, or when the engine reclaims the blocks (abort, ``kv_delay_free_timeout_s`` -- keep it above
+A *lease* is the producer's side of the engine's hold on a finished request's blocks: what its block
+server serves while the engine keeps them.  Every hold has an end (invariant 7): a lease ends on the
+consumer's ``release``, when ``lease_s`` passes unread, or when the engine asks for the blocks back
+(``stop_request_ids``: the request was aborted, or ``kv_hold_timeout_s`` passed -- keep it above
 ``lease_s``); a pull ends by success, failure (reported as load errors: the engine recomputes from the
-first bad block) or cancellation (the request was aborted: its free is delayed until the pull stopped
-writing).
+first bad block) or a stop (the request ended while pulling).
 
-No block is reused under a transfer (invariant 8).  Sends are tracked (``connectors.p2p_server``), and
-the scheduler half watches the blocks it has handed to a lease or a pull: if this step is about to write
-one of them for another request -- which the engine can only do after reclaiming them -- the step's
-metadata carries a *fence*, and the worker half stops that transfer and waits for it before the forward
-pass (``handle_preemptions``), instead of learning about the reclaim a step too late.
+No block is reused under a transfer (invariant 8), and this connector keeps no books for it: the engine
+frees held blocks only after the worker half reported them (two-phase release, ``connectors/base.py``).
+A stop is carried out within the step: the server closes the lease and waits for its sends in flight
+(ZeroMQ tracks them, ``connectors.p2p_server``), the puller stops writing; both then report the request.
 
 The halves share no state but one: with a port chosen at bind time (``:0``), the worker half publishes
 the bound endpoint for the scheduler half of the same engine (``_EndpointBoard``, keyed by the engine's
@@ -47,7 +48,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +58,6 @@ from connectors.base import (
     ConnectorStats,
     KVConnectorBase,
     KVConnectorMetadata,
-    KVConnectorOutput,
     KVConnectorRole,
 )
 from connectors.p2p_params import (
@@ -108,7 +108,7 @@ class P2POptions:
     max_in_flight: int = 4
     batch_bytes: int = 8 << 20
     window: int = 2
-    fence_timeout_s: float = 5.0
+    stop_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.bind, str) or not self.bind.startswith(("tcp://", "ipc://")):
@@ -128,7 +128,7 @@ class P2POptions:
                 )
         elif len(self.bind) <= len("ipc://"):
             raise _fail("bind", "must name a path after ipc://")
-        for key in ("lease_s", "pull_timeout_s", "recv_timeout_s", "fence_timeout_s"):
+        for key in ("lease_s", "pull_timeout_s", "recv_timeout_s", "stop_timeout_s"):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise _fail(key, f"must be a positive number of seconds, got {value!r}")
@@ -206,14 +206,10 @@ class LeaseSpec:
 
 @dataclass
 class P2PMetadata(KVConnectorMetadata):
-    """One step's instructions to the worker half."""
+    """One step's instructions to the worker half (stops come in ``stop_request_ids``)."""
 
     leases: list[LeaseSpec] = field(default_factory=list)  # producer: start serving these
-    releases: list[RequestId] = field(default_factory=list)  # producer: engine reclaimed them: stop serving
     pulls: list[PullJob] = field(default_factory=list)  # consumer: start pulling these
-    cancels: list[RequestId] = field(default_factory=list)  # consumer: request ended: stop pulling
-    # Transfers whose blocks this step's forward reuses: stop them and wait, before the forward runs.
-    fences: list[RequestId] = field(default_factory=list)
 
 
 _LEASABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -231,17 +227,14 @@ class P2PConnector(KVConnectorBase):
         self.block_size = context.block_size
         self.layout = layout_of(context.spec)
         self.stats = TransferStats()
-        # scheduler half: transfers in progress, and every block they use (to spot a reuse, see fences)
-        self._leases: dict[RequestId, tuple[int, ...]] = {}  # until the worker reports finished_sending
-        self._pulls: dict[RequestId, tuple[int, ...]] = {}  # until the worker reports finished_recving
-        self._owners: dict[int, set[RequestId]] = {}
+        # scheduler half
         self._pulled: set[RequestId] = set()  # requests whose remote prefill was pulled (or tried): no second
         self._next = P2PMetadata()
         # worker half
         self._server: BlockServer | None = None
         self._puller: BlockPuller | None = None
         self._pulling: set[RequestId] = set()
-        self._cancelled: set[RequestId] = set()
+        self._stopped: set[RequestId] = set()  # pulls stopped: their result is no load (the request ended)
         self._load_errors: set[int] = set()
 
     # ================================ scheduler half ================================================
@@ -251,8 +244,6 @@ class P2PConnector(KVConnectorBase):
         params = request.kv_transfer_params
         if not is_remote_prefill(params) or request.request_id in self._pulled:
             return None
-        if request.request_id in self._pulls:
-            return None  # an earlier request of this id is still stopping its pull: compute this one
         assert params is not None
         try:
             remote = RemotePrefill.from_params(params)
@@ -294,7 +285,6 @@ class P2PConnector(KVConnectorBase):
         self, request: Request, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
         first = request.num_computed_tokens // self.block_size
-        self._check_reuse(block_ids[first:], request.request_id)  # fresh blocks: about to be written
         if num_external_tokens <= 0:
             return
         remote = self._remote_prefill(request)
@@ -314,52 +304,17 @@ class P2PConnector(KVConnectorBase):
             )
         )
         self._pulled.add(request.request_id)
-        self._pulls[request.request_id] = dest
-        self._guard(request.request_id, dest)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        if self._owners:
-            bs = self.block_size
-            for sr in scheduler_output.scheduled:
-                lo = sr.start_position // bs
-                hi = (sr.start_position + sr.num_tokens - 1) // bs
-                self._check_reuse(sr.block_ids[lo : hi + 1], sr.request_id)
         meta, self._next = self._next, P2PMetadata()
-        meta.preempted_request_ids = list(scheduler_output.preempted_request_ids)
         return meta
-
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
-        for rid in output.finished_sending:
-            self._forget(rid)
-        for rid in output.finished_recving:
-            self._forget(rid)
-        for rid in output.reclaimed:
-            # The engine freed the blocks without waiting for us.  They stay guarded until the worker
-            # confirms the transfer stopped, so a reuse before that still fences it.
-            was_lease = any(lease.request_id == rid for lease in self._next.leases)
-            if self._withdraw(rid):
-                self._forget(rid)
-                if was_lease:
-                    # A lease withdrawn before the server learnt it: the server still hears of it, so a
-                    # puller that already has the params is refused at once, not after its deadline.
-                    self._next.releases.append(rid)
-            elif rid in self._leases:
-                self._next.releases.append(rid)
-            elif rid in self._pulls:
-                self._next.cancels.append(rid)
 
     def request_finished(
         self, request: Request, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        rid = request.request_id
-        self._pulled.discard(rid)
-        if self._withdraw(rid):
-            self._forget(rid)  # its pull never reached the worker: nothing writes into the blocks
-            return False, None
-        if rid in self._pulls:
-            # Ended while its blocks are being written: they stay allocated until the pull stopped.
-            self._next.cancels.append(rid)
-            return True, None
+        # A request that ends while pulling is held by the engine until the pull stopped (its stop comes
+        # in the metadata with the pull, if the pull has not been sent yet): nothing to do here.
+        self._pulled.discard(request.request_id)
         if not wants_remote_decode(request.kv_transfer_params) or request.status not in _LEASABLE:
             return False, None
         return self._lease(request, block_ids)
@@ -396,46 +351,7 @@ class P2PConnector(KVConnectorBase):
         if n == 0:
             return False, params  # a prompt shorter than a block: nothing worth holding
         self._next.leases.append(lease)
-        self._leases[request.request_id] = lease.block_ids
-        self._guard(request.request_id, lease.block_ids)
         return True, params
-
-    # -- which blocks our transfers use ---------------------------------------------------------------------
-
-    def _guard(self, rid: RequestId, block_ids: Iterable[int]) -> None:
-        for b in block_ids:
-            self._owners.setdefault(b, set()).add(rid)
-
-    def _forget(self, rid: RequestId) -> None:
-        blocks = self._leases.pop(rid, ()) + self._pulls.pop(rid, ())
-        for b in blocks:
-            owners = self._owners.get(b)
-            if owners is not None:
-                owners.discard(rid)
-                if not owners:
-                    del self._owners[b]
-
-    def _withdraw(self, rid: RequestId) -> bool:
-        """Take ``rid``'s lease or pull out of the metadata not yet sent; True if there was one."""
-        step = self._next
-        leases = [lease for lease in step.leases if lease.request_id != rid]
-        pulls = [job for job in step.pulls if job.request_id != rid]
-        withdrawn = len(leases) < len(step.leases) or len(pulls) < len(step.pulls)
-        step.leases, step.pulls = leases, pulls
-        return withdrawn
-
-    def _check_reuse(self, block_ids: Iterable[int], writer: RequestId) -> None:
-        """``writer`` is about to write ``block_ids``: fence every other transfer still using one."""
-        if not self._owners:
-            return
-        for b in block_ids:
-            owners = self._owners.get(b)
-            if owners and owners - {writer}:
-                for rid in sorted(owners - {writer}):
-                    if not self._withdraw(rid):  # already handed to the worker: stop it before the forward
-                        logger.warning("p2p: blocks of %s are reused while it transfers; fencing it", rid)
-                        self._next.fences.append(rid)
-                    self._forget(rid)
 
     # ================================ worker half ===================================================
 
@@ -455,7 +371,7 @@ class P2PConnector(KVConnectorBase):
                 stats=self.stats,
                 engine_id=self.context.engine_id,
                 max_read_blocks=MAX_READ_BLOCKS,
-                fence_timeout_s=opts.fence_timeout_s,
+                stop_timeout_s=opts.stop_timeout_s,
             )
         except zmq.ZMQError as exc:
             raise ConnectorOptionsError(
@@ -477,31 +393,22 @@ class P2PConnector(KVConnectorBase):
         """The advertised endpoint of this worker half's block server (None before registration)."""
         return None if self._server is None else self.options.advertised(self._server.endpoint)
 
-    def handle_preemptions(self, metadata: KVConnectorMetadata) -> None:
-        if not isinstance(metadata, P2PMetadata) or not metadata.fences:
-            return
-        assert self._server is not None and self._puller is not None, "register_kv_caches was not called"
-        for rid in metadata.fences:
-            self._server.fence(rid)
-            if rid in self._pulling:
-                self._cancelled.add(rid)
-                self._puller.fence(rid, self.options.fence_timeout_s + self.options.recv_timeout_s)
-
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         if not isinstance(metadata, P2PMetadata):
             return
         assert self._server is not None and self._puller is not None, "register_kv_caches was not called"
         for lease in metadata.leases:
             self._server.add_lease(lease.request_id, lease.block_ids, lease.block_hashes, lease.lease_s)
-        for rid in metadata.releases:
-            self._server.release(rid)
         for job in metadata.pulls:
             self._pulling.add(RequestId(job.request_id))
             self._puller.submit(job)
-        for rid in metadata.cancels:
+        # After the leases and pulls: a request may have ended between being handed over and this step.
+        for rid in metadata.stop_request_ids:
             if rid in self._pulling:
-                self._cancelled.add(rid)
-                self._puller.cancel(rid)
+                self._stopped.add(rid)
+                self._puller.stop(rid, self.options.stop_timeout_s + self.options.recv_timeout_s)
+            else:
+                self._server.stop(rid)
 
     def get_finished(self, finished_req_ids: set[RequestId]) -> tuple[set[RequestId], set[RequestId]]:
         if self._server is None or self._puller is None:
@@ -512,8 +419,8 @@ class P2PConnector(KVConnectorBase):
             rid = RequestId(result.request_id)
             recving.add(rid)
             self._pulling.discard(rid)
-            if rid in self._cancelled:
-                self._cancelled.discard(rid)  # its blocks may belong to another request by now
+            if rid in self._stopped:
+                self._stopped.discard(rid)  # the request ended: nothing will read these blocks
                 continue
             self._load_errors.update(result.failed_block_ids)
         return sending, recving

@@ -12,7 +12,7 @@ A pull ends in one ``PullResult``:
 - failure (peer silent for ``recv_timeout_s``, pull longer than ``pull_timeout_s``, an error reply, a
   malformed or truncated reply, a checksum mismatch): ``num_loaded`` leading blocks are good, and
   ``failed_block_ids`` lists every block from the first bad one on -- the engine recomputes from there;
-- cancelled (``cancel``/``fence``): the pull stopped writing; nothing is reported as loaded or failed.
+- cancelled (``stop``): the pull stopped writing; nothing is reported as loaded or failed.
 
 A socket that timed out, or whose stream is in an unknown state, is closed and reconnected on the next
 use, so nothing late can land in a block; a reply whose id is not outstanding (the answer to a read
@@ -144,15 +144,9 @@ class BlockPuller:
         self._queue.put(handle)
         return handle
 
-    def cancel(self, request_id: str) -> None:
-        """Stop a pull (asynchronous: its result, ``cancelled``, is reported once it stopped writing)."""
-        with self._lock:
-            handle = self._handles.get(request_id)
-        if handle is not None:
-            handle.cancel_event.set()
-
-    def fence(self, request_id: str, timeout_s: float) -> bool:
-        """Cancel a pull and wait until it no longer writes into its blocks.  True if it stopped."""
+    def stop(self, request_id: str, timeout_s: float) -> bool:
+        """Cancel a pull and wait until it no longer writes into its blocks (its result, ``cancelled``,
+        is then in the next ``take_finished``).  True if it stopped."""
         with self._lock:
             handle = self._handles.get(request_id)
         if handle is None:

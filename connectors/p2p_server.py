@@ -1,13 +1,13 @@
 """The producer side of ``p2p``: serve leased blocks of the paged cache over a ZeroMQ ROUTER socket.
 
 One background thread owns the socket and answers requests in arrival order (wire format:
-``connectors.p2p_transfer``).  The engine thread adds leases, releases them and fences them; every piece
-of lease state is guarded by one lock, which the serving thread holds from "is this lease still serving?"
-to "the send is queued and its tracker recorded", so a lease that was fenced is never read again.
+``connectors.p2p_transfer``).  The engine thread adds leases and stops them; every piece of lease state
+is guarded by one lock, which the serving thread holds from "is this lease still serving?" to "the send
+is queued and its tracker recorded", so a lease that was stopped is never read again.
 
 A lease's life::
 
-    add_lease ──▶ SERVING ──(consumer release | engine release | expiry | fence)──▶ CLOSING
+    add_lease ──▶ SERVING ──(consumer release | expiry | engine stop)──▶ CLOSING
                                                     │ every tracked send of it done
                                                     ▼
                                      reported by take_finished(): its blocks may be reused
@@ -19,10 +19,10 @@ by the consumer's check.  A read that comes before the seal is done computes the
 
 Payload frames point into the engine's cache (``copy=False``): ZeroMQ's I/O thread reads them after
 ``send`` returned.  Every data reply is sent with a ``MessageTracker``; a lease reaches "finished" only
-when all its trackers are done (invariant 8).  ``fence`` -- the engine is about to reuse the blocks --
-waits for them synchronously; a peer that stopped reading cannot stall it for longer than
-``fence_timeout_s``: then the socket is closed (ZeroMQ drops what it queued, releasing the frames) and
-bound again at the same endpoint.
+when all its trackers are done (invariant 8).  ``stop`` -- the engine wants the blocks back -- waits for
+them synchronously, so the lease is reported finished within the engine's step; a peer that stopped
+reading cannot stall it for longer than ``stop_timeout_s``: then the socket is closed (ZeroMQ drops what
+it queued, releasing the frames) and bound again at the same endpoint.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class BlockServer:
         stats: TransferStats,
         engine_id: str = "",
         max_read_blocks: int = 4096,
-        fence_timeout_s: float = 5.0,
+        stop_timeout_s: float = 5.0,
         poll_s: float = 0.02,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -116,7 +116,7 @@ class BlockServer:
         self.stats = stats
         self.engine_id = engine_id
         self.max_read_blocks = max_read_blocks
-        self.fence_timeout_s = fence_timeout_s
+        self.stop_timeout_s = stop_timeout_s
         self.clock = clock
         self._poll_ms = max(1, int(poll_s * 1000))
         self._context: zmq.Context[Any] = zmq.Context()
@@ -174,46 +174,33 @@ class BlockServer:
             self._unsealed.append(lease)
         self.stats.add("leases_registered")
 
-    def release(self, request_id: str) -> None:
-        """Stop serving (the engine reclaimed the blocks or no longer needs the lease).  Asynchronous:
-        ``take_finished`` reports the lease once its sends in flight are done."""
-        with self._lock:
-            lease = self._leases.get(request_id)
-            if lease is not None and lease.state is LeaseState.SERVING:
-                self._close_locked(lease, ErrorCode.RELEASED)
-                self.stats.add("leases_dropped")
-            elif lease is None and request_id not in self._tombstones:
-                # Withdrawn before it was served: readers get a final "released", not "unknown" (which
-                # they retry until their deadline, since a lease may be registered a step late).
-                self._remember_locked(request_id, ErrorCode.RELEASED)
-
-    def fence(self, request_id: str) -> bool:
-        """Stop serving and return only when no send of the lease is in flight (the engine is about to
-        reuse its blocks).  False if even a socket reset did not release the frames (logged)."""
+    def stop(self, request_id: str) -> bool:
+        """End the lease (the engine wants its blocks back) and return once no send of it is in flight:
+        the next ``take_finished`` reports it.  False if even a socket reset did not release the frames
+        (logged).  A lease that is already gone is remembered as released, so a late reader is told."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None:
+                if request_id not in self._tombstones:
+                    self._remember_locked(request_id, ErrorCode.RELEASED)
                 return True
             if lease.state is LeaseState.SERVING:
                 self._close_locked(lease, ErrorCode.RELEASED)
-                self.stats.add("leases_dropped")
+                self.stats.add("leases_stopped")
             trackers = list(lease.pending_trackers())
-        self.stats.add("fences")
-        if wait_trackers(trackers, self.fence_timeout_s):
+        if wait_trackers(trackers, self.stop_timeout_s):
             return True
         logger.warning(
             "p2p: sends of lease %s still in flight after %.1fs (a peer stopped reading): resetting socket",
             request_id,
-            self.fence_timeout_s,
+            self.stop_timeout_s,
         )
         self._reset_done.clear()
         self._reset_requested.set()
-        self._reset_done.wait(self.fence_timeout_s + 1.0)
-        if wait_trackers(trackers, self.fence_timeout_s):
+        self._reset_done.wait(self.stop_timeout_s + 1.0)
+        if wait_trackers(trackers, self.stop_timeout_s):
             return True
-        logger.error(
-            "p2p: sends of lease %s never completed; its blocks may be reused under a send", request_id
-        )
+        logger.error("p2p: sends of lease %s never completed; its blocks stay held", request_id)
         return False
 
     def take_finished(self) -> list[str]:
@@ -321,7 +308,7 @@ class BlockServer:
                     self.stats.add("leases_released")
 
     def _serve_read(self, identity: bytes, request: ReadRequest) -> None:
-        with self._lock:  # held until the tracker is recorded: a fence cannot slip in between
+        with self._lock:  # held until the tracker is recorded: a stop cannot slip in between
             refusal = self._check_read_locked(request)
             if refusal is not None:
                 self.stats.add("requests_refused")
@@ -367,7 +354,7 @@ class BlockServer:
 
         Sealing at lease time, not at send time, means the consumer checks the bytes it received against
         what the blocks held when the request finished: a block overwritten in between is caught.  A
-        lease fenced meanwhile keeps nothing computed here (its blocks may already hold other KV).
+        lease stopped meanwhile keeps nothing computed here (its blocks may already hold other KV).
         """
         with self._lock:
             while self._unsealed and (

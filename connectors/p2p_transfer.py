@@ -305,7 +305,7 @@ class TransferStats:
     Keys (all exported by ``snapshot`` as floats; a key appears once it was bumped):
 
     - producer: ``leases_registered``, ``leases_released`` (the consumer acknowledged), ``lease_expiries``,
-      ``leases_dropped`` (the engine reclaimed the blocks), ``leases_unavailable``, ``fences``,
+      ``leases_stopped`` (the engine asked for the blocks back), ``leases_unavailable``,
       ``socket_resets``, ``blocks_sent``, ``bytes_sent``, ``requests_refused``, ``replies_dropped``;
     - consumer: ``pulls_started``/``_ok``/``_failed``/``_cancelled``, ``blocks_received``,
       ``bytes_received``, ``late_replies``, ``failures.<reason>`` (timeout, checksum, expired, malformed,

@@ -21,7 +21,7 @@ How the halves split the work:
   last token); remembers which blocks to load after allocation; each step, lists in the metadata the
   newly completed full blocks to save and the blocks to load.
 - worker half: loads synchronously in ``start_load_kv`` (before any layer reads) and saves
-  synchronously in ``wait_for_save`` (after the forward), so it never needs delayed frees or fences.
+  synchronously in ``wait_for_save`` (after the forward), so it never holds blocks.
   A file that is missing, truncated, corrupt or for another model/layout is a load error, reported
   through ``get_block_ids_with_load_errors`` -- the engine recomputes from there -- and a damaged file
   is removed, so the block is saved again, good, after it is recomputed.  Blocks computed in a step whose
@@ -128,9 +128,7 @@ class SharedDirConnector(KVConnectorBase):
         self._saved_upto[request.request_id] = first + n
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = SharedDirMetadata(
-            preempted_request_ids=list(scheduler_output.preempted_request_ids), loads=self._pending_loads
-        )
+        meta = SharedDirMetadata(loads=self._pending_loads)
         self._pending_loads = []
         for sr in scheduler_output.scheduled:
             request = self._requests.get(sr.request_id)

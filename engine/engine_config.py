@@ -51,7 +51,8 @@ class EngineConfig:
     # The KV connector (name or "pkg.module:Class", and its options); None runs the no-op connector.
     kv_connector: KVConnectorConfig | None = None
     kv_load_failure_policy: str = "recompute"
-    kv_delay_free_timeout_s: float = 120.0
+    kv_hold_timeout_s: float = 120.0
+    kv_stop_timeout_s: float = 30.0
     # Names this engine to its peers (p2p transfer parameters, store events).
     engine_id: str = "engine-0"
 
@@ -94,7 +95,8 @@ class EngineConfig:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             policy=self.policy,
             kv_load_failure_policy=self.kv_load_failure_policy,
-            kv_delay_free_timeout_s=self.kv_delay_free_timeout_s,
+            kv_hold_timeout_s=self.kv_hold_timeout_s,
+            kv_stop_timeout_s=self.kv_stop_timeout_s,
         )
 
     def cache_config(self, num_blocks: int) -> CacheConfig:

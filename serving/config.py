@@ -157,11 +157,11 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument(
-        "--kv-delay-free-timeout-s",
+        "--kv-hold-timeout-s",
         type=float,
         default=120.0,
-        help="the engine reclaims blocks a connector holds (for a decode node) after this long; keep it "
-        "above the connector's own lease",
+        help="a finished request's blocks held for a connector's transfer (a decode node's pull) are "
+        "asked back after this long; keep it above the connector's own lease",
     )
     engine.add_argument("--engine-id", default="", help="this engine's name to its peers (default: node id)")
 
@@ -180,7 +180,7 @@ def node_config_from_args(args: argparse.Namespace, role: str) -> NodeConfig:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
         "seed": args.seed,
-        "kv_delay_free_timeout_s": args.kv_delay_free_timeout_s,
+        "kv_hold_timeout_s": args.kv_hold_timeout_s,
         "kv_connector": parse_connector_spec(args.kv_connector),
         "engine_id": args.engine_id or node_id,
     }

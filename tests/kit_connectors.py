@@ -131,8 +131,9 @@ class TrustingLoadConnector(SharedDirConnector):
 
 
 class NeverSendsConnector(SharedDirConnector):
-    """Delays every free (as if sending the blocks to a peer) and never reports ``finished_sending``: its
-    blocks come back only when the engine's reclaim deadline passes."""
+    """Holds every finished request's blocks (as if sending them to a peer), never reports
+    ``finished_sending``, and ignores ``stop_request_ids``: its blocks come back only when the engine's
+    last-resort stop timeout passes."""
 
     def request_finished(
         self, request: Request, block_ids: Sequence[int]
@@ -157,13 +158,13 @@ class SlowConnectConnector(SharedDirConnector):
 @dataclass
 class AsyncMetadata(SharedDirMetadata):
     load_requests: list[RequestId] = field(default_factory=list)  # whose blocks are in ``loads``
-    sends: list[RequestId] = field(default_factory=list)  # finished requests whose free was delayed
+    sends: list[RequestId] = field(default_factory=list)  # finished requests held for a send
 
 
 class AsyncSharedDirConnector(SharedDirConnector):
     """Conforms, the slow way: every first lookup of a request answers None ("still looking"), hits load
-    asynchronously (the request waits in WAITING_FOR_REMOTE_KV), and every free is delayed.  Loads and
-    sends started in one step are reported one step later, like transfers in flight."""
+    asynchronously (the request waits in WAITING_FOR_REMOTE_KV), and every finished request is held.
+    Loads and sends started in one step are reported one step later, like transfers in flight."""
 
     def __init__(
         self, role: KVConnectorRole, context: ConnectorContext, options: Mapping[str, Any] | None = None
@@ -197,7 +198,6 @@ class AsyncSharedDirConnector(SharedDirConnector):
         meta = super().build_connector_meta(scheduler_output)
         assert isinstance(meta, SharedDirMetadata)
         out = AsyncMetadata(
-            meta.preempted_request_ids,
             loads=meta.loads,
             saves=meta.saves,
             tables=meta.tables,

@@ -14,12 +14,12 @@ from connectors.testing import (
     CHECKS,
     ConformanceError,
     ConformanceTarget,
-    check_delayed_free_ends_with_finished_sending,
+    check_hold_ends_with_finished_sending,
     check_load_errors_are_reported,
     check_loads_reproduce_saved_kv,
     check_lookups_are_idempotent,
-    check_no_leak_after_expired_delayed_free,
     check_none_is_followed_by_an_answer,
+    check_stopped_holds_are_confirmed,
     check_unreachable_backend,
     check_whole_block_hits,
     conformance_suite,
@@ -86,9 +86,16 @@ CASES = [
     (
         "NeverSendsConnector",
         {"send_deadline_s": 0.2},
-        check_delayed_free_ends_with_finished_sending,
-        kit.DELAYED_FREE,
+        check_hold_ends_with_finished_sending,
+        kit.HOLD_ENDS,
         "finished_sending",
+    ),
+    (
+        "NeverSendsConnector",
+        {"send_deadline_s": 0.2},
+        check_stopped_holds_are_confirmed,
+        kit.STOP_CONFIRMED,
+        "stop_request_ids",
     ),
     (
         "SlowConnectConnector",
@@ -124,12 +131,13 @@ TestAsyncSharedDir = conformance_suite(
 loads, delayed frees): what it demands is the contract, not one implementation's shortcuts."""
 
 
-def test_the_engines_reclaim_deadline_hides_a_never_sending_connector_from_the_expiry_check(
+def test_the_engines_last_resort_free_does_not_hide_a_connector_that_ignores_stops(
     tmp_path: Path,
 ) -> None:
-    """Why the delayed-free check sets the reclaim timeout far above its own deadline: with a short
-    reclaim timeout the engine cleans up after a connector that never reports its sends."""
-    check_no_leak_after_expired_delayed_free(broken("NeverSendsConnector", send_deadline_s=5.0), tmp_path)
+    """The stop check sets kv_stop_timeout_s far above its own deadline: the engine's last-resort free
+    (which would make the books balance) comes too late to hide a worker that never confirms a stop."""
+    with pytest.raises(kit.ConformanceError, match="stop_request_ids"):
+        check_stopped_holds_are_confirmed(broken("NeverSendsConnector", send_deadline_s=0.5), tmp_path)
 
 
 def test_the_one_line_suite_reports_exactly_the_broken_item(tmp_path: Path) -> None:

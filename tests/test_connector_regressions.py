@@ -59,7 +59,7 @@ def test_a_failed_load_never_stores_the_kv_computed_over_it() -> None:
     assert out_c.token_ids == truth, "KV computed over a failed load was stored and served"
 
 
-def test_a_reclaimed_request_s_save_finishes_before_its_blocks_are_reused() -> None:
+def test_an_aborted_held_request_s_save_finishes_before_its_blocks_are_reused() -> None:
     spec = "cpu:32MiB?name=reclaim"
     p, q = random_prompts([37, 37], seed=21)
     llm = offload_llm(spec, num_blocks=11)
@@ -78,8 +78,8 @@ def test_a_reclaimed_request_s_save_finishes_before_its_blocks_are_reused() -> N
     while engine.scheduler.has_unfinished_requests():
         engine.step()
     r_blocks = [kv[i].clone() for i in range(9)]
-    assert "r" in engine.scheduler.held  # its save is still running
-    threading.Timer(0.3, release.set).start()  # the save finishes while the next step fences it
+    assert "r" in engine.scheduler.holds  # its save is still running
+    threading.Timer(0.3, release.set).start()  # the save finishes while the stop waits for it
     engine.abort_request("r")
     engine.add_request("s", q, SamplingParams(max_tokens=1))
     while engine.scheduler.has_unfinished_requests():
@@ -103,7 +103,7 @@ def test_a_request_id_still_held_for_a_transfer_is_refused() -> None:
     engine.add_request("r", prompt, SamplingParams(max_tokens=1))
     while engine.scheduler.has_unfinished_requests():
         engine.step()
-    assert "r" in engine.scheduler.held
+    assert "r" in engine.scheduler.holds
     with pytest.raises(ValueError, match="request_id 'r' is still in use"):
         engine.add_request("r", prompt, SamplingParams(max_tokens=1))
     release.set()
@@ -119,7 +119,7 @@ def test_a_failed_forward_pass_still_delivers_the_connector_report() -> None:
     p, q = random_prompts([37, 21], seed=3)
     engine.add_request("r", p, SamplingParams(max_tokens=1))
     engine.add_request("q", q, SamplingParams(max_tokens=50))
-    while "r" not in engine.scheduler.held:
+    while "r" not in engine.scheduler.holds:
         engine.step()
     model = engine.runner.model
     real_forward = type(model).forward

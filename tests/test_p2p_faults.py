@@ -204,21 +204,23 @@ def test_checksum_mismatch_is_a_load_error_and_the_engine_recomputes(
 
 
 @pytest.mark.parametrize("registered", [True, False])
-def test_a_reclaimed_lease_never_serves_blocks_that_are_reused(registered: bool) -> None:
-    # 8 blocks: the held request keeps 6, so the next request must reuse some of them once reclaimed.
+def test_an_aborted_lease_is_stopped_before_its_blocks_are_reused(registered: bool) -> None:
+    # 8 blocks: the held request keeps 6, so the next request must reuse some of them once freed.
     producer = make_engine("prefill-0", num_blocks=8)
     try:
         prefill(producer, "held", PROMPT)
         if registered:
             producer.step()  # the worker half registers the lease in the step after the request finished
         assert server_of(producer).num_leases() == int(registered)
-        producer.abort_request("held")  # the router cancelled: the engine frees the blocks at once
+        free = producer.scheduler.kv.num_free_blocks
+        producer.abort_request("held")  # the router cancelled
+        assert producer.scheduler.kv.num_free_blocks == free, "freed before the worker stopped the lease"
         producer.add_request("next", random_prompts([27], seed=5)[0], SamplingParams(max_tokens=2))
         run_until([producer], lambda: not producer.has_pending_work(), timeout_s=DEADLINE_S)
-        # Registered: stopped (sends waited for) before the forward that overwrote the blocks.
-        # Not yet registered: the lease never reaches the worker.
-        assert stats(producer).get("fences", 0) == int(registered)
-        assert stats(producer).get("leases_registered", 0) == int(registered)
+        # Either way the worker stopped the lease (registered in the same step if it was not yet) and
+        # confirmed within that step; only then did the engine free the blocks.
+        assert stats(producer)["leases_stopped"] == 1
+        assert producer.scheduler.books.num_stop_timeouts == 0
         assert server_of(producer).num_leases() == 0
         assert_idle(producer)
     finally:
@@ -228,22 +230,22 @@ def test_a_reclaimed_lease_never_serves_blocks_that_are_reused(registered: bool)
 def test_a_lease_withdrawn_before_it_was_served_fails_the_puller_at_once() -> None:
     """The 30 s stall an outside soak found: the prefill request finished, its RPC's end aborted it before
     the worker half registered the lease, and the decode node's pulls got "unknown lease" -- which it
-    retries, since a lease may be registered a step late -- until its deadline.  A withdrawn lease is
-    now told to the server, which answers "released": the consumer recomputes at once."""
+    retries, since a lease may be registered a step late -- until its deadline.  A lease stopped before
+    it was served still reaches the server, which answers "released": the consumer recomputes at once."""
     producer = make_engine("prefill-0")
     consumer = make_consumer(pull_timeout_s=30.0)
     try:
         pre = prefill(producer, "gone", PROMPT)
         assert server_of(producer).num_leases() == 0  # queued for the worker half, not registered yet
         producer.abort_request("gone")
-        producer.step()  # the withdrawal reaches the worker half
+        producer.step()  # the lease and its stop reach the worker half together
         start = time.monotonic()
         outs = decode(producer, consumer, "gone", PROMPT, pre, MAX_TOKENS, timeout_s=DEADLINE_S)
         elapsed = time.monotonic() - start
         assert elapsed < 5.0, f"the pull waited {elapsed:.1f}s for a lease that was withdrawn"
         assert tokens(outs) == local_reference(tuple(PROMPT), MAX_TOKENS)[1:]
         assert consumer.scheduler.num_load_failures == 1
-        assert stats(producer).get("leases_registered", 0) == 0
+        assert stats(producer)["leases_stopped"] == 1
         assert_idle(consumer)
         assert_idle(producer)
     finally:
@@ -325,10 +327,10 @@ def cache(num_blocks: int, fill: float | None = None) -> torch.Tensor:
 HASHES = [bytes([i]) * 32 for i in range(64)]
 
 
-def test_fence_waits_for_sends_still_in_flight_and_resets_a_stuck_socket() -> None:
+def test_stop_waits_for_sends_still_in_flight_and_resets_a_stuck_socket() -> None:
     views = BlockViews(cache(64))
     st = TransferStats()
-    server = BlockServer(views, "tcp://127.0.0.1:0", stats=st, fence_timeout_s=0.3)
+    server = BlockServer(views, "tcp://127.0.0.1:0", stats=st, stop_timeout_s=0.3)
     ctx = zmq.Context()
     try:
         server.add_lease("r", range(64), HASHES, 30.0)
@@ -344,7 +346,7 @@ def test_fence_waits_for_sends_still_in_flight_and_resets_a_stuck_socket() -> No
         with server._lock:
             in_flight = len(server._leases["r"].pending_trackers())
         assert in_flight > 0
-        assert server.fence("r")  # the engine wants the blocks back: waits, then resets the socket
+        assert server.stop("r")  # the engine wants the blocks back: waits, then resets the socket
         assert st.get("socket_resets") == 1
         with server._lock:
             assert not server._leases["r"].pending_trackers()

@@ -50,11 +50,11 @@ def test_a_second_async_load_after_preemption_counts_its_own_tokens() -> None:
 
 def test_blocks_held_for_a_connector_make_a_waiting_request_wait_not_fail() -> None:
     conn = ScriptedConnector()
-    conn.delay_free = True
+    conn.hold = True
     s = make(conn, num_blocks=4)
     s.add_request(make_request("first", range(10), max_tokens=1))
     step(s)
-    assert "first" in s.held and s.kv.num_free_blocks == 1
+    assert "first" in s.holds and s.kv.num_free_blocks == 1
     s.add_request(make_request("second", range(20, 30), max_tokens=1))
     so, _ = step(s)
     assert so.errored_request_ids == [] and so.scheduled == []  # waits for the held blocks

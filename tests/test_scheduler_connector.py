@@ -25,7 +25,7 @@ class ScriptedConnector(KVConnectorBase):
         self.answers: dict[str, tuple[int | None, bool]] = {}
         self.allocs: list[tuple[str, list[int], int]] = []
         self.finished: Counter[str] = Counter()
-        self.delay_free = False
+        self.hold = False
         self.outputs: list[KVConnectorOutput] = []
         self.lookups: Counter[str] = Counter()
 
@@ -47,7 +47,7 @@ class ScriptedConnector(KVConnectorBase):
         self, request: Request, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self.finished[request.request_id] += 1
-        return self.delay_free, {"block_ids": list(block_ids)}
+        return self.hold, {"block_ids": list(block_ids)}
 
 
 class Clock:
@@ -62,9 +62,7 @@ def make(
     conn: ScriptedConnector, *, policy: str = "recompute", num_blocks: int = 32, clock: Clock | None = None
 ) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(
-            max_num_batched_tokens=64, kv_load_failure_policy=policy, kv_delay_free_timeout_s=10.0
-        ),
+        SchedulerConfig(max_num_batched_tokens=64, kv_load_failure_policy=policy, kv_hold_timeout_s=10.0),
         CacheConfig(block_size=4, num_blocks=num_blocks),
         connector=conn,
         clock=clock or Clock(),
@@ -191,68 +189,107 @@ def test_failed_async_load_keeps_only_the_good_leading_blocks() -> None:
     assert (so.scheduled[0].start_position, so.scheduled[0].num_tokens) == (8, 6)
 
 
-def test_delayed_free_holds_blocks_until_finished_sending() -> None:
+def test_a_hold_keeps_the_blocks_until_finished_sending() -> None:
     conn = ScriptedConnector()
-    conn.delay_free = True
+    conn.hold = True
     s = make(conn)
     s.add_request(make_request("r", range(6), max_tokens=1))
     step(s)
-    assert not s.has_unfinished_requests() and "r" in s.held
+    assert not s.has_unfinished_requests() and "r" in s.holds
     assert s.kv.num_free_blocks == 30
     step(s, KVConnectorOutput(finished_sending={"r"}))  # type: ignore[arg-type]
-    assert s.held == {} and s.kv.num_free_blocks == 32
+    assert s.holds == {} and s.kv.num_free_blocks == 32
     assert conn.finished["r"] == 1
 
 
-def test_delayed_free_expires_and_the_connector_is_told() -> None:
+def test_an_expired_hold_is_stopped_and_freed_only_once_the_worker_confirms() -> None:
     conn = ScriptedConnector()
-    conn.delay_free = True
+    conn.hold = True
     clock = Clock()
     s = make(conn, clock=clock)
     s.add_request(make_request("r", range(6), max_tokens=1))
     step(s)
     clock.now = 9.9
-    step(s)
-    assert "r" in s.held
+    so, _ = step(s)
+    assert "r" in s.holds and so.kv_connector_metadata.stop_request_ids == []
     clock.now = 10.1
-    step(s)
-    assert s.held == {} and s.kv.num_free_blocks == 32
-    assert any(o.reclaimed == {"r"} for o in conn.outputs)
-    assert s.stats().num_delay_free_expired == 1
+    so, _ = step(s)
+    assert so.kv_connector_metadata.stop_request_ids == ["r"]  # asked once ...
+    assert "r" in s.holds and s.kv.num_free_blocks == 30  # ... and the blocks stay until it confirms
+    so, _ = step(s)
+    assert so.kv_connector_metadata.stop_request_ids == []
+    assert s.kv.num_free_blocks == 30
+    step(s, KVConnectorOutput(finished_sending={"r"}))  # type: ignore[arg-type]
+    assert s.holds == {} and s.kv.num_free_blocks == 32
+    stats = s.stats()
+    assert stats.num_hold_expiries == 1 and stats.num_hold_stop_timeouts == 0
 
 
-def test_abort_frees_held_and_loading_requests() -> None:
+def test_a_stop_the_worker_never_confirms_ends_at_the_stop_deadline() -> None:
     conn = ScriptedConnector()
-    conn.delay_free = True
+    conn.hold = True
+    clock = Clock()
+    s = make(conn, clock=clock)
+    s.add_request(make_request("r", range(6), max_tokens=1))
+    step(s)
+    clock.now = 10.1
+    step(s)  # asked to stop; kv_stop_timeout_s is 30 s
+    clock.now = 40.0
+    step(s)
+    assert "r" in s.holds
+    clock.now = 40.2
+    step(s)
+    assert s.holds == {} and s.kv.num_free_blocks == 32
+    assert s.stats().num_hold_stop_timeouts == 1
+
+
+def test_abort_of_a_held_request_asks_the_worker_to_stop_first() -> None:
+    conn = ScriptedConnector()
+    conn.hold = True
     s = make(conn)
     s.add_request(make_request("held", range(6), max_tokens=1))
     step(s)
     assert s.abort_request("held") is None  # already finished for its client
-    assert s.held == {} and s.kv.num_free_blocks == 32
-    conn.delay_free = False
-    conn.answers["loading"] = (8, True)
-    s.add_request(make_request("loading", range(10), max_tokens=1))
-    step(s)
-    update = s.abort_request("loading")
-    assert update is not None and update.finish_reason == "abort"
-    s.check_integrity()
-    assert s.kv.num_free_blocks == 32
-    assert conn.finished == Counter({"held": 1, "loading": 1})
-    step(s, KVConnectorOutput(finished_recving={"loading"}))  # a late report of an aborted load is ignored
-    s.check_integrity()
+    assert "held" in s.holds and s.kv.num_free_blocks == 30
+    so, _ = step(s)
+    assert so.kv_connector_metadata.stop_request_ids == ["held"]
+    assert s.abort_request("held") is None  # a second abort asks nothing more
+    so, _ = step(s, KVConnectorOutput(finished_sending={"held"}))  # type: ignore[arg-type]
+    assert so.kv_connector_metadata.stop_request_ids == []
+    assert s.holds == {} and s.kv.num_free_blocks == 32
+    assert conn.finished == Counter({"held": 1})
 
 
-def test_abort_of_a_loading_request_with_delay_free_waits_for_the_receive() -> None:
+@pytest.mark.parametrize("hold", [False, True])
+def test_a_request_that_ends_while_loading_is_held_until_the_receive_stopped(hold: bool) -> None:
+    """Whatever the connector answers: its worker is still writing into the blocks."""
     conn = ScriptedConnector()
     conn.answers["r"] = (8, True)
     s = make(conn)
     s.add_request(make_request("r", range(10), max_tokens=1))
     step(s)
-    conn.delay_free = True  # the worker is still writing into the blocks
-    s.abort_request("r")
-    assert "r" in s.held
+    conn.hold = hold
+    update = s.abort_request("r")
+    assert update is not None and update.finish_reason == "abort"
+    assert "r" in s.holds and s.kv.num_free_blocks == 30
+    so, _ = step(s, KVConnectorOutput(finished_sending={"r"}))  # type: ignore[arg-type]
+    assert so.kv_connector_metadata.stop_request_ids == ["r"]
+    assert "r" in s.holds  # a send report does not end a hold that waits for a receive
     step(s, KVConnectorOutput(finished_recving={"r"}))  # type: ignore[arg-type]
-    assert s.held == {} and s.kv.num_free_blocks == 32
+    assert s.holds == {} and s.kv.num_free_blocks == 32
+    assert conn.finished == Counter({"r": 1})
+
+
+def test_a_held_request_id_cannot_be_reused_until_its_hold_ends() -> None:
+    conn = ScriptedConnector()
+    conn.hold = True
+    s = make(conn)
+    s.add_request(make_request("r", range(6), max_tokens=1))
+    step(s)
+    with pytest.raises(ValueError, match="still in use"):
+        s.add_request(make_request("r", range(6), max_tokens=1))
+    step(s, KVConnectorOutput(finished_sending={"r"}))  # type: ignore[arg-type]
+    s.add_request(make_request("r", range(6), max_tokens=1))
 
 
 @pytest.mark.parametrize("answer", [(5, False), (100, False), (9, True)])

@@ -16,11 +16,10 @@ from typing import Any
 
 from connectors.testing.harness import (
     ABORT_LEAK,
-    DELAYED_FREE,
     EXACT_MULTIPLE,
-    EXPIRED_LEAK,
     FINISHED_ONCE,
     FORKS,
+    HOLD_ENDS,
     LOAD_ERRORS,
     LOADS,
     LONG_PROMPT,
@@ -29,6 +28,7 @@ from connectors.testing.harness import (
     PARAMS,
     PREEMPT_LEAK,
     PROMPTS,
+    STOP_CONFIRMED,
     UNREACHABLE,
     WHOLE_BLOCKS,
     ConformanceError,
@@ -43,8 +43,8 @@ from engine.outputs import GenerationOutput
 from engine.sampling_params import SamplingParams
 
 LONG_PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
-# The engine's reclaim timeout when the kit checks that the connector itself ends its delayed frees.
-LONG_RECLAIM_S = 600.0
+# The engine's hold (and stop) timeout when the kit checks that the connector itself ends its holds.
+LONG_HOLD_S = 600.0
 
 
 # -- shared steps -----------------------------------------------------------------------------------------
@@ -324,7 +324,7 @@ def check_request_finished_exactly_once(target: ConformanceTarget, shared: Path)
             )
             if not ok:
                 raise ConformanceError(
-                    item, f"request_finished returned {result!r}; it must be (delay_free: bool, dict or None)"
+                    item, f"request_finished returned {result!r}; it must be (hold: bool, dict or None)"
                 )
         twice = sorted(r for r, n in b.worker_spy.finished_sending.items() if n > 1)
         if twice:
@@ -388,32 +388,41 @@ def check_no_leak_after_preemption(target: ConformanceTarget, shared: Path) -> N
         b.assert_no_leak("preemptions")
 
 
-def check_delayed_free_ends_with_finished_sending(target: ConformanceTarget, shared: Path) -> None:
-    """A connector that delays a free (``delay_free=True``) lists the request in ``finished_sending``
-    within ``send_deadline_s``.  The engine's reclaim timeout is set far above that: relying on it fails."""
-    item = DELAYED_FREE
-    reclaim_s = max(LONG_RECLAIM_S, 100 * target.send_deadline_s)
+def check_hold_ends_with_finished_sending(target: ConformanceTarget, shared: Path) -> None:
+    """A connector that holds a finished request's blocks (``hold=True``) lists the request in
+    ``finished_sending`` within ``send_deadline_s``.  The engine's hold timeout is set far above that:
+    relying on it fails."""
+    item = HOLD_ENDS
+    hold_s = max(LONG_HOLD_S, 100 * target.send_deadline_s)
     with KitEngine(
-        target, target.config(shared), item=item, engine_id="kit-a", kv_delay_free_timeout_s=reclaim_s
+        target, target.config(shared), item=item, engine_id="kit-a", kv_hold_timeout_s=hold_s
     ) as a:
         _expect_outputs(item, a.generate(PROMPTS), reference(target, PROMPTS), "engine A")
         a.drain(target.send_deadline_s, "engine A, after generating")
-        a.assert_no_leak("the delayed frees")
+        a.assert_no_leak("the holds")
 
 
-def check_no_leak_after_expired_delayed_free(target: ConformanceTarget, shared: Path) -> None:
-    """With a reclaim timeout shorter than any send, the engine reclaims delayed frees and tells the
-    connector (``KVConnectorOutput.reclaimed``); the connector copes, and nothing leaks."""
-    item = EXPIRED_LEAK
-    _save(target, shared, item, kv_delay_free_timeout_s=0.001)
+def check_stopped_holds_are_confirmed(target: ConformanceTarget, shared: Path) -> None:
+    """With a hold timeout shorter than any send, the engine asks the worker to stop every hold
+    (``metadata.stop_request_ids``) and frees the blocks only once the worker reports the request.  The
+    engine's last-resort free (``kv_stop_timeout_s``) is set far above ``send_deadline_s``: a worker that
+    does not confirm its stops fails, and so does any leak."""
+    item = STOP_CONFIRMED
+    stop_s = max(LONG_HOLD_S, 100 * target.send_deadline_s)
+    _save(target, shared, item, kv_hold_timeout_s=0.001, kv_stop_timeout_s=stop_s)
     ref = reference(target, PROMPTS)
     with KitEngine(
-        target, target.config(shared), item=item, engine_id="kit-b", kv_delay_free_timeout_s=0.001
+        target,
+        target.config(shared),
+        item=item,
+        engine_id="kit-b",
+        kv_hold_timeout_s=0.001,
+        kv_stop_timeout_s=stop_s,
     ) as b:
         for run in ("first", "second"):
             _expect_outputs(item, b.generate(PROMPTS), ref, f"engine B ({run} run)")
             b.drain(target.send_deadline_s, f"engine B, after the {run} run")
-            b.assert_no_leak(f"the {run} run's delayed frees expired")
+            b.assert_no_leak(f"the {run} run's holds were stopped")
 
 
 def check_unreachable_backend(target: ConformanceTarget, shared: Path) -> None:

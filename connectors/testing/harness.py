@@ -81,8 +81,8 @@ LOAD_ERRORS = "load errors are reported, not raised"
 FINISHED_ONCE = "request_finished exactly once"
 ABORT_LEAK = "no block leaked after an abort"
 PREEMPT_LEAK = "no block leaked after preemption"
-DELAYED_FREE = "a delayed free ends with finished_sending, in bounded time"
-EXPIRED_LEAK = "no block leaked after an expired delayed free"
+HOLD_ENDS = "a hold ends with finished_sending, in bounded time"
+STOP_CONFIRMED = "a stopped hold is confirmed within a step, and nothing leaks"
 UNREACHABLE = "an unreachable backend costs bounded time and gives zero hits"
 
 
@@ -287,19 +287,28 @@ class KitEngine:
     def drain(self, deadline_s: float, what: str) -> None:
         """Step until no request is unfinished and no block is held for the connector.
 
-        Blocks still held past the deadline are the connector's doing: it returned ``delay_free=True``
-        and never listed the request in ``finished_sending``.
+        Blocks still held past the deadline are the connector's doing: it returned ``hold=True`` and
+        never listed the request in ``finished_sending``, or never confirmed a stop.
         """
         if self.step_until(lambda: not self.engine.has_pending_work(), deadline_s):
             return
-        held = sorted(self.engine.scheduler.held)
-        if held and not self.engine.has_unfinished_requests():
+        holds = self.engine.scheduler.holds
+        if holds and not self.engine.has_unfinished_requests():
+            stopped = sorted(rid for rid, hold in holds.items() if hold.stop_deadline is not None)
+            if stopped:
+                raise ConformanceError(
+                    STOP_CONFIRMED,
+                    f"{what}: {len(stopped)} held requests ({', '.join(stopped)}) were in "
+                    f"metadata.stop_request_ids and still not reported {deadline_s:g}s later; the worker "
+                    "must stop their transfers and list them in get_finished() (finished_sending, or "
+                    "finished_recving for a load) -- the engine frees their blocks only then",
+                )
             raise ConformanceError(
-                DELAYED_FREE,
-                f"{what}: {len(held)} finished requests ({', '.join(held)}) still hold their blocks "
-                f"{deadline_s:g}s after request_finished returned delay_free=True; the worker must list "
-                "them in get_finished()'s finished_sending once its sends are done (the engine's reclaim "
-                "after kv_delay_free_timeout_s is a safety net for a lost peer, not the protocol)",
+                HOLD_ENDS,
+                f"{what}: {len(holds)} finished requests ({', '.join(sorted(holds))}) still hold their "
+                f"blocks {deadline_s:g}s after request_finished returned hold=True; the worker must list "
+                "them in get_finished()'s finished_sending once its sends are done (the engine's stop "
+                "after kv_hold_timeout_s is a safety net for a lost peer, not the protocol)",
             )
         raise ConformanceError(self.item, f"{what}: work still pending after {deadline_s:g}s")
 
@@ -313,11 +322,19 @@ class KitEngine:
             raise ConformanceError(
                 self.item, f"after {after}, the block books do not balance: {exc}"
             ) from exc
-        if scheduler.held or scheduler.loading:
+        if scheduler.holds or scheduler.loading:
             raise ConformanceError(
                 self.item,
-                f"after {after}, blocks are still held for {sorted(scheduler.held)} and loading for "
+                f"after {after}, blocks are still held for {sorted(scheduler.holds)} and loading for "
                 f"{sorted(scheduler.loading)}",
+            )
+        timeouts = scheduler.books.num_stop_timeouts
+        if timeouts:
+            raise ConformanceError(
+                STOP_CONFIRMED,
+                f"after {after}, the engine freed the blocks of {timeouts} held requests whose stop the "
+                "worker never confirmed (kv_stop_timeout_s passed): a transfer may have touched reused "
+                "blocks",
             )
         free, total = scheduler.kv.num_free_blocks, scheduler.kv.pool.num_blocks
         if free != total:
@@ -376,4 +393,6 @@ def reference(
 
 def _output_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """The target's engine options that may change outputs (device, dtype), not just the pool's size."""
-    return {k: v for k, v in options.items() if k not in ("num_blocks", "kv_delay_free_timeout_s")}
+    return {
+        k: v for k, v in options.items() if k not in ("num_blocks", "kv_hold_timeout_s", "kv_stop_timeout_s")
+    }

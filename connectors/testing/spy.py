@@ -66,7 +66,6 @@ class SchedulerSpy(_Proxy):
         self.allocs: list[Alloc] = []
         self.finished: Counter[str] = Counter()
         self.finish_results: dict[str, tuple[Any, Any]] = {}
-        self.reclaimed: set[str] = set()
         # When each request was first asked about, and first got a number (not None) back.
         self.first_asked: dict[str, float] = {}
         self.first_answered: dict[str, float] = {}
@@ -104,7 +103,6 @@ class SchedulerSpy(_Proxy):
         return self.inner.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        self.reclaimed |= output.reclaimed
         self.inner.update_connector_output(output)
 
     def request_finished(

@@ -32,8 +32,8 @@ CHECKS: dict[str, Check] = {
     "test_request_finished_exactly_once": checks.check_request_finished_exactly_once,
     "test_no_block_leaked_after_abort": checks.check_no_leak_after_abort,
     "test_no_block_leaked_after_preemption": checks.check_no_leak_after_preemption,
-    "test_delayed_free_ends_with_finished_sending": checks.check_delayed_free_ends_with_finished_sending,
-    "test_no_block_leaked_after_expired_delayed_free": checks.check_no_leak_after_expired_delayed_free,
+    "test_hold_ends_with_finished_sending": checks.check_hold_ends_with_finished_sending,
+    "test_stopped_holds_are_confirmed": checks.check_stopped_holds_are_confirmed,
     "test_unreachable_backend_bounded_time_zero_hits": checks.check_unreachable_backend,
 }
 

@@ -32,9 +32,9 @@ class ConformanceTarget:
     ``provides_hits``        False for a connector that never loads (e.g. ``null``): the load checks then
                              require zero external tokens instead of a full prefix hit.
     ``lookup_deadline_s``    how long a lookup may answer ``None`` before it must give a number.
-    ``send_deadline_s``      how long after a request finished a delayed free may last: the connector
-                             must report ``finished_sending`` by then (the engine's reclaim timeout is set
-                             far above it, so relying on the reclaim fails the check).
+    ``send_deadline_s``      how long after a request finished a hold may last, and how long a stopped
+                             hold may take to be confirmed: the connector must report the request by
+                             then (the engine's timeouts are set far above it, so relying on them fails).
     ``unreachable_deadline_s``  engine start + generating the kit's prompts with the backend down.
     ``engine_options``       extra ``EngineConfig`` fields (e.g. ``{"device": "cuda"}``).  The kit runs
                              on the CPU in float32 with ``block_size=4`` unless told otherwise.

@@ -42,8 +42,11 @@ class SchedulerConfig:
     max_passed_over: int = 32
     # A connector load that fails: recompute from the first bad block, or fail the request with an error.
     kv_load_failure_policy: str = "recompute"
-    # A connector's delayed free (blocks held for a remote reader) is reclaimed after this long.
-    kv_delay_free_timeout_s: float = 120.0
+    # A hold (a finished request's blocks kept for the connector's transfer) ends after this long: the
+    # engine asks the connector to stop the transfer, and frees the blocks once it confirms ...
+    kv_hold_timeout_s: float = 120.0
+    # ... or after this long, should it never confirm (a connector bug, logged as an error).
+    kv_stop_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -59,7 +62,8 @@ class SchedulerConfig:
                 f"kv_load_failure_policy {self.kv_load_failure_policy!r} is unknown; "
                 f"choose one of {', '.join(LOAD_FAILURE_POLICIES)}"
             )
-        if not self.kv_delay_free_timeout_s > 0:
-            raise ValueError(f"kv_delay_free_timeout_s must be positive, got {self.kv_delay_free_timeout_s}")
+        for name in ("kv_hold_timeout_s", "kv_stop_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_passed_over < 0:
             raise ValueError(f"max_passed_over must be >= 0, got {self.max_passed_over}")

@@ -5,19 +5,22 @@ back, recompute, fail it); these books keep the state that outlives one step, an
 
     loading   WAITING_FOR_REMOTE_KV: blocks allocated, an async load filling them; where the request's KV
               ends once the load lands (local hit + this load's tokens)
-    held      finished, blocks kept for the connector (delayed free) until it reports the send done, the
-              request is aborted, or ``delay_free_timeout_s`` passes (then reclaimed, and the connector is
-              told at once)
+    holds     finished, blocks kept for the connector's worker until it reports the transfer done: a send
+              (the connector asked for the hold) or a receive (the request ended while its load ran).
+              Two-phase: on abort or past ``hold_timeout_s`` the books ask the worker to stop
+              (``stop_request_ids``) and free the blocks only once it confirms -- or, should it never
+              confirm, after ``stop_timeout_s``.  A held block is never reused under a transfer.
     failed    block ids reported as failed loads, kept until the loading request they belong to lands
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from connectors.base import KVConnectorBase, KVConnectorOutput
+from connectors.base import KVConnectorBase
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestId
 
@@ -33,23 +36,44 @@ class LandedLoad:
     first_bad: int | None
 
 
+class HoldKind(enum.Enum):
+    """What a hold waits for: the report that ends it."""
+
+    SEND = "send"  # finished_sending: the connector asked for the hold (request_finished)
+    RECV = "receive"  # finished_recving: the request ended while its async load was writing its blocks
+
+
+@dataclass(slots=True)
+class Hold:
+    """A finished request's blocks, kept for the connector's worker."""
+
+    request: Request
+    waits_for: HoldKind
+    deadline: float  # past it, the worker is asked to stop
+    stop_deadline: float | None = None  # set once asked: past it, the blocks are freed regardless
+
+
 class ConnectorBooks:
     def __init__(
         self,
         kv: KVCacheManager,
         connector: KVConnectorBase,
         clock: Callable[[], float],
-        delay_free_timeout_s: float,
+        hold_timeout_s: float,
+        stop_timeout_s: float,
     ) -> None:
         self.kv = kv
         self.connector = connector
         self.clock = clock
-        self.delay_free_timeout_s = delay_free_timeout_s
+        self.hold_timeout_s = hold_timeout_s
+        self.stop_timeout_s = stop_timeout_s
         self.loading: dict[RequestId, Request] = {}
         self._load_ends: dict[RequestId, int] = {}
-        self.held: dict[RequestId, tuple[Request, float]] = {}  # request, deadline to reclaim its blocks
+        self.holds: dict[RequestId, Hold] = {}
+        self._stops: list[RequestId] = []
         self._failed_blocks: set[int] = set()
-        self.num_delay_free_expired = 0
+        self.num_hold_expiries = 0
+        self.num_stop_timeouts = 0
 
     # -- external hits ------------------------------------------------------------------------------------
 
@@ -108,36 +132,62 @@ class ConnectorBooks:
         pending = {b for r in self.loading for b in self.kv.req_to_block_ids.get(r, [])}
         self._failed_blocks &= pending
 
-    # -- delayed frees ------------------------------------------------------------------------------------
+    # -- holds ------------------------------------------------------------------------------------------
 
-    def hold(self, request: Request) -> None:
-        self.held[request.request_id] = (request, self.clock() + self.delay_free_timeout_s)
+    def hold(self, request: Request, waits_for: HoldKind) -> None:
+        """Keep a finished request's blocks until the worker reports ``waits_for`` done for it."""
+        self.holds[request.request_id] = Hold(request, waits_for, self.clock() + self.hold_timeout_s)
 
-    def release(self, rid: RequestId) -> bool:
-        """Free a held request's blocks (the connector is done with them); False if none are held."""
-        entry = self.held.pop(rid, None)
-        if entry is None:
+    def end_hold(self, rid: RequestId, reported: HoldKind) -> bool:
+        """The worker reported ``rid`` done (its send or its receive): free the blocks of a hold that waits
+        for that report.  False if there is none."""
+        hold = self.holds.get(rid)
+        if hold is None or hold.waits_for is not reported:
             return False
-        self.kv.free(entry[0])
+        del self.holds[rid]
+        self.kv.free(hold.request)
         return True
 
-    def reclaim(self, rid: RequestId) -> None:
-        """Free a held request's blocks without the connector's say-so, and tell it at once."""
-        self.release(rid)
-        # Tell the connector now, not with the next step's report: its scheduler half puts the reclaim in
-        # this step's metadata, so the worker stops reading these blocks before the forward can reuse them.
-        self.connector.update_connector_output(KVConnectorOutput(reclaimed={rid}))
+    def stop(self, rid: RequestId) -> None:
+        """Ask the worker to stop the transfer of a hold (in the next step's metadata).  The blocks stay
+        allocated until the worker confirms, or ``stop_timeout_s`` passes."""
+        hold = self.holds.get(rid)
+        if hold is None or hold.stop_deadline is not None:
+            return
+        hold.stop_deadline = self.clock() + self.stop_timeout_s
+        self._stops.append(rid)
+
+    def take_stops(self) -> list[RequestId]:
+        """The holds to stop this step (for ``KVConnectorMetadata.stop_request_ids``)."""
+        stops, self._stops = self._stops, []
+        return stops
 
     def expire(self) -> None:
-        """Reclaim the blocks of every hold past its deadline."""
-        if not self.held:
+        """Stop every hold past its deadline; free, as a last resort, those the worker never confirmed."""
+        if not self.holds:
             return
         now = self.clock()
-        for rid in [rid for rid, (_, deadline) in self.held.items() if deadline <= now]:
-            logger.warning(
-                "delayed free of %s expired after %.1fs: reclaiming its blocks",
-                rid,
-                self.delay_free_timeout_s,
-            )
-            self.num_delay_free_expired += 1
-            self.reclaim(rid)
+        for rid, hold in list(self.holds.items()):
+            if hold.stop_deadline is None and hold.deadline <= now:
+                logger.warning(
+                    "the hold on %s's blocks passed its %.1fs deadline: asking the connector to stop its %s",
+                    rid,
+                    self.hold_timeout_s,
+                    hold.waits_for.value,
+                )
+                self.num_hold_expiries += 1
+                self.stop(rid)
+            elif hold.stop_deadline is not None and hold.stop_deadline <= now:
+                # The connector broke the contract (a stop is confirmed within a step); the deadline still
+                # bounds the hold, so the blocks go back, and this may be the start of wrong KV.
+                logger.error(
+                    "connector %s did not confirm stopping the %s of %s within %.1fs: freeing its blocks "
+                    "anyway (a transfer may still touch them)",
+                    self.connector.name,
+                    hold.waits_for.value,
+                    rid,
+                    self.stop_timeout_s,
+                )
+                self.num_stop_timeouts += 1
+                del self.holds[rid]
+                self.kv.free(hold.request)

@@ -19,8 +19,9 @@ blocks are, at any time:
 
     running        computing (prefill chunks or decodes)
     loading        WAITING_FOR_REMOTE_KV: blocks allocated, an async load filling them, not yet cached
-    held           finished, blocks kept for the connector (delayed free) until it reports the send
-                   done, the request is aborted, or ``kv_delay_free_timeout_s`` passes
+    held           finished, blocks kept for the connector's worker (a hold) until it reports its send or
+                   receive done; on abort or past ``kv_hold_timeout_s`` the worker is asked to stop
+                   and the blocks are freed once it confirms (two-phase: never under a transfer)
 
 ``ConnectorBooks`` (``connector_books.py``) keeps the loading and held requests and the failed loads; this
 module decides what they mean for each request.
@@ -39,7 +40,7 @@ from engine.integrity import require
 from engine.kv_cache_manager import NO_HIT, KVCacheManager
 from engine.request import Request, RequestId, RequestStatus
 from engine.scheduler.config import CacheConfig, SchedulerConfig
-from engine.scheduler.connector_books import ConnectorBooks
+from engine.scheduler.connector_books import ConnectorBooks, Hold, HoldKind
 from engine.scheduler.output import (
     EngineCoreOutputs,
     ModelRunnerOutput,
@@ -63,12 +64,13 @@ class SchedulerStats:
     num_preemptions: int
     num_evictions: int
     num_loading: int
-    num_held_for_send: int
+    num_held: int
     prompt_tokens_local: int
     prompt_tokens_external: int
     prompt_tokens_computed: int
     num_load_failures: int
-    num_delay_free_expired: int
+    num_hold_expiries: int
+    num_hold_stop_timeouts: int
 
 
 class Scheduler:
@@ -99,7 +101,13 @@ class Scheduler:
             max_passed_over=scheduler_config.max_passed_over,
         )
         self.running: list[Request] = []
-        self.books = ConnectorBooks(self.kv, self.connector, clock, scheduler_config.kv_delay_free_timeout_s)
+        self.books = ConnectorBooks(
+            self.kv,
+            self.connector,
+            clock,
+            hold_timeout_s=scheduler_config.kv_hold_timeout_s,
+            stop_timeout_s=scheduler_config.kv_stop_timeout_s,
+        )
         self._finished_since_last_step: set[RequestId] = set()
         self.num_preemptions = 0
         self.num_load_failures = 0
@@ -113,20 +121,16 @@ class Scheduler:
         return self.books.loading
 
     @property
-    def held(self) -> dict[RequestId, tuple[Request, float]]:
-        """Finished requests whose blocks the connector holds, with their reclaim deadlines (read-only)."""
-        return self.books.held
-
-    @property
-    def num_delay_free_expired(self) -> int:
-        return self.books.num_delay_free_expired
+    def holds(self) -> dict[RequestId, Hold]:
+        """Finished requests whose blocks are held for the connector's worker (read-only)."""
+        return self.books.holds
 
     # -- requests in and out ------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if request.request_id in self.held or request.request_id in self.kv.req_to_blocks:
+        if request.request_id in self.holds or request.request_id in self.kv.req_to_blocks:
             # Its blocks are still held for a connector (e.g. a remote reader): a new request under the
             # same id would be mistaken for their owner.
             raise ValueError(
@@ -140,9 +144,10 @@ class Scheduler:
     def abort_request(self, request_id: str) -> RequestUpdate | None:
         """Abort in any state; everything the request holds is freed.  None if it is unknown/finished."""
         rid = RequestId(request_id)
-        if rid in self.held:
-            # Already finished for its client; the blocks it left for a remote reader go now.
-            self.books.reclaim(rid)
+        if rid in self.holds:
+            # Already finished for its client: the worker is asked to stop the transfer holding its
+            # blocks, which are freed once it confirms.
+            self.books.stop(rid)
             return None
         request = self.requests.get(rid)
         if request is None:
@@ -173,7 +178,7 @@ class Scheduler:
 
     def has_pending_work(self) -> bool:
         """Unfinished requests or blocks still held for a connector."""
-        return bool(self.requests or self.held)
+        return bool(self.requests or self.holds)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(RequestId(request_id))
@@ -191,7 +196,11 @@ class Scheduler:
             self.requests[sr.request_id].num_computed_tokens += sr.num_tokens
         out.finished_request_ids = self._finished_since_last_step
         self._finished_since_last_step = set()
-        out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        meta = self.connector.build_connector_meta(out)
+        # The engine's own instructions to the worker half, whatever the connector built.
+        meta.preempted_request_ids = list(out.preempted_request_ids)
+        meta.stop_request_ids = self.books.take_stops()
+        out.kv_connector_metadata = meta
         return out
 
     def _chunk(self, request: Request, budget: int) -> int:
@@ -242,7 +251,7 @@ class Scheduler:
             if self.config.long_prefill_token_threshold:
                 num_new = min(num_new, self.config.long_prefill_token_threshold)
             if self.kv.allocate_slots(request, num_new, hit, num_external, delay_caching=load_async) is None:
-                idle = not self.running and not out.scheduled and not self.loading and not self.held
+                idle = not self.running and not out.scheduled and not self.loading and not self.holds
                 if idle and not self._release_parked(request, out):
                     # Alone with an empty pool (nothing held for a connector either) and still no room: it
                     # can never run.
@@ -338,7 +347,7 @@ class Scheduler:
         for rid in kv_out.finished_recving:
             self._finish_loading(rid, result)
         for rid in kv_out.finished_sending:
-            self.books.release(rid)
+            self.books.end_hold(rid, HoldKind.SEND)
         self.connector.update_connector_output(kv_out)
         for sr in scheduler_output.scheduled:
             if not sr.sample or sr.request_id in tainted:
@@ -383,17 +392,22 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Every finish goes through here: out of its queue, the connector told once, blocks freed or held."""
         rid = request.request_id
+        was_loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
         if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(rid)
-        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+        elif was_loading:
             self.books.stop_loading(rid)
         elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         request.set_status(status)
-        delay_free, params = self.connector.request_finished(request, self.kv.get_block_ids(rid))
+        hold, params = self.connector.request_finished(request, self.kv.get_block_ids(rid))
         request.finished_kv_transfer_params = params
-        if delay_free and rid in self.kv.req_to_blocks:
-            self.books.hold(request)
+        if was_loading:
+            # Its load is still writing the blocks: they are kept until the worker stopped it.
+            self.books.hold(request, HoldKind.RECV)
+            self.books.stop(rid)
+        elif hold and rid in self.kv.req_to_blocks:
+            self.books.hold(request, HoldKind.SEND)
         else:
             self.kv.free(request)
         del self.requests[rid]
@@ -403,8 +417,8 @@ class Scheduler:
 
     def _finish_loading(self, rid: RequestId, result: EngineCoreOutputs) -> None:
         """An async load landed: cache the good blocks, then the request waits to compute the rest."""
-        if self.books.release(rid):
-            return  # it was aborted while loading; the receive is over now
+        if self.books.end_hold(rid, HoldKind.RECV):
+            return  # it ended while loading; the receive is over now
         landed = self.books.land(rid)
         if landed is None:
             return
@@ -482,19 +496,20 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_evictions=self.kv.pool.num_evictions,
             num_loading=len(self.loading),
-            num_held_for_send=len(self.held),
+            num_held=len(self.holds),
             prompt_tokens_local=self.prompt_tokens_local,
             prompt_tokens_external=self.prompt_tokens_external,
             prompt_tokens_computed=self.prompt_tokens_computed,
             num_load_failures=self.num_load_failures,
-            num_delay_free_expired=self.num_delay_free_expired,
+            num_hold_expiries=self.books.num_hold_expiries,
+            num_hold_stop_timeouts=self.books.num_stop_timeouts,
         )
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         owners = set(self.kv.req_to_blocks)
         running = {r.request_id for r in self.running}
-        expected = running | set(self.loading) | set(self.held)
+        expected = running | set(self.loading) | set(self.holds)
         for rid in owners - expected:
             # Back from an async load, waiting to compute the rest: it keeps the blocks it loaded into.
             r = self.requests.get(rid)
@@ -506,5 +521,5 @@ class Scheduler:
         for rid in self.loading:
             status = self.requests[rid].status
             require(status == RequestStatus.WAITING_FOR_REMOTE_KV, f"{rid} is loading but {status.name}")
-        for rid in self.held:
-            require(rid not in self.requests, f"{rid} is held for a send but not finished")
+        for rid in self.holds:
+            require(rid not in self.requests, f"{rid} is held for its connector but not finished")

@@ -160,7 +160,7 @@ class MemoryConnector(KVConnectorBase):
         self._saved_upto[request.request_id] = first + n  # what it hit locally or loads is stored already
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = MemoryMetadata(list(scheduler_output.preempted_request_ids), loads=self._pending_loads)
+        meta = MemoryMetadata(loads=self._pending_loads)
         self._pending_loads = []
         for sr in scheduler_output.scheduled:
             request = self._requests.get(sr.request_id)
