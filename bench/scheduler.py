@@ -103,7 +103,7 @@ def hit_rate(policy: str, quick: bool) -> float:
                 s.add_request(req)
         step(s, 13)
     st = s.stats()
-    return st.prefix_cache_hits / st.prefix_cache_queries
+    return st.counter("prefix_cache_hits") / st.counter("prefix_cache_queries")
 
 
 def main() -> None:

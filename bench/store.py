@@ -421,7 +421,7 @@ def store_server(spec: str) -> Iterator[str]:
         line = proc.stdout.readline().strip()
         if not line.startswith("pdkv kvstore: serving on "):
             raise RuntimeError(f"store server did not start: {line!r}")
-        yield line.rsplit(" ", 1)[1]
+        yield line.removeprefix("pdkv kvstore: serving on ").split()[0]
     finally:
         proc.terminate()
         proc.wait(10)

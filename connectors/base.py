@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from engine.hashing import HashNamespace
 from engine.kv_cache import KVCacheSpec
 from engine.kv_events import KVCacheEvent
+from engine.metrics import HistogramSnapshot, merge_histograms
 from engine.request import Request, RequestId
 
 if TYPE_CHECKING:
@@ -129,20 +130,25 @@ class KVConnectorOutput:
 @dataclass(frozen=True)
 class ConnectorStats:
     """What one connector half reports to its node (``get_stats``): monotonic counters by name (the
-    node sums the two halves', and ``multi`` its children's) and the address it serves KV on, if any.
+    node sums the two halves', and ``multi`` its children's), latency histograms, and the address it
+    serves KV on, if any.
 
-    Counters become ``pdkv_node_connector_<name>_total`` in ``/metrics`` and ``connector_stats`` in the
-    ``Node/Stats`` RPC, unchanged: adding a counter to a connector touches that connector only."""
+    Counters become ``pdkv_connector_<name>_total`` in ``/metrics`` and ``connector_stats`` in the
+    ``Node/Stats`` RPC, unchanged: adding a counter to a connector touches that connector only.
+    Histograms are keyed like the engine's (``kv_load_seconds.<source>``, ``kv_transfer_seconds.recv``:
+    the names ``engine.metrics.CONNECTOR_METRICS`` declares) and exported under those names."""
 
     counters: Mapping[str, float] = field(default_factory=dict)
     kv_endpoint: str | None = None
+    histograms: Mapping[str, HistogramSnapshot] = field(default_factory=dict)
 
     def merged(self, other: ConnectorStats) -> ConnectorStats:
-        """Counters summed; the first endpoint found wins."""
+        """Counters and histograms summed; the first endpoint found wins."""
         counters = dict(self.counters)
         for key, value in other.counters.items():
             counters[key] = counters.get(key, 0.0) + float(value)
-        return ConnectorStats(counters, self.kv_endpoint or other.kv_endpoint)
+        histograms = merge_histograms(self.histograms, other.histograms)
+        return ConnectorStats(counters, self.kv_endpoint or other.kv_endpoint, histograms)
 
 
 class ConnectorOptionsError(ValueError):

@@ -49,6 +49,7 @@ from connectors.base import (
     KVConnectorRole,
 )
 from engine.hashing import BlockHash
+from engine.metrics import SPECS, Histogram
 from engine.request import Request, RequestId
 
 if TYPE_CHECKING:
@@ -174,6 +175,7 @@ class OffloadConnector(KVConnectorBase):
         self._load_errors: set[int] = set()
         self._failed_loads: set[RequestId] = set()
         self._metadata: OffloadMetadata | None = None
+        self._load_seconds = Histogram(SPECS["kv_load_seconds"])  # one observation per load run
         self.stats_counters = {
             "blocks_loaded": 0,
             "blocks_load_failed": 0,
@@ -312,9 +314,11 @@ class OffloadConnector(KVConnectorBase):
         self._metadata = metadata
         self._failed_loads = set()
         for run in metadata.loads:
+            started = time.monotonic()
             result = self.store.get_into(
                 run.hashes, self._blocks(run.block_ids), run.start, timeout_s=self.options.load_timeout_s
             )
+            self._load_seconds.observe(time.monotonic() - started)
             self.stats_counters["blocks_loaded"] += result.loaded
             failed = run.block_ids[result.loaded :]
             if failed:
@@ -382,7 +386,10 @@ class OffloadConnector(KVConnectorBase):
     # ---------------------------------------------------------------- both
 
     def get_stats(self) -> ConnectorStats:
-        return ConnectorStats(self.stats())
+        loads = self._load_seconds.snapshot()
+        return ConnectorStats(
+            self.stats(), histograms={"kv_load_seconds.offload": loads} if loads.count else {}
+        )
 
     def stats(self) -> dict[str, float]:
         """Flat counters for the node's metrics (summed over both halves there, so the store's own

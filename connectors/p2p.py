@@ -432,7 +432,7 @@ class P2PConnector(KVConnectorBase):
     # ================================ both ==========================================================
 
     def get_stats(self) -> ConnectorStats:
-        return ConnectorStats(self.transfer_stats(), self.endpoint)
+        return ConnectorStats(self.transfer_stats(), self.endpoint, self.stats.histograms())
 
     def transfer_stats(self) -> dict[str, float]:
         """Counters for metrics (see ``TransferStats``); the scheduler half counts rejected params."""

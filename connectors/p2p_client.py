@@ -260,7 +260,7 @@ class BlockPuller:
             return PullResult(job.request_id, good, job.block_ids[good:], failure.reason)
         self._release(sockets, job.endpoint, job.remote_request_id)
         self.stats.add("pulls_ok")
-        self.stats.observe_latency(time.monotonic() - started)
+        self.stats.observe_pull(time.monotonic() - started)
         return PullResult(job.request_id, len(loaded))
 
     def _pull(self, handle: PullHandle, sock: zmq.Socket[Any], loaded: list[bool]) -> None:

@@ -76,6 +76,8 @@ class Lease:
     sums: list[int | None] = field(default_factory=list)  # payload checksums (sealing), None until computed
     sealed_upto: int = 0  # sums[:sealed_upto] are computed by the sealer
     trackers: list[zmq.MessageTracker] = field(default_factory=list)
+    registered_at: float = 0.0
+    served: bool = False  # a read was answered (so its end is a transfer's)
 
     def pending_trackers(self) -> list[zmq.MessageTracker]:
         self.trackers = [t for t in self.trackers if not t.done]
@@ -159,6 +161,7 @@ class BlockServer:
             tuple(hashes),
             deadline=self.clock() + lease_s,
             sums=[None] * len(block_ids),
+            registered_at=self.clock(),
         )
         with self._lock:
             old = self._leases.get(request_id)
@@ -240,6 +243,8 @@ class BlockServer:
                 self._close_locked(lease, ErrorCode.EXPIRED)
                 self.stats.add("lease_expiries")
             if lease.state is LeaseState.CLOSING and not lease.pending_trackers():
+                if lease.reason is ErrorCode.RELEASED and lease.served:
+                    self.stats.observe_lease(now - lease.registered_at)
                 del self._leases[lease.request_id]
                 self._remember_locked(lease.request_id, lease.reason)
                 self._finished.append(lease.request_id)
@@ -324,6 +329,7 @@ class BlockServer:
             # Tracked even when the send fails: a partly queued message may still read the blocks (the
             # frames ZeroMQ never took are released as soon as this function drops them).
             lease.trackers.append(zmq.MessageTracker(*frames))
+            lease.served = True
             if self._reply(identity, parts, copy=False):
                 self.stats.add("blocks_sent", count)
                 self.stats.add("bytes_sent", count * self.views.block_nbytes)

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from engine.metrics import SPECS, Histogram, HistogramSnapshot
 from kvstore.layout import BlockLayout
 
 if TYPE_CHECKING:
@@ -310,14 +311,18 @@ class TransferStats:
     - consumer: ``pulls_started``/``_ok``/``_failed``/``_cancelled``, ``blocks_received``,
       ``bytes_received``, ``late_replies``, ``failures.<reason>`` (timeout, checksum, expired, malformed,
       truncated, size, socket, unknown_lease, released, hash_mismatch, ...), ``params_rejected.<reason>``
-      (namespace, layout, hash_mismatch, bad_params), and the latency of successful pulls as
-      ``transfer_latency_s_count``/``_sum``/``_max``.
+      (namespace, layout, hash_mismatch, bad_params).
+
+    Histograms (``histograms``): every successful pull (``kv_transfer_seconds.recv``, and
+    ``kv_load_seconds.p2p``: the consumer's KV load) and every lease its consumer released
+    (``kv_transfer_seconds.send``: registered to released).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
-        self._latency_max = 0.0
+        self.recv_seconds = Histogram(SPECS["kv_transfer_seconds"])
+        self.send_seconds = Histogram(SPECS["kv_transfer_seconds"])
 
     def add(self, key: str, value: float = 1) -> None:
         with self._lock:
@@ -326,11 +331,20 @@ class TransferStats:
     def failure(self, reason: str) -> None:
         self.add(f"failures.{reason}")
 
-    def observe_latency(self, seconds: float) -> None:
-        with self._lock:
-            self._counts["transfer_latency_s_count"] += 1
-            self._counts["transfer_latency_s_sum"] += seconds  # type: ignore[assignment]
-            self._latency_max = max(self._latency_max, seconds)
+    def observe_pull(self, seconds: float) -> None:
+        self.recv_seconds.observe(seconds)
+
+    def observe_lease(self, seconds: float) -> None:
+        self.send_seconds.observe(seconds)
+
+    def histograms(self) -> dict[str, HistogramSnapshot]:
+        out = {}
+        recv, send = self.recv_seconds.snapshot(), self.send_seconds.snapshot()
+        if recv.count:
+            out["kv_transfer_seconds.recv"] = out["kv_load_seconds.p2p"] = recv
+        if send.count:
+            out["kv_transfer_seconds.send"] = send
+        return out
 
     def get(self, key: str) -> float:
         with self._lock:
@@ -338,7 +352,4 @@ class TransferStats:
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
-            out = {k: float(v) for k, v in self._counts.items()}
-            if self._latency_max:
-                out["transfer_latency_s_max"] = self._latency_max
-            return out
+            return {k: float(v) for k, v in self._counts.items()}

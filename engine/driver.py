@@ -30,7 +30,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from connectors.base import ConnectorStats
 from engine.llm_engine import LLMEngine
+from engine.metrics import HistogramSnapshot, StatsSnapshot, merge_histograms
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -352,45 +354,31 @@ _NONE = _Sentinel()
 
 @dataclass(frozen=True)
 class EngineSnapshot:
-    """An engine's counters and its KV pool's books at one moment (read on the driver thread)."""
+    """An engine's figures at one moment (read on the driver thread): its identity, every counter, gauge
+    and histogram (``engine/metrics.py``), and its connector's stats (both halves merged)."""
 
     engine_id: str
-    num_running: int
-    num_waiting: int
-    num_loading: int
-    num_held: int
-    num_total_blocks: int
-    num_free_blocks: int
-    kv_usage: float
-    prompt_tokens_local: int
-    prompt_tokens_external: int
-    prompt_tokens_computed: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_lease_expiries: int
-    num_load_failures: int
-    num_requests_finished: int
-    num_generated_tokens: int
-    num_steps: int
     model_fingerprint: str
     block_size: int
     hash_algo: str
-    # Where the connector serves KV to peers ("" when it serves none), and its own counters.
-    kv_endpoint: str = ""
-    connector_stats: dict[str, float] | None = None
+    stats: StatsSnapshot
+    connector: ConnectorStats
     # None when not checked; "" when the books balance; else why they do not.
     integrity_error: str | None = None
 
+    @property
+    def kv_endpoint(self) -> str:
+        """Where the connector serves KV to peers ("" when it serves none)."""
+        return self.connector.kv_endpoint or ""
+
+    @property
+    def histograms(self) -> dict[str, HistogramSnapshot]:
+        """The engine's latency histograms and the connector's, by key."""
+        return merge_histograms(self.stats.histograms, self.connector.histograms)
+
 
 def snapshot(engine: LLMEngine, *, check_integrity: bool = False) -> EngineSnapshot:
-    """Run on the driver thread (``driver.call(snapshot)``): the engine is not thread-safe.
-
-    The connector's counters and KV endpoint come from ``KVConnectorBase.get_stats()`` of both halves,
-    merged (``ConnectorStats.merged``).
-    """
-    stats = engine.stats()
-    s = stats.scheduler
+    """Run on the driver thread (``driver.call(snapshot)``): the engine is not thread-safe."""
     integrity: str | None = None
     if check_integrity:
         try:
@@ -398,31 +386,12 @@ def snapshot(engine: LLMEngine, *, check_integrity: bool = False) -> EngineSnaps
             integrity = ""
         except AssertionError as exc:
             integrity = str(exc) or "integrity check failed"
-    conn = engine.scheduler_connector.get_stats().merged(engine.worker_connector.get_stats())
     return EngineSnapshot(
         engine_id=engine.config.engine_id,
-        num_running=s.num_running,
-        num_waiting=s.num_waiting,
-        num_loading=s.num_loading,
-        num_held=s.num_held,
-        num_total_blocks=engine.kv_spec.num_blocks,
-        num_free_blocks=s.num_free_blocks,
-        kv_usage=s.kv_usage,
-        prompt_tokens_local=s.prompt_tokens_local,
-        prompt_tokens_external=s.prompt_tokens_external,
-        prompt_tokens_computed=s.prompt_tokens_computed,
-        prefix_cache_queries=s.prefix_cache_queries,
-        prefix_cache_hits=s.prefix_cache_hits,
-        num_preemptions=s.num_preemptions,
-        num_lease_expiries=s.num_hold_expiries,
-        num_load_failures=s.num_load_failures,
-        num_requests_finished=stats.num_requests_finished,
-        num_generated_tokens=stats.num_generated_tokens,
-        num_steps=stats.num_steps,
         model_fingerprint=engine.namespace.model_fingerprint,
         block_size=engine.namespace.block_size,
         hash_algo=engine.namespace.algo,
-        kv_endpoint=conn.kv_endpoint or "",
-        connector_stats={str(k): float(v) for k, v in conn.counters.items()},
+        stats=engine.stats(),
+        connector=engine.scheduler_connector.get_stats().merged(engine.worker_connector.get_stats()),
         integrity_error=integrity,
     )

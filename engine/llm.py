@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.engine_config import EngineConfig
-from engine.llm_engine import EngineStats, LLMEngine
+from engine.llm_engine import LLMEngine
+from engine.metrics import StatsSnapshot
 from engine.outputs import GenerationOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -35,7 +36,7 @@ class LLM:
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> StatsSnapshot:
         return self.engine.stats()
 
     def generate(

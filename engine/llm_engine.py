@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from engine.hashing import HashNamespace
 from engine.kv_cache import KVCacheSpec
 from engine.kv_cache_manager import cdiv
 from engine.kv_events import KVCacheEvent
+from engine.metrics import SPECS, Counters, Histogram, HistogramSnapshot, StatsSnapshot
 from engine.model.embedded import ensure_default_model
 from engine.model.loader import LoadedModel, inspect_model, load_model
 from engine.output_processor import OutputProcessor
@@ -34,31 +35,67 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, StepFailed
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """The scheduler's counters plus the engine's own.  Prompt-token sources come from the scheduler,
-    which records them when a request is first admitted."""
+@dataclass(slots=True)
+class _Timing:
+    request: Request
+    first_token: float | None = None
+    last_token: float = 0.0
+    num_tokens: int = 0
 
-    scheduler: SchedulerStats
-    num_steps: int
-    num_requests_added: int
-    num_requests_finished: int
-    num_generated_tokens: int
 
-    @property
-    def num_prompt_tokens_cached(self) -> int:
-        """Prompt tokens served from the local prefix cache."""
-        return self.scheduler.prompt_tokens_local
+class RequestTimer:
+    """The engine's per-request latency histograms (engine/metrics.py), observed from its outputs."""
 
-    @property
-    def num_prompt_tokens_computed(self) -> int:
-        return self.scheduler.prompt_tokens_computed
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._live: dict[str, _Timing] = {}
+        self.histograms = {
+            name: Histogram(SPECS[name])
+            for name in (
+                "time_to_first_token_seconds",
+                "inter_token_latency_seconds",
+                "request_time_per_output_token_seconds",
+                "e2e_request_latency_seconds",
+                "request_queue_time_seconds",
+            )
+        }
+
+    def add(self, request: Request) -> None:
+        self._live[request.request_id] = _Timing(request)
+
+    def observe(self, out: RequestOutput) -> None:
+        timing = self._live.get(out.request_id)
+        if timing is None:
+            return
+        now = self.clock()
+        h = self.histograms
+        arrival = timing.request.arrival_time
+        if out.new_token_ids:
+            if timing.first_token is None:
+                timing.first_token = now
+                h["time_to_first_token_seconds"].observe(now - arrival)
+            else:
+                h["inter_token_latency_seconds"].observe(now - timing.last_token)
+            timing.last_token = now
+            timing.num_tokens += len(out.new_token_ids)
+        if not out.finished:
+            return
+        del self._live[out.request_id]
+        h["e2e_request_latency_seconds"].observe(now - arrival)
+        admitted = timing.request.admitted_time
+        h["request_queue_time_seconds"].observe((now if admitted is None else admitted) - arrival)
+        if timing.first_token is not None and timing.num_tokens > 1:
+            tpot = (timing.last_token - timing.first_token) / (timing.num_tokens - 1)
+            h["request_time_per_output_token_seconds"].observe(tpot)
+
+    def snapshot(self) -> dict[str, HistogramSnapshot]:
+        return {name: hist.snapshot() for name, hist in self.histograms.items()}
 
 
 class LLMEngine:
@@ -110,10 +147,8 @@ class LLMEngine:
             connector=self.worker_connector,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._num_steps = 0
-        self._num_added = 0
-        self._num_finished = 0
-        self._generated_tokens = 0
+        self.counters = Counters()  # the engine's own; the scheduler keeps its counters
+        self.timer = RequestTimer()
 
     @staticmethod
     def _max_model_len(config: EngineConfig, max_positions: int) -> int:
@@ -180,7 +215,7 @@ class LLMEngine:
         )
         self.scheduler.add_request(request)
         self.output_processor.add_request(request, prior)
-        self._num_added += 1
+        self.timer.add(request)
         return request
 
     def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
@@ -213,8 +248,10 @@ class LLMEngine:
         """Abort in any state.  Returns the request's final output, or None if it is unknown/finished."""
         if self.scheduler.abort_request(request_id) is None:
             return None
-        self._num_finished += 1
-        return self.output_processor.finish(request_id, "abort")
+        out = self.output_processor.finish(request_id, "abort")
+        if out is not None:
+            self._count(out)
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -253,7 +290,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns an output for every request that advanced or finished."""
         step = self.scheduler.schedule()
-        self._num_steps += 1
+        self.counters.add("engine_steps")
         outputs: list[RequestOutput] = []
         for rid in step.errored_request_ids:
             request = self.output_processor.request(rid)
@@ -272,16 +309,22 @@ class LLMEngine:
             return outputs
         core = self.scheduler.update_from_output(step, result)
         for out in self.output_processor.process(core.updates, self.scheduler):
-            self._generated_tokens += len(out.new_token_ids)
-            if out.finished:
-                self._num_finished += 1
+            self._count(out)
             outputs.append(out)
         return outputs
+
+    def _count(self, out: RequestOutput) -> None:
+        """Every output the engine returns passes here once: its counters and latencies."""
+        if out.new_token_ids:
+            self.counters.add("generation_tokens", len(out.new_token_ids))
+        if out.finished:
+            self.counters.add(f"request_success.{out.finish_reason or 'unknown'}")
+        self.timer.observe(out)
 
     def _append_finish(self, outputs: list[RequestOutput], rid: str, reason: str, error: str | None) -> None:
         out = self.output_processor.finish(rid, reason, error=error)
         if out is not None:
-            self._num_finished += 1
+            self._count(out)
             outputs.append(out)
 
     def _fail_step(self, outputs: list[RequestOutput], step: SchedulerOutput, error: str) -> None:
@@ -301,11 +344,7 @@ class LLMEngine:
 
     # -- observability ------------------------------------------------------------------------------------
 
-    def stats(self) -> EngineStats:
-        return EngineStats(
-            scheduler=self.scheduler.stats(),
-            num_steps=self._num_steps,
-            num_requests_added=self._num_added,
-            num_requests_finished=self._num_finished,
-            num_generated_tokens=self._generated_tokens,
-        )
+    def stats(self) -> StatsSnapshot:
+        """Every counter, gauge and histogram of the engine and its scheduler (keys: engine/metrics.py)."""
+        own = StatsSnapshot(self.counters.snapshot(), {}, self.timer.snapshot())
+        return self.scheduler.stats().merged(own)

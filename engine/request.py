@@ -66,6 +66,7 @@ class Request:
 
     __slots__ = (
         "_namespace",
+        "admitted_time",
         "arrival_time",
         "block_hashes",
         "cache_salt",
@@ -116,6 +117,7 @@ class Request:
         self.lora_name = lora_name
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.admitted_time: float | None = None  # when first admitted (blocks allocated), by the scheduler
         # Transfer parameters this request arrived with (e.g. where a decode node pulls its prompt KV) ...
         self.kv_transfer_params = kv_transfer_params
         # ... and those its connector returned when it finished (e.g. where the prefill node holds them).

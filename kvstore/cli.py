@@ -34,4 +34,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verify-puts", action="store_true", help="check payload checksums on put too (readers always do)"
     )
+    parser.add_argument(
+        "--metrics-address",
+        default="",
+        metavar="HOST:PORT",
+        help="serve Prometheus /metrics here (port 0 picks one; default: none)",
+    )
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")

@@ -36,6 +36,7 @@ import zmq
 from engine.cpu_memory import tune_malloc_for_tensors
 from kvstore.cli import DEFAULT_BIND, READY_PREFIX, add_serve_arguments
 from kvstore.codec import HEADER_SIZE, HeaderMatcher, check_header, verify_payload
+from kvstore.metrics import TierStats
 from kvstore.protocol import (
     PROTOCOL_VERSION,
     Limits,
@@ -47,6 +48,15 @@ from kvstore.protocol import (
 )
 from kvstore.results import MissReason, Unit, release_all
 from kvstore.store import TieredStore
+from serving.metrics import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    MetricsServer,
+    gauge,
+    metric_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +83,7 @@ class StoreServer:
         self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._in_flight: list[tuple[zmq.MessageTracker, list[Unit]]] = []
         self.requests: Counter[str] = Counter()
+        self._requests_lock = threading.Lock()  # /metrics reads the counts from its own thread
 
     # ---- the loop --------------------------------------------------------------------------------------
 
@@ -101,11 +112,11 @@ class StoreServer:
         try:
             reply, units = self._dispatch(body)
         except ProtocolError as exc:
-            self.requests["refused"] += 1
+            self._count("refused")
             reply = [encode_reply(_peek_id(body), ok=False, error=str(exc))]
         except Exception as exc:
             logger.exception("kvstore server: request failed")
-            self.requests["failed"] += 1
+            self._count("failed")
             reply = [encode_reply(_peek_id(body), ok=False, error=f"internal error: {type(exc).__name__}")]
         try:
             # The identity goes as bytes: a received (untracked) frame cannot be part of a tracked send.
@@ -140,7 +151,7 @@ class StoreServer:
         if not body:
             raise ProtocolError("empty message")
         request = decode_request(body[0].buffer, self.limits)
-        self.requests[request.op] += 1
+        self._count(request.op)
         if request.op != "put" and len(body) != 1:
             raise ProtocolError(f"{request.op} takes one frame, got {len(body)}")
         if request.op == "ping":
@@ -152,7 +163,7 @@ class StoreServer:
             return [encode_reply(request.id, info=info)], []
         if request.op == "stats":
             info = self.store.stats().to_dict()
-            info["requests"] = dict(self.requests)
+            info["requests"] = self.request_counts()
             return [encode_reply(request.id, info=info)], []
         run = request.run
         assert run is not None
@@ -218,6 +229,31 @@ class StoreServer:
         out_reason = reason if reason is not None else (stored.reason if stored is not None else None)
         return [encode_reply(request.id, n=count, reason=_reason(out_reason))]
 
+    def _count(self, what: str) -> None:
+        with self._requests_lock:
+            self.requests[what] += 1
+
+    def request_counts(self) -> dict[str, int]:
+        with self._requests_lock:
+            return dict(self.requests)
+
+    def metrics(self) -> list[Metric]:
+        """``/metrics``: requests by op, and every tier's counters, misses and latencies."""
+        stats = self.store.stats()
+        requests = CounterMetricFamily("pdkv_kvstore_requests", "requests served, by op", labels=["op"])
+        for op, n in sorted(self.request_counts().items()):
+            requests.add_metric([op], float(n))
+        families: list[Metric] = [
+            requests,
+            gauge("pdkv_kvstore_write_queue_depth", "write-down jobs queued", stats.write_queue_depth),
+        ]
+        dropped = CounterMetricFamily(
+            "pdkv_kvstore_write_jobs_dropped", "write-down jobs dropped: queue full"
+        )
+        dropped.add_metric([], float(stats.write_jobs_dropped))
+        families.append(dropped)
+        return families + tier_families(stats.tiers)
+
     def close(self) -> None:
         self._socket.close(linger=0)
         for _, units in self._in_flight:
@@ -225,6 +261,49 @@ class StoreServer:
         self._in_flight.clear()
         if self._own_context:
             self._context.term()
+
+
+def tier_families(tiers: Sequence[TierStats]) -> list[Metric]:
+    """Per-tier families, labelled by tier: ``pdkv_kvstore_tier_<counter>_total``, misses and put
+    failures by reason, the breakers' state, and latency histograms by operation (the tiers' log2
+    microsecond buckets: bucket ``i`` ends at ``2**(i+1)`` µs)."""
+    counters: dict[str, CounterMetricFamily] = {}
+    misses = CounterMetricFamily(
+        "pdkv_kvstore_tier_misses", "calls that stopped short, by tier and reason", labels=["tier", "reason"]
+    )
+    put_failures = CounterMetricFamily(
+        "pdkv_kvstore_tier_put_failures", "blocks not stored, by tier and reason", labels=["tier", "reason"]
+    )
+    breakers = GaugeMetricFamily(
+        "pdkv_kvstore_tier_breaker_open",
+        "1 while a circuit breaker skips the tier",
+        labels=["tier", "breaker"],
+    )
+    latency = HistogramMetricFamily(
+        "pdkv_kvstore_tier_op_seconds", "tier call latency, by tier and operation", labels=["tier", "op"]
+    )
+    for tier in tiers:
+        for name, value in sorted(tier.counters.items()):
+            family = counters.get(name)
+            if family is None:
+                family = counters[name] = CounterMetricFamily(
+                    f"pdkv_kvstore_tier_{metric_name(name)}", f"tier counter {name!r}", labels=["tier"]
+                )
+            family.add_metric([tier.name], float(value))
+        for reason, n in sorted(tier.misses.items()):
+            misses.add_metric([tier.name, reason], float(n))
+        for reason, n in sorted(tier.put_failures.items()):
+            put_failures.add_metric([tier.name, reason], float(n))
+        for breaker, state in sorted(tier.breakers.items()):
+            breakers.add_metric([tier.name, breaker], 0.0 if state == "closed" else 1.0)
+        for op, snap in sorted(tier.latency.items()):
+            buckets, running = [], 0
+            for i, n in enumerate(snap.buckets[:-1]):
+                running += n
+                buckets.append((repr(2 ** (i + 1) / 1e6), running))
+            buckets.append(("+Inf", snap.count))
+            latency.add_metric([tier.name, op], buckets, sum_value=snap.total_s)
+    return [*counters.values(), misses, put_failures, breakers, latency]
 
 
 def _wire_frame(payload: memoryview) -> Any:
@@ -264,8 +343,11 @@ def run_server(args: argparse.Namespace) -> int:
     limits = Limits(max_blocks=args.max_blocks, max_unit_bytes=args.max_block_bytes)
     tune_malloc_for_tensors()
     store = TieredStore.from_config(args.kv_store)
+    metrics: MetricsServer | None = None
     try:
         server = StoreServer(store, args.bind, limits=limits, verify_puts=args.verify_puts)
+        if args.metrics_address:
+            metrics = MetricsServer(args.metrics_address, server.metrics).start()
     except BaseException:
         store.close()
         raise
@@ -276,10 +358,13 @@ def run_server(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    print(f"{READY_PREFIX}{server.endpoint}", flush=True)
+    metrics_note = f" metrics={metrics.address}" if metrics is not None else ""
+    print(f"{READY_PREFIX}{server.endpoint}{metrics_note}", flush=True)
     try:
         server.serve(stop)
     finally:
+        if metrics is not None:
+            metrics.close()
         server.close()
         store.close()
     return 0

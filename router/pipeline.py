@@ -36,6 +36,7 @@ from typing import Protocol
 
 import grpc
 
+from engine.metrics import SPECS, Histogram
 from engine.sampling_params import SamplingParams
 from pdkv_proto.pdkv.v1 import node_pb2, types_pb2
 from router.nodes import NodeHandle, NodePool
@@ -93,6 +94,44 @@ class Done:
 
 
 Event = Delta | Done
+
+
+ROUTER_HISTOGRAMS = (
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "request_time_per_output_token_seconds",
+    "e2e_request_latency_seconds",
+)
+
+
+class _LatencyTimer:
+    """Observes one call's latencies from the events it yields (the client's view)."""
+
+    def __init__(self, histograms: dict[str, Histogram], start: float) -> None:
+        self.h = histograms
+        self.start = start
+        self.first: float | None = None
+        self.last = start
+        self.tokens = 0
+
+    def observe(self, event: Event) -> None:
+        now = time.perf_counter()
+        if isinstance(event, Delta):
+            if not event.token_ids:
+                return
+            if self.first is None:
+                self.first = now
+                self.h["time_to_first_token_seconds"].observe(now - self.start)
+            else:
+                self.h["inter_token_latency_seconds"].observe(now - self.last)
+            self.last = now
+            self.tokens += len(event.token_ids)
+            return
+        self.h["e2e_request_latency_seconds"].observe(now - self.start)
+        if self.first is not None and self.tokens > 1:
+            self.h["request_time_per_output_token_seconds"].observe(
+                (self.last - self.first) / (self.tokens - 1)
+            )
 
 
 class Cancellation:
@@ -157,6 +196,8 @@ class Pipeline:
         self.decode_attempts = decode_attempts
         self.max_inflight = max_inflight
         self.resumed = 0  # requests continued on another decode node after output had reached the client
+        # As the client sees them (engine/metrics.py names; exported as pdkv_router_*).
+        self.latency = {name: Histogram(SPECS[name]) for name in ROUTER_HISTOGRAMS}
         self._inflight = 0
         self._lock = threading.Lock()
 
@@ -171,7 +212,11 @@ class Pipeline:
         try:
             cancellation = Cancellation(scope)
             run = self._disaggregated if self.mode == "disaggregated" else self._colocated
-            yield from run(request, scope, cancellation, time.perf_counter())
+            start = time.perf_counter()
+            timer = _LatencyTimer(self.latency, start)
+            for event in run(request, scope, cancellation, start):
+                timer.observe(event)
+                yield event
             cancellation.finish()
         finally:
             with self._lock:

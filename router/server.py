@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from engine.metrics import StatsSnapshot
 from engine.tokenizer import Tokenizer
 from pdkv_proto.pdkv.v1 import generation_pb2_grpc
 from router.config import READY_PREFIX, RouterConfig
@@ -22,7 +23,15 @@ from router.policy import make_selector
 from router.servicer import GenerationServicer
 from router.tokenizer import RouterModel, load_model, model_path
 from serving.config import stop_on_signals
-from serving.metrics import MetricFamily, MetricsServer, RpcCounters
+from serving.metrics import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    MetricsServer,
+    RpcCounters,
+    gauge,
+    stats_families,
+)
 from serving.reflection import enable_reflection
 
 logger = logging.getLogger(__name__)
@@ -101,35 +110,33 @@ class RouterRuntime:
     def update_health(self) -> None:
         _publish_health(self.health, self.pools)
 
-    def metrics(self) -> list[MetricFamily]:
-        one = MetricFamily.single
-        families = [
-            one("pdkv_router_inflight_requests", "gauge", "client calls in flight", self.pipeline.inflight),
-            one(
-                "pdkv_router_decode_resumes_total",
-                "counter",
-                "decode streams resumed on another node after theirs failed mid-stream (one per resume)",
-                self.pipeline.resumed,
-            ),
+    def metrics(self) -> list[Metric]:
+        latency = {name: h.snapshot() for name, h in self.pipeline.latency.items()}
+        resumes = CounterMetricFamily(
+            "pdkv_router_decode_resumes",
+            "decode streams resumed on another node after theirs failed mid-stream (one per resume)",
+        )
+        resumes.add_metric([], float(self.pipeline.resumed))
+        families: list[Metric] = [
+            gauge("pdkv_router_inflight_requests", "client calls in flight", self.pipeline.inflight),
+            resumes,
+            *stats_families(StatsSnapshot({}, {}, latency), prefix="pdkv_router_"),
         ]
         for pool in self.pools:
-            nodes = pool.nodes()
-            families.append(
-                MetricFamily(
-                    f"pdkv_router_{pool.kind}_node_up",
-                    "gauge",
-                    f"1 when the {pool.kind} node answers its health check",
-                    tuple(((("node", n.address),), 1.0 if n.healthy else 0.0) for n in nodes),
-                )
+            up = GaugeMetricFamily(
+                f"pdkv_router_{pool.kind}_node_up",
+                f"1 when the {pool.kind} node answers its health check",
+                labels=["node"],
             )
-            families.append(
-                MetricFamily(
-                    f"pdkv_router_{pool.kind}_node_inflight",
-                    "gauge",
-                    f"router calls in flight on each {pool.kind} node",
-                    tuple(((("node", n.address),), float(n.inflight)) for n in nodes),
-                )
+            inflight = GaugeMetricFamily(
+                f"pdkv_router_{pool.kind}_node_inflight",
+                f"router calls in flight on each {pool.kind} node",
+                labels=["node"],
             )
+            for n in pool.nodes():
+                up.add_metric([n.address], 1.0 if n.healthy else 0.0)
+                inflight.add_metric([n.address], float(n.inflight))
+            families += [up, inflight]
         return families + self.calls.families("pdkv_router")
 
     def stop(self, server: grpc.Server | None = None, grace_s: float | None = None) -> None:

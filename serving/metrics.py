@@ -1,8 +1,14 @@
-"""Prometheus metrics over HTTP, without a client library: the text exposition format (0.0.4).
+"""``/metrics`` for every pdkv process, through ``prometheus_client``.
 
-A process hands ``MetricsServer`` a ``collect()`` function returning ``MetricFamily`` objects; each scrape
-of ``GET /metrics`` calls it and renders the result.  ``RpcCounters`` counts a server's calls by method and
-status code (the error counts operators alert on).
+Each process keeps its figures where they are counted (the engine's in ``engine/metrics.py``, a store's
+tiers in ``kvstore/metrics.py``) and gives ``MetricsServer`` a ``collect()`` function that turns one
+snapshot of them into ``prometheus_client`` metric families at scrape time (a custom collector: nothing
+is counted twice, and a scrape reads one consistent snapshot).  ``stats_families`` does that for the
+declared metrics (counters as ``pdkv_<name>_total``, gauges, histograms); ``RpcCounters`` counts a
+server's calls by method and status code (the error counts operators alert on).
+
+The HTTP side is ``prometheus_client``'s exposition (``generate_latest``) on a small threaded server
+whose connections time out: a client that connects and never sends cannot hold a thread.
 """
 
 from __future__ import annotations
@@ -10,45 +16,100 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from engine.metrics import SPECS, HistogramSnapshot, Kind, MetricSpec, StatsSnapshot
 from serving.config import parse_address
 
 logger = logging.getLogger(__name__)
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-Labels = tuple[tuple[str, str], ...]
+PREFIX = "pdkv_"
+READ_TIMEOUT_S = 10.0
 
 
-@dataclass(frozen=True)
-class MetricFamily:
-    """One metric: ``kind`` is "gauge" or "counter" (counter names end in ``_total``)."""
-
-    name: str
-    kind: str
-    help: str
-    samples: tuple[tuple[Labels, float], ...]
-
-    @classmethod
-    def single(cls, name: str, kind: str, help: str, value: float) -> MetricFamily:
-        return cls(name, kind, help, (((), float(value)),))
+def metric_name(text: str) -> str:
+    """``text`` as a Prometheus metric name fragment (anything but [a-zA-Z0-9_] becomes ``_``)."""
+    return "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in text)
 
 
-def render(families: Iterable[MetricFamily]) -> str:
-    lines: list[str] = []
-    for f in families:
-        lines.append(f"# HELP {f.name} {_escape(f.help)}")
-        lines.append(f"# TYPE {f.name} {f.kind}")
-        for labels, value in f.samples:
-            label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
-            lines.append(f"{f.name}{{{label_text}}} {value!r}" if label_text else f"{f.name} {value!r}")
-    return "\n".join(lines) + "\n"
+def _families(
+    values: Mapping[str, float] | Mapping[str, HistogramSnapshot],
+    kind: Kind,
+    prefix: str,
+    specs: Mapping[str, MetricSpec],
+) -> list[Metric]:
+    """One family per declared name; a labelled key (``name.value``) is one sample of it."""
+    by_name: dict[str, list[tuple[str, Any]]] = {}
+    for key, value in sorted(values.items()):
+        name, _, label_value = key.partition(".")
+        spec = specs.get(name)
+        if spec is None or spec.kind is not kind:
+            logger.debug("metrics: %r is not a declared %s; not exported", key, kind.value)
+            continue
+        by_name.setdefault(name, []).append((label_value, value))
+    out: list[Metric] = []
+    for name, samples in by_name.items():
+        spec = specs[name]
+        labels = [spec.label] if spec.label else []
+        full = f"{prefix}{name}"
+        family: Any
+        if kind is Kind.COUNTER:
+            family = CounterMetricFamily(full, spec.help, labels=labels)
+        elif kind is Kind.GAUGE:
+            family = GaugeMetricFamily(full, spec.help, labels=labels)
+        else:
+            family = HistogramMetricFamily(full, spec.help, labels=labels)
+        for label_value, value in samples:
+            label_values = [label_value] if spec.label else []
+            if kind is Kind.HISTOGRAM:
+                family.add_metric(label_values, buckets=value.cumulative(), sum_value=value.total)
+            else:
+                family.add_metric(label_values, float(value))
+        out.append(family)
+    return out
 
 
-def _escape(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+def stats_families(
+    stats: StatsSnapshot,
+    histograms: Mapping[str, HistogramSnapshot] | None = None,
+    *,
+    prefix: str = PREFIX,
+    specs: Mapping[str, MetricSpec] = SPECS,
+) -> list[Metric]:
+    """The declared counters, gauges and histograms of ``stats`` (plus ``histograms``, if given)."""
+    hist = stats.histograms if histograms is None else histograms
+    return [
+        *_families(stats.counters, Kind.COUNTER, prefix, specs),
+        *_families(stats.gauges, Kind.GAUGE, prefix, specs),
+        *_families(hist, Kind.HISTOGRAM, prefix, specs),
+    ]
+
+
+def counter_families(counters: Mapping[str, float], prefix: str, help_text: str) -> list[Metric]:
+    """Free-form counters (a connector's own): one ``<prefix><key>_total`` family each."""
+    out: list[Metric] = []
+    for key, value in sorted(counters.items()):
+        family = CounterMetricFamily(f"{prefix}{metric_name(key)}", f"{help_text} {key!r}")
+        family.add_metric([], float(value))
+        out.append(family)
+    return out
+
+
+def gauge(name: str, help_text: str, value: float, labels: Mapping[str, str] | None = None) -> Metric:
+    family = GaugeMetricFamily(name, help_text, labels=list(labels or {}))
+    family.add_metric(list((labels or {}).values()), float(value))
+    return family
 
 
 class RpcCounters:
@@ -62,24 +123,46 @@ class RpcCounters:
         with self._lock:
             self._calls[(method, code)] += 1
 
-    def families(self, prefix: str) -> list[MetricFamily]:
+    def families(self, prefix: str) -> list[Metric]:
         with self._lock:
-            calls = dict(self._calls)
-        samples = tuple(((("method", m), ("code", c)), float(n)) for (m, c), n in sorted(calls.items()))
-        errors = tuple(s for s in samples if s[0][1][1] != "OK")
-        return [
-            MetricFamily(f"{prefix}_rpcs_total", "counter", "gRPC calls by method and status code", samples),
-            MetricFamily(f"{prefix}_errors_total", "counter", "gRPC calls that ended with an error", errors),
-        ]
+            calls = sorted(self._calls.items())
+        rpcs = CounterMetricFamily(
+            f"{prefix}_rpcs", "gRPC calls by method and status code", labels=["method", "code"]
+        )
+        errors = CounterMetricFamily(
+            f"{prefix}_errors", "gRPC calls that ended with an error", labels=["method", "code"]
+        )
+        for (method, code), n in calls:
+            rpcs.add_metric([method, code], float(n))
+            if code != "OK":
+                errors.add_metric([method, code], float(n))
+        return [rpcs, errors]
+
+
+class _Collector:
+    """A ``prometheus_client`` collector over a function that builds the families at scrape time."""
+
+    def __init__(self, collect: Callable[[], Iterable[Metric]]) -> None:
+        self._collect = collect
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self._collect())
+
+
+def registry_of(collect: Callable[[], Iterable[Metric]]) -> CollectorRegistry:
+    """A registry of its own (several nodes may share a test process) holding ``collect``."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(collect))  # type: ignore[arg-type]
+    return registry
 
 
 class MetricsServer:
     """``GET /metrics`` on ``address`` (HOST:PORT, port 0 picks one), served from a daemon thread."""
 
-    def __init__(self, address: str, collect: Callable[[], Sequence[MetricFamily]]) -> None:
+    def __init__(self, address: str, collect: Callable[[], Sequence[Metric]]) -> None:
         host, port = parse_address(address, "metrics address")
-        handler = _handler(collect)
-        self._server = ThreadingHTTPServer((host, port), handler)
+        self.registry = registry_of(collect)
+        self._server = ThreadingHTTPServer((host, port), _handler(self.registry))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics", daemon=True)
 
@@ -97,20 +180,27 @@ class MetricsServer:
         self._server.server_close()
 
 
-def _handler(collect: Callable[[], Sequence[MetricFamily]]) -> type[BaseHTTPRequestHandler]:
+def render(collect: Callable[[], Iterable[Metric]]) -> str:
+    """The text exposition of ``collect()``'s families (what ``/metrics`` serves)."""
+    return generate_latest(registry_of(collect)).decode()
+
+
+def _handler(registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = READ_TIMEOUT_S  # socket timeout: a silent client frees its thread
+
         def do_GET(self) -> None:
             if self.path.split("?")[0] != "/metrics":
                 self.send_error(404, "only /metrics is served here")
                 return
             try:
-                body = render(collect()).encode()
+                body = generate_latest(registry)
             except Exception as exc:
                 logger.exception("collecting metrics failed")
                 self.send_error(503, f"collecting metrics failed: {exc!r}")
                 return
             self.send_response(200)
-            self.send_header("Content-Type", CONTENT_TYPE)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

@@ -32,7 +32,7 @@ from prefill_node.servicer import PrefillNodeServicer
 from serving import convert
 from serving.config import READY_PREFIX, NodeConfig, stop_on_signals
 from serving.errors import CallRecorder, rpc_errors
-from serving.metrics import MetricFamily, MetricsServer, RpcCounters
+from serving.metrics import Metric, MetricsServer, RpcCounters, counter_families, gauge, stats_families
 from serving.reflection import enable_reflection
 
 logger = logging.getLogger(__name__)
@@ -110,37 +110,26 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
 
 
 def _stats_proto(node: NodeRuntime, s: EngineSnapshot) -> node_pb2.NodeStats:
+    """The snapshot as the RPC carries it: counters and gauges by their declared keys, unchanged."""
     return node_pb2.NodeStats(
         node_id=node.config.node_id,
         role=node.config.role,
         engine_id=s.engine_id,
         num_requests=node.driver.num_requests,
-        num_running=s.num_running,
-        num_waiting=s.num_waiting,
-        num_loading=s.num_loading,
-        num_held=s.num_held,
-        num_total_blocks=s.num_total_blocks,
-        num_free_blocks=s.num_free_blocks,
-        kv_usage=s.kv_usage,
         integrity_checked=s.integrity_error is not None,
         integrity_ok=s.integrity_error == "",
         integrity_error=s.integrity_error or "",
-        prompt_tokens_local=s.prompt_tokens_local,
-        prompt_tokens_external=s.prompt_tokens_external,
-        prompt_tokens_computed=s.prompt_tokens_computed,
-        prefix_cache_queries=s.prefix_cache_queries,
-        prefix_cache_hits=s.prefix_cache_hits,
-        num_preemptions=s.num_preemptions,
-        num_lease_expiries=s.num_lease_expiries,
-        num_load_failures=s.num_load_failures,
-        num_requests_finished=s.num_requests_finished,
-        num_generated_tokens=s.num_generated_tokens,
-        num_steps=s.num_steps,
         kv_endpoint=s.kv_endpoint,
-        connector_stats=s.connector_stats or {},
+        connector_stats={str(k): float(v) for k, v in s.connector.counters.items()},
         model_fingerprint=s.model_fingerprint,
         block_size=s.block_size,
         hash_algo=s.hash_algo,
+        counters=dict(s.stats.counters),
+        gauges=dict(s.stats.gauges),
+        histograms={
+            key: node_pb2.Histogram(bounds=h.bounds, counts=h.counts, sum=h.total)
+            for key, h in s.histograms.items()
+        },
     )
 
 
@@ -166,48 +155,17 @@ def create_server(node: NodeRuntime, address: str) -> tuple[grpc.Server, int]:
     return server, port
 
 
-def node_metrics(node: NodeRuntime) -> list[MetricFamily]:
-    """The node's Prometheus metrics: queue depth, running requests, KV usage, prompt tokens by source,
-    transfer counters of the connector, lease expiries and errors."""
+def node_metrics(node: NodeRuntime) -> list[Metric]:
+    """The node's Prometheus metrics: every declared engine metric (``engine/metrics.py``) and the
+    connector's histograms under their names, the connector's own counters as ``pdkv_connector_*``,
+    the node's admitted requests and its gRPC calls."""
     s = node.snapshot()
-    g, c = "gauge", "counter"
-    one = MetricFamily.single
-    families = [
-        one("pdkv_node_requests", g, "unfinished requests admitted by the node", node.driver.num_requests),
-        one("pdkv_node_running_requests", g, "requests computing in the engine", s.num_running),
-        one("pdkv_node_queue_depth", g, "requests waiting to be scheduled", s.num_waiting),
-        one("pdkv_node_loading_requests", g, "requests waiting for KV from a connector", s.num_loading),
-        one("pdkv_node_held_requests", g, "finished requests whose KV is held for a decode node", s.num_held),
-        one("pdkv_node_kv_usage_ratio", g, "fraction of KV blocks in use", s.kv_usage),
-        one("pdkv_node_kv_free_blocks", g, "free KV blocks", s.num_free_blocks),
-        one("pdkv_node_kv_blocks", g, "KV blocks in the pool", s.num_total_blocks),
-        MetricFamily(
-            "pdkv_node_prompt_tokens_total",
-            c,
-            "prompt tokens by where their KV came from (local prefix cache, connector, computed)",
-            (
-                ((("source", "local"),), float(s.prompt_tokens_local)),
-                ((("source", "external"),), float(s.prompt_tokens_external)),
-                ((("source", "computed"),), float(s.prompt_tokens_computed)),
-            ),
-        ),
-        one("pdkv_node_prefix_cache_queries_total", c, "prefix cache lookups", s.prefix_cache_queries),
-        one("pdkv_node_prefix_cache_hits_total", c, "prefix cache lookups with a hit", s.prefix_cache_hits),
-        one(
-            "pdkv_node_lease_expiries_total",
-            c,
-            "held KV reclaimed because no reader came",
-            s.num_lease_expiries,
-        ),
-        one("pdkv_node_kv_load_failures_total", c, "connector loads that failed", s.num_load_failures),
-        one("pdkv_node_preemptions_total", c, "requests preempted for lack of blocks", s.num_preemptions),
-        one("pdkv_node_generated_tokens_total", c, "output tokens sampled", s.num_generated_tokens),
-        one("pdkv_node_requests_finished_total", c, "requests finished", s.num_requests_finished),
+    return [
+        *stats_families(s.stats, s.histograms),
+        gauge("pdkv_node_requests", "unfinished requests admitted by the node", node.driver.num_requests),
+        *counter_families(s.connector.counters, "pdkv_connector_", "connector counter"),
+        *node.calls.families("pdkv_node"),
     ]
-    for key, value in sorted((s.connector_stats or {}).items()):
-        name = "pdkv_node_connector_" + "".join(ch if ch.isalnum() else "_" for ch in key)
-        families.append(one(name, g, f"connector counter {key!r}", value))
-    return families + node.calls.families("pdkv_node")
 
 
 def run_node(config: NodeConfig) -> int:

@@ -97,8 +97,8 @@ def test_blocks_computed_over_a_failed_load_are_not_stored() -> None:
     store.blocks[key] = StoredBlock(good.checksum, bytes([good.payload[0] ^ 1]) + good.payload[1:])
     loader = engine()
     assert loader.generate([prompt], params)[0].token_ids == want
-    assert loader.stats().scheduler.num_load_failures == 1
+    assert loader.stats().counter("kv_load_failures") == 1
     fresh = engine()
     [out] = fresh.generate([prompt], params)
-    assert out.token_ids == want and fresh.stats().scheduler.num_load_failures == 0
+    assert out.token_ids == want and fresh.stats().counter("kv_load_failures") == 0
     assert out.num_external_tokens == (len(prompt) - 1) // 4 * 4  # the recomputed blocks were stored

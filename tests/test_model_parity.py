@@ -71,7 +71,7 @@ def test_prefix_hit_from_a_finished_request() -> None:
     assert out1.num_cached_tokens == 0
     assert out2.num_cached_tokens == 36  # 9 whole blocks of 4 tokens
     assert_matches_transformers("llama", [first, second], [out1, out2])
-    assert llm.stats().num_prompt_tokens_cached == 36
+    assert llm.stats().counter("prompt_tokens.local_cache_hit") == 36
 
 
 def test_prefix_hit_on_blocks_computed_in_the_same_step() -> None:
@@ -91,7 +91,9 @@ def test_chunked_prefill_matches(name: str) -> None:
     llm = make_llm(name, max_num_batched_tokens=7)
     outs = llm.generate(PROMPTS, GREEDY)
     assert_matches_transformers(name, PROMPTS, outs)
-    assert llm.stats().num_steps > sum(len(p) for p in PROMPTS) // 7  # prompts really went in chunks
+    assert (
+        llm.stats().counter("engine_steps") > sum(len(p) for p in PROMPTS) // 7
+    )  # prompts really went in chunks
 
 
 def test_long_prefill_threshold_mixes_prefill_chunks_and_decodes() -> None:
@@ -104,7 +106,7 @@ def test_preemption_and_resume_match() -> None:
     # 4 requests of up to 50 tokens need up to 13 blocks each; 20 blocks force preemptions.
     llm = make_llm("llama", num_blocks=20)
     outs = llm.generate(PROMPTS, GREEDY)
-    assert llm.stats().scheduler.num_preemptions > 0
+    assert llm.stats().counter("num_preemptions") > 0
     assert_matches_transformers("llama", PROMPTS, outs)
     llm.engine.scheduler.check_integrity()
 

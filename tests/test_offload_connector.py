@@ -122,8 +122,10 @@ def test_a_second_process_takes_its_prefix_from_each_tier(
     outs = run(second)
     assert [o.token_ids for o in outs] == first
     assert_from_store(outs)
-    stats = second.engine.stats().scheduler
-    assert stats.prompt_tokens_external == sum((len(p) - 1) // BS * BS for p in PROMPTS)
+    stats = second.engine.stats()
+    assert stats.counter("prompt_tokens.external_kv_transfer") == sum(
+        (len(p) - 1) // BS * BS for p in PROMPTS
+    )
     second.engine.shutdown()
 
 
@@ -177,17 +179,17 @@ def test_damaged_disk_blocks_are_misses_and_the_output_stays_exact(how: str, tmp
     llm = make_llm(spec)
     outs = run(llm)
     assert [o.token_ids for o in outs] == first == expected()
-    stats = llm.engine.stats().scheduler
+    stats = llm.engine.stats()
     total_whole = sum((len(p) - 1) // BS * BS for p in PROMPTS)
     # Damaged blocks are either never counted as hits or fail their load and are recomputed -- and then
     # usage says so: what a request reports as loaded is what really loaded (an outside client saw
     # "16 of 16 blocks not loaded; recomputing them" next to usage store=256).
-    assert stats.prompt_tokens_external < total_whole
+    assert stats.counter("prompt_tokens.external_kv_transfer") < total_whole
     for out in outs:
         assert out.num_external_tokens + out.num_cached_tokens + out.num_computed_prompt_tokens == len(
             out.prompt_token_ids
         )
-    assert sum(o.num_external_tokens for o in outs) == stats.prompt_tokens_external
+    assert sum(o.num_external_tokens for o in outs) == stats.counter("prompt_tokens.external_kv_transfer")
     llm.engine.shutdown()
 
 
@@ -263,7 +265,7 @@ def test_stats_count_loads_saves_and_tier_traffic_for_the_node_metrics() -> None
     run(llm)
     assert llm.engine.reset_prefix_cache()
     run(llm)
-    counters = snapshot(llm.engine).connector_stats
+    counters = snapshot(llm.engine).connector.counters
     whole_blocks = sum((len(p) - 1) // BS for p in PROMPTS)
     assert counters["offload_blocks_loaded"] == whole_blocks
     assert counters["store_mem_hit_blocks"] == whole_blocks

@@ -131,7 +131,7 @@ def test_producer_stopped_mid_transfer_consumer_recomputes(
         s = stats(consumer)
         assert s["pulls_failed"] == 1 and s["failures.timeout"] == 1
         assert s["blocks_received"] == 1
-        assert consumer.scheduler.num_load_failures == 1
+        assert consumer.stats().counter("kv_load_failures") == 1
         assert_idle(consumer)
     finally:
         consumer.shutdown()
@@ -149,7 +149,7 @@ def test_lease_expiry_frees_the_blocks_when_no_consumer_comes(consumer: LLMEngin
         outs = decode(producer, consumer, "r", PROMPT, pre, MAX_TOKENS)
         assert [pre.first_token, *tokens(outs)] == local_reference(tuple(PROMPT), MAX_TOKENS)
         assert stats(consumer)["failures.expired"] == 1
-        assert consumer.scheduler.num_load_failures == 1
+        assert consumer.stats().counter("kv_load_failures") == 1
         assert_idle(consumer)
     finally:
         producer.shutdown()
@@ -193,10 +193,10 @@ def test_checksum_mismatch_is_a_load_error_and_the_engine_recomputes(
     assert [pre.first_token, *tokens(outs)] == local_reference(tuple(PROMPT), MAX_TOKENS)
     s = stats(consumer)
     assert s["failures.checksum"] == 1 and s["pulls_failed"] == 1
-    assert consumer.scheduler.num_load_failures == 1
+    assert consumer.stats().counter("kv_load_failures") == 1
     # Blocks 0 and 1 were good; the engine recomputed from block 2 on, and says so: 8 tokens loaded (not
     # the 20 offered), the rest computed -- the usage a client sees counts what really was loaded.
-    assert consumer.scheduler.prompt_tokens_external == 2 * BLOCK_SIZE
+    assert consumer.stats().counter("prompt_tokens.external_kv_transfer") == 2 * BLOCK_SIZE
     assert outs[-1].num_external_tokens == 2 * BLOCK_SIZE
     assert outs[-1].num_computed_prompt_tokens == len(PROMPT) + 1 - 2 * BLOCK_SIZE
     assert_idle(consumer)
@@ -220,7 +220,7 @@ def test_an_aborted_lease_is_stopped_before_its_blocks_are_reused(registered: bo
         # Either way the worker stopped the lease (registered in the same step if it was not yet) and
         # confirmed within that step; only then did the engine free the blocks.
         assert stats(producer)["leases_stopped"] == 1
-        assert producer.scheduler.books.num_stop_timeouts == 0
+        assert producer.stats().counter("kv_hold_stop_timeouts") == 0
         assert server_of(producer).num_leases() == 0
         assert_idle(producer)
     finally:
@@ -244,7 +244,7 @@ def test_a_lease_withdrawn_before_it_was_served_fails_the_puller_at_once() -> No
         elapsed = time.monotonic() - start
         assert elapsed < 5.0, f"the pull waited {elapsed:.1f}s for a lease that was withdrawn"
         assert tokens(outs) == local_reference(tuple(PROMPT), MAX_TOKENS)[1:]
-        assert consumer.scheduler.num_load_failures == 1
+        assert consumer.stats().counter("kv_load_failures") == 1
         assert stats(producer)["leases_stopped"] == 1
         assert_idle(consumer)
         assert_idle(producer)

@@ -98,8 +98,9 @@ def test_sync_external_hit_starts_after_local_and_external_tokens() -> None:
     assert r is not None and (r.num_local_cached_tokens, r.num_external_computed_tokens) == (4, 8)
     s.update_from_output(so, ModelRunnerOutput({"r": 1}))  # type: ignore[dict-item]
     st = s.stats()
-    assert (st.prompt_tokens_local, st.prompt_tokens_external) == (4, 8)
-    assert st.prompt_tokens_computed == 5 + 5  # warm's 5 + r's tail
+    assert st.counter("prompt_tokens.local_cache_hit") == 4
+    assert st.counter("prompt_tokens.external_kv_transfer") == 8
+    assert st.counter("prompt_tokens.local_compute") == 5 + 5  # warm's 5 + r's tail
 
 
 def test_none_means_ask_again_next_step_without_blocking_others() -> None:
@@ -154,7 +155,7 @@ def test_failed_sync_load_cuts_back_to_the_first_bad_block_and_recomputes() -> N
     assert ids[1] not in [b.block_id for b in s.kv.pool.cached.values()]
     so = s.schedule()
     assert (so.scheduled[0].start_position, so.scheduled[0].num_tokens) == (4, 10)
-    assert s.stats().num_load_failures == 1
+    assert s.stats().counter("kv_load_failures") == 1
 
 
 def test_failed_load_with_fail_policy_errors_the_request() -> None:
@@ -222,7 +223,7 @@ def test_an_expired_hold_is_stopped_and_freed_only_once_the_worker_confirms() ->
     step(s, KVConnectorOutput(finished_sending={"r"}))  # type: ignore[arg-type]
     assert s.holds == {} and s.kv.num_free_blocks == 32
     stats = s.stats()
-    assert stats.num_hold_expiries == 1 and stats.num_hold_stop_timeouts == 0
+    assert stats.counter("kv_hold_expiries") == 1 and stats.counter("kv_hold_stop_timeouts") == 0
 
 
 def test_a_stop_the_worker_never_confirms_ends_at_the_stop_deadline() -> None:
@@ -240,7 +241,7 @@ def test_a_stop_the_worker_never_confirms_ends_at_the_stop_deadline() -> None:
     clock.now = 40.2
     step(s)
     assert s.holds == {} and s.kv.num_free_blocks == 32
-    assert s.stats().num_hold_stop_timeouts == 1
+    assert s.stats().counter("kv_hold_stop_timeouts") == 1
 
 
 def test_abort_of_a_held_request_asks_the_worker_to_stop_first() -> None:

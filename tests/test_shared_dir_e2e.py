@@ -124,7 +124,7 @@ def test_a_block_file_of_another_model_is_never_served(tmp_path: Path) -> None:
             dst.write_bytes(src.read_bytes())
     outs = b2.generate(prompts, PARAMS)
     assert [o.token_ids for o in outs] == want
-    assert b2.stats().scheduler.num_load_failures == 2
+    assert b2.stats().counter("kv_load_failures") == 2
 
 
 def generate_salted(
@@ -172,7 +172,7 @@ def test_truncated_or_bit_flipped_block_files_are_load_errors_and_outputs_stay_e
     loader = llm(model, tmp_path)
     outs = loader.generate(prompts, PARAMS)
     assert [o.token_ids for o in outs] == want
-    assert loader.stats().scheduler.num_load_failures == 2
+    assert loader.stats().counter("kv_load_failures") == 2
     # The recomputed blocks are served from the local cache afterwards, still exactly.
     assert [o.token_ids for o in loader.generate(prompts, PARAMS)] == want
     loader.engine.scheduler.check_integrity()
@@ -180,7 +180,7 @@ def test_truncated_or_bit_flipped_block_files_are_load_errors_and_outputs_stay_e
     fresh = llm(model, tmp_path)
     outs = fresh.generate(prompts, PARAMS)
     assert [o.token_ids for o in outs] == want
-    assert fresh.stats().scheduler.num_load_failures == 0
+    assert fresh.stats().counter("kv_load_failures") == 0
     assert [o.num_external_tokens for o in outs] == [(len(p) - 1) // BS * BS for p in prompts]
 
 
@@ -199,11 +199,11 @@ def test_blocks_computed_over_a_failed_load_are_not_saved(tmp_path: Path) -> Non
     damaged.write_bytes(bytes(data))
     loader = llm(model, tmp_path)
     assert [o.token_ids for o in loader.generate([prompt], PARAMS)] == want
-    assert loader.stats().scheduler.num_load_failures == 1
+    assert loader.stats().counter("kv_load_failures") == 1
     fresh = llm(model, tmp_path)
     outs = fresh.generate([prompt], PARAMS)
     assert [o.token_ids for o in outs] == want
-    assert fresh.stats().scheduler.num_load_failures == 0
+    assert fresh.stats().counter("kv_load_failures") == 0
     assert [o.num_external_tokens for o in outs] == [(len(prompt) - 1) // BS * BS]
 
 
@@ -229,11 +229,11 @@ def test_two_dtypes_of_one_model_share_a_directory_without_stepping_on_each_othe
     contents = [f.read_bytes() for f in files]
     first_half = half()
     [out] = first_half.generate([prompt], PARAMS)
-    assert out.num_external_tokens == 0 and first_half.stats().scheduler.num_load_failures == 0
+    assert out.num_external_tokens == 0 and first_half.stats().counter("kv_load_failures") == 0
     assert [f.read_bytes() for f in files] == contents  # the float32 blocks are untouched
     second_half = half()
     [again] = second_half.generate([prompt], PARAMS)
     assert again.num_external_tokens == full and again.token_ids == out.token_ids
     owner = llm(model, tmp_path)
     [mine] = owner.generate([prompt], PARAMS)
-    assert mine.num_external_tokens == full and owner.stats().scheduler.num_load_failures == 0
+    assert mine.num_external_tokens == full and owner.stats().counter("kv_load_failures") == 0

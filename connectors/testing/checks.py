@@ -220,7 +220,7 @@ def check_loads_reproduce_saved_kv(target: ConformanceTarget, shared: Path) -> N
             if any(loaded):
                 raise ConformanceError(item, f"provides_hits=False, yet engine B loaded {loaded} tokens")
             return
-        failures = b.engine.stats().scheduler.num_load_failures
+        failures = b.engine.stats().counter("kv_load_failures")
         if failures:
             raise ConformanceError(item, f"{failures} loads failed although nothing was damaged")
         for i, (rid, out) in enumerate(zip(rids, outs, strict=True)):
@@ -272,7 +272,7 @@ def check_load_errors_are_reported(target: ConformanceTarget, shared: Path) -> N
                 )
         _expect_outputs(item, outs, ref, "engine B (damaged backend)")
         loaded = sum(o.num_external_tokens for o in outs)
-        if loaded and not b.engine.stats().scheduler.num_load_failures:
+        if loaded and not b.engine.stats().counter("kv_load_failures"):
             raise ConformanceError(
                 item,
                 f"after corrupt(), engine B loaded {loaded} tokens and reported no load error: a damaged "
@@ -382,7 +382,7 @@ def check_no_leak_after_preemption(target: ConformanceTarget, shared: Path) -> N
     ref = reference(target, PROMPTS, LONG_PARAMS)
     with KitEngine(target, target.config(shared), item=item, engine_id="kit-b", num_blocks=12) as b:
         outs = b.generate(PROMPTS, LONG_PARAMS)
-        assert b.engine.stats().scheduler.num_preemptions > 0, "kit bug: nothing was preempted"
+        assert b.engine.stats().counter("num_preemptions") > 0, "kit bug: nothing was preempted"
         _expect_outputs(item, outs, ref, "engine B (preempting)")
         b.drain(target.send_deadline_s, "engine B, after the preemptions")
         b.assert_no_leak("preemptions")

@@ -328,7 +328,7 @@ class KitEngine:
                 f"after {after}, blocks are still held for {sorted(scheduler.holds)} and loading for "
                 f"{sorted(scheduler.loading)}",
             )
-        timeouts = scheduler.books.num_stop_timeouts
+        timeouts = int(scheduler.stats().counter("kv_hold_stop_timeouts"))
         if timeouts:
             raise ConformanceError(
                 STOP_CONFIRMED,

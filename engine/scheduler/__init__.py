@@ -7,7 +7,7 @@ from engine.scheduler.output import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from engine.scheduler.scheduler import Scheduler, SchedulerStats
+from engine.scheduler.scheduler import Scheduler
 
 __all__ = [
     "EngineCoreOutputs",
@@ -16,5 +16,4 @@ __all__ = [
     "ScheduledRequest",
     "Scheduler",
     "SchedulerOutput",
-    "SchedulerStats",
 ]

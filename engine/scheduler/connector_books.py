@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from connectors.base import KVConnectorBase
 from engine.kv_cache_manager import KVCacheManager
+from engine.metrics import Counters
 from engine.request import Request, RequestId
 
 logger = logging.getLogger(__name__)
@@ -59,12 +60,15 @@ class ConnectorBooks:
         kv: KVCacheManager,
         connector: KVConnectorBase,
         clock: Callable[[], float],
+        counters: Counters,
+        *,
         hold_timeout_s: float,
         stop_timeout_s: float,
     ) -> None:
         self.kv = kv
         self.connector = connector
         self.clock = clock
+        self.counters = counters
         self.hold_timeout_s = hold_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.loading: dict[RequestId, Request] = {}
@@ -72,8 +76,6 @@ class ConnectorBooks:
         self.holds: dict[RequestId, Hold] = {}
         self._stops: list[RequestId] = []
         self._failed_blocks: set[int] = set()
-        self.num_hold_expiries = 0
-        self.num_stop_timeouts = 0
 
     # -- external hits ------------------------------------------------------------------------------------
 
@@ -175,7 +177,7 @@ class ConnectorBooks:
                     self.hold_timeout_s,
                     hold.waits_for.value,
                 )
-                self.num_hold_expiries += 1
+                self.counters.add("kv_hold_expiries")
                 self.stop(rid)
             elif hold.stop_deadline is not None and hold.stop_deadline <= now:
                 # The connector broke the contract (a stop is confirmed within a step); the deadline still
@@ -188,6 +190,6 @@ class ConnectorBooks:
                     rid,
                     self.stop_timeout_s,
                 )
-                self.num_stop_timeouts += 1
+                self.counters.add("kv_hold_stop_timeouts")
                 del self.holds[rid]
                 self.kv.free(hold.request)

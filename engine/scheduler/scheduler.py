@@ -32,12 +32,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from connectors.base import KVConnectorBase, KVConnectorOutput
 from connectors.null import NullConnector
 from engine.integrity import require
 from engine.kv_cache_manager import NO_HIT, KVCacheManager
+from engine.metrics import EXTERNAL_KV_TRANSFER, LOCAL_CACHE_HIT, LOCAL_COMPUTE, Counters, StatsSnapshot
 from engine.request import Request, RequestId, RequestStatus
 from engine.scheduler.config import CacheConfig, SchedulerConfig
 from engine.scheduler.connector_books import ConnectorBooks, Hold, HoldKind
@@ -51,26 +51,6 @@ from engine.scheduler.output import (
 from engine.scheduler.request_queue import make_queue
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_free_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_evictions: int
-    num_loading: int
-    num_held: int
-    prompt_tokens_local: int
-    prompt_tokens_external: int
-    prompt_tokens_computed: int
-    num_load_failures: int
-    num_hold_expiries: int
-    num_hold_stop_timeouts: int
 
 
 class Scheduler:
@@ -101,19 +81,20 @@ class Scheduler:
             max_passed_over=scheduler_config.max_passed_over,
         )
         self.running: list[Request] = []
+        # Declared in engine/metrics.py; counted here and in the books.
+        self.counters = Counters()
         self.books = ConnectorBooks(
             self.kv,
             self.connector,
             clock,
+            self.counters,
             hold_timeout_s=scheduler_config.kv_hold_timeout_s,
             stop_timeout_s=scheduler_config.kv_stop_timeout_s,
         )
         self._finished_since_last_step: set[RequestId] = set()
-        self.num_preemptions = 0
-        self.num_load_failures = 0
-        self.prompt_tokens_local = 0
-        self.prompt_tokens_external = 0
-        self.prompt_tokens_computed = 0
+        # Admitted, prompt sources not counted yet: they are final once the prefill is done (a load that
+        # fails moves tokens from loaded to computed, and a counter never goes down).
+        self._sources_pending: dict[RequestId, Request] = {}
 
     @property
     def loading(self) -> dict[RequestId, Request]:
@@ -298,7 +279,7 @@ class Scheduler:
         self.kv.free(victim)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
-        self.num_preemptions += 1
+        self.counters.add("num_preemptions")
         out.preempted_request_ids.append(victim.request_id)
         return True
 
@@ -306,10 +287,20 @@ class Scheduler:
         request.num_cached_tokens = num_local
         request.num_local_cached_tokens = num_local
         request.num_external_computed_tokens = num_external
+        request.admitted_time = self.clock()
         self.kv.record_prefix_query(request.num_prompt_tokens, num_local)
-        self.prompt_tokens_local += num_local
-        self.prompt_tokens_external += num_external
-        self.prompt_tokens_computed += max(0, request.num_prompt_tokens - num_local - num_external)
+        self._sources_pending[request.request_id] = request
+
+    def _count_prompt_sources(self, request: Request) -> None:
+        """Count where the prompt's KV came from, once, when that is final (prefill done, or finished)."""
+        if self._sources_pending.pop(request.request_id, None) is None:
+            return
+        local, external = request.num_cached_tokens, request.num_external_computed_tokens
+        self.counters.add(f"prompt_tokens.{LOCAL_CACHE_HIT}", local)
+        self.counters.add(f"prompt_tokens.{EXTERNAL_KV_TRANSFER}", external)
+        self.counters.add(
+            f"prompt_tokens.{LOCAL_COMPUTE}", max(0, request.num_prompt_tokens - local - external)
+        )
 
     def _emit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
@@ -333,7 +324,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.set_status(RequestStatus.PREEMPTED)
-        self.num_preemptions += 1
+        self.counters.add("num_preemptions")
         self.waiting.prepend(request)
 
     # -- results ------------------------------------------------------------------------------------------
@@ -357,6 +348,7 @@ class Scheduler:
                 continue  # aborted after scheduling
             token = output.sampled_token_ids[sr.request_id]
             request.append_output_token_ids(token)
+            self._count_prompt_sources(request)
             logprobs: list[float] = []
             if sr.request_id in output.logprobs:
                 request.output_logprobs.append(output.logprobs[sr.request_id])
@@ -400,6 +392,7 @@ class Scheduler:
         elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         request.set_status(status)
+        self._count_prompt_sources(request)
         hold, params = self.connector.request_finished(request, self.kv.get_block_ids(rid))
         request.finished_kv_transfer_params = params
         if was_loading:
@@ -425,7 +418,7 @@ class Scheduler:
         request, loaded_end, first_bad = landed.request, landed.loaded_end, landed.first_bad
         bs = self.kv.block_size
         if first_bad is not None and first_bad * bs < loaded_end:
-            self.num_load_failures += 1
+            self.counters.add("kv_load_failures")
             if self.config.kv_load_failure_policy == "fail":
                 self._fail_load(request, result)
                 return
@@ -452,7 +445,7 @@ class Scheduler:
             if first_bad is None:
                 continue
             tainted.add(request.request_id)
-            self.num_load_failures += 1
+            self.counters.add("kv_load_failures")
             self.kv.uncache_from(request, first_bad)
             if self.config.kv_load_failure_policy == "fail":
                 self._fail_load(request, result)
@@ -464,19 +457,15 @@ class Scheduler:
 
     def _correct_prompt_sources(self, request: Request, valid_end: int) -> None:
         """A load failed from token ``valid_end`` on: what lies past it is recomputed, not cached or
-        loaded, and the request's usage (and the counters) say what really was."""
+        loaded, and the request's usage (and the counters, counted once the prefill is done) say what
+        really was."""
         if request.num_cached_tokens < 0:
             return  # sources not recorded yet
         local = min(request.num_cached_tokens, valid_end)
         external = min(request.num_external_computed_tokens, max(0, valid_end - local))
-        d_local = request.num_cached_tokens - local
-        d_external = request.num_external_computed_tokens - external
         request.num_cached_tokens, request.num_external_computed_tokens = local, external
         # What a failed step uncaches from: blocks past the valid end are no longer a local hit.
         request.num_local_cached_tokens = min(request.num_local_cached_tokens, valid_end)
-        self.prompt_tokens_local -= d_local
-        self.prompt_tokens_external -= d_external
-        self.prompt_tokens_computed += d_local + d_external
 
     def _fail_load(self, request: Request, result: EngineCoreOutputs) -> None:
         request.error = "loading the prompt's KV from the connector failed (kv_load_failure_policy=fail)"
@@ -485,25 +474,22 @@ class Scheduler:
 
     # -- observability ------------------------------------------------------------------------------------
 
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            kv_usage=self.kv.usage,
-            num_free_blocks=self.kv.num_free_blocks,
-            prefix_cache_queries=self.kv.stats_queries,
-            prefix_cache_hits=self.kv.stats_hits,
-            num_preemptions=self.num_preemptions,
-            num_evictions=self.kv.pool.num_evictions,
-            num_loading=len(self.loading),
-            num_held=len(self.holds),
-            prompt_tokens_local=self.prompt_tokens_local,
-            prompt_tokens_external=self.prompt_tokens_external,
-            prompt_tokens_computed=self.prompt_tokens_computed,
-            num_load_failures=self.num_load_failures,
-            num_hold_expiries=self.books.num_hold_expiries,
-            num_hold_stop_timeouts=self.books.num_stop_timeouts,
-        )
+    def stats(self) -> StatsSnapshot:
+        """The scheduler's counters (with the KV manager's) and gauges, by the keys of engine/metrics.py."""
+        counters = self.counters.snapshot()
+        counters["prefix_cache_queries"] = float(self.kv.stats_queries)
+        counters["prefix_cache_hits"] = float(self.kv.stats_hits)
+        counters["kv_block_evictions"] = float(self.kv.pool.num_evictions)
+        gauges = {
+            "num_requests_running": float(len(self.running)),
+            "num_requests_waiting": float(len(self.waiting)),
+            "num_requests_loading": float(len(self.loading)),
+            "num_requests_held": float(len(self.holds)),
+            "kv_cache_usage_perc": self.kv.usage,
+            "kv_cache_free_blocks": float(self.kv.num_free_blocks),
+            "kv_cache_blocks": float(self.kv.pool.num_blocks),
+        }
+        return StatsSnapshot(counters, gauges, {})
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -159,6 +159,7 @@ class StoreServerProcess:
         self.bind = bind
         self.extra = extra
         self.endpoint = ""
+        self.metrics = ""
         self.proc: subprocess.Popen[str] | None = None
 
     def start(self) -> None:
@@ -179,7 +180,9 @@ class StoreServerProcess:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline().strip()  # the readiness line, or "" if it died
         assert line.startswith("pdkv kvstore: serving on "), f"store server did not start: {line!r}"
-        self.endpoint = line.rsplit(" ", 1)[1]
+        self.endpoint, *rest = line.removeprefix("pdkv kvstore: serving on ").split()
+        # "metrics=HOST:PORT" when started with --metrics-address
+        self.metrics = next((w.removeprefix("metrics=") for w in rest if w.startswith("metrics=")), "")
 
     def kill(self) -> None:
         if self.proc is not None:

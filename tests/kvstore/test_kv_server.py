@@ -286,3 +286,29 @@ def test_send_frames_tracks_the_last_frame_zeromq_did_not_copy() -> None:
         a.close(linger=0)
         b.close(linger=0)
         ctx.term()
+
+
+def test_metrics_parse_with_prometheus_client(
+    store_server: StartServer, remote: Callable[[str], RemoteTier], make_blocks: Callable[..., Blocks]
+) -> None:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server = store_server("cpu:1MiB", extra=("--metrics-address", "127.0.0.1:0"))
+    assert server.metrics, "the ready line names the metrics address"
+    tier = remote(server.endpoint)
+    b = make_blocks(4)
+    assert tier.put(b.run(), b.units()).stored == 4
+    assert tier.get_into(b.run(), b.out_views, LAYOUT).loaded == 4
+    with urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10) as response:
+        body = response.read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    requests = {s.labels["op"]: s.value for s in families["pdkv_kvstore_requests"].samples}
+    assert requests["put"] == 1 and requests["get"] == 1
+    assert families["pdkv_kvstore_tier_stored_blocks"].type == "counter"
+    latency = families["pdkv_kvstore_tier_op_seconds"]
+    assert latency.type == "histogram"
+    # The server serves a get by reading units from its tiers as stored.
+    reads = [s for s in latency.samples if s.name.endswith("_count") and s.labels["op"] == "read"]
+    assert reads and reads[0].labels["tier"] == "cpu" and reads[0].value >= 1

@@ -6,7 +6,7 @@ Every wait polls a condition against a deadline (``wait_until``); nothing sleeps
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import grpc
@@ -59,20 +59,21 @@ def wait_until(predicate: Callable[[], T], *, timeout: float, what: str, interva
     return last
 
 
+def engine_idle(gauges: Mapping[str, float]) -> bool:
+    """Nothing running, waiting, loading or held, and every KV block free (gauges by declared key)."""
+    busy = ("num_requests_running", "num_requests_waiting", "num_requests_loading", "num_requests_held")
+    return (
+        not any(gauges.get(k, 0.0) for k in busy)
+        and gauges["kv_cache_free_blocks"] == gauges["kv_cache_blocks"]
+    )
+
+
 def assert_node_idle(address: str, *, timeout: float = 10.0) -> node_pb2.NodeStats:
     """Wait until the node holds nothing: no request, every block free, the books balance."""
 
     def idle() -> node_pb2.NodeStats | None:
         s = node_stats(address)
-        ok = (
-            s.num_requests == 0
-            and s.num_running == 0
-            and s.num_waiting == 0
-            and s.num_loading == 0
-            and s.num_held == 0
-            and s.num_free_blocks == s.num_total_blocks
-            and s.integrity_ok
-        )
+        ok = s.num_requests == 0 and s.integrity_ok and engine_idle(s.gauges)
         return s if ok else None
 
     try:

@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -150,9 +151,14 @@ def test_decode_node_receives_the_prompt_blocks_and_computes_only_the_tail(
     assert_same(outs, reference, prompts, GREEDY)
     full = sum(len(p) // bs * bs for p in prompts)
     tail = sum(len(p) + 1 - len(p) // bs * bs for p in prompts)
-    assert after.prompt_tokens_local - before.prompt_tokens_local == 0
-    assert after.prompt_tokens_external - before.prompt_tokens_external == full
-    assert after.prompt_tokens_computed - before.prompt_tokens_computed == tail
+
+    def grew(source: str) -> float:
+        key = f"prompt_tokens.{source}"
+        return after.counters[key] - before.counters[key]
+
+    assert grew("local_cache_hit") == 0
+    assert grew("external_kv_transfer") == full
+    assert grew("local_compute") == tail
     received = after.connector_stats["bytes_received"] - before.connector_stats.get("bytes_received", 0.0)
     assert received == full // bs * reference.engine.kv_spec.bytes_per_block
     assert [o.usage.cached.remote_prefill for o in outs if o.usage] == [len(p) // bs * bs for p in prompts]
@@ -215,7 +221,7 @@ def test_client_cancel_mid_stream_frees_the_request_on_both_nodes(
     assert deltas == 5
     decode = cluster.decode_nodes[0].address
     stats = assert_node_idle(decode)
-    assert stats.num_generated_tokens > 0
+    assert stats.counters["generation_tokens"] > 0
     assert_node_idle(cluster.prefill_nodes[0].address)
 
 
@@ -335,27 +341,42 @@ def test_router_sheds_load_beyond_max_inflight(cluster: Cluster) -> None:
             assert_node_idle(p.address)
 
 
-def test_metrics_are_served_in_prometheus_text_format(cluster: Cluster, client: GenerationClient) -> None:
+def test_metrics_parse_with_prometheus_client_and_carry_the_latency_histograms(
+    cluster: Cluster, client: GenerationClient
+) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
     client.generate(generate_request(TEXT_PROMPTS[0], GREEDY), timeout=60)
+    families: dict[str, dict[str, Any]] = {}
     for proc in (cluster.prefill_nodes[0], cluster.decode_nodes[0], cluster.router):
         assert proc is not None
         with urllib.request.urlopen(f"http://{proc.info['metrics']}/metrics", timeout=10) as response:
             body = response.read().decode()
-            assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            assert response.headers["Content-Type"].startswith("text/plain; version=")
+        families[proc.role] = {f.name: f for f in text_string_to_metric_families(body)}
         prefix = "pdkv_router" if proc.role == "router" else "pdkv_node"
-        assert f'{prefix}_rpcs_total{{method="' in body
-    decode_metrics = urllib.request.urlopen(
-        f"http://{cluster.decode_nodes[0].info['metrics']}/metrics"
-    ).read()
-    text = decode_metrics.decode()
-    for name in (
-        "pdkv_node_queue_depth",
-        "pdkv_node_running_requests",
-        "pdkv_node_kv_usage_ratio",
-        'pdkv_node_prompt_tokens_total{source="external"}',
-        "pdkv_node_lease_expiries_total",
-        "pdkv_node_errors_total",
-    ):
-        assert name in text
+        assert families[proc.role][f"{prefix}_rpcs"].type == "counter"
+    for role in ("prefill", "decode"):
+        got = families[role]
+        for name in (
+            "pdkv_time_to_first_token_seconds",
+            "pdkv_inter_token_latency_seconds",
+            "pdkv_request_time_per_output_token_seconds",
+            "pdkv_e2e_request_latency_seconds",
+            "pdkv_request_queue_time_seconds",
+        ):
+            assert got[name].type == "histogram", f"{role}: {name}"
+        assert got["pdkv_prompt_tokens"].type == "counter"  # exposed as pdkv_prompt_tokens_total
+        assert got["pdkv_num_requests_running"].type == "gauge"
+        count = next(s for s in got["pdkv_e2e_request_latency_seconds"].samples if s.name.endswith("_count"))
+        assert count.value >= 1
+    decode = families["decode"]
+    sources = {s.labels["source"] for s in decode["pdkv_prompt_tokens"].samples}
+    assert sources == {"local_cache_hit", "external_kv_transfer", "local_compute"}
     if P2P:
-        assert "pdkv_node_connector_bytes_received" in text
+        assert decode["pdkv_connector_bytes_received"].type == "counter"
+        assert decode["pdkv_kv_transfer_seconds"].type == "histogram"
+        assert decode["pdkv_kv_load_seconds"].type == "histogram"
+        assert families["prefill"]["pdkv_kv_transfer_seconds"].type == "histogram"
+    for name in ("pdkv_router_time_to_first_token_seconds", "pdkv_router_e2e_request_latency_seconds"):
+        assert families["router"][name].type == "histogram"

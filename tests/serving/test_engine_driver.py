@@ -21,7 +21,7 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from tests.serving.helpers import pdkv_model, wait_until
+from tests.serving.helpers import engine_idle, pdkv_model, wait_until
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Hello, world!", "What is the answer? " * 4]
 
@@ -97,16 +97,19 @@ def test_abort_mid_stream_frees_every_block(driver: EngineDriver) -> None:
     assert drain(stream)[-1].finish_reason == "abort"
     snap = driver.call(lambda e: snapshot(e, check_integrity=True))
     assert snap.integrity_error == ""
-    assert snap.num_free_blocks == snap.num_total_blocks
-    assert snap.num_running == snap.num_waiting == snap.num_held == 0
+    assert engine_idle(snap.stats.gauges)
 
 
 def test_idle_driver_does_not_step(driver: EngineDriver) -> None:
     drain(driver.submit(EngineRequest("x", PROMPTS[1], SamplingParams(max_tokens=4))))
-    steps = driver.call(lambda e: e.stats().num_steps)
+    steps = driver.call(lambda e: e.stats().counter("engine_steps"))
     # Nothing is pending: the loop blocks on its command queue instead of stepping (calls do not step).
     with pytest.raises(AssertionError, match="timed out"):
-        wait_until(lambda: driver.call(lambda e: e.stats().num_steps) != steps, timeout=0.3, what="a step")
+        wait_until(
+            lambda: driver.call(lambda e: e.stats().counter("engine_steps")) != steps,
+            timeout=0.3,
+            what="a step",
+        )
 
 
 def test_stop_ends_streams_and_refuses_new_requests() -> None:
@@ -244,4 +247,4 @@ def test_a_call_that_ended_before_its_callback_was_added_aborts_the_request(driv
     outs = drain(call.stream)
     assert outs[-1].finish_reason == "abort"
     snap = driver.call(lambda e: snapshot(e, check_integrity=True))
-    assert snap.num_running == snap.num_waiting == 0 and snap.num_free_blocks == snap.num_total_blocks
+    assert engine_idle(snap.stats.gauges)

@@ -75,7 +75,11 @@ def test_prefill_nodes_killed_before_they_answer() -> None:
 
 def serving_node(cluster: Cluster) -> Process:
     """The decode (or colocated) node running the one request in flight."""
-    busy = [p for p in cluster.decode_nodes if node_stats(p.address, check_integrity=False).num_running]
+    busy = [
+        p
+        for p in cluster.decode_nodes
+        if node_stats(p.address, check_integrity=False).gauges["num_requests_running"]
+    ]
     assert len(busy) == 1, "exactly one node should be running the request"
     return busy[0]
 
@@ -147,7 +151,7 @@ def test_a_prefill_node_killed_while_it_computes_hands_the_request_to_another() 
                 busy = [
                     p
                     for p in cluster.prefill_nodes
-                    if node_stats(p.address, check_integrity=False).num_running
+                    if node_stats(p.address, check_integrity=False).gauges["num_requests_running"]
                 ]
                 return busy[0] if busy else None
 

@@ -58,7 +58,8 @@ def test_two_by_two_matches_local_engine_and_transformers(cluster_2x2: Cluster) 
         assert out.token_ids == ref.token_ids
     for node in cluster_2x2.prefill_nodes + cluster_2x2.decode_nodes:
         stats = assert_node_idle(node.address)
-        assert stats.num_requests_finished > 0, f"{node.name} got no work"
+        finished = sum(v for k, v in stats.counters.items() if k.startswith("request_success."))
+        assert finished > 0, f"{node.name} got no work"
 
 
 @pytest.mark.skipif(not OFFLOAD, reason="the offload connector is not registered")
@@ -77,7 +78,10 @@ def test_a_repeated_prompt_hits_the_store_on_the_other_prefill_node(cluster_2x2:
     assert_usage_adds_up(first.usage)
     assert_usage_adds_up(second.usage)
     assert second.token_ids == first.token_ids
-    externals = [node_stats(p.address).prompt_tokens_external for p in cluster_2x2.prefill_nodes]
+    externals = [
+        node_stats(p.address).counters["prompt_tokens.external_kv_transfer"]
+        for p in cluster_2x2.prefill_nodes
+    ]
     assert sum(externals) == second.usage.cached.store
 
 

@@ -100,7 +100,7 @@ class StatsRequest(_message.Message):
     def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("node_id", "role", "engine_id", "num_requests", "num_running", "num_waiting", "num_loading", "num_held", "num_total_blocks", "num_free_blocks", "kv_usage", "integrity_checked", "integrity_ok", "integrity_error", "prompt_tokens_local", "prompt_tokens_external", "prompt_tokens_computed", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_lease_expiries", "num_load_failures", "num_requests_finished", "num_generated_tokens", "num_steps", "kv_endpoint", "connector_stats", "model_fingerprint", "block_size", "hash_algo")
+    __slots__ = ("node_id", "role", "engine_id", "num_requests", "integrity_checked", "integrity_ok", "integrity_error", "kv_endpoint", "connector_stats", "model_fingerprint", "block_size", "hash_algo", "counters", "gauges", "histograms")
     class ConnectorStatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -108,64 +108,65 @@ class NodeStats(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class GaugesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class HistogramsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Histogram
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Histogram, _Mapping]] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
-    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
-    NUM_LOADING_FIELD_NUMBER: _ClassVar[int]
-    NUM_HELD_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_CHECKED_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_OK_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKENS_LOCAL_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKENS_EXTERNAL_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
-    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
-    NUM_LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
-    NUM_LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
-    NUM_REQUESTS_FINISHED_FIELD_NUMBER: _ClassVar[int]
-    NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     CONNECTOR_STATS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    GAUGES_FIELD_NUMBER: _ClassVar[int]
+    HISTOGRAMS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     engine_id: str
     num_requests: int
-    num_running: int
-    num_waiting: int
-    num_loading: int
-    num_held: int
-    num_total_blocks: int
-    num_free_blocks: int
-    kv_usage: float
     integrity_checked: bool
     integrity_ok: bool
     integrity_error: str
-    prompt_tokens_local: int
-    prompt_tokens_external: int
-    prompt_tokens_computed: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_lease_expiries: int
-    num_load_failures: int
-    num_requests_finished: int
-    num_generated_tokens: int
-    num_steps: int
     kv_endpoint: str
     connector_stats: _containers.ScalarMap[str, float]
     model_fingerprint: str
     block_size: int
     hash_algo: str
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., engine_id: _Optional[str] = ..., num_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_loading: _Optional[int] = ..., num_held: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., integrity_checked: _Optional[bool] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., prompt_tokens_local: _Optional[int] = ..., prompt_tokens_external: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_lease_expiries: _Optional[int] = ..., num_load_failures: _Optional[int] = ..., num_requests_finished: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., connector_stats: _Optional[_Mapping[str, float]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algo: _Optional[str] = ...) -> None: ...
+    counters: _containers.ScalarMap[str, float]
+    gauges: _containers.ScalarMap[str, float]
+    histograms: _containers.MessageMap[str, Histogram]
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., engine_id: _Optional[str] = ..., num_requests: _Optional[int] = ..., integrity_checked: _Optional[bool] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., connector_stats: _Optional[_Mapping[str, float]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algo: _Optional[str] = ..., counters: _Optional[_Mapping[str, float]] = ..., gauges: _Optional[_Mapping[str, float]] = ..., histograms: _Optional[_Mapping[str, Histogram]] = ...) -> None: ...
+
+class Histogram(_message.Message):
+    __slots__ = ("bounds", "counts", "sum")
+    BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    bounds: _containers.RepeatedScalarFieldContainer[float]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    sum: float
+    def __init__(self, bounds: _Optional[_Iterable[float]] = ..., counts: _Optional[_Iterable[int]] = ..., sum: _Optional[float] = ...) -> None: ...
