@@ -87,6 +87,9 @@ class TransferFigures:
         }
 
 
+NAMESPACE = bytes(16)  # both ends of the benchmark's one model
+
+
 def _hashes(num_blocks: int) -> tuple[bytes, ...]:
     return tuple(i.to_bytes(32, "little") for i in range(num_blocks))
 
@@ -99,7 +102,7 @@ def _producer(conn: Connection, num_blocks: int) -> None:
     torch.set_num_threads(1)
     kv = torch.empty(num_blocks, *BLOCK_SHAPE).uniform_()  # [blocks, L, 2, bs, H, D]
     flat = memoryview(kv.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-    server = BlockServer(BlockViews(kv), "tcp://127.0.0.1:0", stats=TransferStats())
+    server = BlockServer(BlockViews(kv), "tcp://127.0.0.1:0", stats=TransferStats(), namespace=NAMESPACE)
     listener = socket.create_server(("127.0.0.1", 0))
     conn.send((server.endpoint, listener.getsockname()[1]))
     raw, _ = listener.accept()
@@ -141,6 +144,7 @@ def measure_transfer(num_blocks: int = 2048, *, repeat: int = 3) -> TransferFigu
         puller = BlockPuller(
             views,
             stats=TransferStats(),
+            namespace=NAMESPACE,
             threads=1,
             recv_timeout_s=30.0,
             pull_timeout_s=300.0,

@@ -149,14 +149,7 @@ class OffloadConnector(KVConnectorBase):
         super().__init__(role, context, options)
         from kvstore.layout import BlockLayout
 
-        spec = context.spec
-        self.layout = BlockLayout(
-            spec.num_layers,
-            spec.num_kv_heads,
-            spec.head_dim,
-            spec.block_size,
-            str(spec.dtype).removeprefix("torch."),
-        )
+        self.layout = BlockLayout.from_spec(context.spec)
         self.store = _SharedStores.acquire(self.options.kv_store, context.namespace.namespace_id, self.layout)
         self.block_size = context.block_size
         # scheduler half

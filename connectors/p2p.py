@@ -66,10 +66,10 @@ from connectors.p2p_params import (
     is_remote_prefill,
     wants_remote_decode,
 )
-from connectors.p2p_transfer import MAX_READ_BLOCKS, TransferStats
-from engine.kv_cache import KVCacheSpec
+from connectors.p2p_transfer import TransferStats
 from engine.request import Request, RequestId, RequestStatus
 from kvstore.layout import BlockLayout
+from kvstore.protocol import MAX_READ_BLOCKS
 
 if TYPE_CHECKING:
     import torch
@@ -187,12 +187,6 @@ class _EndpointBoard:
 _BOARD = _EndpointBoard()
 
 
-def layout_of(spec: KVCacheSpec) -> BlockLayout:
-    """The block layout of an engine's cache spec (what a peer's layout must equal)."""
-    dtype = str(spec.dtype).removeprefix("torch.")
-    return BlockLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size, dtype)
-
-
 # ---- metadata -----------------------------------------------------------------------------------------
 
 
@@ -225,7 +219,7 @@ class P2PConnector(KVConnectorBase):
         super().__init__(role, context, options)
         self.options: P2POptions
         self.block_size = context.block_size
-        self.layout = layout_of(context.spec)
+        self.layout = BlockLayout.from_spec(context.spec)
         self.stats = TransferStats()
         # scheduler half
         self._pulled: set[RequestId] = set()  # requests whose remote prefill was pulled (or tried): no second
@@ -361,14 +355,17 @@ class P2PConnector(KVConnectorBase):
         from connectors.p2p_client import BlockPuller
         from connectors.p2p_server import BlockServer
         from connectors.p2p_transfer import BlockViews
+        from kvstore.codec import store_namespace
 
         views = BlockViews(kv_cache)
         opts = self.options
         try:
+            namespace = store_namespace(self.context.namespace.namespace_id, self.layout)
             self._server = BlockServer(
                 views,
                 opts.bind,
                 stats=self.stats,
+                namespace=namespace,
                 engine_id=self.context.engine_id,
                 max_read_blocks=MAX_READ_BLOCKS,
                 stop_timeout_s=opts.stop_timeout_s,
@@ -381,6 +378,7 @@ class P2PConnector(KVConnectorBase):
         self._puller = BlockPuller(
             views,
             stats=self.stats,
+            namespace=namespace,
             threads=opts.max_in_flight,
             recv_timeout_s=opts.recv_timeout_s,
             pull_timeout_s=opts.pull_timeout_s,

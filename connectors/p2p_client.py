@@ -1,10 +1,11 @@
 """The consumer side of ``p2p``: pull a request's blocks from a producer straight into the paged cache.
 
 ``BlockPuller`` runs up to ``threads`` pulls at once, each on a background thread (never on the engine's
-step loop).  A thread keeps one DEALER socket per producer endpoint and speaks the protocol of
-``connectors.p2p_transfer``: it keeps up to ``window`` reads of at most ``batch_blocks`` blocks
-outstanding, receives each payload frame with ``recv_into`` directly into the destination block's bytes,
-verifies the block's checksum, and finally sends ``release`` so the producer frees its blocks.
+step loop).  A thread keeps one DEALER socket per producer endpoint and speaks the p2p ops of
+``kvstore.protocol``: it keeps up to ``window`` reads of at most ``batch_blocks`` blocks outstanding,
+receives each payload frame with ``recv_into`` directly into the destination block's bytes, checks the
+block by its codec header (this engine's namespace and layout, the block's hash, the payload checksum),
+and finally sends ``release`` so the producer frees its blocks.
 
 A pull ends in one ``PullResult``:
 
@@ -32,19 +33,21 @@ from typing import Any
 
 import zmq
 
-from connectors.p2p_transfer import (
+from connectors.p2p_transfer import BlockViews, TransferStats
+from kvstore.codec import HEADER_SIZE, HeaderMatcher, payload_checksum
+from kvstore.protocol import (
     MAX_HEADER_BYTES,
-    BlockViews,
     DataReply,
     ErrorCode,
     ErrorReply,
     ProtocolError,
-    TransferStats,
-    decode_reply,
+    decode_p2p_reply,
+    drain,
     encode_read,
     encode_release,
+    unit_header,
 )
-from kvstore import codec
+from kvstore.reasons import MissReason
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +110,7 @@ class BlockPuller:
         views: BlockViews,
         *,
         stats: TransferStats,
+        namespace: bytes,
         threads: int = 4,
         recv_timeout_s: float = 5.0,
         pull_timeout_s: float = 30.0,
@@ -116,6 +120,8 @@ class BlockPuller:
     ) -> None:
         self.views = views
         self.stats = stats
+        # Every block received must name this namespace (hash namespace + layout) and this cache's layout.
+        self.matcher = HeaderMatcher(namespace, views.layout)
         self.recv_timeout_s = recv_timeout_s
         self.pull_timeout_s = pull_timeout_s
         self.batch_blocks = batch_blocks
@@ -296,7 +302,7 @@ class BlockPuller:
             header = sock.recv(zmq.NOBLOCK)
             heard = time.monotonic()
             try:
-                reply = decode_reply(header)
+                reply = decode_p2p_reply(header)
             except ProtocolError as exc:
                 raise _PullFailed("malformed", str(exc)) from None
             entry = outstanding.pop(reply.id, None)
@@ -328,32 +334,42 @@ class BlockPuller:
         count: int,
         loaded: list[bool],
     ) -> None:
-        """Receive one data reply's payload frames into the job's blocks ``[offset, offset + count)``."""
-        if reply.first != job.first + offset or len(reply.sums) != count:
+        """Receive one data reply's blocks into the job's blocks ``[offset, offset + count)``, each checked
+        by its codec header before it counts as loaded."""
+        if reply.first != job.first + offset or reply.n != count:
             self._drain(sock)
-            raise _PullFailed("malformed", f"reply for blocks at {reply.first} x {len(reply.sums)}")
+            raise _PullFailed("malformed", f"reply for blocks at {reply.first} x {reply.n}")
+        if not sock.getsockopt(zmq.RCVMORE):
+            raise _PullFailed("truncated", "a data reply without its unit headers")
+        headers = sock.recv(zmq.NOBLOCK)
+        if len(headers) != HEADER_SIZE * count:
+            self._drain(sock)
+            raise _PullFailed("malformed", f"unit headers of {len(headers)} bytes for {count} blocks")
         nbytes = self.views.block_nbytes
         for j in range(count):
             if not sock.getsockopt(zmq.RCVMORE):
                 raise _PullFailed("truncated", f"reply ended after {j} of {count} payload frames")
             dst = self.views.block(job.block_ids[offset + j])
             got = sock.recv_into(dst, flags=zmq.NOBLOCK)
-            if got != nbytes:
-                self._drain(sock)
-                raise _PullFailed("size", f"a payload frame of {got} bytes; a block is {nbytes}")
-            if codec.payload_checksum(dst) != reply.sums[j]:
+            bad: str | None = None
+            checksum = self.matcher.match(unit_header(headers, j), job.hashes[offset + j])
+            if isinstance(checksum, MissReason):
+                bad = checksum.value  # another namespace, layout or block: never this block's KV
+            elif got != nbytes:
+                bad = "size"
+            elif payload_checksum(dst) != checksum:
+                bad = "checksum"
+            if bad is not None:
                 self._drain(sock)
                 loaded[offset : offset + j] = [True] * j  # the blocks before it verified
-                raise _PullFailed("checksum", f"block {reply.first + j} does not match its checksum")
+                raise _PullFailed(bad, f"block {reply.first + j} failed its header check ({bad})")
         if sock.getsockopt(zmq.RCVMORE):
             self._drain(sock)
-            raise _PullFailed("malformed", "more payload frames than checksums")
+            raise _PullFailed("malformed", "more payload frames than blocks")
         loaded[offset : offset + count] = [True] * count
         self.stats.add("blocks_received", count)
         self.stats.add("bytes_received", count * nbytes)
 
     @staticmethod
     def _drain(sock: zmq.Socket[Any]) -> None:
-        """Discard the rest of the current message (the frames are all there once the first arrived)."""
-        while sock.getsockopt(zmq.RCVMORE):
-            sock.recv(zmq.NOBLOCK, copy=False)
+        drain(sock)

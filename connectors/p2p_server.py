@@ -12,17 +12,18 @@ A lease's life::
                                                     ▼
                                      reported by take_finished(): its blocks may be reused
 
-Right after a lease is added the serving thread *seals* it: it computes every block's checksum (the
-``sums`` of the data replies) while no reader waits yet -- the decode request is still on its way through
-the router -- so a transfer does not pay for it, and a block overwritten between lease and send is caught
-by the consumer's check.  A read that comes before the seal is done computes the missing sums itself.
+Right after a lease is added the serving thread *seals* it: it computes every block's payload checksum
+(recorded in the block's codec header in the data replies) while no reader waits yet -- the decode
+request is still on its way through the router -- so a transfer does not pay for it, and a block
+overwritten between lease and send is caught by the consumer's check.  A read that comes before the seal
+is done computes the missing sums itself.
 
-Payload frames point into the engine's cache (``copy=False``): ZeroMQ's I/O thread reads them after
-``send`` returned.  Every data reply is sent with a ``MessageTracker``; a lease reaches "finished" only
-when all its trackers are done (invariant 8).  ``stop`` -- the engine wants the blocks back -- waits for
-them synchronously, so the lease is reported finished within the engine's step; a peer that stopped
-reading cannot stall it for longer than ``stop_timeout_s``: then the socket is closed (ZeroMQ drops what
-it queued, releasing the frames) and bound again at the same endpoint.
+Payload frames point into the engine's cache (no copy): ZeroMQ's I/O thread reads them after ``send``
+returned.  Every data reply is sent with a ``MessageTracker`` (``kvstore.protocol.send_frames``); a lease
+reaches "finished" only when all its trackers are done (invariant 8).  ``stop`` -- the engine wants the
+blocks back -- waits for them synchronously, so the lease is reported finished within the engine's step;
+a peer that stopped reading cannot stall it for longer than ``stop_timeout_s``: then the socket is closed
+(ZeroMQ drops what it queued, releasing the frames) and bound again at the same endpoint.
 """
 
 from __future__ import annotations
@@ -38,20 +39,20 @@ from typing import Any
 
 import zmq
 
-from connectors.p2p_transfer import (
+from connectors.p2p_transfer import BlockViews, TransferStats
+from kvstore.codec import pack_header, payload_checksum
+from kvstore.protocol import (
     MAX_HEADER_BYTES,
-    BlockViews,
     ErrorCode,
     PingRequest,
     ProtocolError,
     ReadRequest,
-    TransferStats,
-    decode_request,
+    decode_p2p_request,
     encode_data,
     encode_error,
     encode_pong,
+    send_frames,
 )
-from kvstore.codec import payload_checksum
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class BlockServer:
         bind: str,
         *,
         stats: TransferStats,
+        namespace: bytes,
         engine_id: str = "",
         max_read_blocks: int = 4096,
         stop_timeout_s: float = 5.0,
@@ -116,6 +118,7 @@ class BlockServer:
     ) -> None:
         self.views = views
         self.stats = stats
+        self.namespace = namespace  # the store namespace (hash namespace + layout) every header names
         self.engine_id = engine_id
         self.max_read_blocks = max_read_blocks
         self.stop_timeout_s = stop_timeout_s
@@ -295,7 +298,7 @@ class BlockServer:
         try:
             if len(body) != 1:
                 raise ProtocolError(f"a request is one header frame, got {len(body)} frames")
-            request = decode_request(body[0].buffer)
+            request = decode_p2p_request(body[0].buffer)
         except ProtocolError as exc:
             self.stats.add("requests_refused")
             self._reply(identity, [encode_error(exc.request_id, exc.code, str(exc))])
@@ -323,16 +326,23 @@ class BlockServer:
             count = len(request.hashes)
             block_ids = lease.block_ids[request.first : request.first + count]
             payloads = [self.views.block(b) for b in block_ids]
-            sums = [self._checksum_locked(lease, request.first + j, p) for j, p in enumerate(payloads)]
-            frames = [zmq.Frame(p, copy=False, track=True) for p in payloads]
-            parts: list[Any] = [encode_data(request.id, request.first, sums), *frames]
-            # Tracked even when the send fails: a partly queued message may still read the blocks (the
-            # frames ZeroMQ never took are released as soon as this function drops them).
-            lease.trackers.append(zmq.MessageTracker(*frames))
+            layout = self.views.layout
+            headers = b"".join(
+                pack_header(self.namespace, lease.hashes[i], layout, self._checksum_locked(lease, i, p))
+                for i, p in enumerate(payloads, start=request.first)
+            )
+            parts: list[Any] = [identity, encode_data(request.id, request.first, count), headers, *payloads]
+            try:
+                tracker = send_frames(self._socket, parts, track=True, nonblocking=True)
+            except zmq.ZMQError as exc:  # the peer vanished (EHOSTUNREACH) or does not read (EAGAIN)
+                logger.debug("p2p: reply dropped: %s", exc)
+                self.stats.add("replies_dropped")
+                return
+            assert tracker is not None
+            lease.trackers.append(tracker)
             lease.served = True
-            if self._reply(identity, parts, copy=False):
-                self.stats.add("blocks_sent", count)
-                self.stats.add("bytes_sent", count * self.views.block_nbytes)
+            self.stats.add("blocks_sent", count)
+            self.stats.add("bytes_sent", count * self.views.block_nbytes)
 
     def _check_read_locked(self, request: ReadRequest) -> tuple[ErrorCode, str] | None:
         lease = self._leases.get(request.rid)
@@ -389,10 +399,10 @@ class BlockServer:
             cached = lease.sums[index] = payload_checksum(payload)
         return cached
 
-    def _reply(self, identity: bytes, parts: list[Any], *, copy: bool = True) -> bool:
-        """Send ``parts`` to the peer ``identity`` without blocking; False if it could not be queued."""
+    def _reply(self, identity: bytes, parts: list[Any]) -> bool:
+        """Send header-only ``parts`` to the peer ``identity`` without blocking; False if not queued."""
         try:
-            self._socket.send_multipart([identity, *parts], flags=zmq.NOBLOCK, copy=copy)
+            self._socket.send_multipart([identity, *parts], flags=zmq.NOBLOCK)
             return True
         except zmq.ZMQError as exc:  # the peer vanished (EHOSTUNREACH) or does not read (EAGAIN)
             logger.debug("p2p: reply dropped: %s", exc)

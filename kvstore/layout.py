@@ -75,6 +75,13 @@ class BlockLayout:
         return _layout_from_code(num_layers, num_kv_heads, head_dim, block_size, dtype_code)
 
     @classmethod
+    def from_spec(cls, spec: Any) -> BlockLayout:
+        """The layout of an engine's blocks, from its ``KVCacheSpec`` (the one place it is derived; a
+        cache tensor's layout, ``from_kv_cache``, must equal it)."""
+        dtype = str(spec.dtype).removeprefix("torch.")
+        return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size, dtype)
+
+    @classmethod
     def from_kv_cache(cls, kv_cache: Any) -> BlockLayout:
         """The layout of the blocks of a paged cache tensor ``[num_blocks, L, 2, block_size, H, D]``."""
         shape = tuple(kv_cache.shape)

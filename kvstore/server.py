@@ -30,12 +30,11 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-import msgpack
 import zmq
 
 from engine.cpu_memory import tune_malloc_for_tensors
 from kvstore.cli import DEFAULT_BIND, READY_PREFIX, add_serve_arguments
-from kvstore.codec import HEADER_SIZE, HeaderMatcher, check_header, verify_payload
+from kvstore.codec import HEADER_SIZE, HeaderMatcher, verify_payload
 from kvstore.metrics import TierStats
 from kvstore.protocol import (
     PROTOCOL_VERSION,
@@ -44,6 +43,7 @@ from kvstore.protocol import (
     Request,
     decode_request,
     encode_reply,
+    peek_frame_id,
     send_frames,
 )
 from kvstore.results import MissReason, Unit, release_all
@@ -172,7 +172,7 @@ class StoreServer:
         if request.op == "delete":
             return [encode_reply(request.id, n=self.store.delete(run))], []
         if request.op == "get":
-            read = self.store.read(run)
+            read = self.store.read(run, request.layout)
             headers = b"".join(unit.seal() for unit in read.units)
             frames: list[Any] = [
                 encode_reply(request.id, n=len(read.units), reason=_reason(read.reason)),
@@ -197,9 +197,10 @@ class StoreServer:
             )
         units: list[Unit] = []
         reason: MissReason | None = None
-        # The first header is parsed in full; it names the layout, and one run (one namespace) has one
-        # layout, so the rest are compared with that block's bytes (``HeaderMatcher``).
-        matcher: HeaderMatcher | None = None
+        # Every header must name the run's namespace, its block and the layout the request names: compared
+        # with a template's bytes (``HeaderMatcher``).
+        assert request.layout is not None, "decode_request requires a put's layout"
+        matcher = HeaderMatcher(run.namespace, request.layout)
         for i in range(n):
             payload = body[2 + i].buffer
             if payload.nbytes > self.limits.max_unit_bytes:
@@ -207,12 +208,7 @@ class StoreServer:
                     f"block {i} is {payload.nbytes} bytes; the limit is {self.limits.max_unit_bytes}"
                 )
             raw = headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
-            if matcher is None:
-                header = check_header(raw, run.namespace, run.hashes[i], None)
-                if not isinstance(header, MissReason):
-                    matcher = HeaderMatcher(run.namespace, header.layout)
-            else:
-                header = matcher.parse(raw, run.hashes[i])
+            header = matcher.parse(raw, run.hashes[i])
             if isinstance(header, MissReason):
                 reason = header
                 break  # store the valid leading blocks only
@@ -322,14 +318,7 @@ def _reason(reason: MissReason | None) -> str | None:
 
 def _peek_id(body: Sequence[zmq.Frame]) -> int:
     """The request id of a message we refuse, when one can be read (else 0)."""
-    if not body or len(body[0].buffer) > 1 << 20:
-        return 0
-    try:
-        parsed = msgpack.unpackb(body[0].buffer, raw=False, max_map_len=64)
-    except Exception:
-        return 0
-    value = parsed.get("id") if isinstance(parsed, dict) else None
-    return value if isinstance(value, int) and value >= 0 else 0
+    return peek_frame_id(body[0].buffer) if body else 0
 
 
 # ---- command line -----------------------------------------------------------------------------------------

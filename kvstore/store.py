@@ -178,8 +178,12 @@ class TieredStore:
             self._promote(k, got, buffers[first : first + result.loaded], result.checksums, layout, deadline)
         return GetResult(loaded, reason if loaded < len(run) else None, tuple(checksums))
 
-    def read(self, run: KeyRun, deadline: Deadline | None = None) -> ReadResult:
-        """The leading units as stored, any namespace (the store server's GET); the caller releases them."""
+    def read(
+        self, run: KeyRun, layout: BlockLayout | None = None, deadline: Deadline | None = None
+    ) -> ReadResult:
+        """The leading units as stored (the store server's GET), each checked against the run's namespace
+        and hashes and ``layout``; a block that fails is dropped from its tier, never returned or
+        promoted.  The caller releases the units."""
         deadline = deadline or Deadline.after(self.policy.get_timeout_s)
         units: list[Unit] = []
         reason: MissReason | None = None
@@ -191,7 +195,7 @@ class TieredStore:
                 if len(units) == len(run) or gaps[k] == len(units) or deadline.expired():
                     continue
                 sub = run.slice(len(units))
-                result = tier.read(sub, deadline)
+                result = tier.read(sub, deadline, layout)
                 if result.units:
                     if k > 0:
                         found_below.append((k, len(units), len(result.units)))

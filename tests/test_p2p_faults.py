@@ -20,25 +20,25 @@ import zmq
 import connectors.p2p_server as p2p_server
 from connectors.p2p_client import BlockPuller, PullJob
 from connectors.p2p_server import BlockServer
-from connectors.p2p_transfer import (
-    BlockViews,
+from connectors.p2p_transfer import BlockViews, TransferStats
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from kvstore.codec import pack_header, payload_checksum
+from kvstore.layout import BlockLayout
+from kvstore.protocol import (
     DataReply,
     ErrorCode,
     ErrorReply,
     Pong,
     ProtocolError,
     ReadRequest,
-    TransferStats,
-    decode_reply,
-    decode_request,
     encode_data,
     encode_ping,
     encode_read,
     encode_release,
 )
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from kvstore.codec import payload_checksum
+from kvstore.protocol import decode_p2p_reply as decode_reply
+from kvstore.protocol import decode_p2p_request as decode_request
 from tests.p2p_harness import (
     BLOCK_SIZE,
     assert_idle,
@@ -312,6 +312,7 @@ def test_shutdown_with_a_pull_in_flight_returns(producer: LLMEngine, monkeypatch
 # ---- wire-level faults -------------------------------------------------------------------------------------
 
 BLOCK_NBYTES = 4 * 2 * 16 * 8 * 64 * 4  # 256 KiB: a realistic engine block
+OTHER_LAYOUT = BlockLayout(4, 8, 64, 16, "bfloat16")  # the same model, another dtype
 
 
 def cache(num_blocks: int, fill: float | None = None) -> torch.Tensor:
@@ -325,12 +326,13 @@ def cache(num_blocks: int, fill: float | None = None) -> torch.Tensor:
 
 
 HASHES = [bytes([i]) * 32 for i in range(64)]
+NS = bytes(range(16))  # the namespace both ends of these tests name
 
 
 def test_stop_waits_for_sends_still_in_flight_and_resets_a_stuck_socket() -> None:
     views = BlockViews(cache(64))
     st = TransferStats()
-    server = BlockServer(views, "tcp://127.0.0.1:0", stats=st, stop_timeout_s=0.3)
+    server = BlockServer(views, "tcp://127.0.0.1:0", stats=st, namespace=NS, stop_timeout_s=0.3)
     ctx = zmq.Context()
     try:
         server.add_lease("r", range(64), HASHES, 30.0)
@@ -360,8 +362,8 @@ def test_stop_waits_for_sends_still_in_flight_and_resets_a_stuck_socket() -> Non
         assert fresh.poll(int(DEADLINE_S * 1000))
         frames = fresh.recv_multipart()
         reply = decode_reply(frames[0])
-        assert isinstance(reply, DataReply) and reply.id == 99 and len(frames) == 3
-        assert bytes(frames[1]) == bytes(views.block(0))
+        assert isinstance(reply, DataReply) and reply.id == 99 and reply.n == 2 and len(frames) == 4
+        assert bytes(frames[2]) == bytes(views.block(0))  # after the header and the unit headers
         stuck.close()
         fresh.close()
     finally:
@@ -386,11 +388,25 @@ class FakeProducer:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def data(self, request: ReadRequest, *, reply_id: int | None = None) -> list[Any]:
+    def data(
+        self,
+        request: ReadRequest,
+        *,
+        reply_id: int | None = None,
+        namespace: bytes = NS,
+        layout: BlockLayout | None = None,
+        hashes: list[bytes] | None = None,
+    ) -> list[Any]:
+        """A data reply as the producer sends it: each block's codec header, then its payload."""
         blocks = [self.views.block(request.first + j) for j in range(len(request.hashes))]
-        sums = [payload_checksum(b) for b in blocks]
+        layout = layout or self.views.layout
+        hashes = hashes or list(request.hashes)
+        headers = b"".join(
+            pack_header(namespace, h, layout, payload_checksum(b))
+            for h, b in zip(hashes, blocks, strict=True)
+        )
         rid = request.id if reply_id is None else reply_id
-        return [encode_data(rid, request.first, sums), *(bytes(b) for b in blocks)]
+        return [encode_data(rid, request.first, len(blocks)), headers, *(bytes(b) for b in blocks)]
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -428,12 +444,12 @@ def test_a_late_reply_with_a_stale_id_is_dropped(
 
     def stale_then_real(request: ReadRequest, send: Callable[..., None]) -> None:
         stale = fake.data(request, reply_id=request.id + 1000)
-        stale[1] = b"\xff" * BLOCK_NBYTES  # garbage that must not land anywhere
+        stale[2] = b"\xff" * BLOCK_NBYTES  # garbage that must not land anywhere
         send(stale)
         send(fake.data(request))
 
     fake.answer = stale_then_real
-    puller = BlockPuller(dst, stats=st, threads=1, recv_timeout_s=2.0, batch_blocks=2)
+    puller = BlockPuller(dst, stats=st, namespace=NS, threads=1, recv_timeout_s=2.0, batch_blocks=2)
     try:
         job = PullJob("r", fake.endpoint, "remote-r", 0, (4, 5, 6, 7), tuple(HASHES[:4]))
         result = puller.submit(job).wait(DEADLINE_S)
@@ -455,7 +471,7 @@ def test_a_silent_producer_times_out_and_the_next_pull_reconnects(
     silent = {"on": True}
     fake = FakeProducer(src, lambda req, send: None)
     fake.answer = lambda req, send: None if silent["on"] else send(fake.data(req))
-    puller = BlockPuller(dst, stats=st, threads=1, recv_timeout_s=0.3, batch_blocks=4)
+    puller = BlockPuller(dst, stats=st, namespace=NS, threads=1, recv_timeout_s=0.3, batch_blocks=4)
     try:
         job = PullJob("a", fake.endpoint, "remote-a", 0, (0, 1, 2), tuple(HASHES[:3]))
         started = time.monotonic()
@@ -477,8 +493,13 @@ def test_a_silent_producer_times_out_and_the_next_pull_reconnects(
 @pytest.mark.parametrize(
     ("reply", "reason"),
     [
-        (lambda fake, req: [encode_data(req.id, req.first, [0])], "truncated"),  # sums but no frames
-        (lambda fake, req: [*fake.data(req)[:1], b"short"], "size"),
+        (lambda fake, req: [encode_data(req.id, req.first, 1)], "truncated"),  # no headers, no frames
+        (lambda fake, req: [*fake.data(req)[:2], b"short"], "size"),
+        (lambda fake, req: [*fake.data(req)[:1], b"\x00" * 95, *fake.data(req)[2:]], "malformed"),
+        # A block whose header names another model, layout or block is never this block's KV.
+        (lambda fake, req: fake.data(req, namespace=bytes(16)), "wrong_namespace"),
+        (lambda fake, req: fake.data(req, layout=OTHER_LAYOUT), "wrong_layout"),
+        (lambda fake, req: fake.data(req, hashes=[HASHES[9]]), "wrong_hash"),
         (lambda fake, req: [b"\x92\x01\x02"], "malformed"),
         (lambda fake, req: [*fake.data(req), b"extra"], "malformed"),
     ],
@@ -491,7 +512,7 @@ def test_a_malformed_reply_fails_the_pull_without_using_it(
     src, dst, st = puller_setup
     fake = FakeProducer(src, lambda req, send: None)
     fake.answer = lambda req, send: send(reply(fake, req))
-    puller = BlockPuller(dst, stats=st, threads=1, recv_timeout_s=2.0, batch_blocks=1)
+    puller = BlockPuller(dst, stats=st, namespace=NS, threads=1, recv_timeout_s=2.0, batch_blocks=1)
     try:
         result = puller.submit(PullJob("r", fake.endpoint, "x", 0, (3,), (HASHES[0],))).wait(DEADLINE_S)
         assert result is not None and result.reason == reason and result.failed_block_ids == (3,)
@@ -503,7 +524,7 @@ def test_a_malformed_reply_fails_the_pull_without_using_it(
 
 def test_refused_requests_carry_their_id_and_a_code() -> None:
     with pytest.raises(ProtocolError) as info:
-        decode_request(msgpack.packb({"v": 2, "op": "read", "id": 41}))
+        decode_request(msgpack.packb({"v": 1, "op": "read", "id": 41}))
     assert (info.value.code, info.value.request_id) == (ErrorCode.VERSION, 41)
     with pytest.raises(ProtocolError) as info:
         decode_request(encode_read(42, "r", 0, [b"short"]))

@@ -11,14 +11,19 @@ and always return by their deadline:
         exactly ``layout.payload_nbytes``), verifying each header (namespace, hash, layout) and, where the
         medium is untrusted, the payload checksum.  Stops at the first block it cannot serve and says why.
         Touches the blocks it served (LRU).
-    read(run, deadline) -> ReadResult
-        The leading units as held, headers checked for structure and identity but not for a layout (the
-        store server serves many models).  Units may hold leases: the caller releases them.
+    read(run, deadline, layout) -> ReadResult
+        The leading units as held, each header checked against the run (namespace, hash) and, when
+        given, ``layout`` (the store server passes the layout its client asked for).  Units may hold
+        leases: the caller releases them.
     put(run, units, deadline, keepalive) -> PutResult
         Stores units; a block becomes visible to lookups only once its bytes are complete.  A block already
         held is refreshed, not rewritten.  ``keepalive`` is held while the tier may still read payloads.
     delete(run, deadline) -> int
     stats() -> TierStats
+
+A block that fails its check -- damaged, truncated, or a header for another namespace, block or layout --
+is *dropped* from the tier (``dropped_blocks``): left in place it would hold its key, so the right block
+could never be stored there and every later request for that prefix would miss.
 
 Failures become counted misses (``MissReason.TIMEOUT``/``ERROR``) and feed two circuit breakers, one for
 reads (lookup, get, read) and one for writes (put, delete): a full disk does not stop reads.  While a
@@ -44,6 +49,7 @@ from typing import Any, ClassVar
 
 from kvstore.breaker import BreakerConfig, CircuitBreaker
 from kvstore.buffers import BufferFence
+from kvstore.codec import check_header
 from kvstore.deadline import Deadline
 from kvstore.keys import KeyRun
 from kvstore.lane import Lane
@@ -61,6 +67,17 @@ from kvstore.results import (
 )
 
 logger = logging.getLogger(__name__)
+
+# A block that is not what its key says: it is dropped from the tier where it was found.
+BAD_BLOCK_REASONS = frozenset(
+    {
+        MissReason.CORRUPT,
+        MissReason.TRUNCATED,
+        MissReason.WRONG_NAMESPACE,
+        MissReason.WRONG_LAYOUT,
+        MissReason.WRONG_HASH,
+    }
+)
 
 
 class TierTimeout(Exception):
@@ -170,6 +187,8 @@ class Tier(ABC):
             result = GetResult(0, reason)
         elif result.reason in FAILURE_REASONS:
             self.read_breaker.record_failure()
+        elif result.reason in BAD_BLOCK_REASONS and result.loaded < len(run):
+            self._drop(run, result.loaded, result.reason)
         self.metrics.count(
             gets=1,
             get_blocks=len(run),
@@ -180,7 +199,9 @@ class Tier(ABC):
             self.metrics.miss(result.reason)
         return result
 
-    def read(self, run: KeyRun, deadline: Deadline | None = None) -> ReadResult:
+    def read(
+        self, run: KeyRun, deadline: Deadline | None = None, layout: BlockLayout | None = None
+    ) -> ReadResult:
         if not len(run):
             return ReadResult([])
         deadline = deadline or Deadline.after(self.policy.get_timeout_s)
@@ -188,17 +209,53 @@ class Tier(ABC):
             "read",
             "read",
             self.read_breaker,
-            lambda: self._read(run, deadline),
+            lambda: self._read(run, deadline, layout),
             deadline,
             on_late=lambda late: release_all(late.units),
         )
         if result is None:
             result = ReadResult([], reason)
+        checked = self._check_units(run, result, layout)
+        if checked is result and result.reason in BAD_BLOCK_REASONS and len(result.units) < len(run):
+            self._drop(run, len(result.units), result.reason)  # the tier itself found the block bad
+        result = checked
         nbytes = sum(u.payload.nbytes for u in result.units)
         self.metrics.count(reads=1, read_blocks=len(result.units), bytes_in=nbytes)
         if result.reason is not None:
             self.metrics.miss(result.reason)
         return result
+
+    def _check_units(self, run: KeyRun, result: ReadResult, layout: BlockLayout | None) -> ReadResult:
+        """Cut ``result`` at its first unit that is not the block it is keyed as (in ``layout``, when
+        given), and drop that block from the tier.  Unsealed units (written by this process from an
+        engine's own buffers) carry no header yet: only their size is checked."""
+        for i, unit in enumerate(result.units):
+            reason: MissReason | None = None
+            if unit.header is not None:
+                header = check_header(unit.header, run.namespace, run.hashes[i], layout)
+                if isinstance(header, MissReason):
+                    reason = header
+                elif unit.payload.nbytes != header.payload_len:
+                    reason = (
+                        MissReason.TRUNCATED
+                        if unit.payload.nbytes < header.payload_len
+                        else MissReason.CORRUPT
+                    )
+            elif layout is not None and unit.payload.nbytes != layout.payload_nbytes:
+                reason = MissReason.WRONG_LAYOUT
+            if reason is not None:
+                release_all(result.units[i:])
+                self._drop(run, i, reason)
+                return ReadResult(result.units[:i], reason)
+        return result
+
+    def _drop(self, run: KeyRun, i: int, reason: MissReason) -> None:
+        """Block ``i`` of ``run`` is not what its key says: remove it from this tier (never served again)."""
+        logger.warning(
+            "kvstore tier %s: dropping block %s (%s)", self.name, run.hashes[i].hex()[:16], reason.value
+        )
+        self.metrics.count(dropped_blocks=1)
+        self.delete(run.slice(i, i + 1))
 
     def put(
         self,
@@ -324,7 +381,7 @@ class Tier(ABC):
     ) -> GetResult: ...
 
     @abstractmethod
-    def _read(self, run: KeyRun, deadline: Deadline) -> ReadResult: ...
+    def _read(self, run: KeyRun, deadline: Deadline, layout: BlockLayout | None) -> ReadResult: ...
 
     @abstractmethod
     def _put(self, run: KeyRun, units: Sequence[Unit], deadline: Deadline) -> PutResult: ...

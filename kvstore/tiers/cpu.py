@@ -182,7 +182,7 @@ class CpuTier(Tier):
             self._release_all(entries)
         return GetResult(len(entries), missing, tuple(checksums))
 
-    def _read(self, run: KeyRun, deadline: Deadline) -> ReadResult:
+    def _read(self, run: KeyRun, deadline: Deadline, layout: BlockLayout | None) -> ReadResult:
         entries, missing = self._lease_run(run)
         units: list[Unit] = []
         for i, entry in enumerate(entries):

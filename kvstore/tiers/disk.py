@@ -192,7 +192,7 @@ class DiskTier(Tier):
             self._discard(run.key(i), self._path(run.key(i))[1], reason)
         return GetResult(i, reason, tuple(recorded[:i]))
 
-    def _read(self, run: KeyRun, deadline: Deadline) -> ReadResult:
+    def _read(self, run: KeyRun, deadline: Deadline, layout: BlockLayout | None) -> ReadResult:
         units: list[Unit] = []
         for i, block_hash in enumerate(run.hashes):
             key = run.key(i)

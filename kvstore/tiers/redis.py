@@ -352,7 +352,7 @@ class RedisTier(Tier):
         reader.end_of_bulk()
         return (None if payload_checksum(dst) == checksum else MissReason.CORRUPT), checksum
 
-    def _read(self, run: KeyRun, deadline: Deadline) -> ReadResult:
+    def _read(self, run: KeyRun, deadline: Deadline, layout: BlockLayout | None) -> ReadResult:
         keys = self.keys(run)
         units: list[Unit] = []
         batch = self.config.batch

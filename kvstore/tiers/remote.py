@@ -23,7 +23,14 @@ from typing import Any
 import zmq
 
 from kvstore.buffers import BufferFence
-from kvstore.codec import HEADER_SIZE, HeaderMatcher, check_header, payload_checksum, verify_payload
+from kvstore.codec import (
+    HEADER_SIZE,
+    HeaderMatcher,
+    check_header,
+    parse_header,
+    payload_checksum,
+    verify_payload,
+)
 from kvstore.config import RemoteTierConfig
 from kvstore.deadline import Deadline
 from kvstore.keys import KeyRun
@@ -142,7 +149,7 @@ class RemoteTier(Tier):
         pending = []
         for lo in range(0, len(run), GET_CHUNK):
             request_id = next(self._ids)
-            self._send([encode_request(request_id, "get", run.slice(lo, lo + GET_CHUNK))], deadline)
+            self._send([encode_request(request_id, "get", run.slice(lo, lo + GET_CHUNK), layout)], deadline)
             pending.append((request_id, lo, min(GET_CHUNK, len(run) - lo)))
         matcher = HeaderMatcher(run.namespace, layout)
         checksums: list[int | None] = []
@@ -201,9 +208,11 @@ class RemoteTier(Tier):
             return  # a reply that does not come is dropped by id later
         _drain(self._socket())
 
-    def _read(self, run: KeyRun, deadline: Deadline) -> ReadResult:
+    def _read(self, run: KeyRun, deadline: Deadline, layout: BlockLayout | None) -> ReadResult:
+        if layout is None:
+            raise TierError("reading units from a store server needs the layout they must have")
         request_id = next(self._ids)
-        self._send([encode_request(request_id, "get", run)], deadline)
+        self._send([encode_request(request_id, "get", run, layout)], deadline)
         reply = self._await_reply(request_id, deadline)
         sock = self._socket()
         units: list[Unit] = []
@@ -217,7 +226,7 @@ class RemoteTier(Tier):
                 frame = sock.recv(zmq.NOBLOCK, copy=False)
                 payload = memoryview(frame.buffer)
                 raw = headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
-                header = check_header(raw, run.namespace, run.hashes[i], None)
+                header = check_header(raw, run.namespace, run.hashes[i], layout)
                 reason = header if isinstance(header, MissReason) else verify_payload(header, payload)
                 if reason is not None:
                     return ReadResult(units, reason)
@@ -232,12 +241,18 @@ class RemoteTier(Tier):
         # one is being sent.
         pending: list[tuple[int, int]] = []  # (request id, blocks)
         trackers: list[zmq.MessageTracker] = []
+        layout: BlockLayout | None = None
         try:
             for lo in range(0, len(run), PUT_CHUNK):
                 chunk = units[lo : lo + PUT_CHUNK]
                 request_id = next(self._ids)
                 headers = b"".join(unit.seal() for unit in chunk)
-                request = encode_request(request_id, "put", run.slice(lo, lo + len(chunk)))
+                if layout is None:  # the units' own layout: the server checks every block against it
+                    first = parse_header(headers[:HEADER_SIZE])
+                    if isinstance(first, MissReason):
+                        return PutResult(lo, first)
+                    layout = first.layout
+                request = encode_request(request_id, "put", run.slice(lo, lo + len(chunk)), layout)
                 tracker = self._send(
                     [request, headers, *(unit.payload for unit in chunk)], deadline, track=True
                 )

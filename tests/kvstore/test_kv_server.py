@@ -12,7 +12,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
-from kvtest import BLOCK, LAYOUT, NAMESPACE, Blocks, StoreServerProcess, wait_until
+from kvtest import BLOCK, LAYOUT, NAMESPACE, OTHER_NAMESPACE, Blocks, StoreServerProcess, wait_until
 
 from kvstore.breaker import BreakerConfig
 from kvstore.codec import BlockCodec
@@ -73,7 +73,7 @@ def test_put_get_lookup_through_the_remote_tier(
     assert tier.contains_prefix(b.run()) == n
     result = tier.get_into(b.run(), b.out_views, LAYOUT)
     assert (result.loaded, result.reason) == (n, MissReason.ABSENT) and b.loaded(n)
-    read = tier.read(b.run(n - 2))
+    read = tier.read(b.run(n - 2), layout=LAYOUT)
     assert [bytes(u.payload) for u in read.units] == [bytes(v) for v in b.views[n - 2 : n]]
     assert tier.delete(b.run(10, 12)) == 2 and tier.contains_prefix(b.run()) == 10
     requests = tier.server_stats()["requests"]
@@ -118,15 +118,15 @@ def test_engines_with_different_layouts_share_one_server(store_server: StartServ
     [
         [b"not msgpack \xc1"],
         [msgpack.packb([1, 2, 3])],
-        [msgpack.packb({"v": 1, "id": 7, "op": "format_disk"})],
+        [msgpack.packb({"v": 2, "id": 7, "op": "format_disk"})],
         [msgpack.packb({"v": 99, "id": 7, "op": "ping"})],
         [
             msgpack.packb(
-                {"v": 1, "id": 7, "op": "lookup", "ns": b"x", "start": 0, "hashes": [], "anchors": []}
+                {"v": 2, "id": 7, "op": "lookup", "ns": b"x", "start": 0, "hashes": [], "anchors": []}
             )
         ],
         [b"x" * (2 << 20)],  # an oversized header frame
-        [msgpack.packb({"v": 1, "id": 7, "op": "ping"}), b"extra"],
+        [msgpack.packb({"v": 2, "id": 7, "op": "ping"}), b"extra"],
     ],
 )
 def test_garbage_gets_an_error_reply_and_the_server_keeps_serving(
@@ -135,7 +135,7 @@ def test_garbage_gets_an_error_reply_and_the_server_keeps_serving(
     server = store_server()
     reply = decode_reply(raw_request(server.endpoint, frames)[0])
     assert not reply.ok and reply.error
-    assert remote(server.endpoint).ping()["protocol"] == 1
+    assert remote(server.endpoint).ping()["protocol"] == 2
 
 
 def test_bad_puts_are_refused_block_by_block(
@@ -146,7 +146,7 @@ def test_bad_puts_are_refused_block_by_block(
     codec = BlockCodec(NAMESPACE, LAYOUT)
     run = b.run()
     headers = [codec.header_of(h, v) for h, v in zip(b.hashes, b.views, strict=True)]
-    header_frame = encode_request(5, "put", run)
+    header_frame = encode_request(5, "put", run, LAYOUT)
     # block 1 carries block 2's header: blocks 0 is stored, the rest refused
     frames = [header_frame, headers[0] + headers[2] + headers[2], *(bytes(v) for v in b.views)]
     reply = decode_reply(raw_request(server.endpoint, frames)[0])
@@ -312,3 +312,64 @@ def test_metrics_parse_with_prometheus_client(
     # The server serves a get by reading units from its tiers as stored.
     reads = [s for s in latency.samples if s.name.endswith("_count") and s.labels["op"] == "read"]
     assert reads and reads[0].labels["tier"] == "cpu" and reads[0].value >= 1
+
+
+@pytest.mark.parametrize("backend", ["disk", "redis"])
+@pytest.mark.parametrize("wrong", ["layout", "namespace"])
+def test_a_wrong_block_in_a_tier_is_never_served_or_promoted_and_is_dropped(
+    store_server: StartServer,
+    remote: Callable[[str], RemoteTier],
+    make_blocks: Callable[..., Blocks],
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    backend: str,
+    wrong: str,
+) -> None:
+    """The defect the redesign found: a block with another layout that reached Redis was returned as ok,
+    promoted into the server's memory, and made every later request for its prefix miss -- forever.
+    Now the server checks every block it returns against the run's namespace and the layout the client
+    asked for, and drops a block that fails from the tier it found it in."""
+    from kvstore.codec import pack_header, payload_checksum
+    from kvstore.store import TieredStore
+
+    if backend == "redis":
+        lower = request.getfixturevalue("redis_server").url
+    else:
+        lower = f"disk:{tmp_path / 'disk'}:1MiB"
+    b = make_blocks(4)
+    units = b.units()
+    for unit in units:
+        unit.seal()
+    # Block 2 is planted straight into the backend under its right key, with a header for another
+    # layout (same payload size) or another model.
+    other_layout = BlockLayout(num_layers=2, num_kv_heads=1, head_dim=16, block_size=4, dtype="float16")
+    assert other_layout.payload_nbytes == LAYOUT.payload_nbytes
+    bad_ns, bad_layout = (OTHER_NAMESPACE, LAYOUT) if wrong == "namespace" else (NAMESPACE, other_layout)
+    view = b.views[2]
+    units[2] = Unit(view.toreadonly(), pack_header(bad_ns, b.hashes[2], bad_layout, payload_checksum(view)))
+    planter = TieredStore.from_config(lower)
+    try:
+        assert planter.tiers[0].put(b.run(), units).stored == 4
+    finally:
+        planter.close()
+
+    server = store_server(f"cpu:1MiB,{lower}")
+    tier = remote(server.endpoint)
+    # Present under its key (a disk tier that checks its files at start may have dropped it already) ...
+    assert tier.contains_prefix(b.run()) in (2, 4)
+    result = tier.get_into(b.run(), b.out_views, LAYOUT)
+    expected = MissReason.WRONG_NAMESPACE if wrong == "namespace" else MissReason.WRONG_LAYOUT
+    # ... never served (the reason is the tier's, or "absent" once the server has dropped it and asked
+    # the tiers below again)
+    assert result.loaded == 2 and result.reason in (expected, MissReason.ABSENT) and b.loaded(2)
+    assert tier.contains_prefix(b.run()) == 2  # dropped from the backend, and never promoted to memory
+    # The server caught it: the client never received the bad block (it would have dropped it itself).
+    assert tier.stats().counter("dropped_blocks") == 0
+    again = TieredStore.from_config(lower)
+    try:
+        assert again.tiers[0].contains_prefix(b.run()) == 2, "the bad block is still in the backend"
+    finally:
+        again.close()
+    # The prefix is not lost for good: the right block is stored and served.
+    assert tier.put(b.run(2, 3), b.units(2, 3)).stored == 1
+    assert tier.get_into(b.run(), b.out_views, LAYOUT).loaded == 4 and b.loaded(4)
