@@ -21,7 +21,10 @@ How the halves split the work:
   (``wait_for_save`` only queues them), so they never stall the step.  A preempted request's saves finish
   in ``handle_preemptions``, before the forward may overwrite its blocks; a finished request with saves in
   flight is held until they are done (``finished_sending``), and a hold the engine stops (abort, deadline)
-  drops the queued saves and waits for the running one before reporting it.
+  drops the queued saves and waits for the running one before reporting it.  A cache on a GPU moves
+  through pinned host staging on a CUDA stream of its own, ordered with the forward by events
+  (``connectors/staging.py``): loads land before the forward reads them, saves copy out before any later
+  forward can overwrite the blocks.
 
 Every engine of a process -- and both halves of each -- uses one store instance per configuration
 (``_SharedStores``): the store is the shared backend, as a store server would be; the halves still talk
@@ -55,10 +58,15 @@ from engine.request import Request, RequestId
 if TYPE_CHECKING:
     import torch
 
+    from connectors.staging import BlockStager, StagedBlocks
     from engine.scheduler.output import SchedulerOutput
     from kvstore.store import KVStore
 
 logger = logging.getLogger(__name__)
+
+
+# Saves of a GPU cache waiting for the store, each holding a pinned host copy of its blocks.
+MAX_STAGED_SAVES = 64
 
 
 @dataclass(frozen=True)
@@ -162,6 +170,7 @@ class OffloadConnector(KVConnectorBase):
         self.num_lookup_timeouts = 0
         # worker half
         self._kv: torch.Tensor | None = None
+        self._stager: BlockStager | None = None
         self._saver: ThreadPoolExecutor | None = None
         self._saves_in_flight: dict[RequestId, list[Future[Any]]] = {}
         self._awaiting_release: set[RequestId] = set()
@@ -174,6 +183,7 @@ class OffloadConnector(KVConnectorBase):
             "blocks_load_failed": 0,
             "blocks_saved": 0,
             "saves_failed": 0,
+            "saves_skipped": 0,
         }
 
     # ---------------------------------------------------------------- scheduler half
@@ -282,13 +292,11 @@ class OffloadConnector(KVConnectorBase):
     # ---------------------------------------------------------------- worker half
 
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
-        if kv_cache.device.type != "cpu":
-            # The store reads and writes host memory; a GPU cache would need pinned staging buffers.
-            raise ValueError(
-                f"connector 'offload' needs the KV cache in host memory, but it is on {kv_cache.device}; "
-                "run the engine with device='cpu' or use another connector"
-            )
+        from connectors.staging import BlockStager, needs_staging
+
         self._kv = kv_cache
+        # A GPU cache: the store moves host bytes, so blocks go through pinned staging (staging.py).
+        self._stager = BlockStager.for_cache(kv_cache) if needs_staging(kv_cache) else None
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-save")
 
     def _blocks(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
@@ -308,9 +316,16 @@ class OffloadConnector(KVConnectorBase):
         self._failed_loads = set()
         for run in metadata.loads:
             started = time.monotonic()
+            staged = self._stager.empty(len(run.block_ids)) if self._stager is not None else None
             result = self.store.get_into(
-                run.hashes, self._blocks(run.block_ids), run.start, timeout_s=self.options.load_timeout_s
+                run.hashes,
+                staged.views() if staged is not None else self._blocks(run.block_ids),
+                run.start,
+                timeout_s=self.options.load_timeout_s,
             )
+            if staged is not None and self._stager is not None:
+                # The loaded blocks land before the forward reads them (the compute stream waits).
+                self._stager.to_device(staged, run.block_ids, result.loaded)
             self._load_seconds.observe(time.monotonic() - started)
             self.stats_counters["blocks_loaded"] += result.loaded
             failed = run.block_ids[result.loaded :]
@@ -335,14 +350,25 @@ class OffloadConnector(KVConnectorBase):
         for run in meta.saves:
             if run.request_id in self._failed_loads:
                 continue  # computed over blocks that did not load: wrong KV, never stored
-            future = self._saver.submit(self._save, run)
+            # A GPU cache: copied out now, after this forward wrote them and before any later one can
+            # overwrite them; the saver thread waits for the copy and reads the host copy.  Host copies
+            # cost pinned memory: past MAX_STAGED_SAVES waiting saves, a save is skipped (best effort).
+            staged = None
+            if self._stager is not None:
+                if self._saves_pending() >= MAX_STAGED_SAVES:
+                    self.stats_counters["saves_skipped"] += len(run.block_ids)
+                    continue
+                staged = self._stager.to_host(run.block_ids)
+            future = self._saver.submit(self._save, run, staged)
             self._saves_in_flight.setdefault(run.request_id, []).append(future)
 
-    def _save(self, run: BlockRun) -> None:
+    def _saves_pending(self) -> int:
+        return sum(not f.done() for futures in self._saves_in_flight.values() for f in futures)
+
+    def _save(self, run: BlockRun, staged: StagedBlocks | None = None) -> None:
         try:
-            result = self.store.put(
-                run.hashes, self._blocks(run.block_ids), run.start, timeout_s=self.options.save_timeout_s
-            )
+            payloads = staged.ready().views() if staged is not None else self._blocks(run.block_ids)
+            result = self.store.put(run.hashes, payloads, run.start, timeout_s=self.options.save_timeout_s)
         except Exception:  # the store reports backend failures; anything else must not vanish silently
             logger.exception("offload: saving %d blocks of %s failed", len(run.block_ids), run.request_id)
             self.stats_counters["saves_failed"] += len(run.block_ids)

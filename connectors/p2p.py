@@ -40,7 +40,9 @@ A stop is carried out within the step: the server closes the lease and waits for
 The halves share no state but one: with a port chosen at bind time (``:0``), the worker half publishes
 the bound endpoint for the scheduler half of the same engine (``_EndpointBoard``, keyed by the engine's
 ``ConnectorContext``).  With a fixed port or an ``ipc://`` address the scheduler half derives it from
-the options alone.  The cache must be on the CPU (a CUDA cache would need a pinned staging buffer).
+the options alone.  A cache on a GPU moves through pinned host staging (``connectors/staging.py``): a
+lease serves host copies taken when it is registered, a pull receives into host buffers that are copied
+into the cache, ordered before the request's next forward, once the pull is done.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ if TYPE_CHECKING:
 
     from connectors.p2p_client import BlockPuller, PullJob
     from connectors.p2p_server import BlockServer
+    from connectors.staging import BlockStager, StagedBlocks
     from engine.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -229,6 +232,8 @@ class P2PConnector(KVConnectorBase):
         self._puller: BlockPuller | None = None
         self._pulling: set[RequestId] = set()
         self._stopped: set[RequestId] = set()  # pulls stopped: their result is no load (the request ended)
+        self._stager: BlockStager | None = None  # a GPU cache: blocks move through pinned staging
+        self._staged_pulls: dict[RequestId, tuple[PullJob, StagedBlocks]] = {}
         self._load_errors: set[int] = set()
 
     # ================================ scheduler half ================================================
@@ -355,9 +360,11 @@ class P2PConnector(KVConnectorBase):
         from connectors.p2p_client import BlockPuller
         from connectors.p2p_server import BlockServer
         from connectors.p2p_transfer import BlockViews
+        from connectors.staging import BlockStager, needs_staging
         from kvstore.codec import store_namespace
 
         views = BlockViews(kv_cache)
+        self._stager = BlockStager.for_cache(kv_cache) if needs_staging(kv_cache) else None
         opts = self.options
         try:
             namespace = store_namespace(self.context.namespace.namespace_id, self.layout)
@@ -395,11 +402,19 @@ class P2PConnector(KVConnectorBase):
         if not isinstance(metadata, P2PMetadata):
             return
         assert self._server is not None and self._puller is not None, "register_kv_caches was not called"
+        stager = self._stager
         for lease in metadata.leases:
-            self._server.add_lease(lease.request_id, lease.block_ids, lease.block_hashes, lease.lease_s)
+            # A GPU cache: the lease serves host copies, taken now (after the forward that wrote them).
+            staged = stager.to_host(lease.block_ids) if stager is not None else None
+            self._server.add_lease(
+                lease.request_id, lease.block_ids, lease.block_hashes, lease.lease_s, staged
+            )
         for job in metadata.pulls:
             self._pulling.add(RequestId(job.request_id))
-            self._puller.submit(job)
+            into = stager.empty(len(job.block_ids)) if stager is not None else None
+            if into is not None:
+                self._staged_pulls[RequestId(job.request_id)] = (job, into)
+            self._puller.submit(job, into)
         # After the leases and pulls: a request may have ended between being handed over and this step.
         for rid in metadata.stop_request_ids:
             if rid in self._pulling:
@@ -417,9 +432,14 @@ class P2PConnector(KVConnectorBase):
             rid = RequestId(result.request_id)
             recving.add(rid)
             self._pulling.discard(rid)
+            staged = self._staged_pulls.pop(rid, None)
             if rid in self._stopped:
                 self._stopped.discard(rid)  # the request ended: nothing will read these blocks
                 continue
+            if staged is not None and self._stager is not None:
+                # The good leading blocks go into the GPU cache before the request's next forward.
+                job, into = staged
+                self._stager.to_device(into, job.block_ids, result.num_loaded)
             self._load_errors.update(result.failed_block_ids)
         return sending, recving
 

@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -48,6 +48,9 @@ from kvstore.protocol import (
     unit_header,
 )
 from kvstore.reasons import MissReason
+
+if TYPE_CHECKING:
+    from connectors.staging import StagedBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +94,9 @@ class _Cancelled(Exception):
 class PullHandle:
     """One submitted pull: cancel it, or wait for its result."""
 
-    def __init__(self, job: PullJob) -> None:
+    def __init__(self, job: PullJob, into: StagedBlocks | None = None) -> None:
         self.job = job
+        self.into = into  # receive into these host buffers (a GPU cache's staging), not the cache
         self.cancel_event = threading.Event()
         self.done = threading.Event()
         self.result: PullResult | None = None
@@ -141,8 +145,12 @@ class BlockPuller:
 
     # ---- the engine thread's side ------------------------------------------------------------------------
 
-    def submit(self, job: PullJob) -> PullHandle:
-        handle = PullHandle(job)
+    def submit(self, job: PullJob, into: StagedBlocks | None = None) -> PullHandle:
+        """Start pulling ``job``: into the cache's blocks, or into ``into`` (one staged block per job block,
+        when the cache is on a GPU: the caller copies them in once the pull is done)."""
+        assert into is not None or self.views.on_host, "a GPU cache's pull receives into staging"
+        assert into is None or len(into) == len(job.block_ids), "one staged block per job block"
+        handle = PullHandle(job, into)
         with self._lock:
             assert job.request_id not in self._handles, f"{job.request_id} is already pulling"
             self._handles[job.request_id] = handle
@@ -323,19 +331,20 @@ class BlockPuller:
             if not isinstance(reply, DataReply):
                 self._drain(sock)
                 raise _PullFailed("malformed", "a pong where blocks were expected")
-            self._receive_blocks(sock, reply, job, offset, count, loaded)
+            self._receive_blocks(sock, reply, handle, offset, count, loaded)
 
     def _receive_blocks(
         self,
         sock: zmq.Socket[Any],
         reply: DataReply,
-        job: PullJob,
+        handle: PullHandle,
         offset: int,
         count: int,
         loaded: list[bool],
     ) -> None:
         """Receive one data reply's blocks into the job's blocks ``[offset, offset + count)``, each checked
         by its codec header before it counts as loaded."""
+        job, into = handle.job, handle.into
         if reply.first != job.first + offset or reply.n != count:
             self._drain(sock)
             raise _PullFailed("malformed", f"reply for blocks at {reply.first} x {reply.n}")
@@ -349,7 +358,7 @@ class BlockPuller:
         for j in range(count):
             if not sock.getsockopt(zmq.RCVMORE):
                 raise _PullFailed("truncated", f"reply ended after {j} of {count} payload frames")
-            dst = self.views.block(job.block_ids[offset + j])
+            dst = into.view(offset + j) if into is not None else self.views.block(job.block_ids[offset + j])
             got = sock.recv_into(dst, flags=zmq.NOBLOCK)
             bad: str | None = None
             checksum = self.matcher.match(unit_header(headers, j), job.hashes[offset + j])

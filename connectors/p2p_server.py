@@ -35,7 +35,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -53,6 +53,9 @@ from kvstore.protocol import (
     encode_pong,
     send_frames,
 )
+
+if TYPE_CHECKING:
+    from connectors.staging import StagedBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +81,7 @@ class Lease:
     sealed_upto: int = 0  # sums[:sealed_upto] are computed by the sealer
     trackers: list[zmq.MessageTracker] = field(default_factory=list)
     registered_at: float = 0.0
+    staged: StagedBlocks | None = None  # host copies of the blocks, when the cache is on a GPU
     served: bool = False  # a read was answered (so its end is a transfer's)
 
     def pending_trackers(self) -> list[zmq.MessageTracker]:
@@ -154,10 +158,17 @@ class BlockServer:
     # ---- the engine thread's side ------------------------------------------------------------------------
 
     def add_lease(
-        self, request_id: str, block_ids: Sequence[int], hashes: Sequence[bytes], lease_s: float
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        hashes: Sequence[bytes],
+        lease_s: float,
+        staged: StagedBlocks | None = None,
     ) -> None:
-        """Serve ``block_ids`` (the request's leading blocks, whose hashes are ``hashes``) for ``lease_s``."""
+        """Serve ``block_ids`` (the request's leading blocks, whose hashes are ``hashes``) for ``lease_s``;
+        from ``staged`` (their host copies) when the cache is on a GPU."""
         assert len(block_ids) == len(hashes), "one hash per leased block"
+        assert staged is not None or self.views.on_host, "a GPU cache's lease serves staged copies"
         lease = Lease(
             request_id,
             tuple(block_ids),
@@ -165,6 +176,7 @@ class BlockServer:
             deadline=self.clock() + lease_s,
             sums=[None] * len(block_ids),
             registered_at=self.clock(),
+            staged=staged,
         )
         with self._lock:
             old = self._leases.get(request_id)
@@ -189,6 +201,9 @@ class BlockServer:
             if lease is None:
                 if request_id not in self._tombstones:
                     self._remember_locked(request_id, ErrorCode.RELEASED)
+                # Confirm it anyway: the engine may hold blocks for a lease that never got here (a hold
+                # ends only on a report; one for a request it no longer holds is ignored).
+                self._finished.append(request_id)
                 return True
             if lease.state is LeaseState.SERVING:
                 self._close_locked(lease, ErrorCode.RELEASED)
@@ -316,6 +331,11 @@ class BlockServer:
                     self.stats.add("leases_released")
 
     def _serve_read(self, identity: bytes, request: ReadRequest) -> None:
+        with self._lock:
+            lease = self._leases.get(request.rid)
+            staged = lease.staged if lease is not None else None
+        if staged is not None:
+            staged.ready()  # a GPU cache's host copy: waited for here, never under the lock
         with self._lock:  # held until the tracker is recorded: a stop cannot slip in between
             refusal = self._check_read_locked(request)
             if refusal is not None:
@@ -324,8 +344,7 @@ class BlockServer:
                 return
             lease = self._leases[request.rid]
             count = len(request.hashes)
-            block_ids = lease.block_ids[request.first : request.first + count]
-            payloads = [self.views.block(b) for b in block_ids]
+            payloads = [self._payload(lease, i) for i in range(request.first, request.first + count)]
             layout = self.views.layout
             headers = b"".join(
                 pack_header(self.namespace, lease.hashes[i], layout, self._checksum_locked(lease, i, p))
@@ -384,13 +403,22 @@ class BlockServer:
             start = lease.sealed_upto
             end = min(len(lease.block_ids), start + max_blocks)
             todo = [i for i in range(start, end) if lease.sums[i] is None]
-        sums = [payload_checksum(self.views.block(lease.block_ids[i])) for i in todo]
+        if lease.staged is not None:
+            lease.staged.ready()
+        sums = [payload_checksum(self._payload(lease, i)) for i in todo]
         with self._lock:
             if lease.state is LeaseState.SERVING:
                 for i, value in zip(todo, sums, strict=True):
                     if lease.sums[i] is None:
                         lease.sums[i] = value
                 lease.sealed_upto = end
+
+    def _payload(self, lease: Lease, index: int) -> memoryview:
+        """Leased block ``index``'s bytes: the cache itself, or its staged host copy (the callers waited
+        for the copy, ``StagedBlocks.ready``, before taking the lock)."""
+        if lease.staged is not None:
+            return lease.staged.view(index)
+        return self.views.block(lease.block_ids[index])
 
     @staticmethod
     def _checksum_locked(lease: Lease, index: int, payload: memoryview) -> int:

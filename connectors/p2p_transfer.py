@@ -38,31 +38,34 @@ if TYPE_CHECKING:
 class BlockViews:
     """Byte views of an engine's paged cache, one per block, without copies.
 
-    ``kv_cache`` is ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]`` (C-contiguous, on the
-    CPU), so block ``i`` is the byte range ``[i * block_nbytes, (i + 1) * block_nbytes)`` of the tensor.
-    The views are writable: a consumer receives frames straight into them.
+    ``kv_cache`` is ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]`` (C-contiguous), so block
+    ``i`` is the byte range ``[i * block_nbytes, (i + 1) * block_nbytes)`` of the tensor.  On the CPU the
+    views are writable: a consumer receives frames straight into them.  A cache on a GPU has no host
+    views (``on_host`` is False): its blocks move through pinned staging (``connectors/staging.py``), and
+    ``block`` refuses.
     """
 
     def __init__(self, kv_cache: torch.Tensor) -> None:
         import torch
 
-        if kv_cache.device.type != "cpu":
-            raise ValueError(
-                f"the p2p connector moves blocks of a CPU cache; this engine's cache is on {kv_cache.device}"
-            )
         if not kv_cache.is_contiguous():
             raise ValueError("the p2p connector needs a contiguous paged cache tensor")
         self.layout = BlockLayout.from_kv_cache(kv_cache)
         self.num_blocks = int(kv_cache.shape[0])
         self.block_nbytes = self.layout.payload_nbytes
+        self.on_host = kv_cache.device.type == "cpu"
         self._tensor = kv_cache  # keeps the memory alive for as long as the views exist
-        flat = kv_cache.reshape(-1).view(torch.uint8)  # [num_blocks * block_nbytes] uint8, same memory
-        self._flat = memoryview(flat.numpy())  # type: ignore[arg-type]
+        self._flat: memoryview | None = None
+        if self.on_host:
+            flat = kv_cache.reshape(-1).view(torch.uint8)  # [num_blocks * block_nbytes] uint8, same memory
+            self._flat = memoryview(flat.numpy())  # type: ignore[arg-type]
 
     def block(self, block_id: int) -> memoryview:
         """Block ``block_id``'s bytes, writable.  ``IndexError`` for an id outside the cache."""
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block id {block_id} is outside the cache (0..{self.num_blocks - 1})")
+        if self._flat is None:
+            raise RuntimeError("a cache on a GPU has no host views: stage its blocks (connectors/staging.py)")
         start = block_id * self.block_nbytes
         return self._flat[start : start + self.block_nbytes]
 

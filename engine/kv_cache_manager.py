@@ -17,7 +17,7 @@ connector contract), so the first block that may be partial is the one that hold
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool, KVCacheBlock
@@ -234,6 +234,33 @@ class KVCacheManager:
     def get_block_ids(self, request_id: RequestId) -> list[int]:
         """A copy of the request's block table (block ids in token order)."""
         return list(self.req_to_block_ids.get(request_id, ()))
+
+    # -- what the scheduler may ask (it never reaches into the tables or the pool) -------------------------
+
+    def owns_blocks(self, request_id: RequestId) -> bool:
+        """Whether ``request_id`` holds blocks (running, loading, held, or back from a load)."""
+        return request_id in self.req_to_blocks
+
+    def block_owners(self) -> list[RequestId]:
+        """Requests holding blocks, in allocation order."""
+        return list(self.req_to_blocks)
+
+    def blocks_of(self, requests: Iterable[RequestId]) -> set[int]:
+        """Every block id the given requests hold."""
+        return {b for rid in requests for b in self.req_to_block_ids.get(rid, ())}
+
+    def first_block_in(self, request_id: RequestId, block_ids: Collection[int]) -> int | None:
+        """Index in ``request_id``'s table of its first block among ``block_ids`` (None if none)."""
+        table = self.req_to_block_ids.get(request_id, ())
+        return next((i for i, b in enumerate(table) if b in block_ids), None)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_evictions(self) -> int:
+        return self.pool.num_evictions
 
     def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.stats_queries += num_prompt_tokens

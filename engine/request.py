@@ -24,6 +24,8 @@ class RequestStatus(enum.IntEnum):
 
     WAITING = enum.auto()
     WAITING_FOR_REMOTE_KV = enum.auto()
+    # Back from an async load: waiting to compute the rest, and already owning the blocks it loaded into.
+    WAITING_LOADED = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -52,7 +54,9 @@ _TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     RequestStatus.WAITING: frozenset(
         {RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KV, RequestStatus.WAITING}
     ),
-    RequestStatus.WAITING_FOR_REMOTE_KV: frozenset({RequestStatus.WAITING}),
+    RequestStatus.WAITING_FOR_REMOTE_KV: frozenset({RequestStatus.WAITING_LOADED}),
+    # Admitted with its loaded blocks, or let go of them (another parked request needed the room).
+    RequestStatus.WAITING_LOADED: frozenset({RequestStatus.RUNNING, RequestStatus.WAITING}),
     RequestStatus.RUNNING: frozenset({RequestStatus.PREEMPTED}),
     RequestStatus.PREEMPTED: frozenset(
         {RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KV, RequestStatus.WAITING}

@@ -1,7 +1,7 @@
 """Regenerate docs/hashing-vectors.json from pdkv's implementation.
 
 Run only when the hashing spec version changes: `.venv/bin/python scripts/gen_hashing_vectors.py`.
-tests/test_hashing.py checks the file against an independent implementation of docs/hashing.md.
+tests/engine/test_hashing.py checks the file against an independent implementation of docs/hashing.md.
 """
 
 from __future__ import annotations

@@ -30,13 +30,15 @@ NUM_BLOCKS = 64
 
 
 def make_engine(
-    engine_id: str, *, num_blocks: int = NUM_BLOCKS, p2p: bool = True, **options: Any
+    engine_id: str, *, num_blocks: int = NUM_BLOCKS, p2p: bool = True, device: str = "cpu", **options: Any
 ) -> LLMEngine:
+    """A tiny engine with the p2p connector; ``options`` are the connector's."""
     connector = KVConnectorConfig("p2p", {"recv_timeout_s": 2.0, **options}) if p2p else None
     return LLMEngine(
         EngineConfig(
             model=tiny_model_dir(MODEL),
-            device="cpu",
+            device=device,
+            dtype="float32",  # the CPU reference's dtype on every device
             block_size=BLOCK_SIZE,
             num_blocks=num_blocks,
             engine_id=engine_id,

@@ -119,11 +119,10 @@ class ConnectorBooks:
         # Not num_external_computed_tokens: that records the first admission, and a request preempted
         # after its first load may load again, a different number of tokens.
         loaded_end = self._load_ends.pop(rid)
-        ids = self.kv.req_to_block_ids.get(rid, [])
-        first_bad = next((i for i, b in enumerate(ids) if b in self._failed_blocks), None)
+        first_bad = self.kv.first_block_in(rid, self._failed_blocks)
         # A failed block another loading request shares (a local hit on it) stays recorded for that one.
-        still_loading = {b for r in self.loading for b in self.kv.req_to_block_ids.get(r, [])}
-        self._failed_blocks -= set(ids) - still_loading
+        still_loading = self.kv.blocks_of(self.loading)
+        self._failed_blocks -= self.kv.blocks_of([rid]) - still_loading
         return LandedLoad(request, loaded_end, first_bad)
 
     def record_failed(self, invalid: set[int]) -> None:
@@ -131,8 +130,7 @@ class ConnectorBooks:
 
     def forget_failed_outside_loads(self) -> None:
         """Blocks of requests still loading stay recorded until their load lands; others are done with."""
-        pending = {b for r in self.loading for b in self.kv.req_to_block_ids.get(r, [])}
-        self._failed_blocks &= pending
+        self._failed_blocks &= self.kv.blocks_of(self.loading)
 
     # -- holds ------------------------------------------------------------------------------------------
 

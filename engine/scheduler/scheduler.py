@@ -19,6 +19,7 @@ blocks are, at any time:
 
     running        computing (prefill chunks or decodes)
     loading        WAITING_FOR_REMOTE_KV: blocks allocated, an async load filling them, not yet cached
+    loaded         WAITING_LOADED: the load landed; in the waiting queue, owning the blocks it loaded into
     held           finished, blocks kept for the connector's worker (a hold) until it reports its send or
                    receive done; on abort or past ``kv_hold_timeout_s`` the worker is asked to stop
                    and the blocks are freed once it confirms (two-phase: never under a transfer)
@@ -111,7 +112,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if request.request_id in self.holds or request.request_id in self.kv.req_to_blocks:
+        if request.request_id in self.holds or self.kv.owns_blocks(request.request_id):
             # Its blocks are still held for a connector (e.g. a remote reader): a new request under the
             # same id would be mistaken for their owner.
             raise ValueError(
@@ -212,7 +213,7 @@ class Scheduler:
         for request in self.waiting.candidates():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if request.request_id in self.kv.req_to_blocks:
+            if request.status == RequestStatus.WAITING_LOADED:
                 # Back from an async load: it already holds its blocks (up to num_computed_tokens, which is
                 # 0 if the first loaded block failed; the connector is not asked again for the same blocks).
                 hit, num_external, load_async = NO_HIT, 0, False
@@ -238,7 +239,7 @@ class Scheduler:
                     # can never run.
                     self._finish(request, RequestStatus.FINISHED_ERROR)
                     request.error = (
-                        f"request needs more KV blocks than the cache has ({self.kv.pool.num_blocks} blocks "
+                        f"request needs more KV blocks than the cache has ({self.kv.num_blocks} blocks "
                         f"of {self.kv.block_size} tokens); raise num_blocks or shorten the request"
                     )
                     out.errored_request_ids.append(request.request_id)
@@ -271,12 +272,13 @@ class Scheduler:
         back from an async load.  Two of those can fill the pool so that neither fits; the most recently
         allocated one lets go, like a preemption (its loaded blocks stay in the prefix cache until reused).
         """
-        parked = [rid for rid in self.kv.req_to_blocks if rid != request.request_id]
+        parked = [rid for rid in self.kv.block_owners() if rid != request.request_id]
         if not parked:
             return False
         victim = self.requests[parked[-1]]
-        assert victim.status == RequestStatus.WAITING, f"{victim} owns blocks while the engine is idle"
+        assert victim.status == RequestStatus.WAITING_LOADED, f"{victim} owns blocks while the engine is idle"
         self.kv.free(victim)
+        victim.set_status(RequestStatus.WAITING)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.counters.add("num_preemptions")
@@ -384,8 +386,9 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Every finish goes through here: out of its queue, the connector told once, blocks freed or held."""
         rid = request.request_id
-        was_loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
-        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+        # Its load still runs (not: its status says so -- a load that landed and failed it is over).
+        was_loading = rid in self.books.loading
+        if request.status in (RequestStatus.WAITING, RequestStatus.WAITING_LOADED, RequestStatus.PREEMPTED):
             self.waiting.remove(rid)
         elif was_loading:
             self.books.stop_loading(rid)
@@ -399,7 +402,7 @@ class Scheduler:
             # Its load is still writing the blocks: they are kept until the worker stopped it.
             self.books.hold(request, HoldKind.RECV)
             self.books.stop(rid)
-        elif hold and rid in self.kv.req_to_blocks:
+        elif hold and self.kv.owns_blocks(rid):
             self.books.hold(request, HoldKind.SEND)
         else:
             self.kv.free(request)
@@ -429,7 +432,7 @@ class Scheduler:
             self._correct_prompt_sources(request, loaded_end)
         request.num_computed_tokens = loaded_end
         self.kv.cache_blocks(request, loaded_end)
-        request.set_status(RequestStatus.WAITING)
+        request.set_status(RequestStatus.WAITING_LOADED)
         self.waiting.prepend(request)
 
     def _apply_load_errors(self, invalid: set[int], result: EngineCoreOutputs) -> set[RequestId]:
@@ -440,8 +443,7 @@ class Scheduler:
         tainted: set[RequestId] = set()
         bs = self.kv.block_size
         for request in list(self.running):
-            ids = self.kv.req_to_block_ids.get(request.request_id, [])
-            first_bad = next((i for i, b in enumerate(ids) if b in invalid), None)
+            first_bad = self.kv.first_block_in(request.request_id, invalid)
             if first_bad is None:
                 continue
             tainted.add(request.request_id)
@@ -479,7 +481,7 @@ class Scheduler:
         counters = self.counters.snapshot()
         counters["prefix_cache_queries"] = float(self.kv.stats_queries)
         counters["prefix_cache_hits"] = float(self.kv.stats_hits)
-        counters["kv_block_evictions"] = float(self.kv.pool.num_evictions)
+        counters["kv_block_evictions"] = float(self.kv.num_evictions)
         gauges = {
             "num_requests_running": float(len(self.running)),
             "num_requests_waiting": float(len(self.waiting)),
@@ -487,20 +489,20 @@ class Scheduler:
             "num_requests_held": float(len(self.holds)),
             "kv_cache_usage_perc": self.kv.usage,
             "kv_cache_free_blocks": float(self.kv.num_free_blocks),
-            "kv_cache_blocks": float(self.kv.pool.num_blocks),
+            "kv_cache_blocks": float(self.kv.num_blocks),
         }
         return StatsSnapshot(counters, gauges, {})
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
-        owners = set(self.kv.req_to_blocks)
+        owners = set(self.kv.block_owners())
         running = {r.request_id for r in self.running}
         expected = running | set(self.loading) | set(self.holds)
         for rid in owners - expected:
             # Back from an async load, waiting to compute the rest: it keeps the blocks it loaded into.
             r = self.requests.get(rid)
             require(
-                r is not None and r.status == RequestStatus.WAITING,
+                r is not None and r.status == RequestStatus.WAITING_LOADED,
                 f"blocks owned by {rid}, which is {r.status.name if r else 'finished'}",
             )
         require(expected <= owners, f"{sorted(expected - owners)} should hold blocks but hold none")

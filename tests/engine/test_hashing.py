@@ -17,7 +17,7 @@ from engine.hashing import HashNamespace, hash_blocks
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VECTORS = json.loads((ROOT / "docs" / "hashing-vectors.json").read_text(encoding="utf-8"))
 
 

@@ -23,7 +23,7 @@ from tests.tiny_models import hf_greedy, pdkv_tiny_model_dir, random_prompts, ti
 BS = 4
 NEW_TOKENS = 6
 PARAMS = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # One engine process: generate greedily with shared-dir at DIR, print what each request got where.
 ENGINE_PROCESS = """

@@ -371,6 +371,16 @@ def test_stop_waits_for_sends_still_in_flight_and_resets_a_stuck_socket() -> Non
         ctx.term()
 
 
+def test_a_stop_for_a_lease_that_never_arrived_is_confirmed() -> None:
+    """The engine may hold blocks for a lease the server never registered: the stop still ends the hold."""
+    server = BlockServer(BlockViews(cache(4)), "tcp://127.0.0.1:0", stats=TransferStats(), namespace=NS)
+    try:
+        assert server.stop("never-registered")
+        assert server.take_finished() == ["never-registered"]
+    finally:
+        server.close()
+
+
 class FakeProducer:
     """A ROUTER the test scripts: ``answer(request, frames_out)`` decides what each read gets."""
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from connectors.base import KVConnectorOutput
 from engine.request import RequestStatus
 from engine.scheduler import ModelRunnerOutput
+from tests.engine.test_scheduler_connector import ScriptedConnector, make, step
 from tests.factories import make_request
-from tests.test_scheduler_connector import ScriptedConnector, make, step
 
 
 def test_async_load_failing_at_its_first_block_recomputes_without_asking_again() -> None:

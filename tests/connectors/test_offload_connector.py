@@ -27,7 +27,7 @@ MODEL = "llama"
 BS = 4
 PROMPTS = random_prompts([37, 29], seed=11)  # 9 and 7 whole blocks; the tails are computed
 PARAMS = SamplingParams(max_tokens=6)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def offload(spec: str, **options: object) -> KVConnectorConfig:

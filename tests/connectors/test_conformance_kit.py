@@ -25,7 +25,7 @@ from connectors.testing import (
     conformance_suite,
 )
 from connectors.testing import checks as kit
-from tests.test_conformance_builtins import corrupt_block_files, unreachable
+from tests.connectors.test_conformance_builtins import corrupt_block_files, unreachable
 
 
 def broken(name: str, **hooks: Any) -> ConformanceTarget:

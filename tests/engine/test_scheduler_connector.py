@@ -176,6 +176,23 @@ def test_failed_load_with_fail_policy_errors_the_request() -> None:
     assert s.kv.num_free_blocks == 32
 
 
+def test_a_failed_async_load_under_the_fail_policy_holds_nothing() -> None:
+    """The landed load failed the request: its load is over, so its blocks are freed at once (a receive
+    hold here waited 30 s for a report nobody sends, then blamed the connector)."""
+    conn = ScriptedConnector()
+    s = make(conn, policy="fail")
+    conn.answers["r"] = (8, True)
+    s.add_request(make_request("r", range(10), max_tokens=2))
+    step(s)
+    bad = s.kv.get_block_ids("r")[1]  # type: ignore[arg-type]
+    step(s, KVConnectorOutput(invalid_block_ids={bad}))
+    _, out = step(s, KVConnectorOutput(finished_recving={"r"}))  # type: ignore[arg-type]
+    assert [(u.request_id, u.finish_reason) for u in out.updates] == [("r", "error")]
+    assert s.holds == {} and s.kv.num_free_blocks == 32
+    so, _ = step(s)
+    assert so.kv_connector_metadata.stop_request_ids == []
+
+
 def test_failed_async_load_keeps_only_the_good_leading_blocks() -> None:
     conn = ScriptedConnector()
     s = make(conn)

@@ -15,8 +15,8 @@ import pytest
 
 from connectors.registry import KVConnectorConfig
 from connectors.testing import conformance_suite
+from tests.connectors.test_conformance_builtins import unreachable
 from tests.kvstore.kvtest import RedisProcess, StoreServerProcess, free_port
-from tests.test_conformance_builtins import unreachable
 
 SERVERS: dict[str, str] = {}
 

@@ -259,5 +259,5 @@ def test_p2p_composes_inside_multi() -> None:
 # The kit adds requests without kv_transfer_params: to p2p that is an engine no router asked to hold or
 # pull KV, so it checks the lifecycle around the connector (request_finished exactly once, no leaked block
 # after aborts, preemption or reclaimed delayed frees, shutdown with threads and sockets), not transfers --
-# those are the tests above and tests/test_p2p_faults.py.
+# those are the tests above and tests/connectors/test_p2p_faults.py.
 TestP2PConformance = conformance_suite(lambda shared: KVConnectorConfig("p2p"), provides_hits=False)
