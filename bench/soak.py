@@ -17,6 +17,7 @@ Figures: ``requests_completed``, ``requests_cancelled``, ``log_warnings``, ``log
 from __future__ import annotations
 
 import random
+import re
 import tempfile
 import threading
 import time
@@ -134,6 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     r.figure("hold_stop_timeouts", timeouts)
     r.ratio("reuse_warnings_per_minute", reuse / (elapsed / 60.0), "== 0")
     r.emit(args.json)
+    kinds: dict[str, int] = {}
+    for line in lines:
+        if " WARNING " in line or " ERROR " in line:
+            kind = re.sub(r"req-[0-9a-f]+|tcp://[0-9.:]+|\d+", "#", line.split(": ", 2)[-1])[:110]
+            kinds[kind] = kinds.get(kind, 0) + 1
+    for kind, n in sorted(kinds.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"  {n:>5} x {kind}")
     return 0
 
 

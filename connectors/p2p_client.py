@@ -261,7 +261,11 @@ class BlockPuller:
             if failure.peer_alive:
                 self._release(sockets, job.endpoint, job.remote_request_id)
             good = loaded.index(False) if False in loaded else len(loaded)
-            logger.warning(
+            # "released": the producer ended the lease on purpose (its request was aborted, e.g. the
+            # client cancelled): the request recomputes, and nothing is wrong with either node.
+            level = logging.INFO if failure.reason == ErrorCode.RELEASED.value else logging.WARNING
+            logger.log(
+                level,
                 "p2p: pull of %s from %s failed after %d of %d blocks: %s",
                 job.request_id,
                 job.endpoint,
