@@ -125,7 +125,10 @@ class EngineDriver:
         poll_interval_s: float = 0.002,
         held_poll_interval_s: float = 0.05,
         name: str = "engine-driver",
+        after_step: Callable[[LLMEngine], None] | None = None,
     ) -> None:
+        """``after_step`` runs on the driver thread after every step (e.g. publishing the step's KV
+        events); it must not block."""
         if max_num_requests <= 0:
             raise ValueError(f"max_num_requests must be positive, got {max_num_requests}")
         if not 0 < poll_interval_s <= held_poll_interval_s:
@@ -143,6 +146,7 @@ class EngineDriver:
         self._num_admitted = 0  # unfinished requests submitted (under _lock)
         self._stopping = False
         self._error: str | None = None
+        self._after_step = after_step
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
@@ -252,6 +256,8 @@ class EngineDriver:
                 command = self._next_command(block=False)
             if engine.has_pending_work():
                 self._route(engine.step())
+                if self._after_step is not None:
+                    self._after_step(engine)
 
     def _has_runnable_work(self) -> bool:
         """Requests that computed last step.  Waiting ones were offered a place then: if they are still

@@ -43,6 +43,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # Record the prefix cache's stored/removed blocks for a publisher (``take_kv_events``).
+    enable_kv_events: bool = False
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
@@ -104,6 +106,7 @@ class EngineConfig:
             block_size=self.block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
+            enable_kv_events=self.enable_kv_events,
         )
 
     def num_blocks_for(self, bytes_per_block: int) -> int:

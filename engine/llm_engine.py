@@ -296,6 +296,7 @@ class LLMEngine:
             request = self.output_processor.request(rid)
             error = request.error if request is not None else None
             self._append_finish(outputs, rid, "error", error)
+        started = time.perf_counter()
         try:
             # Runs even for an empty step: the connector's async loads and sends report through it.
             result = self.runner.execute(step)
@@ -307,11 +308,21 @@ class LLMEngine:
                 # The step's requests are finished now; what the connector reported still applies.
                 self.scheduler.update_from_output(step, exc.output)
             return outputs
+        self._count_step(step, time.perf_counter() - started)
         core = self.scheduler.update_from_output(step, result)
         for out in self.output_processor.process(core.updates, self.scheduler):
             self._count(out)
             outputs.append(out)
         return outputs
+
+    def _count_step(self, step: SchedulerOutput, seconds: float) -> None:
+        """The runner's time, and the share of it prefill chunks took (what a router's cost model uses)."""
+        self.counters.add("engine_step_seconds", seconds)
+        total = step.total_num_scheduled_tokens
+        prefill = sum(sr.num_tokens for sr in step.scheduled if sr.num_tokens > 1)
+        if prefill and total:
+            self.counters.add("prefill_compute_tokens", prefill)
+            self.counters.add("prefill_compute_seconds", seconds * prefill / total)
 
     def _count(self, out: RequestOutput) -> None:
         """Every output the engine returns passes here once: its counters and latencies."""

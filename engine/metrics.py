@@ -81,11 +81,23 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     ),
     counter("request_success", "requests finished, by finish reason", label="finished_reason"),
     counter("engine_steps", "engine steps run"),
+    counter(
+        "engine_step_seconds", "seconds spent in the model runner (forward passes and their connector work)"
+    ),
+    counter(
+        "prefill_compute_tokens",
+        "prompt tokens computed (prefill chunks), the work a router's cost model counts",
+    ),
+    counter(
+        "prefill_compute_seconds",
+        "runner seconds attributed to prefill chunks (each step's time by its share of prefill tokens)",
+    ),
     # gauges
     gauge("num_requests_running", "requests computing in the engine"),
     gauge("num_requests_waiting", "requests waiting to be scheduled"),
     gauge("num_requests_loading", "requests waiting for their KV from a connector"),
     gauge("num_requests_held", "finished requests whose KV is held for a connector's transfer"),
+    gauge("prefill_tokens_queued", "prompt tokens still to compute for the waiting and running requests"),
     gauge("kv_cache_usage_perc", "fraction of KV blocks in use (0..1)"),
     gauge("kv_cache_free_blocks", "free KV blocks"),
     gauge("kv_cache_blocks", "KV blocks in the pool"),

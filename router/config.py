@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from serving.config import parse_address
 
 MODES = ("disaggregated", "colocated")
-POLICIES = ("round-robin", "least-loaded")
+POLICIES = ("round-robin", "least-loaded", "kv-aware")
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_HTTP_ADDRESS = "127.0.0.1:8000"
 # The line the router prints once it serves: READY_PREFIX + "HOST:PORT mode=... metrics=..."

@@ -13,11 +13,13 @@ import logging
 import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import grpc
 
 from engine.hashing import HashNamespace
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
+from router.kv_index import Publisher
 from serving.health import SERVING, check
 
 logger = logging.getLogger(__name__)
@@ -29,6 +31,23 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 ABORT_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class NodeCosts:
+    """What a node's own figures say a request will cost there (``kv-aware`` routing), measured from the
+    deltas of its ``Stats`` between two health rounds (smoothed), never set by hand."""
+
+    prefill_s_per_token: float | None = None  # runner seconds per prompt token computed
+    load_s_per_token: float | None = None  # seconds per prompt token loaded from its store
+    queued_prefill_tokens: float = 0.0  # prompt tokens its waiting and running requests still compute
+
+
+SMOOTHING = 0.3  # weight of the newest window in the moving averages
+
+
+def _smooth(old: float | None, new: float) -> float:
+    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
 
 
 class NodeHandle:
@@ -43,6 +62,10 @@ class NodeHandle:
         self.control = node_pb2_grpc.NodeStub(self.channel)
         # The node's block-hash namespace (from Stats), for prefix-aware policies.
         self.namespace: HashNamespace | None = None
+        # Its measured costs and where it publishes KV events (from Stats, each health round).
+        self.costs = NodeCosts()
+        self.kv_events: Publisher | None = None
+        self._last_stats: node_pb2.NodeStats | None = None
         self._lock = threading.Lock()
         self._healthy = False
         self._inflight = 0
@@ -98,22 +121,56 @@ class NodeHandle:
         if status != SERVING:
             self.mark_down(status)
             return
-        if self.namespace is None:
-            self.namespace = self._fetch_namespace(timeout)
+        self._refresh_stats(timeout)
         self.mark_up()
 
-    def _fetch_namespace(self, timeout: float) -> HashNamespace | None:
+    def _refresh_stats(self, timeout: float) -> None:
+        """The node's namespace, its KV events endpoints, and its measured costs."""
         try:
             stats = self.control.Stats(node_pb2.StatsRequest(), timeout=timeout)
-            return HashNamespace(
-                model_fingerprint=stats.model_fingerprint, block_size=stats.block_size, algo=stats.hash_algo
-            )
+            if self.namespace is None:
+                self.namespace = HashNamespace(
+                    model_fingerprint=stats.model_fingerprint,
+                    block_size=stats.block_size,
+                    algo=stats.hash_algo,
+                )
         except (grpc.RpcError, ValueError) as exc:
-            logger.debug("no namespace from %s yet: %r", self.address, exc)
-            return None
+            logger.debug("no stats from %s yet: %r", self.address, exc)
+            return
+        self.kv_events = (
+            Publisher(
+                self.address, stats.engine_id, stats.kv_events_endpoint, stats.kv_events_replay_endpoint
+            )
+            if stats.kv_events_endpoint
+            else None
+        )
+        self.costs = measure_costs(self.costs, self._last_stats, stats)
+        self._last_stats = stats
 
     def close(self) -> None:
         self.channel.close()
+
+
+def measure_costs(costs: NodeCosts, before: node_pb2.NodeStats | None, now: node_pb2.NodeStats) -> NodeCosts:
+    """``costs`` updated with what the node did between two Stats: prefill seconds per computed token,
+    store-load seconds per loaded token (the ``offload`` connector's load histogram over the prompt
+    tokens it loaded), and the prefill work it has queued now."""
+    prefill, load = costs.prefill_s_per_token, costs.load_s_per_token
+    if before is not None:
+        c, b = now.counters, before.counters
+        tokens = c["prefill_compute_tokens"] - b["prefill_compute_tokens"]
+        if tokens > 0:
+            prefill = _smooth(prefill, (c["prefill_compute_seconds"] - b["prefill_compute_seconds"]) / tokens)
+        key = "prompt_tokens.external_kv_transfer"
+        loaded = c[key] - b[key]
+        if loaded > 0 and "kv_load_seconds.offload" in now.histograms:
+            old = (
+                before.histograms["kv_load_seconds.offload"].sum
+                if "kv_load_seconds.offload" in before.histograms
+                else 0.0
+            )
+            load = _smooth(load, (now.histograms["kv_load_seconds.offload"].sum - old) / loaded)
+    return NodeCosts(prefill, load, now.gauges["prefill_tokens_queued"])
 
 
 def _log_abort_failure(address: str, request_id: str, future: grpc.Future) -> None:

@@ -171,14 +171,14 @@ class Cancellation:
 
 class Pipeline:
     """Runs client requests over the pools in ``mode`` ("disaggregated" or "colocated");
-    ``new_selector`` makes the node-selection policy of each pool."""
+    ``new_selector(pool)`` makes the node-selection policy of each pool."""
 
     def __init__(
         self,
         mode: str,
         prefill_pool: NodePool | None,
         decode_pool: NodePool,
-        new_selector: Callable[[], NodeSelector],
+        new_selector: Callable[[NodePool], NodeSelector],
         *,
         prefill_attempts: int = 2,
         decode_attempts: int = 2,
@@ -190,7 +190,7 @@ class Pipeline:
         self.decode_pool = decode_pool
         # One selector per pool: a round-robin turn taken in one pool must not skip a node in the other.
         self._selectors = {
-            id(pool): new_selector() for pool in (prefill_pool, decode_pool) if pool is not None
+            id(pool): new_selector(pool) for pool in (prefill_pool, decode_pool) if pool is not None
         }
         self.prefill_attempts = prefill_attempts
         self.decode_attempts = decode_attempts

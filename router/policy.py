@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.hashing import BlockHash, HashNamespace, hash_blocks
+from router.kv_index import KVIndex
 from router.nodes import NodeHandle
 
 
@@ -59,9 +60,80 @@ class LeastLoaded:
         return self._tiebreak.choose([n for n in nodes if n.inflight == least], info)
 
 
-def make_selector(policy: str) -> NodeSelector:
+@dataclass(frozen=True)
+class Estimate:
+    """A node's predicted time to first token for one request, and what it is made of."""
+
+    node: NodeHandle
+    seconds: float
+    local_tokens: int  # prompt tokens the node holds (its KV events say)
+    store_tokens: int  # prompt tokens past those it would load from the shared store
+    compute_tokens: int
+    queued_tokens: float
+
+
+DEFAULT_PREFILL_S_PER_TOKEN = 1e-4  # until some node has measured its own: only the ratios matter then
+STORE = "store"  # the index's key for the shared store's blocks (its publisher's events)
+
+
+class KVAware:
+    """The node with the least predicted time to first token, from measured costs (``NodeCosts``):
+
+        (queued prefill tokens + tokens to compute) x the node's prefill seconds per token
+          + tokens to load from the store x the node's store-load seconds per token
+
+    The tokens it holds come from the index of the nodes' KV events; the store's from the index entries
+    of the store's publisher (``STORE``), used only by a node that has measured its own store loads
+    (a node with no store, or none measured yet, computes them).  A node that has not measured its
+    prefill speed yet is taken at the median of those that have.  Ties (within ``tie_ratio``) go to the
+    least loaded, then round-robin.
+    """
+
+    def __init__(self, index: KVIndex, *, tie_ratio: float = 0.02) -> None:
+        self.index = index
+        self.tie_ratio = tie_ratio
+        self._tiebreak = LeastLoaded()
+
+    def estimates(self, nodes: Sequence[NodeHandle], info: RoutingInfo) -> list[Estimate]:
+        measured = sorted(n.costs.prefill_s_per_token for n in nodes if n.costs.prefill_s_per_token)
+        typical = measured[len(measured) // 2] if measured else DEFAULT_PREFILL_S_PER_TOKEN
+        hashes_by_ns: dict[HashNamespace, list[BlockHash]] = {}
+        n_prompt = len(info.prompt_token_ids)
+        out = []
+        for node in nodes:
+            local = store = 0
+            load_per_token = node.costs.load_s_per_token
+            if node.namespace is not None:
+                hashes = hashes_by_ns.get(node.namespace)
+                if hashes is None:
+                    hashes = hashes_by_ns[node.namespace] = info.block_hashes(node.namespace)
+                bs = node.namespace.block_size
+                # Never the last token: it is computed to produce logits.
+                local = min(self.index.prefix_blocks(node.address, hashes) * bs, n_prompt - 1)
+                if load_per_token is not None:
+                    in_store = min(self.index.prefix_blocks(STORE, hashes) * bs, n_prompt - 1)
+                    store = max(0, in_store - local)
+            compute = n_prompt - local - store
+            per_token = node.costs.prefill_s_per_token or typical
+            queued = node.costs.queued_prefill_tokens
+            seconds = (queued + compute) * per_token + store * (load_per_token or 0.0)
+            out.append(Estimate(node, seconds, local, store, compute, queued))
+        return out
+
+    def choose(self, nodes: Sequence[NodeHandle], info: RoutingInfo) -> NodeHandle:
+        estimates = self.estimates(nodes, info)
+        best = min(e.seconds for e in estimates)
+        close = [e.node for e in estimates if e.seconds <= best * (1 + self.tie_ratio) + 1e-9]
+        return close[0] if len(close) == 1 else self._tiebreak.choose(close, info)
+
+
+def make_selector(policy: str, index: KVIndex | None = None) -> NodeSelector:
     if policy == "round-robin":
         return RoundRobin()
     if policy == "least-loaded":
         return LeastLoaded()
-    raise ValueError(f"policy {policy!r} is unknown; choose round-robin or least-loaded")
+    if policy == "kv-aware":
+        if index is None:
+            raise ValueError("policy 'kv-aware' needs the router's KV index")
+        return KVAware(index)
+    raise ValueError(f"policy {policy!r} is unknown; choose round-robin, least-loaded or kv-aware")

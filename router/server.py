@@ -17,9 +17,10 @@ from engine.metrics import StatsSnapshot
 from engine.tokenizer import Tokenizer
 from pdkv_proto.pdkv.v1 import generation_pb2_grpc
 from router.config import READY_PREFIX, RouterConfig
+from router.kv_index import KVEventSubscriber, KVIndex
 from router.nodes import HealthMonitor, NodePool
 from router.pipeline import Pipeline
-from router.policy import make_selector
+from router.policy import NodeSelector, make_selector
 from router.servicer import GenerationServicer
 from router.tokenizer import RouterModel, load_model, model_path
 from serving.config import stop_on_signals
@@ -50,6 +51,8 @@ class RouterRuntime:
     monitor: HealthMonitor
     health: health.HealthServicer
     calls: RpcCounters
+    kv_index: KVIndex | None = None
+    kv_events: KVEventSubscriber | None = None
 
     @classmethod
     def build(cls, config: RouterConfig) -> RouterRuntime:
@@ -69,11 +72,21 @@ class RouterRuntime:
             else None
         )
         pools = (decode,) if prefill is None else (prefill, decode)
+        # kv-aware: an index of the nodes' KV events chooses the node that computes the prompt (prefill,
+        # or colocated); the decode node of a disaggregated request stays least-loaded.
+        index = KVIndex() if config.policy == "kv-aware" else None
+        routed = prefill if prefill is not None else decode
+
+        def new_selector(pool: NodePool) -> NodeSelector:
+            if index is not None and pool is routed:
+                return make_selector("kv-aware", index)
+            return make_selector("least-loaded" if index is not None else config.policy)
+
         pipeline = Pipeline(
             mode=config.mode,
             prefill_pool=prefill,
             decode_pool=decode,
-            new_selector=lambda: make_selector(config.policy),
+            new_selector=new_selector,
             prefill_attempts=config.prefill_attempts,
             decode_attempts=config.decode_attempts,
             max_inflight=config.max_inflight,
@@ -86,7 +99,12 @@ class RouterRuntime:
             timeout=config.health_timeout_s,
             on_round=lambda: _publish_health(servicer, pools),
         )
-        return cls(config, model, pools, pipeline, monitor, servicer, RpcCounters())
+        subscriber = None
+        if index is not None:
+            subscriber = KVEventSubscriber(
+                index, lambda: [n.kv_events for n in routed.healthy() if n.kv_events is not None]
+            ).start()
+        return cls(config, model, pools, pipeline, monitor, servicer, RpcCounters(), index, subscriber)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -137,6 +155,18 @@ class RouterRuntime:
                 up.add_metric([n.address], 1.0 if n.healthy else 0.0)
                 inflight.add_metric([n.address], float(n.inflight))
             families += [up, inflight]
+        if self.kv_index is not None:
+            counters = CounterMetricFamily(
+                "pdkv_router_kv_index_events", "KV event batches by outcome", labels=["outcome"]
+            )
+            for outcome, count in sorted(self.kv_index.counters.items()):
+                counters.add_metric([outcome], float(count))
+            blocks = GaugeMetricFamily(
+                "pdkv_router_kv_index_blocks", "blocks the index holds per node", labels=["node"]
+            )
+            for node in self.kv_index.nodes():
+                blocks.add_metric([node], float(self.kv_index.num_blocks(node)))
+            families += [counters, blocks]
         return families + self.calls.families("pdkv_router")
 
     def stop(self, server: grpc.Server | None = None, grace_s: float | None = None) -> None:
@@ -146,6 +176,8 @@ class RouterRuntime:
         if server is not None:
             server.stop(grace).wait(grace + 1.0)
         self.monitor.stop()
+        if self.kv_events is not None:
+            self.kv_events.close()
         for pool in self.pools:
             pool.close()
 

@@ -92,6 +92,9 @@ class NodeConfig:
     # Where /metrics is served over HTTP ("" disables it); port 0 picks a free one.
     metrics_address: str = "127.0.0.1:0"
     node_id: str = ""
+    # Where the engine's KV events are published (a ZeroMQ PUB endpoint, "tcp://HOST:PORT", port 0 picks
+    # one; its replay socket binds the same host on a free port); "" publishes none.
+    kv_events_bind: str = ""
     # Unfinished requests the engine takes before RESOURCE_EXHAUSTED.
     max_num_requests: int = 64
     # Seconds in-flight RPCs get to finish when the node stops.
@@ -103,6 +106,10 @@ class NodeConfig:
         parse_address(self.address, "address")
         if self.metrics_address:
             parse_address(self.metrics_address, "metrics_address")
+        if self.kv_events_bind and not self.kv_events_bind.startswith(("tcp://", "ipc://")):
+            raise ValueError(
+                f"kv_events_bind must be a tcp:// or ipc:// endpoint, got {self.kv_events_bind!r}"
+            )
         if not isinstance(self.max_num_requests, int) or self.max_num_requests <= 0:
             raise ValueError(f"max_num_requests must be a positive integer, got {self.max_num_requests!r}")
         if not self.grace_s >= 0:
@@ -135,6 +142,13 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         default="none",
         metavar="SPEC",
         help="the KV connector stack: none | NAME | JSON {'name': ..., 'options': {...}} | @file.json",
+    )
+    parser.add_argument(
+        "--kv-events",
+        default="",
+        metavar="ENDPOINT",
+        help="publish the engine's KV cache events on this ZeroMQ endpoint, e.g. tcp://0.0.0.0:5557 (port "
+        "0 picks one; Node/Stats names it); a kv-aware router subscribes (default: off)",
     )
     parser.add_argument("--max-num-requests", type=int, default=64, help="requests before RESOURCE_EXHAUSTED")
     parser.add_argument("--grace-s", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
@@ -181,6 +195,7 @@ def node_config_from_args(args: argparse.Namespace, role: str) -> NodeConfig:
         "max_model_len": args.max_model_len,
         "seed": args.seed,
         "kv_hold_timeout_s": args.kv_hold_timeout_s,
+        "enable_kv_events": bool(args.kv_events),
         "kv_connector": parse_connector_spec(args.kv_connector),
         "engine_id": args.engine_id or node_id,
     }
@@ -190,6 +205,7 @@ def node_config_from_args(args: argparse.Namespace, role: str) -> NodeConfig:
         address=args.address,
         metrics_address=metrics,
         node_id=node_id,
+        kv_events_bind=args.kv_events,
         max_num_requests=args.max_num_requests,
         grace_s=args.grace_s,
     )

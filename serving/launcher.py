@@ -69,6 +69,8 @@ class Topology:
     # The router's OpenAI-compatible HTTP API on ``host`` (0: any free port; None: off).
     http_port: int | None = 0
     kv_connector: str | None = None
+    # The router's node-selection policy; "kv-aware" also makes every node publish its KV events.
+    policy: str = "least-loaded"
     node_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     log_dir: Path | None = None
@@ -259,6 +261,7 @@ class Cluster:
                 spec,
                 "--model",
                 model,
+                *(("--kv-events", f"tcp://{t.host}:0") if t.policy == "kv-aware" else ()),
                 *t.node_args,
             ]
             nodes.append(self._spawn(name, role, argv))
@@ -280,6 +283,8 @@ class Cluster:
             f"{t.host}:0",
             "--http-address",
             "none" if t.http_port is None else f"{t.host}:{t.http_port}",
+            "--policy",
+            t.policy,
             *t.router_args,
         ]
         if prefill:

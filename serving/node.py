@@ -32,6 +32,7 @@ from prefill_node.servicer import PrefillNodeServicer
 from serving import convert
 from serving.config import READY_PREFIX, NodeConfig, stop_on_signals
 from serving.errors import CallRecorder, rpc_errors
+from serving.kv_events import KVEventPublisher
 from serving.metrics import Metric, MetricsServer, RpcCounters, counter_families, gauge, stats_families
 from serving.reflection import enable_reflection
 
@@ -53,14 +54,29 @@ class NodeRuntime:
     driver: EngineDriver
     calls: RpcCounters
     health: health.HealthServicer
+    events: KVEventPublisher | None = None
 
     @classmethod
     def build(cls, config: NodeConfig) -> NodeRuntime:
         engine = LLMEngine(config.engine)
+        events: KVEventPublisher | None = None
+        if config.kv_events_bind:
+            bind = config.kv_events_bind
+            replay = f"{bind.rpartition(':')[0]}:0" if bind.startswith("tcp://") else f"{bind}.replay"
+            events = KVEventPublisher(config.engine.engine_id, bind, replay)
+        publisher = events
+
+        def publish_events(e: LLMEngine) -> None:
+            if publisher is not None:
+                publisher.publish(e.take_kv_events())
+
         driver = EngineDriver(
-            engine, max_num_requests=config.max_num_requests, name=f"{config.node_id}-engine"
+            engine,
+            max_num_requests=config.max_num_requests,
+            name=f"{config.node_id}-engine",
+            after_step=publish_events if events is not None else None,
         )
-        node = cls(config, driver.start(), RpcCounters(), health.HealthServicer())
+        node = cls(config, driver.start(), RpcCounters(), health.HealthServicer(), events)
         node.set_serving(False)  # the health servicer starts out SERVING; say so only once started
         return node
 
@@ -87,6 +103,8 @@ class NodeRuntime:
         if server is not None:
             server.stop(grace).wait(grace + 1.0)
         self.driver.stop()
+        if self.events is not None:
+            self.events.close()
 
 
 class NodeServicer(node_pb2_grpc.NodeServicer):
@@ -124,6 +142,9 @@ def _stats_proto(node: NodeRuntime, s: EngineSnapshot) -> node_pb2.NodeStats:
         model_fingerprint=s.model_fingerprint,
         block_size=s.block_size,
         hash_algo=s.hash_algo,
+        kv_events_endpoint=node.events.endpoint if node.events is not None else "",
+        kv_events_replay_endpoint=node.events.replay_endpoint if node.events is not None else "",
+        kv_events_epoch=node.events.epoch if node.events is not None else "",
         counters=dict(s.stats.counters),
         gauges=dict(s.stats.gauges),
         histograms={

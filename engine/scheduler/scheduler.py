@@ -487,6 +487,13 @@ class Scheduler:
             "num_requests_waiting": float(len(self.waiting)),
             "num_requests_loading": float(len(self.loading)),
             "num_requests_held": float(len(self.holds)),
+            "prefill_tokens_queued": float(
+                sum(
+                    max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                    for r in self.requests.values()
+                    if r.num_computed_tokens < r.num_prompt_tokens
+                )
+            ),
             "kv_cache_usage_perc": self.kv.usage,
             "kv_cache_free_blocks": float(self.kv.num_free_blocks),
             "kv_cache_blocks": float(self.kv.num_blocks),

@@ -59,6 +59,12 @@ def register(subparsers: Any) -> None:
         metavar="ARGS",
         help="extra options for every node, e.g. '--num-blocks 512'",
     )
+    parser.add_argument(
+        "--policy",
+        choices=("round-robin", "least-loaded", "kv-aware"),
+        default="least-loaded",
+        help="the router's node choice; kv-aware routes on the nodes' KV events and measured costs",
+    )
     parser.add_argument("--log-dir", default=None, metavar="DIR", help="keep the children's logs here")
     parser.add_argument("--startup-timeout", type=float, default=180.0, metavar="S")
     parser.add_argument(
@@ -89,6 +95,7 @@ def _up(args: argparse.Namespace) -> int:
         router_port=port,
         http_port=None if args.http_port.lower() == "none" else int(args.http_port),
         kv_connector=args.kv_connector,
+        policy=args.policy,
         node_args=tuple(shlex.split(args.node_args)),
         log_dir=Path(args.log_dir) if args.log_dir else None,
         startup_timeout_s=args.startup_timeout,

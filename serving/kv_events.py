@@ -1,0 +1,184 @@
+"""Publishing an engine's KV events: a ZeroMQ PUB socket for batches, a ROUTER socket to replay them.
+
+Wire format: ``engine/kv_events.py`` (``EventBatch``: publisher, epoch, sequence number, events).
+
+    engine thread: publish(events)  ->  bounded queue  ->  sender thread: PUB.send(batch)
+                                                                          keeps the last N batches
+    subscriber:    REQ-less DEALER  ->  replay {"from": seq}  ->  [header, batch, batch, ...]
+
+The step loop only appends to a bounded queue (``publish`` never blocks and never encodes): when the
+queue is full the batch is dropped, counted (``num_dropped``), and its sequence number skipped, so the
+subscriber sees the gap -- and the next batch says how many went missing (``dropped``).  The sender keeps
+the last ``replay_size`` encoded batches; a subscriber that missed some asks the replay socket for every
+batch from a sequence number on, and is told ``gone`` when they are older than that, so it forgets the
+publisher's blocks and starts over.
+
+Replay request: one msgpack frame ``{"v": 1, "id": u64, "from": seq}``; reply:
+``[{"v": 1, "id": u64, "epoch": str, "oldest": seq, "last": seq, "gone": bool}, batch frame, ...]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import zmq
+
+from engine.kv_events import EventBatch, KVCacheEvent, encode_batch
+
+logger = logging.getLogger(__name__)
+
+REPLAY_VERSION = 1
+
+
+class KVEventPublisher:
+    """One publisher (an engine, a store server): ``publish`` from its owner thread, the rest is ours."""
+
+    def __init__(
+        self,
+        publisher: str,
+        bind: str = "tcp://127.0.0.1:0",
+        replay_bind: str = "tcp://127.0.0.1:0",
+        *,
+        queue_size: int = 1024,
+        replay_size: int = 8192,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        if queue_size <= 0 or replay_size <= 0:
+            raise ValueError("queue_size and replay_size must be positive")
+        self.publisher = publisher
+        self.epoch = secrets.token_hex(
+            8
+        )  # a fresh one every start: subscribers forget the old epoch's blocks
+        self.queue_size = queue_size
+        self.replay_size = replay_size
+        self._own_context = context is None
+        self._context: zmq.Context[Any] = context or zmq.Context()
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, queue_size)
+        self._replay = self._context.socket(zmq.ROUTER)
+        self._replay.setsockopt(zmq.LINGER, 0)
+        self._replay.setsockopt(zmq.MAXMSGSIZE, 4096)
+        try:
+            self._pub.bind(bind)
+            self._replay.bind(replay_bind)
+        except zmq.ZMQError:
+            self._pub.close(linger=0)
+            self._replay.close(linger=0)
+            raise
+        self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint: str = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._lock = threading.Lock()
+        self._queue: deque[EventBatch] = deque()
+        self._seq = 0
+        self._dropped_since_sent = 0
+        self.num_dropped = 0  # batches not queued (full): their sequence numbers were skipped
+        self.num_published = 0
+        self._history: OrderedDict[int, bytes] = OrderedDict()  # sender thread only
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kv-events-{publisher}", daemon=True)
+        self._thread.start()
+
+    # ---- the owner's side (never blocks) --------------------------------------------------------------
+
+    def publish(self, events: Sequence[KVCacheEvent]) -> None:
+        if not events:
+            return
+        with self._lock:
+            self._seq += 1
+            if len(self._queue) >= self.queue_size:
+                self.num_dropped += 1
+                self._dropped_since_sent += 1
+                return
+            self._queue.append(
+                EventBatch(
+                    self.publisher,
+                    self.epoch,
+                    self._seq,
+                    time.time(),
+                    tuple(events),
+                    self._dropped_since_sent,
+                )
+            )
+            self._dropped_since_sent = 0
+        self._wake.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(5.0)
+        self._pub.close(linger=0)
+        self._replay.close(linger=0)
+        if self._own_context:
+            self._context.term()
+
+    # ---- the sender thread -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._replay, zmq.POLLIN)
+        while not self._stop.is_set():
+            self._send_queued()
+            if dict(poller.poll(10)).get(self._replay):
+                self._serve_replays()
+            if not self._queue:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def _send_queued(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    return
+                batch = self._queue.popleft()
+            frame = encode_batch(batch)
+            self._history[batch.seq] = frame
+            while len(self._history) > self.replay_size:
+                self._history.popitem(last=False)
+            try:
+                self._pub.send(frame, zmq.NOBLOCK)
+                self.num_published += 1
+            except zmq.Again:  # a subscriber too slow for the high-water mark: it replays the gap
+                pass
+
+    def _serve_replays(self, limit: int = 16) -> None:
+        for _ in range(limit):
+            try:
+                identity, *body = self._replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                request = msgpack.unpackb(body[0], raw=False, max_map_len=8) if len(body) == 1 else None
+            except Exception:
+                request = None
+            if not isinstance(request, dict):
+                logger.debug("kv events: a malformed replay request from a subscriber: dropped")
+                continue
+            start = request.get("from")
+            if not isinstance(start, int) or start < 1:
+                logger.debug("kv events: a malformed replay request from a subscriber: dropped")
+                continue
+            oldest = next(iter(self._history), 0)
+            last = next(reversed(self._history), 0)
+            gone = (bool(self._history) and start < oldest) or (not self._history and start <= self._seq)
+            header = {
+                "v": REPLAY_VERSION,
+                "id": request.get("id", 0),
+                "epoch": self.epoch,
+                "oldest": oldest,
+                "last": last,
+                "gone": gone,
+            }
+            frames = [] if gone else [f for seq, f in self._history.items() if seq >= start]
+            try:
+                self._replay.send_multipart([identity, msgpack.packb(header), *frames], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                logger.debug("kv events: replay reply dropped: %s", exc)

@@ -1,0 +1,61 @@
+"""bench.replay's trace handling: bad lines named, deterministic tokens, and the ceiling."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.replay import Scale, TraceError, TraceRequest, ceiling, read_trace, scale_trace
+
+SCALE = Scale(tokens_per_block=4, time_scale=0.5, max_output=8)
+
+
+def write(tmp_path: Path, lines: list[str]) -> Path:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def row(t: int, n: int, ids: list[int], out: int = 10) -> str:
+    return json.dumps({"timestamp": t, "input_length": n, "output_length": out, "hash_ids": ids})
+
+
+@pytest.mark.parametrize(
+    ("bad", "what"),
+    [
+        ("{not json", "not valid JSON"),
+        (json.dumps({"timestamp": 1, "input_length": 5, "output_length": 1}), "hash_ids"),
+        (json.dumps({"timestamp": 1, "output_length": 1, "hash_ids": [1]}), "input_length"),
+        (json.dumps([1, 2]), "JSON object"),
+    ],
+)
+def test_a_bad_line_is_named_and_stops_the_replay(tmp_path: Path, bad: str, what: str) -> None:
+    path = write(tmp_path, [row(0, 1024, [0, 1]), bad, row(2, 512, [0])])
+    with pytest.raises(TraceError, match=rf"trace.jsonl:2: .*{what}"):
+        read_trace(path, 0, 10)
+
+
+def test_tokens_come_from_hash_ids_deterministically_and_scale(tmp_path: Path) -> None:
+    path = write(tmp_path, [row(0, 1024, [0, 1]), row(1000, 1200, [0, 1, 2]), row(3000, 700, [5, 6])])
+    a, b, c = scale_trace(read_trace(path, 0, 10), SCALE, vocab=512)
+    assert (
+        len(a.prompt) == 8
+        and len(b.prompt) == round(1200 * 4 / 512)
+        and len(c.prompt) == round(700 * 4 / 512)
+    )
+    assert b.prompt[:8] == a.prompt  # the same ids, the same tokens
+    assert c.prompt[:4] != a.prompt[:4]
+    assert (a.arrival_s, b.arrival_s, c.arrival_s) == (0.0, 0.5, 1.5)
+    assert a.max_tokens == 8
+    assert scale_trace(read_trace(path, 1, 1), SCALE, vocab=512)[0].prompt == b.prompt  # windows agree
+
+
+def test_the_ceiling_counts_leading_blocks_seen_before_never_the_last_token() -> None:
+    def req(ids: tuple[int, ...], n: int) -> TraceRequest:
+        return TraceRequest(0.0, [0] * n, 1, ids)
+
+    reqs = [req((0, 1, 2), 12), req((0, 1, 3), 12), req((0, 1, 2), 12), req((9, 1, 2), 12)]
+    # Hits: 0, then blocks (0, 1) = 8 tokens, then the whole prompt but the last token = 11, then 0.
+    assert ceiling(reqs, 4) == pytest.approx((0 + 8 + 11 + 0) / 48)
