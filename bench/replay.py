@@ -6,8 +6,8 @@
 The trace (``../shared/data/traces/conversation_trace.jsonl`` by default; README there): one JSON object a
 line with ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids`` (512-token prefix
 blocks: equal ids, the same block).  The replay scales it to this machine -- ``--tokens-per-block`` tokens
-stand for each 512-token block (input lengths scale alike), arrival times are multiplied by
-``--time-scale``, outputs are capped at ``--max-output`` -- and makes token ids from hash ids
+stand for each 512-token block (input lengths scale alike, capped at ``--max-input``), arrival times are
+multiplied by ``--time-scale``, outputs are capped at ``--max-output`` -- and makes token ids from hash ids
 deterministically (the same id always gives the same block of tokens; the last block is cut to the scaled
 input length).  Every figure is printed with those factors.
 
@@ -55,7 +55,7 @@ DEFAULT_TRACE = (
 TRACE_BLOCK_TOKENS = 512
 SPEC = TinyLlamaSpec(layers=4, hidden=256, heads=8, kv_heads=4, vocab=512, max_position_embeddings=16384)
 BLOCK_SIZE = 16
-NODE_BLOCKS = 96  # per node: smaller than the window's working set, so local caches overflow
+NODE_BLOCKS = 160  # per node (2560 tokens): far below the window's working set, so local caches overflow
 STORE = "cpu:1GiB"
 
 
@@ -76,11 +76,12 @@ class Scale:
     tokens_per_block: int
     time_scale: float
     max_output: int
+    max_input: int = 1 << 30
 
     def describe(self) -> str:
         return (
             f"{self.tokens_per_block} tokens per 512-token block, time x{self.time_scale:g}, "
-            f"outputs capped at {self.max_output}"
+            f"inputs capped at {self.max_input} tokens, outputs at {self.max_output}"
         )
 
 
@@ -123,7 +124,8 @@ def scale_trace(rows: list[dict[str, Any]], scale: Scale, vocab: int) -> list[Tr
     t0 = rows[0]["timestamp"] if rows else 0
     out: list[TraceRequest] = []
     for row in rows:
-        n = max(1, round(row["input_length"] * scale.tokens_per_block / TRACE_BLOCK_TOKENS))
+        scaled = round(row["input_length"] * scale.tokens_per_block / TRACE_BLOCK_TOKENS)
+        n = max(1, min(scale.max_input, scaled))
         ids = tuple(row["hash_ids"])
         tokens: list[int] = []
         for block_id in ids:
@@ -168,17 +170,28 @@ def qa_workload(users: int, rounds: int, scale: Scale, vocab: int, gap_s: float)
     system = [2 + rng.randrange(vocab - 2) for _ in range(8 * scale.tokens_per_block)]
     out: list[TraceRequest] = []
     histories = {u: list(system) for u in range(users)}
-    block = 0
+    tpb = scale.tokens_per_block
     for k in range(rounds):
-        for u in range(users):
+        order = list(range(users))
+        rng.shuffle(order)  # users answer at their own pace: no fixed order a round-robin could align with
+        for slot, u in enumerate(order):
             question = [2 + rng.randrange(vocab - 2) for _ in range(2 * scale.tokens_per_block)]
             prompt = histories[u] + question
             answer = [2 + rng.randrange(vocab - 2) for _ in range(scale.max_output)]
             histories[u] = prompt + answer
-            ids = tuple(range(block, block + len(prompt) // scale.tokens_per_block))
-            block += len(ids)
-            out.append(TraceRequest((k * users + u) * gap_s, prompt, scale.max_output, ids))
+            arrival = (k * users + slot) * gap_s
+            out.append(TraceRequest(arrival, prompt, scale.max_output, _chain_ids(prompt, tpb)))
     return out
+
+
+def _chain_ids(prompt: list[int], block: int) -> tuple[int, ...]:
+    """Prefix block ids of a prompt, as the trace's are: equal ids, equal prefixes up to that block."""
+    ids: list[int] = []
+    parent = 0
+    for k in range(len(prompt) // block):
+        parent = hash((parent, tuple(prompt[k * block : (k + 1) * block])))
+        ids.append(parent)
+    return tuple(ids)
 
 
 @dataclass
@@ -319,19 +332,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", choices=("trace", "qa"), default="trace")
     p.add_argument("--start", type=int, default=0, help="first trace line of the window (0-based)")
     p.add_argument(
-        "--requests", type=int, default=None, help="requests in the window (default 160, --quick 60)"
+        "--requests", type=int, default=None, help="requests in the window (default 600, --quick 240)"
     )
     p.add_argument(
         "--tokens-per-block", type=int, default=BLOCK_SIZE, help="tokens standing for 512 (default 16)"
     )
     p.add_argument("--time-scale", type=float, default=0.15, help="arrival times are multiplied by this")
+    p.add_argument("--max-input", type=int, default=1024, help="scaled input tokens at most (default 1024)")
     p.add_argument("--max-output", type=int, default=16, help="output tokens at most")
     p.add_argument("--slo-ttft-ms", type=float, default=500.0)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--modes", default="", help=f"comma-separated subset of {', '.join(MODES)}")
     args: Any = p.parse_args(argv)
-    count = args.requests or (60 if args.quick else 160)
-    scale = Scale(args.tokens_per_block, args.time_scale, args.max_output)
+    count = args.requests or (240 if args.quick else 600)
+    scale = Scale(args.tokens_per_block, args.time_scale, args.max_output, args.max_input)
     if args.workload == "trace":
         try:
             rows = read_trace(args.trace, args.start, count)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -87,12 +89,30 @@ class KVAware:
     (a node with no store, or none measured yet, computes them).  A node that has not measured its
     prefill speed yet is taken at the median of those that have.  Ties (within ``tie_ratio``) go to the
     least loaded, then round-robin.
+
+    The queued tokens a node reports are as old as the last health round; requests routed since would
+    all see the same idle node and pile onto it.  So the policy also keeps its own ledger: every request
+    it sends adds its tokens to compute to the chosen node until the time its estimate says the prefill
+    is done, and a node's queue is the larger of what it reported and what the ledger holds.
     """
 
-    def __init__(self, index: KVIndex, *, tie_ratio: float = 0.02) -> None:
+    def __init__(
+        self, index: KVIndex, *, tie_ratio: float = 0.02, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.index = index
         self.tie_ratio = tie_ratio
+        self.clock = clock
         self._tiebreak = LeastLoaded()
+        self._lock = threading.Lock()
+        self._ledger: dict[str, deque[tuple[float, int]]] = {}  # node -> (predicted done, tokens)
+
+    def _pending(self, address: str, now: float) -> int:
+        entries = self._ledger.get(address)
+        if not entries:
+            return 0
+        while entries and entries[0][0] <= now:
+            entries.popleft()
+        return sum(tokens for done, tokens in entries if done > now)
 
     def estimates(self, nodes: Sequence[NodeHandle], info: RoutingInfo) -> list[Estimate]:
         measured = sorted(n.costs.prefill_s_per_token for n in nodes if n.costs.prefill_s_per_token)
@@ -115,7 +135,9 @@ class KVAware:
                     store = max(0, in_store - local)
             compute = n_prompt - local - store
             per_token = node.costs.prefill_s_per_token or typical
-            queued = node.costs.queued_prefill_tokens
+            with self._lock:
+                pending = self._pending(node.address, self.clock())
+            queued = max(node.costs.queued_prefill_tokens, float(pending))
             seconds = (queued + compute) * per_token + store * (load_per_token or 0.0)
             out.append(Estimate(node, seconds, local, store, compute, queued))
         return out
@@ -124,7 +146,14 @@ class KVAware:
         estimates = self.estimates(nodes, info)
         best = min(e.seconds for e in estimates)
         close = [e.node for e in estimates if e.seconds <= best * (1 + self.tie_ratio) + 1e-9]
-        return close[0] if len(close) == 1 else self._tiebreak.choose(close, info)
+        chosen = close[0] if len(close) == 1 else self._tiebreak.choose(close, info)
+        estimate = next(e for e in estimates if e.node is chosen)
+        with self._lock:  # its work counts against the node until the estimate says it is done
+            entries = self._ledger.setdefault(chosen.address, deque())
+            entries.append((self.clock() + max(estimate.seconds, 1e-3), estimate.compute_tokens))
+            while len(entries) > 4096:
+                entries.popleft()
+        return chosen
 
 
 def make_selector(policy: str, index: KVIndex | None = None) -> NodeSelector:
