@@ -9,7 +9,8 @@ from engine.hashing import BlockHash
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    """Full blocks became cached.  ``token_ids`` covers exactly those blocks, in order."""
+    """Full blocks became cached.  ``token_ids`` covers exactly those blocks, in order (empty, with
+    ``block_size`` 0, from a store, which keeps bytes, not tokens)."""
 
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
@@ -123,8 +124,8 @@ def _decode_event(raw: object) -> KVCacheEvent:
             raise EventDecodeError("stored: the parent hash must be a 16- or 32-byte binary or nil")
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise EventDecodeError("stored: token ids must be a list of ints")
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise EventDecodeError("stored: block_size must be a positive int")
+        if not isinstance(block_size, int) or block_size < 0:
+            raise EventDecodeError("stored: block_size must be a non-negative int (0: not known)")
         return BlockStored(
             _hashes(hashes, "stored"),
             BlockHash(parent) if parent is not None else None,

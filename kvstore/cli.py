@@ -35,6 +35,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--verify-puts", action="store_true", help="check payload checksums on put too (readers always do)"
     )
     parser.add_argument(
+        "--kv-events",
+        default="",
+        metavar="ENDPOINT",
+        help="publish the tiers' KV events (blocks stored and removed, by tier) on this ZeroMQ endpoint, "
+        "for a kv-aware router (port 0 picks one; the ready line names it and its replay socket)",
+    )
+    parser.add_argument(
         "--metrics-address",
         default="",
         metavar="HOST:PORT",

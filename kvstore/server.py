@@ -48,6 +48,7 @@ from kvstore.protocol import (
 )
 from kvstore.results import MissReason, Unit, release_all
 from kvstore.store import TieredStore
+from serving.kv_events import KVEventPublisher
 from serving.metrics import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -59,6 +60,8 @@ from serving.metrics import (
 )
 
 logger = logging.getLogger(__name__)
+
+STORE_PUBLISHER = "store"  # the publisher name of a store server's KV events (the router's index key)
 
 
 class StoreServer:
@@ -83,9 +86,17 @@ class StoreServer:
         self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._in_flight: list[tuple[zmq.MessageTracker, list[Unit]]] = []
         self.requests: Counter[str] = Counter()
+        self.events: KVEventPublisher | None = None  # publish_events() turns it on
         self._requests_lock = threading.Lock()  # /metrics reads the counts from its own thread
 
     # ---- the loop --------------------------------------------------------------------------------------
+
+    def publish_events(self, bind: str) -> KVEventPublisher:
+        """Publish the tiers' KV events on ``bind`` (its replay socket on a free port of the same host)."""
+        replay = f"{bind.rpartition(':')[0]}:0" if bind.startswith("tcp://") else f"{bind}.replay"
+        self.store.enable_events()
+        self.events = KVEventPublisher(STORE_PUBLISHER, bind, replay, context=self._context)
+        return self.events
 
     def serve(self, stop: threading.Event, poll_ms: int = 100) -> None:
         """Serve until ``stop`` is set (checked at least every ``poll_ms``)."""
@@ -93,6 +104,8 @@ class StoreServer:
             if self._socket.poll(poll_ms, zmq.POLLIN):
                 self.serve_pending()
             self._reap()
+            if self.events is not None:  # write-downs and evictions change tiers between requests too
+                self.events.publish(self.store.take_events())
 
     def serve_pending(self, limit: int = 64) -> int:
         """Answer up to ``limit`` requests already received; returns how many."""
@@ -251,6 +264,8 @@ class StoreServer:
         return families + tier_families(stats.tiers)
 
     def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
         self._socket.close(linger=0)
         for _, units in self._in_flight:
             release_all(units)
@@ -337,6 +352,8 @@ def run_server(args: argparse.Namespace) -> int:
         server = StoreServer(store, args.bind, limits=limits, verify_puts=args.verify_puts)
         if args.metrics_address:
             metrics = MetricsServer(args.metrics_address, server.metrics).start()
+        if args.kv_events:
+            server.publish_events(args.kv_events)
     except BaseException:
         store.close()
         raise
@@ -348,6 +365,8 @@ def run_server(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     metrics_note = f" metrics={metrics.address}" if metrics is not None else ""
+    if server.events is not None:
+        metrics_note += f" kv_events={server.events.endpoint},{server.events.replay_endpoint}"
     print(f"{READY_PREFIX}{server.endpoint}{metrics_note}", flush=True)
     try:
         server.serve(stop)

@@ -31,12 +31,16 @@ recomputes what the store did not return.  Nothing here raises for a backend fai
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from engine.hashing import BlockHash
+from engine.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from kvstore.buffers import host_views
 from kvstore.codec import BlockCodec, check_block_hash, pack_header, payload_checksum, store_namespace
 from kvstore.config import StoreConfig
@@ -98,6 +102,40 @@ class TieredStore:
         for i, tier in enumerate(self.tiers[:-1]):
             if isinstance(tier, CpuTier):
                 tier.set_evict_hook(partial(self._demote, i))
+        # KV events of the tiers (stored / removed blocks, by tier), for a publisher; off until asked.
+        self._events_lock = threading.Lock()
+        self._events: deque[KVCacheEvent] | None = None
+        self.num_events_dropped = 0
+
+    def enable_events(self, max_pending: int = 65536) -> None:
+        """Record every block a tier gains or loses, as KV events (``take_events``), at most
+        ``max_pending`` of them between two takes (the oldest are dropped beyond, and counted)."""
+        with self._events_lock:
+            self._events = deque(maxlen=max_pending)
+        for tier in self.tiers:
+            tier.on_change = self._tier_changed
+
+    def _tier_changed(self, tier: str, kind: str, keys: Sequence[bytes]) -> None:
+        hashes = [BlockHash(k[16:]) for k in keys]  # a key is namespace (16 bytes) + block hash
+        event: KVCacheEvent = (
+            BlockStored(hashes, None, [], 0, medium=tier)
+            if kind == "stored"
+            else BlockRemoved(hashes, medium=tier)
+        )
+        with self._events_lock:
+            if self._events is None:
+                return
+            if len(self._events) == self._events.maxlen:
+                self.num_events_dropped += 1
+            self._events.append(event)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        with self._events_lock:
+            if not self._events:
+                return []
+            events = list(self._events)
+            self._events.clear()
+            return events
 
     @classmethod
     def from_config(

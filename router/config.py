@@ -24,6 +24,9 @@ class RouterConfig:
     prefill_nodes: tuple[str, ...] = ()
     decode_nodes: tuple[str, ...] = ()
     policy: str = "least-loaded"
+    # kv-aware: the shared store server's KV events, "PUB_ENDPOINT,REPLAY_ENDPOINT" (its ready line names
+    # both); "" = the router knows only the nodes' own caches.
+    kv_store_events: str = ""
     model: str | None = None
     address: str = DEFAULT_ADDRESS
     metrics_address: str = "127.0.0.1:0"
@@ -48,6 +51,10 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r} is unknown; choose one of {', '.join(MODES)}")
+        if self.kv_store_events and len(self.kv_store_events.split(",")) != 2:
+            raise ValueError(
+                f"kv_store_events must be 'PUB_ENDPOINT,REPLAY_ENDPOINT', got {self.kv_store_events!r}"
+            )
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r} is unknown; choose one of {', '.join(POLICIES)}")
         object.__setattr__(self, "prefill_nodes", tuple(self.prefill_nodes))
@@ -107,6 +114,12 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--policy", choices=POLICIES, default="least-loaded")
     parser.add_argument(
+        "--kv-store-events",
+        default="",
+        metavar="PUB,REPLAY",
+        help="with --policy kv-aware: the store server's KV event endpoints (pdkv kvstore serve --kv-events)",
+    )
+    parser.add_argument(
         "--model",
         metavar="PATH",
         help="the nodes' model (GGUF file or folder), for its tokenizer and template",
@@ -138,6 +151,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefill_nodes=split(args.prefill),
         decode_nodes=split(args.decode),
         policy=args.policy,
+        kv_store_events=args.kv_store_events,
         model=args.model,
         address=args.address,
         metrics_address=metrics,

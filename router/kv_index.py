@@ -46,7 +46,7 @@ class KVIndex:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._holders: dict[BlockHash, dict[str, str]] = {}  # hash -> {node: medium}
+        self._holders: dict[BlockHash, dict[str, set[str]]] = {}  # hash -> {node: media holding it}
         self._blocks: dict[str, set[BlockHash]] = {}  # node -> its hashes
         self._epochs: dict[str, str] = {}
         self._last_seq: dict[str, int] = {}
@@ -112,25 +112,27 @@ class KVIndex:
         if isinstance(event, BlockStored):
             mine = self._blocks.setdefault(node, set())
             for h in event.block_hashes:
-                self._holders.setdefault(h, {})[node] = event.medium
+                self._holders.setdefault(h, {}).setdefault(node, set()).add(event.medium)
                 mine.add(h)
         elif isinstance(event, BlockRemoved):
-            mine = self._blocks.get(node, set())
             for h in event.block_hashes:
-                holders = self._holders.get(h)
-                if holders is not None and holders.get(node) == event.medium:
-                    del holders[node]
-                    if not holders:
-                        del self._holders[h]
-                    mine.discard(h)
+                self._remove_locked(node, h, event.medium)
         elif isinstance(event, AllBlocksCleared):
             for h in list(self._blocks.get(node, ())):
-                holders = self._holders.get(h)
-                if holders is not None and holders.get(node) == event.medium:
-                    del holders[node]
-                    if not holders:
-                        del self._holders[h]
-                    self._blocks[node].discard(h)
+                self._remove_locked(node, h, event.medium)
+
+    def _remove_locked(self, node: str, h: BlockHash, medium: str) -> None:
+        """``node`` no longer holds ``h`` in ``medium`` (a block may sit in several of its tiers)."""
+        holders = self._holders.get(h)
+        media = holders.get(node) if holders is not None else None
+        if holders is None or media is None:
+            return
+        media.discard(medium)
+        if not media:
+            del holders[node]
+            if not holders:
+                del self._holders[h]
+            self._blocks.get(node, set()).discard(h)
 
     def _drop_locked(self, node: str) -> None:
         for h in self._blocks.pop(node, set()):

@@ -17,10 +17,10 @@ from engine.metrics import StatsSnapshot
 from engine.tokenizer import Tokenizer
 from pdkv_proto.pdkv.v1 import generation_pb2_grpc
 from router.config import READY_PREFIX, RouterConfig
-from router.kv_index import KVEventSubscriber, KVIndex
+from router.kv_index import KVEventSubscriber, KVIndex, Publisher
 from router.nodes import HealthMonitor, NodePool
 from router.pipeline import Pipeline
-from router.policy import NodeSelector, make_selector
+from router.policy import STORE, NodeSelector, make_selector
 from router.servicer import GenerationServicer
 from router.tokenizer import RouterModel, load_model, model_path
 from serving.config import stop_on_signals
@@ -101,9 +101,15 @@ class RouterRuntime:
         )
         subscriber = None
         if index is not None:
-            subscriber = KVEventSubscriber(
-                index, lambda: [n.kv_events for n in routed.healthy() if n.kv_events is not None]
-            ).start()
+            store: list[Publisher] = []
+            if config.kv_store_events:
+                pub, replay = config.kv_store_events.split(",")
+                store.append(Publisher(STORE, STORE, pub.strip(), replay.strip()))
+
+            def publishers() -> list[Publisher]:
+                return [n.kv_events for n in routed.healthy() if n.kv_events is not None] + store
+
+            subscriber = KVEventSubscriber(index, publishers).start()
         return cls(config, model, pools, pipeline, monitor, servicer, RpcCounters(), index, subscriber)
 
     @property

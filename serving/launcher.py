@@ -172,6 +172,7 @@ class Cluster:
         self.processes: list[Process] = []
         self.router: Process | None = None
         self.store_endpoint: str | None = None
+        self.store_events = ""  # the store server's KV event endpoints, "PUB,REPLAY" (kv-aware only)
 
     # -- start --------------------------------------------------------------------------------------------
 
@@ -231,10 +232,12 @@ class Cluster:
                     store_tiers,
                     "--bind",
                     f"tcp://{t.host}:0",
+                    *(("--kv-events", f"tcp://{t.host}:0") if t.policy == "kv-aware" else ()),
                 ],
             )
             self._wait_ready([store], deadline)
             self.store_endpoint = store.address
+            self.store_events = store.info.get("kv_events", "")
         node_store = f"cpu:64MiB,remote:{self.store_endpoint}" if self.store_endpoint else None
         known = available_connectors()
         roles = (
@@ -285,6 +288,7 @@ class Cluster:
             "none" if t.http_port is None else f"{t.host}:{t.http_port}",
             "--policy",
             t.policy,
+            *(("--kv-store-events", self.store_events) if self.store_events else ()),
             *t.router_args,
         ]
         if prefill:

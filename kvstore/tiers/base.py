@@ -138,6 +138,9 @@ class Tier(ABC):
         self.name = name
         self.policy = policy or TierPolicy()
         self.metrics = TierMetrics()
+        # Told which keys (namespace + hash) this tier gained or lost: "stored" / "removed" (the tiered
+        # store turns them into KV events).  Called with tier locks held: it must only record.
+        self.on_change: Callable[[str, str, Sequence[bytes]], None] | None = None
         self.read_breaker = CircuitBreaker(self.policy.breaker, clock=clock or time.monotonic)
         self.write_breaker = CircuitBreaker(self.policy.breaker, clock=clock or time.monotonic)
         # get (the engine waiting) and read (write-down sources, the store server) have separate lanes, so
@@ -285,6 +288,8 @@ class Tier(ABC):
         self.metrics.count(puts=1, put_blocks=len(run), stored_blocks=result.stored, bytes_out=stored_bytes)
         if result.reason is not None:
             self.metrics.put_failure(result.reason, len(run) - result.stored)
+        if result.stored:
+            self._changed("stored", [run.key(i) for i in range(result.stored)])
         return result
 
     def delete(self, run: KeyRun, deadline: Deadline | None = None) -> int:
@@ -297,7 +302,14 @@ class Tier(ABC):
         self.metrics.count(deletes=1, deleted_blocks=deleted or 0)
         if reason is not None:
             self.metrics.put_failure(reason, len(run))
+        if deleted:
+            self._changed("removed", [run.key(i) for i in range(len(run))])
         return deleted or 0
+
+    def _changed(self, kind: str, keys: Sequence[bytes]) -> None:
+        hook = self.on_change
+        if hook is not None and keys:
+            hook(self.name, kind, keys)
 
     def stats(self) -> TierStats:
         return self.metrics.snapshot(

@@ -315,6 +315,7 @@ class CpuTier(Tier):
             key, victim = self._index.popitem(last=False)
             self._ghosts.add(key)
             self._evictions += 1
+            self._changed("removed", [key])
             if not victim.below and self._evict_hook is not None:
                 victim.slot.leases += 1
                 demoted.append(

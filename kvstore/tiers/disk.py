@@ -290,6 +290,7 @@ class DiskTier(Tier):
             self._used -= victim_size
             self._ghosts.add(key)
             self.metrics.count(evictions=1)
+            self._changed("removed", [key])
             _unlink_quietly(self._path(key)[1])
         return self._used + self._reserved + size <= self.capacity_bytes
 
@@ -331,6 +332,7 @@ class DiskTier(Tier):
             if size is not None:
                 self._used -= size
             _unlink_quietly(path)
+        self._changed("removed", [key])
 
     # ---- restart -------------------------------------------------------------------------------------
 

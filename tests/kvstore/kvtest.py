@@ -160,6 +160,7 @@ class StoreServerProcess:
         self.extra = extra
         self.endpoint = ""
         self.metrics = ""
+        self.kv_events = ""
         self.proc: subprocess.Popen[str] | None = None
 
     def start(self) -> None:
@@ -183,6 +184,8 @@ class StoreServerProcess:
         self.endpoint, *rest = line.removeprefix("pdkv kvstore: serving on ").split()
         # "metrics=HOST:PORT" when started with --metrics-address
         self.metrics = next((w.removeprefix("metrics=") for w in rest if w.startswith("metrics=")), "")
+        # "kv_events=PUB,REPLAY" when started with --kv-events
+        self.kv_events = next((w.removeprefix("kv_events=") for w in rest if w.startswith("kv_events=")), "")
 
     def kill(self) -> None:
         if self.proc is not None:

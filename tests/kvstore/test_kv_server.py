@@ -373,3 +373,26 @@ def test_a_wrong_block_in_a_tier_is_never_served_or_promoted_and_is_dropped(
     # The prefix is not lost for good: the right block is stored and served.
     assert tier.put(b.run(2, 3), b.units(2, 3)).stored == 1
     assert tier.get_into(b.run(), b.out_views, LAYOUT).loaded == 4 and b.loaded(4)
+
+
+def test_the_server_publishes_its_tiers_kv_events(
+    store_server: StartServer, remote: Callable[[str], RemoteTier], make_blocks: Callable[..., Blocks]
+) -> None:
+    """What a kv-aware router learns of the shared store: blocks stored and removed, by tier."""
+    from router.kv_index import KVEventSubscriber, KVIndex, Publisher
+
+    server = store_server("cpu:1MiB", extra=("--kv-events", "tcp://127.0.0.1:0"))
+    pub, replay = server.kv_events.split(",")
+    index = KVIndex()
+    subscriber = KVEventSubscriber(index, lambda: [Publisher("store", "store", pub, replay)], refresh_s=0.05)
+    subscriber.start()
+    try:
+        time.sleep(0.3)
+        tier = remote(server.endpoint)
+        b = make_blocks(6)
+        assert tier.put(b.run(), b.units()).stored == 6
+        wait_until(lambda: index.prefix_blocks("store", b.hashes) == 6, 5.0, "the stored blocks' events")
+        assert tier.delete(b.run(3, 4)) == 1
+        wait_until(lambda: index.prefix_blocks("store", b.hashes) == 3, 5.0, "the removed block's event")
+    finally:
+        subscriber.close()
