@@ -57,6 +57,7 @@ class KVIndex:
             "resyncs": 0,
             "garbage": 0,
             "unknown_publisher": 0,
+            "caught_up": 0,
         }
 
     # ---- applying events -------------------------------------------------------------------------------
@@ -185,7 +186,7 @@ class KVEventSubscriber:
         index: KVIndex,
         targets: Callable[[], Iterable[Publisher]],
         *,
-        refresh_s: float = 1.0,
+        refresh_s: float = 0.25,
         replay_timeout_s: float = 2.0,
     ) -> None:
         self.index = index
@@ -251,6 +252,24 @@ class KVEventSubscriber:
             sock.connect(publisher.endpoint)
             self._subs[node] = (publisher, sock)
             poller.register(sock, zmq.POLLIN)
+            self._catch_up(node, publisher)
+
+    def _catch_up(self, node: str, publisher: Publisher) -> None:
+        """What the publisher sent before we subscribed: its replay buffer, from the oldest batch it
+        still has (a quiet publisher would otherwise never show us a gap to replay)."""
+        batches = self._replay(publisher, 1, None)
+        if batches is None:
+            oldest = self._oldest(publisher)
+            batches = self._replay(publisher, oldest, None) if oldest else None
+        if not batches:
+            return
+        first = batches[0]
+        if self.index.expects(node, first) is not None:  # the oldest ones are gone: start from this one
+            self.index.restart_from(node, first)
+            batches = batches[1:]
+        for batch in batches:
+            if self.index.apply(node, batch):
+                self.index.count("caught_up")
 
     def receive(self, node: str, frame: bytes) -> None:
         """One frame from ``node``'s publisher: decode, check, apply -- replaying a gap first."""
@@ -280,8 +299,8 @@ class KVEventSubscriber:
                 return
         self.index.apply(node, batch)
 
-    def _replay(self, publisher: Publisher, start: int, epoch: str) -> list[EventBatch] | None:
-        """The batches of ``publisher`` from ``start`` on, or None if they are gone (or it did not answer)."""
+    def _ask(self, publisher: Publisher, start: int) -> tuple[dict[str, Any], list[bytes]] | None:
+        """One replay exchange: the reply's header and batch frames, or None (no answer, garbage)."""
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
@@ -291,19 +310,37 @@ class KVEventSubscriber:
                 return None
             header, *frames = sock.recv_multipart()
             info = msgpack.unpackb(header, raw=False, max_map_len=16)
-            if not isinstance(info, dict) or info.get("gone") or info.get("epoch") != epoch:
-                return None
-            out = []
-            for frame in frames:
-                try:
-                    out.append(decode_batch(frame))
-                except EventDecodeError:
-                    return None
-            return out
+            return (info, frames) if isinstance(info, dict) else None
         except (zmq.ZMQError, ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
             return None
         finally:
             sock.close(linger=0)
+
+    def _oldest(self, publisher: Publisher) -> int:
+        answer = self._ask(publisher, 1)
+        oldest = answer[0].get("oldest") if answer is not None else None
+        return oldest if isinstance(oldest, int) and oldest > 0 else 0
+
+    def _replay(self, publisher: Publisher, start: int, epoch: str | None) -> list[EventBatch] | None:
+        """The batches of ``publisher`` from ``start`` on (of ``epoch``, when given), or None if they are
+        gone, of another epoch, or it did not answer."""
+        answer = self._ask(publisher, start)
+        if answer is None:
+            return None
+        info, frames = answer
+        if info.get("gone") or (epoch is not None and info.get("epoch") != epoch):
+            return None
+        out = []
+        for frame in frames:
+            try:
+                batch = decode_batch(frame)
+            except EventDecodeError:
+                return None
+            if batch.publisher != publisher.publisher:
+                self.index.count("unknown_publisher")
+                return None
+            out.append(batch)
+        return out
 
 
 def _monotonic() -> float:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ class NodeCosts:
     prefill_s_per_token: float | None = None  # runner seconds per prompt token computed
     load_s_per_token: float | None = None  # seconds per prompt token loaded from its store
     queued_prefill_tokens: float = 0.0  # prompt tokens its waiting and running requests still compute
+    measured_at: float = 0.0  # time.monotonic() of the Stats the queue comes from (it drains from then)
 
 
 SMOOTHING = 0.3  # weight of the newest window in the moving averages
@@ -170,7 +172,7 @@ def measure_costs(costs: NodeCosts, before: node_pb2.NodeStats | None, now: node
                 else 0.0
             )
             load = _smooth(load, (now.histograms["kv_load_seconds.offload"].sum - old) / loaded)
-    return NodeCosts(prefill, load, now.gauges["prefill_tokens_queued"])
+    return NodeCosts(prefill, load, now.gauges["prefill_tokens_queued"], time.monotonic())
 
 
 def _log_abort_failure(address: str, request_id: str, future: grpc.Future) -> None:

@@ -8,6 +8,7 @@ its leading blocks are cached -- is one more class here, not a change to the rou
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -18,6 +19,8 @@ from typing import Protocol
 from engine.hashing import BlockHash, HashNamespace, hash_blocks
 from router.kv_index import KVIndex
 from router.nodes import NodeHandle
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class Estimate:
 
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-4  # until some node has measured its own: only the ratios matter then
 STORE = "store"  # the index's key for the shared store's blocks (its publisher's events)
+SPREAD = 2.0  # a node's prefill cost per token is taken within [median / SPREAD, median x SPREAD]
 
 
 class KVAware:
@@ -87,11 +91,13 @@ class KVAware:
     The tokens it holds come from the index of the nodes' KV events; the store's from the index entries
     of the store's publisher (``STORE``), used only by a node that has measured its own store loads
     (a node with no store, or none measured yet, computes them).  A node that has not measured its
-    prefill speed yet is taken at the median of those that have.  Ties (within ``tie_ratio``) go to the
+    prefill speed yet is taken at the median of those that have, and every node within a factor
+    ``SPREAD`` of that median.  Ties (within ``tie_ratio``) go to the
     least loaded, then round-robin.
 
-    The queued tokens a node reports are as old as the last health round; requests routed since would
-    all see the same idle node and pile onto it.  So the policy also keeps its own ledger: every request
+    The queued tokens a node reports are as old as the last health round: they are taken as drained at
+    the node's own rate since, and requests routed since would all see the same idle node and pile onto
+    it.  So the policy also keeps its own ledger: every request
     it sends adds its tokens to compute to the chosen node until the time its estimate says the prefill
     is done, and a node's queue is the larger of what it reported and what the ledger holds.
     """
@@ -128,16 +134,25 @@ class KVAware:
                 if hashes is None:
                     hashes = hashes_by_ns[node.namespace] = info.block_hashes(node.namespace)
                 bs = node.namespace.block_size
-                # Never the last token: it is computed to produce logits.
-                local = min(self.index.prefix_blocks(node.address, hashes) * bs, n_prompt - 1)
+                # Whole blocks, never the last token (it is computed to produce logits).
+                usable = (n_prompt - 1) // bs
+                local = min(self.index.prefix_blocks(node.address, hashes), usable) * bs
                 if load_per_token is not None:
-                    in_store = min(self.index.prefix_blocks(STORE, hashes) * bs, n_prompt - 1)
+                    in_store = min(self.index.prefix_blocks(STORE, hashes), usable) * bs
                     store = max(0, in_store - local)
             compute = n_prompt - local - store
-            per_token = node.costs.prefill_s_per_token or typical
+            # Within a factor of the fleet's median: one node's measurement from a few steps (its first
+            # ones pay one-time costs) must not outweigh the work a cached prefix saves.
+            per_token = min(
+                max(node.costs.prefill_s_per_token or typical, typical / SPREAD), typical * SPREAD
+            )
+            now = self.clock()
             with self._lock:
-                pending = self._pending(node.address, self.clock())
-            queued = max(node.costs.queued_prefill_tokens, float(pending))
+                pending = self._pending(node.address, now)
+            # The node's own figure is as old as its last Stats: it has been computing since.
+            drained = max(0.0, now - node.costs.measured_at) / per_token if node.costs.measured_at else 0.0
+            reported = max(0.0, node.costs.queued_prefill_tokens - drained)
+            queued = max(reported, float(pending))
             seconds = (queued + compute) * per_token + store * (load_per_token or 0.0)
             out.append(Estimate(node, seconds, local, store, compute, queued))
         return out
@@ -148,6 +163,17 @@ class KVAware:
         close = [e.node for e in estimates if e.seconds <= best * (1 + self.tie_ratio) + 1e-9]
         chosen = close[0] if len(close) == 1 else self._tiebreak.choose(close, info)
         estimate = next(e for e in estimates if e.node is chosen)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "kv-aware: %s -> %s; estimates %s",
+                info.request_id,
+                chosen.address,
+                ", ".join(
+                    f"{e.node.address}: {e.seconds * 1e3:.2f} ms (local {e.local_tokens}, "
+                    f"store {e.store_tokens}, compute {e.compute_tokens}, queued {e.queued_tokens:.0f})"
+                    for e in estimates
+                ),
+            )
         with self._lock:  # its work counts against the node until the estimate says it is done
             entries = self._ledger.setdefault(chosen.address, deque())
             entries.append((self.clock() + max(estimate.seconds, 1e-3), estimate.compute_tokens))

@@ -72,9 +72,12 @@ def test_batches_missed_before_subscribing_are_replayed(wiring) -> None:  # type
         time.sleep(0.2)
         targets["a:1"] = target("a:1", pub)
         time.sleep(0.3)
-        pub.publish([stored(H[5])])  # seq 6: the gap 1..5 is replayed first
+        # Subscribing, the router catches up from the replay buffer (a quiet publisher sends no later
+        # batch that would show the gap).
+        wait_for(lambda: index.prefix_blocks("a:1", H) == 5)
+        assert index.counters["caught_up"] == 5 and index.counters["resyncs"] == 0
+        pub.publish([stored(H[5])])
         wait_for(lambda: index.prefix_blocks("a:1", H) == 6)
-        assert index.counters["gaps"] == 1 and index.counters["resyncs"] == 0
     finally:
         pub.close()
 
@@ -87,11 +90,12 @@ def test_a_gap_the_replay_cannot_fill_restarts_the_node(wiring) -> None:  # type
             pub.publish([stored(h)])
         time.sleep(0.2)
         targets["a:1"] = target("a:1", pub)
-        time.sleep(0.3)
-        pub.publish([stored(H[5])])
+        # Only batches 4 and 5 are left: it starts over from them, and never claims blocks 0..2.
         wait_for(lambda: index.counters["resyncs"] == 1)
-        # It cannot know blocks 0..4 any more: it claims none of them, and knows the new one.
-        assert index.prefix_blocks("a:1", H) == 0 and index.prefix_blocks("a:1", [H[5]]) == 1
+        wait_for(lambda: index.prefix_blocks("a:1", [H[3], H[4]]) == 2)
+        assert index.prefix_blocks("a:1", H) == 0
+        pub.publish([stored(H[5])])
+        wait_for(lambda: index.prefix_blocks("a:1", [H[5]]) == 1)
     finally:
         pub.close()
 
@@ -114,6 +118,28 @@ def test_a_restarted_publisher_s_old_blocks_leave_the_index(wiring) -> None:  # 
         assert index.prefix_blocks("a:1", H) == 0
     finally:
         second.close()
+
+
+def test_a_gap_in_the_live_stream_is_replayed() -> None:
+    """The subscriber misses batches while subscribed (here: it is handed a later batch directly)."""
+    index = KVIndex()
+    pub = publisher("engine-a")
+    sub = KVEventSubscriber(index, lambda: [], refresh_s=60.0)
+    try:
+        sub._subs["a:1"] = (target("a:1", pub), None)  # type: ignore[assignment]
+        for h in H[:4]:
+            pub.publish([stored(h)])
+        time.sleep(0.3)  # the sender has them in its replay buffer
+        first = EventBatch("engine-a", pub.epoch, 1, 0.0, (stored(H[0]),))
+        sub.receive("a:1", encode_batch(first))
+        late = EventBatch("engine-a", pub.epoch, 4, 0.0, (stored(H[3]),))
+        sub.receive("a:1", encode_batch(late))  # 2 and 3 never arrived: replayed
+        assert index.counters["gaps"] == 1 and index.counters["resyncs"] == 0
+        assert index.prefix_blocks("a:1", H) == 4
+    finally:
+        pub.close()
+        sub._subs.clear()
+        sub._context.term()  # never started: nothing else to stop
 
 
 def test_the_epoch_check_itself() -> None:

@@ -3,6 +3,7 @@ requests that go where their prefix is cached -- with greedy outputs identical u
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from serving.client import GenerationClient, generate_request
-from serving.launcher import Cluster
+from serving.launcher import Cluster, Process
 from tests.serving.helpers import HF_NODE_ARGS, hf_model, node_stats, start_cluster, wait_until
 from tests.tiny_models import random_prompts
 
@@ -39,17 +40,27 @@ def test_nodes_publish_their_kv_events(kv_cluster: Cluster) -> None:
         assert s.kv_events_endpoint.startswith("tcp://") and s.kv_events_replay_endpoint and s.kv_events_epoch
 
 
+def index_blocks(router: Process) -> dict[str, float]:
+    """The router's KV index: blocks it knows per node (its /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{router.info['metrics']}/metrics", timeout=10) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    family = families.get("pdkv_router_kv_index_blocks")
+    return {s.labels["node"]: s.value for s in family.samples} if family else {}
+
+
 def test_a_repeated_prefix_goes_to_the_node_that_holds_it(kv_cluster: Cluster) -> None:
     prompts = random_prompts([40, 40, 40], seed=77)
+    assert kv_cluster.router is not None
     with GenerationClient(kv_cluster.router_address) as client:
         firsts = [client.generate(generate_request(p, GREEDY), timeout=60) for p in prompts]
-
-        def second_round_hits() -> bool:
-            # The router learns of the blocks from the events (a health round later at most).
-            out = client.generate(generate_request(prompts[0] + [5, 6, 7, 8], GREEDY), timeout=60)
-            return out.usage is not None and out.usage.cached.local_prefix >= 36
-
-        wait_until(second_round_hits, timeout=15.0, what="a request routed to its cached prefix")
+        # The router learns of the blocks from the nodes' events (it subscribes within a health round).
+        wait_until(
+            lambda: sum(index_blocks(kv_cluster.router).values()) >= 3 * 10,
+            timeout=15.0,
+            what="the router's index to hold every prompt's blocks",
+        )
         # Every prompt, asked again, finds its whole prefix on the node it ran on.
         again = [client.generate(generate_request(p, GREEDY), timeout=60) for p in prompts]
     for a in again:
