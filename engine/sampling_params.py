@@ -7,6 +7,11 @@ from dataclasses import dataclass
 
 # Below this temperature a request is greedy: logits / 1e-300 overflow to inf, and inf / inf is NaN.
 GREEDY_TEMPERATURE = 1e-5
+# Stop conditions are checked on every output token: a request may not make that check unboundedly slow
+# for everyone in its batch (200k stop strings more than doubled the shared step time).
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass(frozen=True)
@@ -52,12 +57,22 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids holds {len(self.stop_token_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}"
+            )
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop holds {len(self.stop)} strings; the limit is {MAX_STOP_STRINGS}")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"a stop string of {len(s)} characters; the limit is {MAX_STOP_STRING_CHARS}"
+                )
 
     @property
     def greedy(self) -> bool:

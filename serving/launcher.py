@@ -168,7 +168,8 @@ class Cluster:
         # Logs and the store's disk tier go to log_dir when given (kept), else to a folder removed at stop.
         self._own_dir = topology.log_dir is None
         self.run_dir = Path(topology.log_dir or tempfile.mkdtemp(prefix="pdkv-up-"))
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.run_dir.chmod(0o700)  # logs, the store's disk tier: the owner's only
         self.processes: list[Process] = []
         self.router: Process | None = None
         self.store_endpoint: str | None = None
@@ -397,7 +398,8 @@ def _pdkv() -> list[str]:
 def _pump(proc: Process) -> None:
     """Copy a child's output to its log; parse its ready line."""
     assert proc.popen is not None and proc.popen.stdout is not None
-    with proc.log_path.open("w", encoding="utf-8") as log:
+    fd = os.open(proc.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(fd, "w", encoding="utf-8") as log:
         for line in proc.popen.stdout:
             log.write(line)
             log.flush()

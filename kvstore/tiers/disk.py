@@ -79,7 +79,7 @@ class DiskTier(Tier):
         self._tmp_ids = itertools.count()
         self._read_flags = os.O_RDONLY | _O_CLOEXEC | _O_NOATIME
         try:
-            os.makedirs(self.root, exist_ok=True)
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
             self.discarded_on_start = self._rebuild_index()
         except OSError as exc:
             # An unusable folder (missing mount, a file in the way, no permission) makes an empty tier
@@ -259,10 +259,12 @@ class DiskTier(Tier):
     def _write_file(self, key: bytes, header: bytes, payload: memoryview) -> None:
         folder, path = self._path(key)
         if folder not in self._dirs:
-            os.makedirs(folder, exist_ok=True)
+            # KV is the users' data: owner only (makedirs' mode covers the last level only, so each one)
+            os.makedirs(os.path.dirname(folder), mode=0o700, exist_ok=True)
+            os.makedirs(folder, mode=0o700, exist_ok=True)
             self._dirs.add(folder)
         tmp = f"{folder}/.{key[16:].hex()}.{os.getpid()}.{next(self._tmp_ids)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o600)
         try:
             try:
                 _writev_all(fd, [header, payload])

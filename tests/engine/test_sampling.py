@@ -166,3 +166,18 @@ def test_eos_stops_unless_ignored(tmp_path: Path) -> None:
 def test_max_tokens_caps_the_output(llm: LLM) -> None:
     [out] = llm.generate([PROMPT], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("options", "limit"),
+    [
+        ({"stop": [f"s{i}" for i in range(200_000)]}, "the limit is 32"),
+        ({"stop": ["x" * 5000]}, "the limit is 1024"),
+        ({"stop_token_ids": list(range(100_000))}, "the limit is 256"),
+    ],
+)
+def test_unbounded_stop_conditions_are_refused_naming_the_limit(options: dict, limit: str) -> None:  # type: ignore[type-arg]
+    from engine.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match=limit):  # counted before any entry is looked at
+        SamplingParams(**options)

@@ -306,3 +306,18 @@ def test_read_returns_verified_units(tmp_path: Path, make_blocks: Callable[..., 
     read = tier.read(b.run())
     assert [bytes(u.payload) for u in read.units] == [bytes(v) for v in b.views[:2]]
     assert read.reason is MissReason.ABSENT
+
+
+def test_block_files_and_folders_are_the_owner_s_only(
+    tmp_path: Path, make_blocks: Callable[..., Blocks]
+) -> None:
+    """Another user on the host must not read the KV (prompts can be recovered from it): 0600 / 0700."""
+    root = tmp_path / "kv"
+    tier = disk(root, 8)
+    b = make_blocks(3)
+    assert tier.put(b.run(), b.units()).stored == 3
+    files = [p for p in root.rglob("*") if p.is_file()]
+    folders = [root, *(p for p in root.rglob("*") if p.is_dir())]
+    assert files and all(p.stat().st_mode & 0o777 == 0o600 for p in files)
+    assert all(p.stat().st_mode & 0o777 == 0o700 for p in folders)
+    tier.close()

@@ -68,3 +68,9 @@ def test_a_repeated_prefix_goes_to_the_node_that_holds_it(kv_cluster: Cluster) -
     local = LLM(hf_model(), device="cpu", block_size=4, num_blocks=256)
     want = [o.token_ids for o in local.generate(prompts, GREEDY)]
     assert [f.token_ids for f in firsts] == [a.token_ids for a in again] == want
+
+
+def test_the_launcher_s_run_folder_and_logs_are_the_owner_s_only(kv_cluster: Cluster) -> None:
+    assert kv_cluster.run_dir.stat().st_mode & 0o777 == 0o700
+    logs = list(kv_cluster.run_dir.glob("*.log"))
+    assert logs and all(p.stat().st_mode & 0o777 == 0o600 for p in logs)
