@@ -104,6 +104,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise invalid("prompt", "set text, token_ids or messages")
         if not token_ids:
             raise invalid("prompt.text", "has no tokens")
+        context = self.model.context_length
+        if len(token_ids) >= context:  # refused here, before any node call
+            raise invalid(
+                "prompt",
+                f"has {len(token_ids)} tokens, more than max_model_len {context} leaves room for "
+                "(the model's context holds the prompt and at least one output token)",
+            )
         return ClientRequest(rid, token_ids, params, convert.cache_salt(request))
 
     def _chat(

@@ -179,6 +179,7 @@ def test_decode_node_receives_the_prompt_blocks_and_computes_only_the_tail(
         (lambda r: r.__setattr__("cache_salt", ""), "cache_salt"),
         (lambda r: r.__setattr__("request_id", "x" * 300), "request_id"),
         (lambda r: r.__setattr__("text", "many words " * 3000), "max_model_len"),
+        (lambda r: r.sampling.stop.extend(f"s{i}" for i in range(1000)), "the limit is 32"),
     ],
 )
 def test_invalid_requests_are_refused_naming_the_field(
