@@ -27,9 +27,11 @@ waiting for the lease to expire.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -209,6 +211,9 @@ class Pipeline:
     def generate(self, request: ClientRequest, scope: CallScope) -> Iterator[Event]:
         """The request's deltas, then one ``Done``.  Raises ``ServingError`` with the status to return."""
         self._admit()
+        # Nodes see an id of the router's making: the client's id is echoed back to the client only, never
+        # used as an engine request id or a lease id (another client could collide with it, or abort it).
+        request = dataclasses.replace(request, request_id=f"pdkv-{uuid.uuid4().hex}")
         try:
             cancellation = Cancellation(scope)
             run = self._disaggregated if self.mode == "disaggregated" else self._colocated

@@ -381,3 +381,18 @@ def test_metrics_parse_with_prometheus_client_and_carry_the_latency_histograms(
         assert families["prefill"]["pdkv_kv_transfer_seconds"].type == "histogram"
     for name in ("pdkv_router_time_to_first_token_seconds", "pdkv_router_e2e_request_latency_seconds"):
         assert families["router"][name].type == "histogram"
+
+
+def test_a_client_s_request_id_is_echoed_but_never_used_on_the_nodes(client: GenerationClient) -> None:
+    """Two clients that pick the same id (or one that reuses another's) do not collide: the nodes see ids
+    of the router's making, and each client gets its own id back."""
+    requests = [generate_request(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in ("Hi", "Yo")]
+    for r in requests:
+        r.request_id = "shared-id"
+    streams = [client.stream(r, timeout=60) for r in requests]
+    finished = []
+    for stream in streams:
+        msgs = list(stream)
+        assert all(m.request_id == "shared-id" for m in msgs)
+        finished.append(msgs[-1].HasField("done"))
+    assert finished == [True, True]
