@@ -331,11 +331,12 @@ class BlockServer:
                     self.stats.add("leases_released")
 
     def _serve_read(self, identity: bytes, request: ReadRequest) -> None:
-        with self._lock:
-            lease = self._leases.get(request.rid)
-            staged = lease.staged if lease is not None else None
-        if staged is not None:
-            staged.ready()  # a GPU cache's host copy: waited for here, never under the lock
+        if not self.views.on_host:  # a GPU cache's host copy: waited for here, never under the lock
+            with self._lock:
+                lease = self._leases.get(request.rid)
+                staged = lease.staged if lease is not None else None
+            if staged is not None:
+                staged.ready()
         with self._lock:  # held until the tracker is recorded: a stop cannot slip in between
             refusal = self._check_read_locked(request)
             if refusal is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import enum
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -218,10 +218,6 @@ def merge_histograms(
     return out
 
 
-def histograms_of(items: Iterable[tuple[str, Histogram]]) -> dict[str, HistogramSnapshot]:
-    return {key: h.snapshot() for key, h in items}
-
-
 @dataclass(frozen=True)
 class StatsSnapshot:
     """Counters, gauges and histograms by declared key, at one moment."""
@@ -237,10 +233,6 @@ class StatsSnapshot:
     def gauge(self, key: str) -> float:
         spec_of(key)
         return float(self.gauges.get(key, 0.0))
-
-    def histogram(self, key: str) -> HistogramSnapshot | None:
-        spec_of(key)
-        return self.histograms.get(key)
 
     def merged(self, other: StatsSnapshot) -> StatsSnapshot:
         counters = dict(self.counters)

@@ -93,9 +93,8 @@ class StoreServer:
 
     def publish_events(self, bind: str) -> KVEventPublisher:
         """Publish the tiers' KV events on ``bind`` (its replay socket on a free port of the same host)."""
-        replay = f"{bind.rpartition(':')[0]}:0" if bind.startswith("tcp://") else f"{bind}.replay"
         self.store.enable_events()
-        self.events = KVEventPublisher(STORE_PUBLISHER, bind, replay, context=self._context)
+        self.events = KVEventPublisher(STORE_PUBLISHER, bind, context=self._context)
         return self.events
 
     def serve(self, stop: threading.Event, poll_ms: int = 100) -> None:

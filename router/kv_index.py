@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -215,7 +216,7 @@ class KVEventSubscriber:
         next_refresh = 0.0
         poller = zmq.Poller()
         while not self._stop.is_set():
-            now = _monotonic()
+            now = time.monotonic()
             if now >= next_refresh:
                 try:
                     self._refresh(poller)
@@ -341,9 +342,3 @@ class KVEventSubscriber:
                 return None
             out.append(batch)
         return out
-
-
-def _monotonic() -> float:
-    import time
-
-    return time.monotonic()

@@ -37,14 +37,21 @@ logger = logging.getLogger(__name__)
 REPLAY_VERSION = 1
 
 
+def replay_endpoint_for(bind: str) -> str:
+    """The replay socket's default bind beside a PUB bind: the same host on a free port (tcp), or a
+    sibling socket file (ipc)."""
+    return f"{bind.rpartition(':')[0]}:0" if bind.startswith("tcp://") else f"{bind}.replay"
+
+
 class KVEventPublisher:
-    """One publisher (an engine, a store server): ``publish`` from its owner thread, the rest is ours."""
+    """One publisher (an engine, a store server): ``publish`` from its owner thread, the rest is ours.
+    ``replay_bind`` defaults to ``replay_endpoint_for(bind)``."""
 
     def __init__(
         self,
         publisher: str,
         bind: str = "tcp://127.0.0.1:0",
-        replay_bind: str = "tcp://127.0.0.1:0",
+        replay_bind: str | None = None,
         *,
         queue_size: int = 1024,
         replay_size: int = 8192,
@@ -52,6 +59,8 @@ class KVEventPublisher:
     ) -> None:
         if queue_size <= 0 or replay_size <= 0:
             raise ValueError("queue_size and replay_size must be positive")
+        if replay_bind is None:
+            replay_bind = replay_endpoint_for(bind)
         self.publisher = publisher
         self.epoch = secrets.token_hex(
             8

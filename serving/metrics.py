@@ -180,11 +180,6 @@ class MetricsServer:
         self._server.server_close()
 
 
-def render(collect: Callable[[], Iterable[Metric]]) -> str:
-    """The text exposition of ``collect()``'s families (what ``/metrics`` serves)."""
-    return generate_latest(registry_of(collect)).decode()
-
-
 def _handler(registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         timeout = READ_TIMEOUT_S  # socket timeout: a silent client frees its thread

@@ -61,9 +61,7 @@ class NodeRuntime:
         engine = LLMEngine(config.engine)
         events: KVEventPublisher | None = None
         if config.kv_events_bind:
-            bind = config.kv_events_bind
-            replay = f"{bind.rpartition(':')[0]}:0" if bind.startswith("tcp://") else f"{bind}.replay"
-            events = KVEventPublisher(config.engine.engine_id, bind, replay)
+            events = KVEventPublisher(config.engine.engine_id, config.kv_events_bind)
         publisher = events
 
         def publish_events(e: LLMEngine) -> None:
