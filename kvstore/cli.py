@@ -42,6 +42,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "for a kv-aware router (port 0 picks one; the ready line names it and its replay socket)",
     )
     parser.add_argument(
+        "--kv-events-replay",
+        default="",
+        metavar="ENDPOINT",
+        help="the replay socket of --kv-events (default: a free port on the same host)",
+    )
+    parser.add_argument(
         "--metrics-address",
         default="",
         metavar="HOST:PORT",

@@ -91,10 +91,11 @@ class StoreServer:
 
     # ---- the loop --------------------------------------------------------------------------------------
 
-    def publish_events(self, bind: str) -> KVEventPublisher:
-        """Publish the tiers' KV events on ``bind`` (its replay socket on a free port of the same host)."""
+    def publish_events(self, bind: str, replay_bind: str | None = None) -> KVEventPublisher:
+        """Publish the tiers' KV events on ``bind`` (its replay socket on ``replay_bind``, by default a free
+        port of the same host)."""
         self.store.enable_events()
-        self.events = KVEventPublisher(STORE_PUBLISHER, bind, context=self._context)
+        self.events = KVEventPublisher(STORE_PUBLISHER, bind, replay_bind, context=self._context)
         return self.events
 
     def serve(self, stop: threading.Event, poll_ms: int = 100) -> None:
@@ -352,7 +353,7 @@ def run_server(args: argparse.Namespace) -> int:
         if args.metrics_address:
             metrics = MetricsServer(args.metrics_address, server.metrics).start()
         if args.kv_events:
-            server.publish_events(args.kv_events)
+            server.publish_events(args.kv_events, args.kv_events_replay or None)
     except BaseException:
         store.close()
         raise

@@ -14,6 +14,12 @@ with the tail of its log)::
 Every child runs in its own session (a terminal's Ctrl-C reaches only the launcher, which stops them in
 order: router, nodes, store, redis) and, on Linux, dies with the launcher even if the launcher is killed
 (``PR_SET_PDEATHSIG``), so nothing is orphaned.  Children's output goes to ``LOG_DIR/NAME.log``.
+
+Once started, ``supervise`` (``pdkv up`` calls it twice a second) restarts a child that died, after a
+backoff that doubles with each death (``RestartPolicy``), on the addresses its first run reported: a
+restarted node is found again by the router at the address it already knows, a restarted store by the
+nodes' remote tier.  The router fails over meanwhile.  A child that keeps dying (``max_deaths`` within
+``window_s``) stops the cluster.
 """
 
 from __future__ import annotations
@@ -54,6 +60,20 @@ P2P_LEASE_S = 30.0
 
 
 @dataclass(frozen=True)
+class RestartPolicy:
+    """When ``supervise`` restarts a dead child: after ``backoff_s`` doubled per death in the window (at
+    most ``max_backoff_s``); ``max_deaths`` deaths within ``window_s`` stop the cluster instead."""
+
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    max_deaths: int = 5
+    window_s: float = 120.0
+
+    def delay(self, deaths: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2 ** max(0, deaths - 1))
+
+
+@dataclass(frozen=True)
 class Topology:
     """What to run.  ``kv_store``: tiers of the shared store server (``{run_dir}`` is replaced), or None
     for no store.  ``kv_connector`` overrides the connector stack the launcher derives for every node."""
@@ -76,6 +96,7 @@ class Topology:
     log_dir: Path | None = None
     startup_timeout_s: float = 180.0
     grace_s: float = 5.0
+    restart_policy: RestartPolicy = RestartPolicy()
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -93,6 +114,16 @@ class Topology:
             raise ValueError("startup_timeout_s must be positive")
 
 
+# Where a restarted child listens: flag -> the ready-line field that says where its first run listened.
+PINNED_FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
+    "router": (("--address", "address"), ("--http-address", "http"), ("--metrics-address", "metrics")),
+    "prefill": (("--address", "address"), ("--metrics-address", "metrics")),
+    "decode": (("--address", "address"), ("--metrics-address", "metrics")),
+    "colocated": (("--address", "address"), ("--metrics-address", "metrics")),
+    "store": (("--bind", "address"), ("--kv-events", "kv_events:0"), ("--kv-events-replay", "kv_events:1")),
+}
+
+
 @dataclass
 class Process:
     """One child: its name, role, command and what its ready line said."""
@@ -105,6 +136,9 @@ class Process:
     ready_line: str = ""
     info: dict[str, str] = field(default_factory=dict)
     ready: threading.Event = field(default_factory=threading.Event)
+    restarts: int = 0
+    deaths: list[float] = field(default_factory=list)  # monotonic times, within the policy's window
+    restart_at: float | None = None  # set while it is dead and waits for its restart
 
     @property
     def address(self) -> str:
@@ -117,6 +151,21 @@ class Process:
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
+
+    def pin_addresses(self) -> None:
+        """Rewrite the command so that a restart listens where this run does (its ready line says)."""
+        for flag, key in PINNED_FLAGS.get(self.role, ()):
+            name, _, index = key.partition(":")
+            value = self.info.get(name, "-")
+            if index:
+                parts = value.split(",")
+                value = parts[int(index)] if len(parts) > int(index) else "-"
+            if value in ("", "-"):
+                continue
+            if flag in self.argv:
+                self.argv[self.argv.index(flag) + 1] = value
+            elif index == "1" and "--kv-events" in self.argv:  # a flag the first run did not need
+                self.argv += [flag, value]
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -174,6 +223,9 @@ class Cluster:
         self.router: Process | None = None
         self.store_endpoint: str | None = None
         self.store_events = ""  # the store server's KV event endpoints, "PUB,REPLAY" (kv-aware only)
+        self.restart_policy = topology.restart_policy
+        self._stopping = False
+        self._lock = threading.Lock()  # supervise() and stop() from different threads
 
     # -- start --------------------------------------------------------------------------------------------
 
@@ -319,9 +371,15 @@ class Cluster:
 
     def _spawn(self, name: str, role: str, argv: list[str]) -> Process:
         proc = Process(name, role, argv, self.run_dir / f"{name}.log")
+        self._run(proc)
+        self.processes.append(proc)
+        return proc
+
+    def _run(self, proc: Process) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc.ready.clear()
         proc.popen = subprocess.Popen(
-            argv,
+            proc.argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -330,29 +388,77 @@ class Cluster:
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
-        self.processes.append(proc)
-        threading.Thread(target=_pump, args=(proc,), name=f"log-{name}", daemon=True).start()
-        return proc
+        threading.Thread(target=_pump, args=(proc, proc.popen), name=f"log-{proc.name}", daemon=True).start()
 
     def _wait_ready(self, procs: Sequence[Process], deadline: float) -> None:
         for proc in procs:
-            while not proc.ready.wait(0.05):
-                if not proc.alive():
-                    raise RuntimeError(
-                        f"{proc.name} exited (code {proc.popen.poll() if proc.popen else '?'}) before it "
-                        f"was ready; its log ({proc.log_path}):\n{proc.log_tail()}"
-                    )
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"{proc.name} was not ready within {self.topology.startup_timeout_s:.0f}s; its log "
-                        f"({proc.log_path}):\n{proc.log_tail()}"
-                    )
+            self._wait_one(proc, deadline)
+            proc.pin_addresses()
+
+    def _wait_one(self, proc: Process, deadline: float) -> None:
+        while not proc.ready.wait(0.05):
+            if not proc.alive():
+                raise RuntimeError(
+                    f"{proc.name} exited (code {proc.popen.poll() if proc.popen else '?'}) before it "
+                    f"was ready; its log ({proc.log_path}):\n{proc.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{proc.name} was not ready within {self.topology.startup_timeout_s:.0f}s; its log "
+                    f"({proc.log_path}):\n{proc.log_tail()}"
+                )
 
     def _wait_serving(self, proc: Process, deadline: float) -> None:
         try:
             wait_healthy(proc.address, timeout=max(0.1, deadline - time.monotonic()))
         except TimeoutError as exc:
             raise TimeoutError(f"{exc}; router log ({proc.log_path}):\n{proc.log_tail()}") from None
+
+    # -- supervise ----------------------------------------------------------------------------------------
+
+    def supervise(self, now: float | None = None) -> str | None:
+        """Restart the children that died, each after its backoff.  Returns why the cluster must stop (a
+        child that keeps dying), else None.  Call it periodically (``run_until_signal`` does)."""
+        now = time.monotonic() if now is None else now
+        policy = self.restart_policy
+        with self._lock:
+            if self._stopping:
+                return None
+            for proc in self.processes:
+                if proc.alive():
+                    continue
+                if proc.restart_at is None:  # newly dead
+                    code = proc.popen.poll() if proc.popen is not None else None
+                    proc.deaths = [t for t in proc.deaths if now - t < policy.window_s] + [now]
+                    if len(proc.deaths) >= policy.max_deaths:
+                        return (
+                            f"{proc.name} died {len(proc.deaths)} times within {policy.window_s:.0f}s (last "
+                            f"exit code {code}); stopping. Its log ({proc.log_path}):\n{proc.log_tail()}"
+                        )
+                    delay = policy.delay(len(proc.deaths))
+                    proc.restart_at = now + delay
+                    logger.warning(
+                        "%s exited (code %s); restarting it in %.1fs (restart %d). Its log ends:\n%s",
+                        proc.name,
+                        code,
+                        delay,
+                        proc.restarts + 1,
+                        proc.log_tail(10),
+                    )
+                elif now >= proc.restart_at:
+                    proc.restart_at = None
+                    proc.restarts += 1
+                    logger.warning("restarting %s: %s", proc.name, " ".join(proc.argv))
+                    self._run(proc)
+        return None
+
+    def watch(self, stop: threading.Event, interval_s: float = 0.5) -> str | None:
+        """``supervise`` until ``stop`` is set (returns None) or a child keeps dying (returns why)."""
+        while not stop.wait(interval_s):
+            failure = self.supervise()
+            if failure is not None:
+                return failure
+        return None
 
     # -- stop ---------------------------------------------------------------------------------------------
 
@@ -366,6 +472,8 @@ class Cluster:
         """Router first (no new work), then nodes (in-flight calls get the grace period), then the store
         and Redis.  SIGTERM, then SIGKILL after the grace period."""
         order = {"router": 0, "prefill": 1, "decode": 1, "colocated": 1, "store": 2, "redis": 3}
+        with self._lock:
+            self._stopping = True  # supervise() restarts nothing from here on
         for rank in sorted(set(order.values())):
             group = [p for p in self.processes if order.get(p.role, 1) == rank and p.alive()]
             for p in group:
@@ -395,12 +503,15 @@ def _pdkv() -> list[str]:
     return [sys.executable, "-m", "pdkv"]
 
 
-def _pump(proc: Process) -> None:
-    """Copy a child's output to its log; parse its ready line."""
-    assert proc.popen is not None and proc.popen.stdout is not None
-    fd = os.open(proc.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def _pump(proc: Process, popen: subprocess.Popen[str]) -> None:
+    """Copy a child's output to its log (a restart appends to it); parse its ready line."""
+    assert popen.stdout is not None
+    mode = os.O_APPEND if proc.restarts else os.O_TRUNC
+    fd = os.open(proc.log_path, os.O_WRONLY | os.O_CREAT | mode, 0o600)
     with open(fd, "w", encoding="utf-8") as log:
-        for line in proc.popen.stdout:
+        if proc.restarts:
+            log.write(f"--- pdkv up: restart {proc.restarts} ---\n")
+        for line in popen.stdout:
             log.write(line)
             log.flush()
             if not proc.ready.is_set():
@@ -427,7 +538,8 @@ def _parse_ready(line: str) -> dict[str, str] | None:
 
 
 def run_until_signal(cluster: Cluster, on_ready: Callable[[Cluster], None]) -> int:
-    """Call ``on_ready``, then wait for SIGINT/SIGTERM (or a child dying); stop everything."""
+    """Call ``on_ready``, then supervise the children (a dead one is restarted) until SIGINT/SIGTERM, or
+    until a child keeps dying (rc 1); stop everything."""
     stop = threading.Event()
 
     def request_stop(signum: int, _frame: Any) -> None:
@@ -436,14 +548,10 @@ def run_until_signal(cluster: Cluster, on_ready: Callable[[Cluster], None]) -> i
     previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         on_ready(cluster)
-        while not stop.wait(0.5):
-            dead = [p for p in cluster.processes if not p.alive()]
-            if dead:
-                print(
-                    f"pdkv up: {dead[0].name} exited; stopping. Its log:\n{dead[0].log_tail()}",
-                    file=sys.stderr,
-                )
-                return 1
+        failure = cluster.watch(stop)
+        if failure is not None:
+            print(f"pdkv up: {failure}", file=sys.stderr)
+            return 1
         return 0
     finally:
         cluster.stop()

@@ -3,7 +3,10 @@ on), prefill nodes killed before they answer and while they compute."""
 
 from __future__ import annotations
 
+import sys
+import threading
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -11,7 +14,7 @@ import pytest
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from serving.client import GenerationClient, generate_request
-from serving.launcher import Cluster, Process
+from serving.launcher import Cluster, Process, RestartPolicy, Topology
 from tests.serving.helpers import (
     NODE_ARGS,
     assert_node_idle,
@@ -173,3 +176,99 @@ def test_a_prefill_node_killed_while_it_computes_hands_the_request_to_another() 
         assert_node_idle(cluster.decode_nodes[0].address)
     finally:
         cluster.stop()
+
+
+def test_pdkv_up_restarts_a_dead_child_while_a_stream_in_flight_completes() -> None:
+    """``pdkv up`` supervises: a decode node killed mid-stream is restarted on its address (the router
+    finds it there again) while the stream goes on on the other node; nothing stops the cluster."""
+    cluster = start_cluster(num_prefill=1, num_decode=2, restart_policy=RestartPolicy(backoff_s=0.2))
+    stop = threading.Event()
+    watcher = threading.Thread(target=cluster.watch, args=(stop, 0.1), daemon=True)
+    watcher.start()
+    try:
+        params = SamplingParams(max_tokens=300, ignore_eos=True)
+        with GenerationClient(cluster.router_address) as client:
+            call = client.stream(generate_request(PROMPT, params), timeout=120)
+            token_ids: list[int] = []
+            killed: Process | None = None
+            first_pid = -1
+            for msg in call:
+                if msg.HasField("delta"):
+                    token_ids += msg.delta.token_ids
+                    if killed is None and len(token_ids) >= 5:
+                        killed = serving_node(cluster)
+                        first_pid, address = killed.pid, killed.address
+                        cluster.kill(killed)
+            assert killed is not None
+            expected = LLM(pdkv_model(), device="cpu", num_blocks=512).generate([PROMPT], params)[0]
+            assert token_ids == expected.token_ids
+            # Restarted, on the address the router knows, and serving again.
+            wait_until(
+                lambda: killed.alive() and killed.pid != first_pid and killed.ready.is_set(),
+                timeout=60,
+                what="the killed decode node to be restarted",
+            )
+            assert killed.address == address and killed.restarts == 1
+            assert_node_idle(address, timeout=30)
+            metrics_url = f"http://{cluster.router.info['metrics']}/metrics"
+
+            def router_sees_it_up() -> bool:
+                text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+                return f'pdkv_router_decode_node_up{{node="{address}"}} 1.0' in text
+
+            wait_until(router_sees_it_up, timeout=30, what="the router to see the restarted node up")
+            out = client.generate(generate_request("Hello", SamplingParams(max_tokens=4)), timeout=30)
+            assert len(out.token_ids) == 4
+        assert "--- pdkv up: restart 1 ---" in killed.log_path.read_text()
+    finally:
+        stop.set()
+        watcher.join(10)
+        cluster.stop()
+
+
+def test_a_child_that_keeps_dying_stops_the_cluster(tmp_path: Path) -> None:
+    """Each death is restarted after a doubling backoff; ``max_deaths`` within the window end supervision
+    with a message naming the child."""
+    policy = RestartPolicy(backoff_s=1.0, max_backoff_s=3.0, max_deaths=3, window_s=60.0)
+    assert [policy.delay(n) for n in (1, 2, 3, 4)] == [1.0, 2.0, 3.0, 3.0]
+    cluster = Cluster(Topology(log_dir=tmp_path, restart_policy=policy))
+    crash = [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"]
+    proc = cluster._spawn("flaky", "store", crash)
+    proc.popen.wait(30)
+    now = 1000.0
+    assert cluster.supervise(now) is None and proc.restart_at == now + 1.0  # dead: restart due in 1 s
+    assert cluster.supervise(now + 0.5) is None and not proc.alive()  # not yet
+    assert cluster.supervise(now + 1.0) is None and proc.restarts == 1  # restarted
+    proc.popen.wait(30)
+    assert cluster.supervise(now + 2.0) is None and proc.restart_at == now + 4.0  # second death: 2 s
+    assert cluster.supervise(now + 4.0) is None and proc.restarts == 2
+    proc.popen.wait(30)
+    failure = cluster.supervise(now + 5.0)
+    assert failure is not None and "flaky died 3 times within 60s" in failure and "boom" in failure
+    log = proc.log_path.read_text()
+    assert log.count("boom") == 3 and "--- pdkv up: restart 2 ---" in log
+    cluster.stop()
+    assert cluster.supervise(now + 100.0) is None  # stopped: nothing is restarted
+
+
+def test_a_restart_listens_where_the_first_run_did() -> None:
+    node = Process(
+        "decode-0", "decode", ["pdkv", "--address", "127.0.0.1:0", "--metrics-address", "h:0"], Path("x")
+    )
+    node.info = {"address": "127.0.0.1:5001", "metrics": "127.0.0.1:5002"}
+    node.pin_addresses()
+    assert node.argv == ["pdkv", "--address", "127.0.0.1:5001", "--metrics-address", "127.0.0.1:5002"]
+    store = Process(
+        "kvstore", "store", ["pdkv", "--bind", "tcp://h:0", "--kv-events", "tcp://h:0"], Path("x")
+    )
+    store.info = {"address": "tcp://h:7000", "kv_events": "tcp://h:7001,tcp://h:7002"}
+    store.pin_addresses()
+    assert store.argv == [
+        "pdkv",
+        "--bind",
+        "tcp://h:7000",
+        "--kv-events",
+        "tcp://h:7001",
+        "--kv-events-replay",
+        "tcp://h:7002",
+    ]
