@@ -37,6 +37,15 @@ class RouterConfig:
     http_timeout_s: float = 600.0
     # Client calls in flight before RESOURCE_EXHAUSTED.
     max_inflight: int = 256
+    # API keys (router/auth.py): a TOML keys file; "" = $PDKV_API_KEYS_FILE / $PDKV_API_KEYS, or open.
+    api_keys_file: str = ""
+    # Calls in flight of one tenant (open: one connection) before RESOURCE_EXHAUSTED; 0 = max_inflight/2.
+    client_max_inflight: int = 0
+    # Return cached-token counts (usage.cached, computed_prompt_tokens): they tell a client what else is
+    # cached, so they are off unless the operator turns them on (here, or per tenant in the keys file).
+    cache_details: bool = False
+    # A stream whose client reads nothing for this long is cut and its request aborted.
+    stream_idle_timeout_s: float = 30.0
     # Prefill nodes tried for one request (a node that fails before answering is skipped).
     prefill_attempts: int = 2
     # Decode (or colocated) nodes one request may go through: a node that fails, even mid-stream, hands
@@ -76,6 +85,10 @@ class RouterConfig:
             parse_address(self.http_address, "http_address")
         if not self.http_timeout_s > 0:
             raise ValueError(f"http_timeout_s must be positive, got {self.http_timeout_s!r}")
+        if not isinstance(self.client_max_inflight, int) or self.client_max_inflight < 0:
+            raise ValueError(f"client_max_inflight must be >= 0, got {self.client_max_inflight!r}")
+        if not self.stream_idle_timeout_s > 0:
+            raise ValueError(f"stream_idle_timeout_s must be positive, got {self.stream_idle_timeout_s!r}")
         for name in ("max_inflight", "prefill_attempts", "decode_attempts"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -87,6 +100,10 @@ class RouterConfig:
     @property
     def max_workers(self) -> int:
         return self.max_inflight + 16
+
+    @property
+    def per_client_limit(self) -> int:
+        return self.client_max_inflight or max(1, self.max_inflight // 2)
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
@@ -125,6 +142,31 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         help="the nodes' model (GGUF file or folder), for its tokenizer and template",
     )
     parser.add_argument("--max-inflight", type=int, default=256)
+    parser.add_argument(
+        "--api-keys-file",
+        default="",
+        metavar="PATH",
+        help="TOML file of tenants and their API keys (or $PDKV_API_KEYS_FILE, or KEY=TENANT pairs in "
+        "$PDKV_API_KEYS); without keys the router is open",
+    )
+    parser.add_argument(
+        "--client-max-inflight",
+        type=int,
+        default=0,
+        metavar="N",
+        help="calls in flight of one tenant (open router: one connection); default max-inflight/2",
+    )
+    parser.add_argument(
+        "--cache-details",
+        action="store_true",
+        help="return cached-token counts in the usage (they tell a client what else is cached)",
+    )
+    parser.add_argument(
+        "--stream-idle-timeout-s",
+        type=float,
+        default=30.0,
+        help="cut a stream whose client reads nothing for this long, aborting its request",
+    )
     parser.add_argument("--prefill-attempts", type=int, default=2, help="prefill nodes tried per request")
     parser.add_argument(
         "--decode-attempts",
@@ -159,6 +201,10 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         served_model_name=args.served_model_name,
         http_timeout_s=args.http_timeout_s,
         max_inflight=args.max_inflight,
+        api_keys_file=args.api_keys_file,
+        client_max_inflight=args.client_max_inflight,
+        cache_details=args.cache_details,
+        stream_idle_timeout_s=args.stream_idle_timeout_s,
         prefill_attempts=args.prefill_attempts,
         decode_attempts=args.decode_attempts,
         health_interval_s=args.health_interval_s,

@@ -37,8 +37,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.chat_template import ChatTemplateError
 from engine.sampling_params import SamplingParams
+from router.auth import Access, Caller
 from router.openai_schema import ChatCompletionRequest, CompletionRequest
 from router.pipeline import ClientRequest, Delta, Done, Event, Pipeline, Usage
+from router.streams import StreamWatch
 from router.tokenizer import RouterModel
 from serving.errors import ServingError
 
@@ -118,18 +120,25 @@ class HttpCallScope:
 
 
 async def _events(
-    pipeline: Pipeline, request: ClientRequest, scope: HttpCallScope, pool: ThreadPoolExecutor
+    pipeline: Pipeline,
+    request: ClientRequest,
+    scope: HttpCallScope,
+    pool: ThreadPoolExecutor,
+    access: Access,
+    caller: Caller,
 ) -> AsyncGenerator[Event, None]:
     """The pipeline's events on the event loop; the pipeline itself runs on a worker thread of ``pool``
     (threads are reused: starting one per request cost ~0.2 ms of TTFT), which always runs it to its end
-    (so its books close), even after the client left."""
+    (so its books close), even after the client left.  The call counts against the caller's limit until
+    then."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Event | BaseException | None] = asyncio.Queue()
 
     def run() -> None:
         try:
-            for event in pipeline.generate(request, scope):
-                loop.call_soon_threadsafe(queue.put_nowait, event)
+            with access.admitted(caller):
+                for event in pipeline.generate(request, scope):
+                    loop.call_soon_threadsafe(queue.put_nowait, event)
         except BaseException as exc:
             loop.call_soon_threadsafe(queue.put_nowait, exc)
         else:
@@ -154,7 +163,12 @@ def create_app(
     *,
     healthy: Callable[[], bool],
     request_timeout_s: float | None = 600.0,
+    access: Access | None = None,
+    streams: StreamWatch | None = None,
 ) -> Any:
+    """The app; ``access`` decides who may call (open when None), ``streams`` cuts streams whose client
+    reads nothing for its idle limit."""
+    access = access if access is not None else Access()
     app = FastAPI(title="pdkv", docs_url=None, redoc_url=None, openapi_url=None)
     # One worker per request the pipeline may admit, and a few more so a request beyond the limit
     # reaches the pipeline and gets its 429 instead of queueing for a thread.
@@ -177,25 +191,38 @@ def create_app(
         ok = healthy()
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
+    def caller_of(http: Request) -> Caller:
+        peer = f"{http.client.host}:{http.client.port}" if http.client else ""
+        try:
+            return access.authenticate(http.headers.get("authorization"), peer)
+        except ServingError as exc:
+            raise ApiError.from_serving(exc) from None
+
     @app.get("/v1/models")
-    async def _models() -> dict[str, Any]:
+    async def _models(http: Request) -> dict[str, Any]:
+        caller_of(http)
         return {"object": "list", "data": [_model_card(model, created)]}
 
     @app.get("/v1/models/{name:path}")
-    async def _model(name: str) -> dict[str, Any]:
+    async def _model(name: str, http: Request) -> dict[str, Any]:
+        caller_of(http)
         _check_model(model, name)
         return _model_card(model, created)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def _chat(body: ChatCompletionRequest, http: Request) -> Any:
-        request, include_usage = _chat_request(body, model)
-        return await _respond(http, body.stream, include_usage, request, chat=True, logprobs=body.logprobs)
+        caller = caller_of(http)
+        request, include_usage = _chat_request(body, model, caller)
+        return await _respond(
+            http, body.stream, include_usage, request, caller, chat=True, logprobs=body.logprobs
+        )
 
     @app.post("/v1/completions", response_model=None)
     async def _completions(body: CompletionRequest, http: Request) -> Any:
-        request, include_usage = _completion_request(body, model)
+        caller = caller_of(http)
+        request, include_usage = _completion_request(body, model, caller)
         return await _respond(
-            http, body.stream, include_usage, request, chat=False, logprobs=body.logprobs is not None
+            http, body.stream, include_usage, request, caller, chat=False, logprobs=body.logprobs is not None
         )
 
     async def _respond(
@@ -203,16 +230,24 @@ def create_app(
         stream: bool,
         include_usage: bool,
         request: ClientRequest,
+        caller: Caller,
         *,
         chat: bool,
         logprobs: bool,
     ) -> Any:
         scope = HttpCallScope(request_timeout_s)
-        shape = _Shape(model, request.request_id, created=int(time.time()), chat=chat, logprobs=logprobs)
+        shape = _Shape(
+            model,
+            request.request_id,
+            created=int(time.time()),
+            chat=chat,
+            logprobs=logprobs,
+            cache_details=caller.cache_details,
+        )
         if stream:
             # The first event decides the status: an overloaded router (429), no healthy node (503) or a
             # refused request (400) is answered as such, not as a 200 whose stream holds the error.
-            events = _events(pipeline, request, scope, pool)
+            events = _events(pipeline, request, scope, pool, access, caller)
             try:
                 first = await events.__anext__()
             except ServingError as exc:
@@ -231,7 +266,7 @@ def create_app(
             deltas: list[Delta] = []
             done: Done | None = None
             try:
-                async for event in _events(pipeline, request, scope, pool):
+                async for event in _events(pipeline, request, scope, pool, access, caller):
                     if isinstance(event, Delta):
                         deltas.append(event)
                     else:
@@ -243,7 +278,43 @@ def create_app(
         finally:
             watcher.cancel()
 
-    return app
+    if streams is None:
+        return app
+    return _IdleCutoff(app, streams)
+
+
+class _ClientStalled(Exception):
+    pass
+
+
+class _IdleCutoff:
+    """ASGI wrapper: a send the client does not take within the idle limit (it stopped reading: the
+    transport's buffer stays full) ends the response; the stream's generator is closed, which ends its
+    scope and aborts the request downstream."""
+
+    def __init__(self, app: Any, streams: StreamWatch) -> None:
+        self.app = app
+        self.streams = streams
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_or_cut(message: Any) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.streams.idle_timeout_s)
+            except TimeoutError:
+                raise _ClientStalled from None
+
+        try:
+            await self.app(scope, receive, send_or_cut)
+        except _ClientStalled:
+            self.streams.record_cut()
+            logger.warning(
+                "http: a client read nothing of its response for %.0fs; cut",
+                self.streams.idle_timeout_s,
+            )
 
 
 async def _watch_disconnect(http: Any, scope: HttpCallScope) -> None:
@@ -295,7 +366,14 @@ class _Shape:
     """Builds one request's response objects (chat.completion / text_completion, whole or chunked)."""
 
     def __init__(
-        self, model: RouterModel, request_id: str, *, created: int, chat: bool, logprobs: bool
+        self,
+        model: RouterModel,
+        request_id: str,
+        *,
+        created: int,
+        chat: bool,
+        logprobs: bool,
+        cache_details: bool = False,
     ) -> None:
         self.model, self.id, self.created, self.chat, self.logprobs = (
             model,
@@ -304,6 +382,7 @@ class _Shape:
             chat,
             logprobs,
         )
+        self.cache_details = cache_details
 
     def envelope(self) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -361,24 +440,23 @@ class _Shape:
             at += len(s)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
 
-    @staticmethod
-    def usage(u: Usage) -> dict[str, Any]:
-        cached = u.local_prefix + u.store
-        return {
+    def usage(self, u: Usage) -> dict[str, Any]:
+        """OpenAI's usage; cached-token counts only where the operator enabled them."""
+        out: dict[str, Any] = {
             "prompt_tokens": u.prompt_tokens,
             "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached},
-            "pdkv": {
-                "cached_tokens_by_source": {
-                    "local_prefix": u.local_prefix,
-                    "store": u.store,
-                    "remote_prefill": u.remote_prefill,
-                },
-                "computed_prompt_tokens": u.computed_prompt_tokens,
-                "time_to_first_token_s": round(u.time_to_first_token_s, 6),
-            },
+            "pdkv": {"time_to_first_token_s": round(u.time_to_first_token_s, 6)},
         }
+        if self.cache_details:
+            out["prompt_tokens_details"] = {"cached_tokens": u.local_prefix + u.store}
+            out["pdkv"]["cached_tokens_by_source"] = {
+                "local_prefix": u.local_prefix,
+                "store": u.store,
+                "remote_prefill": u.remote_prefill,
+            }
+            out["pdkv"]["computed_prompt_tokens"] = u.computed_prompt_tokens
+        return out
 
 
 def _model_card(model: RouterModel, created: int) -> dict[str, Any]:
@@ -450,7 +528,9 @@ def _request_id(kind: str) -> str:
     return f"{kind}-{uuid.uuid4().hex}"
 
 
-def _chat_request(body: ChatCompletionRequest, model: RouterModel) -> tuple[ClientRequest, bool]:
+def _chat_request(
+    body: ChatCompletionRequest, model: RouterModel, caller: Caller
+) -> tuple[ClientRequest, bool]:
     _check_model(model, body.model)
     if body.tools:
         raise ApiError.invalid("tools", "tool calls are not supported")
@@ -475,10 +555,12 @@ def _chat_request(body: ChatCompletionRequest, model: RouterModel) -> tuple[Clie
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = tok.chat_sampling(_sampling(body, max_tokens, len(ids), model, MAX_DEFAULT_CHAT_TOKENS))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return ClientRequest(_request_id("chatcmpl"), ids, params, body.cache_salt), include_usage
+    return ClientRequest(_request_id("chatcmpl"), ids, params, caller.salt(body.cache_salt)), include_usage
 
 
-def _completion_request(body: CompletionRequest, model: RouterModel) -> tuple[ClientRequest, bool]:
+def _completion_request(
+    body: CompletionRequest, model: RouterModel, caller: Caller
+) -> tuple[ClientRequest, bool]:
     _check_model(model, body.model)
     if body.echo:
         raise ApiError.invalid("echo", "echo is not supported")
@@ -508,7 +590,7 @@ def _completion_request(body: CompletionRequest, model: RouterModel) -> tuple[Cl
         raise ApiError.invalid("prompt", "has no tokens")
     params = _sampling(body, body.max_tokens, len(ids), model, DEFAULT_COMPLETION_TOKENS)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return ClientRequest(_request_id("cmpl"), ids, params, body.cache_salt), include_usage
+    return ClientRequest(_request_id("cmpl"), ids, params, caller.salt(body.cache_salt)), include_usage
 
 
 class HttpServer:

@@ -16,12 +16,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from engine.metrics import StatsSnapshot
 from engine.tokenizer import Tokenizer
 from pdkv_proto.pdkv.v1 import generation_pb2_grpc
+from router.auth import Access, load_access
 from router.config import READY_PREFIX, RouterConfig
 from router.kv_index import KVEventSubscriber, KVIndex, Publisher
 from router.nodes import HealthMonitor, NodePool
 from router.pipeline import Pipeline
 from router.policy import STORE, NodeSelector, make_selector
 from router.servicer import GenerationServicer
+from router.streams import StreamWatch
 from router.tokenizer import RouterModel, load_model, model_path
 from serving.config import stop_on_signals
 from serving.metrics import (
@@ -51,11 +53,18 @@ class RouterRuntime:
     monitor: HealthMonitor
     health: health.HealthServicer
     calls: RpcCounters
+    access: Access
+    streams: StreamWatch
     kv_index: KVIndex | None = None
     kv_events: KVEventSubscriber | None = None
 
     @classmethod
     def build(cls, config: RouterConfig) -> RouterRuntime:
+        access = load_access(
+            config.api_keys_file or None,
+            client_max_inflight=config.per_client_limit,
+            cache_details=config.cache_details,
+        )
         model = load_model(model_path(config.model), config.served_model_name)
         decode_service = "pdkv.v1.DecodeNode"
         decode = NodePool(
@@ -110,7 +119,20 @@ class RouterRuntime:
                 return [n.kv_events for n in routed.healthy() if n.kv_events is not None] + store
 
             subscriber = KVEventSubscriber(index, publishers).start()
-        return cls(config, model, pools, pipeline, monitor, servicer, RpcCounters(), index, subscriber)
+        streams = StreamWatch(config.stream_idle_timeout_s)
+        return cls(
+            config,
+            model,
+            pools,
+            pipeline,
+            monitor,
+            servicer,
+            RpcCounters(),
+            access,
+            streams,
+            index,
+            subscriber,
+        )
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -128,7 +150,12 @@ class RouterRuntime:
         from router.openai_api import create_app
 
         return create_app(
-            self.pipeline, self.model, healthy=self.healthy, request_timeout_s=self.config.http_timeout_s
+            self.pipeline,
+            self.model,
+            healthy=self.healthy,
+            request_timeout_s=self.config.http_timeout_s,
+            access=self.access,
+            streams=self.streams,
         )
 
     def update_health(self) -> None:
@@ -141,9 +168,15 @@ class RouterRuntime:
             "decode streams resumed on another node after theirs failed mid-stream (one per resume)",
         )
         resumes.add_metric([], float(self.pipeline.resumed))
+        cut = CounterMetricFamily(
+            "pdkv_router_streams_cut",
+            f"streams cut because their client read nothing for {self.config.stream_idle_timeout_s:g}s",
+        )
+        cut.add_metric([], float(self.streams.cut))
         families: list[Metric] = [
             gauge("pdkv_router_inflight_requests", "client calls in flight", self.pipeline.inflight),
             resumes,
+            cut,
             *stats_families(StatsSnapshot({}, {}, latency), prefix="pdkv_router_"),
         ]
         for pool in self.pools:
@@ -182,6 +215,7 @@ class RouterRuntime:
         if server is not None:
             server.stop(grace).wait(grace + 1.0)
         self.monitor.stop()
+        self.streams.close()
         if self.kv_events is not None:
             self.kv_events.close()
         for pool in self.pools:
@@ -206,7 +240,9 @@ def create_server(runtime: RouterRuntime, address: str) -> tuple[grpc.Server, in
         futures.ThreadPoolExecutor(max_workers=runtime.config.max_workers, thread_name_prefix="router-rpc"),
         options=[("grpc.so_reuseport", 0)],
     )
-    servicer = GenerationServicer(runtime.pipeline, runtime.model, runtime.calls, runtime.pools)
+    servicer = GenerationServicer(
+        runtime.pipeline, runtime.model, runtime.calls, runtime.pools, runtime.access, runtime.streams
+    )
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(runtime.health, server)
     enable_reflection((SERVICE_NAME, health.SERVICE_NAME), server)

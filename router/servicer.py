@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 
@@ -11,8 +12,10 @@ from engine.chat_template import ChatTemplateError
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from pdkv_proto.pdkv.v1 import generation_pb2, generation_pb2_grpc
+from router.auth import Access, Caller
 from router.nodes import NodePool
 from router.pipeline import ClientRequest, Delta, Done, Pipeline, Usage
+from router.streams import StreamWatch
 from router.tokenizer import RouterModel
 from serving import convert
 from serving.errors import CallRecorder, invalid, rpc_errors
@@ -25,7 +28,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         model: RouterModel,
         calls: CallRecorder,
         pools: tuple[NodePool, ...] = (),
+        access: Access | None = None,
+        streams: StreamWatch | None = None,
     ) -> None:
+        self.access = access if access is not None else Access()
+        self.streams = streams
         self.pipeline = pipeline
         self.model = model
         self.tokenizer: Tokenizer = model.tokenizer
@@ -37,6 +44,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GetModelInfoRequest, context: grpc.ServicerContext
     ) -> generation_pb2.ModelInfo:
         with rpc_errors(context, self.calls, "GetModelInfo"):
+            self._caller(context)
             m = self.model
             block_size = next(
                 (n.namespace.block_size for p in self.pools for n in p.nodes() if n.namespace is not None), 0
@@ -55,23 +63,36 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[generation_pb2.GenerateResponse]:
-        with rpc_errors(context, self.calls, "Generate"):
-            client_request = self._client_request(request)
+        with rpc_errors(context, self.calls, "Generate"), self._call(context) as caller:
+            client_request = self._client_request(request, caller)
             rid = client_request.request_id
-            for event in self.pipeline.generate(client_request, context):
-                if isinstance(event, Delta):
-                    delta = generation_pb2.TokenDelta(
-                        token_ids=event.token_ids, text=event.text, logprobs=event.logprobs
-                    )
-                    yield generation_pb2.GenerateResponse(request_id=rid, delta=delta)
-                else:
-                    yield generation_pb2.GenerateResponse(request_id=rid, done=_completion(event))
+            # A client that stops reading holds its send here: past the idle limit, the call is cut
+            # (and its request aborted on the nodes) instead of holding a slot for ever.
+            watch = self.streams.watch(context.cancel) if self.streams is not None else None
+            try:
+                for event in self.pipeline.generate(client_request, context):
+                    if isinstance(event, Delta):
+                        delta = generation_pb2.TokenDelta(
+                            token_ids=event.token_ids, text=event.text, logprobs=event.logprobs
+                        )
+                        msg = generation_pb2.GenerateResponse(request_id=rid, delta=delta)
+                    else:
+                        done = _completion(event, caller.cache_details)
+                        msg = generation_pb2.GenerateResponse(request_id=rid, done=done)
+                    if watch is not None:
+                        watch.sending()
+                    yield msg
+                    if watch is not None:
+                        watch.sent()
+            finally:
+                if watch is not None:
+                    watch.close()
 
     def GenerateUnary(
         self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> generation_pb2.GenerateResult:
-        with rpc_errors(context, self.calls, "GenerateUnary"):
-            client_request = self._client_request(request)
+        with rpc_errors(context, self.calls, "GenerateUnary"), self._call(context) as caller:
+            client_request = self._client_request(request, caller)
             result = generation_pb2.GenerateResult(request_id=client_request.request_id)
             for event in self.pipeline.generate(client_request, context):
                 if isinstance(event, Delta):
@@ -79,11 +100,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     result.text += event.text
                     result.logprobs.extend(event.logprobs)
                 else:
-                    result.done.CopyFrom(_completion(event))
+                    result.done.CopyFrom(_completion(event, caller.cache_details))
             return result
         raise AssertionError("unreachable: rpc_errors aborts the call")
 
-    def _client_request(self, request: generation_pb2.GenerateRequest) -> ClientRequest:
+    def _caller(self, context: grpc.ServicerContext) -> Caller:
+        """Who calls (UNAUTHENTICATED without a valid API key where keys are required)."""
+        authorization = next(
+            (str(v) for k, v in context.invocation_metadata() or () if k == "authorization"), None
+        )
+        return self.access.authenticate(authorization, context.peer())
+
+    @contextmanager
+    def _call(self, context: grpc.ServicerContext) -> Iterator[Caller]:
+        """The caller, counted against its limit while the call runs."""
+        caller = self._caller(context)
+        with self.access.admitted(caller):
+            yield caller
+
+    def _client_request(self, request: generation_pb2.GenerateRequest, caller: Caller) -> ClientRequest:
         rid = convert.request_id(request.request_id) if request.request_id else f"req-{uuid.uuid4().hex}"
         params = convert.sampling_params(request.sampling)
         which = request.WhichOneof("prompt")
@@ -111,7 +146,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 f"has {len(token_ids)} tokens, more than max_model_len {context} leaves room for "
                 "(the model's context holds the prompt and at least one output token)",
             )
-        return ClientRequest(rid, token_ids, params, convert.cache_salt(request))
+        return ClientRequest(rid, token_ids, params, caller.salt(convert.cache_salt(request)))
 
     def _chat(
         self, messages: generation_pb2.ChatMessages, params: SamplingParams
@@ -125,22 +160,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return token_ids, self.tokenizer.chat_sampling(params)
 
 
-def _completion(done: Done) -> generation_pb2.Completion:
+def _completion(done: Done, cache_details: bool) -> generation_pb2.Completion:
     msg = generation_pb2.Completion(
-        finish_reason=convert.finish_reason_proto(done.finish_reason), usage=_usage(done.usage)
+        finish_reason=convert.finish_reason_proto(done.finish_reason), usage=_usage(done.usage, cache_details)
     )
     convert.set_stop_reason(msg, done.stop_reason)
     return msg
 
 
-def _usage(u: Usage) -> generation_pb2.Usage:
-    return generation_pb2.Usage(
+def _usage(u: Usage, cache_details: bool) -> generation_pb2.Usage:
+    """The client's usage; where the operator did not enable cache details, ``cached`` is absent and
+    ``computed_prompt_tokens`` 0 (they would tell a client what else is cached)."""
+    msg = generation_pb2.Usage(
         prompt_tokens=u.prompt_tokens,
         completion_tokens=u.completion_tokens,
-        cached=generation_pb2.CachedTokens(
-            local_prefix=u.local_prefix, store=u.store, remote_prefill=u.remote_prefill
-        ),
-        computed_prompt_tokens=u.computed_prompt_tokens,
         time_to_first_token_s=u.time_to_first_token_s,
         total_time_s=u.total_time_s,
     )
+    if cache_details:
+        msg.cached.CopyFrom(
+            generation_pb2.CachedTokens(
+                local_prefix=u.local_prefix, store=u.store, remote_prefill=u.remote_prefill
+            )
+        )
+        msg.computed_prompt_tokens = u.computed_prompt_tokens
+    return msg

@@ -56,10 +56,25 @@ def generate_request(
 
 
 class GenerationClient:
-    def __init__(self, address: str) -> None:
+    """``api_key``: sent as ``authorization: Bearer KEY`` on every call (a router with API keys needs
+    it); ``credentials``: TLS (``serving.tls.channel_credentials``), else a plain channel."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        api_key: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        options: Sequence[tuple[str, object]] = (),
+    ) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address)
+        self.channel = (
+            grpc.secure_channel(address, credentials, options=list(options))
+            if credentials is not None
+            else grpc.insecure_channel(address, options=list(options))
+        )
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
     def __enter__(self) -> GenerationClient:
         return self
@@ -74,7 +89,7 @@ class GenerationClient:
         self, request: generation_pb2.GenerateRequest, *, timeout: float | None = None
     ) -> Iterator[generation_pb2.GenerateResponse]:
         """The raw response stream (cancel it by closing the iterator's call: ``.cancel()``)."""
-        return self.stub.Generate(request, timeout=timeout)  # type: ignore[no-any-return]
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)  # type: ignore[no-any-return]
 
     def generate(
         self,

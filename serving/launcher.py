@@ -91,6 +91,8 @@ class Topology:
     kv_connector: str | None = None
     # The router's node-selection policy; "kv-aware" also makes every node publish its KV events.
     policy: str = "least-loaded"
+    # The router returns cached-token counts in the usage (one user on loopback: nothing to hide).
+    cache_details: bool = True
     node_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     log_dir: Path | None = None
@@ -342,6 +344,7 @@ class Cluster:
             "--policy",
             t.policy,
             *(("--kv-store-events", self.store_events) if self.store_events else ()),
+            *(("--cache-details",) if t.cache_details else ()),
             *t.router_args,
         ]
         if prefill:

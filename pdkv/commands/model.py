@@ -11,6 +11,7 @@ Torch and the engine are imported inside the command functions, so ``pdkv --help
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
@@ -174,7 +175,8 @@ def _generate_remote(args: argparse.Namespace) -> int:
         sys.stdout.write(delta.text)
         sys.stdout.flush()
 
-    with GenerationClient(args.server) as client:
+    # A router with API keys wants one: from the environment, never from argv (``ps`` shows argv).
+    with GenerationClient(args.server, api_key=os.environ.get("PDKV_API_KEY") or None) as client:
         try:
             out = client.generate(request, timeout=args.timeout, on_delta=show)
         except grpc.RpcError as exc:

@@ -317,6 +317,7 @@ def test_router_sheds_load_beyond_max_inflight(cluster: Cluster) -> None:
         decode_nodes=tuple(p.address for p in cluster.decode_nodes),
         model=pdkv_model(),
         max_inflight=1,
+        client_max_inflight=2,  # the router's limit, not the connection's, refuses the second call
         address="127.0.0.1:0",
         metrics_address="",
         grace_s=0.5,

@@ -1,0 +1,95 @@
+"""API keys -> tenants (router/auth.py): the keys file and environment, the salts, the admission books."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+
+from router.auth import Access, Tenant, key_digest, load_access
+from serving.errors import ServingError
+
+KEY = "sk-test-0123456789abcdef"
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "keys.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_keys_file_maps_keys_and_digests_to_tenants(tmp_path: Path) -> None:
+    other = "sk-other-0123456789abcdef"
+    path = write(
+        tmp_path,
+        f'[tenants.acme]\nkeys = ["{KEY}"]\nmax_inflight = 3\ncache_details = true\n'
+        f'[tenants.globex]\nkey_sha256 = ["{key_digest(other)}"]\n',
+    )
+    access = load_access(path, environ={}, client_max_inflight=7)
+    assert not access.open and access.tenants == ["acme", "globex"]
+    acme = access.authenticate(f"Bearer {KEY}")
+    assert (acme.tenant.name, acme.max_inflight, acme.cache_details) == ("acme", 3, True)
+    globex = access.authenticate(f"bearer  {other} ")
+    assert (globex.tenant.name, globex.max_inflight, globex.cache_details) == ("globex", 7, False)
+
+
+def test_keys_from_the_environment(tmp_path: Path) -> None:
+    access = load_access(None, environ={"PDKV_API_KEYS": f"{KEY}=acme, sk-b-0123456789abcdefgh=b"})
+    assert access.tenants == ["acme", "b"]
+    file_env = load_access(
+        None, environ={"PDKV_API_KEYS_FILE": write(tmp_path, f'[tenants.x]\nkeys=["{KEY}"]')}
+    )
+    assert file_env.tenants == ["x"]
+    assert load_access(None, environ={}).open
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("not toml [", "not valid TOML"),
+        ("[other]\n", "names no [tenants.NAME] table"),
+        ('[tenants.acme]\nkeys = ["short"]\n', "at least 16 printable characters"),
+        ('[tenants."a/b"]\nkeys = ["sk-test-0123456789abcdef"]\n', "tenant name 'a/b'"),
+        ("[tenants.acme]\n", "needs keys = [...] or key_sha256"),
+        ('[tenants.acme]\nkeys = ["sk-test-0123456789abcdef"]\nmax_inflight = 0\n', "max_inflight"),
+        ('[tenants.acme]\nkeys = ["sk-test-0123456789abcdef"]\nlimit = 3\n', "unknown field(s) limit"),
+        ('[tenants.acme]\nkey_sha256 = ["abc"]\n', "not a sha256 hex digest"),
+    ],
+)
+def test_a_bad_keys_file_is_refused_naming_the_problem(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ValueError, match="keys") as info:
+        load_access(write(tmp_path, text), environ={})
+    assert message in str(info.value)
+
+
+def test_a_missing_keys_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_access(str(tmp_path / "absent.toml"), environ={})
+
+
+@pytest.mark.parametrize("header", [None, "", "Basic abc", "Bearer ", "Bearer sk-wrong-0123456789abcdef"])
+def test_a_call_without_a_valid_key_is_unauthenticated(header: str | None) -> None:
+    access = Access({key_digest(KEY): Tenant("acme")})
+    with pytest.raises(ServingError) as info:
+        access.authenticate(header)
+    assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_tenant_decides_the_salt() -> None:
+    assert Tenant("acme").salt(None) == "acme"
+    assert Tenant("acme").salt("team-1") == "acme/team-1"
+    assert Tenant("globex").salt("acme") == "globex/acme"  # another tenant's name gets nobody its cache
+    open_caller = Access().authenticate(None, "ipv4:127.0.0.1:5000")
+    assert open_caller.salt("anything") == "anything" and open_caller.client == "peer:ipv4:127.0.0.1:5000"
+
+
+def test_admission_counts_per_client_and_releases() -> None:
+    access = Access({key_digest(KEY): Tenant("acme", max_inflight=2)})
+    caller = access.authenticate(f"Bearer {KEY}")
+    with access.admitted(caller), access.admitted(caller):
+        assert access.inflight(caller.client) == 2
+        with pytest.raises(ServingError) as info, access.admitted(caller):
+            pass
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit is 2" in info.value.message
+    assert access.inflight(caller.client) == 0

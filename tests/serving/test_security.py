@@ -1,0 +1,160 @@
+"""The router's access rules against a real cluster: API keys (gRPC metadata and the HTTP header), the
+tenant's cache salt decided server-side, cached-token details only where enabled, per-tenant limits, and
+streams whose client reads nothing cut after the idle limit."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import pytest
+
+from engine.sampling_params import SamplingParams
+from serving.client import GenerationClient, generate_request
+from serving.launcher import Cluster
+from tests.serving.helpers import assert_node_idle, start_cluster, wait_until
+
+openai = pytest.importorskip("openai")
+
+ACME = "sk-acme-0123456789abcdef"
+GLOBEX = "sk-globex-0123456789abcdef"
+INITECH = "sk-initech-0123456789abcdef"
+PROMPT = "The tenants of this cluster share its nodes but never each other's cached prefixes. " * 3
+SHORT = SamplingParams(max_tokens=4)
+# Long enough that a client which never reads fills its flow-control window (bdp probing off).
+LONG = SamplingParams(max_tokens=3000, ignore_eos=True)
+NO_BDP = (("grpc.http2.bdp_probe", 0),)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    keys = tmp_path_factory.mktemp("keys") / "keys.toml"
+    keys.write_text(
+        f"""
+[tenants.acme]
+keys = ["{ACME}"]
+max_inflight = 2
+cache_details = true
+
+[tenants.globex]
+keys = ["{GLOBEX}"]
+cache_details = true
+
+[tenants.initech]
+keys = ["{INITECH}"]
+"""
+    )
+    keys.chmod(0o600)
+    c = start_cluster(
+        num_prefill=1,
+        num_decode=1,
+        cache_details=False,  # per tenant, from the keys file
+        router_args=("--api-keys-file", str(keys), "--max-inflight", "6", "--stream-idle-timeout-s", "2"),
+    )
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def client(cluster: Cluster, key: str | None, **options: object) -> GenerationClient:
+    return GenerationClient(cluster.router_address, api_key=key, **options)  # type: ignore[arg-type]
+
+
+def router_metric(cluster: Cluster, line: str) -> bool:
+    assert cluster.router is not None
+    text = urllib.request.urlopen(f"http://{cluster.router.info['metrics']}/metrics", timeout=10).read()
+    return line in text.decode()
+
+
+@pytest.mark.parametrize("key", [None, "sk-not-a-key-of-anyone-here"])
+def test_grpc_without_a_valid_key_is_unauthenticated(cluster: Cluster, key: str | None) -> None:
+    with client(cluster, key) as c, pytest.raises(grpc.RpcError) as info:
+        c.generate(generate_request("Hello", SHORT), timeout=30)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "API key" in info.value.details()
+    with client(cluster, ACME) as c:  # the accepted path still works
+        assert len(c.generate(generate_request("Hello", SHORT), timeout=30).token_ids) == 4
+
+
+def test_http_without_a_valid_key_is_401_shaped_as_openai_errors(cluster: Cluster) -> None:
+    base = f"http://{cluster.http_address}/v1"
+    # No header at all (raw), then a wrong key (the SDK raises its AuthenticationError on the 401).
+    r = httpx.post(f"{base}/completions", json={"model": "x", "prompt": "Hello"}, timeout=30)
+    assert r.status_code == 401
+    assert r.json()["error"]["type"] == "authentication_error" and "API key" in r.json()["error"]["message"]
+    with openai.OpenAI(base_url=base, api_key="sk-not-a-key-of-anyone-here", max_retries=0) as sdk:
+        with pytest.raises(openai.AuthenticationError) as info:
+            sdk.completions.create(model="pdkv-tiny", prompt="Hello", max_tokens=2)
+        assert info.value.status_code == 401
+        body = info.value.body
+        assert isinstance(body, dict) and body["type"] == "authentication_error"
+    with openai.OpenAI(base_url=base, api_key=GLOBEX, max_retries=0) as sdk:
+        name = sdk.models.list().data[0].id
+        r = sdk.completions.create(model=name, prompt="Hello", max_tokens=2)
+        assert r.usage is not None and r.usage.completion_tokens == 2
+
+
+def test_a_tenant_cannot_reach_another_tenant_s_cached_prefix(cluster: Cluster) -> None:
+    request = generate_request(PROMPT, SHORT)
+    with client(cluster, ACME) as acme:
+        acme.generate(request, timeout=30)
+        again = acme.generate(request, timeout=30).usage
+        assert again is not None and again.cached.local_prefix > 0  # the tenant's own prefix hits
+    with client(cluster, GLOBEX) as globex:
+        for salt in (None, "acme"):  # not even by sending acme's name as its salt
+            usage = globex.generate(generate_request(PROMPT, SHORT, cache_salt=salt), timeout=30).usage
+            assert usage is not None
+            assert usage.cached.local_prefix == 0 and usage.cached.store == 0, usage
+            assert usage.computed_prompt_tokens == usage.prompt_tokens
+
+
+def test_cached_token_details_are_returned_only_where_enabled(cluster: Cluster) -> None:
+    with client(cluster, INITECH) as c:
+        c.generate(generate_request(PROMPT, SHORT), timeout=30)
+        usage = c.generate(generate_request(PROMPT, SHORT), timeout=30).usage
+    assert usage is not None and usage.prompt_tokens > 0 and usage.completion_tokens == 4
+    assert not usage.HasField("cached") and usage.computed_prompt_tokens == 0
+    with openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key=INITECH, max_retries=0) as sdk:
+        name = sdk.models.list().data[0].id
+        r = sdk.completions.create(model=name, prompt=PROMPT, max_tokens=2)
+    assert r.usage is not None and r.usage.prompt_tokens_details is None
+    assert "cached_tokens_by_source" not in (r.usage.model_extra or {}).get("pdkv", {})
+
+
+def test_one_tenant_s_held_streams_do_not_stop_another_tenant(cluster: Cluster) -> None:
+    with client(cluster, ACME) as acme, client(cluster, GLOBEX) as globex:
+        held = [acme.stream(generate_request(PROMPT, LONG), timeout=60) for _ in range(2)]
+        for call in held:
+            next(iter(call))  # both in flight
+        with pytest.raises(grpc.RpcError) as info:
+            acme.generate(generate_request("Hello", SHORT), timeout=30)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "tenant 'acme'" in info.value.details() and "limit is 2" in info.value.details()
+        out = globex.generate(generate_request("Hello", SHORT), timeout=30)  # the other tenant is served
+        assert len(out.token_ids) == 4
+        for call in held:
+            call.cancel()  # type: ignore[attr-defined]
+    for node in (*cluster.prefill_nodes, *cluster.decode_nodes):
+        assert_node_idle(node.address, timeout=30)
+
+
+def test_a_stream_whose_client_reads_nothing_is_cut_and_its_request_aborted(cluster: Cluster) -> None:
+    with client(cluster, ACME, options=NO_BDP) as stalled, client(cluster, ACME) as other:
+        call = stalled.stream(generate_request(PROMPT, LONG), timeout=120)
+        next(iter(call))  # started; never read again
+        wait_until(
+            lambda: router_metric(cluster, "pdkv_router_streams_cut_total 1.0"),
+            timeout=60,
+            what="the router to cut the stalled stream",
+            interval=0.2,
+        )
+        for node in (*cluster.prefill_nodes, *cluster.decode_nodes):
+            assert_node_idle(node.address, timeout=30)  # its request was aborted, not left running
+        assert len(other.generate(generate_request("Hello", SHORT), timeout=30).token_ids) == 4
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in call:
+                pass
+        assert info.value.code() == grpc.StatusCode.CANCELLED
