@@ -13,25 +13,38 @@ from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
 from serving import convert
 from serving.calls import EngineCall
 from serving.errors import CallRecorder, rpc_errors
+from serving.signing import TransferSigner
 
 
 class DecodeNodeServicer(node_pb2_grpc.DecodeNodeServicer):
-    def __init__(self, driver: EngineDriver, calls: CallRecorder) -> None:
+    """``signer``: transfer params must be sealed by a prefill node of the cluster (a cluster secret is
+    set); they are checked before the engine sees them, so nothing is pulled on unsealed params."""
+
+    def __init__(
+        self, driver: EngineDriver, calls: CallRecorder, signer: TransferSigner | None = None
+    ) -> None:
         self.driver = driver
         self.calls = calls
+        self.signer = signer
 
     def Decode(
         self, request: node_pb2.DecodeRequest, context: grpc.ServicerContext
     ) -> Iterator[node_pb2.DecodeResponse]:
         with rpc_errors(context, self.calls, "Decode"):
             rid = convert.request_id(request.request_id)
+            prompt = convert.token_ids(request.prompt_token_ids, "prompt_token_ids")
+            salt = convert.cache_salt(request)
+            first = request.first_token_id if request.HasField("first_token_id") else None
+            params = request.kv_transfer_params
+            if self.signer is not None:
+                params = self.signer.open(params, rid, prompt, salt, first)
             engine_request = decode_request(
                 rid,
-                convert.token_ids(request.prompt_token_ids, "prompt_token_ids"),
+                prompt,
                 convert.sampling_params(request.sampling),
-                convert.cache_salt(request),
-                request.first_token_id if request.HasField("first_token_id") else None,
-                convert.decode_transfer_params(request.kv_transfer_params),
+                salt,
+                first,
+                convert.decode_transfer_params(params),
                 list(request.resume_output_token_ids),
             )
             for out in EngineCall(self.driver, engine_request, context).outputs():

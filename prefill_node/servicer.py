@@ -10,12 +10,18 @@ from prefill_node.prefill import PrefillResult, prefill_request, prefill_result
 from serving import convert
 from serving.calls import EngineCall
 from serving.errors import CallRecorder, rpc_errors
+from serving.signing import TransferSigner
 
 
 class PrefillNodeServicer(node_pb2_grpc.PrefillNodeServicer):
-    def __init__(self, driver: EngineDriver, calls: CallRecorder) -> None:
+    """``signer``: seals the transfer params for the decode node (a cluster secret is set)."""
+
+    def __init__(
+        self, driver: EngineDriver, calls: CallRecorder, signer: TransferSigner | None = None
+    ) -> None:
         self.driver = driver
         self.calls = calls
+        self.signer = signer
 
     def Prefill(
         self, request: node_pb2.PrefillRequest, context: grpc.ServicerContext
@@ -24,14 +30,18 @@ class PrefillNodeServicer(node_pb2_grpc.PrefillNodeServicer):
             rid = convert.request_id(request.request_id)
             params = convert.sampling_params(request.sampling)
             prompt = convert.token_ids(request.prompt_token_ids, "prompt_token_ids")
-            call = EngineCall(
-                self.driver, prefill_request(rid, prompt, params, convert.cache_salt(request)), context
-            )
+            salt = convert.cache_salt(request)
+            call = EngineCall(self.driver, prefill_request(rid, prompt, params, salt), context)
             final = list(call.outputs())[-1]
             result = prefill_result(final, params, self.driver.engine.max_model_len)
             if result.ends_here:
                 self.driver.abort(rid)  # no decode node will read the held KV: free it now
-            return _response(rid, result)
+            response = _response(rid, result)
+            if self.signer is not None:
+                response.kv_transfer_params = self.signer.seal(
+                    response.kv_transfer_params, rid, prompt, salt, result.first_token_id
+                )
+            return response
         raise AssertionError("unreachable: rpc_errors aborts the call")
 
 

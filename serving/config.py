@@ -99,6 +99,9 @@ class NodeConfig:
     max_num_requests: int = 64
     # Seconds in-flight RPCs get to finish when the node stops.
     grace_s: float = 5.0
+    # The cluster secret that seals transfer params (serving/signing.py): a file ("" = the environment's
+    # $PDKV_CLUSTER_SECRET_FILE / $PDKV_CLUSTER_SECRET, or none).
+    cluster_secret_file: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -153,6 +156,14 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--max-num-requests", type=int, default=64, help="requests before RESOURCE_EXHAUSTED")
     parser.add_argument("--grace-s", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument(
+        "--cluster-secret-file",
+        default="",
+        metavar="PATH",
+        help="the cluster secret that seals transfer params between prefill and decode nodes (or "
+        "$PDKV_CLUSTER_SECRET_FILE / $PDKV_CLUSTER_SECRET); a decode node with it pulls KV only as "
+        "sealed params say",
+    )
     engine = parser.add_argument_group("engine")
     engine.add_argument(
         "--model",
@@ -208,6 +219,7 @@ def node_config_from_args(args: argparse.Namespace, role: str) -> NodeConfig:
         kv_events_bind=args.kv_events,
         max_num_requests=args.max_num_requests,
         grace_s=args.grace_s,
+        cluster_secret_file=args.cluster_secret_file,
     )
 
 

@@ -35,6 +35,7 @@ from serving.errors import CallRecorder, rpc_errors
 from serving.kv_events import KVEventPublisher
 from serving.metrics import Metric, MetricsServer, RpcCounters, counter_families, gauge, stats_families
 from serving.reflection import enable_reflection
+from serving.signing import TransferSigner, load_cluster_secret
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +56,11 @@ class NodeRuntime:
     calls: RpcCounters
     health: health.HealthServicer
     events: KVEventPublisher | None = None
+    signer: TransferSigner | None = None  # seals / checks transfer params (with a cluster secret)
 
     @classmethod
     def build(cls, config: NodeConfig) -> NodeRuntime:
+        secret = load_cluster_secret(config.cluster_secret_file or None)  # before the model: fail fast
         engine = LLMEngine(config.engine)
         events: KVEventPublisher | None = None
         if config.kv_events_bind:
@@ -74,7 +77,8 @@ class NodeRuntime:
             name=f"{config.node_id}-engine",
             after_step=publish_events if events is not None else None,
         )
-        node = cls(config, driver.start(), RpcCounters(), health.HealthServicer(), events)
+        signer = TransferSigner(secret) if secret is not None else None
+        node = cls(config, driver.start(), RpcCounters(), health.HealthServicer(), events, signer)
         node.set_serving(False)  # the health servicer starts out SERVING; say so only once started
         return node
 
@@ -162,9 +166,11 @@ def create_server(node: NodeRuntime, address: str) -> tuple[grpc.Server, int]:
     )
     role = node.config.role
     if role in ("prefill", "colocated"):
-        node_pb2_grpc.add_PrefillNodeServicer_to_server(PrefillNodeServicer(node.driver, node.calls), server)
+        prefill = PrefillNodeServicer(node.driver, node.calls, node.signer)
+        node_pb2_grpc.add_PrefillNodeServicer_to_server(prefill, server)
     if role in ("decode", "colocated"):
-        node_pb2_grpc.add_DecodeNodeServicer_to_server(DecodeNodeServicer(node.driver, node.calls), server)
+        decode = DecodeNodeServicer(node.driver, node.calls, node.signer)
+        node_pb2_grpc.add_DecodeNodeServicer_to_server(decode, server)
     node_pb2_grpc.add_NodeServicer_to_server(NodeServicer(node, node.calls), server)
     health_pb2_grpc.add_HealthServicer_to_server(node.health, server)
     enable_reflection((*node.service_names, health.SERVICE_NAME), server)

@@ -9,12 +9,16 @@ from collections.abc import Iterator
 
 import grpc
 import httpx
+import msgpack
 import pytest
+import zmq
 
 from engine.sampling_params import SamplingParams
+from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
+from serving import convert
 from serving.client import GenerationClient, generate_request
 from serving.launcher import Cluster
-from tests.serving.helpers import assert_node_idle, start_cluster, wait_until
+from tests.serving.helpers import NODE_ARGS, assert_node_idle, start_cluster, wait_until
 
 openai = pytest.importorskip("openai")
 
@@ -47,9 +51,12 @@ keys = ["{INITECH}"]
 """
     )
     keys.chmod(0o600)
+    secret = keys.parent / "cluster-secret"
+    secret.write_bytes(b"the secret the prefill and decode nodes share")
     c = start_cluster(
         num_prefill=1,
         num_decode=1,
+        node_args=(*NODE_ARGS, "--cluster-secret-file", str(secret)),
         cache_details=False,  # per tenant, from the keys file
         router_args=("--api-keys-file", str(keys), "--max-inflight", "6", "--stream-idle-timeout-s", "2"),
     )
@@ -158,3 +165,75 @@ def test_a_stream_whose_client_reads_nothing_is_cut_and_its_request_aborted(clus
             for _ in call:
                 pass
         assert info.value.code() == grpc.StatusCode.CANCELLED
+
+
+def test_sealed_transfer_params_carry_the_prompt_to_the_decode_node(cluster: Cluster) -> None:
+    with client(cluster, ACME) as c:
+        fresh = "A prompt no node has seen, whose KV only the prefill node computes. " * 3
+        usage = c.generate(generate_request(fresh, SHORT), timeout=30).usage
+    assert usage is not None and usage.cached.remote_prefill > 0  # the decode node pulled, not recomputed
+
+
+def test_a_decode_call_with_params_no_prefill_node_sealed_is_refused(cluster: Cluster) -> None:
+    """Straight to the decode node, past the router: params naming a producer of the caller's choosing
+    are refused before any pull; so are a real prefill node's params replayed for another prompt."""
+    ctx = zmq.Context()
+    bait = ctx.socket(zmq.ROUTER)
+    port = bait.bind_to_random_port("tcp://127.0.0.1")
+    prompt = list(range(10, 90))
+    sampling = convert.sampling_params_proto(SamplingParams(max_tokens=4))
+    forged = msgpack.packb(
+        {
+            "do_remote_prefill": True,
+            "engine_id": "evil",
+            "kv_endpoint": f"tcp://127.0.0.1:{port}",
+            "remote_request_id": "x",
+            "block_ids": [1],
+            "block_hashes": ["00" * 16],
+            "num_tokens": 16,
+        }
+    )
+    try:
+        with grpc.insecure_channel(cluster.decode_nodes[0].address) as ch:
+            decode = node_pb2_grpc.DecodeNodeStub(ch)
+            with pytest.raises(grpc.RpcError) as info:
+                request = node_pb2.DecodeRequest(
+                    request_id="forged",
+                    prompt_token_ids=prompt,
+                    sampling=sampling,
+                    first_token_id=1,
+                    kv_transfer_params=forged,
+                )
+                list(decode.Decode(request, timeout=30))
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "not sealed by a prefill node" in info.value.details()
+            assert bait.poll(500) == 0  # nothing came to pull from the bait
+            with grpc.insecure_channel(cluster.prefill_nodes[0].address) as pch:
+                prefill = node_pb2_grpc.PrefillNodeStub(pch)
+                first = prefill.Prefill(
+                    node_pb2.PrefillRequest(request_id="real", prompt_token_ids=prompt, sampling=sampling),
+                    timeout=30,
+                )
+                try:
+                    assert first.kv_transfer_params
+                    replay = node_pb2.DecodeRequest(
+                        request_id="real",
+                        prompt_token_ids=[*prompt[:-1], 7],  # not the prompt they were sealed for
+                        sampling=sampling,
+                        first_token_id=first.first_token_id,
+                        kv_transfer_params=first.kv_transfer_params,
+                    )
+                    with pytest.raises(grpc.RpcError) as info:
+                        list(decode.Decode(replay, timeout=30))
+                    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                    assert "does not match this request" in info.value.details()
+                    replay.prompt_token_ids[:] = prompt  # the request they were sealed for: served
+                    out = list(decode.Decode(replay, timeout=30))
+                    assert out[-1].finished and out[-1].prompt.external_tokens > 0
+                finally:
+                    node_pb2_grpc.NodeStub(pch).Abort(node_pb2.AbortRequest(request_id="real"), timeout=10)
+    finally:
+        bait.close(0)
+        ctx.term()
+    for node in (*cluster.prefill_nodes, *cluster.decode_nodes):
+        assert_node_idle(node.address, timeout=30)
