@@ -35,6 +35,7 @@ import zmq
 
 from connectors.p2p_transfer import BlockViews, TransferStats
 from kvstore.codec import HEADER_SIZE, HeaderMatcher, payload_checksum
+from kvstore.curve import client_socket
 from kvstore.protocol import (
     MAX_HEADER_BYTES,
     DataReply,
@@ -221,7 +222,7 @@ class BlockPuller:
     def _socket(self, sockets: dict[str, zmq.Socket[Any]], endpoint: str) -> zmq.Socket[Any]:
         sock = sockets.get(endpoint)
         if sock is None:
-            sock = self._context.socket(zmq.DEALER)
+            sock = client_socket(self._context, zmq.DEALER)  # CURVE with $PDKV_CURVE_DIR
             sock.setsockopt(zmq.LINGER, 0)
             # A frame larger than one block is not ours: ZeroMQ disconnects a peer that sends one.
             sock.setsockopt(zmq.MAXMSGSIZE, max(self.views.block_nbytes, MAX_HEADER_BYTES))

@@ -41,6 +41,7 @@ import zmq
 
 from connectors.p2p_transfer import BlockViews, TransferStats
 from kvstore.codec import pack_header, payload_checksum
+from kvstore.curve import server_socket, stop_authenticator
 from kvstore.protocol import (
     MAX_HEADER_BYTES,
     ErrorCode,
@@ -144,7 +145,7 @@ class BlockServer:
         self._thread.start()
 
     def _open(self, bind: str) -> zmq.Socket[Any]:
-        sock = self._context.socket(zmq.ROUTER)
+        sock = server_socket(self._context, zmq.ROUTER)  # CURVE with $PDKV_CURVE_DIR
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES)  # requests are headers only; bigger: disconnect
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer fails instead of vanishing
@@ -245,6 +246,7 @@ class BlockServer:
         self._stop.set()
         self._thread.join()
         self._socket.close(linger=0)
+        stop_authenticator(self._context)
         self._context.term()
 
     # ---- lease bookkeeping (lock held) -------------------------------------------------------------------

@@ -53,4 +53,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="serve Prometheus /metrics here (port 0 picks one; default: none)",
     )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --bind without CURVE ($PDKV_CURVE_DIR): only on a network you trust",
+    )
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")

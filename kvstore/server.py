@@ -35,6 +35,7 @@ import zmq
 from engine.cpu_memory import tune_malloc_for_tensors
 from kvstore.cli import DEFAULT_BIND, READY_PREFIX, add_serve_arguments
 from kvstore.codec import HEADER_SIZE, HeaderMatcher, verify_payload
+from kvstore.curve import server_socket, stop_authenticator
 from kvstore.metrics import TierStats
 from kvstore.protocol import (
     PROTOCOL_VERSION,
@@ -79,7 +80,8 @@ class StoreServer:
         self.verify_puts = verify_puts
         self._own_context = context is None
         self._context: zmq.Context[Any] = context or zmq.Context()
-        self._socket = self._context.socket(zmq.ROUTER)
+        # CURVE with $PDKV_CURVE_DIR: only allow-listed clients complete the handshake (kvstore/curve.py).
+        self._socket = server_socket(self._context, zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, 2 * self.limits.max_unit_bytes)
         self._socket.bind(bind)
@@ -270,6 +272,7 @@ class StoreServer:
         for _, units in self._in_flight:
             release_all(units)
         self._in_flight.clear()
+        stop_authenticator(self._context)
         if self._own_context:
             self._context.term()
 
@@ -344,6 +347,13 @@ def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from kvstore.curve import CurveKeys
+    from serving.config import refuse_open_wide_bind
+
+    curve = CurveKeys.from_env()
+    refuse_open_wide_bind(
+        args.bind, "the KV store", curve is not None, args.insecure, "CURVE ($PDKV_CURVE_DIR)"
+    )
     limits = Limits(max_blocks=args.max_blocks, max_unit_bytes=args.max_block_bytes)
     tune_malloc_for_tensors()
     store = TieredStore.from_config(args.kv_store)
@@ -367,6 +377,7 @@ def run_server(args: argparse.Namespace) -> int:
     metrics_note = f" metrics={metrics.address}" if metrics is not None else ""
     if server.events is not None:
         metrics_note += f" kv_events={server.events.endpoint},{server.events.replay_endpoint}"
+    metrics_note += f" curve={'on' if curve is not None else 'off'}"
     print(f"{READY_PREFIX}{server.endpoint}{metrics_note}", flush=True)
     try:
         server.serve(stop)

@@ -46,6 +46,11 @@ class RouterConfig:
     cache_details: bool = False
     # A stream whose client reads nothing for this long is cut and its request aborted.
     stream_idle_timeout_s: float = 30.0
+    # TLS from the cluster's TLS folder (serving/tls.py; "" = $PDKV_TLS_DIR or none): the router's gRPC and
+    # HTTP servers, and its channels to the nodes (with its client certificate, for nodes that ask).
+    tls_dir: str = ""
+    # Listen on a non-loopback address without TLS and API keys: refused unless this says so.
+    insecure: bool = False
     # Prefill nodes tried for one request (a node that fails before answering is skipped).
     prefill_attempts: int = 2
     # Decode (or colocated) nodes one request may go through: a node that fails, even mid-stream, hands
@@ -178,6 +183,17 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dns-discovery", action="store_true", help="one node per address a name resolves to"
     )
+    parser.add_argument(
+        "--tls-dir",
+        default="",
+        metavar="DIR",
+        help="TLS from the cluster's TLS folder (or $PDKV_TLS_DIR): gRPC, HTTP and the calls to the nodes",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --address/--http-address without TLS and API keys (trusted networks only)",
+    )
     parser.add_argument("--grace-s", type=float, default=5.0)
     parser.add_argument("--log-level", default="WARNING")
 
@@ -205,6 +221,8 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         client_max_inflight=args.client_max_inflight,
         cache_details=args.cache_details,
         stream_idle_timeout_s=args.stream_idle_timeout_s,
+        tls_dir=args.tls_dir,
+        insecure=args.insecure,
         prefill_attempts=args.prefill_attempts,
         decode_attempts=args.decode_attempts,
         health_interval_s=args.health_interval_s,

@@ -22,6 +22,7 @@ from engine.hashing import HashNamespace
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
 from router.kv_index import Publisher
 from serving.health import SERVING, check
+from serving.tls import TLSFolder, channel
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +56,10 @@ def _smooth(old: float | None, new: float) -> float:
 class NodeHandle:
     """One node: stubs over one channel, whether it is healthy, and how many router calls it serves."""
 
-    def __init__(self, address: str, service: str) -> None:
+    def __init__(self, address: str, service: str, tls: TLSFolder | None = None) -> None:
         self.address = address
         self.service = service  # the health service name to check
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = channel(address, tls, CHANNEL_OPTIONS)  # TLS (mutual where the folder allows)
         self.prefill = node_pb2_grpc.PrefillNodeStub(self.channel)
         self.decode = node_pb2_grpc.DecodeNodeStub(self.channel)
         self.control = node_pb2_grpc.NodeStub(self.channel)
@@ -184,9 +185,16 @@ class NodePool:
     """The nodes of one kind; ``service`` is the health service they must report SERVING."""
 
     def __init__(
-        self, kind: str, addresses: Sequence[str], service: str, *, dns_discovery: bool = False
+        self,
+        kind: str,
+        addresses: Sequence[str],
+        service: str,
+        *,
+        dns_discovery: bool = False,
+        tls: TLSFolder | None = None,
     ) -> None:
         self.kind = kind
+        self.tls = tls
         self.configured = tuple(addresses)
         self.service = service
         self.dns_discovery = dns_discovery
@@ -206,7 +214,7 @@ class NodePool:
         targets = self._targets()
         with self._lock:
             for address in targets - set(self._nodes):
-                self._nodes[address] = NodeHandle(address, self.service)
+                self._nodes[address] = NodeHandle(address, self.service, self.tls)
             gone = [self._nodes.pop(a) for a in set(self._nodes) - targets]
         for node in gone:
             logger.warning("node %s left pool %s (no longer resolved)", node.address, self.kind)

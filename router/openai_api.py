@@ -596,7 +596,8 @@ def _completion_request(
 class HttpServer:
     """uvicorn serving ``app`` on its own thread and event loop, on a socket bound here (port 0 works)."""
 
-    def __init__(self, app: Any, address: str) -> None:
+    def __init__(self, app: Any, address: str, *, tls: Any = None) -> None:
+        """``tls``: a ``serving.tls.TLSFolder`` -- HTTPS with its server certificate."""
         import uvicorn
 
         from serving.config import parse_address
@@ -610,8 +611,11 @@ class HttpServer:
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock.bind((host, port))
         self.address = f"{host}:{self._sock.getsockname()[1]}"
+        ssl: dict[str, Any] = {}
+        if tls is not None:
+            ssl = {"ssl_certfile": str(tls.server_cert_file), "ssl_keyfile": str(tls.server_key_file)}
         config = uvicorn.Config(
-            app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2
+            app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2, **ssl
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name="router-http", daemon=True)

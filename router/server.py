@@ -25,7 +25,7 @@ from router.policy import STORE, NodeSelector, make_selector
 from router.servicer import GenerationServicer
 from router.streams import StreamWatch
 from router.tokenizer import RouterModel, load_model, model_path
-from serving.config import stop_on_signals
+from serving.config import refuse_open_wide_bind, stop_on_signals
 from serving.metrics import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -36,6 +36,7 @@ from serving.metrics import (
     stats_families,
 )
 from serving.reflection import enable_reflection
+from serving.tls import TLSFolder, add_port
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class RouterRuntime:
     calls: RpcCounters
     access: Access
     streams: StreamWatch
+    tls: TLSFolder | None = None
     kv_index: KVIndex | None = None
     kv_events: KVEventSubscriber | None = None
 
@@ -65,6 +67,12 @@ class RouterRuntime:
             client_max_inflight=config.per_client_limit,
             cache_details=config.cache_details,
         )
+        tls = TLSFolder.from_option(config.tls_dir or None)
+        secured = tls is not None and not access.open
+        for address in filter(None, (config.address, config.http_address)):
+            refuse_open_wide_bind(
+                address, "the router", secured, config.insecure, "TLS (--tls-dir) and API keys"
+            )
         model = load_model(model_path(config.model), config.served_model_name)
         decode_service = "pdkv.v1.DecodeNode"
         decode = NodePool(
@@ -72,10 +80,15 @@ class RouterRuntime:
             config.decode_nodes,
             decode_service,
             dns_discovery=config.dns_discovery,
+            tls=tls,
         )
         prefill = (
             NodePool(
-                "prefill", config.prefill_nodes, "pdkv.v1.PrefillNode", dns_discovery=config.dns_discovery
+                "prefill",
+                config.prefill_nodes,
+                "pdkv.v1.PrefillNode",
+                dns_discovery=config.dns_discovery,
+                tls=tls,
             )
             if config.mode == "disaggregated"
             else None
@@ -130,6 +143,7 @@ class RouterRuntime:
             RpcCounters(),
             access,
             streams,
+            tls,
             index,
             subscriber,
         )
@@ -246,7 +260,7 @@ def create_server(runtime: RouterRuntime, address: str) -> tuple[grpc.Server, in
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(runtime.health, server)
     enable_reflection((SERVICE_NAME, health.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    port = add_port(server, address, runtime.tls)
     if port == 0:
         raise OSError(f"cannot listen on {address}: the address is in use or not local")
     return server, port
@@ -264,14 +278,15 @@ def run_router(config: RouterConfig) -> int:
     if config.http_address:
         from router.openai_api import HttpServer
 
-        http = HttpServer(runtime.http_app(), config.http_address).start()
+        http = HttpServer(runtime.http_app(), config.http_address, tls=runtime.tls).start()
     server.start()
     runtime.monitor.start()
     stop = stop_on_signals()
     host = config.address.rpartition(":")[0]
     print(
         f"{READY_PREFIX}{host}:{port} mode={config.mode} metrics={metrics.address if metrics else '-'} "
-        f"http={http.address if http else '-'}",
+        f"http={http.address if http else '-'} tls={'on' if runtime.tls else 'off'} "
+        f"auth={'open' if runtime.access.open else 'api-keys'}",
         flush=True,
     )
     try:

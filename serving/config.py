@@ -102,6 +102,12 @@ class NodeConfig:
     # The cluster secret that seals transfer params (serving/signing.py): a file ("" = the environment's
     # $PDKV_CLUSTER_SECRET_FILE / $PDKV_CLUSTER_SECRET, or none).
     cluster_secret_file: str = ""
+    # gRPC TLS from the cluster's TLS folder (serving/tls.py; "" = $PDKV_TLS_DIR or none); mtls: serve only
+    # clients with a certificate of the cluster's CA (the router).
+    tls_dir: str = ""
+    mtls: bool = False
+    # Listen on a non-loopback address without TLS: refused unless this says the network is trusted.
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -164,6 +170,22 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         "$PDKV_CLUSTER_SECRET_FILE / $PDKV_CLUSTER_SECRET); a decode node with it pulls KV only as "
         "sealed params say",
     )
+    parser.add_argument(
+        "--tls-dir",
+        default="",
+        metavar="DIR",
+        help="serve gRPC over TLS from the cluster's TLS folder (or $PDKV_TLS_DIR)",
+    )
+    parser.add_argument(
+        "--mtls",
+        action="store_true",
+        help="with --tls-dir: serve only clients holding a certificate of the CA",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --address without TLS (only on a network you trust)",
+    )
     engine = parser.add_argument_group("engine")
     engine.add_argument(
         "--model",
@@ -220,6 +242,31 @@ def node_config_from_args(args: argparse.Namespace, role: str) -> NodeConfig:
         max_num_requests=args.max_num_requests,
         grace_s=args.grace_s,
         cluster_secret_file=args.cluster_secret_file,
+        tls_dir=args.tls_dir,
+        mtls=args.mtls,
+        insecure=args.insecure,
+    )
+
+
+LOOPBACK_HOSTS = ("localhost", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def refuse_open_wide_bind(address: str, what: str, secured: bool, insecure: bool, how: str) -> None:
+    """A listener on a non-loopback ``address`` (HOST:PORT, or a ZeroMQ tcp:// endpoint) with its
+    security off is refused unless ``insecure``.  ipc:// endpoints are files: never "wide"."""
+    if address.startswith("ipc://"):
+        return
+    host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    if secured or insecure or is_loopback(host):
+        return
+    raise ValueError(
+        f"refusing to serve {what} on {address} without {how}: anyone who reaches that address could use "
+        "it. Turn security on (pdkv up --secure writes what it needs), bind a loopback address, or pass "
+        "--insecure on a network you trust"
     )
 
 

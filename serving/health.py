@@ -10,16 +10,24 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from serving.tls import TLSFolder
+from serving.tls import channel as make_channel
+
 SERVING = "SERVING"
 
 
 def check(
-    address: str, *, service: str = "", timeout: float = 1.0, channel: grpc.Channel | None = None
+    address: str,
+    *,
+    service: str = "",
+    timeout: float = 1.0,
+    channel: grpc.Channel | None = None,
+    tls: TLSFolder | None = None,
 ) -> str:
     """The health status name of ``service`` at ``address`` ("SERVING", "NOT_SERVING", ...), or
     "UNREACHABLE: <why>" when the call fails (down, deadline, unknown service)."""
     own = channel is None
-    ch = channel if channel is not None else grpc.insecure_channel(address)
+    ch = channel if channel is not None else make_channel(address, tls)
     try:
         stub = health_pb2_grpc.HealthStub(ch)
         reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
@@ -33,10 +41,17 @@ def check(
             ch.close()
 
 
-def wait_healthy(address: str, *, timeout: float, service: str = "", interval: float = 0.1) -> None:
+def wait_healthy(
+    address: str,
+    *,
+    timeout: float,
+    service: str = "",
+    interval: float = 0.1,
+    tls: TLSFolder | None = None,
+) -> None:
     """Return once ``address`` reports SERVING; TimeoutError (with the last answer) after ``timeout``."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    with make_channel(address, tls) as channel:
         while True:
             remaining = deadline - time.monotonic()
             status = check(address, service=service, timeout=max(0.05, min(1.0, remaining)), channel=channel)

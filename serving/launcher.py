@@ -93,6 +93,9 @@ class Topology:
     policy: str = "least-loaded"
     # The router returns cached-token counts in the usage (one user on loopback: nothing to hide).
     cache_details: bool = True
+    # Everything on (``Secrets``): TLS on gRPC and HTTP (mutual between router and nodes), an API key,
+    # CURVE on the store and p2p, sealed transfer params.
+    secure: bool = False
     node_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     log_dir: Path | None = None
@@ -124,6 +127,59 @@ PINNED_FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
     "colocated": (("--address", "address"), ("--metrics-address", "metrics")),
     "store": (("--bind", "address"), ("--kv-events", "kv_events:0"), ("--kv-events-replay", "kv_events:1")),
 }
+
+
+@dataclass(frozen=True)
+class Secrets:
+    """What ``pdkv up --secure`` writes into ``RUN_DIR/secrets`` (0700, every file 0600)::
+
+    tls/            the cluster's CA certificate, server and client certificates (serving/tls.py)
+    curve/          CURVE key pairs: the servers' and one per process (kvstore/curve.py)
+    cluster-secret  seals transfer params (serving/signing.py)
+    api-keys.toml   the router's keys file: one tenant, "default"
+    api-key         that tenant's key, for clients
+    """
+
+    folder: Path
+    api_key: str
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.folder / "tls"
+
+    @classmethod
+    def write(cls, folder: Path, names: Sequence[str], hosts: Sequence[str], cache_details: bool) -> Secrets:
+        import secrets as random
+
+        from kvstore.curve import write_curve_folder
+        from serving.tls import write_tls_folder
+
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_tls_folder(folder / "tls", hosts)
+        write_curve_folder(folder / "curve", list(names))
+        key = f"sk-pdkv-{random.token_urlsafe(32)}"
+        _write_private(folder / "cluster-secret", random.token_hex(32) + "\n")
+        _write_private(folder / "api-key", key + "\n")
+        details = "true" if cache_details else "false"
+        _write_private(
+            folder / "api-keys.toml", f'[tenants.default]\nkeys = ["{key}"]\ncache_details = {details}\n'
+        )
+        return cls(folder, key)
+
+    def env(self, name: str) -> dict[str, str]:
+        """What a child named ``name`` finds its credentials by (files, never argv)."""
+        return {
+            "PDKV_TLS_DIR": str(self.folder / "tls"),
+            "PDKV_CURVE_DIR": str(self.folder / "curve"),
+            "PDKV_CURVE_NAME": name,
+            "PDKV_CLUSTER_SECRET_FILE": str(self.folder / "cluster-secret"),
+        }
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(fd, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 @dataclass
@@ -226,6 +282,7 @@ class Cluster:
         self.store_endpoint: str | None = None
         self.store_events = ""  # the store server's KV event endpoints, "PUB,REPLAY" (kv-aware only)
         self.restart_policy = topology.restart_policy
+        self.secrets: Secrets | None = None
         self._stopping = False
         self._lock = threading.Lock()  # supervise() and stop() from different threads
 
@@ -267,10 +324,25 @@ class Cluster:
     def decode_nodes(self) -> list[Process]:
         return [p for p in self.processes if p.role in ("decode", "colocated")]
 
+    @property
+    def tls(self) -> Any:
+        """The cluster's ``serving.tls.TLSFolder`` (secure clusters), else None."""
+        from serving.tls import TLSFolder
+
+        return TLSFolder(self.secrets.tls_dir) if self.secrets is not None else None
+
     def _start(self) -> None:
         t = self.topology
         deadline = time.monotonic() + t.startup_timeout_s
         model = self._model_folder()
+        roles = (
+            ["prefill"] * t.num_prefill + ["decode"] * t.num_decode
+            if t.mode == "disaggregated"
+            else ["colocated"] * t.num_decode
+        )
+        if t.secure:
+            names = ["kvstore", "router", *(f"{r}-{i}" for r in set(roles) for i in range(roles.count(r)))]
+            self.secrets = Secrets.write(self.run_dir / "secrets", names, [t.host], t.cache_details)
         store_tiers = None
         if t.kv_store is not None:
             store_tiers = t.kv_store.replace("{run_dir}", str(self.run_dir))
@@ -295,11 +367,6 @@ class Cluster:
             self.store_events = store.info.get("kv_events", "")
         node_store = f"cpu:64MiB,remote:{self.store_endpoint}" if self.store_endpoint else None
         known = available_connectors()
-        roles = (
-            ["prefill"] * t.num_prefill + ["decode"] * t.num_decode
-            if t.mode == "disaggregated"
-            else ["colocated"] * t.num_decode
-        )
         nodes = []
         counts: dict[str, int] = {}
         for role in roles:
@@ -320,6 +387,7 @@ class Cluster:
                 "--model",
                 model,
                 *(("--kv-events", f"tcp://{t.host}:0") if t.policy == "kv-aware" else ()),
+                *(("--mtls",) if t.secure else ()),
                 *t.node_args,
             ]
             nodes.append(self._spawn(name, role, argv))
@@ -344,7 +412,8 @@ class Cluster:
             "--policy",
             t.policy,
             *(("--kv-store-events", self.store_events) if self.store_events else ()),
-            *(("--cache-details",) if t.cache_details else ()),
+            *(("--cache-details",) if t.cache_details and not t.secure else ()),
+            *(("--api-keys-file", str(self.secrets.folder / "api-keys.toml")) if self.secrets else ()),
             *t.router_args,
         ]
         if prefill:
@@ -380,6 +449,8 @@ class Cluster:
 
     def _run(self, proc: Process) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.secrets is not None:
+            env.update(self.secrets.env(proc.name))
         proc.ready.clear()
         proc.popen = subprocess.Popen(
             proc.argv,
@@ -413,7 +484,7 @@ class Cluster:
 
     def _wait_serving(self, proc: Process, deadline: float) -> None:
         try:
-            wait_healthy(proc.address, timeout=max(0.1, deadline - time.monotonic()))
+            wait_healthy(proc.address, timeout=max(0.1, deadline - time.monotonic()), tls=self.tls)
         except TimeoutError as exc:
             raise TimeoutError(f"{exc}; router log ({proc.log_path}):\n{proc.log_tail()}") from None
 

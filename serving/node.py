@@ -30,12 +30,13 @@ from engine.llm_engine import LLMEngine
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
 from prefill_node.servicer import PrefillNodeServicer
 from serving import convert
-from serving.config import READY_PREFIX, NodeConfig, stop_on_signals
+from serving.config import READY_PREFIX, NodeConfig, refuse_open_wide_bind, stop_on_signals
 from serving.errors import CallRecorder, rpc_errors
 from serving.kv_events import KVEventPublisher
 from serving.metrics import Metric, MetricsServer, RpcCounters, counter_families, gauge, stats_families
 from serving.reflection import enable_reflection
 from serving.signing import TransferSigner, load_cluster_secret
+from serving.tls import TLSFolder, add_port
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +58,14 @@ class NodeRuntime:
     health: health.HealthServicer
     events: KVEventPublisher | None = None
     signer: TransferSigner | None = None  # seals / checks transfer params (with a cluster secret)
+    tls: TLSFolder | None = None
 
     @classmethod
     def build(cls, config: NodeConfig) -> NodeRuntime:
-        secret = load_cluster_secret(config.cluster_secret_file or None)  # before the model: fail fast
+        # Before the model loads: a misconfigured node fails in a second, not after it.
+        secret = load_cluster_secret(config.cluster_secret_file or None)
+        tls = TLSFolder.from_option(config.tls_dir or None)
+        refuse_open_wide_bind(config.address, "gRPC", tls is not None, config.insecure, "TLS (--tls-dir)")
         engine = LLMEngine(config.engine)
         events: KVEventPublisher | None = None
         if config.kv_events_bind:
@@ -78,7 +83,7 @@ class NodeRuntime:
             after_step=publish_events if events is not None else None,
         )
         signer = TransferSigner(secret) if secret is not None else None
-        node = cls(config, driver.start(), RpcCounters(), health.HealthServicer(), events, signer)
+        node = cls(config, driver.start(), RpcCounters(), health.HealthServicer(), events, signer, tls)
         node.set_serving(False)  # the health servicer starts out SERVING; say so only once started
         return node
 
@@ -174,7 +179,7 @@ def create_server(node: NodeRuntime, address: str) -> tuple[grpc.Server, int]:
     node_pb2_grpc.add_NodeServicer_to_server(NodeServicer(node, node.calls), server)
     health_pb2_grpc.add_HealthServicer_to_server(node.health, server)
     enable_reflection((*node.service_names, health.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    port = add_port(server, address, node.tls, mutual=node.config.mtls)
     if port == 0:
         raise OSError(f"cannot listen on {address}: the address is in use or not local")
     return server, port

@@ -32,6 +32,7 @@ from kvstore.codec import (
     verify_payload,
 )
 from kvstore.config import RemoteTierConfig
+from kvstore.curve import client_socket
 from kvstore.deadline import Deadline
 from kvstore.keys import KeyRun
 from kvstore.layout import BlockLayout
@@ -69,7 +70,7 @@ class RemoteTier(Tier):
     def _socket(self) -> zmq.Socket[Any]:
         sock: zmq.Socket[Any] | None = getattr(self._local, "socket", None)
         if sock is None:
-            sock = self._context.socket(zmq.DEALER)
+            sock = client_socket(self._context, zmq.DEALER)  # CURVE with $PDKV_CURVE_DIR
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.RECONNECT_IVL, 50)

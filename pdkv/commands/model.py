@@ -176,7 +176,13 @@ def _generate_remote(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     # A router with API keys wants one: from the environment, never from argv (``ps`` shows argv).
-    with GenerationClient(args.server, api_key=os.environ.get("PDKV_API_KEY") or None) as client:
+    from serving.tls import TLSFolder
+
+    tls = TLSFolder.from_option(None)  # $PDKV_TLS_DIR: the cluster's CA
+    credentials = tls.channel_credentials(client_cert=False) if tls is not None else None
+    with GenerationClient(
+        args.server, api_key=os.environ.get("PDKV_API_KEY") or None, credentials=credentials
+    ) as client:
         try:
             out = client.generate(request, timeout=args.timeout, on_delta=show)
         except grpc.RpcError as exc:

@@ -65,6 +65,20 @@ def register(subparsers: Any) -> None:
         default="least-loaded",
         help="the router's node choice; kv-aware routes on the nodes' KV events and measured costs",
     )
+    parser.add_argument(
+        "--secure",
+        action="store_true",
+        help="generate a CA and certificates, CURVE keys, an API key and the cluster secret into the run "
+        "folder and turn everything on (TLS, mutual TLS to the nodes, API keys, CURVE, sealed transfers)",
+    )
+    parser.add_argument(
+        "--no-cache-details",
+        action="store_true",
+        help="the router returns no cached-token counts (with --secure they are off unless --cache-details)",
+    )
+    parser.add_argument(
+        "--cache-details", action="store_true", help="with --secure: return cached-token counts"
+    )
     parser.add_argument("--log-dir", default=None, metavar="DIR", help="keep the children's logs here")
     parser.add_argument("--startup-timeout", type=float, default=180.0, metavar="S")
     parser.add_argument(
@@ -99,6 +113,8 @@ def _up(args: argparse.Namespace) -> int:
         node_args=tuple(shlex.split(args.node_args)),
         log_dir=Path(args.log_dir) if args.log_dir else None,
         startup_timeout_s=args.startup_timeout,
+        secure=args.secure,
+        cache_details=(args.cache_details or not args.secure) and not args.no_cache_details,
     )
     print(f"pdkv up: starting {_summary(topology)} ...", file=sys.stderr, flush=True)
     cluster = Cluster.start(topology)
@@ -112,7 +128,18 @@ def _up(args: argparse.Namespace) -> int:
         print(c.describe(), file=sys.stderr)
         print(f"pdkv up: router listening on {c.router_address}", flush=True)
         if c.http_address:
-            print(f"pdkv up: OpenAI API on http://{c.http_address}/v1", flush=True)
+            scheme = "https" if c.secrets else "http"
+            print(f"pdkv up: OpenAI API on {scheme}://{c.http_address}/v1", flush=True)
+        if c.secrets is not None:
+            s = c.secrets
+            print(
+                f"pdkv up: secure: TLS (CA {s.tls_dir}/ca.pem), API key in {s.folder}/api-key\n"
+                f"pdkv up:   PDKV_API_KEY=$(cat {s.folder}/api-key) PDKV_TLS_DIR={s.tls_dir} "
+                f'pdkv generate --server {c.router_address} "Hello"\n'
+                f"pdkv up:   curl --cacert {s.tls_dir}/ca.pem "
+                f'-H "Authorization: Bearer $(cat {s.folder}/api-key)" https://{c.http_address}/v1/models',
+                flush=True,
+            )
         print(
             f'pdkv up: try: pdkv generate --server {c.router_address} "Hello"   (Ctrl-C stops everything)',
             file=sys.stderr,
@@ -148,7 +175,13 @@ def _oneshot(cluster: Any, prompt: str, max_tokens: int, *, chat: bool) -> int:
         sys.stdout.write(delta.text)
         sys.stdout.flush()
 
-    with GenerationClient(cluster.router_address) as client:
+    secrets = cluster.secrets
+    tls = cluster.tls
+    with GenerationClient(
+        cluster.router_address,
+        api_key=secrets.api_key if secrets is not None else None,
+        credentials=tls.channel_credentials(client_cert=False) if tls is not None else None,
+    ) as client:
         try:
             out = client.generate(request, timeout=120.0, on_delta=show)
         except grpc.RpcError as exc:

@@ -4,8 +4,13 @@ streams whose client reads nothing cut after the idle limit."""
 
 from __future__ import annotations
 
+import os
+import ssl
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import httpx
@@ -13,12 +18,13 @@ import msgpack
 import pytest
 import zmq
 
+from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
 from serving import convert
 from serving.client import GenerationClient, generate_request
 from serving.launcher import Cluster
-from tests.serving.helpers import NODE_ARGS, assert_node_idle, start_cluster, wait_until
+from tests.serving.helpers import NODE_ARGS, assert_node_idle, pdkv_model, start_cluster, wait_until
 
 openai = pytest.importorskip("openai")
 
@@ -237,3 +243,77 @@ def test_a_decode_call_with_params_no_prefill_node_sealed_is_refused(cluster: Cl
         ctx.term()
     for node in (*cluster.prefill_nodes, *cluster.decode_nodes):
         assert_node_idle(node.address, timeout=30)
+
+
+def test_pdkv_up_secure_turns_everything_on_and_a_client_with_the_credentials_is_served() -> None:
+    """``--secure``: TLS (mutual to the nodes), an API key, CURVE on the store and p2p, sealed transfer
+    params -- and the accepted path still produces the same greedy output, with the prompt's KV pulled."""
+    secure = start_cluster(num_prefill=1, num_decode=1, kv_store="cpu:64MiB", secure=True, cache_details=True)
+    try:
+        secrets, tls = secure.secrets, secure.tls
+        assert secrets is not None and tls is not None
+        modes = {oct(p.stat().st_mode & 0o777) for p in secrets.folder.rglob("*")}
+        assert modes <= {"0o600", "0o700"}, modes
+        assert "ca.key" not in {p.name for p in secrets.tls_dir.iterdir()}  # nobody can issue certificates
+        assert "curve=on" in next(p for p in secure.processes if p.role == "store").ready_line
+        creds = tls.channel_credentials(client_cert=False)
+        params = SamplingParams(max_tokens=6)
+        fresh = "What a secure cluster computes, it computes once and moves sealed. " * 3
+        with GenerationClient(secure.router_address, api_key=secrets.api_key, credentials=creds) as c:
+            out = c.generate(generate_request(fresh, params), timeout=60)
+        expected = LLM(pdkv_model(), device="cpu", num_blocks=512).generate([fresh], params)[0]
+        assert out.token_ids == expected.token_ids
+        assert out.usage is not None and out.usage.cached.remote_prefill > 0  # p2p over CURVE, sealed
+        # Without TLS, or without the key, the router does not serve.
+        with GenerationClient(secure.router_address, api_key=secrets.api_key) as plain:
+            with pytest.raises(grpc.RpcError) as info:
+                plain.generate(generate_request("Hello", SHORT), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        with GenerationClient(secure.router_address, credentials=creds) as keyless:
+            with pytest.raises(grpc.RpcError) as info:
+                keyless.generate(generate_request("Hello", SHORT), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # The nodes serve only the router (mutual TLS): the CA alone does not get a client in.
+        with grpc.secure_channel(
+            secure.decode_nodes[0].address, creds, options=[("grpc.ssl_target_name_override", "pdkv-server")]
+        ) as ch, pytest.raises(grpc.RpcError):
+            node_pb2_grpc.NodeStub(ch).Stats(node_pb2.StatsRequest(), timeout=5)
+        r = httpx.get(
+            f"https://{secure.http_address}/v1/models",
+            headers={"Authorization": f"Bearer {secrets.api_key}"},
+            verify=ssl.create_default_context(cafile=str(tls.ca_file)),
+            timeout=10,
+        )
+        assert r.status_code == 200
+    finally:
+        secure.stop()
+
+
+def test_a_node_refuses_a_wide_address_without_tls_unless_insecure(tmp_path: Path) -> None:
+    from serving.config import refuse_open_wide_bind
+
+    for address in ("127.0.0.1:1", "localhost:1", "[::1]:1", "tcp://127.0.0.1:7600", "ipc:///tmp/x"):
+        refuse_open_wide_bind(address, "gRPC", False, False, "TLS")
+    for address in ("0.0.0.0:50061", "tcp://0.0.0.0:7600", "10.0.0.5:1"):
+        with pytest.raises(ValueError, match="--insecure"):
+            refuse_open_wide_bind(address, "gRPC", False, False, "TLS")
+        refuse_open_wide_bind(address, "gRPC", True, False, "TLS")  # secured
+        refuse_open_wide_bind(address, "gRPC", False, True, "TLS")  # told so
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdkv",
+            "kvstore",
+            "serve",
+            "--kv-store",
+            "cpu:1MiB",
+            "--bind",
+            "tcp://0.0.0.0:0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "PDKV_CURVE_DIR"},
+    )
+    assert proc.returncode != 0 and "refusing to serve the KV store on tcp://0.0.0.0:0" in proc.stderr
