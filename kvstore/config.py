@@ -8,8 +8,13 @@ The string is an ordered, comma-separated list of tiers, top (fastest) first:
     cpu:SIZE[?verify=BOOL&pin=BOOL|auto&name=NAME]
     disk:PATH:SIZE[?fsync=never|file|always&name=NAME]
     redis://[user:password@]host:port[/db][?prefix=P&ttl_s=S&timeout_ms=MS&connect_timeout_ms=MS
-                                          &max_connections=N&cluster=BOOL&batch=N&name=NAME]
-        (also rediss://, and valkey:// / valkeys:// as synonyms)
+                                          &max_connections=N&cluster=BOOL&batch=N&name=NAME
+                                          &username=U&password_env=VAR&password_file=PATH
+                                          &ssl_ca_certs=PATH&ssl_certfile=PATH&ssl_keyfile=PATH]
+        (also rediss://, and valkey:// / valkeys:// as synonyms).  Credentials stay out of argv: the
+        password is read from the environment variable password_env names, or from password_file; a
+        password in the URL works but shows in ``ps``.  ssl_* (with rediss://) name the CA and client
+        certificate files.
     remote:ENDPOINT[?timeout_ms=MS&name=NAME]      ENDPOINT = tcp://host:port | ipc://path
 
 Sizes take B, KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB (powers of 1024), or a bare byte count.
@@ -131,7 +136,31 @@ class RedisTierConfig:
     cluster: bool = False
     batch: int = 16
     name: str = "redis"
+    # Credentials and TLS, by reference: never the secret itself (see the module docstring).
+    username: str | None = None
+    password_env: str | None = None
+    password_file: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
     kind: str = field(default="redis", init=False)
+
+    def password(self) -> str | None:
+        """The password password_env / password_file name, read now (None: none configured)."""
+        import os
+
+        if self.password_env:
+            value = os.environ.get(self.password_env)
+            if not value:
+                raise ValueError(f"redis tier password_env: ${self.password_env} is not set")
+            return value
+        if self.password_file:
+            try:
+                with open(self.password_file, encoding="utf-8") as f:
+                    return f.read().strip()
+            except OSError as exc:
+                raise ValueError(f"redis tier password_file {self.password_file}: {exc.strerror}") from None
+        return None
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -147,6 +176,10 @@ class RedisTierConfig:
         _positive(self.connect_timeout_s, "redis tier connect_timeout_s")
         _positive(self.max_connections, "redis tier max_connections", int)
         _positive(self.batch, "redis tier batch", int)
+        if self.password_env and self.password_file:
+            raise ValueError("redis tier: give password_env or password_file, not both")
+        if (self.ssl_ca_certs or self.ssl_certfile) and parts.scheme != "rediss":
+            raise ValueError("redis tier ssl_* options need a rediss:// url")
         if self.cluster and parts.scheme == "unix":
             raise ValueError(
                 "a Redis Cluster is reached over TCP; drop cluster=true or use redis://host:port"
@@ -347,6 +380,12 @@ _REDIS_OPTIONS = {
     "cluster",
     "batch",
     "name",
+    "username",
+    "password_env",
+    "password_file",
+    "ssl_ca_certs",
+    "ssl_certfile",
+    "ssl_keyfile",
 }
 
 
@@ -378,6 +417,12 @@ def _parse_redis(text: str, where: str) -> RedisTierConfig:
         cluster=parse_bool(ours.get("cluster", "false"), "cluster"),
         batch=_positive(ours.get("batch", 16), "batch", int),
         name=ours.get("name", "redis"),
+        username=ours.get("username") or None,
+        password_env=ours.get("password_env") or None,
+        password_file=ours.get("password_file") or None,
+        ssl_ca_certs=ours.get("ssl_ca_certs") or None,
+        ssl_certfile=ours.get("ssl_certfile") or None,
+        ssl_keyfile=ours.get("ssl_keyfile") or None,
     )
 
 

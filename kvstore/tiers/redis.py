@@ -109,6 +109,15 @@ class RedisTier(Tier):
             "retry": Retry(NoBackoff(), 0),
             "health_check_interval": 0,
         }
+        # Credentials and TLS by reference (kvstore/config.py): read here, never carried in a URL.
+        password = config.password()
+        if config.username:
+            self._connection_kwargs["username"] = config.username
+        if password is not None:
+            self._connection_kwargs["password"] = password
+        for option in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+            if getattr(config, option):
+                self._connection_kwargs[option] = getattr(config, option)
         self._pool: redis.ConnectionPool | None = None
         self._cluster: Any = None  # redis.cluster.RedisCluster, created on first use
         self._topology_stale = False

@@ -285,3 +285,62 @@ def test_a_cluster_lookup_is_one_round_trip_per_node(
         assert result.loaded == 2 * ANCHOR_SPAN + 7 and b.loaded(result.loaded)
     finally:
         tier.close()
+
+
+class AuthRedis(RedisProcess):
+    """A redis-server that wants a password (its PING needs AUTH first)."""
+
+    PASSWORD = "a-redis-password-not-in-any-url"
+
+    def ping(self) -> bool:
+        try:
+            return bool(redis.Redis(port=self.port, password=self.PASSWORD, socket_timeout=0.5).ping())
+        except redis.RedisError:
+            return False
+
+
+def test_credentials_come_from_the_environment_or_a_file_never_the_url(
+    make_blocks: Callable[..., Blocks], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = AuthRedis(free_port(), extra=("--requirepass", AuthRedis.PASSWORD))
+    server.start()
+    try:
+        blocks = make_blocks(3)
+        monkeypatch.setenv("PDKV_TEST_REDIS_PASSWORD", AuthRedis.PASSWORD)
+        secret = tmp_path / "redis-password"
+        secret.write_text(AuthRedis.PASSWORD + "\n")
+        for option in ({"password_env": "PDKV_TEST_REDIS_PASSWORD"}, {"password_file": str(secret)}):
+            t = tier_for(server.url, **option)
+            try:
+                assert t.put(blocks.run(), blocks.units()).stored == 3
+                assert t.contains_prefix(blocks.run()) == 3
+                assert AuthRedis.PASSWORD not in str(t._backend_stats())
+            finally:
+                t.close()
+        anonymous = tier_for(server.url)  # without the password: refused, as a miss, not a crash
+        try:
+            assert anonymous.contains_prefix(blocks.run()) == 0
+        finally:
+            anonymous.close()
+        with pytest.raises(ValueError, match="PDKV_TEST_REDIS_UNSET is not set"):
+            tier_for(server.url, password_env="PDKV_TEST_REDIS_UNSET")
+    finally:
+        server.stop()
+
+
+def test_redis_credentials_and_tls_options_parse_from_the_spec_and_toml(tmp_path: Path) -> None:
+    from kvstore.config import StoreConfig
+
+    config = StoreConfig.load("redis://h:6379/0?username=pdkv&password_env=REDIS_PW").tiers[0]
+    assert isinstance(config, RedisTierConfig)
+    assert (config.username, config.password_env) == ("pdkv", "REDIS_PW")
+    toml = tmp_path / "store.toml"
+    toml.write_text(
+        '[kv_store]\n[[kv_store.tiers]]\nkind = "redis"\nurl = "rediss://h:6380/0"\n'
+        'password_file = "/run/secrets/redis"\nssl_ca_certs = "/run/secrets/ca.pem"\n'
+    )
+    tls = StoreConfig.load(f"@{toml}").tiers[0]
+    assert isinstance(tls, RedisTierConfig)
+    assert (tls.password_file, tls.ssl_ca_certs) == ("/run/secrets/redis", "/run/secrets/ca.pem")
+    with pytest.raises(ValueError, match="need a rediss:// url"):
+        RedisTierConfig("redis://h:6379/0", ssl_ca_certs="/ca.pem")

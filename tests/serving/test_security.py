@@ -274,9 +274,14 @@ def test_pdkv_up_secure_turns_everything_on_and_a_client_with_the_credentials_is
                 keyless.generate(generate_request("Hello", SHORT), timeout=10)
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # The nodes serve only the router (mutual TLS): the CA alone does not get a client in.
-        with grpc.secure_channel(
-            secure.decode_nodes[0].address, creds, options=[("grpc.ssl_target_name_override", "pdkv-server")]
-        ) as ch, pytest.raises(grpc.RpcError):
+        with (
+            grpc.secure_channel(
+                secure.decode_nodes[0].address,
+                creds,
+                options=[("grpc.ssl_target_name_override", "pdkv-server")],
+            ) as ch,
+            pytest.raises(grpc.RpcError),
+        ):
             node_pb2_grpc.NodeStub(ch).Stats(node_pb2.StatsRequest(), timeout=5)
         r = httpx.get(
             f"https://{secure.http_address}/v1/models",
