@@ -35,7 +35,7 @@ import zmq
 from engine.cpu_memory import tune_malloc_for_tensors
 from kvstore.cli import DEFAULT_BIND, READY_PREFIX, add_serve_arguments
 from kvstore.codec import HEADER_SIZE, HeaderMatcher, verify_payload
-from kvstore.curve import server_socket, stop_authenticator
+from kvstore.curve import CurveKeys, server_socket, stop_authenticator
 from kvstore.metrics import TierStats
 from kvstore.protocol import (
     PROTOCOL_VERSION,
@@ -49,7 +49,9 @@ from kvstore.protocol import (
 )
 from kvstore.results import MissReason, Unit, release_all
 from kvstore.store import TieredStore
+from serving.config import refuse_open_wide_bind
 from serving.kv_events import KVEventPublisher
+from serving.logs import throttle_noisy_logs
 from serving.metrics import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -347,9 +349,7 @@ def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from kvstore.curve import CurveKeys
-    from serving.config import refuse_open_wide_bind
-
+    throttle_noisy_logs()  # bad input: one line a minute per kind, not a traceback per request
     curve = CurveKeys.from_env()
     refuse_open_wide_bind(
         args.bind, "the KV store", curve is not None, args.insecure, "CURVE ($PDKV_CURVE_DIR)"

@@ -37,6 +37,8 @@ class RouterConfig:
     http_timeout_s: float = 600.0
     # Client calls in flight before RESOURCE_EXHAUSTED.
     max_inflight: int = 256
+    # Most output tokens one request may ask for (0: as many as the model's context leaves room for).
+    max_tokens_limit: int = 0
     # API keys (router/auth.py): a TOML keys file; "" = $PDKV_API_KEYS_FILE / $PDKV_API_KEYS, or open.
     api_keys_file: str = ""
     # Calls in flight of one tenant (open: one connection) before RESOURCE_EXHAUSTED; 0 = max_inflight/2.
@@ -90,6 +92,8 @@ class RouterConfig:
             parse_address(self.http_address, "http_address")
         if not self.http_timeout_s > 0:
             raise ValueError(f"http_timeout_s must be positive, got {self.http_timeout_s!r}")
+        if not isinstance(self.max_tokens_limit, int) or self.max_tokens_limit < 0:
+            raise ValueError(f"max_tokens_limit must be >= 0, got {self.max_tokens_limit!r}")
         if not isinstance(self.client_max_inflight, int) or self.client_max_inflight < 0:
             raise ValueError(f"client_max_inflight must be >= 0, got {self.client_max_inflight!r}")
         if not self.stream_idle_timeout_s > 0:
@@ -147,6 +151,13 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         help="the nodes' model (GGUF file or folder), for its tokenizer and template",
     )
     parser.add_argument("--max-inflight", type=int, default=256)
+    parser.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=0,
+        metavar="N",
+        help="most output tokens one request may ask for (default 0: what the context leaves room for)",
+    )
     parser.add_argument(
         "--api-keys-file",
         default="",
@@ -217,6 +228,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         served_model_name=args.served_model_name,
         http_timeout_s=args.http_timeout_s,
         max_inflight=args.max_inflight,
+        max_tokens_limit=args.max_tokens_limit,
         api_keys_file=args.api_keys_file,
         client_max_inflight=args.client_max_inflight,
         cache_details=args.cache_details,

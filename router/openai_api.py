@@ -212,7 +212,7 @@ def create_app(
     @app.post("/v1/chat/completions", response_model=None)
     async def _chat(body: ChatCompletionRequest, http: Request) -> Any:
         caller = caller_of(http)
-        request, include_usage = _chat_request(body, model, caller)
+        request, include_usage = _chat_request(body, model, caller, pipeline.max_tokens_limit)
         return await _respond(
             http, body.stream, include_usage, request, caller, chat=True, logprobs=body.logprobs
         )
@@ -220,7 +220,7 @@ def create_app(
     @app.post("/v1/completions", response_model=None)
     async def _completions(body: CompletionRequest, http: Request) -> Any:
         caller = caller_of(http)
-        request, include_usage = _completion_request(body, model, caller)
+        request, include_usage = _completion_request(body, model, caller, pipeline.max_tokens_limit)
         return await _respond(
             http, body.stream, include_usage, request, caller, chat=False, logprobs=body.logprobs is not None
         )
@@ -482,8 +482,10 @@ def _check_model(model: RouterModel, name: str) -> None:
 
 
 def _sampling(
-    body: Any, max_tokens: int | None, prompt_len: int, model: RouterModel, default: int
+    body: Any, max_tokens: int | None, prompt_len: int, model: RouterModel, default: int, limit: int = 0
 ) -> SamplingParams:
+    """``limit``: the router's max_tokens_limit (0: none) -- an explicit max_tokens above it is refused,
+    the default is cut to it."""
     if body.n != 1:
         raise ApiError.invalid("n", f"only n=1 is served, got {body.n}; send one request per completion")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -495,6 +497,10 @@ def _sampling(
             "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
             f"has {prompt_len} tokens; the model's context holds {model.context_length}",
         )
+    if limit and max_tokens is not None and max_tokens > limit:
+        raise ApiError.invalid("max_tokens", f"{max_tokens} is more than this server allows ({limit})")
+    if limit:
+        default = min(default, limit)
     if max_tokens is not None and max_tokens > room:
         raise ApiError.invalid(
             "max_tokens",
@@ -529,7 +535,7 @@ def _request_id(kind: str) -> str:
 
 
 def _chat_request(
-    body: ChatCompletionRequest, model: RouterModel, caller: Caller
+    body: ChatCompletionRequest, model: RouterModel, caller: Caller, limit: int = 0
 ) -> tuple[ClientRequest, bool]:
     _check_model(model, body.model)
     if body.tools:
@@ -553,13 +559,13 @@ def _chat_request(
     except ChatTemplateError as exc:
         raise ApiError.invalid("messages", str(exc)) from None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = tok.chat_sampling(_sampling(body, max_tokens, len(ids), model, MAX_DEFAULT_CHAT_TOKENS))
+    params = tok.chat_sampling(_sampling(body, max_tokens, len(ids), model, MAX_DEFAULT_CHAT_TOKENS, limit))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return ClientRequest(_request_id("chatcmpl"), ids, params, caller.salt(body.cache_salt)), include_usage
 
 
 def _completion_request(
-    body: CompletionRequest, model: RouterModel, caller: Caller
+    body: CompletionRequest, model: RouterModel, caller: Caller, limit: int = 0
 ) -> tuple[ClientRequest, bool]:
     _check_model(model, body.model)
     if body.echo:
@@ -588,7 +594,7 @@ def _completion_request(
                 )
     if not ids:
         raise ApiError.invalid("prompt", "has no tokens")
-    params = _sampling(body, body.max_tokens, len(ids), model, DEFAULT_COMPLETION_TOKENS)
+    params = _sampling(body, body.max_tokens, len(ids), model, DEFAULT_COMPLETION_TOKENS, limit)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return ClientRequest(_request_id("cmpl"), ids, params, caller.salt(body.cache_salt)), include_usage
 

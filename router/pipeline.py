@@ -185,6 +185,7 @@ class Pipeline:
         prefill_attempts: int = 2,
         decode_attempts: int = 2,
         max_inflight: int = 256,
+        max_tokens_limit: int = 0,
     ) -> None:
         assert mode == "colocated" or prefill_pool is not None, "disaggregated mode needs a prefill pool"
         self.mode = mode
@@ -197,6 +198,7 @@ class Pipeline:
         self.prefill_attempts = prefill_attempts
         self.decode_attempts = decode_attempts
         self.max_inflight = max_inflight
+        self.max_tokens_limit = max_tokens_limit  # 0: none beyond the model's context
         self.resumed = 0  # requests continued on another decode node after output had reached the client
         # As the client sees them (engine/metrics.py names; exported as pdkv_router_*).
         self.latency = {name: Histogram(SPECS[name]) for name in ROUTER_HISTOGRAMS}
@@ -210,6 +212,13 @@ class Pipeline:
 
     def generate(self, request: ClientRequest, scope: CallScope) -> Iterator[Event]:
         """The request's deltas, then one ``Done``.  Raises ``ServingError`` with the status to return."""
+        limit = self.max_tokens_limit
+        if limit and request.params.max_tokens > limit:
+            raise ServingError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"sampling.max_tokens: {request.params.max_tokens} is more than this router allows "
+                f"(max_tokens_limit {limit})",
+            )
         self._admit()
         # Nodes see an id of the router's making: the client's id is echoed back to the client only, never
         # used as an engine request id or a lease id (another client could collide with it, or abort it).

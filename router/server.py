@@ -112,6 +112,7 @@ class RouterRuntime:
             prefill_attempts=config.prefill_attempts,
             decode_attempts=config.decode_attempts,
             max_inflight=config.max_inflight,
+            max_tokens_limit=config.max_tokens_limit,
         )
         servicer = health.HealthServicer()
         _publish_health(servicer, pools)  # NOT_SERVING until a health round found the nodes up

@@ -64,7 +64,16 @@ keys = ["{INITECH}"]
         num_decode=1,
         node_args=(*NODE_ARGS, "--cluster-secret-file", str(secret)),
         cache_details=False,  # per tenant, from the keys file
-        router_args=("--api-keys-file", str(keys), "--max-inflight", "6", "--stream-idle-timeout-s", "2"),
+        router_args=(
+            "--api-keys-file",
+            str(keys),
+            "--max-inflight",
+            "6",
+            "--stream-idle-timeout-s",
+            "2",
+            "--max-tokens-limit",
+            "3000",
+        ),
     )
     try:
         yield c
@@ -322,3 +331,28 @@ def test_a_node_refuses_a_wide_address_without_tls_unless_insecure(tmp_path: Pat
         env={k: v for k, v in os.environ.items() if k != "PDKV_CURVE_DIR"},
     )
     assert proc.returncode != 0 and "refusing to serve the KV store on tcp://0.0.0.0:0" in proc.stderr
+
+
+def test_max_tokens_above_the_router_s_limit_is_refused_naming_it(cluster: Cluster) -> None:
+    with client(cluster, ACME) as c:
+        with pytest.raises(grpc.RpcError) as info:
+            c.generate(generate_request("Hello", SamplingParams(max_tokens=3001)), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens_limit 3000" in info.value.details()
+    with openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key=ACME, max_retries=0) as sdk:
+        name = sdk.models.list().data[0].id
+        with pytest.raises(openai.BadRequestError) as bad:
+            sdk.completions.create(model=name, prompt="Hello", max_tokens=3001)
+        assert "allows (3000)" in str(bad.value)
+
+
+def test_garbage_grpc_bytes_are_logged_once_without_a_traceback(cluster: Cluster) -> None:
+    assert cluster.router is not None
+    with grpc.insecure_channel(cluster.router_address) as ch:
+        call = ch.unary_unary("/pdkv.v1.Generation/GenerateUnary")
+        for _ in range(20):
+            with pytest.raises(grpc.RpcError):
+                call(b"\xff\xff\xff\xff not a protobuf", timeout=10)
+    log = cluster.router.log_path.read_text()
+    assert log.count("Exception deserializing") == 1, log[-3000:]
+    assert "Traceback" not in log
