@@ -396,3 +396,34 @@ def test_the_server_publishes_its_tiers_kv_events(
         wait_until(lambda: index.prefix_blocks("store", b.hashes) == 3, 5.0, "the removed block's event")
     finally:
         subscriber.close()
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_an_oversized_frame_is_refused_as_it_arrives_without_the_server_buffering_it(
+    store_server: StartServer, remote: Callable[[str], RemoteTier], make_blocks: Callable[..., Blocks]
+) -> None:
+    """A frame larger than the largest block the server accepts disconnects the peer when its length
+    arrives: the server never holds it (RSS does not grow by its size) and keeps serving."""
+    server = store_server("cpu:1MiB", extra=("--max-block-bytes", str(1 << 20)))
+    assert server.proc is not None
+    before = _rss_bytes(server.proc.pid)
+    huge = bytes(256 << 20)  # 256 MiB in one frame
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    try:
+        sock.send_multipart([encode_request(1, "put", make_blocks(1).run(), LAYOUT), b"x" * 96, huge])
+        assert sock.poll(2000) == 0  # no reply: the peer was dropped
+    finally:
+        sock.close(0)
+        ctx.term()
+    del huge
+    assert _rss_bytes(server.proc.pid) - before < 32 << 20
+    assert remote(server.endpoint).ping()["server"] == "pdkv-kvstore"
