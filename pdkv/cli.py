@@ -21,6 +21,7 @@ _SUBCOMMANDS = (
     "pdkv.commands.serve",
     "pdkv.commands.health",
     "pdkv.commands.up",
+    "pdkv.commands.secrets",
 )
 
 

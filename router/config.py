@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from serving.config import parse_address
@@ -148,7 +149,8 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         metavar="PATH",
-        help="the nodes' model (GGUF file or folder), for its tokenizer and template",
+        default=os.environ.get("PDKV_MODEL") or None,
+        help="the nodes' model (GGUF file or folder, or $PDKV_MODEL), for its tokenizer and template",
     )
     parser.add_argument("--max-inflight", type=int, default=256)
     parser.add_argument(

@@ -190,7 +190,8 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     engine.add_argument(
         "--model",
         metavar="PATH",
-        help="a local GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)",
+        default=os.environ.get("PDKV_MODEL") or None,
+        help="a local GGUF file or Hugging Face folder (or $PDKV_MODEL; default: the embedded SmolLM2)",
     )
     engine.add_argument(
         "--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto", help=_dtype_help()

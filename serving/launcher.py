@@ -46,6 +46,7 @@ from kvstore import cli as kvstore_cli
 from router import config as router_config
 from serving import config as node_config
 from serving.health import wait_healthy
+from serving.secrets import Secrets
 
 logger = logging.getLogger(__name__)
 
@@ -127,59 +128,6 @@ PINNED_FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
     "colocated": (("--address", "address"), ("--metrics-address", "metrics")),
     "store": (("--bind", "address"), ("--kv-events", "kv_events:0"), ("--kv-events-replay", "kv_events:1")),
 }
-
-
-@dataclass(frozen=True)
-class Secrets:
-    """What ``pdkv up --secure`` writes into ``RUN_DIR/secrets`` (0700, every file 0600)::
-
-    tls/            the cluster's CA certificate, server and client certificates (serving/tls.py)
-    curve/          CURVE key pairs: the servers' and one per process (kvstore/curve.py)
-    cluster-secret  seals transfer params (serving/signing.py)
-    api-keys.toml   the router's keys file: one tenant, "default"
-    api-key         that tenant's key, for clients
-    """
-
-    folder: Path
-    api_key: str
-
-    @property
-    def tls_dir(self) -> Path:
-        return self.folder / "tls"
-
-    @classmethod
-    def write(cls, folder: Path, names: Sequence[str], hosts: Sequence[str], cache_details: bool) -> Secrets:
-        import secrets as random
-
-        from kvstore.curve import write_curve_folder
-        from serving.tls import write_tls_folder
-
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        write_tls_folder(folder / "tls", hosts)
-        write_curve_folder(folder / "curve", list(names))
-        key = f"sk-pdkv-{random.token_urlsafe(32)}"
-        _write_private(folder / "cluster-secret", random.token_hex(32) + "\n")
-        _write_private(folder / "api-key", key + "\n")
-        details = "true" if cache_details else "false"
-        _write_private(
-            folder / "api-keys.toml", f'[tenants.default]\nkeys = ["{key}"]\ncache_details = {details}\n'
-        )
-        return cls(folder, key)
-
-    def env(self, name: str) -> dict[str, str]:
-        """What a child named ``name`` finds its credentials by (files, never argv)."""
-        return {
-            "PDKV_TLS_DIR": str(self.folder / "tls"),
-            "PDKV_CURVE_DIR": str(self.folder / "curve"),
-            "PDKV_CURVE_NAME": name,
-            "PDKV_CLUSTER_SECRET_FILE": str(self.folder / "cluster-secret"),
-        }
-
-
-def _write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with open(fd, "w", encoding="utf-8") as f:
-        f.write(text)
 
 
 @dataclass

@@ -1,5 +1,7 @@
 """deploy/docker-compose.yml: it parses, every command is a real ``pdkv`` subcommand with valid options,
-and every address agrees with the service it names (one x-config block defines them all)."""
+every address agrees with the service it names (one x-config block defines them all), and the
+hardening rules hold: no service listens wide with its security off, grace periods, a non-root image,
+a root .dockerignore, bounded Redis, unhurried health checks, the router published on a chosen host."""
 
 from __future__ import annotations
 
@@ -31,12 +33,16 @@ def port_of(address: str) -> int:
     return parse_address(address.removeprefix("tcp://"))[1]
 
 
+PDKV_SERVICES = ("kvstore", "prefill", "decode", "router")
+
+
 def test_services_and_files(compose: dict[str, Any]) -> None:
-    assert set(compose["services"]) == {"redis", "kvstore", "prefill", "decode", "router"}
+    assert set(compose["services"]) == {"secrets", "redis", "kvstore", "prefill", "decode", "router"}
     assert "x-config" in compose
     assert (ROOT / "deploy" / "Dockerfile").is_file()
     for name, service in compose["services"].items():
-        assert "healthcheck" in service, f"{name} has no healthcheck"
+        if name != "secrets":  # a one-shot job
+            assert "healthcheck" in service, f"{name} has no healthcheck"
 
 
 def test_every_command_is_a_valid_pdkv_command(compose: dict[str, Any]) -> None:
@@ -44,6 +50,10 @@ def test_every_command_is_a_valid_pdkv_command(compose: dict[str, Any]) -> None:
     for name, service in compose["services"].items():
         command = service["command"]
         if name == "redis":
+            continue
+        if name == "secrets":
+            assert command[:3] == ["pdkv", "secrets", "write"] and "--keep" in command
+            parser.parse_args(command[1:])
             continue
         assert command[0] == "pdkv", name
         args = parser.parse_args(command[1:])
@@ -101,3 +111,69 @@ def test_start_order_waits_for_health(compose: dict[str, Any]) -> None:
     ):
         assert s[name]["depends_on"][needs]["condition"] == "service_healthy"
     assert s["router"]["depends_on"]["decode"]["condition"] == "service_healthy"
+
+
+def env_of(service: dict[str, Any]) -> dict[str, str]:
+    return {k: str(v) for k, v in (service.get("environment") or {}).items()}
+
+
+def test_no_service_listens_wide_with_its_security_off(compose: dict[str, Any]) -> None:
+    """Every pdkv service binds 0.0.0.0 inside its container, so each must have its security on: TLS
+    (mutual) on the nodes, TLS and API keys on the router, CURVE on the store; nothing says --insecure."""
+    from serving.config import refuse_open_wide_bind
+
+    parser = build_parser()
+    s = compose["services"]
+    secrets_volume = "pdkv-secrets:/secrets:ro"
+    for name in PDKV_SERVICES:
+        command, env = s[name]["command"], env_of(s[name])
+        assert "--insecure" not in command, name
+        assert secrets_volume in s[name]["volumes"], f"{name} does not mount the secrets read-only"
+        assert env["PDKV_CURVE_DIR"].startswith("/secrets/") and env["PDKV_CURVE_NAME"], name
+        assert env["PDKV_TLS_DIR"].startswith("/secrets/") and env["PDKV_CLUSTER_SECRET_FILE"], name
+        args = parser.parse_args(command[1:])
+        if name in ("prefill", "decode"):
+            config = node_config_from_args(args, name)
+            assert config.mtls, f"{name}: the nodes serve the router only (--mtls)"
+            refuse_open_wide_bind(config.address, name, bool(env["PDKV_TLS_DIR"]), config.insecure, "TLS")
+        elif name == "router":
+            rc = router_config_from_args(args)
+            assert rc.api_keys_file.startswith("/secrets/")
+            refuse_open_wide_bind(rc.address, name, bool(env["PDKV_TLS_DIR"]), rc.insecure, "TLS")
+        else:
+            refuse_open_wide_bind(args.bind, name, bool(env["PDKV_CURVE_DIR"]), args.insecure, "CURVE")
+        with pytest.raises(ValueError, match="--insecure"):  # the same command with security off
+            refuse_open_wide_bind("0.0.0.0:1", name, False, False, "security")
+    assert s["secrets"]["volumes"] == ["pdkv-secrets:/secrets"]  # the only writer
+    for name in PDKV_SERVICES:
+        assert s[name]["depends_on"]["secrets"]["condition"] == "service_completed_successfully"
+
+
+def test_hardening(compose: dict[str, Any]) -> None:
+    s = compose["services"]
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    users = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0"), "the image must run as a non-root user"
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    assert ".venv" in ignore and ".git" in ignore and "tests" in ignore
+    for name in PDKV_SERVICES:
+        grace = s[name]["stop_grace_period"]
+        assert grace.endswith("s") and int(grace[:-1]) >= 10, name
+    for name, service in s.items():
+        if "healthcheck" in service:
+            interval = service["healthcheck"]["interval"]
+            assert 15 <= int(interval.rstrip("s")) <= 30, f"{name}: health checks every {interval}"
+    redis = s["redis"]["command"]
+    assert "--maxmemory" in redis and option(redis, "--maxmemory-policy").startswith("allkeys-")
+    store = StoreConfig.parse(option(s["kvstore"]["command"], "--kv-store"))
+    assert any(getattr(t, "ttl_s", None) for t in store.tiers), "the redis tier needs a TTL"
+    for port in s["router"]["ports"]:
+        assert port.startswith("${PDKV_ROUTER_HOST:-127.0.0.1}:"), port  # not every interface
+    for name in ("prefill", "decode"):
+        assert "ports" not in s[name]
+    # One variable picks the model for every service: no --model edits.
+    assert compose["x-env"]["PDKV_MODEL"] == "${PDKV_MODEL:-}"
+    for name in PDKV_SERVICES:
+        assert "--model" not in s[name]["command"]
+        assert env_of(s[name])["PDKV_MODEL"] == "${PDKV_MODEL:-}"
+        assert any(v.endswith(":/models:ro") for v in s[name]["volumes"]) or name == "kvstore"
