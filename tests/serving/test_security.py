@@ -334,9 +334,8 @@ def test_a_node_refuses_a_wide_address_without_tls_unless_insecure(tmp_path: Pat
 
 
 def test_max_tokens_above_the_router_s_limit_is_refused_naming_it(cluster: Cluster) -> None:
-    with client(cluster, ACME) as c:
-        with pytest.raises(grpc.RpcError) as info:
-            c.generate(generate_request("Hello", SamplingParams(max_tokens=3001)), timeout=30)
+    with client(cluster, ACME) as c, pytest.raises(grpc.RpcError) as info:
+        c.generate(generate_request("Hello", SamplingParams(max_tokens=3001)), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "max_tokens_limit 3000" in info.value.details()
     with openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key=ACME, max_retries=0) as sdk:
