@@ -26,6 +26,11 @@ OpenAI-compatible ``POST /v1/completions`` with ``stream: true``; time to the fi
 or the first ``data:`` chunk (HTTP, one per delta), client-side.  ``http_ttft_overhead_ms`` is the p50
 difference (goal <= 1 ms).  Until the ``offload`` connector is
 registered the "store" modes run without it (``offload_available`` = 0 says so).
+
+``--secure``: the disaggregated cluster again with everything on (``pdkv up --secure``: TLS, mutual TLS
+to the nodes, an API key, CURVE on the store and p2p, sealed transfer params) -- the chats
+(``disaggregated_secure_*``) and the steady time to first token of one cached prompt, each cluster in
+turn, sequential requests.  ``secure_ttft_overhead_ms`` is the p50 difference (goal <= 2 ms).
 """
 
 from __future__ import annotations
@@ -111,7 +116,17 @@ def _quantile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[max(0, min(98, round(q * 100) - 1))]
 
 
-def run_chats(address: str, workload: Workload) -> ModeResult:
+def client_for(cluster: Cluster) -> GenerationClient:
+    """A client of the cluster's router, with its API key and CA when the cluster is secure."""
+    tls = cluster.tls
+    return GenerationClient(
+        cluster.router_address,
+        api_key=cluster.secrets.api_key if cluster.secrets is not None else None,
+        credentials=tls.channel_credentials(client_cert=False) if tls is not None else None,
+    )
+
+
+def run_chats(cluster: Cluster, workload: Workload) -> ModeResult:
     """Every conversation on its own thread; turns in order.  Same tokens in every mode (seeded)."""
     rng = random.Random(workload.seed)
     vocab = BENCH_SPEC.vocab - 2  # not bos/eos
@@ -127,7 +142,7 @@ def run_chats(address: str, workload: Workload) -> ModeResult:
 
     def chat(i: int) -> None:
         history = list(system)
-        with GenerationClient(address) as client:
+        with client_for(cluster) as client:
             for turn in users[i]:
                 history += turn
                 try:
@@ -151,14 +166,40 @@ def run_chats(address: str, workload: Workload) -> ModeResult:
     return result
 
 
-def measure_mode(name: str, model: Path, workload: Workload, http_rounds: int = 0) -> ModeResult:
-    topology = Topology(model=str(model), router_port=0, node_args=("--num-blocks", "2048"), **MODES[name])
+def measure_mode(
+    name: str, model: Path, workload: Workload, http_rounds: int = 0, *, secure: bool = False
+) -> ModeResult:
+    topology = Topology(
+        model=str(model), router_port=0, node_args=("--num-blocks", "2048"), secure=secure, **MODES[name]
+    )
     with Cluster.start(topology) as cluster:
-        run_chats(cluster.router_address, Workload(1, 1, 32, 8, 4, seed=99))  # warm-up (first-call costs)
-        result = run_chats(cluster.router_address, workload)
+        run_chats(cluster, Workload(1, 1, 32, 8, 4, seed=99))  # warm-up (first-call costs)
+        result = run_chats(cluster, workload)
         if http_rounds:
             result.http_vs_grpc = http_vs_grpc_ttft(cluster, http_rounds)
         return result
+
+
+def steady_ttft(model: Path, rounds: int, *, secure: bool) -> list[float]:
+    """TTFT (seconds, client-side) of one cached prompt, ``rounds`` sequential requests, on a fresh
+    disaggregated cluster (plain or secure)."""
+    topology = Topology(
+        model=str(model),
+        router_port=0,
+        node_args=("--num-blocks", "2048"),
+        secure=secure,
+        **MODES["disaggregated_store"],
+    )
+    prompt = random.Random(11).sample(range(BENCH_SPEC.vocab - 2), 64)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    times: list[float] = []
+    with Cluster.start(topology) as cluster, client_for(cluster) as client:
+        for i in range(rounds + 3):  # three warm-up rounds: channels, caches
+            out = client.generate(generate_request(prompt, params), timeout=60)
+            assert out.time_to_first_token_s is not None
+            if i >= 3:
+                times.append(out.time_to_first_token_s)
+    return times
 
 
 def http_vs_grpc_ttft(cluster: Cluster, rounds: int) -> dict[str, list[float]]:
@@ -210,6 +251,9 @@ def http_vs_grpc_ttft(cluster: Cluster, rounds: int) -> dict[str, list[float]]:
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__.splitlines()[0] if __doc__ else "serving benchmark")
     p.add_argument("--no-transfer", action="store_true", help="skip the bench.transfer figure")
+    p.add_argument(
+        "--secure", action="store_true", help="also measure the disaggregated cluster with security on"
+    )
     args: Any = p.parse_args(argv)
     workload = QUICK if args.quick else FULL
     report = Report("serving through the router: colocated vs store vs disaggregated")
@@ -222,6 +266,15 @@ def main(argv: list[str] | None = None) -> int:
             name: measure_mode(name, model, workload, http_rounds if name == "disaggregated_store" else 0)
             for name in MODES
         }
+        if args.secure:
+            results["disaggregated_secure"] = measure_mode(
+                "disaggregated_store", model, workload, secure=True
+            )
+            rounds = 30 if args.quick else 100
+            plain, secure = [], []
+            for _ in range(2):  # alternate the clusters: drift on the machine hits both
+                plain += steady_ttft(model, rounds // 2, secure=False)
+                secure += steady_ttft(model, rounds // 2, secure=True)
     for name, result in results.items():
         for key, value in result.figures(name).items():
             report.figure(key, value)
@@ -236,6 +289,12 @@ def main(argv: list[str] | None = None) -> int:
         report.ratio(
             f"{name}_throughput_vs_colocated",
             base[f"{name}_throughput_tok_s"] / base["colocated_throughput_tok_s"],
+        )
+    if args.secure:
+        report.figure("plain_steady_ttft_p50_ms", _quantile(plain, 0.5) * 1e3)
+        report.figure("secure_steady_ttft_p50_ms", _quantile(secure, 0.5) * 1e3)
+        report.ratio(
+            "secure_ttft_overhead_ms", (_quantile(secure, 0.5) - _quantile(plain, 0.5)) * 1e3, "<= 2 (ms)"
         )
     ttft = results["disaggregated_store"].http_vs_grpc
     for path in ("grpc", "http"):
