@@ -8,6 +8,7 @@ passes it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from collections import Counter
@@ -224,3 +225,158 @@ class AsyncSharedDirConnector(SharedDirConnector):
     def get_finished(self, finished_req_ids: set[RequestId]) -> tuple[set[RequestId], set[RequestId]]:
         done, self._in_flight = self._in_flight, (set(), set())
         return done
+
+
+# -- defects the stronger kit catches (issue: the kit misses these classes) ---------------------------------
+
+
+class _TokenKeyedRequest:
+    """A request seen through a connector that keys blocks by their tokens alone."""
+
+    def __init__(self, request: Request, block_size: int) -> None:
+        self._request = request
+        keys: list[bytes] = []
+        parent = b""
+        tokens = request.all_token_ids
+        for i in range(len(request.block_hashes)):
+            block = ",".join(map(str, tokens[i * block_size : (i + 1) * block_size])).encode()
+            parent = hashlib.sha256(parent + block).digest()
+            keys.append(parent)
+        self.block_hashes = keys
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._request, name)
+
+
+class TokenKeyedConnector(SharedDirConnector):
+    """Keys blocks by a hash of their tokens, in one flat folder: another tenant's salt, another model or
+    another dtype with the same tokens gets this one's KV."""
+
+    def __init__(
+        self, role: KVConnectorRole, context: ConnectorContext, options: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__(role, context, options)
+        self.dir = Path(self.options.path) / "flat"  # bug: no namespace, no layout in the path
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def register_kv_caches(self, kv_cache: Any) -> None:
+        from kvstore.codec import BlockCodec
+        from kvstore.layout import BlockLayout
+
+        self._kv = kv_cache
+        # bug: one namespace for every model, and a layout the header is not checked against
+        self._codec = BlockCodec(b"\0" * 16, BlockLayout.from_kv_cache(kv_cache))
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return super().get_num_new_matched_tokens(
+            _TokenKeyedRequest(request, self.block_size), num_computed_tokens
+        )  # type: ignore[arg-type]
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        keyed = _TokenKeyedRequest(request, self.block_size)
+        super().update_state_after_alloc(keyed, block_ids, num_external_tokens)  # type: ignore[arg-type]
+
+
+class HoleBlindConnector(SharedDirConnector):
+    """Counts every saved block of the prompt, past a missing one."""
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        bs = self.block_size
+        last = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
+        hashes = request.block_hashes[num_computed_tokens // bs : last]
+        return sum(self._file(h).is_file() for h in hashes) * bs, False  # bug: no break at a hole
+
+
+class SaveAfterFreeConnector(SharedDirConnector):
+    """Saves a request's blocks only once the request finished (in get_finished), yet says hold=False:
+    the engine freed the blocks already, and may have reused them."""
+
+    def __init__(
+        self, role: KVConnectorRole, context: ConnectorContext, options: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__(role, context, options)
+        self._queued: list[SharedDirMetadata] = []
+
+    def wait_for_save(self) -> None:
+        meta, self._metadata = self._metadata, None
+        if meta is not None and meta.saves:
+            self._queued.append(meta)
+
+    def get_finished(self, finished_req_ids: set[RequestId]) -> tuple[set[RequestId], set[RequestId]]:
+        keep = []
+        for meta in self._queued:
+            if any(rid in finished_req_ids for rid, _, _ in meta.saves):
+                self._metadata = meta
+                SharedDirConnector.wait_for_save(self)  # bug: the blocks are no longer the request's
+            else:
+                keep.append(meta)
+        self._queued = keep
+        return set(), set()
+
+
+class FlushAtShutdownConnector(SharedDirConnector):
+    """Collects its saves and writes them all at shutdown, long after the blocks were freed."""
+
+    def __init__(
+        self, role: KVConnectorRole, context: ConnectorContext, options: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__(role, context, options)
+        self._pending: list[SharedDirMetadata] = []
+
+    def wait_for_save(self) -> None:
+        meta, self._metadata = self._metadata, None
+        if meta is not None:
+            self._pending.append(meta)
+
+    def shutdown(self) -> None:
+        for meta in self._pending:
+            self._metadata = meta
+            SharedDirConnector.wait_for_save(self)
+        self._pending = []
+
+
+class BlockingLookupConnector(SharedDirConnector):
+    """Waits on its backend without a bound: the first lookup never returns."""
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        threading.Event().wait()  # bug: a backend call with no timeout
+        raise AssertionError("unreachable")
+
+
+class LeakyStateConnector(SharedDirConnector):
+    """Keeps every request it saw: the scheduler half's books grow for ever."""
+
+    def request_finished(
+        self, request: Request, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, None  # bug: self._requests and self._saved_upto keep the request
+
+
+class IgnoresLocalHitConnector(SharedDirConnector):
+    """Loads its blocks from the prompt's block 0 into the blocks after the local hit."""
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        bs = self.block_size
+        first = request.num_computed_tokens // bs
+        for i in range(num_external_tokens // bs):
+            self._pending_loads.append((block_ids[first + i], request.block_hashes[i]))  # bug: hashes[i]
+        self._requests[request.request_id] = request
+        self._saved_upto[request.request_id] = first + num_external_tokens // bs
+
+
+class SilentLoadConnector(AsyncSharedDirConnector):
+    """Loads asynchronously and never says the load is done: its requests wait for ever."""
+
+    def get_finished(self, finished_req_ids: set[RequestId]) -> tuple[set[RequestId], set[RequestId]]:
+        sending, _ = super().get_finished(finished_req_ids)
+        return sending, set()  # bug: finished_recving never reported

@@ -14,6 +14,9 @@ item it found broken.
 """
 
 from connectors.testing.checks import (
+    check_a_hit_ends_at_the_first_missing_block,
+    check_blocks_are_keyed_by_the_namespace,
+    check_freed_blocks_are_not_read,
     check_hold_ends_with_finished_sending,
     check_load_errors_are_reported,
     check_loads_reproduce_saved_kv,
@@ -21,10 +24,12 @@ from connectors.testing.checks import (
     check_no_leak_after_abort,
     check_no_leak_after_preemption,
     check_none_is_followed_by_an_answer,
+    check_nothing_is_kept_for_finished_requests,
     check_request_finished_exactly_once,
     check_stopped_holds_are_confirmed,
     check_unreachable_backend,
     check_whole_block_hits,
+    run_check,
 )
 from connectors.testing.harness import ConformanceError, NotApplicable, kit_model_dir
 from connectors.testing.suite import CHECKS, conformance_suite
@@ -36,6 +41,9 @@ __all__ = [
     "ConformanceError",
     "ConformanceTarget",
     "NotApplicable",
+    "check_a_hit_ends_at_the_first_missing_block",
+    "check_blocks_are_keyed_by_the_namespace",
+    "check_freed_blocks_are_not_read",
     "check_hold_ends_with_finished_sending",
     "check_load_errors_are_reported",
     "check_loads_reproduce_saved_kv",
@@ -43,10 +51,12 @@ __all__ = [
     "check_no_leak_after_abort",
     "check_no_leak_after_preemption",
     "check_none_is_followed_by_an_answer",
+    "check_nothing_is_kept_for_finished_requests",
     "check_request_finished_exactly_once",
     "check_stopped_holds_are_confirmed",
     "check_unreachable_backend",
     "check_whole_block_hits",
     "conformance_suite",
     "kit_model_dir",
+    "run_check",
 ]

@@ -10,24 +10,32 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from connectors.testing.harness import (
     ABORT_LEAK,
+    BLOCK_SIZE,
+    BOUNDED_CALLS,
     EXACT_MULTIPLE,
+    FILLER_PROMPT,
     FINISHED_ONCE,
     FORKS,
+    FREED,
     HOLD_ENDS,
+    HOLES,
     LOAD_ERRORS,
     LOADS,
     LONG_PROMPT,
     LOOKUP,
+    NAMESPACE,
     NONE_ANSWER,
     PARAMS,
     PREEMPT_LEAK,
     PROMPTS,
+    RELEASED,
     STOP_CONFIRMED,
     UNREACHABLE,
     WHOLE_BLOCKS,
@@ -35,9 +43,11 @@ from connectors.testing.harness import (
     KitEngine,
     NotApplicable,
     engine_config,
+    kit_model_dir,
     max_hit_tokens,
     reference,
 )
+from connectors.testing.spy import CLOCK
 from connectors.testing.target import ConformanceTarget
 from engine.outputs import GenerationOutput
 from engine.sampling_params import SamplingParams
@@ -45,6 +55,46 @@ from engine.sampling_params import SamplingParams
 LONG_PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 # The engine's hold (and stop) timeout when the kit checks that the connector itself ends its holds.
 LONG_HOLD_S = 600.0
+
+
+# The longest a whole check may run (a correct connector's checks take well under a second each).
+CHECK_DEADLINE_S = 300.0
+
+
+def run_check(
+    check: Callable[[ConformanceTarget, Path], None], target: ConformanceTarget, shared: Path
+) -> None:
+    """Run ``check`` under the kit's watchdog: a connector call that blocks past the target's
+    ``call_deadline_s`` fails the check with the call's name (the blocked thread is abandoned: the run
+    goes on).  The suite runs every check this way."""
+    box: dict[str, BaseException] = {}
+
+    def work() -> None:
+        try:
+            check(target, shared)
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=work, name=f"pdkv-conformance-{check.__name__}", daemon=True)
+    started = time.monotonic()
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.02)
+        running = CLOCK.longest()
+        if running is not None and running[1] > target.call_deadline_s:
+            name, seconds, blocked = running
+            CLOCK.forget(blocked)
+            raise ConformanceError(
+                BOUNDED_CALLS,
+                f"{name} has not returned after {seconds:.1f}s (call_deadline_s is "
+                f"{target.call_deadline_s:g}s): connector calls run inside the engine's step, so one that "
+                "waits on its backend stalls every request; bound it (a timeout) or do the work on a "
+                "thread of your own and report it later",
+            )
+        if time.monotonic() - started > CHECK_DEADLINE_S:
+            raise ConformanceError(BOUNDED_CALLS, f"the check did not end within {CHECK_DEADLINE_S:g}s")
+    if "error" in box:
+        raise box["error"]
 
 
 # -- shared steps -----------------------------------------------------------------------------------------
@@ -205,12 +255,12 @@ def check_none_is_followed_by_an_answer(target: ConformanceTarget, shared: Path)
 
 def check_loads_reproduce_saved_kv(target: ConformanceTarget, shared: Path) -> None:
     """Engine B loads every block but the tail's from the connector, byte for byte what engine A computed,
-    computes only the tail, and generates what an engine without a connector generates."""
+    computes only the tail, and generates what an engine without a connector generates.  Engine C first
+    caches a prompt's first blocks itself (a fork): the connector then provides the blocks after that
+    local hit, into the blocks after it."""
     item = LOADS
     saved = _save(target, shared, item, snapshot=True)
     with KitEngine(target, target.config(shared), item=item, engine_id="kit-b") as b:
-        import torch
-
         bs = b.block_size
         rids = [b.add(p) for p in PROMPTS]
         outs = b.wait(rids)
@@ -235,18 +285,61 @@ def check_loads_reproduce_saved_kv(target: ConformanceTarget, shared: Path) -> N
                     f"{out.num_computed_prompt_tokens}; expected {want} from the connector and only the "
                     f"{n - want}-token tail computed",
                 )
-            alloc = b.scheduler_spy.first_load(rid)
-            assert alloc is not None, "kit bug: a load without update_state_after_alloc"
-            first = alloc.num_computed_tokens // bs
-            for j in range(first, first + out.num_external_tokens // bs):
-                got, expected = b.block_bytes(alloc.block_ids[j]), saved[hashes[j]]
-                if not torch.equal(got, expected):
-                    ndiff = int((got != expected).sum())
-                    raise ConformanceError(
-                        item,
-                        f"prompt {i}, block {j}: {ndiff} of {expected.numel()} bytes engine B loaded differ "
-                        "from the block engine A computed and saved",
-                    )
+            _expect_loaded_bytes(item, b, rid, hashes, saved, f"prompt {i}")
+    # A local hit first: a fork of the longest prompt puts its first two blocks in engine C's own cache,
+    # then the prompt itself must take those two locally and the rest -- only the rest -- from the
+    # connector, into the blocks after the local hit.
+    longest = max(range(len(PROMPTS)), key=lambda k: len(PROMPTS[k]))
+    prompt = PROMPTS[longest]
+    fork = FORKS[[p for p in PROMPTS if len(p) > 2 * BLOCK_SIZE].index(prompt)]
+    with KitEngine(target, target.config(shared), item=item, engine_id="kit-c") as c:
+        _expect_outputs(item, c.generate([fork]), reference(target, [fork]), "engine C (a fork)")
+        rid = c.add(prompt)
+        (out,) = c.wait([rid])
+        hashes = c.block_hashes(prompt)
+        want = max_hit_tokens(len(prompt), len(hashes), c.block_size)
+        local = 2 * c.block_size
+        if (out.num_cached_tokens, out.num_external_tokens) != (local, want - local):
+            raise ConformanceError(
+                item,
+                f"prompt {longest} after a fork cached its first two blocks: {out.num_cached_tokens} tokens "
+                f"came from the local cache and {out.num_external_tokens} from the connector; expected "
+                f"{local} local and {want - local} from the connector (the lookup starts at "
+                "num_computed_tokens, the local hit)",
+            )
+        _expect_loaded_bytes(item, c, rid, hashes, saved, f"prompt {longest} after a local hit")
+        _expect_outputs(item, [out], reference(target, [prompt]), "engine C (after a local hit)")
+
+
+def _expect_loaded_bytes(
+    item: str, kit: KitEngine, rid: str, hashes: Sequence[bytes], saved: dict[bytes, Any], what: str
+) -> None:
+    """The blocks the connector loaded for ``rid`` hold, byte for byte, what engine A saved for them."""
+    import torch
+
+    bs = kit.block_size
+    out = kit.results[rid]
+    alloc = kit.scheduler_spy.first_load(rid)
+    assert alloc is not None, "kit bug: a load without update_state_after_alloc"
+    first = alloc.num_computed_tokens // bs
+    for j in range(first, first + out.num_external_tokens // bs):
+        got, expected = kit.block_bytes(alloc.block_ids[j]), saved[hashes[j]]
+        if torch.equal(got, expected):
+            continue
+        ndiff = int((got != expected).sum())
+        shifted = next((k for k in range(j) if torch.equal(got, saved[hashes[k]])), None)
+        hint = (
+            f"; it holds block {shifted}'s KV: the connector's blocks start at the local hit "
+            f"(request.num_computed_tokens = {alloc.num_computed_tokens} in update_state_after_alloc), "
+            "not at block 0"
+            if shifted is not None
+            else ""
+        )
+        raise ConformanceError(
+            item,
+            f"{what}, block {j}: {ndiff} of {expected.numel()} bytes loaded differ from the block engine A "
+            f"computed and saved{hint}",
+        )
 
 
 def check_load_errors_are_reported(target: ConformanceTarget, shared: Path) -> None:
@@ -455,6 +548,147 @@ def check_unreachable_backend(target: ConformanceTarget, shared: Path) -> None:
     loaded = [o.num_external_tokens for o in outs]
     if any(loaded):
         raise ConformanceError(item, f"an unreachable backend provided {loaded} tokens")
+
+
+def _expect_no_hits(item: str, outs: Sequence[GenerationOutput], who: str, why: str) -> None:
+    loaded = [o.num_external_tokens for o in outs]
+    if any(loaded):
+        raise ConformanceError(
+            item,
+            f"{who}: the connector provided {loaded} tokens of what engine A saved, although {why}; the "
+            "block hashes carry the namespace (model, block size) and the cache salt, and the layout "
+            "(ConnectorContext.spec: dtype, geometry) is the connector's to key by -- a block is only "
+            "ever offered to an engine with the same namespace, salt and layout",
+        )
+
+
+def check_blocks_are_keyed_by_the_namespace(target: ConformanceTarget, shared: Path) -> None:
+    """What engine A saved is never offered to another tenant (another cache salt), another model of the
+    same geometry (other weights), or the same model in another dtype, all on one shared backend."""
+    item = NAMESPACE
+    _save(target, shared, item)
+    with KitEngine(target, target.config(shared), item=item, engine_id="kit-salt") as b:
+        outs = b.wait([b.add(p, cache_salt="kit-another-tenant") for p in PROMPTS])
+        _expect_outputs(item, outs, reference(target, PROMPTS), "engine B (another cache salt)")
+        _expect_no_hits(item, outs, "engine B", "its requests carry another tenant's cache salt")
+    other = kit_model_dir("other")
+    with KitEngine(target, target.config(shared), item=item, engine_id="kit-model", model=other) as c:
+        outs = c.generate(PROMPTS)
+        _expect_outputs(item, outs, reference(target, PROMPTS, model=other), "engine C (another model)")
+        _expect_no_hits(item, outs, "engine C", "it runs another model (same geometry, other weights)")
+    dtype = "bfloat16" if target.engine_options.get("dtype", "float32") != "bfloat16" else "float32"
+    with KitEngine(target, target.config(shared), item=item, engine_id="kit-dtype", dtype=dtype) as d:
+        outs = d.generate(PROMPTS)
+        _expect_outputs(item, outs, reference(target, PROMPTS, dtype=dtype), f"engine D ({dtype})")
+        _expect_no_hits(item, outs, "engine D", f"its KV cache is {dtype}, engine A's another dtype")
+
+
+def check_a_hit_ends_at_the_first_missing_block(target: ConformanceTarget, shared: Path) -> None:
+    """With one block of a saved prompt evicted from the backend (``evict``), a lookup offers the blocks
+    before it and none after: KV past a missing block is not the prompt's prefix."""
+    if target.evict is None:
+        raise NotApplicable("the target gives no evict(shared, block_hash) hook")
+    item = HOLES
+    _save(target, shared, item)
+    longest = max(range(len(PROMPTS)), key=lambda k: len(PROMPTS[k]))
+    prompt = PROMPTS[longest]
+    with KitEngine(target, target.config(shared), item=item, engine_id="kit-b") as b:
+        hashes = b.block_hashes(prompt)
+        target.evict(shared, hashes[1])
+        rid = b.add(prompt)
+        answer = b.lookup_answer(rid)
+        (out,) = b.wait([rid])
+        _expect_outputs(item, [out], reference(target, [prompt]), "engine B (block 1 evicted)")
+        bs = b.block_size
+        if not target.provides_hits:
+            return
+        for got, what in (
+            (answer, "get_num_new_matched_tokens answered"),
+            (out.num_external_tokens, "loaded"),
+        ):
+            if got > bs:
+                raise ConformanceError(
+                    item,
+                    f"prompt {longest}: block 1 of {len(hashes)} was evicted, and the connector {what} {got} "
+                    f"tokens; a hit is the prefix up to the first missing block: {bs} tokens (block 0) here",
+                )
+
+
+def check_freed_blocks_are_not_read(target: ConformanceTarget, shared: Path) -> None:
+    """Engine A overwrites every block with NaN the moment the engine frees it (after request_finished
+    returned ``hold=False``, or after the hold ended): a save that still reads a block then saves NaN,
+    which engine B's loads show.  A connector that reads after the free must hold the blocks instead."""
+    if not target.provides_hits:
+        raise NotApplicable("provides_hits=False: nothing is loaded back to compare")
+    import torch
+
+    item = FREED
+    with KitEngine(target, target.config(shared), item=item, engine_id="kit-a", poison_freed=True) as a:
+        _expect_outputs(item, a.generate(PROMPTS), reference(target, PROMPTS), "engine A (poisoning)")
+        # The engine goes on serving (its freed blocks are reused), as engines do.
+        a.generate([FILLER_PROMPT], LONG_PARAMS)
+        a.drain(target.send_deadline_s, "engine A, after generating")
+        computed = dict(a.freed_kv)
+    with KitEngine(target, target.config(shared), item=item, engine_id="kit-b") as b:
+        rids = [b.add(p) for p in PROMPTS]
+        outs = b.wait(rids)
+        for i, (rid, out) in enumerate(zip(rids, outs, strict=True)):
+            alloc = b.scheduler_spy.first_load(rid)
+            if alloc is None:
+                continue
+            hashes = b.block_hashes(PROMPTS[i])
+            first = alloc.num_computed_tokens // b.block_size
+            for j in range(first, first + out.num_external_tokens // b.block_size):
+                got = b.block_bytes(alloc.block_ids[j])
+                want = computed.get(hashes[j])
+                if want is None:
+                    continue
+                if not torch.equal(got, want):
+                    nan = bool(torch.isnan(got.view(b.engine.runner.kv_cache.dtype)).any())
+                    raise ConformanceError(
+                        item,
+                        f"prompt {i}, block {j}: engine B loaded "
+                        + ("NaN" if nan else "bytes other than engine A computed")
+                        + ", which engine A wrote into the block when the engine freed it: the connector "
+                        "read the block after request_finished returned hold=False (an asynchronous save, "
+                        "or one flushed at shutdown).  Return hold=True until the save has read the "
+                        "block, and list the request in finished_sending then",
+                    )
+        _expect_outputs(item, outs, reference(target, PROMPTS), "engine B (loading what A saved)")
+
+
+def check_nothing_is_kept_for_finished_requests(target: ConformanceTarget, shared: Path) -> None:
+    """Once every request ended (finished, stopped, aborted while waiting or running) and the holds are
+    over, the scheduler half keeps no state for any of them: a long-running engine serves millions of
+    requests.  (``tracked_requests`` asks the target; without it the kit looks for the requests' ids.)"""
+    item = RELEASED
+    _save(target, shared, item)
+    with KitEngine(target, target.config(shared), item=item, engine_id="kit-b") as b:
+        waiting = b.add(PROMPTS[0])
+        b.abort(waiting)
+        running = b.add(LONG_PROMPT, LONG_PARAMS)
+        b.step()
+        b.abort(running)
+        done = [b.add(p) for p in PROMPTS[1:]]
+        b.wait(done)
+        b.drain(target.send_deadline_s, "engine B, after every request ended")
+        ended = {waiting, running, *done}
+        if target.tracked_requests is not None:
+            n = target.tracked_requests(b.scheduler_spy.inner)
+            if n:
+                raise ConformanceError(
+                    item, f"tracked_requests says the scheduler half still tracks {n} requests, all ended"
+                )
+            return
+        holding = b.scheduler_state_holding(ended)
+        if holding:
+            raise ConformanceError(
+                item,
+                "after every request ended, the scheduler half still refers to them: "
+                + "; ".join(holding)
+                + ".  Drop a request's state in request_finished (or, for a hold, when its "
+                "finished_sending arrives in update_connector_output)",
+            )
 
 
 def _run_with_deadline(work: Callable[[], None], deadline_s: float, item: str, what: str) -> None:

@@ -8,6 +8,7 @@ are fixed: their lengths cover a partial last block and an exact multiple of the
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import random
 import shutil
@@ -62,6 +63,9 @@ def _prompts(lengths: Sequence[int], seed: int) -> list[list[int]]:
 PROMPTS = _prompts((18, 16, 11, 23, 9), seed=1)
 EXACT_MULTIPLE = 1  # index of the 16-token prompt
 LONG_PROMPT = _prompts((40,), seed=101)[0]  # never saved by anyone: always computed
+# What an engine serves after the kit's prompts, so that their freed blocks are reused (the freed-block
+# check); its own prompt, so that a backend shared by every check never holds LONG_PROMPT.
+FILLER_PROMPT = _prompts((40,), seed=202)[0]
 # The first two blocks of each prompt that has them, then a tail of its own: a fork loads the shared
 # blocks and computes the rest (the case where blocks computed over a failed load could be saved).
 FORKS = [
@@ -84,6 +88,12 @@ PREEMPT_LEAK = "no block leaked after preemption"
 HOLD_ENDS = "a hold ends with finished_sending, in bounded time"
 STOP_CONFIRMED = "a stopped hold is confirmed within a step, and nothing leaks"
 UNREACHABLE = "an unreachable backend costs bounded time and gives zero hits"
+BOUNDED_CALLS = "every connector call returns in bounded time"
+ASYNC_LOADS = "an async load ends with finished_recving, in bounded time"
+NAMESPACE = "blocks are keyed by the whole namespace: salt, model and dtype"
+HOLES = "a hit is a contiguous prefix: a missing block ends it"
+FREED = "a block is not read after request_finished returned hold=False"
+RELEASED = "nothing is kept for a finished request"
 
 
 class ConformanceError(AssertionError):
@@ -99,11 +109,13 @@ class NotApplicable(Exception):
 
 
 @functools.cache
-def kit_model_dir() -> Path:
-    """The kit's tiny model, written once per process."""
+def kit_model_dir(variant: str = "") -> Path:
+    """The kit's tiny model, written once per process.  ``variant="other"``: the same geometry with other
+    weights (another model, as far as a cache may tell)."""
     root = Path(tempfile.mkdtemp(prefix="pdkv-conformance-"))
     atexit.register(shutil.rmtree, root, True)
-    return make_model(root / "kit-llama", KIT_MODEL_SPEC)
+    spec = KIT_MODEL_SPEC if not variant else dataclasses.replace(KIT_MODEL_SPEC, seed=1)
+    return make_model(root / f"kit-llama{'-' + variant if variant else ''}", spec)
 
 
 def engine_config(target: ConformanceTarget | None, engine_id: str, **options: Any) -> EngineConfig:
@@ -116,7 +128,8 @@ def engine_config(target: ConformanceTarget | None, engine_id: str, **options: A
     if target is not None:
         base.update(target.engine_options)
     base.update(options)
-    return EngineConfig(model=kit_model_dir(), engine_id=engine_id, **base)
+    model = base.pop("model", None) or kit_model_dir()
+    return EngineConfig(model=model, engine_id=engine_id, **base)
 
 
 @functools.cache
@@ -139,10 +152,13 @@ class KitEngine:
         *,
         item: str,
         engine_id: str,
+        poison_freed: bool = False,
         **options: Any,
     ) -> None:
         self.item = item
         self.lookup_deadline_s = target.lookup_deadline_s
+        self.load_deadline_s = target.load_deadline_s
+        self._loading_since: dict[str, float] = {}
         config = engine_config(target, engine_id, **options)
         context = _context(config)
         try:
@@ -154,6 +170,11 @@ class KitEngine:
         self.block_size = self.engine.kv_spec.block_size
         self.results: dict[str, GenerationOutput] = {}
         self._ids = 0
+        # poison_freed: the KV of every block is replaced by NaN the moment its last reference goes (the
+        # engine may reuse it then); what it held is kept here, by block hash, for the comparison.
+        self.freed_kv: dict[bytes, Any] = {}
+        if poison_freed:
+            self._poison_freed_blocks()
 
     def __enter__(self) -> KitEngine:
         return self
@@ -166,6 +187,28 @@ class KitEngine:
         except Exception as err:
             if exc is None:
                 raise ConformanceError(self.item, f"connector shutdown() raised {err!r}") from err
+
+    def _poison_freed_blocks(self) -> None:
+        import torch
+
+        pool = self.engine.scheduler.kv.pool
+        free_blocks = pool.free_blocks
+        kv = self.engine.runner.kv_cache
+
+        def free_and_poison(blocks: Any) -> None:
+            blocks = list(blocks)
+            free_blocks(blocks)
+            for block in blocks:
+                if block.ref_cnt:
+                    continue
+                if block.block_hash is not None:
+                    self.freed_kv.setdefault(
+                        bytes(block.block_hash), kv[block.block_id].clone().view(torch.uint8)
+                    )
+                    pool.uncache(block)  # no local hit may read the poison
+                kv[block.block_id].fill_(float("nan"))
+
+        pool.free_blocks = free_and_poison  # type: ignore[method-assign,assignment]
 
     # -- requests -----------------------------------------------------------------------------------------
 
@@ -265,7 +308,27 @@ class KitEngine:
             if self.step() == 0:
                 time.sleep(0.0005)  # nothing advanced: an async load or send is in flight elsewhere
             self._check_lookups_progress()
+            self._check_loads_progress()
         return True
+
+    def _check_loads_progress(self) -> None:
+        """No request may wait for an async load longer than the load deadline."""
+        now = time.monotonic()
+        loading = set(self.engine.scheduler.loading)
+        for rid in list(self._loading_since):
+            if rid not in loading:
+                del self._loading_since[rid]
+        for rid in loading:
+            since = self._loading_since.setdefault(rid, now)
+            if now - since > self.load_deadline_s:
+                raise ConformanceError(
+                    ASYNC_LOADS,
+                    f"{rid} has waited {now - since:.1f}s for its load (the deadline is "
+                    f"{self.load_deadline_s:g}s): after get_num_new_matched_tokens answered load_async=True "
+                    "the worker must list the request in get_finished()'s finished_recving once the load "
+                    "is done -- or failed, with the failed blocks in get_block_ids_with_load_errors -- "
+                    "else the request waits forever",
+                )
 
     def _check_lookups_progress(self) -> None:
         """No request may be told ``None`` ("still looking") for longer than the lookup deadline."""
@@ -342,6 +405,42 @@ class KitEngine:
                 self.item, f"after {after}, {total - free} of {total} blocks are still in use"
             )
 
+    def scheduler_state_holding(self, request_ids: set[str]) -> list[str]:
+        """Where the connector's scheduler half still refers to any of ``request_ids`` (an id, or the
+        ``Request``), as attribute paths; it walks dicts, lists, sets, tuples and nested connectors."""
+        found: list[str] = []
+        seen: set[int] = set()
+
+        def visit(obj: Any, path: str, depth: int) -> None:
+            if len(found) >= 5 or depth > 5 or id(obj) in seen:
+                return
+            if isinstance(obj, str):
+                if obj in request_ids:
+                    found.append(f"{path} holds {obj!r}")
+                return
+            if isinstance(obj, Request):
+                if obj.request_id in request_ids:
+                    found.append(f"{path} holds the Request {obj.request_id!r}")
+                return
+            seen.add(id(obj))
+            if isinstance(obj, dict):
+                for k, v in list(obj.items())[:10_000]:
+                    visit(k, f"{path} (a key)", depth + 1)
+                    visit(v, f"{path}[{k!r}]", depth + 1)
+            elif isinstance(obj, (list, tuple, set, frozenset)) or type(obj).__name__ == "deque":
+                for i, v in enumerate(list(obj)[:10_000]):
+                    visit(v, f"{path}[{i}]", depth + 1)
+            elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] not in ("torch", "zmq"):
+                for name, v in vars(obj).items():
+                    if name not in ("context", "options", "inner"):
+                        visit(v, f"{path}.{name}", depth + 1)
+
+        inner = self.scheduler_spy.inner
+        for name, value in vars(inner).items():
+            if name not in ("context", "options"):
+                visit(value, f"self.{name}", 0)
+        return found
+
     def block_hashes(self, prompt: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
         probe = Request("kit-probe", prompt, PARAMS, namespace=self.engine.namespace, cache_salt=cache_salt)
         return list(probe.block_hashes)
@@ -383,10 +482,14 @@ def _reference(
 
 
 def reference(
-    target: ConformanceTarget, prompts: Sequence[Sequence[int]], params: SamplingParams = PARAMS
+    target: ConformanceTarget,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams = PARAMS,
+    **engine_options: Any,
 ) -> list[list[int]]:
-    """Greedy outputs of an engine with no connector: what every connector run must reproduce."""
-    options = tuple(sorted(_output_options(target.engine_options).items()))
+    """Greedy outputs of an engine with no connector: what every connector run must reproduce
+    (``engine_options``: another model or dtype)."""
+    options = tuple(sorted({**_output_options(target.engine_options), **engine_options}.items()))
     ref = _reference(tuple(tuple(p) for p in prompts), params, options)
     return [list(t) for t in ref]
 

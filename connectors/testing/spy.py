@@ -7,9 +7,11 @@ proxies, so it can check what the engine cannot: what each lookup answered, how 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +48,48 @@ class Alloc:
     num_external_tokens: int
 
 
+class CallClock:
+    """Which connector calls are running now, and since when: the kit's watchdog reads it to fail a call
+    that blocks (the check then ends instead of hanging the run)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[int, tuple[str, float]] = {}
+
+    @contextmanager
+    def call(self, name: str) -> Iterator[None]:
+        key = threading.get_ident()
+        with self._lock:
+            outer = self._running.get(key)
+            self._running[key] = (name, time.monotonic())
+        try:
+            yield
+        finally:
+            with self._lock:
+                if outer is None:
+                    self._running.pop(key, None)
+                else:
+                    self._running[key] = outer
+
+    def longest(self) -> tuple[str, float, int] | None:
+        """The call running longest now: its name, for how many seconds, on which thread (None: none)."""
+        now = time.monotonic()
+        with self._lock:
+            if not self._running:
+                return None
+            key, (name, start) = min(self._running.items(), key=lambda item: item[1][1])
+        return name, now - start, key
+
+    def forget(self, thread: int) -> None:
+        """Stop watching a thread the kit abandoned (its call may never return)."""
+        with self._lock:
+            self._running.pop(thread, None)
+
+
+# Every spy of the process reports here: one watchdog watches whichever check runs.
+CLOCK = CallClock()
+
+
 class _Proxy(KVConnectorBase):
     def __init__(self, inner: KVConnectorBase) -> None:
         # No super().__init__: the options were validated when ``inner`` was built.
@@ -56,7 +100,8 @@ class _Proxy(KVConnectorBase):
         self.__dict__["name"] = inner.name  # the engine's log lines name the connector under test
 
     def shutdown(self) -> None:
-        self.inner.shutdown()
+        with CLOCK.call(f"{self.role.value} half: shutdown"):
+            self.inner.shutdown()
 
 
 class SchedulerSpy(_Proxy):
@@ -73,7 +118,8 @@ class SchedulerSpy(_Proxy):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        answer, load_async = self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
+        with CLOCK.call("get_num_new_matched_tokens"):
+            answer, load_async = self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
         rid, now = request.request_id, time.monotonic()
         self.lookups.append(
             Lookup(
@@ -97,24 +143,29 @@ class SchedulerSpy(_Proxy):
         self.allocs.append(
             Alloc(request.request_id, tuple(block_ids), request.num_computed_tokens, num_external_tokens)
         )
-        self.inner.update_state_after_alloc(request, block_ids, num_external_tokens)
+        with CLOCK.call("update_state_after_alloc"):
+            self.inner.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self.inner.build_connector_meta(scheduler_output)
+        with CLOCK.call("build_connector_meta"):
+            return self.inner.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        self.inner.update_connector_output(output)
+        with CLOCK.call("update_connector_output"):
+            self.inner.update_connector_output(output)
 
     def request_finished(
         self, request: Request, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self.finished[request.request_id] += 1
-        result = self.inner.request_finished(request, block_ids)
+        with CLOCK.call("request_finished"):
+            result = self.inner.request_finished(request, block_ids)
         self.finish_results[request.request_id] = result
         return result
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self.inner.take_events()
+        with CLOCK.call("take_events"):
+            return self.inner.take_events()
 
     def lookups_of(self, request_id: str) -> list[Lookup]:
         return [lk for lk in self.lookups if lk.request_id == request_id]
@@ -134,30 +185,38 @@ class WorkerSpy(_Proxy):
         self.load_errors: set[int] = set()
 
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
-        self.inner.register_kv_caches(kv_cache)
+        with CLOCK.call("register_kv_caches"):
+            self.inner.register_kv_caches(kv_cache)
 
     def handle_preemptions(self, metadata: KVConnectorMetadata) -> None:
-        self.inner.handle_preemptions(metadata)
+        with CLOCK.call("handle_preemptions"):
+            self.inner.handle_preemptions(metadata)
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
-        self.inner.start_load_kv(metadata)
+        with CLOCK.call("start_load_kv"):
+            self.inner.start_load_kv(metadata)
 
     def wait_for_layer_load(self, layer: int) -> None:
-        self.inner.wait_for_layer_load(layer)
+        with CLOCK.call("wait_for_layer_load"):
+            self.inner.wait_for_layer_load(layer)
 
     def save_kv_layer(self, layer: int, kv_cache: torch.Tensor, attn_metadata: Any) -> None:
-        self.inner.save_kv_layer(layer, kv_cache, attn_metadata)
+        with CLOCK.call("save_kv_layer"):
+            self.inner.save_kv_layer(layer, kv_cache, attn_metadata)
 
     def wait_for_save(self) -> None:
-        self.inner.wait_for_save()
+        with CLOCK.call("wait_for_save"):
+            self.inner.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[RequestId]) -> tuple[set[RequestId], set[RequestId]]:
-        sending, recving = self.inner.get_finished(finished_req_ids)
+        with CLOCK.call("get_finished"):
+            sending, recving = self.inner.get_finished(finished_req_ids)
         self.finished_sending.update(sending)
         self.finished_recving.update(recving)
         return sending, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors = self.inner.get_block_ids_with_load_errors()
+        with CLOCK.call("get_block_ids_with_load_errors"):
+            errors = self.inner.get_block_ids_with_load_errors()
         self.load_errors |= errors
         return errors

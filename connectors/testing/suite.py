@@ -28,12 +28,16 @@ CHECKS: dict[str, Check] = {
     "test_hits_are_whole_blocks_and_never_the_last_token": checks.check_whole_block_hits,
     "test_none_is_followed_by_an_answer": checks.check_none_is_followed_by_an_answer,
     "test_loads_reproduce_saved_kv_bit_for_bit": checks.check_loads_reproduce_saved_kv,
+    "test_blocks_are_keyed_by_the_whole_namespace": checks.check_blocks_are_keyed_by_the_namespace,
+    "test_a_hit_ends_at_the_first_missing_block": checks.check_a_hit_ends_at_the_first_missing_block,
+    "test_freed_blocks_are_not_read": checks.check_freed_blocks_are_not_read,
     "test_load_errors_are_reported_not_raised": checks.check_load_errors_are_reported,
     "test_request_finished_exactly_once": checks.check_request_finished_exactly_once,
     "test_no_block_leaked_after_abort": checks.check_no_leak_after_abort,
     "test_no_block_leaked_after_preemption": checks.check_no_leak_after_preemption,
     "test_hold_ends_with_finished_sending": checks.check_hold_ends_with_finished_sending,
     "test_stopped_holds_are_confirmed": checks.check_stopped_holds_are_confirmed,
+    "test_nothing_is_kept_for_finished_requests": checks.check_nothing_is_kept_for_finished_requests,
     "test_unreachable_backend_bounded_time_zero_hits": checks.check_unreachable_backend,
 }
 
@@ -59,7 +63,7 @@ def conformance_suite(target: ConformanceTarget | ConfigFactory, /, **hooks: Any
 def _test_method(name: str, check: Check) -> Callable[[Any, Path], None]:
     def test(self: Any, tmp_path: Path) -> None:
         try:
-            check(self.target, tmp_path)
+            checks.run_check(check, self.target, tmp_path)
         except NotApplicable as exc:
             import pytest
 

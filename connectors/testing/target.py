@@ -36,6 +36,15 @@ class ConformanceTarget:
                              hold may take to be confirmed: the connector must report the request by
                              then (the engine's timeouts are set far above it, so relying on them fails).
     ``unreachable_deadline_s``  engine start + generating the kit's prompts with the backend down.
+    ``evict``                ``(shared, block_hash) -> None``: remove that one block from the backend.
+                             Enables the hole check (a hit ends at the first missing block).
+    ``tracked_requests``     ``scheduler_half -> int``: how many requests the connector's scheduler half
+                             keeps state for.  Without it the kit looks for finished request ids in the
+                             half's attributes (dicts, sets, lists), which finds the usual leaks.
+    ``call_deadline_s``      the longest one connector call may take (a lookup, a save, a step's
+                             bookkeeping); a call that blocks longer fails the check, it never hangs it.
+    ``load_deadline_s``      how long an async load may keep its request waiting before the worker lists
+                             it in ``finished_recving``.
     ``engine_options``       extra ``EngineConfig`` fields (e.g. ``{"device": "cuda"}``).  The kit runs
                              on the CPU in float32 with ``block_size=4`` unless told otherwise.
     """
@@ -47,16 +56,26 @@ class ConformanceTarget:
     lookup_deadline_s: float = 5.0
     send_deadline_s: float = 5.0
     unreachable_deadline_s: float = 10.0
+    evict: Callable[[Path, bytes], None] | None = None
+    tracked_requests: Callable[[Any], int] | None = None
+    call_deadline_s: float = 10.0
+    load_deadline_s: float = 10.0
     engine_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not callable(self.factory):
             raise TypeError("ConformanceTarget.factory must be callable: shared_dir -> KVConnectorConfig")
-        for name in ("unreachable_factory", "corrupt"):
+        for name in ("unreachable_factory", "corrupt", "evict", "tracked_requests"):
             hook = getattr(self, name)
             if hook is not None and not callable(hook):
                 raise TypeError(f"ConformanceTarget.{name} must be callable or None")
-        for name in ("lookup_deadline_s", "send_deadline_s", "unreachable_deadline_s"):
+        for name in (
+            "lookup_deadline_s",
+            "send_deadline_s",
+            "unreachable_deadline_s",
+            "call_deadline_s",
+            "load_deadline_s",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(

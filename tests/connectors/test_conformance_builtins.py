@@ -21,6 +21,14 @@ def unreachable(shared: Path, name: str = "kv") -> Path:
     return blocker / name
 
 
+def evict_block_file(shared: Path, block_hash: bytes) -> None:
+    """Remove the one block ``block_hash`` from every shared-dir under ``shared``."""
+    files = list(shared.rglob(f"{block_hash.hex()}.kv"))
+    assert files, f"block {block_hash.hex()[:16]} was never saved under {shared}"
+    for path in files:
+        path.unlink()
+
+
 def corrupt_block_files(shared: Path) -> None:
     """Flip one payload byte of every block file under ``shared`` (the checksum no longer matches)."""
     files = sorted(shared.rglob("*.kv"))
@@ -40,18 +48,21 @@ TestNull = conformance_suite(lambda shared: KVConnectorConfig("null"), provides_
 TestSharedDir = conformance_suite(
     lambda shared: KVConnectorConfig("shared-dir", {"path": str(shared / "kv")}),
     corrupt=corrupt_block_files,
+    evict=evict_block_file,
     unreachable_factory=lambda shared: KVConnectorConfig("shared-dir", {"path": str(unreachable(shared))}),
 )
 
 TestMultiSharedDirAndNull = conformance_suite(
     lambda shared: multi(shared_dir(shared / "kv"), {"name": "null"}),
     corrupt=corrupt_block_files,
+    evict=evict_block_file,
     unreachable_factory=lambda shared: multi(shared_dir(unreachable(shared)), {"name": "null"}),
 )
 
 TestMultiTwoSharedDirs = conformance_suite(
     lambda shared: multi(shared_dir(shared / "a"), shared_dir(shared / "b")),
     corrupt=corrupt_block_files,
+    evict=evict_block_file,
     unreachable_factory=lambda shared: multi(
         shared_dir(unreachable(shared, "a")), shared_dir(unreachable(shared, "b"))
     ),

@@ -15,6 +15,13 @@ def damage(shared: Path) -> None:
         blocks[key] = block._replace(payload=bytes([block.payload[0] ^ 1]) + block.payload[1:])
 
 
+def evict(shared: Path, block_hash: bytes) -> None:
+    """Remove the one block ``block_hash`` from the store the factory below names."""
+    blocks = get_store(str(shared)).blocks
+    for key in [k for k in blocks if k.endswith(block_hash)]:
+        del blocks[key]
+
+
 TestExampleMemory = conformance_suite(
-    lambda shared: KVConnectorConfig("example-memory", {"store": str(shared)}), corrupt=damage
+    lambda shared: KVConnectorConfig("example-memory", {"store": str(shared)}), corrupt=damage, evict=evict
 )
