@@ -120,11 +120,10 @@ class KVConnectorOutput:
     finished_sending: set[RequestId] = field(default_factory=set)
     finished_recving: set[RequestId] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
-    stats: dict[str, float] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids or self.stats)
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
 
 
 @dataclass(frozen=True)
@@ -229,7 +228,8 @@ class KVConnectorBase:
         return KVConnectorMetadata()
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """The worker half's report for the step (finished sends/receives, failed blocks, stats)."""
+        """The worker half's report for the step (finished sends and receives, failed blocks).  Counters
+        are not reported here: ``get_stats`` is read when the node's stats are."""
 
     def request_finished(
         self, request: Request, block_ids: Sequence[int]
@@ -248,6 +248,17 @@ class KVConnectorBase:
         return []
 
     # ================================ worker half ===================================================
+
+    @property
+    def step_metadata(self) -> KVConnectorMetadata | None:
+        """This step's metadata (what ``start_load_kv`` got), from ``handle_preemptions`` until
+        ``get_finished`` returns; None outside a step.  ``wait_for_save`` and ``save_kv_layer`` read it
+        here instead of stashing it."""
+        return self.__dict__.get("_step_metadata")
+
+    def bind_step_metadata(self, metadata: KVConnectorMetadata | None) -> None:
+        """The runner's call, around each step (``multi`` binds each child its own part)."""
+        self.__dict__["_step_metadata"] = metadata
 
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         """Once at start-up: the paged cache `[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]`."""

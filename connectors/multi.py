@@ -162,6 +162,11 @@ class MultiConnector(KVConnectorBase):
         for child in self.children:
             child.register_kv_caches(kv_cache)
 
+    def bind_step_metadata(self, metadata: KVConnectorMetadata | None) -> None:
+        super().bind_step_metadata(metadata)
+        for i, child in enumerate(self.children):
+            child.bind_step_metadata(None if metadata is None else self._child_meta(metadata, i))
+
     def handle_preemptions(self, metadata: KVConnectorMetadata) -> None:
         for i, child in enumerate(self.children):
             child.handle_preemptions(self._child_meta(metadata, i))

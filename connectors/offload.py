@@ -176,7 +176,6 @@ class OffloadConnector(KVConnectorBase):
         self._awaiting_release: set[RequestId] = set()
         self._load_errors: set[int] = set()
         self._failed_loads: set[RequestId] = set()
-        self._metadata: OffloadMetadata | None = None
         self._load_seconds = Histogram(SPECS["kv_load_seconds"])  # one observation per load run
         self.stats_counters = {
             "blocks_loaded": 0,
@@ -312,7 +311,6 @@ class OffloadConnector(KVConnectorBase):
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         assert isinstance(metadata, OffloadMetadata)
-        self._metadata = metadata
         self._failed_loads = set()
         for run in metadata.loads:
             started = time.monotonic()
@@ -343,8 +341,8 @@ class OffloadConnector(KVConnectorBase):
                 self._failed_loads.add(run.request_id)
 
     def wait_for_save(self) -> None:
-        meta, self._metadata = self._metadata, None
-        if meta is None or not meta.saves:
+        meta = self.step_metadata  # what start_load_kv got this step
+        if not isinstance(meta, OffloadMetadata) or not meta.saves:
             return
         assert self._saver is not None
         for run in meta.saves:

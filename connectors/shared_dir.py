@@ -95,7 +95,6 @@ class SharedDirConnector(KVConnectorBase):
         self._kv: torch.Tensor | None = None
         self._codec: Any = None
         self._load_errors: set[int] = set()
-        self._metadata: SharedDirMetadata | None = None
 
     def _file(self, block_hash: bytes) -> Path:
         name = block_hash.hex()
@@ -172,7 +171,6 @@ class SharedDirConnector(KVConnectorBase):
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         assert isinstance(metadata, SharedDirMetadata)
-        self._metadata = metadata
         for block_id, block_hash in metadata.loads:
             try:
                 data = self._file(block_hash).read_bytes()
@@ -195,9 +193,11 @@ class SharedDirConnector(KVConnectorBase):
             logger.warning("shared-dir: cannot remove bad block file %s: %s", block_hash.hex()[:16], exc)
 
     def wait_for_save(self) -> None:
-        meta, self._metadata = self._metadata, None
-        if meta is None:
-            return
+        meta = self.step_metadata  # what start_load_kv got this step (None outside a step)
+        if isinstance(meta, SharedDirMetadata):
+            self._save_blocks(meta)
+
+    def _save_blocks(self, meta: SharedDirMetadata) -> None:
         # A request whose blocks include one that failed to load this step computed its new blocks over
         # bad KV: they are not saved (the engine recomputes from the bad block, and they are saved then).
         tainted = {rid for rid, ids in meta.tables.items() if not self._load_errors.isdisjoint(ids)}

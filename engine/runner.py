@@ -82,6 +82,7 @@ class ModelRunner:
         connector = self.connector
         meta = step.kv_connector_metadata
         out = ModelRunnerOutput()
+        connector.bind_step_metadata(meta)  # the worker half reads it as step_metadata until get_finished
         try:
             connector.handle_preemptions(meta)  # before this forward can overwrite preempted blocks
             connector.start_load_kv(meta)
@@ -113,9 +114,12 @@ class ModelRunner:
 
     def _finish_connector_step(self, step: SchedulerOutput, out: ModelRunnerOutput) -> None:
         connector = self.connector
-        connector.wait_for_save()
-        sending, recving = connector.get_finished(step.finished_request_ids)
-        invalid = connector.get_block_ids_with_load_errors()
+        try:
+            connector.wait_for_save()
+            sending, recving = connector.get_finished(step.finished_request_ids)
+            invalid = connector.get_block_ids_with_load_errors()
+        finally:
+            connector.bind_step_metadata(None)
         if sending or recving or invalid:
             out.kv_connector_output = KVConnectorOutput(
                 finished_sending=sending, finished_recving=recving, invalid_block_ids=invalid

@@ -124,7 +124,6 @@ class TrustingLoadConnector(SharedDirConnector):
         from kvstore.codec import HEADER_SIZE
 
         assert isinstance(metadata, SharedDirMetadata)
-        self._metadata = metadata
         for block_id, block_hash in metadata.loads:
             payload = self._file(block_hash).read_bytes()[HEADER_SIZE:]
             view = self._block_bytes(block_id)
@@ -304,16 +303,15 @@ class SaveAfterFreeConnector(SharedDirConnector):
         self._queued: list[SharedDirMetadata] = []
 
     def wait_for_save(self) -> None:
-        meta, self._metadata = self._metadata, None
-        if meta is not None and meta.saves:
+        meta = self.step_metadata
+        if isinstance(meta, SharedDirMetadata) and meta.saves:
             self._queued.append(meta)
 
     def get_finished(self, finished_req_ids: set[RequestId]) -> tuple[set[RequestId], set[RequestId]]:
         keep = []
         for meta in self._queued:
             if any(rid in finished_req_ids for rid, _, _ in meta.saves):
-                self._metadata = meta
-                SharedDirConnector.wait_for_save(self)  # bug: the blocks are no longer the request's
+                self._save_blocks(meta)  # bug: the blocks are no longer the request's
             else:
                 keep.append(meta)
         self._queued = keep
@@ -330,14 +328,13 @@ class FlushAtShutdownConnector(SharedDirConnector):
         self._pending: list[SharedDirMetadata] = []
 
     def wait_for_save(self) -> None:
-        meta, self._metadata = self._metadata, None
-        if meta is not None:
+        meta = self.step_metadata
+        if isinstance(meta, SharedDirMetadata):
             self._pending.append(meta)
 
     def shutdown(self) -> None:
         for meta in self._pending:
-            self._metadata = meta
-            SharedDirConnector.wait_for_save(self)
+            self._save_blocks(meta)
         self._pending = []
 
 

@@ -103,6 +103,10 @@ class _Proxy(KVConnectorBase):
         with CLOCK.call(f"{self.role.value} half: shutdown"):
             self.inner.shutdown()
 
+    def bind_step_metadata(self, metadata: KVConnectorMetadata | None) -> None:
+        super().bind_step_metadata(metadata)
+        self.inner.bind_step_metadata(metadata)
+
 
 class SchedulerSpy(_Proxy):
     def __init__(self, inner: KVConnectorBase) -> None:

@@ -6,9 +6,11 @@ Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute() -> ModelRunnerO
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.hashing import BlockHash
 from engine.request import RequestId
 from engine.sampling_params import SamplingParams
 
@@ -33,6 +35,9 @@ class ScheduledRequest:
     # Index of the output token this step samples, counting tokens another engine sampled before this one
     # took over (seeded sampling stays reproducible across preemption and across nodes).
     output_index: int = 0
+    # The request's block hashes, one per full block so far (the request's own list, not a copy: read it
+    # in build_connector_meta, never change it).  What a connector saves block i of ``block_ids`` under.
+    block_hashes: Sequence[BlockHash] = ()
 
     @property
     def num_tokens(self) -> int:

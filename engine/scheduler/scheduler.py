@@ -316,6 +316,7 @@ class Scheduler:
                 sample=end == request.num_tokens,
                 sampling_params=request.sampling_params,
                 output_index=request.num_prior_output_tokens + request.num_output_tokens,
+                block_hashes=request.block_hashes,
             )
         )
         out.num_scheduled_tokens[request.request_id] = num_new

@@ -128,7 +128,6 @@ class MemoryConnector(KVConnectorBase):
         self._pending_loads: list[tuple[int, bytes]] = []
         # worker half
         self._kv: torch.Tensor | None = None
-        self._metadata: MemoryMetadata | None = None
         self._load_errors: set[int] = set()
 
     def _key(self, block_hash: bytes) -> bytes:
@@ -196,7 +195,6 @@ class MemoryConnector(KVConnectorBase):
         import torch
 
         assert isinstance(metadata, MemoryMetadata) and self._kv is not None
-        self._metadata = metadata
         block_shape = self._kv.shape[1:]
         nbytes = self._kv[0].numel() * self._kv.element_size()
         for block_id, block_hash in metadata.loads:
@@ -211,8 +209,8 @@ class MemoryConnector(KVConnectorBase):
     def wait_for_save(self) -> None:
         import torch
 
-        meta, self._metadata = self._metadata, None
-        if meta is None or self._kv is None:
+        meta = self.step_metadata  # this step's metadata, as start_load_kv got it
+        if not isinstance(meta, MemoryMetadata) or self._kv is None:
             return
         # A request holding a block whose load failed this step computed its new blocks over bad KV: saving
         # them would hand every later reader wrong KV.  They are saved after the engine recomputes them.
