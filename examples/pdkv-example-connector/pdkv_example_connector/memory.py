@@ -123,7 +123,6 @@ class MemoryConnector(KVConnectorBase):
         geometry = f"{spec.num_layers}x{spec.num_kv_heads}x{spec.head_dim}"
         self._key_prefix = f"{context.namespace.namespace_id}/{spec.dtype}/{geometry}/".encode()
         # scheduler half
-        self._requests: dict[RequestId, Request] = {}
         self._saved_upto: dict[RequestId, int] = {}  # blocks [0, n) of the request are in the store
         self._pending_loads: list[tuple[int, bytes]] = []
         # worker half
@@ -155,24 +154,23 @@ class MemoryConnector(KVConnectorBase):
         n = num_external_tokens // self.block_size
         for i in range(first, first + n):
             self._pending_loads.append((block_ids[i], request.block_hashes[i]))
-        self._requests[request.request_id] = request
         self._saved_upto[request.request_id] = first + n  # what it hit locally or loads is stored already
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = MemoryMetadata(loads=self._pending_loads)
         self._pending_loads = []
         for sr in scheduler_output.scheduled:
-            request = self._requests.get(sr.request_id)
-            if request is None:
+            if sr.request_id not in self._saved_upto:
                 continue
-            # Blocks whose every token has KV once this step's forward pass is done.
-            full = min((sr.start_position + sr.num_tokens) // self.block_size, len(request.block_hashes))
+            # Blocks whose every token has KV once this step's forward pass is done (sr.block_hashes is
+            # the request's list of block hashes: block i of sr.block_ids is stored under hash i).
+            full = min((sr.start_position + sr.num_tokens) // self.block_size, len(sr.block_hashes))
             # From where the last save stopped, or from where this step starts if that is earlier: after a
             # failed load the engine recomputes from the bad block, and those blocks are saved again.
             saved = self._saved_upto[sr.request_id]
             start = min(saved, sr.start_position // self.block_size)
             meta.saves.extend(
-                (sr.request_id, sr.block_ids[i], request.block_hashes[i]) for i in range(start, full)
+                (sr.request_id, sr.block_ids[i], sr.block_hashes[i]) for i in range(start, full)
             )
             if start < full:
                 meta.tables[sr.request_id] = list(sr.block_ids)
@@ -182,7 +180,6 @@ class MemoryConnector(KVConnectorBase):
     def request_finished(
         self, request: Request, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
         self._saved_upto.pop(request.request_id, None)
         return False, None  # saves are synchronous: nothing reads the blocks after this step
 
