@@ -70,6 +70,7 @@ from connectors.p2p_params import (
 )
 from connectors.p2p_transfer import TransferStats
 from engine.request import Request, RequestId, RequestStatus
+from kvstore.curve import CurveKeys, is_loopback
 from kvstore.layout import BlockLayout
 from kvstore.protocol import MAX_READ_BLOCKS
 
@@ -112,6 +113,8 @@ class P2POptions:
     batch_bytes: int = 8 << 20
     window: int = 2
     stop_timeout_s: float = 5.0
+    # Serve blocks on a non-loopback address without CURVE ($PDKV_CURVE_DIR): refused unless set.
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.bind, str) or not self.bind.startswith(("tcp://", "ipc://")):
@@ -128,6 +131,13 @@ class P2POptions:
             if host in _WILDCARD_HOSTS and not self.advertise_host:
                 raise _fail(
                     "advertise_host", f"must be set when 'bind' listens on all interfaces ({self.bind})"
+                )
+            if not is_loopback(host) and not self.insecure and CurveKeys.from_env() is None:
+                raise _fail(
+                    "bind",
+                    f"listens on {host} without CURVE: anyone who reaches it could read prompts' KV; set "
+                    "$PDKV_CURVE_DIR (pdkv up --secure does), bind a loopback address, or set option "
+                    "'insecure': true on a network you trust",
                 )
         elif len(self.bind) <= len("ipc://"):
             raise _fail("bind", "must name a path after ipc://")

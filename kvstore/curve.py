@@ -30,6 +30,14 @@ from zmq.auth.thread import ThreadAuthenticator
 
 logger = logging.getLogger(__name__)
 
+LOOPBACK_HOSTS = ("localhost", "::1", "[::1]")
+
+
+def is_loopback(host: str) -> bool:
+    """A host only this machine reaches (127.0.0.0/8, ::1, localhost)."""
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
 CURVE_DIR_ENV = "PDKV_CURVE_DIR"
 CURVE_NAME_ENV = "PDKV_CURVE_NAME"
 SERVER = "server"

@@ -23,6 +23,7 @@ from typing import Any
 from connectors.registry import KVConnectorConfig
 from engine.cpu_features import auto_cpu_dtype_note
 from engine.engine_config import EngineConfig
+from kvstore.curve import is_loopback
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -247,13 +248,6 @@ def node_config_from_args(args: argparse.Namespace, role: str) -> NodeConfig:
         mtls=args.mtls,
         insecure=args.insecure,
     )
-
-
-LOOPBACK_HOSTS = ("localhost", "::1")
-
-
-def is_loopback(host: str) -> bool:
-    return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
 def refuse_open_wide_bind(address: str, what: str, secured: bool, insecure: bool, how: str) -> None:

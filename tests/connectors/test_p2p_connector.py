@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -73,6 +74,7 @@ def test_registry_knows_p2p() -> None:
         ({"bind": "http://127.0.0.1:5000"}, "bind"),
         ({"bind": "tcp://127.0.0.1"}, "bind"),
         ({"bind": "tcp://0.0.0.0:0"}, "advertise_host"),
+        ({"bind": "tcp://0.0.0.0:0", "advertise_host": "10.1.2.3"}, "bind"),  # wide, without CURVE
         ({"window": 0}, "window"),
         ({"max_in_flight": True}, "max_in_flight"),
         ({"batch_bytes": -1}, "batch_bytes"),
@@ -85,7 +87,7 @@ def test_bad_options_name_the_key(options: dict[str, object], key: str) -> None:
 
 
 def test_advertised_endpoint() -> None:
-    opts = P2POptions(bind="tcp://0.0.0.0:0", advertise_host="10.1.2.3")
+    opts = P2POptions(bind="tcp://0.0.0.0:0", advertise_host="10.1.2.3", insecure=True)
     assert opts.static_endpoint is None  # the port is chosen at bind time
     assert opts.advertised("tcp://0.0.0.0:5601") == "tcp://10.1.2.3:5601"
     assert P2POptions(bind="tcp://127.0.0.1:5601").static_endpoint == "tcp://127.0.0.1:5601"
@@ -261,3 +263,14 @@ def test_p2p_composes_inside_multi() -> None:
 # after aborts, preemption or reclaimed delayed frees, shutdown with threads and sockets), not transfers --
 # those are the tests above and tests/connectors/test_p2p_faults.py.
 TestP2PConformance = conformance_suite(lambda shared: KVConnectorConfig("p2p"), provides_hits=False)
+
+
+def test_a_wide_bind_needs_curve_or_insecure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConnectorOptionsError, match="without CURVE"):
+        P2POptions(bind="tcp://10.0.0.5:5600")
+    assert P2POptions(bind="tcp://10.0.0.5:5600", insecure=True).insecure
+    from kvstore.curve import write_curve_folder
+
+    monkeypatch.setenv("PDKV_CURVE_DIR", str(write_curve_folder(tmp_path / "curve", ["node"])))
+    monkeypatch.setenv("PDKV_CURVE_NAME", "node")
+    assert P2POptions(bind="tcp://0.0.0.0:5600", advertise_host="10.0.0.5").bind == "tcp://0.0.0.0:5600"
