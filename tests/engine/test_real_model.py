@@ -9,6 +9,7 @@ The file is fetched by ``scripts/setup.sh`` (``pdkv fetch-model``) and cached; t
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -177,8 +178,9 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_bfloat16_picks_the_argmax_of_transformers_in_bfloat16(converted: Path) -> None:
     """bf16 drifts from fp32 over many tokens, so it is checked teacher-forced: every greedy pick is
-    within 0.1 of transformers' best logit at that position.  transformers runs the converted folder in
-    bfloat16 (its GGUF path would keep the weights packed and compute in fp32).
+    within 0.1 (or one bf16 step, where that is more) of transformers' best logit at that position.
+    transformers runs the converted folder in bfloat16 (its GGUF path would keep the weights packed and
+    compute in fp32).
 
     Logprobs: over 30 layers bf16 rounding alone moves them -- transformers' own bf16 differs from its
     fp32 by up to 0.16 on these prompts (median 0.014) -- so the bound is 0.25 at worst and 0.03 at the
@@ -197,7 +199,11 @@ def test_bfloat16_picks_the_argmax_of_transformers_in_bfloat16(converted: Path) 
         assert out.logprobs is not None
         for j, tok in enumerate(out.token_ids):
             row = logits[len(prompt) - 1 + j]
-            assert float(row.max() - row[tok]) <= 0.1, f"token {j}: not transformers' argmax"
+            # transformers' logits are bf16: two within one bf16 step of the max (0.125 at 16..32) are a
+            # tie its own output cannot order.
+            top = float(row.max())
+            tolerance = max(0.1, 2.0 ** (math.floor(math.log2(abs(top))) - 7)) if top else 0.1
+            assert top - float(row[tok]) <= tolerance, f"token {j}: not transformers' argmax"
             diffs.append(abs(out.logprobs[j] - float(logprobs[len(prompt) - 1 + j, tok])))
     diffs.sort()
     assert diffs[-1] <= 0.25 and diffs[len(diffs) // 2] <= 0.03, (diffs[len(diffs) // 2], diffs[-1])
