@@ -59,7 +59,7 @@ class ConformanceTarget:
     evict: Callable[[Path, bytes], None] | None = None
     tracked_requests: Callable[[Any], int] | None = None
     call_deadline_s: float = 30.0
-    load_deadline_s: float = 10.0
+    load_deadline_s: float = 30.0
     engine_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
