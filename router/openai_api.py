@@ -301,9 +301,12 @@ class _IdleCutoff:
             await self.app(scope, receive, send)
             return
 
+        idle = self.streams.idle_timeout_s
+
         async def send_or_cut(message: Any) -> None:
             try:
-                await asyncio.wait_for(send(message), self.streams.idle_timeout_s)
+                async with asyncio.timeout(idle):  # no task per send (wait_for makes one)
+                    await send(message)
             except TimeoutError:
                 raise _ClientStalled from None
 
