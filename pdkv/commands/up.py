@@ -167,7 +167,8 @@ def _oneshot(cluster: Any, prompt: str, max_tokens: int, *, chat: bool) -> int:
 
     print(f"pdkv up: router listening on {cluster.router_address}", file=sys.stderr, flush=True)
     if cluster.http_address:
-        print(f"pdkv up: OpenAI API on http://{cluster.http_address}/v1", file=sys.stderr, flush=True)
+        scheme = "https" if cluster.secrets is not None else "http"
+        print(f"pdkv up: OpenAI API on {scheme}://{cluster.http_address}/v1", file=sys.stderr, flush=True)
     what: Any = [{"role": "user", "content": prompt}] if chat else prompt
     request = generate_request(what, SamplingParams(max_tokens=max_tokens))
 
@@ -190,10 +191,15 @@ def _oneshot(cluster: Any, prompt: str, max_tokens: int, *, chat: bool) -> int:
     sys.stdout.write("\n")
     u = out.usage
     assert u is not None
+    cached = (
+        f"cached(local={u.cached.local_prefix}, store={u.cached.store}, "
+        f"remote_prefill={u.cached.remote_prefill})"
+        if u.HasField("cached")
+        else "cached(not shown: cache details are off)"
+    )
     print(
         f"[pdkv] via router {cluster.router_address}: prompt_tokens={u.prompt_tokens} output_tokens="
-        f"{u.completion_tokens} cached(local={u.cached.local_prefix}, store={u.cached.store}, "
-        f"remote_prefill={u.cached.remote_prefill}) ttft_ms={u.time_to_first_token_s * 1e3:.1f} "
+        f"{u.completion_tokens} {cached} ttft_ms={u.time_to_first_token_s * 1e3:.1f} "
         f"finish_reason={out.finish_reason}",
         file=sys.stderr,
     )
