@@ -11,6 +11,10 @@ File formats are pyzmq's (``zmq.auth.create_certificates``).  Removing ``clients
 restarting the servers revokes that client.  A peer without an allow-listed key never completes the
 handshake: none of its messages reaches the server (the ZAP handler logs the refusal).
 
+Servers set a ZAP domain and, where libzmq has it, ``ZAP_ENFORCE_DOMAIN``: should the context's ZAP
+handler be gone, handshakes fail instead of admitting any key.  The KV events sockets (a node's and the
+store's, and the router's subscriptions) use the same folder.
+
 Every socket reads the folder from the environment when it is made, so the store server, the remote
 tier and the p2p connector need no key material in their command lines or connector specs.
 """
@@ -30,15 +34,23 @@ from zmq.auth.thread import ThreadAuthenticator
 
 logger = logging.getLogger(__name__)
 
-LOOPBACK_HOSTS = ("localhost", "::1", "[::1]")
-
 
 def is_loopback(host: str) -> bool:
-    """A host only this machine reaches (127.0.0.0/8, ::1, localhost)."""
-    return host in LOOPBACK_HOSTS or host.startswith("127.")
+    """A host only this machine reaches: a loopback address (127.0.0.0/8, ::1) or ``localhost``.  A
+    name that merely starts with "127." is not one."""
+    import ipaddress
+
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 CURVE_DIR_ENV = "PDKV_CURVE_DIR"
+ZAP_DOMAIN = "pdkv"
 CURVE_NAME_ENV = "PDKV_CURVE_NAME"
 SERVER = "server"
 CLIENTS = "clients"
@@ -78,11 +90,15 @@ class CurveKeys:
         return public
 
     def secure_server(self, sock: zmq.Socket[Any]) -> None:
-        """Make ``sock`` (not yet bound) a CURVE server that admits allow-listed clients only."""
+        """Make ``sock`` (not yet bound) a CURVE server that admits allow-listed clients only -- and none
+        at all should its context's ZAP handler be gone (libzmq would otherwise accept any key)."""
         public, secret = zmq.auth.load_certificate(self.folder / f"{SERVER}.key_secret")
         if secret is None:
             raise ValueError(f"{self.folder / SERVER}.key_secret holds no secret key")
         _authenticator(sock.context, self.folder / CLIENTS)
+        sock.zap_domain = ZAP_DOMAIN.encode()
+        if hasattr(zmq, "ZAP_ENFORCE_DOMAIN"):
+            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         sock.curve_secretkey = secret
         sock.curve_publickey = public
         sock.curve_server = True
@@ -109,7 +125,7 @@ def _authenticator(context: zmq.Context[Any], allow: Path) -> ThreadAuthenticato
             auth = ThreadAuthenticator(context, log=logging.getLogger("pdkv.zap"))
             auth.start()
             _authenticators[id(context)] = auth
-        auth.configure_curve(domain="*", location=str(allow))
+        auth.configure_curve(domain=ZAP_DOMAIN, location=str(allow))
         return auth
 
 

@@ -86,7 +86,14 @@ class StoreServer:
         self._socket = server_socket(self._context, zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, 2 * self.limits.max_unit_bytes)
-        self._socket.bind(bind)
+        try:
+            self._socket.bind(bind)
+        except zmq.ZMQError:
+            self._socket.close(linger=0)
+            if self._own_context:
+                stop_authenticator(self._context)
+                self._context.term()
+            raise
         self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._in_flight: list[tuple[zmq.MessageTracker, list[Unit]]] = []
         self.requests: Counter[str] = Counter()
@@ -274,8 +281,8 @@ class StoreServer:
         for _, units in self._in_flight:
             release_all(units)
         self._in_flight.clear()
-        stop_authenticator(self._context)
-        if self._own_context:
+        if self._own_context:  # a shared context's ZAP handler serves its other sockets too
+            stop_authenticator(self._context)
             self._context.term()
 
 
@@ -363,6 +370,7 @@ def run_server(args: argparse.Namespace) -> int:
         if args.metrics_address:
             metrics = MetricsServer(args.metrics_address, server.metrics).start()
         if args.kv_events:
+            refuse_open_wide_bind(args.kv_events, "KV events", curve is not None, args.insecure, "CURVE")
             server.publish_events(args.kv_events, args.kv_events_replay or None)
     except BaseException:
         store.close()

@@ -27,6 +27,7 @@ looked up by digest.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import re
 import threading
@@ -54,11 +55,16 @@ class Tenant:
     max_inflight: int | None = None  # None: the router's client_max_inflight
     cache_details: bool | None = None  # None: the router's cache_details
 
-    def salt(self, client_salt: str | None) -> str | None:
-        """The cache salt a request of this tenant hashes with."""
+    def salt(self, client_salt: str | None, key: bytes | None = None) -> str | None:
+        """The cache salt a request of this tenant hashes with.  ``key`` (the router's salt key): the
+        tenant's part is keyed, so whoever sees block hashes (KV events) cannot recompute them for a
+        guessed prompt of a tenant whose name they know."""
         if not self.name:
             return client_salt
-        return self.name if client_salt is None else f"{self.name}/{client_salt}"
+        tag = self.name
+        if key is not None:
+            tag = f"{self.name}-{hmac.new(key, self.name.encode(), hashlib.sha256).hexdigest()[:32]}"
+        return tag if client_salt is None else f"{tag}/{client_salt}"
 
 
 OPEN = Tenant("")
@@ -72,9 +78,10 @@ class Caller:
     client: str  # admission key: the tenant, or (open) the connection
     max_inflight: int
     cache_details: bool
+    salt_key: bytes | None = None
 
     def salt(self, client_salt: str | None) -> str | None:
-        return self.tenant.salt(client_salt)
+        return self.tenant.salt(client_salt, self.salt_key)
 
 
 class Access:
@@ -86,13 +93,16 @@ class Access:
         *,
         client_max_inflight: int = 128,
         cache_details: bool = False,
+        salt_key: bytes | None = None,
     ) -> None:
-        """``digests``: ``key_digest(key)`` -> the key's tenant; none = open."""
+        """``digests``: ``key_digest(key)`` -> the key's tenant; none = open.  ``salt_key``: keys the
+        tenants' salts (derived from the cluster secret where the router has one)."""
         if client_max_inflight <= 0:
             raise ValueError(f"client_max_inflight must be positive, got {client_max_inflight}")
         self._by_digest = dict(digests or {})
         self.client_max_inflight = client_max_inflight
         self.cache_details = cache_details
+        self.salt_key = salt_key
         self._inflight: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -125,7 +135,7 @@ class Access:
             raise ServingError(grpc.StatusCode.UNAUTHENTICATED, "the API key is not valid")
         limit = tenant.max_inflight if tenant.max_inflight is not None else self.client_max_inflight
         details = tenant.cache_details if tenant.cache_details is not None else self.cache_details
-        return Caller(tenant, f"tenant:{tenant.name}", limit, details)
+        return Caller(tenant, f"tenant:{tenant.name}", limit, details, self.salt_key)
 
     @contextmanager
     def admitted(self, caller: Caller) -> Iterator[None]:
@@ -161,6 +171,7 @@ def load_access(
     environ: Mapping[str, str] | None = None,
     client_max_inflight: int = 128,
     cache_details: bool = False,
+    cluster_secret: bytes | None = None,
 ) -> Access:
     """The router's ``Access`` from a keys file (``keys_file``, else ``$PDKV_API_KEYS_FILE``) and/or
     ``$PDKV_API_KEYS``; open when neither names a key."""
@@ -175,7 +186,12 @@ def load_access(
             raise ValueError(f"${KEYS_ENV}: each entry is KEY=TENANT, got one without '='")
         _check_key(key, f"${KEYS_ENV}")
         digests[key_digest(key)] = Tenant(_tenant_name(name, f"${KEYS_ENV}"))
-    return Access(digests, client_max_inflight=client_max_inflight, cache_details=cache_details)
+    salt_key = (
+        hmac.new(cluster_secret, b"pdkv-tenant-salt", hashlib.sha256).digest() if cluster_secret else None
+    )
+    return Access(
+        digests, client_max_inflight=client_max_inflight, cache_details=cache_details, salt_key=salt_key
+    )
 
 
 def _read_keys_file(path: Path) -> dict[str, Tenant]:
@@ -207,12 +223,20 @@ def _read_keys_file(path: Path) -> dict[str, Tenant]:
         hashed = table.get("key_sha256", [])
         if not isinstance(keys, list) or not isinstance(hashed, list) or not (keys or hashed):
             raise ValueError(f"{where} needs keys = [...] or key_sha256 = [...]")
+        digests = []
         for key in keys:
             _check_key(key, where)
-            out[key_digest(key)] = tenant
+            digests.append(key_digest(key))
         for digest in hashed:
             if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
                 raise ValueError(f"{where}.key_sha256 holds something that is not a sha256 hex digest")
+            digests.append(digest)
+        for digest in digests:
+            if digest in out:
+                raise ValueError(
+                    f"{where}: a key is listed twice (also under tenant {out[digest].name!r}); a key "
+                    "names one tenant"
+                )
             out[digest] = tenant
     return out
 

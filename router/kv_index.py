@@ -38,6 +38,7 @@ from engine.kv_events import (
     EventDecodeError,
     decode_batch,
 )
+from kvstore.curve import client_socket
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +247,7 @@ class KVEventSubscriber:
         for node, publisher in wanted.items():
             if node in self._subs:
                 continue
-            sock = self._context.socket(zmq.SUB)
+            sock = client_socket(self._context, zmq.SUB)  # CURVE with $PDKV_CURVE_DIR
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, 10000)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -302,7 +303,7 @@ class KVEventSubscriber:
 
     def _ask(self, publisher: Publisher, start: int) -> tuple[dict[str, Any], list[bytes]] | None:
         """One replay exchange: the reply's header and batch frames, or None (no answer, garbage)."""
-        sock = self._context.socket(zmq.DEALER)
+        sock = client_socket(self._context, zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(publisher.replay_endpoint)

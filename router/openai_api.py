@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -198,28 +198,28 @@ def create_app(
         except ServingError as exc:
             raise ApiError.from_serving(exc) from None
 
+    # A dependency: FastAPI resolves it before it validates the body, so a caller without a key learns
+    # nothing about the request's shape (a 401, never a detailed 400).
+    authenticated = Depends(caller_of)
+
     @app.get("/v1/models")
-    async def _models(http: Request) -> dict[str, Any]:
-        caller_of(http)
+    async def _models(caller: Caller = authenticated) -> dict[str, Any]:
         return {"object": "list", "data": [_model_card(model, created)]}
 
     @app.get("/v1/models/{name:path}")
-    async def _model(name: str, http: Request) -> dict[str, Any]:
-        caller_of(http)
+    async def _model(name: str, caller: Caller = authenticated) -> dict[str, Any]:
         _check_model(model, name)
         return _model_card(model, created)
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def _chat(body: ChatCompletionRequest, http: Request) -> Any:
-        caller = caller_of(http)
+    async def _chat(body: ChatCompletionRequest, http: Request, caller: Caller = authenticated) -> Any:
         request, include_usage = _chat_request(body, model, caller, pipeline.max_tokens_limit)
         return await _respond(
             http, body.stream, include_usage, request, caller, chat=True, logprobs=body.logprobs
         )
 
     @app.post("/v1/completions", response_model=None)
-    async def _completions(body: CompletionRequest, http: Request) -> Any:
-        caller = caller_of(http)
+    async def _completions(body: CompletionRequest, http: Request, caller: Caller = authenticated) -> Any:
         request, include_usage = _completion_request(body, model, caller, pipeline.max_tokens_limit)
         return await _respond(
             http, body.stream, include_usage, request, caller, chat=False, logprobs=body.logprobs is not None

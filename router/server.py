@@ -36,6 +36,7 @@ from serving.metrics import (
     stats_families,
 )
 from serving.reflection import enable_reflection
+from serving.signing import load_cluster_secret
 from serving.tls import TLSFolder, add_port
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class RouterRuntime:
             config.api_keys_file or None,
             client_max_inflight=config.per_client_limit,
             cache_details=config.cache_details,
+            cluster_secret=load_cluster_secret(None),  # $PDKV_CLUSTER_SECRET(_FILE): keys the salts
         )
         tls = TLSFolder.from_option(config.tls_dir or None)
         secured = tls is not None and not access.open

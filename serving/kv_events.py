@@ -31,6 +31,7 @@ import msgpack
 import zmq
 
 from engine.kv_events import EventBatch, KVCacheEvent, encode_batch
+from kvstore.curve import server_socket, stop_authenticator
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +70,11 @@ class KVEventPublisher:
         self.replay_size = replay_size
         self._own_context = context is None
         self._context: zmq.Context[Any] = context or zmq.Context()
-        self._pub = self._context.socket(zmq.PUB)
+        # CURVE with $PDKV_CURVE_DIR: block hashes say which prefixes are cached (kvstore/curve.py).
+        self._pub = server_socket(self._context, zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, queue_size)
-        self._replay = self._context.socket(zmq.ROUTER)
+        self._replay = server_socket(self._context, zmq.ROUTER)
         self._replay.setsockopt(zmq.LINGER, 0)
         self._replay.setsockopt(zmq.MAXMSGSIZE, 4096)
         try:
@@ -127,6 +129,7 @@ class KVEventPublisher:
         self._pub.close(linger=0)
         self._replay.close(linger=0)
         if self._own_context:
+            stop_authenticator(self._context)
             self._context.term()
 
     # ---- the sender thread -------------------------------------------------------------------------------

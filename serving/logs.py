@@ -38,8 +38,10 @@ class Throttle(logging.Filter):
                 return False
             self._seen[key] = (now, 0)
         error = record.exc_info[1]
+        message = record.getMessage()  # the args are folded in now: what is appended holds no %-codes
         if error is not None:
-            record.msg = f"{record.msg} ({type(error).__name__}: {error})"
+            message = f"{message} ({type(error).__name__}: {error})"
+        record.msg, record.args = message, ()
         record.exc_info = None
         record.exc_text = None
         record.stack_info = None

@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from decode_node.servicer import DecodeNodeServicer
 from engine.driver import EngineDriver, EngineSnapshot, snapshot
 from engine.llm_engine import LLMEngine
+from kvstore.curve import CurveKeys
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
 from prefill_node.servicer import PrefillNodeServicer
 from serving import convert
@@ -65,7 +66,13 @@ class NodeRuntime:
         # Before the model loads: a misconfigured node fails in a second, not after it.
         secret = load_cluster_secret(config.cluster_secret_file or None)
         tls = TLSFolder.from_option(config.tls_dir or None)
-        refuse_open_wide_bind(config.address, "gRPC", tls is not None, config.insecure, "TLS (--tls-dir)")
+        # Wide open needs mutual TLS: with TLS alone anyone could call Prefill with any tenant's salt.
+        refuse_open_wide_bind(
+            config.address, "gRPC", tls is not None and config.mtls, config.insecure, "TLS with --mtls"
+        )
+        if config.kv_events_bind:
+            curve = CurveKeys.from_env() is not None
+            refuse_open_wide_bind(config.kv_events_bind, "KV events", curve, config.insecure, "CURVE")
         engine = LLMEngine(config.engine)
         events: KVEventPublisher | None = None
         if config.kv_events_bind:

@@ -4,6 +4,7 @@ variables naming files; no secret ever travels in argv)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,14 +37,18 @@ class Secrets:
         from serving.tls import write_tls_folder
 
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        folder.chmod(0o700)
         write_tls_folder(folder / "tls", hosts)
         write_curve_folder(folder / "curve", list(names))
         key = f"sk-pdkv-{token_urlsafe(32)}"
         _write_private(folder / "cluster-secret", token_hex(32) + "\n")
         _write_private(folder / "api-key", key + "\n")
         details = "true" if cache_details else "false"
+        # The router's file holds the key's digest, not the key (clients read api-key).
+        digest = hashlib.sha256(key.encode()).hexdigest()
         _write_private(
-            folder / "api-keys.toml", f'[tenants.default]\nkeys = ["{key}"]\ncache_details = {details}\n'
+            folder / "api-keys.toml",
+            f'[tenants.default]\nkey_sha256 = ["{digest}"]\ncache_details = {details}\n',
         )
         return cls(folder, key)
 
@@ -59,5 +64,6 @@ class Secrets:
 
 def _write_private(path: Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_TRUNC
     with open(fd, "w", encoding="utf-8") as f:
         f.write(text)

@@ -184,5 +184,6 @@ def write_tls_folder(folder: Path, hosts: Sequence[str], *, days: int = 365) -> 
 
 def _write(path: Path, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_TRUNC
     with open(fd, "wb") as f:
         f.write(data)

@@ -93,3 +93,21 @@ def test_admission_counts_per_client_and_releases() -> None:
             pass
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit is 2" in info.value.message
     assert access.inflight(caller.client) == 0
+
+
+def test_a_key_listed_twice_is_refused(tmp_path: Path) -> None:
+    text = f'[tenants.a]\nkeys = ["{KEY}"]\n[tenants.b]\nkey_sha256 = ["{key_digest(KEY)}"]\n'
+    with pytest.raises(ValueError, match="listed twice"):
+        load_access(write(tmp_path, text), environ={})
+
+
+def test_with_a_cluster_secret_the_tenant_part_of_the_salt_is_keyed(tmp_path: Path) -> None:
+    """Whoever sees block hashes (KV events) cannot recompute them for a guessed prompt of a tenant whose
+    name they know: the salt's tenant part is an HMAC of the cluster secret."""
+    path = write(tmp_path, f'[tenants.acme]\nkeys = ["{KEY}"]\n')
+    keyed = load_access(path, environ={}, cluster_secret=b"a cluster secret of some length")
+    salt = keyed.authenticate(f"Bearer {KEY}").salt("team")
+    assert salt is not None and salt.startswith("acme-") and salt.endswith("/team") and len(salt) > 40
+    other = load_access(path, environ={}, cluster_secret=b"another secret of the same size")
+    assert other.authenticate(f"Bearer {KEY}").salt("team") != salt
+    assert load_access(path, environ={}).authenticate(f"Bearer {KEY}").salt("team") == "acme/team"

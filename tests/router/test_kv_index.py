@@ -233,3 +233,30 @@ def test_kv_aware_without_any_event_or_measurement_balances_the_load() -> None:
     index = KVIndex()
     a, b = node("a:1", NodeCosts(), inflight=3), node("b:1", NodeCosts())
     assert KVAware(index).choose([a, b], RoutingInfo("r", PROMPT)) is b  # equal estimates: least loaded
+
+
+def test_kv_events_travel_over_curve_and_a_stranger_gets_none(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """With $PDKV_CURVE_DIR the events say which prefixes are cached to allow-listed subscribers only."""
+    from kvstore.curve import write_curve_folder
+
+    monkeypatch.setenv("PDKV_CURVE_DIR", str(write_curve_folder(tmp_path / "curve", ["router"])))
+    monkeypatch.setenv("PDKV_CURVE_NAME", "router")
+    pub = publisher("engine-a")
+    index = KVIndex()
+    sub = KVEventSubscriber(index, lambda: [target("a:1", pub)], refresh_s=0.05).start()
+    ctx = zmq.Context()
+    stranger = ctx.socket(zmq.SUB)  # no CURVE keys
+    stranger.setsockopt(zmq.SUBSCRIBE, b"")
+    stranger.connect(pub.endpoint)
+    try:
+        time.sleep(0.3)
+        pub.publish([stored(H[0], H[1])])
+        wait_for(lambda: index.prefix_blocks("a:1", H[:2]) == 2)  # the allow-listed router sees them
+        assert stranger.poll(500) == 0  # the stranger never completes the handshake
+    finally:
+        stranger.close(0)
+        ctx.term()
+        sub.close()
+        pub.close()

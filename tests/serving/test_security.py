@@ -106,6 +106,9 @@ def test_http_without_a_valid_key_is_401_shaped_as_openai_errors(cluster: Cluste
     # No header at all (raw), then a wrong key (the SDK raises its AuthenticationError on the 401).
     r = httpx.post(f"{base}/completions", json={"model": "x", "prompt": "Hello"}, timeout=30)
     assert r.status_code == 401
+    # A body that is not a valid request: still 401, not a 400 describing what a request looks like.
+    bad = httpx.post(f"{base}/completions", json={"bogus": 1}, timeout=30)
+    assert bad.status_code == 401, bad.text
     assert r.json()["error"]["type"] == "authentication_error" and "API key" in r.json()["error"]["message"]
     with openai.OpenAI(base_url=base, api_key="sk-not-a-key-of-anyone-here", max_retries=0) as sdk:
         with pytest.raises(openai.AuthenticationError) as info:
@@ -308,7 +311,7 @@ def test_a_node_refuses_a_wide_address_without_tls_unless_insecure(tmp_path: Pat
 
     for address in ("127.0.0.1:1", "localhost:1", "[::1]:1", "tcp://127.0.0.1:7600", "ipc:///tmp/x"):
         refuse_open_wide_bind(address, "gRPC", False, False, "TLS")
-    for address in ("0.0.0.0:50061", "tcp://0.0.0.0:7600", "10.0.0.5:1"):
+    for address in ("0.0.0.0:50061", "tcp://0.0.0.0:7600", "10.0.0.5:1", "127.0.0.1.nip.io:1", "127.corp:1"):
         with pytest.raises(ValueError, match="--insecure"):
             refuse_open_wide_bind(address, "gRPC", False, False, "TLS")
         refuse_open_wide_bind(address, "gRPC", True, False, "TLS")  # secured
