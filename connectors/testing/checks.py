@@ -76,25 +76,42 @@ def run_check(
             box["error"] = exc
 
     thread = threading.Thread(target=work, name=f"pdkv-conformance-{check.__name__}", daemon=True)
-    started = time.monotonic()
+    run = CLOCK.new_run()
+    started = last = time.monotonic()
     thread.start()
     while thread.is_alive():
         thread.join(0.02)
-        running = CLOCK.longest()
+        now = time.monotonic()
+        if now - last > 1.0:  # the watcher was not scheduled for a while: nor was the call
+            CLOCK.pardon(now - last - 0.02)
+        last = now
+        running = CLOCK.longest(run)
         if running is not None and running[1] > target.call_deadline_s:
             name, seconds, blocked = running
+            where = _stack_of(blocked)
             CLOCK.forget(blocked)
             raise ConformanceError(
                 BOUNDED_CALLS,
                 f"{name} has not returned after {seconds:.1f}s (call_deadline_s is "
                 f"{target.call_deadline_s:g}s): connector calls run inside the engine's step, so one that "
                 "waits on its backend stalls every request; bound it (a timeout) or do the work on a "
-                "thread of your own and report it later",
+                f"thread of your own and report it later.  Where it waits:\n{where}",
             )
         if time.monotonic() - started > CHECK_DEADLINE_S:
             raise ConformanceError(BOUNDED_CALLS, f"the check did not end within {CHECK_DEADLINE_S:g}s")
     if "error" in box:
         raise box["error"]
+
+
+def _stack_of(thread_id: int) -> str:
+    """The innermost frames of a thread, for the message of a call that blocks."""
+    import sys
+    import traceback
+
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return "  (the thread has ended)"
+    return "".join(traceback.format_stack(frame)[-6:])
 
 
 # -- shared steps -----------------------------------------------------------------------------------------

@@ -54,14 +54,21 @@ class CallClock:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._running: dict[int, tuple[str, float]] = {}
+        self._running: dict[int, tuple[str, float, int]] = {}
+        self._run = 0  # the check being watched; calls carry the one they started under
+
+    def new_run(self) -> int:
+        """A check starts: calls still running from earlier checks (abandoned threads) are not its own."""
+        with self._lock:
+            self._run += 1
+            return self._run
 
     @contextmanager
     def call(self, name: str) -> Iterator[None]:
         key = threading.get_ident()
         with self._lock:
             outer = self._running.get(key)
-            self._running[key] = (name, time.monotonic())
+            self._running[key] = (name, time.monotonic(), self._run)
         try:
             yield
         finally:
@@ -71,14 +78,21 @@ class CallClock:
                 else:
                     self._running[key] = outer
 
-    def longest(self) -> tuple[str, float, int] | None:
-        """The call running longest now: its name, for how many seconds, on which thread (None: none)."""
+    def longest(self, run: int) -> tuple[str, float, int] | None:
+        """Of the calls check ``run`` started, the one running longest now: its name, for how many
+        seconds, on which thread (None: none)."""
         now = time.monotonic()
         with self._lock:
-            if not self._running:
-                return None
-            key, (name, start) = min(self._running.items(), key=lambda item: item[1][1])
+            mine = [(k, v) for k, v in self._running.items() if v[2] == run]
+        if not mine:
+            return None
+        key, (name, start, _) = min(mine, key=lambda item: item[1][1])
         return name, now - start, key
+
+    def pardon(self, seconds: float) -> None:
+        """The watcher itself was held up (the whole process was): no call ran during that time."""
+        with self._lock:
+            self._running = {k: (n, start + seconds, r) for k, (n, start, r) in self._running.items()}
 
     def forget(self, thread: int) -> None:
         """Stop watching a thread the kit abandoned (its call may never return)."""
