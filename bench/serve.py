@@ -48,7 +48,7 @@ from bench.common import Report, parser
 from connectors.registry import discover
 from engine.model.make_model import TinyLlamaSpec, make_model
 from engine.sampling_params import SamplingParams
-from serving.client import Completion, GenerationClient, generate_request
+from serving.client import Completion, generate_request
 from serving.launcher import DEFAULT_STORE, Cluster, Topology
 
 BENCH_SPEC = TinyLlamaSpec(layers=4, hidden=256, heads=8, kv_heads=4, vocab=512, max_position_embeddings=4096)
@@ -116,16 +116,6 @@ def _quantile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[max(0, min(98, round(q * 100) - 1))]
 
 
-def client_for(cluster: Cluster) -> GenerationClient:
-    """A client of the cluster's router, with its API key and CA when the cluster is secure."""
-    tls = cluster.tls
-    return GenerationClient(
-        cluster.router_address,
-        api_key=cluster.secrets.api_key if cluster.secrets is not None else None,
-        credentials=tls.channel_credentials(client_cert=False) if tls is not None else None,
-    )
-
-
 def run_chats(cluster: Cluster, workload: Workload) -> ModeResult:
     """Every conversation on its own thread; turns in order.  Same tokens in every mode (seeded)."""
     rng = random.Random(workload.seed)
@@ -142,7 +132,7 @@ def run_chats(cluster: Cluster, workload: Workload) -> ModeResult:
 
     def chat(i: int) -> None:
         history = list(system)
-        with client_for(cluster) as client:
+        with cluster.client() as client:
             for turn in users[i]:
                 history += turn
                 try:
@@ -193,7 +183,7 @@ def steady_ttft(model: Path, rounds: int, *, secure: bool) -> list[float]:
     prompt = random.Random(11).sample(range(BENCH_SPEC.vocab - 2), 64)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     times: list[float] = []
-    with Cluster.start(topology) as cluster, client_for(cluster) as client:
+    with Cluster.start(topology) as cluster, cluster.client() as client:
         for i in range(rounds + 3):  # three warm-up rounds: channels, caches
             out = client.generate(generate_request(prompt, params), timeout=60)
             assert out.time_to_first_token_s is not None
@@ -224,7 +214,7 @@ def http_vs_grpc_ttft(cluster: Cluster, rounds: int) -> dict[str, list[float]]:
         }
     )
     times: dict[str, list[float]] = {"grpc": [], "http": []}
-    with GenerationClient(cluster.router_address) as client:
+    with cluster.client() as client:
         for i in range(rounds + 2):  # the first two rounds warm both paths up (and cache the prompt)
             out = client.generate(generate_request(prompt, params), timeout=60)
             assert out.time_to_first_token_s is not None

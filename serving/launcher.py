@@ -279,6 +279,18 @@ class Cluster:
 
         return TLSFolder(self.secrets.tls_dir) if self.secrets is not None else None
 
+    def client(self) -> Any:
+        """A ``serving.client.GenerationClient`` of the router, with the API key and the CA when the
+        cluster is secure."""
+        from serving.client import GenerationClient
+
+        tls = self.tls
+        return GenerationClient(
+            self.router_address,
+            api_key=self.secrets.api_key if self.secrets is not None else None,
+            credentials=tls.channel_credentials(client_cert=False) if tls is not None else None,
+        )
+
     def _start(self) -> None:
         t = self.topology
         deadline = time.monotonic() + t.startup_timeout_s

@@ -41,12 +41,12 @@ class Secrets:
         write_tls_folder(folder / "tls", hosts)
         write_curve_folder(folder / "curve", list(names))
         key = f"sk-pdkv-{token_urlsafe(32)}"
-        _write_private(folder / "cluster-secret", token_hex(32) + "\n")
-        _write_private(folder / "api-key", key + "\n")
+        write_private(folder / "cluster-secret", token_hex(32) + "\n")
+        write_private(folder / "api-key", key + "\n")
         details = "true" if cache_details else "false"
         # The router's file holds the key's digest, not the key (clients read api-key).
         digest = hashlib.sha256(key.encode()).hexdigest()
-        _write_private(
+        write_private(
             folder / "api-keys.toml",
             f'[tenants.default]\nkey_sha256 = ["{digest}"]\ncache_details = {details}\n',
         )
@@ -62,8 +62,9 @@ class Secrets:
         }
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, data: str | bytes) -> None:
+    """Write ``data`` to ``path``, readable by the owner only (0600, even if the file existed)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_TRUNC
-    with open(fd, "w", encoding="utf-8") as f:
-        f.write(text)
+    with open(fd, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import grpc
 
+from serving.secrets import write_private
+
 TLS_DIR_ENV = "PDKV_TLS_DIR"
 CA, SERVER, CLIENT = "ca", "server", "client"
 # A name every server certificate of the folder carries: cluster-internal channels (router -> nodes) check
@@ -160,8 +162,8 @@ def write_tls_folder(folder: Path, hosts: Sequence[str], *, days: int = 365) -> 
         if sans:
             builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         cert = builder.sign(ca_key, hashes.SHA256())
-        _write(folder / f"{name}.pem", cert.public_bytes(serialization.Encoding.PEM))
-        _write(
+        write_private(folder / f"{name}.pem", cert.public_bytes(serialization.Encoding.PEM))
+        write_private(
             folder / f"{name}.key",
             key.private_bytes(
                 serialization.Encoding.PEM,
@@ -176,14 +178,7 @@ def write_tls_folder(folder: Path, hosts: Sequence[str], *, days: int = 365) -> 
             sans.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             sans.append(x509.DNSName(host))
-    _write(folder / f"{CA}.pem", ca_cert.public_bytes(serialization.Encoding.PEM))
+    write_private(folder / f"{CA}.pem", ca_cert.public_bytes(serialization.Encoding.PEM))
     issue(SERVER, ExtendedKeyUsageOID.SERVER_AUTH, sans)
     issue(CLIENT, ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName("pdkv-router")])
     return TLSFolder(folder)
-
-
-def _write(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_TRUNC
-    with open(fd, "wb") as f:
-        f.write(data)

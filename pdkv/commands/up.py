@@ -163,7 +163,7 @@ def _oneshot(cluster: Any, prompt: str, max_tokens: int, *, chat: bool) -> int:
     import grpc
 
     from engine.sampling_params import SamplingParams
-    from serving.client import GenerationClient, generate_request
+    from serving.client import generate_request
 
     print(f"pdkv up: router listening on {cluster.router_address}", file=sys.stderr, flush=True)
     if cluster.http_address:
@@ -176,13 +176,7 @@ def _oneshot(cluster: Any, prompt: str, max_tokens: int, *, chat: bool) -> int:
         sys.stdout.write(delta.text)
         sys.stdout.flush()
 
-    secrets = cluster.secrets
-    tls = cluster.tls
-    with GenerationClient(
-        cluster.router_address,
-        api_key=secrets.api_key if secrets is not None else None,
-        credentials=tls.channel_credentials(client_cert=False) if tls is not None else None,
-    ) as client:
+    with cluster.client() as client:
         try:
             out = client.generate(request, timeout=120.0, on_delta=show)
         except grpc.RpcError as exc:
