@@ -5,11 +5,12 @@ variables naming files; no secret ever travels in argv)."""
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from secrets import token_hex, token_urlsafe
+
+from serving.tls import write_private
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,3 @@ class Secrets:
             "PDKV_CURVE_NAME": name,
             "PDKV_CLUSTER_SECRET_FILE": str(self.folder / "cluster-secret"),
         }
-
-
-def write_private(path: Path, data: str | bytes) -> None:
-    """Write ``data`` to ``path``, readable by the owner only (0600, even if the file existed)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_TRUNC
-    with open(fd, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)

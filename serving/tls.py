@@ -22,8 +22,6 @@ from pathlib import Path
 
 import grpc
 
-from serving.secrets import write_private
-
 TLS_DIR_ENV = "PDKV_TLS_DIR"
 CA, SERVER, CLIENT = "ca", "server", "client"
 # A name every server certificate of the folder carries: cluster-internal channels (router -> nodes) check
@@ -182,3 +180,11 @@ def write_tls_folder(folder: Path, hosts: Sequence[str], *, days: int = 365) -> 
     issue(SERVER, ExtendedKeyUsageOID.SERVER_AUTH, sans)
     issue(CLIENT, ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName("pdkv-router")])
     return TLSFolder(folder)
+
+
+def write_private(path: Path, data: str | bytes) -> None:
+    """Write ``data`` to ``path``, readable by the owner only (0600, even if the file existed)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_TRUNC
+    with open(fd, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
