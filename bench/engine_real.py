@@ -31,6 +31,7 @@ from bench.common import Report, median_of, parser, random_prompts, run_transfor
 from engine import LLM, SamplingParams
 from engine.model.convert_gguf import convert_gguf
 from engine.model.embedded import ensure_default_model
+from engine.model.packed import linear_weights
 
 
 def make_prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
@@ -69,8 +70,7 @@ def decode_step_seconds(llm: LLM, batch: int, *, steps: int, context: int = 128)
 
 def matmul_floor_seconds(llm: LLM, batch: int, *, repeat: int) -> float:
     """One decode step's linear layers alone: every weight matrix of the model times [batch, in]."""
-    model = llm.engine.model.model
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weights = linear_weights(llm.engine.model.model)  # dense copies where the engine packed them
     dtype = weights[0].dtype
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
 

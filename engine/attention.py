@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine.native import DecodeKernel
+
 
 @dataclass(slots=True)
 class PrefillChunk:
@@ -146,13 +148,20 @@ def paged_attention(
     scale: float,
     window: int | None,
     workspace: GatherWorkspace,
+    kernel: DecodeKernel | None = None,
 ) -> torch.Tensor:
     """Attention of the step's queries ``q`` [T, H, D] over the cache (``k``/``v`` [T, Hkv, D] are this
-    step's own keys and values, already written).  Returns [T, H, D]."""
+    step's own keys and values, already written).  Returns [T, H, D].  With ``kernel`` (the native
+    decode attention, engine/native.py) decodes read the cache in place instead of gathering it."""
     parts = []  # in row order: decode groups, then each prefill chunk
     for dec in meta.decodes:
         rows = slice(dec.row_start, dec.row_start + dec.num)
-        parts.append(_decode_attention(q[rows], kv_cache, layer, dec, scale, window, workspace))
+        if kernel is not None:
+            parts.append(
+                kernel(q[rows], kv_cache, layer, dec.block_table, dec.positions, scale=scale, window=window)
+            )
+        else:
+            parts.append(_decode_attention(q[rows], kv_cache, layer, dec, scale, window, workspace))
     for chunk in meta.prefills:
         rows = slice(chunk.row_start, chunk.row_start + chunk.num_tokens)
         parts.append(_prefill_attention(q[rows], k[rows], v[rows], kv_cache, layer, chunk, scale, window))

@@ -28,6 +28,7 @@ from engine.attention import DECODE_GROUP_SIZE, AttentionMetadata, DecodeBatch, 
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from engine.kv_cache_manager import cdiv
 from engine.model.llama import ForwardContext, LlamaForCausalLM
+from engine.native import DecodeKernel, decode_kernel
 from engine.sampler import Sampler, SamplingRow
 from engine.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -74,6 +75,19 @@ class ModelRunner:
         self.connector = connector if connector is not None else NullConnector(KVConnectorRole.WORKER)
         self.connector.register_kv_caches(self.kv_cache)
         self.workspace = GatherWorkspace()
+        self.decode_kernel = self._native_kernel(model, kv_spec, device)
+
+    @staticmethod
+    def _native_kernel(
+        model: LlamaForCausalLM, kv_spec: KVCacheSpec, device: torch.device
+    ) -> DecodeKernel | None:
+        """The native decode attention (engine/native.py) where it serves this model, else None."""
+        c = model.config
+        if device.type != "cpu" or not DecodeKernel.supports(
+            kv_spec.dtype, c.num_heads, c.num_kv_heads, c.head_dim
+        ):
+            return None
+        return decode_kernel()
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
@@ -90,7 +104,7 @@ class ModelRunner:
                 self._finish_connector_step(step, out)
                 return out
             inputs = self.prepare(step.scheduled)
-            ctx = ForwardContext(self.kv_cache, inputs.attn, connector, self.workspace)
+            ctx = ForwardContext(self.kv_cache, inputs.attn, connector, self.workspace, self.decode_kernel)
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, hidden]
         except Exception as exc:
             # The connector's report (finished sends, load errors) must still reach the scheduler, or
@@ -144,9 +158,11 @@ class ModelRunner:
             if sr.sample:
                 sample_rows.append(row)
                 sampling.append(sr)
+        # The torch path pads each group to its longest context; the native kernel reads no padding.
+        size = DECODE_GROUP_SIZE if self.decode_kernel is None else max(len(decodes), 1)
         decode_groups = [
-            self._decode_batch(i, decodes[i : i + DECODE_GROUP_SIZE], positions[i : i + DECODE_GROUP_SIZE])
-            for i in range(0, len(decodes), DECODE_GROUP_SIZE)
+            self._decode_batch(i, decodes[i : i + size], positions[i : i + size])
+            for i in range(0, len(decodes), size)
         ]
 
         chunks: list[PrefillChunk] = []

@@ -21,6 +21,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, GatherWorkspace, paged_attention, write_kv
 from engine.model.config import ModelConfig
 from engine.model.rope import RotaryEmbedding, apply_rotary
+from engine.native import DecodeKernel
 from engine.runner_hooks import KVHooks
 
 
@@ -32,6 +33,7 @@ class ForwardContext:
     attn: AttentionMetadata
     hooks: KVHooks
     workspace: GatherWorkspace
+    decode_kernel: DecodeKernel | None = None  # native decode attention (engine/native.py), if built
 
 
 class RMSNorm(nn.Module):
@@ -86,6 +88,7 @@ class Attention(nn.Module):
             scale=self.scale,
             window=self.window,
             workspace=ctx.workspace,
+            kernel=ctx.decode_kernel,
         )  # [T, H, D]
         ctx.hooks.save_kv_layer(self.layer, ctx.kv_cache, ctx.attn)
         return self.o_proj(out.reshape(t, self.q_size))  # [T, H * D] -> [T, hidden]

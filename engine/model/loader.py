@@ -163,6 +163,7 @@ def _weight_files(folder: Path) -> tuple[Path, ...]:
 def load_model(path: str | Path | ModelSource, *, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     """Build the model for ``path`` on ``device`` in ``dtype`` and fill every parameter from its files."""
     from engine.model.llama import LlamaForCausalLM
+    from engine.model.packed import can_pack, pack_linears
 
     source = path if isinstance(path, ModelFolder | GGUFModel) else inspect_model(path)
     model = LlamaForCausalLM(source.config, dtype=dtype, device=device)
@@ -181,6 +182,8 @@ def load_model(path: str | Path | ModelSource, *, dtype: torch.dtype, device: to
     if unknown:
         raise ValueError(f"{what} has weights a {source.config.architecture} does not use: {_few(unknown)}")
     model.eval()
+    if can_pack(dtype, device):
+        pack_linears(model)  # bfloat16 on the CPU: oneDNN's blocked weights, reordered once (packed.py)
     return LoadedModel(model, source.config, source.fingerprint, source.path, dtype, device)
 
 

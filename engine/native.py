@@ -1,0 +1,163 @@
+"""The engine's one native kernel, built on first use with the system C compiler and loaded with ctypes.
+
+``engine/csrc/paged_decode.c`` (decode attention straight from the paged cache; see its header) is
+compiled once per source version and compiler flags into
+``$PDKV_CACHE_DIR/native/<digest>/libpdkv_native.so`` -- about a second with gcc -- and reused by every
+later process.  Without a compiler, or if the build fails, ``decode_kernel()`` returns None once, logs
+why, and attention keeps its torch path (gather + SDPA), which gives the same tokens more slowly.
+``PDKV_NATIVE=0`` turns the kernel off (the tests compare both paths).
+
+The shared object links libgomp by soname; torch has loaded its own libgomp already, so the kernel's
+OpenMP threads are torch's pool (same thread count, no second pool spinning against it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.model.embedded import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-fno-math-errno")
+MAX_GROUP = 16  # query heads per KV head (MAX_GROUP in the C source)
+MAX_HEAD_DIM = 256
+_INT64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+_ARGTYPES: list[Any] = [_PTR, _PTR, _PTR, _PTR, _PTR] + [_INT64] * 9 + [ctypes.c_float, _INT64, _INT64]
+_DTYPES = {torch.bfloat16: 1, torch.float32: 0}  # the kernel's bf16 flag
+
+
+@dataclass(frozen=True)
+class DecodeKernel:
+    """``pdkv_paged_decode`` of the built library."""
+
+    function: Any  # the ctypes function pdkv_paged_decode
+    path: Path
+
+    @staticmethod
+    def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        return (
+            dtype in _DTYPES
+            and num_kv_heads > 0
+            and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= MAX_GROUP
+            and 0 < head_dim <= MAX_HEAD_DIM
+        )
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layer: int,
+        block_table: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        """``q`` [B, H, D] -> [B, H, D]: each row attends to keys 0..positions[b] (within ``window``) of
+        the blocks ``block_table[b]`` ([B, W] int64) in ``kv_cache[:, layer]``."""
+        _, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        b, num_heads, _ = q.shape
+        assert kv_cache.is_contiguous() and block_table.is_contiguous() and positions.is_contiguous()
+        assert block_table.dtype == torch.int64 and positions.dtype == torch.int64
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        max_keys = int(positions.max()) + 1 if b else 1
+        if window is not None:
+            max_keys = min(max_keys, window)
+        failed = self.function(
+            q.data_ptr(),
+            kv_cache.data_ptr(),
+            out.data_ptr(),
+            block_table.data_ptr(),
+            positions.data_ptr(),
+            b,
+            block_table.shape[1],
+            num_layers,
+            layer,
+            block_size,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            window or 0,
+            scale,
+            max_keys,
+            _DTYPES[q.dtype],
+        )
+        if failed == 1:
+            raise MemoryError("the native decode attention could not allocate its score buffer")
+        assert failed == 0, "shape checked by supports()"
+        return out
+
+
+_lock = threading.Lock()
+_loaded: list[DecodeKernel | None] = []  # empty: not tried yet
+
+
+def decode_kernel() -> DecodeKernel | None:
+    """The built kernel, or None (no compiler, a failed build, or ``PDKV_NATIVE=0``); tried once."""
+    if os.environ.get("PDKV_NATIVE", "1") == "0":
+        return None
+    with _lock:
+        if not _loaded:
+            _loaded.append(_load())
+        return _loaded[0]
+
+
+def _load() -> DecodeKernel | None:
+    try:
+        path = _build()
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        logger.warning("native decode attention unavailable (%s); using the torch path", exc)
+        return None
+    fn = lib.pdkv_paged_decode
+    fn.argtypes = _ARGTYPES
+    fn.restype = ctypes.c_int
+    logger.info("native decode attention: %s", path)
+    return DecodeKernel(fn, path)
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (gcc or cc) on PATH")
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    folder = cache_dir() / "native" / digest
+    target = folder / "libpdkv_native.so"
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: processes that start together never load half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target

@@ -1,0 +1,119 @@
+"""The native decode attention (engine/csrc/paged_decode.c) against the torch path, and its fallback.
+
+The kernel reads the paged cache in place; the torch path gathers and runs SDPA.  Both must give the same
+attention (to float32 rounding; bfloat16 to one rounding of the output) for every shape the engine meets:
+grouped and plain heads, sliding windows, contexts ending on and off block boundaries, padded tables.
+Without a compiler, or with ``PDKV_NATIVE=0``, the engine runs the torch path and still matches
+transformers (the parity suite runs with the kernel, this file runs one variant without it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine import native
+from engine.attention import DecodeBatch, GatherWorkspace, _decode_attention
+from tests.engine.test_model_parity import GREEDY, PROMPTS, assert_matches_transformers, make_llm
+
+
+@pytest.fixture(scope="module")
+def kernel() -> native.DecodeKernel:
+    k = native.decode_kernel()
+    assert k is not None, "the native kernel did not build on this machine (gcc is part of the setup)"
+    return k
+
+
+def _case(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int, positions: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, DecodeBatch]:
+    gen = torch.Generator().manual_seed(len(positions) * 7 + heads + head_dim)
+    num_blocks, layers = 64, 3
+    cache = torch.randn(num_blocks, layers, 2, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    width = max(p // block_size + 1 for p in positions)
+    table = torch.zeros(len(positions), width, dtype=torch.int64)
+    free = torch.randperm(num_blocks - 1, generator=gen) + 1  # block 0 is the padding
+    taken = 0
+    for b, p in enumerate(positions):
+        used = p // block_size + 1
+        table[b, :used] = free[taken : taken + used]
+        taken += used
+    cache[0] = float("nan")  # padding is never read: a NaN there would reach the output
+    q = torch.randn(len(positions), heads, head_dim, generator=gen).to(dtype)
+    return q, cache, DecodeBatch(0, len(positions), table, torch.tensor(positions), block_size)
+
+
+SHAPES = [
+    # heads, kv_heads, head_dim, block_size, positions (the query's position = context - 1)
+    (4, 2, 16, 4, [0, 3, 4, 9, 30]),  # contexts ending on and off block boundaries, and of one token
+    (9, 3, 64, 16, [143, 127, 128, 5]),  # SmolLM2's heads
+    (8, 8, 32, 16, [40]),  # no grouping, batch 1
+    (16, 1, 128, 8, [17, 63, 64, 65, 99, 2, 31, 8, 1]),  # multi-query, head_dim 128, more rows than threads
+    (6, 2, 20, 5, [23, 11]),  # head_dim not a multiple of the vector width
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 1, 8])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"h{s[0]}kv{s[1]}d{s[2]}bs{s[3]}" for s in SHAPES])
+def test_the_kernel_matches_the_torch_path(
+    kernel: native.DecodeKernel, shape: tuple, window: int | None, dtype: torch.dtype
+) -> None:
+    heads, kv_heads, head_dim, block_size, positions = shape
+    q, cache, dec = _case(dtype, heads, kv_heads, head_dim, block_size, positions)
+    scale = head_dim**-0.5
+    cache_ok = cache.clone()
+    cache_ok[0] = 0.0  # the torch path multiplies the padding by a zero weight: NaN would poison it
+    for layer in range(cache.shape[1]):
+        got = kernel(q, cache, layer, dec.block_table, dec.positions, scale=scale, window=window)
+        want = _decode_attention(q, cache_ok, layer, dec, scale, window, GatherWorkspace())
+        assert got.shape == want.shape and got.dtype == dtype
+        assert torch.isfinite(got).all(), "the kernel read a padding block"
+        # float32: summation order only; bfloat16: SDPA rounds its weights to bfloat16, the kernel not.
+        tol = 2e-6 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_nan_in_a_visible_key_reaches_the_output(kernel: native.DecodeKernel) -> None:
+    """The vector exponential must not turn a NaN score into a weight of zero."""
+    q, cache, dec = _case(torch.float32, 4, 2, 16, 4, [9, 9])
+    cache[dec.block_table[0, 1], 0, 0, 2, 0] = float("nan")  # row 0's key 6, KV head 0
+    out = kernel(q, cache, 0, dec.block_table, dec.positions, scale=0.25, window=None)
+    assert torch.isnan(out[0, :2]).all(), "the query heads of KV head 0 of row 0 see the NaN key"
+    assert torch.isfinite(out[0, 2:]).all() and torch.isfinite(out[1]).all()
+
+
+def test_engine_without_the_kernel_matches_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDKV_NATIVE", "0")
+    for name in ("llama", "mistral_window"):
+        llm = make_llm(name)
+        assert llm.engine.runner.decode_kernel is None
+        assert_matches_transformers(name, PROMPTS, llm.generate(PROMPTS, GREEDY))
+
+
+def test_the_engine_uses_the_kernel_on_the_cpu() -> None:
+    llm = make_llm("llama")
+    assert llm.engine.runner.decode_kernel is not None
+    [out] = llm.generate(PROMPTS[:1], GREEDY)
+    assert_matches_transformers("llama", PROMPTS[:1], [out])
+
+
+@pytest.mark.parametrize("compiler", ["/nonexistent/cc", "false"], ids=["missing", "failing"])
+def test_a_failed_build_falls_back_to_torch_with_a_warning(
+    compiler: str, tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("PDKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", compiler)
+    with caplog.at_level(logging.WARNING, logger="engine.native"):
+        assert native._load() is None
+    assert "native decode attention unavailable" in caplog.text
+    assert not list(tmp_path.rglob("*.so")), "a failed build leaves no library behind"
+
+
+def test_a_built_library_is_reused(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDKV_CACHE_DIR", str(tmp_path))
+    first = native._build()
+    stamp = first.stat().st_mtime_ns
+    assert native._build() == first and first.stat().st_mtime_ns == stamp
