@@ -28,6 +28,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -149,107 +150,183 @@ typedef struct {
     int head_dim, group, bf16;
     int64_t window;
     float scale;
+    int64_t num_seqs;
 } Args;
 
-/* Ask for every key and value row of a task up front: the rows of a block sit at a stride (the other KV
- * heads in between) and blocks are far apart, which the hardware prefetchers follow poorly; issued
- * together, the loads overlap instead of waiting one page at a time. */
-static void prefetch_rows(const Args *a, const int64_t *table, int64_t kvh, int64_t first, int64_t pos) {
-#ifdef __AVX512F__
-    const size_t elem = a->bf16 ? 2 : 4, bytes = (size_t)a->head_dim * elem;
-    const size_t token_stride = (size_t)(a->num_kv_heads * a->head_dim) * elem;
-    const int64_t bs = a->block_size;
-    for (int kv = 0; kv < 2; kv++)
-        for (int64_t j = first; j <= pos; j++) {
-            const char *src = (const char *)a->cache
-                              + (size_t)(((table[j / bs] * a->num_layers + a->layer) * 2 + kv) * bs + j % bs)
-                                    * token_stride
-                              + (size_t)(kvh * a->head_dim) * elem;
-            for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(src + o, _MM_HINT_T0);
-        }
-#else
-    (void)a, (void)table, (void)kvh, (void)first, (void)pos;
-#endif
-}
+/* A run of consecutive key rows (kv 0) and the matching value rows (kv 1), `stride` bytes apart. */
+typedef struct {
+    const char *start[2];
+    int64_t len;
+} Run;
 
-/* Sequence b, KV head kvh and the G query heads that share it.  `scores` has room for G * (number of
- * visible keys) floats.  Keys are read block by block: runs of up to bs rows at a fixed stride. */
-static void attend(const Args *a, int64_t b, int64_t kvh, float *restrict scores) {
+/* The G query heads at `q` (G * D contiguous elements) against the n keys and values of `runs`; writes
+ * G * D elements at `out`.  `scores` has room for G * n floats. */
+static void attend(const Args *a, const Run *runs, int64_t num_runs, size_t stride, int64_t n, const char *q,
+                   char *out, float *restrict scores) {
     const int D = a->head_dim, G = a->group;
-    const size_t elem = a->bf16 ? 2 : 4;
-    const int64_t pos = a->positions[b];
-    const int64_t first = (a->window > 0 && pos - a->window + 1 > 0) ? pos - a->window + 1 : 0;
-    const int64_t n = pos + 1 - first, bs = a->block_size;
-    const int64_t *table = a->block_table + b * a->table_width;
-    const size_t token_stride = (size_t)(a->num_kv_heads * D) * elem;
     float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];
-
     for (int g = 0; g < G; g++) {
-        size_t head = (size_t)(b * a->num_heads + kvh * G + g) * (size_t)D;
-        load_row((const char *)a->q + head * elem, a->bf16, qf[g], D);
+        load_row(q + (size_t)(g * D) * (a->bf16 ? 2 : 4), a->bf16, qf[g], D);
         for (int d = 0; d < D; d++) {
             qf[g][d] *= a->scale;
             acc[g][d] = 0.0f;
         }
     }
-    prefetch_rows(a, table, kvh, first, pos);
     for (int kv = 0; kv < 2; kv++) {
-        for (int64_t j = first; j <= pos;) {
-            const int64_t off = j % bs, run = (bs - off < pos + 1 - j) ? bs - off : pos + 1 - j;
-            const char *src = (const char *)a->cache
-                              + (size_t)(((table[j / bs] * a->num_layers + a->layer) * 2 + kv) * bs + off)
-                                    * token_stride
-                              + (size_t)(kvh * D) * elem;
-            for (int64_t i = j - first; i < j - first + run; i++, src += token_stride) {
+        int64_t i = 0;
+        for (int64_t r = 0; r < num_runs; r++) {
+            const char *src = runs[r].start[kv];
+            for (int64_t end = i + runs[r].len; i < end; i++, src += stride) {
                 load_row(src, a->bf16, row, D);
                 if (kv == 0)
                     for (int g = 0; g < G; g++) scores[g * n + i] = dot(qf[g], row, D);
                 else
                     for (int g = 0; g < G; g++) axpy(acc[g], scores[g * n + i], row, D);
             }
-            j += run;
         }
         if (kv == 0)
             for (int g = 0; g < G; g++) {
                 const float inv = 1.0f / softmax_numerators(scores + g * n, n);
-                for (int64_t i = 0; i < n; i++) scores[g * n + i] *= inv; /* pass 2 needs no division */
+                for (int64_t j = 0; j < n; j++) scores[g * n + j] *= inv; /* pass 2 needs no division */
             }
     }
     for (int g = 0; g < G; g++) {
-        size_t head = (size_t)(b * a->num_heads + kvh * G + g) * (size_t)D;
         if (a->bf16) {
-            uint16_t *o = (uint16_t *)a->out + head;
+            uint16_t *o = (uint16_t *)out + g * D;
             for (int d = 0; d < D; d++) o[d] = f32_to_bf16(acc[g][d]);
         } else {
-            memcpy((float *)a->out + head, acc[g], sizeof(float) * (size_t)D);
+            memcpy((float *)out + g * D, acc[g], sizeof(float) * (size_t)D);
         }
     }
 }
 
-/* Returns 0, or 1 when a score buffer could not be allocated, 2 for a shape the kernel cannot take. */
+/* Per-thread scratch, kept across calls (the pool's threads live as long as the process): a fresh
+ * multi-MB buffer per call would be page-faulted in every time.  Grows to the longest context seen. */
+static _Thread_local void *scratch;
+static _Thread_local size_t scratch_bytes;
+
+static void *scratch_get(size_t bytes) {
+    if (bytes > scratch_bytes) {
+        void *grown = realloc(scratch, bytes);
+        if (grown == NULL) return NULL;
+        scratch = grown;
+        scratch_bytes = bytes;
+    }
+    return scratch;
+}
+
+/* The visible keys of sequence b: [first, pos]. */
+static inline int64_t first_key(const Args *a, int64_t pos) {
+    return (a->window > 0 && pos - a->window + 1 > 0) ? pos - a->window + 1 : 0;
+}
+
+/* The cache rows of sequence b's keys [first, pos] (all KV heads), as runs of up to a block each. */
+static int64_t block_runs(const Args *a, int64_t b, int64_t first, int64_t pos, size_t head_offset,
+                          Run *runs) {
+    const int64_t bs = a->block_size, *table = a->block_table + b * a->table_width;
+    const size_t token = (size_t)(a->num_kv_heads * a->head_dim) * (a->bf16 ? 2 : 4);
+    int64_t count = 0;
+    for (int64_t j = first; j <= pos; count++) {
+        const int64_t off = j % bs, len = (bs - off < pos + 1 - j) ? bs - off : pos + 1 - j;
+        for (int kv = 0; kv < 2; kv++)
+            runs[count].start[kv] = (const char *)a->cache
+                                    + (size_t)(((table[j / bs] * a->num_layers + a->layer) * 2 + kv) * bs + off)
+                                          * token
+                                    + head_offset;
+        runs[count].len = len;
+        j += len;
+    }
+    return count;
+}
+
+/* Start loading sequence b's rows into L2 (the next sequence of this thread, while it computes on the
+ * current one's copy): memory and arithmetic overlap instead of taking turns. */
+static void prefetch_sequence(const Args *a, int64_t b, Run *runs) {
+#ifdef __AVX512F__
+    const size_t token = (size_t)(a->num_kv_heads * a->head_dim) * (a->bf16 ? 2 : 4);
+    const int64_t pos = a->positions[b];
+    const int64_t num_runs = block_runs(a, b, first_key(a, pos), pos, 0, runs);
+    for (int64_t r = 0; r < num_runs; r++)
+        for (int kv = 0; kv < 2; kv++)
+            for (size_t o = 0; o < (size_t)runs[r].len * token; o += 64) _mm_prefetch(runs[r].start[kv] + o, _MM_HINT_T1);
+#else
+    (void)a, (void)b, (void)runs;
+#endif
+}
+
+/* One whole sequence: its blocks' rows copied side by side into scratch first (long contiguous copies,
+ * which the memory system streams; the strided reads of one KV head at a time in place would wait on
+ * each block), then each KV head attends over the copy. */
+static int attend_sequence(const Args *a, int64_t b, Run *runs) {
+    const size_t elem = a->bf16 ? 2 : 4, token = (size_t)(a->num_kv_heads * a->head_dim) * elem;
+    const int64_t pos = a->positions[b], first = first_key(a, pos), n = pos + 1 - first;
+    char *mem = scratch_get(2 * (size_t)n * token + sizeof(float) * (size_t)(a->group * n));
+    if (mem == NULL) return 1;
+    char *keys = mem, *values = mem + (size_t)n * token;
+    float *scores = (float *)(mem + 2 * (size_t)n * token);
+    const int64_t num_runs = block_runs(a, b, first, pos, 0, runs);
+    size_t at = 0;
+    for (int64_t r = 0; r < num_runs; r++) {
+        memcpy(keys + at, runs[r].start[0], (size_t)runs[r].len * token);
+        memcpy(values + at, runs[r].start[1], (size_t)runs[r].len * token);
+        at += (size_t)runs[r].len * token;
+    }
+    if (b + 1 < a->num_seqs) prefetch_sequence(a, b + 1, runs);
+    for (int64_t kvh = 0; kvh < a->num_kv_heads; kvh++) {
+        const size_t head = (size_t)(kvh * a->head_dim) * elem;
+        const Run all = {{keys + head, values + head}, n};
+        const size_t q0 = (size_t)((b * a->num_heads + kvh * a->group) * a->head_dim) * elem;
+        attend(a, &all, 1, token, n, (const char *)a->q + q0, (char *)a->out + q0, scores);
+    }
+    return 0;
+}
+
+/* One KV head of one sequence, read in place (a small batch: every thread gets a share). */
+static int attend_head(const Args *a, int64_t b, int64_t kvh, Run *runs) {
+    const size_t elem = a->bf16 ? 2 : 4, token = (size_t)(a->num_kv_heads * a->head_dim) * elem;
+    const int64_t pos = a->positions[b], first = first_key(a, pos), n = pos + 1 - first;
+    float *scores = scratch_get(sizeof(float) * (size_t)(a->group * n));
+    if (scores == NULL) return 1;
+    const int64_t num_runs = block_runs(a, b, first, pos, (size_t)(kvh * a->head_dim) * elem, runs);
+    const size_t q0 = (size_t)((b * a->num_heads + kvh * a->group) * a->head_dim) * elem;
+    attend(a, runs, num_runs, token, n, (const char *)a->q + q0, (char *)a->out + q0, scores);
+    return 0;
+}
+
+/* Returns 0, or 1 when scratch memory could not be allocated, 2 for a shape the kernel cannot take. */
 int pdkv_paged_decode(const void *q, const void *cache, void *out, const int64_t *block_table,
                       const int64_t *positions, int64_t num_seqs, int64_t table_width, int64_t num_layers,
                       int64_t layer, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
                       int64_t head_dim, int64_t window, float scale, int64_t max_keys, int64_t bf16) {
+    (void)max_keys;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP ||
-        head_dim <= 0 || head_dim > MAX_HEAD_DIM || block_size <= 0)
+        head_dim <= 0 || head_dim > MAX_HEAD_DIM || block_size <= 0 || table_width <= 0)
         return 2;
     Args a = {q, cache, out, block_table, positions, table_width, num_layers, layer, block_size,
               num_heads, num_kv_heads, (int)head_dim, (int)(num_heads / num_kv_heads), (int)(bf16 != 0),
-              window, scale};
+              window, scale, num_seqs};
     int failed = 0;
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * (size_t)a.group * (size_t)(max_keys > 0 ? max_keys : 1));
-        if (scores == NULL) {
+        /* a run per block of a table row, at most; + 1 for a context that starts inside a block */
+        Run *runs = malloc(sizeof(Run) * (size_t)(table_width + 1));
+        const int whole = num_seqs >= 2 * omp_get_num_threads();
+        int bad = runs == NULL;
+        if (whole) {
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < num_seqs; b++)
+                if (!bad) bad = attend_sequence(&a, b, runs);
+        } else {
+#pragma omp for collapse(2) schedule(static)
+            for (int64_t b = 0; b < num_seqs; b++)
+                for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
+                    if (!bad) bad = attend_head(&a, b, kvh, runs);
+        }
+        if (bad) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for collapse(2) schedule(static)
-        for (int64_t b = 0; b < num_seqs; b++)
-            for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
-                if (scores != NULL) attend(&a, b, kvh, scores);
-        free(scores);
+        free(runs);
     }
     return failed;
 }
