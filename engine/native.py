@@ -1,11 +1,12 @@
-"""The engine's one native kernel, built on first use with the system C compiler and loaded with ctypes.
+"""The engine's native kernels, built on first use with the system C compiler and loaded with ctypes.
 
-``engine/csrc/paged_decode.c`` (decode attention straight from the paged cache; see its header) is
-compiled once per source version and compiler flags into
-``$PDKV_CACHE_DIR/native/<digest>/libpdkv_native.so`` -- about a second with gcc -- and reused by every
-later process.  Without a compiler, or if the build fails, ``decode_kernel()`` returns None once, logs
-why, and attention keeps its torch path (gather + SDPA), which gives the same tokens more slowly.
-``PDKV_NATIVE=0`` turns the kernel off (the tests compare both paths).
+``engine/csrc/paged_decode.c`` holds two: decode attention straight from the paged cache (see its
+header), and RMSNorm in one call instead of eight torch ops.  The file is compiled once per source
+version and compiler flags into ``$PDKV_CACHE_DIR/native/<digest>/libpdkv_native.so`` -- about a second
+with gcc -- and reused by every later process.  Without a compiler, or if the build fails,
+``native_kernels()`` returns None once, logs why, and the model keeps its torch paths (gather + SDPA;
+the norm's torch ops), which give the same tokens more slowly.  ``PDKV_NATIVE=0`` turns the kernels
+off (the tests compare both paths).
 
 The shared object links libgomp by soname; torch has loaded its own libgomp already, so the kernel's
 OpenMP threads are torch's pool (same thread count, no second pool spinning against it).
@@ -105,12 +106,42 @@ class DecodeKernel:
         return out
 
 
+@dataclass(frozen=True)
+class RMSNormKernel:
+    """``pdkv_rms_norm`` of the built library."""
+
+    function: Any  # the ctypes function pdkv_rms_norm
+
+    @staticmethod
+    def supports(x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() == 2
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x`` [T, hidden] -> ``weight * dtype(x * rsqrt(mean(x^2) + eps))`` [T, hidden]."""
+        x = x.contiguous()
+        assert weight.dtype == x.dtype and weight.is_contiguous() and weight.shape == x.shape[1:]
+        out = torch.empty_like(x)
+        failed = self.function(
+            x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, _DTYPES[x.dtype]
+        )
+        if failed == 1:
+            raise MemoryError("the native RMSNorm could not allocate its row buffers")
+        assert failed == 0, "shape checked by supports()"
+        return out
+
+
+@dataclass(frozen=True)
+class NativeKernels:
+    decode: DecodeKernel
+    rms_norm: RMSNormKernel
+
+
 _lock = threading.Lock()
-_loaded: list[DecodeKernel | None] = []  # empty: not tried yet
+_loaded: list[NativeKernels | None] = []  # empty: not tried yet
 
 
-def decode_kernel() -> DecodeKernel | None:
-    """The built kernel, or None (no compiler, a failed build, or ``PDKV_NATIVE=0``); tried once."""
+def native_kernels() -> NativeKernels | None:
+    """The built kernels, or None (no compiler, a failed build, or ``PDKV_NATIVE=0``); tried once."""
     if os.environ.get("PDKV_NATIVE", "1") == "0":
         return None
     with _lock:
@@ -119,18 +150,31 @@ def decode_kernel() -> DecodeKernel | None:
         return _loaded[0]
 
 
-def _load() -> DecodeKernel | None:
+def decode_kernel() -> DecodeKernel | None:
+    kernels = native_kernels()
+    return None if kernels is None else kernels.decode
+
+
+def rms_norm_kernel() -> RMSNormKernel | None:
+    kernels = native_kernels()
+    return None if kernels is None else kernels.rms_norm
+
+
+def _load() -> NativeKernels | None:
     try:
         path = _build()
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-        logger.warning("native decode attention unavailable (%s); using the torch path", exc)
+        logger.warning("native kernels unavailable (%s); using the torch paths", exc)
         return None
-    fn = lib.pdkv_paged_decode
-    fn.argtypes = _ARGTYPES
-    fn.restype = ctypes.c_int
-    logger.info("native decode attention: %s", path)
-    return DecodeKernel(fn, path)
+    decode = lib.pdkv_paged_decode
+    decode.argtypes = _ARGTYPES
+    decode.restype = ctypes.c_int
+    norm = lib.pdkv_rms_norm
+    norm.argtypes = [_PTR, _PTR, _PTR, _INT64, _INT64, ctypes.c_float, _INT64]
+    norm.restype = ctypes.c_int
+    logger.info("native kernels (decode attention, RMSNorm): %s", path)
+    return NativeKernels(DecodeKernel(decode, path), RMSNormKernel(norm))
 
 
 def _build() -> Path:

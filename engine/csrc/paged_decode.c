@@ -330,3 +330,41 @@ int pdkv_paged_decode(const void *q, const void *cache, void *out, const int64_t
     }
     return failed;
 }
+
+/* RMSNorm of `rows` rows of `hidden` elements, as transformers computes it (float32 inside):
+ *     out = weight * dtype(x * rsqrt(mean(x^2) + eps))
+ * The sum of squares is accumulated 16 lanes at a time, so the mean may differ from torch's in its last
+ * bit; everything after it rounds exactly as torch does. */
+int pdkv_rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t hidden, float eps,
+                  int64_t bf16) {
+    const int n = (int)hidden;
+    if (n <= 0 || n > 65536) return 2;
+    int failed = 0;
+#pragma omp parallel if (rows * hidden >= 65536)
+    {
+        float *row = malloc(sizeof(float) * (size_t)n), *w = malloc(sizeof(float) * (size_t)n);
+        if (row == NULL || w == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            load_row(weight, (int)bf16, w, n);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (row == NULL || w == NULL) continue;
+            const size_t at = (size_t)r * (size_t)n;
+            load_row((const char *)x + at * (bf16 ? 2 : 4), (int)bf16, row, n);
+            const float inv = 1.0f / sqrtf(dot(row, row, n) / (float)n + eps);
+            if (bf16) {
+                uint16_t *o = (uint16_t *)out + at;
+                for (int i = 0; i < n; i++) o[i] = f32_to_bf16(w[i] * bf16_to_f32(f32_to_bf16(row[i] * inv)));
+            } else {
+                float *o = (float *)out + at;
+                for (int i = 0; i < n; i++) o[i] = w[i] * (row[i] * inv);
+            }
+        }
+        free(row);
+        free(w);
+    }
+    return failed;
+}

@@ -21,7 +21,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, GatherWorkspace, paged_attention, write_kv
 from engine.model.config import ModelConfig
 from engine.model.rope import RotaryEmbedding, apply_rotary
-from engine.native import DecodeKernel
+from engine.native import DecodeKernel, RMSNormKernel
 from engine.runner_hooks import KVHooks
 
 
@@ -37,14 +37,19 @@ class ForwardContext:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 and cast back (as HF does, for bit-faithful parity)."""
+    """Root-mean-square norm, computed in float32 and cast back (as HF does, for bit-faithful parity).
+
+    ``kernel`` (set by ``LlamaForCausalLM.use_native``) computes the same in one native call."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size))
         self.eps = eps
+        self.kernel: RMSNormKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and self.kernel.supports(x):
+            return self.kernel(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -151,6 +156,12 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, device)
+
+    def use_native(self, kernel: RMSNormKernel | None) -> None:
+        """Compute every RMSNorm with ``kernel`` (engine/native.py); None: the torch ops."""
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.kernel = kernel
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``input_ids``, ``positions`` [T] -> hidden states [T, hidden] (before the final norm)."""

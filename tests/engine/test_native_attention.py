@@ -108,7 +108,7 @@ def test_a_failed_build_falls_back_to_torch_with_a_warning(
     monkeypatch.setenv("CC", compiler)
     with caplog.at_level(logging.WARNING, logger="engine.native"):
         assert native._load() is None
-    assert "native decode attention unavailable" in caplog.text
+    assert "native kernels unavailable" in caplog.text
     assert not list(tmp_path.rglob("*.so")), "a failed build leaves no library behind"
 
 
@@ -117,3 +117,27 @@ def test_a_built_library_is_reused(tmp_path, monkeypatch: pytest.MonkeyPatch) ->
     first = native._build()
     stamp = first.stat().st_mtime_ns
     assert native._build() == first and first.stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (37, 64), (300, 576), (3, 20)])
+def test_the_rms_norm_kernel_matches_the_torch_ops(rows: int, hidden: int, dtype: torch.dtype) -> None:
+    from engine.model.llama import RMSNorm
+
+    kernels = native.native_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(rows + hidden)
+    norm = RMSNorm(hidden, 1e-5)
+    norm.weight.data = torch.randn(hidden, generator=gen)
+    norm.to(dtype)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    with torch.inference_mode():
+        want = norm(x)
+        norm.kernel = kernels.rms_norm
+        got = norm(x)
+    assert got.dtype == dtype and got.shape == x.shape
+    # Only the order of the sum of squares differs: float32 to a few ulp, bfloat16 to one rounding.
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    if dtype == torch.bfloat16:
+        assert (got != want).float().mean() < 0.01, "a rounding apart on a few elements at most"
