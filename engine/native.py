@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from engine.cpu_features import cpu_flags
 from engine.model.embedded import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -182,7 +183,10 @@ def _build() -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    # -march=native: a cache folder shared by different CPUs (a network home, a volume) keeps one build
+    # per CPU, never one that would stop another with an illegal instruction.
+    key = " ".join((compiler, *FLAGS, *sorted(cpu_flags())))
+    digest = hashlib.sha256(source + key.encode()).hexdigest()[:16]
     folder = cache_dir() / "native" / digest
     target = folder / "libpdkv_native.so"
     if target.is_file():
