@@ -150,52 +150,121 @@ typedef struct {
     int head_dim, group, bf16;
     int64_t window;
     float scale;
-    int64_t num_seqs;
+    int64_t num_seqs, max_keys;
 } Args;
 
-/* A run of consecutive key rows (kv 0) and the matching value rows (kv 1), `stride` bytes apart. */
-typedef struct {
-    const char *start[2];
-    int64_t len;
-} Run;
+#ifdef __AVX512F__
+#define INLINE static inline __attribute__((always_inline))
 
-/* The G query heads at `q` (G * D contiguous elements) against the n keys and values of `runs`; writes
- * G * D elements at `out`.  `scores` has room for G * n floats. */
-static void attend(const Args *a, const Run *runs, int64_t num_runs, size_t stride, int64_t n, const char *q,
-                   char *out, float *restrict scores) {
+/* r[t] = sum of the 16 lanes of v[t], for t < 16: a reduction tree (45 shuffles and adds for 16 sums,
+ * where 16 separate horizontal sums take about 160). */
+INLINE __m512 sum16(const __m512 v[16]) {
+    __m512 t[8], u[4];
+    for (int k = 0; k < 8; k++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++) /* per 128-bit lane: the lane's sum for each of 4 vectors */
+        u[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], 0x44), _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], 0xEE));
+    /* u[k] holds vectors 4k..4k+3 in each of its four 128-bit lanes; add the lanes together */
+    __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+    __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
+}
+
+/* 16 elements of a bf16 or f32 row from element i, as floats. */
+INLINE __m512 load16(const void *row, size_t i, const int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)row + i);
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* scores[i] = <q, K[i]> for i < n, K[i] = the row at rows[i] + off bytes; C = head_dim / 16 and bf16
+ * are constants where inlined, so q and the sums stay in registers. */
+INLINE void scores_avx(const float *q, const char *const *rows, size_t off, int64_t n, float *scores,
+                       const int C, const int bf16) {
+    __m512 qv[16];
+    for (int c = 0; c < C; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
+    for (int64_t i = 0; i < n; i += 16) {
+        const int m = n - i < 16 ? (int)(n - i) : 16;
+        __m512 part[16];
+        for (int t = 0; t < 16; t++) {
+            if (t < m) {
+                const char *k = rows[i + t] + off;
+                __m512 acc = _mm512_mul_ps(qv[0], load16(k, 0, bf16));
+                for (int c = 1; c < C; c++) acc = _mm512_fmadd_ps(qv[c], load16(k, 16 * c, bf16), acc);
+                part[t] = acc;
+            } else {
+                part[t] = _mm512_setzero_ps();
+            }
+        }
+        _mm512_mask_storeu_ps(scores + i, (__mmask16)((1u << m) - 1u), sum16(part));
+    }
+}
+
+/* acc = sum_i p[i] * V[i] for i < n, into out (D = 16 C floats). */
+INLINE void weighted_sum_avx(const float *p, const char *const *rows, size_t off, int64_t n, float *out,
+                             const int C, const int bf16) {
+    __m512 acc[16];
+    for (int c = 0; c < C; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+        const __m512 w = _mm512_set1_ps(p[i]);
+        const char *v = rows[i] + off;
+        for (int c = 0; c < C; c++) acc[c] = _mm512_fmadd_ps(w, load16(v, 16 * c, bf16), acc[c]);
+    }
+    for (int c = 0; c < C; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);
+}
+
+static void head_avx(const float *q, const char *const *krows, const char *const *vrows, size_t off, int64_t n,
+                     float *scores, float *out, int C, int bf16) {
+    /* the head sizes models use, unrolled for each dtype; any other multiple of 16 in the default */
+#define BOTH(F, ...)                                                                                        \
+    switch (C * 2 + bf16) {                                                                                \
+    case 8: F(__VA_ARGS__, 4, 0); break;                                                                   \
+    case 9: F(__VA_ARGS__, 4, 1); break;                                                                   \
+    case 16: F(__VA_ARGS__, 8, 0); break;                                                                  \
+    case 17: F(__VA_ARGS__, 8, 1); break;                                                                  \
+    default: F(__VA_ARGS__, C, bf16);                                                                      \
+    }
+    BOTH(scores_avx, q, krows, off, n, scores)
+    const float inv = 1.0f / softmax_numerators(scores, n);
+    BOTH(weighted_sum_avx, scores, vrows, off, n, out)
+#undef BOTH
+    for (int d = 0; d < 16 * C; d++) out[d] *= inv;
+}
+#endif
+
+/* The G query heads at `q` (G * D contiguous elements) against n keys and values read in place: key i
+ * at krows[i] + off bytes, value i at vrows[i] + off; writes G * D elements at `out`.  `scores` has
+ * room for n floats. */
+static void attend(const Args *a, const char *const *krows, const char *const *vrows, size_t off, int64_t n,
+                   const char *q, char *out, float *restrict scores) {
     const int D = a->head_dim, G = a->group;
-    float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];
+    float qf[MAX_HEAD_DIM], acc[MAX_HEAD_DIM], row[MAX_HEAD_DIM];
     for (int g = 0; g < G; g++) {
-        load_row(q + (size_t)(g * D) * (a->bf16 ? 2 : 4), a->bf16, qf[g], D);
-        for (int d = 0; d < D; d++) {
-            qf[g][d] *= a->scale;
-            acc[g][d] = 0.0f;
-        }
-    }
-    for (int kv = 0; kv < 2; kv++) {
-        int64_t i = 0;
-        for (int64_t r = 0; r < num_runs; r++) {
-            const char *src = runs[r].start[kv];
-            for (int64_t end = i + runs[r].len; i < end; i++, src += stride) {
-                load_row(src, a->bf16, row, D);
-                if (kv == 0)
-                    for (int g = 0; g < G; g++) scores[g * n + i] = dot(qf[g], row, D);
-                else
-                    for (int g = 0; g < G; g++) axpy(acc[g], scores[g * n + i], row, D);
+        load_row(q + (size_t)(g * D) * (a->bf16 ? 2 : 4), a->bf16, qf, D);
+        for (int d = 0; d < D; d++) qf[d] *= a->scale;
+#ifdef __AVX512F__
+        if (D % 16 == 0) {
+            head_avx(qf, krows, vrows, off, n, scores, acc, D / 16, a->bf16);
+        } else
+#endif
+        {
+            for (int64_t i = 0; i < n; i++) {
+                load_row(krows[i] + off, a->bf16, row, D);
+                scores[i] = dot(qf, row, D);
             }
-        }
-        if (kv == 0)
-            for (int g = 0; g < G; g++) {
-                const float inv = 1.0f / softmax_numerators(scores + g * n, n);
-                for (int64_t j = 0; j < n; j++) scores[g * n + j] *= inv; /* pass 2 needs no division */
+            const float inv = 1.0f / softmax_numerators(scores, n);
+            for (int d = 0; d < D; d++) acc[d] = 0.0f;
+            for (int64_t i = 0; i < n; i++) {
+                load_row(vrows[i] + off, a->bf16, row, D);
+                axpy(acc, scores[i], row, D);
             }
-    }
-    for (int g = 0; g < G; g++) {
+            for (int d = 0; d < D; d++) acc[d] *= inv;
+        }
         if (a->bf16) {
             uint16_t *o = (uint16_t *)out + g * D;
-            for (int d = 0; d < D; d++) o[d] = f32_to_bf16(acc[g][d]);
+            for (int d = 0; d < D; d++) o[d] = f32_to_bf16(acc[d]);
         } else {
-            memcpy((float *)out + g * D, acc[g], sizeof(float) * (size_t)D);
+            memcpy((float *)out + g * D, acc, sizeof(float) * (size_t)D);
         }
     }
 }
@@ -220,76 +289,51 @@ static inline int64_t first_key(const Args *a, int64_t pos) {
     return (a->window > 0 && pos - a->window + 1 > 0) ? pos - a->window + 1 : 0;
 }
 
-/* The cache rows of sequence b's keys [first, pos] (all KV heads), as runs of up to a block each. */
-static int64_t block_runs(const Args *a, int64_t b, int64_t first, int64_t pos, size_t head_offset,
-                          Run *runs) {
+/* Where each visible key's and value's token row (every KV head) of sequence b sits in the cache. */
+static int64_t token_rows(const Args *a, int64_t b, const char **krows, const char **vrows) {
     const int64_t bs = a->block_size, *table = a->block_table + b * a->table_width;
     const size_t token = (size_t)(a->num_kv_heads * a->head_dim) * (a->bf16 ? 2 : 4);
-    int64_t count = 0;
-    for (int64_t j = first; j <= pos; count++) {
-        const int64_t off = j % bs, len = (bs - off < pos + 1 - j) ? bs - off : pos + 1 - j;
-        for (int kv = 0; kv < 2; kv++)
-            runs[count].start[kv] = (const char *)a->cache
-                                    + (size_t)(((table[j / bs] * a->num_layers + a->layer) * 2 + kv) * bs + off)
-                                          * token
-                                    + head_offset;
-        runs[count].len = len;
-        j += len;
+    const int64_t pos = a->positions[b], first = first_key(a, pos);
+    for (int64_t j = first; j <= pos; j++) {
+        const size_t row = (size_t)(((table[j / bs] * a->num_layers + a->layer) * 2) * bs + j % bs);
+        krows[j - first] = (const char *)a->cache + row * token;
+        vrows[j - first] = (const char *)a->cache + (row + (size_t)bs) * token;
     }
-    return count;
+    return pos + 1 - first;
 }
 
 /* Start loading sequence b's rows into L2 (the next sequence of this thread, while it computes on the
- * current one's copy): memory and arithmetic overlap instead of taking turns. */
-static void prefetch_sequence(const Args *a, int64_t b, Run *runs) {
+ * current one): memory and arithmetic overlap instead of taking turns.  `krows`/`vrows`: scratch. */
+static void prefetch_sequence(const Args *a, int64_t b, const char **krows, const char **vrows) {
 #ifdef __AVX512F__
     const size_t token = (size_t)(a->num_kv_heads * a->head_dim) * (a->bf16 ? 2 : 4);
-    const int64_t pos = a->positions[b];
-    const int64_t num_runs = block_runs(a, b, first_key(a, pos), pos, 0, runs);
-    for (int64_t r = 0; r < num_runs; r++)
-        for (int kv = 0; kv < 2; kv++)
-            for (size_t o = 0; o < (size_t)runs[r].len * token; o += 64) _mm_prefetch(runs[r].start[kv] + o, _MM_HINT_T1);
+    const int64_t n = token_rows(a, b, krows, vrows);
+    for (int64_t i = 0; i < n; i++)
+        for (size_t o = 0; o < token; o += 64) {
+            _mm_prefetch(krows[i] + o, _MM_HINT_T1);
+            _mm_prefetch(vrows[i] + o, _MM_HINT_T1);
+        }
 #else
-    (void)a, (void)b, (void)runs;
+    (void)a, (void)b, (void)krows, (void)vrows;
 #endif
 }
 
-/* One whole sequence: its blocks' rows copied side by side into scratch first (long contiguous copies,
- * which the memory system streams; the strided reads of one KV head at a time in place would wait on
- * each block), then each KV head attends over the copy. */
-static int attend_sequence(const Args *a, int64_t b, Run *runs) {
-    const size_t elem = a->bf16 ? 2 : 4, token = (size_t)(a->num_kv_heads * a->head_dim) * elem;
-    const int64_t pos = a->positions[b], first = first_key(a, pos), n = pos + 1 - first;
-    char *mem = scratch_get(2 * (size_t)n * token + sizeof(float) * (size_t)(a->group * n));
-    if (mem == NULL) return 1;
-    char *keys = mem, *values = mem + (size_t)n * token;
-    float *scores = (float *)(mem + 2 * (size_t)n * token);
-    const int64_t num_runs = block_runs(a, b, first, pos, 0, runs);
-    size_t at = 0;
-    for (int64_t r = 0; r < num_runs; r++) {
-        memcpy(keys + at, runs[r].start[0], (size_t)runs[r].len * token);
-        memcpy(values + at, runs[r].start[1], (size_t)runs[r].len * token);
-        at += (size_t)runs[r].len * token;
-    }
-    if (b + 1 < a->num_seqs) prefetch_sequence(a, b + 1, runs);
-    for (int64_t kvh = 0; kvh < a->num_kv_heads; kvh++) {
-        const size_t head = (size_t)(kvh * a->head_dim) * elem;
-        const Run all = {{keys + head, values + head}, n};
+/* KV heads [h0, h1) of sequence b, and with `prefetch` the next sequence's rows meanwhile. */
+static int attend_heads(const Args *a, int64_t b, int64_t h0, int64_t h1, int prefetch) {
+    const size_t elem = a->bf16 ? 2 : 4;
+    const int64_t n = a->positions[b] + 1 - first_key(a, a->positions[b]);
+    /* row pointers of this sequence, then of the next (for the prefetch), then the scores */
+    const char **rows = scratch_get(4 * sizeof(char *) * (size_t)a->max_keys + sizeof(float) * (size_t)n);
+    if (rows == NULL) return 1;
+    const char **krows = rows, **vrows = rows + a->max_keys;
+    float *scores = (float *)(rows + 4 * a->max_keys);
+    token_rows(a, b, krows, vrows);
+    if (prefetch && b + 1 < a->num_seqs) prefetch_sequence(a, b + 1, rows + 2 * a->max_keys, rows + 3 * a->max_keys);
+    for (int64_t kvh = h0; kvh < h1; kvh++) {
         const size_t q0 = (size_t)((b * a->num_heads + kvh * a->group) * a->head_dim) * elem;
-        attend(a, &all, 1, token, n, (const char *)a->q + q0, (char *)a->out + q0, scores);
+        attend(a, krows, vrows, (size_t)(kvh * a->head_dim) * elem, n, (const char *)a->q + q0,
+               (char *)a->out + q0, scores);
     }
-    return 0;
-}
-
-/* One KV head of one sequence, read in place (a small batch: every thread gets a share). */
-static int attend_head(const Args *a, int64_t b, int64_t kvh, Run *runs) {
-    const size_t elem = a->bf16 ? 2 : 4, token = (size_t)(a->num_kv_heads * a->head_dim) * elem;
-    const int64_t pos = a->positions[b], first = first_key(a, pos), n = pos + 1 - first;
-    float *scores = scratch_get(sizeof(float) * (size_t)(a->group * n));
-    if (scores == NULL) return 1;
-    const int64_t num_runs = block_runs(a, b, first, pos, (size_t)(kvh * a->head_dim) * elem, runs);
-    const size_t q0 = (size_t)((b * a->num_heads + kvh * a->group) * a->head_dim) * elem;
-    attend(a, runs, num_runs, token, n, (const char *)a->q + q0, (char *)a->out + q0, scores);
     return 0;
 }
 
@@ -298,35 +342,33 @@ int pdkv_paged_decode(const void *q, const void *cache, void *out, const int64_t
                       const int64_t *positions, int64_t num_seqs, int64_t table_width, int64_t num_layers,
                       int64_t layer, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
                       int64_t head_dim, int64_t window, float scale, int64_t max_keys, int64_t bf16) {
-    (void)max_keys;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP ||
         head_dim <= 0 || head_dim > MAX_HEAD_DIM || block_size <= 0 || table_width <= 0)
         return 2;
     Args a = {q, cache, out, block_table, positions, table_width, num_layers, layer, block_size,
               num_heads, num_kv_heads, (int)head_dim, (int)(num_heads / num_kv_heads), (int)(bf16 != 0),
-              window, scale, num_seqs};
+              window, scale, num_seqs, max_keys > 0 ? max_keys : 1};
     int failed = 0;
 #pragma omp parallel
     {
-        /* a run per block of a table row, at most; + 1 for a context that starts inside a block */
-        Run *runs = malloc(sizeof(Run) * (size_t)(table_width + 1));
+        /* Whole sequences per task while there are enough to share out (each thread prefetches its
+         * next one); one KV head per task otherwise, so a small batch still uses every thread. */
         const int whole = num_seqs >= 2 * omp_get_num_threads();
-        int bad = runs == NULL;
+        int bad = 0;
         if (whole) {
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < num_seqs; b++)
-                if (!bad) bad = attend_sequence(&a, b, runs);
+                if (!bad) bad = attend_heads(&a, b, 0, num_kv_heads, 1);
         } else {
 #pragma omp for collapse(2) schedule(static)
             for (int64_t b = 0; b < num_seqs; b++)
                 for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
-                    if (!bad) bad = attend_head(&a, b, kvh, runs);
+                    if (!bad) bad = attend_heads(&a, b, kvh, kvh + 1, 0);
         }
         if (bad) {
 #pragma omp atomic write
             failed = 1;
         }
-        free(runs);
     }
     return failed;
 }
