@@ -1,7 +1,8 @@
 """The engine's native kernels, built on first use with the system C compiler and loaded with ctypes.
 
-``engine/csrc/paged_decode.c`` holds two: decode attention straight from the paged cache (see its
-header), and RMSNorm in one call instead of eight torch ops.  The file is compiled once per source
+``engine/csrc/paged_decode.c`` holds three: decode attention straight from the paged cache (see its
+header), RMSNorm in one call instead of eight torch ops, and RoPE with the step's K/V written into the
+cache in one call instead of ten.  The file is compiled once per source
 version and compiler flags into ``$PDKV_CACHE_DIR/native/<digest>/libpdkv_native.so`` -- about a second
 with gcc -- and reused by every later process.  Without a compiler, or if the build fails,
 ``native_kernels()`` returns None once, logs why, and the model keeps its torch paths (gather + SDPA;
@@ -34,12 +35,21 @@ from engine.model.embedded import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-fno-math-errno")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-std=c11",
+    "-fno-math-errno",
+    "-ffp-contract=off",
+)
 MAX_GROUP = 16  # query heads per KV head (MAX_GROUP in the C source)
 MAX_HEAD_DIM = 256
 _INT64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
-_ARGTYPES: list[Any] = [_PTR, _PTR, _PTR, _PTR, _PTR] + [_INT64] * 9 + [ctypes.c_float, _INT64, _INT64]
+_ARGTYPES: list[Any] = [_PTR, _PTR, _PTR, _PTR, _PTR] + [_INT64] * 9 + [ctypes.c_float, _INT64]
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}  # the kernel's bf16 flag
 
 
@@ -79,9 +89,6 @@ class DecodeKernel:
         assert block_table.dtype == torch.int64 and positions.dtype == torch.int64
         q = q.contiguous()
         out = torch.empty_like(q)
-        max_keys = int(positions.max()) + 1 if b else 1
-        if window is not None:
-            max_keys = min(max_keys, window)
         failed = self.function(
             q.data_ptr(),
             kv_cache.data_ptr(),
@@ -98,7 +105,6 @@ class DecodeKernel:
             head_dim,
             window or 0,
             scale,
-            max_keys,
             _DTYPES[q.dtype],
         )
         if failed == 1:
@@ -132,9 +138,62 @@ class RMSNormKernel:
 
 
 @dataclass(frozen=True)
+class RopeKernel:
+    """``pdkv_rope_write_kv`` of the built library: rotary embedding and the step's K/V into the cache."""
+
+    function: Any  # the ctypes function pdkv_rope_write_kv
+
+    @staticmethod
+    def supports(dtype: torch.dtype, head_dim: int) -> bool:
+        return dtype in _DTYPES and head_dim % 2 == 0 and 0 < head_dim <= MAX_HEAD_DIM
+
+    def __call__(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layer: int,
+        slot_blocks: torch.Tensor,
+        slot_offsets: torch.Tensor,
+        num_heads: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``qkv`` [T, (H + 2 Hkv) * D], ``cos``/``sin`` [T, 1, D/2] -> (rotated queries and keys
+        [T, H + Hkv, D], values [T, Hkv, D], a view of ``qkv``); the rotated keys and the values are
+        written into their slots of ``kv_cache[:, layer]`` on the way."""
+        _, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        t = qkv.shape[0]
+        assert kv_cache.is_contiguous() and qkv.is_contiguous() and qkv.dtype == kv_cache.dtype
+        assert cos.dtype == sin.dtype == qkv.dtype and cos.is_contiguous() and sin.is_contiguous()
+        assert slot_blocks.dtype == slot_offsets.dtype == torch.int64
+        qk = torch.empty(t, num_heads + num_kv_heads, head_dim, dtype=qkv.dtype)
+        failed = self.function(
+            qkv.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            qk.data_ptr(),
+            kv_cache.data_ptr(),
+            slot_blocks.data_ptr(),
+            slot_offsets.data_ptr(),
+            t,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            num_layers,
+            layer,
+            block_size,
+            _DTYPES[qkv.dtype],
+        )
+        assert failed == 0, "shape checked by supports()"
+        v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(t, num_kv_heads, head_dim)
+        return qk, v
+
+
+@dataclass(frozen=True)
 class NativeKernels:
     decode: DecodeKernel
     rms_norm: RMSNormKernel
+    rope: RopeKernel
 
 
 _lock = threading.Lock()
@@ -174,8 +233,11 @@ def _load() -> NativeKernels | None:
     norm = lib.pdkv_rms_norm
     norm.argtypes = [_PTR, _PTR, _PTR, _INT64, _INT64, ctypes.c_float, _INT64]
     norm.restype = ctypes.c_int
-    logger.info("native kernels (decode attention, RMSNorm): %s", path)
-    return NativeKernels(DecodeKernel(decode, path), RMSNormKernel(norm))
+    rope = lib.pdkv_rope_write_kv
+    rope.argtypes = [_PTR] * 7 + [_INT64] * 8
+    rope.restype = ctypes.c_int
+    logger.info("native kernels (decode attention, RMSNorm, RoPE + K/V write): %s", path)
+    return NativeKernels(DecodeKernel(decode, path), RMSNormKernel(norm), RopeKernel(rope))
 
 
 def _build() -> Path:

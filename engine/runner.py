@@ -28,7 +28,7 @@ from engine.attention import DECODE_GROUP_SIZE, AttentionMetadata, DecodeBatch, 
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from engine.kv_cache_manager import cdiv
 from engine.model.llama import ForwardContext, LlamaForCausalLM
-from engine.native import DecodeKernel, decode_kernel
+from engine.native import DecodeKernel, RopeKernel, native_kernels
 from engine.sampler import Sampler, SamplingRow
 from engine.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -75,19 +75,24 @@ class ModelRunner:
         self.connector = connector if connector is not None else NullConnector(KVConnectorRole.WORKER)
         self.connector.register_kv_caches(self.kv_cache)
         self.workspace = GatherWorkspace()
-        self.decode_kernel = self._native_kernel(model, kv_spec, device)
+        self.decode_kernel, self.rope_kernel = self._native_kernels(model, kv_spec, device)
 
     @staticmethod
-    def _native_kernel(
+    def _native_kernels(
         model: LlamaForCausalLM, kv_spec: KVCacheSpec, device: torch.device
-    ) -> DecodeKernel | None:
-        """The native decode attention (engine/native.py) where it serves this model, else None."""
+    ) -> tuple[DecodeKernel | None, RopeKernel | None]:
+        """The native decode attention and RoPE (engine/native.py) where they serve this model."""
         c = model.config
-        if device.type != "cpu" or not DecodeKernel.supports(
-            kv_spec.dtype, c.num_heads, c.num_kv_heads, c.head_dim
-        ):
-            return None
-        return decode_kernel()
+        kernels = native_kernels() if device.type == "cpu" else None
+        if kernels is None:
+            return None, None
+        decode = (
+            kernels.decode
+            if DecodeKernel.supports(kv_spec.dtype, c.num_heads, c.num_kv_heads, c.head_dim)
+            else None
+        )
+        rope = kernels.rope if RopeKernel.supports(kv_spec.dtype, c.head_dim) else None
+        return decode, rope
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
@@ -104,7 +109,9 @@ class ModelRunner:
                 self._finish_connector_step(step, out)
                 return out
             inputs = self.prepare(step.scheduled)
-            ctx = ForwardContext(self.kv_cache, inputs.attn, connector, self.workspace, self.decode_kernel)
+            ctx = ForwardContext(
+                self.kv_cache, inputs.attn, connector, self.workspace, self.decode_kernel, self.rope_kernel
+            )
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, hidden]
         except Exception as exc:
             # The connector's report (finished sends, load errors) must still reach the scheduler, or

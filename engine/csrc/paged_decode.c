@@ -341,13 +341,13 @@ static int attend_heads(const Args *a, int64_t b, int64_t h0, int64_t h1, int pr
 int pdkv_paged_decode(const void *q, const void *cache, void *out, const int64_t *block_table,
                       const int64_t *positions, int64_t num_seqs, int64_t table_width, int64_t num_layers,
                       int64_t layer, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
-                      int64_t head_dim, int64_t window, float scale, int64_t max_keys, int64_t bf16) {
+                      int64_t head_dim, int64_t window, float scale, int64_t bf16) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP ||
         head_dim <= 0 || head_dim > MAX_HEAD_DIM || block_size <= 0 || table_width <= 0)
         return 2;
     Args a = {q, cache, out, block_table, positions, table_width, num_layers, layer, block_size,
               num_heads, num_kv_heads, (int)head_dim, (int)(num_heads / num_kv_heads), (int)(bf16 != 0),
-              window, scale, num_seqs, max_keys > 0 ? max_keys : 1};
+              window, scale, num_seqs, table_width * block_size}; /* keys of the longest row, at most */
     int failed = 0;
 #pragma omp parallel
     {
@@ -409,4 +409,55 @@ int pdkv_rms_norm(const void *x, const void *weight, void *out, int64_t rows, in
         free(w);
     }
     return failed;
+}
+
+/* Rotary embedding of the queries and keys of a step, and the keys and values into their cache slots:
+ *     qkv [T, (H + 2 Hkv) * D]  (the fused projection's output, contiguous)
+ *     cos, sin [T, D / 2]       (in the activation dtype)
+ *     qk [T, H + Hkv, D]        out: rotated queries, then rotated keys
+ *     cache slot of row t: block slot_blocks[t], offset slot_offsets[t]: rotated K and V of every KV head
+ * Rotation in the half-split convention, each product and the sum rounded to the dtype as torch does:
+ *     out[i] = x[i] cos[i] - x[i + D/2] sin[i],   out[i + D/2] = x[i + D/2] cos[i] + x[i] sin[i]. */
+int pdkv_rope_write_kv(const void *qkv, const void *cos, const void *sin, void *qk, void *cache,
+                       const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t rows, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, int64_t num_layers, int64_t layer,
+                       int64_t block_size, int64_t bf16) {
+    if (head_dim <= 0 || head_dim % 2 || head_dim > MAX_HEAD_DIM) return 2;
+    const int64_t D = head_dim, half = D / 2, heads = num_heads + num_kv_heads;
+    const size_t elem = bf16 ? 2 : 4, token = (size_t)(num_kv_heads * D) * elem;
+#pragma omp parallel for schedule(static) if (rows * heads * head_dim >= 65536)
+    for (int64_t t = 0; t < rows; t++) {
+        const size_t at = (size_t)(t * (heads + num_kv_heads) * D), cs = (size_t)(t * half);
+        const size_t slot = (size_t)(((slot_blocks[t] * num_layers + layer) * 2) * block_size + slot_offsets[t]);
+        char *k_slot = (char *)cache + slot * token, *v_slot = (char *)cache + (slot + (size_t)block_size) * token;
+        for (int64_t h = 0; h < heads; h++) {
+            const size_t x0 = at + (size_t)(h * D), o0 = (size_t)((t * heads + h) * D);
+            if (bf16) {
+                const uint16_t *x = (const uint16_t *)qkv + x0, *c = (const uint16_t *)cos + cs;
+                const uint16_t *s = (const uint16_t *)sin + cs;
+                uint16_t *o = (uint16_t *)qk + o0;
+                for (int64_t i = 0; i < half; i++) {
+                    const float x1 = bf16_to_f32(x[i]), x2 = bf16_to_f32(x[i + half]);
+                    const float ci = bf16_to_f32(c[i]), si = bf16_to_f32(s[i]);
+                    const float a = bf16_to_f32(f32_to_bf16(x1 * ci)), b = bf16_to_f32(f32_to_bf16(x2 * si));
+                    const float e = bf16_to_f32(f32_to_bf16(x2 * ci)), f = bf16_to_f32(f32_to_bf16(x1 * si));
+                    o[i] = f32_to_bf16(a - b);
+                    o[i + half] = f32_to_bf16(e + f);
+                }
+            } else {
+                const float *x = (const float *)qkv + x0, *c = (const float *)cos + cs, *s = (const float *)sin + cs;
+                float *o = (float *)qk + o0;
+                for (int64_t i = 0; i < half; i++) {
+                    const float a = x[i] * c[i], b = x[i + half] * s[i];
+                    const float e = x[i + half] * c[i], f = x[i] * s[i];
+                    o[i] = a - b;
+                    o[i + half] = e + f;
+                }
+            }
+            if (h >= num_heads) /* a key: into its slot */
+                memcpy(k_slot + (size_t)((h - num_heads) * D) * elem, (const char *)qk + o0 * elem, (size_t)D * elem);
+        }
+        memcpy(v_slot, (const char *)qkv + (at + (size_t)(heads * D)) * elem, token); /* the values */
+    }
+    return 0;
 }

@@ -21,7 +21,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, GatherWorkspace, paged_attention, write_kv
 from engine.model.config import ModelConfig
 from engine.model.rope import RotaryEmbedding, apply_rotary
-from engine.native import DecodeKernel, RMSNormKernel
+from engine.native import DecodeKernel, RMSNormKernel, RopeKernel
 from engine.runner_hooks import KVHooks
 
 
@@ -34,6 +34,7 @@ class ForwardContext:
     hooks: KVHooks
     workspace: GatherWorkspace
     decode_kernel: DecodeKernel | None = None  # native decode attention (engine/native.py), if built
+    rope_kernel: RopeKernel | None = None  # native RoPE + K/V write, if built
 
 
 class RMSNorm(nn.Module):
@@ -75,14 +76,28 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
-        # Queries and keys rotate in one call: [T, (H + Hkv) * D] -> [T, H + Hkv, D].
-        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        ctx.hooks.wait_for_layer_load(self.layer)
         # Every row's K/V goes in before any row reads: a request may prefix-hit blocks another request
-        # of this same step is computing.
-        write_kv(ctx.kv_cache, self.layer, k, v, ctx.attn)
+        # of this same step is computing.  And not before this layer's loads landed.
+        if ctx.rope_kernel is not None:
+            ctx.hooks.wait_for_layer_load(self.layer)
+            qk, v = ctx.rope_kernel(
+                qkv,
+                cos,
+                sin,
+                ctx.kv_cache,
+                self.layer,
+                ctx.attn.slot_blocks,
+                ctx.attn.slot_offsets,
+                self.num_heads,
+            )  # [T, H + Hkv, D] rotated; [T, Hkv, D]; K and V already in their slots
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
+        else:
+            # Queries and keys rotate in one call: [T, (H + Hkv) * D] -> [T, H + Hkv, D].
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
+            v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+            ctx.hooks.wait_for_layer_load(self.layer)
+            write_kv(ctx.kv_cache, self.layer, k, v, ctx.attn)
         out = paged_attention(
             q,
             k,

@@ -141,3 +141,33 @@ def test_the_rms_norm_kernel_matches_the_torch_ops(rows: int, hidden: int, dtype
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     if dtype == torch.bfloat16:
         assert (got != want).float().mean() < 0.01, "a rounding apart on a few elements at most"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rows", [(9, 3, 64, 5), (4, 4, 16, 300), (8, 2, 128, 1)])
+def test_the_rope_kernel_equals_the_torch_ops(
+    heads: int, kv_heads: int, head_dim: int, rows: int, dtype: torch.dtype
+) -> None:
+    """Exactly equal (each product and sum rounded as torch rounds it), and the same cache afterwards."""
+    from engine.attention import AttentionMetadata, write_kv
+    from engine.model.config import RopeConfig
+    from engine.model.rope import RotaryEmbedding, apply_rotary
+
+    kernels = native.native_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(rows + head_dim)
+    block_size, layers, layer = 4, 3, 1
+    cache_a = torch.randn(80, layers, 2, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    cache_b = cache_a.clone()
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 300, (rows,), generator=gen)
+    cos, sin = RotaryEmbedding(RopeConfig(), head_dim, torch.device("cpu")).cos_sin(positions, dtype)
+    slots = torch.randperm(80 * block_size, generator=gen)[:rows]
+    meta = AttentionMetadata(slots // block_size, slots % block_size, [], [])
+
+    qk_want = apply_rotary(qkv[:, : (heads + kv_heads) * head_dim].view(rows, -1, head_dim), cos, sin)
+    v_want = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
+    write_kv(cache_a, layer, qk_want[:, heads:], v_want, meta)
+    qk, v = kernels.rope(qkv, cos, sin, cache_b, layer, meta.slot_blocks, meta.slot_offsets, heads)
+    assert torch.equal(qk, qk_want) and torch.equal(v, v_want)
+    assert torch.equal(cache_b, cache_a), "the same K/V in the same slots, nothing else touched"
