@@ -1,13 +1,18 @@
-/* Decode attention read straight from the paged KV cache: one query token per sequence.
+/* The engine's native kernels (engine/native.py builds and loads this file):
  *
- * The torch path (engine/attention.py) gathers each sequence's blocks into a contiguous buffer and then
- * runs SDPA over it: every key and value is read, written and read again.  Here each (sequence, KV head)
- * task walks its block table and reads each key and value once, for all the query heads that share that
- * KV head (grouped-query attention), in two passes:
+ *   pdkv_paged_decode    decode attention read straight from the paged KV cache
+ *   pdkv_rms_norm        RMSNorm, float32 inside, rounded as transformers rounds
+ *   pdkv_rope_write_kv   rotary embedding of q and k, and the step's K/V into their cache slots
  *
- *     pass 1   s[g][i] = scale * <q[g], k[j]>          for the visible keys j = first + i, g in the group
- *     softmax  p[g][i] = exp(s[g][i] - max_g)           (float32; 1 / sum_g applied at the end)
- *     pass 2   out[g]  = sum_i p[g][i] * v[j] / sum_g   (float32 accumulators, rounded once at the end)
+ * Decode attention.  The torch path (engine/attention.py) gathers each sequence's blocks into a
+ * contiguous buffer and runs SDPA over it: every key and value is read, written and read again.  Here
+ * each task -- a whole sequence in a large batch, one KV head of one sequence in a small one -- collects
+ * the addresses of its visible keys' rows in the cache and reads each key and value in place, for each
+ * query head that shares the KV head (grouped-query attention), in two passes:
+ *
+ *     pass 1   s[i] = scale * <q, k[i]>          for the visible keys i
+ *     softmax  p[i] = exp(s[i] - max) / sum      (float32)
+ *     pass 2   out  = sum_i p[i] * v[i]          (float32 accumulators, rounded once at the end)
  *
  * Cache layout (contiguous): [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]; the
  * element (b, layer, kv, off, h, d) sits at ((((b * L + layer) * 2 + kv) * bs + off) * Hkv + h) * D + d.
@@ -15,13 +20,14 @@
  * position p: max(0, p - window + 1) <= j <= p (window 0: no window).  Padding entries of the table are
  * never read.
  *
- * With AVX-512 (built with -march=native) rows are converted and multiplied 16 floats at a time and the
- * exponentials are a vector polynomial (Cephes' expf, within 2 ulp); elsewhere plain loops the compiler
- * vectorizes as it can.  NaN in a score propagates to the output, as in SDPA.
+ * With AVX-512 (built with -march=native): scores for 16 keys at a time, summed by a reduction tree;
+ * with AVX512-BF16, bfloat16 keys multiply straight from the cache's bytes (vdpbf16ps); rows ahead are
+ * prefetched; the exponentials are a vector polynomial (Cephes' expf, within 2 ulp).  Elsewhere plain
+ * loops the compiler vectorizes as it can.  NaN in a score propagates to the output, as in SDPA.
  *
- * Parallel over (sequence, KV head) with OpenMP; libgomp is linked by soname and torch has loaded its
- * own already, so these threads are torch's pool.  No torch headers: the Python side (engine/native.py)
- * passes raw pointers, which keeps the build to one gcc call of about a second.
+ * Parallel with OpenMP; libgomp is linked by soname and torch has loaded its own already, so these
+ * threads are torch's pool.  No torch headers: the Python side passes raw pointers, which keeps the build
+ * to one gcc call of about a second.
  */
 
 #include <math.h>
@@ -35,6 +41,10 @@
 
 #define MAX_GROUP 16 /* query heads per KV head; engine/native.py checks both limits */
 #define MAX_HEAD_DIM 256
+/* Keys ahead that the score and sum loops prefetch: the rows of a sequence are scattered over blocks far
+ * apart (and one KV head's part of a row is strided), which the hardware prefetchers do not follow.
+ * Measured here: 24-48 alike; prefetching a whole next sequence instead was slower for long ones. */
+#define PREFETCH_AHEAD 32
 
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -170,6 +180,10 @@ INLINE __m512 sum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
 }
 
+INLINE void prefetch_row(const char *p, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+}
+
 /* 16 elements of a bf16 or f32 row from element i, as floats. */
 INLINE __m512 load16(const void *row, size_t i, const int bf16) {
     if (!bf16) return _mm512_loadu_ps((const float *)row + i);
@@ -188,6 +202,7 @@ INLINE void scores_avx(const float *q, const char *const *rows, size_t off, int6
         __m512 part[16];
         for (int t = 0; t < 16; t++) {
             if (t < m) {
+                if (i + t + PREFETCH_AHEAD < n) prefetch_row(rows[i + t + PREFETCH_AHEAD] + off, (bf16 ? 2 : 4) * 16 * C);
                 const char *k = rows[i + t] + off;
                 __m512 acc = _mm512_mul_ps(qv[0], load16(k, 0, bf16));
                 for (int c = 1; c < C; c++) acc = _mm512_fmadd_ps(qv[c], load16(k, 16 * c, bf16), acc);
@@ -207,14 +222,41 @@ INLINE void weighted_sum_avx(const float *p, const char *const *rows, size_t off
     for (int c = 0; c < C; c++) acc[c] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i++) {
         const __m512 w = _mm512_set1_ps(p[i]);
+        if (i + PREFETCH_AHEAD < n) prefetch_row(rows[i + PREFETCH_AHEAD] + off, (bf16 ? 2 : 4) * 16 * C);
         const char *v = rows[i] + off;
         for (int c = 0; c < C; c++) acc[c] = _mm512_fmadd_ps(w, load16(v, 16 * c, bf16), acc[c]);
     }
     for (int c = 0; c < C; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);
 }
 
-static void head_avx(const float *q, const char *const *krows, const char *const *vrows, size_t off, int64_t n,
-                     float *scores, float *out, int C, int bf16) {
+#ifdef __AVX512BF16__
+/* scores[i] = scale * <q, K[i]> on bfloat16 rows with the AVX512-BF16 dot product: 32 products per
+ * instruction straight from the cache's bytes (no conversion); float32 sums.  C2 = head_dim / 32. */
+INLINE void scores_dpbf16(const uint16_t *q, const char *const *rows, size_t off, int64_t n, float *scores,
+                          float scale, const int C2) {
+    __m512bh qv[8];
+    for (int c = 0; c < C2; c++) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < n; i += 16) {
+        const int m = n - i < 16 ? (int)(n - i) : 16;
+        __m512 part[16];
+        for (int t = 0; t < 16; t++) {
+            part[t] = _mm512_setzero_ps();
+            if (t < m) {
+                if (i + t + PREFETCH_AHEAD < n) prefetch_row(rows[i + t + PREFETCH_AHEAD] + off, 2 * 32 * C2);
+                const uint16_t *k = (const uint16_t *)(rows[i + t] + off);
+                for (int c = 0; c < C2; c++)
+                    part[t] = _mm512_dpbf16_ps(part[t], qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+            }
+        }
+        _mm512_mask_storeu_ps(scores + i, (__mmask16)((1u << m) - 1u), _mm512_mul_ps(sum16(part), sv));
+    }
+}
+#endif
+
+/* One query head: `q` its float32 values times the scale, `qraw` the same head in the cache's dtype. */
+static void head_avx(const float *q, const char *qraw, float scale, const char *const *krows,
+                     const char *const *vrows, size_t off, int64_t n, float *scores, float *out, int C, int bf16) {
     /* the head sizes models use, unrolled for each dtype; any other multiple of 16 in the default */
 #define BOTH(F, ...)                                                                                        \
     switch (C * 2 + bf16) {                                                                                \
@@ -224,7 +266,17 @@ static void head_avx(const float *q, const char *const *krows, const char *const
     case 17: F(__VA_ARGS__, 8, 1); break;                                                                  \
     default: F(__VA_ARGS__, C, bf16);                                                                      \
     }
-    BOTH(scores_avx, q, krows, off, n, scores)
+#ifdef __AVX512BF16__
+    if (bf16 && C % 2 == 0) {
+        if (C == 4)
+            scores_dpbf16((const uint16_t *)qraw, krows, off, n, scores, scale, 2);
+        else
+            scores_dpbf16((const uint16_t *)qraw, krows, off, n, scores, scale, C / 2);
+    } else
+#endif
+    {
+        BOTH(scores_avx, q, krows, off, n, scores)
+    }
     const float inv = 1.0f / softmax_numerators(scores, n);
     BOTH(weighted_sum_avx, scores, vrows, off, n, out)
 #undef BOTH
@@ -244,7 +296,8 @@ static void attend(const Args *a, const char *const *krows, const char *const *v
         for (int d = 0; d < D; d++) qf[d] *= a->scale;
 #ifdef __AVX512F__
         if (D % 16 == 0) {
-            head_avx(qf, krows, vrows, off, n, scores, acc, D / 16, a->bf16);
+            head_avx(qf, q + (size_t)(g * D) * (a->bf16 ? 2 : 4), a->scale, krows, vrows, off, n, scores, acc,
+                     D / 16, a->bf16);
         } else
 #endif
         {
@@ -302,33 +355,16 @@ static int64_t token_rows(const Args *a, int64_t b, const char **krows, const ch
     return pos + 1 - first;
 }
 
-/* Start loading sequence b's rows into L2 (the next sequence of this thread, while it computes on the
- * current one): memory and arithmetic overlap instead of taking turns.  `krows`/`vrows`: scratch. */
-static void prefetch_sequence(const Args *a, int64_t b, const char **krows, const char **vrows) {
-#ifdef __AVX512F__
-    const size_t token = (size_t)(a->num_kv_heads * a->head_dim) * (a->bf16 ? 2 : 4);
-    const int64_t n = token_rows(a, b, krows, vrows);
-    for (int64_t i = 0; i < n; i++)
-        for (size_t o = 0; o < token; o += 64) {
-            _mm_prefetch(krows[i] + o, _MM_HINT_T1);
-            _mm_prefetch(vrows[i] + o, _MM_HINT_T1);
-        }
-#else
-    (void)a, (void)b, (void)krows, (void)vrows;
-#endif
-}
-
-/* KV heads [h0, h1) of sequence b, and with `prefetch` the next sequence's rows meanwhile. */
-static int attend_heads(const Args *a, int64_t b, int64_t h0, int64_t h1, int prefetch) {
+/* KV heads [h0, h1) of sequence b. */
+static int attend_heads(const Args *a, int64_t b, int64_t h0, int64_t h1) {
     const size_t elem = a->bf16 ? 2 : 4;
     const int64_t n = a->positions[b] + 1 - first_key(a, a->positions[b]);
-    /* row pointers of this sequence, then of the next (for the prefetch), then the scores */
-    const char **rows = scratch_get(4 * sizeof(char *) * (size_t)a->max_keys + sizeof(float) * (size_t)n);
+    /* the row pointers of its keys and values, then the scores */
+    const char **rows = scratch_get(2 * sizeof(char *) * (size_t)a->max_keys + sizeof(float) * (size_t)n);
     if (rows == NULL) return 1;
     const char **krows = rows, **vrows = rows + a->max_keys;
-    float *scores = (float *)(rows + 4 * a->max_keys);
+    float *scores = (float *)(rows + 2 * a->max_keys);
     token_rows(a, b, krows, vrows);
-    if (prefetch && b + 1 < a->num_seqs) prefetch_sequence(a, b + 1, rows + 2 * a->max_keys, rows + 3 * a->max_keys);
     for (int64_t kvh = h0; kvh < h1; kvh++) {
         const size_t q0 = (size_t)((b * a->num_heads + kvh * a->group) * a->head_dim) * elem;
         attend(a, krows, vrows, (size_t)(kvh * a->head_dim) * elem, n, (const char *)a->q + q0,
@@ -351,19 +387,19 @@ int pdkv_paged_decode(const void *q, const void *cache, void *out, const int64_t
     int failed = 0;
 #pragma omp parallel
     {
-        /* Whole sequences per task while there are enough to share out (each thread prefetches its
-         * next one); one KV head per task otherwise, so a small batch still uses every thread. */
+        /* Whole sequences per task while there are enough to share out; one KV head per task
+         * otherwise, so a small batch still uses every thread. */
         const int whole = num_seqs >= 2 * omp_get_num_threads();
         int bad = 0;
         if (whole) {
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < num_seqs; b++)
-                if (!bad) bad = attend_heads(&a, b, 0, num_kv_heads, 1);
+                if (!bad) bad = attend_heads(&a, b, 0, num_kv_heads);
         } else {
 #pragma omp for collapse(2) schedule(static)
             for (int64_t b = 0; b < num_seqs; b++)
                 for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
-                    if (!bad) bad = attend_heads(&a, b, kvh, kvh + 1, 0);
+                    if (!bad) bad = attend_heads(&a, b, kvh, kvh + 1);
         }
         if (bad) {
 #pragma omp atomic write
