@@ -435,7 +435,18 @@ int pdkv_rms_norm(const void *x, const void *weight, void *out, int64_t rows, in
             const float inv = 1.0f / sqrtf(dot(row, row, n) / (float)n + eps);
             if (bf16) {
                 uint16_t *o = (uint16_t *)out + at;
-                for (int i = 0; i < n; i++) o[i] = f32_to_bf16(w[i] * bf16_to_f32(f32_to_bf16(row[i] * inv)));
+                int i = 0;
+#ifdef __AVX512BF16__
+                /* vcvtneps2bf16 rounds to nearest even, as torch does (NaN stays NaN) */
+                const __m512 iv = _mm512_set1_ps(inv);
+                for (; i + 16 <= n; i += 16) {
+                    __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row + i), iv));
+                    __m512 yw = _mm512_mul_ps(_mm512_loadu_ps(w + i),
+                                              _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)y), 16)));
+                    _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(yw));
+                }
+#endif
+                for (; i < n; i++) o[i] = f32_to_bf16(w[i] * bf16_to_f32(f32_to_bf16(row[i] * inv)));
             } else {
                 float *o = (float *)out + at;
                 for (int i = 0; i < n; i++) o[i] = w[i] * (row[i] * inv);
