@@ -1,10 +1,11 @@
 """The engine's native kernels, built on first use with the system C compiler and loaded with ctypes.
 
-``engine/csrc/paged_decode.c`` holds three: decode attention straight from the paged cache (see its
-header), RMSNorm in one call instead of eight torch ops, and RoPE with the step's K/V written into the
-cache in one call instead of ten.  The file is compiled once per source
-version and compiler flags into ``$PDKV_CACHE_DIR/native/<digest>/libpdkv_native.so`` -- about a second
-with gcc -- and reused by every later process.  Without a compiler, or if the build fails,
+``engine/csrc/paged_decode.c`` holds four: decode attention straight from the paged cache (see its
+header), RMSNorm (with the residual add before it) in one call instead of nine torch ops, RoPE with the
+step's K/V written into the cache in one call instead of ten, and SwiGLU's ``silu(gate) * up``.  The
+file is compiled once per source version, compiler flags and CPU into
+``$PDKV_CACHE_DIR/native/<digest>/libpdkv_native.so`` -- about a second with gcc -- and reused by every
+later process.  Without a compiler, or if the build fails,
 ``native_kernels()`` returns None once, logs why, and the model keeps its torch paths (gather + SDPA;
 the norm's torch ops), which give the same tokens more slowly.  ``PDKV_NATIVE=0`` turns the kernels
 off (the tests compare both paths).
@@ -115,7 +116,7 @@ class DecodeKernel:
 
 @dataclass(frozen=True)
 class RMSNormKernel:
-    """``pdkv_rms_norm`` of the built library."""
+    """``pdkv_rms_norm`` of the built library, with or without the residual add before it."""
 
     function: Any  # the ctypes function pdkv_rms_norm
 
@@ -126,13 +127,70 @@ class RMSNormKernel:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``x`` [T, hidden] -> ``weight * dtype(x * rsqrt(mean(x^2) + eps))`` [T, hidden]."""
         x = x.contiguous()
-        assert weight.dtype == x.dtype and weight.is_contiguous() and weight.shape == x.shape[1:]
         out = torch.empty_like(x)
+        self._run(x, None, None, weight, out, eps)
+        return out
+
+    def add(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, norm(h)) for h = x + delta (both [T, hidden], h rounded to the dtype)."""
+        x, delta = x.contiguous(), delta.contiguous()
+        assert delta.dtype == x.dtype and delta.shape == x.shape
+        h, out = torch.empty_like(x), torch.empty_like(x)
+        self._run(x, delta, h, weight, out, eps)
+        return h, out
+
+    def _run(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        h: torch.Tensor | None,
+        weight: torch.Tensor,
+        out: torch.Tensor,
+        eps: float,
+    ) -> None:
+        assert weight.dtype == x.dtype and weight.is_contiguous() and weight.shape == x.shape[1:]
         failed = self.function(
-            x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, _DTYPES[x.dtype]
+            x.data_ptr(),
+            None if delta is None else delta.data_ptr(),
+            None if h is None else h.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            eps,
+            _DTYPES[x.dtype],
         )
         if failed == 1:
             raise MemoryError("the native RMSNorm could not allocate its row buffers")
+        assert failed == 0, "shape checked by supports()"
+
+
+@dataclass(frozen=True)
+class SiluMulKernel:
+    """``pdkv_silu_mul`` of the built library: SwiGLU's ``silu(gate) * up`` in one call.
+
+    bfloat16 only, and only where the vector path was built (AVX512-BF16): its scalar loop calls
+    ``expf`` per element, slower than torch's vectorized SiLU."""
+
+    function: Any  # the ctypes function pdkv_silu_mul
+
+    @staticmethod
+    def supports(x: torch.Tensor) -> bool:
+        return (
+            x.device.type == "cpu"
+            and x.dtype == torch.bfloat16
+            and x.dim() == 2
+            and "avx512_bf16" in cpu_flags()
+        )
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2 I] (gate, then up) -> [T, I]."""
+        gate_up = gate_up.contiguous()
+        t, two_i = gate_up.shape
+        out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
+        failed = self.function(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, 1)
         assert failed == 0, "shape checked by supports()"
         return out
 
@@ -194,6 +252,7 @@ class NativeKernels:
     decode: DecodeKernel
     rms_norm: RMSNormKernel
     rope: RopeKernel
+    silu_mul: SiluMulKernel
 
 
 _lock = threading.Lock()
@@ -215,11 +274,6 @@ def decode_kernel() -> DecodeKernel | None:
     return None if kernels is None else kernels.decode
 
 
-def rms_norm_kernel() -> RMSNormKernel | None:
-    kernels = native_kernels()
-    return None if kernels is None else kernels.rms_norm
-
-
 def _load() -> NativeKernels | None:
     try:
         path = _build()
@@ -231,13 +285,18 @@ def _load() -> NativeKernels | None:
     decode.argtypes = _ARGTYPES
     decode.restype = ctypes.c_int
     norm = lib.pdkv_rms_norm
-    norm.argtypes = [_PTR, _PTR, _PTR, _INT64, _INT64, ctypes.c_float, _INT64]
+    norm.argtypes = [_PTR] * 5 + [_INT64, _INT64, ctypes.c_float, _INT64]
     norm.restype = ctypes.c_int
     rope = lib.pdkv_rope_write_kv
     rope.argtypes = [_PTR] * 7 + [_INT64] * 8
     rope.restype = ctypes.c_int
-    logger.info("native kernels (decode attention, RMSNorm, RoPE + K/V write): %s", path)
-    return NativeKernels(DecodeKernel(decode, path), RMSNormKernel(norm), RopeKernel(rope))
+    silu = lib.pdkv_silu_mul
+    silu.argtypes = [_PTR, _PTR, _INT64, _INT64, _INT64]
+    silu.restype = ctypes.c_int
+    logger.info("native kernels (decode attention, RMSNorm, RoPE + K/V write, SiLU-mul): %s", path)
+    return NativeKernels(
+        DecodeKernel(decode, path), RMSNormKernel(norm), RopeKernel(rope), SiluMulKernel(silu)
+    )
 
 
 def _build() -> Path:

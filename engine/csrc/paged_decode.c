@@ -410,18 +410,23 @@ int pdkv_paged_decode(const void *q, const void *cache, void *out, const int64_t
 }
 
 /* RMSNorm of `rows` rows of `hidden` elements, as transformers computes it (float32 inside):
- *     out = weight * dtype(x * rsqrt(mean(x^2) + eps))
- * The sum of squares is accumulated 16 lanes at a time, so the mean may differ from torch's in its last
- * bit; everything after it rounds exactly as torch does. */
-int pdkv_rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t hidden, float eps,
-                  int64_t bf16) {
+ *     h   = x + delta                                  (rounded to the dtype; only when delta != NULL)
+ *     out = weight * dtype(h * rsqrt(mean(h^2) + eps))
+ * With delta, h is written to h_out: the residual add of a decoder layer and the norm after it in one
+ * call.  The sum of squares is accumulated 16 lanes at a time, so the mean may differ from torch's in its
+ * last bit; everything else rounds exactly as torch does. */
+int pdkv_rms_norm(const void *x, const void *delta, void *h_out, const void *weight, void *out, int64_t rows,
+                  int64_t hidden, float eps, int64_t bf16) {
     const int n = (int)hidden;
     if (n <= 0 || n > 65536) return 2;
+    const size_t elem = bf16 ? 2 : 4;
     int failed = 0;
 #pragma omp parallel if (rows * hidden >= 65536)
     {
         float *row = malloc(sizeof(float) * (size_t)n), *w = malloc(sizeof(float) * (size_t)n);
-        if (row == NULL || w == NULL) {
+        float *d = delta != NULL ? malloc(sizeof(float) * (size_t)n) : NULL;
+        const int bad = row == NULL || w == NULL || (delta != NULL && d == NULL);
+        if (bad) {
 #pragma omp atomic write
             failed = 1;
         } else {
@@ -429,9 +434,22 @@ int pdkv_rms_norm(const void *x, const void *weight, void *out, int64_t rows, in
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            if (row == NULL || w == NULL) continue;
+            if (bad) continue;
             const size_t at = (size_t)r * (size_t)n;
-            load_row((const char *)x + at * (bf16 ? 2 : 4), (int)bf16, row, n);
+            load_row((const char *)x + at * elem, (int)bf16, row, n);
+            if (delta != NULL) {
+                load_row((const char *)delta + at * elem, (int)bf16, d, n);
+                if (bf16) {
+                    uint16_t *h = (uint16_t *)h_out + at;
+                    for (int i = 0; i < n; i++) {
+                        h[i] = f32_to_bf16(row[i] + d[i]);
+                        row[i] = bf16_to_f32(h[i]);
+                    }
+                } else {
+                    float *h = (float *)h_out + at;
+                    for (int i = 0; i < n; i++) h[i] = row[i] = row[i] + d[i];
+                }
+            }
             const float inv = 1.0f / sqrtf(dot(row, row, n) / (float)n + eps);
             if (bf16) {
                 uint16_t *o = (uint16_t *)out + at;
@@ -441,8 +459,8 @@ int pdkv_rms_norm(const void *x, const void *weight, void *out, int64_t rows, in
                 const __m512 iv = _mm512_set1_ps(inv);
                 for (; i + 16 <= n; i += 16) {
                     __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row + i), iv));
-                    __m512 yw = _mm512_mul_ps(_mm512_loadu_ps(w + i),
-                                              _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)y), 16)));
+                    __m512 yf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)y), 16));
+                    __m512 yw = _mm512_mul_ps(_mm512_loadu_ps(w + i), yf);
                     _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(yw));
                 }
 #endif
@@ -454,8 +472,51 @@ int pdkv_rms_norm(const void *x, const void *weight, void *out, int64_t rows, in
         }
         free(row);
         free(w);
+        free(d);
     }
     return failed;
+}
+
+/* SwiGLU's activation: gate_up [rows, 2 * inter] (gate, then up) -> out [rows, inter] with
+ *     out = dtype(silu(gate)) * up,   silu(x) = x / (1 + exp(-x))
+ * rounded where torch rounds (after the SiLU, after the product).  exp is the polynomial above for
+ * -x <= 0 and exp(-x) = 1 / exp(x) otherwise; it may differ from torch's in the last bit of float32. */
+int pdkv_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int64_t bf16) {
+    if (inter <= 0) return 2;
+    const size_t elem = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (rows * inter >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const char *g = (const char *)gate_up + (size_t)(r * 2 * inter) * elem;
+        const char *u = g + (size_t)inter * elem;
+        char *o = (char *)out + (size_t)(r * inter) * elem;
+        int64_t i = 0;
+#ifdef __AVX512BF16__
+        for (; bf16 && i + 16 <= inter; i += 16) {
+            const __m512 x = load16(g, (size_t)i, 1), up = load16(u, (size_t)i, 1);
+            /* exp(-|x|) from the polynomial (its range is x <= 0), then 1 / (1 + exp(-x)) either way */
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+            const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+            const __m512 one = _mm512_set1_ps(1.0f);
+            /* x >= 0: x / (1 + e);  x < 0: x * e / (1 + e)  (= x / (1 + 1/e)) */
+            __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, e));
+            sig = _mm512_mask_mul_ps(sig, neg, sig, e);
+            const __m256bh s = _mm512_cvtneps_pbh(_mm512_mul_ps(x, sig));
+            const __m512 sf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)s), 16));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sf, up)));
+        }
+#endif
+        for (; i < inter; i++) {
+            if (bf16) {
+                const float x = bf16_to_f32(((const uint16_t *)g)[i]);
+                const float s = bf16_to_f32(f32_to_bf16(x / (1.0f + expf(-x))));
+                ((uint16_t *)o)[i] = f32_to_bf16(s * bf16_to_f32(((const uint16_t *)u)[i]));
+            } else {
+                const float x = ((const float *)g)[i];
+                ((float *)o)[i] = (x / (1.0f + expf(-x))) * ((const float *)u)[i];
+            }
+        }
+    }
+    return 0;
 }
 
 /* Rotary embedding of the queries and keys of a step, and the keys and values into their cache slots:

@@ -21,7 +21,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, GatherWorkspace, paged_attention, write_kv
 from engine.model.config import ModelConfig
 from engine.model.rope import RotaryEmbedding, apply_rotary
-from engine.native import DecodeKernel, RMSNormKernel, RopeKernel
+from engine.native import DecodeKernel, NativeKernels, RMSNormKernel, RopeKernel, SiluMulKernel
 from engine.runner_hooks import KVHooks
 
 
@@ -55,6 +55,15 @@ class RMSNorm(nn.Module):
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_forward(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and this norm: ``h + delta`` (``h`` when ``delta`` is None) and its norm."""
+        if delta is None:
+            return h, self(h)
+        if self.kernel is not None and self.kernel.supports(h):
+            return self.kernel.add(h, delta, self.weight, self.eps)
+        h = h + delta
+        return h, self(h)
 
 
 class Attention(nn.Module):
@@ -122,9 +131,13 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.kernel: SiluMulKernel | None = None  # set by LlamaForCausalLM.use_native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        if self.kernel is not None and self.kernel.supports(gate_up):
+            return self.down_proj(self.kernel(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -137,10 +150,18 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self,
+        h: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream arrives as ``h + delta`` (the previous layer's MLP output not yet added, so
+        the add and the norm after it are one call) and leaves the same way: returns (h, mlp output)."""
+        h, x = self.input_layernorm.add_forward(h, delta)
+        h, x = self.post_attention_layernorm.add_forward(h, self.self_attn(x, cos, sin, ctx))
+        return h, self.mlp(x)
 
 
 # Hugging Face parameter name suffix -> (our fused parameter, shard index within it).
@@ -172,19 +193,22 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, device)
 
-    def use_native(self, kernel: RMSNormKernel | None) -> None:
-        """Compute every RMSNorm with ``kernel`` (engine/native.py); None: the torch ops."""
+    def use_native(self, kernels: NativeKernels | None) -> None:
+        """Compute every RMSNorm and SwiGLU activation with ``kernels`` (engine/native.py); None: torch."""
         for m in self.modules():
             if isinstance(m, RMSNorm):
-                m.kernel = kernel
+                m.kernel = None if kernels is None else kernels.rms_norm
+            elif isinstance(m, MLP):
+                m.kernel = None if kernels is None else kernels.silu_mul
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``input_ids``, ``positions`` [T] -> hidden states [T, hidden] (before the final norm)."""
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [T, 1, D/2] each
+        delta: torch.Tensor | None = None
         for layer in self.layers:
-            h = layer(h, cos, sin, ctx)
-        return h
+            h, delta = layer(h, delta, cos, sin, ctx)
+        return h if delta is None else h + delta
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the rows that sample [R, hidden] -> float32 logits [R, vocab]."""

@@ -171,3 +171,42 @@ def test_the_rope_kernel_equals_the_torch_ops(
     qk, v = kernels.rope(qkv, cos, sin, cache_b, layer, meta.slot_blocks, meta.slot_offsets, heads)
     assert torch.equal(qk, qk_want) and torch.equal(v, v_want)
     assert torch.equal(cache_b, cache_a), "the same K/V in the same slots, nothing else touched"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_residual_add_and_norm_in_one_call(dtype: torch.dtype) -> None:
+    from engine.model.llama import RMSNorm
+
+    kernels = native.native_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(5)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576, generator=gen)
+    norm.to(dtype)
+    h, delta = (torch.randn(2, 33, 576, generator=gen) * 2).to(dtype)
+    with torch.inference_mode():
+        want_h, want = norm.add_forward(h, delta)
+        norm.kernel = kernels.rms_norm
+        got_h, got = norm.add_forward(h, delta)
+    assert torch.equal(got_h, want_h), "the add rounds exactly as torch's"
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (40, 64), (3, 20)])
+def test_the_silu_mul_kernel_matches_the_torch_ops(rows: int, inter: int) -> None:
+    kernels = native.native_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(torch.bfloat16)
+    gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, float("nan")])  # 0, far tails, NaN
+    if not kernels.silu_mul.supports(gate_up):
+        pytest.skip("no AVX512-BF16 on this CPU: the torch ops run")
+    gate, up = gate_up.split(inter, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = kernels.silu_mul(gate_up)
+    assert torch.isnan(got[0, 3]) and torch.isnan(want[0, 3])
+    # exp differs from torch's in the last float32 bit at most: one bfloat16 rounding apart, rarely
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=2**-7, equal_nan=True)
+    mismatched = int(((got != want) & ~torch.isnan(want)).sum())
+    assert mismatched <= max(1, 0.02 * want.numel()), f"{mismatched} of {want.numel()} elements differ"
