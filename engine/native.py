@@ -50,7 +50,7 @@ MAX_GROUP = 16  # query heads per KV head (MAX_GROUP in the C source)
 MAX_HEAD_DIM = 256
 _INT64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
-_ARGTYPES: list[Any] = [_PTR, _PTR, _PTR, _PTR, _PTR] + [_INT64] * 9 + [ctypes.c_float, _INT64]
+_ARGTYPES: list[Any] = [_PTR, _PTR, _PTR, _PTR, _PTR] + [_INT64] * 9 + [ctypes.c_float, _INT64, _INT64]
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}  # the kernel's bf16 flag
 
 
@@ -88,8 +88,9 @@ class DecodeKernel:
         b, num_heads, _ = q.shape
         assert kv_cache.is_contiguous() and block_table.is_contiguous() and positions.is_contiguous()
         assert block_table.dtype == torch.int64 and positions.dtype == torch.int64
-        q = q.contiguous()
-        out = torch.empty_like(q)
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()  # rows may be strided (a view of the rotated q and k); heads may not
+        out = torch.empty(b, num_heads, head_dim, dtype=q.dtype)
         failed = self.function(
             q.data_ptr(),
             kv_cache.data_ptr(),
@@ -107,6 +108,7 @@ class DecodeKernel:
             window or 0,
             scale,
             _DTYPES[q.dtype],
+            q.stride(0),
         )
         if failed == 1:
             raise MemoryError("the native decode attention could not allocate its score buffer")

@@ -161,6 +161,7 @@ typedef struct {
     int64_t window;
     float scale;
     int64_t num_seqs, max_keys;
+    int64_t q_stride; /* elements from one query row to the next (its heads are contiguous) */
 } Args;
 
 #ifdef __AVX512F__
@@ -366,9 +367,10 @@ static int attend_heads(const Args *a, int64_t b, int64_t h0, int64_t h1) {
     float *scores = (float *)(rows + 2 * a->max_keys);
     token_rows(a, b, krows, vrows);
     for (int64_t kvh = h0; kvh < h1; kvh++) {
-        const size_t q0 = (size_t)((b * a->num_heads + kvh * a->group) * a->head_dim) * elem;
+        const size_t q0 = (size_t)(b * a->q_stride + kvh * a->group * a->head_dim) * elem;
+        const size_t o0 = (size_t)((b * a->num_heads + kvh * a->group) * a->head_dim) * elem;
         attend(a, krows, vrows, (size_t)(kvh * a->head_dim) * elem, n, (const char *)a->q + q0,
-               (char *)a->out + q0, scores);
+               (char *)a->out + o0, scores);
     }
     return 0;
 }
@@ -377,13 +379,14 @@ static int attend_heads(const Args *a, int64_t b, int64_t h0, int64_t h1) {
 int pdkv_paged_decode(const void *q, const void *cache, void *out, const int64_t *block_table,
                       const int64_t *positions, int64_t num_seqs, int64_t table_width, int64_t num_layers,
                       int64_t layer, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
-                      int64_t head_dim, int64_t window, float scale, int64_t bf16) {
+                      int64_t head_dim, int64_t window, float scale, int64_t bf16, int64_t q_stride) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP ||
         head_dim <= 0 || head_dim > MAX_HEAD_DIM || block_size <= 0 || table_width <= 0)
         return 2;
     Args a = {q, cache, out, block_table, positions, table_width, num_layers, layer, block_size,
               num_heads, num_kv_heads, (int)head_dim, (int)(num_heads / num_kv_heads), (int)(bf16 != 0),
-              window, scale, num_seqs, table_width * block_size}; /* keys of the longest row, at most */
+              window, scale, num_seqs, table_width * block_size, /* keys of the longest row, at most */
+              q_stride};
     int failed = 0;
 #pragma omp parallel
     {

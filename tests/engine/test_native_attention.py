@@ -76,6 +76,17 @@ def test_the_kernel_matches_the_torch_path(
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+def test_queries_may_be_a_strided_view(kernel: native.DecodeKernel) -> None:
+    """The engine hands the kernel q as a view of [T, H + Hkv, D] (rows strided): read in place."""
+    q, cache, dec = _case(torch.bfloat16, 9, 3, 64, 16, [143, 5, 60])
+    qk = torch.cat([q, torch.randn(3, 3, 64).to(torch.bfloat16)], dim=1)  # [B, H + Hkv, D]
+    view = qk[:, :9]
+    assert not view.is_contiguous()
+    got = kernel(view, cache, 1, dec.block_table, dec.positions, scale=0.125, window=None)
+    want = kernel(view.contiguous(), cache, 1, dec.block_table, dec.positions, scale=0.125, window=None)
+    assert torch.equal(got, want)
+
+
 def test_nan_in_a_visible_key_reaches_the_output(kernel: native.DecodeKernel) -> None:
     """The vector exponential must not turn a NaN score into a weight of zero."""
     q, cache, dec = _case(torch.float32, 4, 2, 16, 4, [9, 9])
