@@ -50,7 +50,7 @@ MAX_GROUP = 16  # query heads per KV head (MAX_GROUP in the C source)
 MAX_HEAD_DIM = 256
 _INT64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
-_ARGTYPES: list[Any] = [_PTR, _PTR, _PTR, _PTR, _PTR] + [_INT64] * 9 + [ctypes.c_float, _INT64, _INT64]
+_ARGTYPES: list[Any] = [_PTR, _PTR, _PTR, _PTR, _PTR] + [_INT64] * 9 + [ctypes.c_float] + [_INT64] * 3
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}  # the kernel's bf16 flag
 
 
@@ -84,7 +84,7 @@ class DecodeKernel:
     ) -> torch.Tensor:
         """``q`` [B, H, D] -> [B, H, D]: each row attends to keys 0..positions[b] (within ``window``) of
         the blocks ``block_table[b]`` ([B, W] int64) in ``kv_cache[:, layer]``."""
-        _, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        num_blocks, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         b, num_heads, _ = q.shape
         assert kv_cache.is_contiguous() and block_table.is_contiguous() and positions.is_contiguous()
         assert block_table.dtype == torch.int64 and positions.dtype == torch.int64
@@ -109,9 +109,16 @@ class DecodeKernel:
             scale,
             _DTYPES[q.dtype],
             q.stride(0),
+            num_blocks,
         )
         if failed == 1:
             raise MemoryError("the native decode attention could not allocate its score buffer")
+        if failed == 3:
+            raise IndexError(
+                f"decode attention: a position or block id lies outside the block table [{b}, "
+                f"{block_table.shape[1]}] or the cache's {num_blocks} blocks, or layer {layer} outside "
+                f"{num_layers}"
+            )
         assert failed == 0, "shape checked by supports()"
         return out
 
@@ -221,7 +228,7 @@ class RopeKernel:
         """``qkv`` [T, (H + 2 Hkv) * D], ``cos``/``sin`` [T, 1, D/2] -> (rotated queries and keys
         [T, H + Hkv, D], values [T, Hkv, D], a view of ``qkv``); the rotated keys and the values are
         written into their slots of ``kv_cache[:, layer]`` on the way."""
-        _, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        num_blocks, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         t = qkv.shape[0]
         assert kv_cache.is_contiguous() and qkv.is_contiguous() and qkv.dtype == kv_cache.dtype
         assert cos.dtype == sin.dtype == qkv.dtype and cos.is_contiguous() and sin.is_contiguous()
@@ -243,7 +250,12 @@ class RopeKernel:
             layer,
             block_size,
             _DTYPES[qkv.dtype],
+            num_blocks,
         )
+        if failed == 3:
+            raise IndexError(
+                f"K/V write: a slot lies outside the cache's {num_blocks} blocks of {block_size}"
+            )
         assert failed == 0, "shape checked by supports()"
         v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(t, num_kv_heads, head_dim)
         return qk, v
@@ -290,7 +302,7 @@ def _load() -> NativeKernels | None:
     norm.argtypes = [_PTR] * 5 + [_INT64, _INT64, ctypes.c_float, _INT64]
     norm.restype = ctypes.c_int
     rope = lib.pdkv_rope_write_kv
-    rope.argtypes = [_PTR] * 7 + [_INT64] * 8
+    rope.argtypes = [_PTR] * 7 + [_INT64] * 9
     rope.restype = ctypes.c_int
     silu = lib.pdkv_silu_mul
     silu.argtypes = [_PTR, _PTR, _INT64, _INT64, _INT64]

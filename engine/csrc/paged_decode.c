@@ -375,14 +375,25 @@ static int attend_heads(const Args *a, int64_t b, int64_t h0, int64_t h1) {
     return 0;
 }
 
-/* Returns 0, or 1 when scratch memory could not be allocated, 2 for a shape the kernel cannot take. */
+/* Returns 0, or 1 when scratch memory could not be allocated, 2 for a shape the kernel cannot take, 3 for
+ * a position, block id or layer outside the table or the cache (nothing is read then). */
 int pdkv_paged_decode(const void *q, const void *cache, void *out, const int64_t *block_table,
                       const int64_t *positions, int64_t num_seqs, int64_t table_width, int64_t num_layers,
                       int64_t layer, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
-                      int64_t head_dim, int64_t window, float scale, int64_t bf16, int64_t q_stride) {
+                      int64_t head_dim, int64_t window, float scale, int64_t bf16, int64_t q_stride,
+                      int64_t num_blocks) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP ||
         head_dim <= 0 || head_dim > MAX_HEAD_DIM || block_size <= 0 || table_width <= 0)
         return 2;
+    /* Every address read must lie in the cache: a bad table raises in Python instead of faulting here. */
+    if (layer < 0 || layer >= num_layers) return 3;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int64_t pos = positions[b];
+        if (pos < 0 || pos >= table_width * block_size) return 3;
+        const int64_t first = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+        for (int64_t k = first / block_size; k <= pos / block_size; k++)
+            if (block_table[b * table_width + k] < 0 || block_table[b * table_width + k] >= num_blocks) return 3;
+    }
     Args a = {q, cache, out, block_table, positions, table_width, num_layers, layer, block_size,
               num_heads, num_kv_heads, (int)head_dim, (int)(num_heads / num_kv_heads), (int)(bf16 != 0),
               window, scale, num_seqs, table_width * block_size, /* keys of the longest row, at most */
@@ -532,8 +543,12 @@ int pdkv_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, i
 int pdkv_rope_write_kv(const void *qkv, const void *cos, const void *sin, void *qk, void *cache,
                        const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t rows, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t num_layers, int64_t layer,
-                       int64_t block_size, int64_t bf16) {
+                       int64_t block_size, int64_t bf16, int64_t num_blocks) {
     if (head_dim <= 0 || head_dim % 2 || head_dim > MAX_HEAD_DIM) return 2;
+    if (layer < 0 || layer >= num_layers) return 3; /* 3: a slot outside the cache; nothing written */
+    for (int64_t t = 0; t < rows; t++)
+        if (slot_blocks[t] < 0 || slot_blocks[t] >= num_blocks || slot_offsets[t] < 0 || slot_offsets[t] >= block_size)
+            return 3;
     const int64_t D = head_dim, half = D / 2, heads = num_heads + num_kv_heads;
     const size_t elem = bf16 ? 2 : 4, token = (size_t)(num_kv_heads * D) * elem;
 #pragma omp parallel for schedule(static) if (rows * heads * head_dim >= 65536)

@@ -221,3 +221,31 @@ def test_the_silu_mul_kernel_matches_the_torch_ops(rows: int, inter: int) -> Non
     torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=2**-7, equal_nan=True)
     mismatched = int(((got != want) & ~torch.isnan(want)).sum())
     assert mismatched <= max(1, 0.02 * want.numel()), f"{mismatched} of {want.numel()} elements differ"
+
+
+def test_a_bad_block_table_raises_instead_of_reading_outside_the_cache(kernel: native.DecodeKernel) -> None:
+    q, cache, dec = _case(torch.bfloat16, 4, 2, 16, 4, [9, 5])
+    for table, positions in (
+        (dec.block_table.clone().fill_(cache.shape[0]), dec.positions),  # a block id past the cache
+        (dec.block_table.clone().fill_(-1), dec.positions),
+        (dec.block_table, torch.tensor([9, dec.block_table.shape[1] * 4])),  # a position past the table
+    ):
+        with pytest.raises(IndexError, match="outside"):
+            kernel(q, cache, 0, table, positions, scale=0.25, window=None)
+    with pytest.raises(IndexError, match="layer"):
+        kernel(q, cache, cache.shape[1], dec.block_table, dec.positions, scale=0.25, window=None)
+
+
+def test_a_slot_outside_the_cache_raises_and_writes_nothing() -> None:
+    kernels = native.native_kernels()
+    assert kernels is not None
+    cache = torch.zeros(8, 2, 2, 4, 2, 16)
+    qkv = torch.randn(3, (4 + 4) * 16)
+    cos, sin = torch.ones(3, 1, 8), torch.zeros(3, 1, 8)
+    for blocks, offsets in (
+        (torch.tensor([0, 1, 8]), torch.tensor([0, 1, 2])),
+        (torch.tensor([0, 1, 2]), torch.tensor([0, 4, 1])),
+    ):
+        with pytest.raises(IndexError, match="outside"):
+            kernels.rope(qkv, cos, sin, cache, 0, blocks, offsets, 4)
+    assert not cache.any(), "refused before any write"
