@@ -185,6 +185,15 @@ INLINE void prefetch_row(const char *p, int bytes) {
     for (int o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
 }
 
+#ifdef __AVX512BF16__
+/* 16 floats rounded to bfloat16 (nearest even, as torch), as the bits and as floats again. */
+INLINE __m256i to_bf16x16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+INLINE __m512 from_bf16x16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+INLINE __m512 round_bf16x16(__m512 x) { return from_bf16x16(to_bf16x16(x)); }
+#endif
+
 /* 16 elements of a bf16 or f32 row from element i, as floats. */
 INLINE __m512 load16(const void *row, size_t i, const int bf16) {
     if (!bf16) return _mm512_loadu_ps((const float *)row + i);
@@ -455,7 +464,15 @@ int pdkv_rms_norm(const void *x, const void *delta, void *h_out, const void *wei
                 load_row((const char *)delta + at * elem, (int)bf16, d, n);
                 if (bf16) {
                     uint16_t *h = (uint16_t *)h_out + at;
-                    for (int i = 0; i < n; i++) {
+                    int i = 0;
+#ifdef __AVX512BF16__
+                    for (; i + 16 <= n; i += 16) {
+                        const __m256i sum = to_bf16x16(_mm512_add_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(d + i)));
+                        _mm256_storeu_si256((__m256i *)(h + i), sum);
+                        _mm512_storeu_ps(row + i, from_bf16x16(sum));
+                    }
+#endif
+                    for (; i < n; i++) {
                         h[i] = f32_to_bf16(row[i] + d[i]);
                         row[i] = bf16_to_f32(h[i]);
                     }
@@ -562,7 +579,18 @@ int pdkv_rope_write_kv(const void *qkv, const void *cos, const void *sin, void *
                 const uint16_t *x = (const uint16_t *)qkv + x0, *c = (const uint16_t *)cos + cs;
                 const uint16_t *s = (const uint16_t *)sin + cs;
                 uint16_t *o = (uint16_t *)qk + o0;
-                for (int64_t i = 0; i < half; i++) {
+                int64_t i = 0;
+#ifdef __AVX512BF16__
+                for (; i + 16 <= half; i += 16) {
+                    const __m512 x1 = load16(x, (size_t)i, 1), x2 = load16(x, (size_t)(i + half), 1);
+                    const __m512 ci = load16(c, (size_t)i, 1), si = load16(s, (size_t)i, 1);
+                    const __m512 a = round_bf16x16(_mm512_mul_ps(x1, ci)), b = round_bf16x16(_mm512_mul_ps(x2, si));
+                    const __m512 e = round_bf16x16(_mm512_mul_ps(x2, ci)), f = round_bf16x16(_mm512_mul_ps(x1, si));
+                    _mm256_storeu_si256((__m256i *)(o + i), to_bf16x16(_mm512_sub_ps(a, b)));
+                    _mm256_storeu_si256((__m256i *)(o + i + half), to_bf16x16(_mm512_add_ps(e, f)));
+                }
+#endif
+                for (; i < half; i++) {
                     const float x1 = bf16_to_f32(x[i]), x2 = bf16_to_f32(x[i + half]);
                     const float ci = bf16_to_f32(c[i]), si = bf16_to_f32(s[i]);
                     const float a = bf16_to_f32(f32_to_bf16(x1 * ci)), b = bf16_to_f32(f32_to_bf16(x2 * si));
