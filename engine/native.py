@@ -88,6 +88,7 @@ class DecodeKernel:
         b, num_heads, _ = q.shape
         assert kv_cache.is_contiguous() and block_table.is_contiguous() and positions.is_contiguous()
         assert block_table.dtype == torch.int64 and positions.dtype == torch.int64
+        assert q.dtype == kv_cache.dtype and kv_cache.device.type == "cpu"  # one dtype flag for both
         if q.stride(2) != 1 or q.stride(1) != head_dim:
             q = q.contiguous()  # rows may be strided (a view of the rotated q and k); heads may not
         out = torch.empty(b, num_heads, head_dim, dtype=q.dtype)
