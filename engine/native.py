@@ -59,7 +59,6 @@ class DecodeKernel:
     """``pdkv_paged_decode`` of the built library."""
 
     function: Any  # the ctypes function pdkv_paged_decode
-    path: Path
 
     @staticmethod
     def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -131,8 +130,8 @@ class RMSNormKernel:
     function: Any  # the ctypes function pdkv_rms_norm
 
     @staticmethod
-    def supports(x: torch.Tensor) -> bool:
-        return x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() == 2
+    def supports(dtype: torch.dtype) -> bool:
+        return dtype in _DTYPES
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``x`` [T, hidden] -> ``weight * dtype(x * rsqrt(mean(x^2) + eps))`` [T, hidden]."""
@@ -160,6 +159,7 @@ class RMSNormKernel:
         out: torch.Tensor,
         eps: float,
     ) -> None:
+        assert x.dim() == 2 and x.device.type == "cpu"
         assert weight.dtype == x.dtype and weight.is_contiguous() and weight.shape == x.shape[1:]
         failed = self.function(
             x.data_ptr(),
@@ -187,16 +187,12 @@ class SiluMulKernel:
     function: Any  # the ctypes function pdkv_silu_mul
 
     @staticmethod
-    def supports(x: torch.Tensor) -> bool:
-        return (
-            x.device.type == "cpu"
-            and x.dtype == torch.bfloat16
-            and x.dim() == 2
-            and "avx512_bf16" in cpu_flags()
-        )
+    def supports(dtype: torch.dtype) -> bool:
+        return dtype == torch.bfloat16 and "avx512_bf16" in cpu_flags()
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2 I] (gate, then up) -> [T, I]."""
+        assert gate_up.dim() == 2 and gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu"
         gate_up = gate_up.contiguous()
         t, two_i = gate_up.shape
         out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
@@ -284,11 +280,6 @@ def native_kernels() -> NativeKernels | None:
         return _loaded[0]
 
 
-def decode_kernel() -> DecodeKernel | None:
-    kernels = native_kernels()
-    return None if kernels is None else kernels.decode
-
-
 def _load() -> NativeKernels | None:
     try:
         path = _build()
@@ -309,9 +300,7 @@ def _load() -> NativeKernels | None:
     silu.argtypes = [_PTR, _PTR, _INT64, _INT64, _INT64]
     silu.restype = ctypes.c_int
     logger.info("native kernels (decode attention, RMSNorm, RoPE + K/V write, SiLU-mul): %s", path)
-    return NativeKernels(
-        DecodeKernel(decode, path), RMSNormKernel(norm), RopeKernel(rope), SiluMulKernel(silu)
-    )
+    return NativeKernels(DecodeKernel(decode), RMSNormKernel(norm), RopeKernel(rope), SiluMulKernel(silu))
 
 
 def _build() -> Path:

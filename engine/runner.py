@@ -81,9 +81,11 @@ class ModelRunner:
     def _native_kernels(
         model: LlamaForCausalLM, kv_spec: KVCacheSpec, device: torch.device
     ) -> tuple[DecodeKernel | None, RopeKernel | None]:
-        """The native decode attention and RoPE (engine/native.py) where they serve this model."""
+        """The native kernels (engine/native.py) where they serve this model: the decode attention and
+        RoPE, which the forward context hands to the layers, and the norms' and MLPs' own, set here."""
         c = model.config
         kernels = native_kernels() if device.type == "cpu" else None
+        model.use_native(kernels, kv_spec.dtype)  # None without a compiler: the torch ops
         if kernels is None:
             return None, None
         decode = (

@@ -40,7 +40,8 @@ class ForwardContext:
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 and cast back (as HF does, for bit-faithful parity).
 
-    ``kernel`` (set by ``LlamaForCausalLM.use_native``) computes the same in one native call."""
+    ``kernel`` (set by ``LlamaForCausalLM.use_native`` where it serves the model's dtype) computes the
+    same in one native call."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -49,7 +50,7 @@ class RMSNorm(nn.Module):
         self.kernel: RMSNormKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and self.kernel.supports(x):
+        if self.kernel is not None:
             return self.kernel(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.to(torch.float32)
@@ -60,7 +61,7 @@ class RMSNorm(nn.Module):
         """The residual add and this norm: ``h + delta`` (``h`` when ``delta`` is None) and its norm."""
         if delta is None:
             return h, self(h)
-        if self.kernel is not None and self.kernel.supports(h):
+        if self.kernel is not None:
             return self.kernel.add(h, delta, self.weight, self.eps)
         h = h + delta
         return h, self(h)
@@ -99,14 +100,13 @@ class Attention(nn.Module):
                 ctx.attn.slot_offsets,
                 self.num_heads,
             )  # [T, H + Hkv, D] rotated; [T, Hkv, D]; K and V already in their slots
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         else:
             # Queries and keys rotate in one call: [T, (H + Hkv) * D] -> [T, H + Hkv, D].
             qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
             v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
             ctx.hooks.wait_for_layer_load(self.layer)
-            write_kv(ctx.kv_cache, self.layer, k, v, ctx.attn)
+            write_kv(ctx.kv_cache, self.layer, qk[:, self.num_heads :], v, ctx.attn)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         out = paged_attention(
             q,
             k,
@@ -135,7 +135,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
-        if self.kernel is not None and self.kernel.supports(gate_up):
+        if self.kernel is not None:
             return self.down_proj(self.kernel(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
@@ -193,13 +193,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, device)
 
-    def use_native(self, kernels: NativeKernels | None) -> None:
-        """Compute every RMSNorm and SwiGLU activation with ``kernels`` (engine/native.py); None: torch."""
+    def use_native(self, kernels: NativeKernels | None, dtype: torch.dtype) -> None:
+        """Compute every RMSNorm and SwiGLU activation with ``kernels`` (engine/native.py) where they
+        serve ``dtype``, the model's; the torch ops otherwise (and with None)."""
+        norm = kernels.rms_norm if kernels is not None and RMSNormKernel.supports(dtype) else None
+        silu = kernels.silu_mul if kernels is not None and SiluMulKernel.supports(dtype) else None
         for m in self.modules():
             if isinstance(m, RMSNorm):
-                m.kernel = None if kernels is None else kernels.rms_norm
+                m.kernel = norm
             elif isinstance(m, MLP):
-                m.kernel = None if kernels is None else kernels.silu_mul
+                m.kernel = silu
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``input_ids``, ``positions`` [T] -> hidden states [T, hidden] (before the final norm)."""

@@ -164,7 +164,6 @@ def load_model(path: str | Path | ModelSource, *, dtype: torch.dtype, device: to
     """Build the model for ``path`` on ``device`` in ``dtype`` and fill every parameter from its files."""
     from engine.model.llama import LlamaForCausalLM
     from engine.model.packed import can_pack, pack_linears
-    from engine.native import native_kernels
 
     source = path if isinstance(path, ModelFolder | GGUFModel) else inspect_model(path)
     model = LlamaForCausalLM(source.config, dtype=dtype, device=device)
@@ -185,8 +184,6 @@ def load_model(path: str | Path | ModelSource, *, dtype: torch.dtype, device: to
     model.eval()
     if can_pack(dtype, device):
         pack_linears(model)  # bfloat16 on the CPU: oneDNN's blocked weights, reordered once (packed.py)
-    if device.type == "cpu":
-        model.use_native(native_kernels())  # None without a compiler: the torch ops
     return LoadedModel(model, source.config, source.fingerprint, source.path, dtype, device)
 
 

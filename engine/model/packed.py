@@ -14,12 +14,8 @@ LM head is packed from the embedding, which keeps its own dense copy for the loo
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
