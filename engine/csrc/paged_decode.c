@@ -394,19 +394,18 @@ int pdkv_paged_decode(const void *q, const void *cache, void *out, const int64_t
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP ||
         head_dim <= 0 || head_dim > MAX_HEAD_DIM || block_size <= 0 || table_width <= 0)
         return 2;
-    /* Every address read must lie in the cache: a bad table raises in Python instead of faulting here. */
-    if (layer < 0 || layer >= num_layers) return 3;
-    for (int64_t b = 0; b < num_seqs; b++) {
-        const int64_t pos = positions[b];
-        if (pos < 0 || pos >= table_width * block_size) return 3;
-        const int64_t first = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
-        for (int64_t k = first / block_size; k <= pos / block_size; k++)
-            if (block_table[b * table_width + k] < 0 || block_table[b * table_width + k] >= num_blocks) return 3;
-    }
     Args a = {q, cache, out, block_table, positions, table_width, num_layers, layer, block_size,
               num_heads, num_kv_heads, (int)head_dim, (int)(num_heads / num_kv_heads), (int)(bf16 != 0),
               window, scale, num_seqs, table_width * block_size, /* keys of the longest row, at most */
               q_stride};
+    /* Every address read must lie in the cache: a bad table raises in Python instead of faulting here. */
+    if (layer < 0 || layer >= num_layers) return 3;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int64_t pos = positions[b];
+        if (pos < 0 || pos >= a.max_keys) return 3;
+        for (int64_t k = first_key(&a, pos) / block_size; k <= pos / block_size; k++)
+            if (block_table[b * table_width + k] < 0 || block_table[b * table_width + k] >= num_blocks) return 3;
+    }
     int failed = 0;
 #pragma omp parallel
     {
