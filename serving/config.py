@@ -109,6 +109,9 @@ class NodeConfig:
     mtls: bool = False
     # Listen on a non-loopback address without TLS: refused unless this says the network is trusted.
     insecure: bool = False
+    # torch's intra-op threads for this process (the matmuls and the native kernels); None: torch's
+    # default, one per core.  Nodes sharing a machine each take their share (the launcher does).
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -124,6 +127,8 @@ class NodeConfig:
             raise ValueError(f"max_num_requests must be a positive integer, got {self.max_num_requests!r}")
         if not self.grace_s >= 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0):
+            raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
         if not self.node_id:
             object.__setattr__(self, "node_id", f"{self.role}-{socket.gethostname()}-{os.getpid()}")
 
@@ -161,6 +166,12 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         "0 picks one; Node/Stats names it); a kv-aware router subscribes (default: off)",
     )
     parser.add_argument("--max-num-requests", type=int, default=64, help="requests before RESOURCE_EXHAUSTED")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="compute threads (default: one per core; nodes sharing a machine should split its cores)",
+    )
     parser.add_argument("--grace-s", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument(
@@ -247,6 +258,7 @@ def node_config_from_args(args: argparse.Namespace, role: str) -> NodeConfig:
         tls_dir=args.tls_dir,
         mtls=args.mtls,
         insecure=args.insecure,
+        threads=args.threads,
     )
 
 

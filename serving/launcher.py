@@ -97,6 +97,8 @@ class Topology:
     # Everything on (``Secrets``): TLS on gRPC and HTTP (mutual between router and nodes), an API key,
     # CURVE on the store and p2p, sealed transfer params.
     secure: bool = False
+    # Compute threads per node (``--threads``); None: each node's default, one per core.
+    node_threads: int | None = None
     node_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     log_dir: Path | None = None
@@ -348,6 +350,7 @@ class Cluster:
                 model,
                 *(("--kv-events", f"tcp://{t.host}:0") if t.policy == "kv-aware" else ()),
                 *(("--mtls",) if t.secure else ()),
+                *(("--threads", str(t.node_threads)) if t.node_threads else ()),
                 *t.node_args,
             ]
             nodes.append(self._spawn(name, role, argv))

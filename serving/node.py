@@ -22,6 +22,7 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from decode_node.servicer import DecodeNodeServicer
@@ -207,6 +208,8 @@ def node_metrics(node: NodeRuntime) -> list[Metric]:
 
 def run_node(config: NodeConfig) -> int:
     """Serve until SIGTERM or SIGINT; print one ready line (``READY_PREFIX``...) once serving."""
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     node = NodeRuntime.build(config)
     server, port = create_server(node, config.address)
     metrics: MetricsServer | None = None
@@ -219,7 +222,8 @@ def run_node(config: NodeConfig) -> int:
     kv_endpoint = node.snapshot().kv_endpoint
     print(
         f"{READY_PREFIX}{host}:{port} role={config.role} node_id={config.node_id} "
-        f"metrics={metrics.address if metrics else '-'} kv_endpoint={kv_endpoint or '-'}",
+        f"metrics={metrics.address if metrics else '-'} kv_endpoint={kv_endpoint or '-'} "
+        f"threads={torch.get_num_threads()}",
         flush=True,
     )
     try:

@@ -88,8 +88,9 @@ def test_a_repeated_prompt_hits_the_store_on_the_other_prefill_node(cluster_2x2:
 def test_colocated_mode_matches_local_engine() -> None:
     from tests.serving.helpers import pdkv_model
 
-    c = start_cluster(mode="colocated", num_prefill=0, num_decode=1)
+    c = start_cluster(mode="colocated", num_prefill=0, num_decode=1, node_threads=1)
     try:
+        assert c.decode_nodes[0].info["threads"] == "1"  # its compute threads, as the launcher asked
         with GenerationClient(c.router_address) as client:
             outs = generate_all(client, TEXT_PROMPTS, GREEDY)
             again = client.generate(generate_request(TEXT_PROMPTS[1], GREEDY), timeout=60)

@@ -139,6 +139,8 @@ def test_connector_spec_forms(tmp_path: object) -> None:
 def test_configs_validate_at_construction() -> None:
     with pytest.raises(ValueError, match="role 'both' is unknown"):
         NodeConfig(role="both")
+    with pytest.raises(ValueError, match="threads must be a positive integer"):
+        NodeConfig(role="decode", threads=0)
     with pytest.raises(ValueError, match="HOST:PORT"):
         NodeConfig(role="prefill", address="nowhere")
     with pytest.raises(ValueError, match="needs at least one prefill node"):
