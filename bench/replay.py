@@ -1,7 +1,9 @@
 """Replaying a Mooncake-format request trace through the router, per routing policy, against its ceiling.
 
     python -m bench.replay [--trace PATH] [--start N] [--requests N] [--tokens-per-block T]
-                           [--time-scale S] [--max-output M] [--workload trace|qa] [--quick] [--json PATH]
+                           [--time-scale S] [--max-input N] [--max-output M] [--workload trace|qa]
+                           [--model smollm2|tiny] [--node-blocks N] [--store TIERS] [--modes A,B]
+                           [--qa-users N] [--qa-gap-ms MS] [--quick] [--json PATH]
 
 The trace (``../shared/data/traces/conversation_trace.jsonl`` by default; README there): one JSON object a
 line with ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids`` (512-token prefix
@@ -18,9 +20,16 @@ p50/p90/p99 (client-side, streamed), goodput (requests/s meeting the SLO: TTFT <
 TPOT <= ``--slo-tpot-ms``) and output throughput.
 
 Modes (real processes through ``serving.launcher``; node caches small enough that the window overflows
-them): round-robin, least-loaded and kv-aware over 4 colocated nodes, each without and with the shared
-store (cpu tier), and kv-aware with the store on 2 prefill + 2 decode.  ``--quick`` runs the three modes the
-ratios need, on a shorter window.
+them): round-robin, least-loaded and kv-aware over 4 colocated nodes (``--nodes``), each without and with
+the shared store (cpu tier), and kv-aware with the store on 2 prefill + 2 decode.  ``--quick`` runs the
+three modes the ratios need with the tiny model, 2 nodes and 120 requests: a check of the pipeline that
+fits in a minute, not a measurement.
+
+The nodes run ``--model smollm2`` by default: the embedded SmolLM2-135M (its GGUF converted once to a bf16
+folder), so a token computed costs what a real model's does against a token loaded (23 KiB of KV).  Its
+window and rates are sized for this 2-core machine (300 requests, inputs capped at 512 tokens, real time);
+``--model tiny`` runs the 4-layer random bench model (600 requests at x0.15), on which computing a block
+costs about what loading it does, so reuse barely shows.
 
 Ratios: ``hit_rate_fraction_of_ceiling`` (kv-aware + store: local + store hits over the ceiling),
 ``kv_aware_ttft_p90_gain_vs_round_robin`` (4 colocated, no store: round-robin's TTFT p90 over kv-aware's),
@@ -39,11 +48,14 @@ import statistics
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench.common import Report, parser
+from engine.model.convert_gguf import convert_gguf
+from engine.model.embedded import ensure_default_model
 from engine.model.make_model import TinyLlamaSpec, make_model
 from engine.sampling_params import SamplingParams
 from serving.client import Completion, GenerationClient, generate_request
@@ -55,8 +67,59 @@ DEFAULT_TRACE = (
 TRACE_BLOCK_TOKENS = 512
 SPEC = TinyLlamaSpec(layers=4, hidden=256, heads=8, kv_heads=4, vocab=512, max_position_embeddings=16384)
 BLOCK_SIZE = 16
-NODE_BLOCKS = 160  # per node (2560 tokens): far below the window's working set, so local caches overflow
-STORE = "cpu:1GiB"
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """What the nodes run, and the sizes that go with its cost: ``tiny`` is the 4-layer random bench
+    model (compute nearly free, so reuse barely shows); ``smollm2`` is the embedded SmolLM2-135M-Instruct,
+    whose prefill costs what a real model's does against what loading its KV costs."""
+
+    vocab: int
+    low_id: int  # prompt ids start here (special tokens below)
+    store: str
+    # Defaults for the window and the node caches (per node: below the window's working set, so that
+    # local caches overflow; on the trace, large enough that four of them can hold what one cannot).
+    requests: int
+    time_scale: float
+    max_input: int
+    trace_node_blocks: int
+    qa_node_blocks: int
+    qa_gap_ms: float
+
+
+MODELS = {
+    "tiny": ModelChoice(
+        vocab=SPEC.vocab,
+        low_id=2,
+        store="cpu:1GiB",
+        requests=600,
+        time_scale=0.15,
+        max_input=1024,
+        trace_node_blocks=160,
+        qa_node_blocks=160,
+        qa_gap_ms=50.0,
+    ),
+    # 23 KiB of KV a token (30 layers x 3 KV heads x 64 x K,V in bf16): 4 GiB hold ~180k tokens.
+    "smollm2": ModelChoice(
+        vocab=49152,
+        low_id=20,
+        store="cpu:4GiB",
+        requests=300,
+        time_scale=1.0,
+        max_input=512,
+        trace_node_blocks=1280,
+        qa_node_blocks=320,
+        qa_gap_ms=250.0,
+    ),
+}
+
+
+def prepare_model(name: str, folder: Path) -> Path:
+    if name == "tiny":
+        return make_model(folder, SPEC)
+    # The GGUF converted once to a bf16 folder: the four nodes load it in half the time.
+    return convert_gguf(ensure_default_model(progress=True), folder, dtype="bfloat16")
 
 
 class TraceError(ValueError):
@@ -78,7 +141,9 @@ class Scale:
     max_output: int
     max_input: int = 1 << 30
 
-    def describe(self) -> str:
+    def describe(self, trace: bool = True) -> str:
+        if not trace:  # the QA workload: no trace blocks, times or lengths to scale
+            return f"{self.tokens_per_block}-token question blocks, outputs of {self.max_output} tokens"
         return (
             f"{self.tokens_per_block} tokens per 512-token block, time x{self.time_scale:g}, "
             f"inputs capped at {self.max_input} tokens, outputs at {self.max_output}"
@@ -114,13 +179,14 @@ def read_trace(path: Path, start: int, count: int) -> list[dict[str, Any]]:
     return rows
 
 
-def block_tokens(block_id: int, n: int, vocab: int) -> list[int]:
-    """The tokens that stand for one trace block: the same id, the same tokens (bos/eos avoided)."""
+def block_tokens(block_id: int, n: int, vocab: int, low: int = 2) -> list[int]:
+    """The tokens that stand for one trace block: the same id, the same tokens (ids below ``low``, the
+    special tokens, avoided)."""
     rng = random.Random(block_id * 1_000_003 + 17)
-    return [2 + rng.randrange(vocab - 2) for _ in range(n)]
+    return [low + rng.randrange(vocab - low) for _ in range(n)]
 
 
-def scale_trace(rows: list[dict[str, Any]], scale: Scale, vocab: int) -> list[TraceRequest]:
+def scale_trace(rows: list[dict[str, Any]], scale: Scale, vocab: int, low: int = 2) -> list[TraceRequest]:
     t0 = rows[0]["timestamp"] if rows else 0
     out: list[TraceRequest] = []
     for row in rows:
@@ -129,11 +195,11 @@ def scale_trace(rows: list[dict[str, Any]], scale: Scale, vocab: int) -> list[Tr
         ids = tuple(row["hash_ids"])
         tokens: list[int] = []
         for block_id in ids:
-            tokens += block_tokens(block_id, scale.tokens_per_block, vocab)
+            tokens += block_tokens(block_id, scale.tokens_per_block, vocab, low)
             if len(tokens) >= n:
                 break
         if len(tokens) < n:  # the ids cover less than the input: the rest is unique to the request
-            tokens += block_tokens(-len(out) - 1, n - len(tokens), vocab)
+            tokens += block_tokens(-len(out) - 1, n - len(tokens), vocab, low)
         out.append(
             TraceRequest(
                 (row["timestamp"] - t0) / 1000.0 * scale.time_scale,
@@ -164,10 +230,16 @@ def ceiling(requests: list[TraceRequest], tokens_per_block: int) -> float:
     return hit / total if total else 0.0
 
 
-def qa_workload(users: int, rounds: int, scale: Scale, vocab: int, gap_s: float) -> list[TraceRequest]:
+def qa_workload(
+    users: int, rounds: int, scale: Scale, vocab: int, gap_s: float, low: int = 2
+) -> list[TraceRequest]:
     """Multi-round QA: a shared system prompt; user u's round k asks its history plus a new question."""
     rng = random.Random(7)
-    system = [2 + rng.randrange(vocab - 2) for _ in range(8 * scale.tokens_per_block)]
+
+    def tokens(n: int) -> list[int]:
+        return [low + rng.randrange(vocab - low) for _ in range(n)]
+
+    system = tokens(8 * scale.tokens_per_block)
     out: list[TraceRequest] = []
     histories = {u: list(system) for u in range(users)}
     tpb = scale.tokens_per_block
@@ -175,9 +247,8 @@ def qa_workload(users: int, rounds: int, scale: Scale, vocab: int, gap_s: float)
         order = list(range(users))
         rng.shuffle(order)  # users answer at their own pace: no fixed order a round-robin could align with
         for slot, u in enumerate(order):
-            question = [2 + rng.randrange(vocab - 2) for _ in range(2 * scale.tokens_per_block)]
-            prompt = histories[u] + question
-            answer = [2 + rng.randrange(vocab - 2) for _ in range(scale.max_output)]
+            prompt = histories[u] + tokens(2 * scale.tokens_per_block)
+            answer = tokens(scale.max_output)
             histories[u] = prompt + answer
             arrival = (k * users + slot) * gap_s
             out.append(TraceRequest(arrival, prompt, scale.max_output, _chain_ids(prompt, tpb)))
@@ -199,6 +270,12 @@ class ModeResult:
     completions: list[Completion] = field(default_factory=list)
     errors: int = 0
     wall_s: float = 0.0
+    error_kinds: Counter[str] = field(default_factory=Counter)
+
+
+# Each request its own connection, as separate clients have: gRPC would otherwise share one between the
+# bench's channels, and the router's per-connection limit would see one client sending them all.
+OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
 
 
 def replay(address: str, requests: list[TraceRequest]) -> ModeResult:
@@ -213,11 +290,12 @@ def replay(address: str, requests: list[TraceRequest]) -> ModeResult:
             time.sleep(delay)
         params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
         try:
-            with GenerationClient(address) as client:
+            with GenerationClient(address, options=OWN_CONNECTION) as client:
                 out = client.generate(generate_request(r.prompt, params), timeout=600)
-        except Exception:
+        except Exception as exc:
             with lock:
                 result.errors += 1
+                result.error_kinds[_error_kind(exc)] += 1
             return
         with lock:
             result.completions.append(out)
@@ -229,6 +307,12 @@ def replay(address: str, requests: list[TraceRequest]) -> ModeResult:
         t.join()
     result.wall_s = time.perf_counter() - start
     return result
+
+
+def _error_kind(exc: Exception) -> str:
+    code = getattr(exc, "code", None)
+    name = code().name if callable(code) else type(exc).__name__
+    return f"{name}: {str(getattr(exc, 'details', lambda: exc)() or exc)[:120]}"
 
 
 def _q(values: list[float], q: float) -> float:
@@ -272,54 +356,44 @@ def figures(prefix: str, res: ModeResult, slo_ttft_s: float, slo_tpot_s: float) 
     return out
 
 
+def _mode(policy: str, store: bool, disaggregated: bool = False) -> dict[str, Any]:
+    """The nodes colocated, or half of them prefill-only (disaggregated)."""
+    return {"policy": policy, "kv_store": store, "disaggregated": disaggregated}
+
+
 MODES: dict[str, dict[str, Any]] = {
-    "rr": {"mode": "colocated", "num_prefill": 0, "num_decode": 4, "policy": "round-robin", "kv_store": None},
-    "ll": {
-        "mode": "colocated",
-        "num_prefill": 0,
-        "num_decode": 4,
-        "policy": "least-loaded",
-        "kv_store": None,
-    },
-    "kv": {"mode": "colocated", "num_prefill": 0, "num_decode": 4, "policy": "kv-aware", "kv_store": None},
-    "rr_store": {
-        "mode": "colocated",
-        "num_prefill": 0,
-        "num_decode": 4,
-        "policy": "round-robin",
-        "kv_store": STORE,
-    },
-    "ll_store": {
-        "mode": "colocated",
-        "num_prefill": 0,
-        "num_decode": 4,
-        "policy": "least-loaded",
-        "kv_store": STORE,
-    },
-    "kv_store": {
-        "mode": "colocated",
-        "num_prefill": 0,
-        "num_decode": 4,
-        "policy": "kv-aware",
-        "kv_store": STORE,
-    },
-    "kv_store_2p2d": {
-        "mode": "disaggregated",
-        "num_prefill": 2,
-        "num_decode": 2,
-        "policy": "kv-aware",
-        "kv_store": STORE,
-    },
+    "rr": _mode("round-robin", False),
+    "ll": _mode("least-loaded", False),
+    "kv": _mode("kv-aware", False),
+    "rr_store": _mode("round-robin", True),
+    "ll_store": _mode("least-loaded", True),
+    "kv_store": _mode("kv-aware", True),
+    "kv_store_2p2d": _mode("kv-aware", True, disaggregated=True),
 }
 QUICK_MODES = ("rr", "kv", "kv_store")
 
 
-def run_mode(name: str, model: Path, requests: list[TraceRequest], warm_s: float) -> ModeResult:
+def run_mode(
+    name: str,
+    model: Path,
+    requests: list[TraceRequest],
+    warm_s: float,
+    node_blocks: int,
+    store: str,
+    nodes: int = 4,
+) -> ModeResult:
+    mode = MODES[name]
+    prefill = nodes // 2 if mode["disaggregated"] else 0
     topology = Topology(
         model=str(model),
-        node_args=("--num-blocks", str(NODE_BLOCKS), "--block-size", str(BLOCK_SIZE), "--device", "cpu"),
+        mode="disaggregated" if prefill else "colocated",
+        num_prefill=prefill,
+        num_decode=nodes - prefill,
+        policy=mode["policy"],
+        kv_store=store if mode["kv_store"] else None,
+        node_args=("--num-blocks", str(node_blocks), "--block-size", str(BLOCK_SIZE), "--device", "cpu"),
         router_args=("--health-interval-s", "0.5"),
-        **MODES[name],
+        grace_s=1.0,  # every request has ended when the cluster stops
     )
     with Cluster.start(topology) as cluster:
         time.sleep(warm_s)  # a health round: the router has the nodes' namespaces, costs and events
@@ -332,36 +406,79 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", choices=("trace", "qa"), default="trace")
     p.add_argument("--start", type=int, default=0, help="first trace line of the window (0-based)")
     p.add_argument(
-        "--requests", type=int, default=None, help="requests in the window (default 600, --quick 240)"
+        "--requests",
+        type=int,
+        default=None,
+        help="requests in the window (default: the model's; --quick 120)",
     )
     p.add_argument(
         "--tokens-per-block", type=int, default=BLOCK_SIZE, help="tokens standing for 512 (default 16)"
     )
-    p.add_argument("--time-scale", type=float, default=0.15, help="arrival times are multiplied by this")
-    p.add_argument("--max-input", type=int, default=1024, help="scaled input tokens at most (default 1024)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help="arrival times are multiplied by this (default: the model's)",
+    )
+    p.add_argument(
+        "--max-input", type=int, default=None, help="scaled input tokens at most (default: the model's)"
+    )
     p.add_argument("--max-output", type=int, default=16, help="output tokens at most")
     p.add_argument("--slo-ttft-ms", type=float, default=500.0)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--modes", default="", help=f"comma-separated subset of {', '.join(MODES)}")
+    p.add_argument(
+        "--model",
+        choices=tuple(MODELS),
+        default=None,
+        help="what the nodes run: the 4-layer random bench model or the embedded SmolLM2-135M "
+        "(default smollm2; --quick: tiny)",
+    )
+    p.add_argument(
+        "--nodes", type=int, default=None, help="nodes in every mode (default 4; --quick 2, to fit a minute)"
+    )
+    p.add_argument("--node-blocks", type=int, default=None, help="KV blocks per node (default: the model's)")
+    p.add_argument("--store", default=None, help="the shared store's tiers (default: the model's)")
+    p.add_argument("--qa-users", type=int, default=None, help="--workload qa: users (default 16, --quick 8)")
+    p.add_argument(
+        "--qa-gap-ms",
+        type=float,
+        default=None,
+        help="--workload qa: ms between requests (default: the model's)",
+    )
     args: Any = p.parse_args(argv)
-    count = args.requests or (240 if args.quick else 600)
-    scale = Scale(args.tokens_per_block, args.time_scale, args.max_output, args.max_input)
+    model_name = args.model or ("tiny" if args.quick else "smollm2")
+    choice = MODELS[model_name]
+    qa = args.workload == "qa"
+    nodes = args.nodes or (2 if args.quick else 4)
+    if nodes < 2:
+        raise SystemExit("bench.replay: --nodes must be at least 2 (a policy needs a choice)")
+    node_blocks = args.node_blocks or (choice.qa_node_blocks if qa else choice.trace_node_blocks)
+    store = args.store or choice.store
+    count = args.requests or (120 if args.quick else choice.requests)
+    time_scale = choice.time_scale if args.time_scale is None else args.time_scale
+    scale = Scale(args.tokens_per_block, time_scale, args.max_output, args.max_input or choice.max_input)
     if args.workload == "trace":
         try:
             rows = read_trace(args.trace, args.start, count)
         except TraceError as exc:
             raise SystemExit(f"bench.replay: {exc}") from None
-        requests = scale_trace(rows, scale, SPEC.vocab)
+        requests = scale_trace(rows, scale, choice.vocab, choice.low_id)
         what = f"{args.trace.name} lines {args.start}..{args.start + len(rows) - 1}"
     else:
-        users = 8 if args.quick else 16
-        requests = qa_workload(users, max(2, count // users), scale, SPEC.vocab, gap_s=0.05)
-        what = f"multi-round QA, {users} users x {max(2, count // users)} rounds"
+        users = args.qa_users or (8 if args.quick else 16)
+        gap_s = (args.qa_gap_ms or choice.qa_gap_ms) / 1e3
+        rounds = max(2, count // users)
+        requests = qa_workload(users, rounds, scale, choice.vocab, gap_s, choice.low_id)
+        what = f"multi-round QA, {users} users x {rounds} rounds, one every {gap_s * 1e3:g} ms"
     modes = [m for m in args.modes.split(",") if m] or list(QUICK_MODES if args.quick else MODES)
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise SystemExit(f"bench.replay: unknown mode {unknown[0]!r}; modes: {', '.join(MODES)}")
-    r = Report(f"bench.replay: {what}; {scale.describe()}")
+    r = Report(
+        f"bench.replay: {what}; {scale.describe(not qa)}; model {model_name}, {nodes} nodes of "
+        f"{node_blocks} blocks of {BLOCK_SIZE}, store {store}"
+    )
     r.figure("window_requests", len(requests))
     r.figure("window_prompt_tokens", sum(len(q.prompt) for q in requests))
     r.figure("window_span_s", requests[-1].arrival_s if requests else 0.0)
@@ -370,15 +487,17 @@ def main(argv: list[str] | None = None) -> int:
     r.figure("tokens_per_block", scale.tokens_per_block)
     r.figure("time_scale", scale.time_scale)
     r.figure("max_output", scale.max_output)
-    r.figure("node_cache_tokens", NODE_BLOCKS * BLOCK_SIZE)
+    r.figure("node_cache_tokens", node_blocks * BLOCK_SIZE)
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="pdkv-replay-") as tmp:
-        model = make_model(Path(tmp) / "model", SPEC)
+        model = prepare_model(model_name, Path(tmp) / "model")
         for name in modes:
-            res = run_mode(name, model, requests, warm_s=1.5)
+            res = run_mode(name, model, requests, 1.5, node_blocks, store, nodes)
             results[name] = figures(name, res, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
             for key, value in results[name].items():
                 r.figure(key, value)
+            for kind, n in res.error_kinds.most_common(3):
+                print(f"  {name}: {n} requests failed: {kind}")
     if "kv_store" in results and ceil:
         hits = results["kv_store"]["kv_store_hit_local"] + results["kv_store"]["kv_store_hit_store"]
         r.ratio("hit_rate_fraction_of_ceiling", hits / ceil, ">= 0.9")

@@ -59,3 +59,18 @@ def test_the_ceiling_counts_leading_blocks_seen_before_never_the_last_token() ->
     reqs = [req((0, 1, 2), 12), req((0, 1, 3), 12), req((0, 1, 2), 12), req((9, 1, 2), 12)]
     # Hits: 0, then blocks (0, 1) = 8 tokens, then the whole prompt but the last token = 11, then 0.
     assert ceiling(reqs, 4) == pytest.approx((0 + 8 + 11 + 0) / 48)
+
+
+def test_real_model_prompts_keep_clear_of_its_special_tokens(tmp_path: Path) -> None:
+    from bench.replay import MODELS, qa_workload
+
+    smollm2 = MODELS["smollm2"]
+    path = write(tmp_path, [row(0, 4096, [0, 1, 2, 3]), row(10, 4096, [0, 1, 7])])
+    trace = scale_trace(read_trace(path, 0, 10), SCALE, smollm2.vocab, smollm2.low_id)
+    qa = qa_workload(3, 2, SCALE, smollm2.vocab, 0.1, smollm2.low_id)
+    tokens = [t for r in trace + qa for t in r.prompt]
+    assert min(tokens) >= smollm2.low_id and max(tokens) < smollm2.vocab
+    assert trace[1].prompt[:8] == trace[0].prompt[:8]
+    # QA: each user's next round starts with its whole previous prompt.
+    first, second = qa[:3], qa[3:]
+    assert all(any(s.prompt[: len(f.prompt)] == f.prompt for f in first) for s in second)
