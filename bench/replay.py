@@ -2,8 +2,9 @@
 
     python -m bench.replay [--trace PATH] [--start N] [--requests N] [--tokens-per-block T]
                            [--time-scale S] [--max-input N] [--max-output M] [--workload trace|qa]
-                           [--model smollm2|tiny] [--node-blocks N] [--store TIERS] [--modes A,B]
-                           [--qa-users N] [--qa-gap-ms MS] [--quick] [--json PATH]
+                           [--model smollm2|tiny] [--nodes N] [--node-blocks N] [--node-threads N]
+                           [--store TIERS] [--modes A,B] [--qa-users N] [--qa-gap-ms MS] [--quick]
+                           [--json PATH]
 
 The trace (``../shared/data/traces/conversation_trace.jsonl`` by default; README there): one JSON object a
 line with ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids`` (512-token prefix
@@ -52,6 +53,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import grpc
 
 from bench.common import Report, parser
 from engine.model.convert_gguf import convert_gguf
@@ -310,9 +313,10 @@ def replay(address: str, requests: list[TraceRequest]) -> ModeResult:
 
 
 def _error_kind(exc: Exception) -> str:
-    code = getattr(exc, "code", None)
-    name = code().name if callable(code) else type(exc).__name__
-    return f"{name}: {str(getattr(exc, 'details', lambda: exc)() or exc)[:120]}"
+    """A gRPC error's status and details, else the exception's type and text (cut to a line)."""
+    if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)):
+        return f"{exc.code().name}: {(exc.details() or '')[:120]}"
+    return f"{type(exc).__name__}: {str(exc)[:120]}"
 
 
 def _q(values: list[float], q: float) -> float:
@@ -381,6 +385,8 @@ def run_mode(
     node_blocks: int,
     store: str,
     nodes: int = 4,
+    block_size: int = BLOCK_SIZE,
+    threads: int | None = None,
 ) -> ModeResult:
     mode = MODES[name]
     prefill = nodes // 2 if mode["disaggregated"] else 0
@@ -391,7 +397,8 @@ def run_mode(
         num_decode=nodes - prefill,
         policy=mode["policy"],
         kv_store=store if mode["kv_store"] else None,
-        node_args=("--num-blocks", str(node_blocks), "--block-size", str(BLOCK_SIZE), "--device", "cpu"),
+        node_args=("--num-blocks", str(node_blocks), "--block-size", str(block_size), "--device", "cpu"),
+        node_threads=threads,
         router_args=("--health-interval-s", "0.5"),
         grace_s=1.0,  # every request has ended when the cluster stops
     )
@@ -412,7 +419,10 @@ def main(argv: list[str] | None = None) -> int:
         help="requests in the window (default: the model's; --quick 120)",
     )
     p.add_argument(
-        "--tokens-per-block", type=int, default=BLOCK_SIZE, help="tokens standing for 512 (default 16)"
+        "--tokens-per-block",
+        type=int,
+        default=BLOCK_SIZE,
+        help="tokens standing for 512, also the nodes' block size (default 16)",
     )
     p.add_argument(
         "--time-scale",
@@ -446,18 +456,43 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="--workload qa: ms between requests (default: the model's)",
     )
+    p.add_argument(
+        "--node-threads",
+        type=int,
+        default=None,
+        help="compute threads a node (default: one per core)",
+    )
     args: Any = p.parse_args(argv)
-    model_name = args.model or ("tiny" if args.quick else "smollm2")
+
+    def pick(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    model_name = pick(args.model, "tiny" if args.quick else "smollm2")
     choice = MODELS[model_name]
     qa = args.workload == "qa"
-    nodes = args.nodes or (2 if args.quick else 4)
-    if nodes < 2:
-        raise SystemExit("bench.replay: --nodes must be at least 2 (a policy needs a choice)")
-    node_blocks = args.node_blocks or (choice.qa_node_blocks if qa else choice.trace_node_blocks)
-    store = args.store or choice.store
-    count = args.requests or (120 if args.quick else choice.requests)
-    time_scale = choice.time_scale if args.time_scale is None else args.time_scale
-    scale = Scale(args.tokens_per_block, time_scale, args.max_output, args.max_input or choice.max_input)
+    nodes = pick(args.nodes, 2 if args.quick else 4)
+    node_blocks = pick(args.node_blocks, choice.qa_node_blocks if qa else choice.trace_node_blocks)
+    store = pick(args.store, choice.store)
+    count = pick(args.requests, 120 if args.quick else choice.requests)
+    for flag, value, least in (
+        ("--nodes", nodes, 2),  # a policy needs a choice
+        ("--node-blocks", node_blocks, 1),
+        ("--requests", count, 1),
+        ("--tokens-per-block", args.tokens_per_block, 1),
+        ("--node-threads", pick(args.node_threads, 1), 1),
+    ):
+        if value < least:
+            raise SystemExit(f"bench.replay: {flag} must be at least {least}, got {value}")
+    if qa and (args.time_scale is not None or args.max_input is not None):
+        raise SystemExit(
+            "bench.replay: --time-scale and --max-input scale the trace; --workload qa takes --qa-gap-ms"
+        )
+    scale = Scale(
+        args.tokens_per_block,
+        pick(args.time_scale, choice.time_scale),
+        args.max_output,
+        pick(args.max_input, choice.max_input),
+    )
     if args.workload == "trace":
         try:
             rows = read_trace(args.trace, args.start, count)
@@ -466,8 +501,10 @@ def main(argv: list[str] | None = None) -> int:
         requests = scale_trace(rows, scale, choice.vocab, choice.low_id)
         what = f"{args.trace.name} lines {args.start}..{args.start + len(rows) - 1}"
     else:
-        users = args.qa_users or (8 if args.quick else 16)
-        gap_s = (args.qa_gap_ms or choice.qa_gap_ms) / 1e3
+        users = pick(args.qa_users, 8 if args.quick else 16)
+        gap_s = pick(args.qa_gap_ms, choice.qa_gap_ms) / 1e3
+        if users < 1 or gap_s < 0:
+            raise SystemExit("bench.replay: --qa-users must be at least 1 and --qa-gap-ms not negative")
         rounds = max(2, count // users)
         requests = qa_workload(users, rounds, scale, choice.vocab, gap_s, choice.low_id)
         what = f"multi-round QA, {users} users x {rounds} rounds, one every {gap_s * 1e3:g} ms"
@@ -475,9 +512,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise SystemExit(f"bench.replay: unknown mode {unknown[0]!r}; modes: {', '.join(MODES)}")
+    # The engine's blocks are the trace's scaled blocks: a hit is whole blocks, as the ceiling counts.
+    block_size = scale.tokens_per_block
+    threads = f", {args.node_threads} threads a node" if args.node_threads else ""
     r = Report(
         f"bench.replay: {what}; {scale.describe(not qa)}; model {model_name}, {nodes} nodes of "
-        f"{node_blocks} blocks of {BLOCK_SIZE}, store {store}"
+        f"{node_blocks} blocks of {block_size}{threads}, store {store}"
     )
     r.figure("window_requests", len(requests))
     r.figure("window_prompt_tokens", sum(len(q.prompt) for q in requests))
@@ -485,14 +525,17 @@ def main(argv: list[str] | None = None) -> int:
     ceil = ceiling(requests, scale.tokens_per_block)
     r.figure("ceiling_hit_rate", ceil)
     r.figure("tokens_per_block", scale.tokens_per_block)
-    r.figure("time_scale", scale.time_scale)
+    if not qa:
+        r.figure("time_scale", scale.time_scale)
     r.figure("max_output", scale.max_output)
-    r.figure("node_cache_tokens", node_blocks * BLOCK_SIZE)
+    r.figure("node_cache_tokens", node_blocks * block_size)
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="pdkv-replay-") as tmp:
         model = prepare_model(model_name, Path(tmp) / "model")
         for name in modes:
-            res = run_mode(name, model, requests, 1.5, node_blocks, store, nodes)
+            res = run_mode(
+                name, model, requests, 1.5, node_blocks, store, nodes, block_size, args.node_threads
+            )
             results[name] = figures(name, res, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
             for key, value in results[name].items():
                 r.figure(key, value)

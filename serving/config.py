@@ -32,7 +32,8 @@ def _dtype_help() -> str:
     return f"weights and KV cache dtype; {auto_cpu_dtype_note()}; on CUDA the checkpoint's 16-bit dtype"
 
 
-# The line a node prints once it serves: READY_PREFIX + "HOST:PORT role=... metrics=... kv_endpoint=..."
+# The line a node prints once it serves:
+# READY_PREFIX + "HOST:PORT role=... node_id=... metrics=... kv_endpoint=... threads=..."
 READY_PREFIX = "pdkv node: serving on "
 DEFAULT_PORTS = {"prefill": 50061, "decode": 50071, "colocated": 50081}
 

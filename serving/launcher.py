@@ -118,6 +118,8 @@ class Topology:
         for name, port in (("router", self.router_port), ("http", self.http_port)):
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name} port {port} is not a port")
+        if self.node_threads is not None and self.node_threads < 1:
+            raise ValueError(f"node_threads must be at least 1, got {self.node_threads}")
         if self.startup_timeout_s <= 0:
             raise ValueError("startup_timeout_s must be positive")
 
@@ -350,7 +352,7 @@ class Cluster:
                 model,
                 *(("--kv-events", f"tcp://{t.host}:0") if t.policy == "kv-aware" else ()),
                 *(("--mtls",) if t.secure else ()),
-                *(("--threads", str(t.node_threads)) if t.node_threads else ()),
+                *(("--threads", str(t.node_threads)) if t.node_threads is not None else ()),
                 *t.node_args,
             ]
             nodes.append(self._spawn(name, role, argv))

@@ -149,6 +149,8 @@ def test_configs_validate_at_construction() -> None:
         RouterConfig(mode="colocated", prefill_nodes=("127.0.0.1:1",), decode_nodes=("127.0.0.1:2",))
     with pytest.raises(ValueError, match="--prefill must be at least 1"):
         Topology(num_prefill=0)
+    with pytest.raises(ValueError, match="node_threads must be at least 1"):
+        Topology(node_threads=0)
 
 
 def test_connector_stack_follows_what_is_registered() -> None:
