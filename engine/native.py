@@ -1,8 +1,9 @@
 """The engine's native kernels, built on first use with the system C compiler and loaded with ctypes.
 
-``engine/csrc/paged_decode.c`` holds four: decode attention straight from the paged cache (see its
+``engine/csrc/paged_decode.c`` holds five: decode attention straight from the paged cache (see its
 header), RMSNorm (with the residual add before it) in one call instead of nine torch ops, RoPE with the
-step's K/V written into the cache in one call instead of ten, and SwiGLU's ``silu(gate) * up``.  The
+step's K/V written into the cache in one call instead of ten, SwiGLU's ``silu(gate) * up``, and greedy
+sampling's argmax over the logits.  The
 file is compiled once per source version, compiler flags and CPU into
 ``$PDKV_CACHE_DIR/native/<digest>/libpdkv_native.so`` -- about a second with gcc -- and reused by every
 later process.  Without a compiler, or if the build fails,
@@ -259,11 +260,29 @@ class RopeKernel:
 
 
 @dataclass(frozen=True)
+class ArgmaxKernel:
+    """``pdkv_argmax_f32`` of the built library: greedy sampling, each row's first maximum (or first NaN)
+    -- ``max(dim=-1).indices`` in two vector passes instead of torch's element-at-a-time reduction."""
+
+    function: Any  # the ctypes function pdkv_argmax_f32
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """float32 [R, V] on the CPU -> int64 [R]."""
+        assert logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu"
+        logits = logits.contiguous()
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        failed = self.function(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1])
+        assert failed == 0, "an empty vocabulary"
+        return out
+
+
+@dataclass(frozen=True)
 class NativeKernels:
     decode: DecodeKernel
     rms_norm: RMSNormKernel
     rope: RopeKernel
     silu_mul: SiluMulKernel
+    argmax: ArgmaxKernel
 
 
 _lock = threading.Lock()
@@ -299,8 +318,13 @@ def _load() -> NativeKernels | None:
     silu = lib.pdkv_silu_mul
     silu.argtypes = [_PTR, _PTR, _INT64, _INT64, _INT64]
     silu.restype = ctypes.c_int
-    logger.info("native kernels (decode attention, RMSNorm, RoPE + K/V write, SiLU-mul): %s", path)
-    return NativeKernels(DecodeKernel(decode), RMSNormKernel(norm), RopeKernel(rope), SiluMulKernel(silu))
+    argmax = lib.pdkv_argmax_f32
+    argmax.argtypes = [_PTR, _PTR, _INT64, _INT64]
+    argmax.restype = ctypes.c_int
+    logger.info("native kernels (decode attention, RMSNorm, RoPE + K/V write, SiLU-mul, argmax): %s", path)
+    return NativeKernels(
+        DecodeKernel(decode), RMSNormKernel(norm), RopeKernel(rope), SiluMulKernel(silu), ArgmaxKernel(argmax)
+    )
 
 
 def _build() -> Path:

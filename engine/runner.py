@@ -76,6 +76,8 @@ class ModelRunner:
         self.connector.register_kv_caches(self.kv_cache)
         self.workspace = GatherWorkspace()
         self.decode_kernel, self.rope_kernel = self._native_kernels(model, kv_spec, device)
+        native = native_kernels() if device.type == "cpu" else None
+        self.sampler.argmax = native.argmax if native is not None else None
 
     @staticmethod
     def _native_kernels(

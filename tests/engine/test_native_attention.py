@@ -223,6 +223,33 @@ def test_the_silu_mul_kernel_matches_the_torch_ops(rows: int, inter: int) -> Non
     assert mismatched <= max(1, 0.02 * want.numel()), f"{mismatched} of {want.numel()} elements differ"
 
 
+@pytest.mark.parametrize("rows,cols", [(1, 49152), (32, 49152), (7, 17), (3, 1), (5, 16), (4, 33)])
+def test_the_argmax_kernel_returns_what_torch_max_returns(rows: int, cols: int) -> None:
+    """The first maximum of each row, or its first NaN: ties, NaNs, -inf rows, signed zeros, tails."""
+    kernels = native.native_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(rows * cols)
+    cases = [torch.randn(rows, cols, generator=gen)]
+    cases.append((cases[0] * 2).round())  # many ties
+    with_nan = cases[0].clone()
+    with_nan[torch.rand(rows, cols, generator=gen) < 0.01] = float("nan")
+    with_nan[-1, -1] = float("nan")  # in the scalar tail too
+    cases.append(with_nan)
+    cases.append(torch.full((rows, cols), float("-inf")))
+    zeros = torch.zeros(rows, cols)
+    zeros[:, ::3] = -0.0
+    cases.append(zeros)
+    for x in cases:
+        assert torch.equal(kernels.argmax(x), x.max(dim=-1).indices)
+
+
+def test_greedy_sampling_uses_the_argmax_kernel_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = make_llm("llama")
+    assert llm.engine.runner.sampler.argmax is not None
+    monkeypatch.setenv("PDKV_NATIVE", "0")
+    assert make_llm("llama").engine.runner.sampler.argmax is None  # the torch reduction
+
+
 def test_a_bad_block_table_raises_instead_of_reading_outside_the_cache(kernel: native.DecodeKernel) -> None:
     q, cache, dec = _case(torch.bfloat16, 4, 2, 16, 4, [9, 5])
     for table, positions in (
