@@ -182,11 +182,14 @@ def read_trace(path: Path, start: int, count: int) -> list[dict[str, Any]]:
     return rows
 
 
-def block_tokens(block_id: int, n: int, vocab: int, low: int = 2) -> list[int]:
-    """The tokens that stand for one trace block: the same id, the same tokens (ids below ``low``, the
-    special tokens, avoided)."""
-    rng = random.Random(block_id * 1_000_003 + 17)
+def token_ids(rng: random.Random, n: int, vocab: int, low: int) -> list[int]:
+    """``n`` ids of ordinary tokens: ids below ``low`` (the special tokens) avoided."""
     return [low + rng.randrange(vocab - low) for _ in range(n)]
+
+
+def block_tokens(block_id: int, n: int, vocab: int, low: int = 2) -> list[int]:
+    """The tokens that stand for one trace block: the same id, the same tokens."""
+    return token_ids(random.Random(block_id * 1_000_003 + 17), n, vocab, low)
 
 
 def scale_trace(rows: list[dict[str, Any]], scale: Scale, vocab: int, low: int = 2) -> list[TraceRequest]:
@@ -240,7 +243,7 @@ def qa_workload(
     rng = random.Random(7)
 
     def tokens(n: int) -> list[int]:
-        return [low + rng.randrange(vocab - low) for _ in range(n)]
+        return token_ids(rng, n, vocab, low)
 
     system = tokens(8 * scale.tokens_per_block)
     out: list[TraceRequest] = []
@@ -271,9 +274,12 @@ def _chain_ids(prompt: list[int], block: int) -> tuple[int, ...]:
 @dataclass
 class ModeResult:
     completions: list[Completion] = field(default_factory=list)
-    errors: int = 0
     wall_s: float = 0.0
-    error_kinds: Counter[str] = field(default_factory=Counter)
+    error_kinds: Counter[str] = field(default_factory=Counter)  # failed requests by status and message
+
+    @property
+    def errors(self) -> int:
+        return self.error_kinds.total()
 
 
 # Each request its own connection, as separate clients have: gRPC would otherwise share one between the
@@ -297,7 +303,6 @@ def replay(address: str, requests: list[TraceRequest]) -> ModeResult:
                 out = client.generate(generate_request(r.prompt, params), timeout=600)
         except Exception as exc:
             with lock:
-                result.errors += 1
                 result.error_kinds[_error_kind(exc)] += 1
             return
         with lock:

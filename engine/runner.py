@@ -75,19 +75,19 @@ class ModelRunner:
         self.connector = connector if connector is not None else NullConnector(KVConnectorRole.WORKER)
         self.connector.register_kv_caches(self.kv_cache)
         self.workspace = GatherWorkspace()
-        self.decode_kernel, self.rope_kernel = self._native_kernels(model, kv_spec, device)
-        native = native_kernels() if device.type == "cpu" else None
-        self.sampler.argmax = native.argmax if native is not None else None
+        self.decode_kernel, self.rope_kernel = self._native_kernels(model, kv_spec, device, sampler)
 
     @staticmethod
     def _native_kernels(
-        model: LlamaForCausalLM, kv_spec: KVCacheSpec, device: torch.device
+        model: LlamaForCausalLM, kv_spec: KVCacheSpec, device: torch.device, sampler: Sampler
     ) -> tuple[DecodeKernel | None, RopeKernel | None]:
         """The native kernels (engine/native.py) where they serve this model: the decode attention and
-        RoPE, which the forward context hands to the layers, and the norms' and MLPs' own, set here."""
+        RoPE, which the forward context hands to the layers, and the norms', MLPs' and greedy sampler's
+        own, set here."""
         c = model.config
         kernels = native_kernels() if device.type == "cpu" else None
         model.use_native(kernels, kv_spec.dtype)  # None without a compiler: the torch ops
+        sampler.argmax = kernels.argmax if kernels is not None else None
         if kernels is None:
             return None, None
         decode = (

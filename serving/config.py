@@ -111,7 +111,7 @@ class NodeConfig:
     # Listen on a non-loopback address without TLS: refused unless this says the network is trusted.
     insecure: bool = False
     # torch's intra-op threads for this process (the matmuls and the native kernels); None: torch's
-    # default, one per core.  Nodes sharing a machine each take their share (the launcher does).
+    # default, one per core.  Nodes sharing a machine should split its cores (Topology.node_threads).
     threads: int | None = None
 
     def __post_init__(self) -> None:
