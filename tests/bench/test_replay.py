@@ -74,3 +74,20 @@ def test_real_model_prompts_keep_clear_of_its_special_tokens(tmp_path: Path) -> 
     # QA: each user's next round starts with its whole previous prompt.
     first, second = qa[:3], qa[3:]
     assert all(any(s.prompt[: len(f.prompt)] == f.prompt for f in first) for s in second)
+
+
+@pytest.mark.parametrize(
+    ("argv", "what"),
+    [
+        (["--nodes", "0"], "--nodes must be at least 2, got 0"),
+        (["--requests", "0"], "--requests must be at least 1, got 0"),
+        (["--node-threads", "0"], "--node-threads must be at least 1, got 0"),
+        (["--workload", "qa", "--time-scale", "1"], "--workload qa takes --qa-gap-ms"),
+        (["--workload", "qa", "--qa-gap-ms", "-1"], "--qa-gap-ms not negative"),
+    ],
+)
+def test_bad_options_stop_the_bench_with_their_name(argv: list[str], what: str) -> None:
+    from bench.replay import main
+
+    with pytest.raises(SystemExit, match=what):  # before any model is made or cluster started
+        main(argv)
