@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.native import DecodeKernel
+from engine.native import DecodeKernel, PrefillKernel
 
 
 @dataclass(slots=True)
@@ -149,10 +149,12 @@ def paged_attention(
     window: int | None,
     workspace: GatherWorkspace,
     kernel: DecodeKernel | None = None,
+    prefill_kernel: PrefillKernel | None = None,
 ) -> torch.Tensor:
     """Attention of the step's queries ``q`` [T, H, D] over the cache (``k``/``v`` [T, Hkv, D] are this
     step's own keys and values, already written).  Returns [T, H, D].  With ``kernel`` (the native
-    decode attention, engine/native.py) decodes read the cache in place instead of gathering it."""
+    decode attention, engine/native.py) decodes read the cache in place instead of gathering it; with
+    ``prefill_kernel`` so do prefill chunks."""
     parts = []  # in row order: decode groups, then each prefill chunk
     for dec in meta.decodes:
         rows = slice(dec.row_start, dec.row_start + dec.num)
@@ -164,7 +166,13 @@ def paged_attention(
             parts.append(_decode_attention(q[rows], kv_cache, layer, dec, scale, window, workspace))
     for chunk in meta.prefills:
         rows = slice(chunk.row_start, chunk.row_start + chunk.num_tokens)
-        parts.append(_prefill_attention(q[rows], k[rows], v[rows], kv_cache, layer, chunk, scale, window))
+        if prefill_kernel is not None:
+            start = chunk.start_position
+            parts.append(
+                prefill_kernel(q[rows], kv_cache, layer, chunk.block_ids, start, scale=scale, window=window)
+            )
+        else:
+            parts.append(_prefill_attention(q[rows], k[rows], v[rows], kv_cache, layer, chunk, scale, window))
     return parts[0] if len(parts) == 1 else torch.cat(parts)  # [T, H, D]
 
 

@@ -28,7 +28,7 @@ from engine.attention import DECODE_GROUP_SIZE, AttentionMetadata, DecodeBatch, 
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from engine.kv_cache_manager import cdiv
 from engine.model.llama import ForwardContext, LlamaForCausalLM
-from engine.native import DecodeKernel, RopeKernel, native_kernels
+from engine.native import DecodeKernel, PrefillKernel, RopeKernel, native_kernels
 from engine.sampler import Sampler, SamplingRow
 from engine.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -75,28 +75,28 @@ class ModelRunner:
         self.connector = connector if connector is not None else NullConnector(KVConnectorRole.WORKER)
         self.connector.register_kv_caches(self.kv_cache)
         self.workspace = GatherWorkspace()
-        self.decode_kernel, self.rope_kernel = self._native_kernels(model, kv_spec, device, sampler)
+        self.decode_kernel, self.prefill_kernel, self.rope_kernel = self._native_kernels(
+            model, kv_spec, device, sampler
+        )
 
     @staticmethod
     def _native_kernels(
         model: LlamaForCausalLM, kv_spec: KVCacheSpec, device: torch.device, sampler: Sampler
-    ) -> tuple[DecodeKernel | None, RopeKernel | None]:
-        """The native kernels (engine/native.py) where they serve this model: the decode attention and
-        RoPE, which the forward context hands to the layers, and the norms', MLPs' and greedy sampler's
-        own, set here."""
+    ) -> tuple[DecodeKernel | None, PrefillKernel | None, RopeKernel | None]:
+        """The native kernels (engine/native.py) where they serve this model: the decode and prefill
+        attention and RoPE, which the forward context hands to the layers, and the norms', MLPs' and
+        greedy sampler's own, set here."""
         c = model.config
         kernels = native_kernels() if device.type == "cpu" else None
         model.use_native(kernels, kv_spec.dtype)  # None without a compiler: the torch ops
         sampler.argmax = kernels.argmax if kernels is not None else None
         if kernels is None:
-            return None, None
-        decode = (
-            kernels.decode
-            if DecodeKernel.supports(kv_spec.dtype, c.num_heads, c.num_kv_heads, c.head_dim)
-            else None
-        )
+            return None, None, None
+        shape = (kv_spec.dtype, c.num_heads, c.num_kv_heads, c.head_dim)
+        decode = kernels.decode if DecodeKernel.supports(*shape) else None
+        prefill = kernels.prefill if PrefillKernel.supports(*shape) else None
         rope = kernels.rope if RopeKernel.supports(kv_spec.dtype, c.head_dim) else None
-        return decode, rope
+        return decode, prefill, rope
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
@@ -114,7 +114,13 @@ class ModelRunner:
                 return out
             inputs = self.prepare(step.scheduled)
             ctx = ForwardContext(
-                self.kv_cache, inputs.attn, connector, self.workspace, self.decode_kernel, self.rope_kernel
+                self.kv_cache,
+                inputs.attn,
+                connector,
+                self.workspace,
+                self.decode_kernel,
+                self.rope_kernel,
+                self.prefill_kernel,
             )
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, hidden]
         except Exception as exc:

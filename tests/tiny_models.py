@@ -70,6 +70,11 @@ VARIANTS: dict[str, Variant] = {
     "mistral": Variant("mistral", (("sliding_window", None),)),
     "mistral_window": Variant("mistral", (("sliding_window", 8),)),
     "qwen2": Variant("qwen2", (("tie_word_embeddings", False),)),
+    # head_dim 32: the smallest the native prefill attention takes (engine/csrc/paged_prefill.c)
+    "llama_hd32": Variant("llama", (("hidden_size", 128), ("intermediate_size", 256))),
+    "mistral_window_hd32": Variant(
+        "mistral", (("hidden_size", 128), ("intermediate_size", 256), ("sliding_window", 8))
+    ),
 }
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, GatherWorkspace, paged_attention, write_kv
 from engine.model.config import ModelConfig
 from engine.model.rope import RotaryEmbedding, apply_rotary
-from engine.native import DecodeKernel, NativeKernels, RMSNormKernel, RopeKernel, SiluMulKernel
+from engine.native import DecodeKernel, NativeKernels, PrefillKernel, RMSNormKernel, RopeKernel, SiluMulKernel
 from engine.runner_hooks import KVHooks
 
 
@@ -35,6 +35,7 @@ class ForwardContext:
     workspace: GatherWorkspace
     decode_kernel: DecodeKernel | None = None  # native decode attention (engine/native.py), if built
     rope_kernel: RopeKernel | None = None  # native RoPE + K/V write, if built
+    prefill_kernel: PrefillKernel | None = None  # native prefill attention, if built and it serves the dtype
 
 
 class RMSNorm(nn.Module):
@@ -118,6 +119,7 @@ class Attention(nn.Module):
             window=self.window,
             workspace=ctx.workspace,
             kernel=ctx.decode_kernel,
+            prefill_kernel=ctx.prefill_kernel,
         )  # [T, H, D]
         ctx.hooks.save_kv_layer(self.layer, ctx.kv_cache, ctx.attn)
         return self.o_proj(out.reshape(t, self.q_size))  # [T, H * D] -> [T, hidden]

@@ -127,9 +127,18 @@ def test_half_precision_matches_transformers_in_the_same_dtype(dtype: str) -> No
     greedy pick is transformers' argmax (or within a hair of it) and every logprob is close."""
     llm = make_llm("llama", dtype=dtype)
     outs = llm.generate(PROMPTS, GREEDY)
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        assert len(out.token_ids) == NEW_TOKENS and out.logprobs is not None
-        logits = hf_logits("llama", dtype, [*prompt, *out.token_ids])
+    assert all(len(out.token_ids) == NEW_TOKENS for out in outs)
+    assert_teacher_forced("llama", dtype, PROMPTS, outs)
+
+
+def assert_teacher_forced(
+    name: str, dtype: str, prompts: Sequence[Sequence[int]], outs: Sequence[GenerationOutput]
+) -> None:
+    """Each of ``outs`` (greedy, with logprobs) checked against transformers' logits over prompt + output
+    in ``dtype``: every pick within HALF_MARGIN of transformers' best, every logprob within tolerance."""
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.logprobs is not None
+        logits = hf_logits(name, dtype, [*prompt, *out.token_ids])
         logprobs = logits.log_softmax(-1)
         for j, token in enumerate(out.token_ids):
             position = len(prompt) - 1 + j  # the logits that predicted output j

@@ -1,0 +1,302 @@
+/* Prefill attention read from the paged KV cache (engine/native.py builds and loads this file with
+ * paged_decode.c):
+ *
+ *   pdkv_paged_prefill   one prefill chunk's causal attention, bfloat16, AVX512-BF16
+ *
+ * A chunk is n query rows at positions start .. start + n - 1 of one sequence; its keys and values --
+ * the cached prefix and the chunk's own, already written -- are positions 0 .. start + n - 1 of the
+ * sequence's blocks.  The query at position p sees keys max(0, p - window + 1) .. p (window 0: none).
+ *
+ * torch's CPU flash attention runs this at 45-85 GFLOP/s on this machine kind; the dot products here are
+ * vdpbf16ps (32 bf16 products per instruction, float32 sums), flash-attention style:
+ *
+ *   1. pack: for each KV head and tile of KT = 32 keys, the keys and values are copied out of their
+ *      blocks into the layouts vdpbf16ps wants -- keys as [D/2][KT] pairs of dims (one vector holds
+ *      16 keys' (d, d+1)), values as [KT/2][D] pairs of keys (one vector: 16 dims of keys (k, k+1)).
+ *   2. attend: a task is one KV head and up to 64 / G query rows (with its G query heads: at most 64
+ *      query vectors, whose running max, sum and float32 output stay in the task's scratch).  For each
+ *      key tile up to the task's last row:
+ *          s   = scale * q . k              8 query vectors x 32 keys per register block
+ *          m'  = max(m, max s); p = exp(s - m'); l = l exp(m - m') + sum p   (masked keys: p = 0)
+ *          o   = o exp(m - m') + p . v      p rounded to bfloat16, as torch's flash kernel does
+ *      then out = o / l, rounded to bfloat16.
+ *
+ * Cache layout as in paged_decode.c: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#include "simd.h"
+
+#define KT 32      /* keys per tile */
+#define QVECS 64   /* query vectors (rows x heads of one KV head) per task, at most */
+#define QBLOCK 8   /* query vectors per register block of the scores */
+#define MAX_PACK_DWORDS 128 /* head_dim / 2, at most */
+
+typedef struct {
+    const uint16_t *q;
+    int64_t q_stride; /* elements from one query row to the next (its heads are contiguous) */
+    const uint16_t *cache;
+    uint16_t *out;
+    const int64_t *block_ids;
+    int64_t start, n, num_layers, layer, block_size, num_heads, num_kv_heads;
+    int D, G;
+    int64_t window;
+    float scale;
+    int64_t kbase, ntiles, rows_per_task; /* key tiles start at position kbase */
+    uint32_t *kpack, *vpack;              /* [num_kv_heads][ntiles][D / 2 * KT] dwords each */
+} Prefill;
+
+static inline int64_t first_visible(const Prefill *a, int64_t pos) {
+    return (a->window > 0 && pos - a->window + 1 > 0) ? pos - a->window + 1 : 0;
+}
+
+#ifdef __AVX512BF16__
+
+/* Step 1 for one KV head and key tile: keys and values out of their blocks into the packed layouts;
+ * positions outside first_visible(start) .. start + n - 1 are zeros (and masked out of every score). */
+static void pack_tile(const Prefill *a, int64_t kvh, int64_t t) {
+    const int D = a->D;
+    const int64_t bs = a->block_size, lo = first_visible(a, a->start), hi = a->start + a->n - 1;
+    const size_t tile = (size_t)(kvh * a->ntiles + t) * (size_t)(D / 2 * KT);
+    uint32_t *kp = a->kpack + tile;
+    uint16_t *vp = (uint16_t *)(a->vpack + tile);
+    for (int j = 0; j < KT; j++) {
+        const int64_t pos = a->kbase + t * KT + j;
+        uint16_t *vj = vp + (size_t)(j >> 1) * 2 * D + (j & 1); /* value dim d at vj[2 d] */
+        if (pos < lo || pos > hi) {
+            for (int p = 0; p < D / 2; p++) kp[p * KT + j] = 0;
+            for (int d = 0; d < D; d++) vj[2 * d] = 0;
+            continue;
+        }
+        /* token row (block, layer, kv = 0, offset) of the cache, then this KV head's part of it */
+        const size_t row = (size_t)((a->block_ids[pos / bs] * a->num_layers + a->layer) * 2 * bs + pos % bs);
+        const size_t token = (size_t)(a->num_kv_heads * D);
+        const uint16_t *k = a->cache + row * token + (size_t)kvh * D;
+        const uint16_t *v = k + (size_t)bs * token;
+        uint32_t kd[MAX_PACK_DWORDS];
+        memcpy(kd, k, sizeof(uint16_t) * (size_t)D);
+        for (int p = 0; p < D / 2; p++) kp[p * KT + j] = kd[p];
+        for (int d = 0; d < D; d++) vj[2 * d] = v[d];
+    }
+}
+
+/* The scores of QBLOCK query vectors (rows of q, D bf16 each) against one key tile: s[i][h] holds keys
+ * 16 h .. 16 h + 15, times the scale. */
+INLINE void tile_scores(const uint16_t *q, const uint32_t *kp, float scale, __m512 s[QBLOCK][2], const int D) {
+    for (int i = 0; i < QBLOCK; i++) s[i][0] = s[i][1] = _mm512_setzero_ps();
+    for (int p = 0; p < D / 2; p++) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + p * KT);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + p * KT + 16);
+        for (int i = 0; i < QBLOCK; i++) {
+            int32_t pair;
+            memcpy(&pair, q + (size_t)i * D + 2 * p, sizeof pair);
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
+            s[i][0] = _mm512_dpbf16_ps(s[i][0], k0, qb);
+            s[i][1] = _mm512_dpbf16_ps(s[i][1], k1, qb);
+        }
+    }
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int i = 0; i < QBLOCK; i++) {
+        s[i][0] = _mm512_mul_ps(s[i][0], sv);
+        s[i][1] = _mm512_mul_ps(s[i][1], sv);
+    }
+}
+
+/* o[i] = o[i] * corr[i] + sum_k p[i][k] v[k] for QB query vectors (QB * D / 16 = 16 accumulators). */
+INLINE void tile_values(float *o, const uint16_t *p, const uint32_t *vp, const float *corr, const int D,
+                        const int QB) {
+    const int C = D / 16;
+    __m512 acc[16];
+    for (int i = 0; i < QB; i++)
+        for (int c = 0; c < C; c++)
+            acc[i * C + c] = _mm512_mul_ps(_mm512_loadu_ps(o + (size_t)i * D + 16 * c), _mm512_set1_ps(corr[i]));
+    for (int kp = 0; kp < KT / 2; kp++) {
+        for (int c = 0; c < C; c++) {
+            const __m512bh v = (__m512bh)_mm512_loadu_si512(vp + (size_t)kp * D + 16 * c);
+            for (int i = 0; i < QB; i++) {
+                int32_t pair;
+                memcpy(&pair, p + (size_t)i * KT + 2 * kp, sizeof pair);
+                acc[i * C + c] = _mm512_dpbf16_ps(acc[i * C + c], v, (__m512bh)_mm512_set1_epi32(pair));
+            }
+        }
+    }
+    for (int i = 0; i < QB; i++)
+        for (int c = 0; c < C; c++) _mm512_storeu_ps(o + (size_t)i * D + 16 * c, acc[i * C + c]);
+}
+
+/* Task scratch: the query vectors (copied, zero-padded to whole blocks), their float32 outputs, running
+ * maxima, sums and corrections, and one tile's probabilities. */
+typedef struct {
+    uint16_t *q; /* [QVECS][D] */
+    float *o;    /* [QVECS][D] */
+    float *m, *l, *corr;
+    uint16_t *p; /* [QVECS][KT] */
+} Scratch;
+
+static _Thread_local void *task_scratch;
+static _Thread_local size_t task_scratch_bytes;
+
+static int scratch_for(int D, Scratch *s) {
+    const size_t bytes = (size_t)QVECS * D * (2 + 4) + 3 * QVECS * sizeof(float) + (size_t)QVECS * KT * 2;
+    if (bytes > task_scratch_bytes) {
+        void *grown = realloc(task_scratch, bytes);
+        if (grown == NULL) return 1;
+        task_scratch = grown;
+        task_scratch_bytes = bytes;
+    }
+    char *b = task_scratch;
+    s->o = (float *)b;
+    s->m = s->o + (size_t)QVECS * D;
+    s->l = s->m + QVECS;
+    s->corr = s->l + QVECS;
+    s->q = (uint16_t *)(s->corr + QVECS);
+    s->p = s->q + (size_t)QVECS * D;
+    return 0;
+}
+
+/* Step 2: KV head kvh, query rows r0 .. r0 + rows - 1 of the chunk. */
+INLINE int attend_rows(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows, const int D) {
+    Scratch s;
+    if (scratch_for(D, &s)) return 1;
+    const int G = a->G, nq = (int)rows * G, nb = (nq + QBLOCK - 1) / QBLOCK;
+    /* query vector i = row r0 + i / G, head kvh * G + i % G */
+    for (int i = 0; i < nb * QBLOCK; i++) {
+        uint16_t *qi = s.q + (size_t)i * D;
+        if (i < nq)
+            memcpy(qi, a->q + (size_t)((r0 + i / G) * a->q_stride + (kvh * G + i % G) * D), 2 * (size_t)D);
+        else
+            memset(qi, 0, 2 * (size_t)D);
+        s.m[i] = -INFINITY;
+        s.l[i] = 0.0f;
+    }
+    memset(s.o, 0, sizeof(float) * (size_t)nq * D);
+    const int64_t first_row_pos = a->start + r0, last = first_row_pos + rows - 1;
+    const int64_t t0 = (first_visible(a, first_row_pos) - a->kbase) / KT, t1 = (last - a->kbase) / KT;
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int64_t t = t0; t <= t1; t++) {
+        const size_t tile = (size_t)(kvh * a->ntiles + t) * (size_t)(D / 2 * KT);
+        const __m512i k0 = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(a->kbase + t * KT)), iota);
+        const __m512i k1 = _mm512_add_epi32(k0, _mm512_set1_epi32(16));
+        for (int b = 0; b < nb; b++) {
+            __m512 sc[QBLOCK][2];
+            tile_scores(s.q + (size_t)b * QBLOCK * D, a->kpack + tile, a->scale, sc, D);
+            for (int j = 0; j < QBLOCK; j++) {
+                const int i = b * QBLOCK + j;
+                if (i >= nq) break;
+                const int64_t pos = first_row_pos + i / G;
+                const __m512i hi = _mm512_set1_epi32((int32_t)pos);
+                const __m512i lo = _mm512_set1_epi32((int32_t)first_visible(a, pos));
+                const __mmask16 v0 = _mm512_cmple_epi32_mask(k0, hi) & _mm512_cmpge_epi32_mask(k0, lo);
+                const __mmask16 v1 = _mm512_cmple_epi32_mask(k1, hi) & _mm512_cmpge_epi32_mask(k1, lo);
+                uint16_t *pi = s.p + (size_t)i * KT;
+                const float tmax = fmaxf(_mm512_mask_reduce_max_ps(v0, sc[j][0]),
+                                         _mm512_mask_reduce_max_ps(v1, sc[j][1]));
+                if (!(v0 | v1) || tmax == -INFINITY) { /* nothing visible in this tile */
+                    memset(pi, 0, 2 * KT);
+                    s.corr[i] = 1.0f;
+                    continue;
+                }
+                const float m = s.m[i] > tmax ? s.m[i] : tmax;
+                const __m512 mv = _mm512_set1_ps(m);
+                const __m512 p0 = _mm512_maskz_mov_ps(v0, exp512(_mm512_sub_ps(sc[j][0], mv)));
+                const __m512 p1 = _mm512_maskz_mov_ps(v1, exp512(_mm512_sub_ps(sc[j][1], mv)));
+                const float corr = s.m[i] == -INFINITY ? 0.0f : expf(s.m[i] - m);
+                s.l[i] = s.l[i] * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+                s.m[i] = m;
+                s.corr[i] = corr;
+                _mm512_storeu_si512(pi, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)); /* keys 0..31 in order */
+            }
+        }
+        const int QB = 256 / D; /* query vectors per block of the values: 16 accumulators */
+        const uint32_t *vp = a->vpack + tile;
+        int i = 0;
+        for (; i + QB <= nq; i += QB) tile_values(s.o + (size_t)i * D, s.p + (size_t)i * KT, vp, s.corr + i, D, QB);
+        for (; i < nq; i++) tile_values(s.o + (size_t)i * D, s.p + (size_t)i * KT, vp, s.corr + i, D, 1);
+    }
+    for (int i = 0; i < nq; i++) {
+        uint16_t *out = a->out + (size_t)((r0 + i / G) * a->num_heads + kvh * G + i % G) * D;
+        const __m512 inv = _mm512_set1_ps(1.0f / s.l[i]);
+        for (int c = 0; c < D / 16; c++)
+            _mm256_storeu_si256((__m256i *)(out + 16 * c),
+                                to_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(s.o + (size_t)i * D + 16 * c), inv)));
+    }
+    return 0;
+}
+
+static int attend_task(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows) {
+    switch (a->D) { /* head sizes as constants, so the register blocks unroll */
+    case 64: return attend_rows(a, kvh, r0, rows, 64);
+    case 128: return attend_rows(a, kvh, r0, rows, 128);
+    default: return attend_rows(a, kvh, r0, rows, a->D);
+    }
+}
+
+/* The shared packed keys and values, grown by the calling thread (never by the pool's threads, which
+ * only read them). */
+static _Thread_local void *pack;
+static _Thread_local size_t pack_bytes;
+
+#endif /* __AVX512BF16__ */
+
+/* q: the chunk's queries, row i at q + i * q_stride (its num_heads heads contiguous); out: [n, num_heads,
+ * head_dim] contiguous; block_ids: the sequence's blocks, num_ids of them, covering positions
+ * 0 .. start + n - 1.  Returns 0; 1 when memory could not be allocated; 2 for what this build or the
+ * shape cannot take (no AVX512-BF16, head_dim not a multiple of 32 or over 256, more than 16 query heads
+ * per KV head); 3 for a block id, position or layer outside the table or the cache (nothing is read). */
+int pdkv_paged_prefill(const void *q, int64_t q_stride, const void *cache, void *out, const int64_t *block_ids,
+                       int64_t num_ids, int64_t start, int64_t n, int64_t num_layers, int64_t layer,
+                       int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       int64_t window, float scale, int64_t num_blocks) {
+#ifndef __AVX512BF16__
+    (void)q, (void)q_stride, (void)cache, (void)out, (void)block_ids, (void)num_ids, (void)start, (void)n;
+    (void)num_layers, (void)layer, (void)block_size, (void)num_heads, (void)num_kv_heads, (void)head_dim;
+    (void)window, (void)scale, (void)num_blocks;
+    return 2;
+#else
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > 16 || head_dim % 32 ||
+        head_dim <= 0 || head_dim > 2 * MAX_PACK_DWORDS || block_size <= 0 || n <= 0 || start < 0)
+        return 2;
+    if (layer < 0 || layer >= num_layers || (start + n + block_size - 1) / block_size > num_ids) return 3;
+    const int G = (int)(num_heads / num_kv_heads);
+    Prefill a = {q, q_stride, cache, out, block_ids, start, n, num_layers, layer, block_size, num_heads,
+                 num_kv_heads, (int)head_dim, G, window, scale, 0, 0, QVECS / G, NULL, NULL};
+    a.kbase = first_visible(&a, start) / KT * KT;
+    a.ntiles = (start + n - a.kbase + KT - 1) / KT;
+    for (int64_t k = first_visible(&a, start) / block_size; k <= (start + n - 1) / block_size; k++)
+        if (block_ids[k] < 0 || block_ids[k] >= num_blocks) return 3;
+    const size_t half = (size_t)(num_kv_heads * a.ntiles) * (size_t)(head_dim / 2 * KT) * sizeof(uint32_t);
+    if (2 * half > pack_bytes) {
+        void *grown = realloc(pack, 2 * half);
+        if (grown == NULL) return 1;
+        pack = grown;
+        pack_bytes = 2 * half;
+    }
+    a.kpack = pack;
+    a.vpack = (uint32_t *)((char *)pack + half);
+    const int64_t tasks_per_head = (n + a.rows_per_task - 1) / a.rows_per_task;
+    int failed = 0;
+#pragma omp parallel
+    {
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
+            for (int64_t t = 0; t < a.ntiles; t++) pack_tile(&a, kvh, t);
+        int bad = 0;
+        /* the last rows see the most keys: hand them out first */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = num_kv_heads * tasks_per_head - 1; task >= 0; task--) {
+            const int64_t kvh = task % num_kv_heads, r0 = (task / num_kv_heads) * a.rows_per_task;
+            const int64_t rows = n - r0 < a.rows_per_task ? n - r0 : a.rows_per_task;
+            if (!bad) bad = attend_task(&a, kvh, r0, rows);
+        }
+        if (bad) {
+#pragma omp atomic write
+            failed = 1;
+        }
+    }
+    return failed;
+#endif
+}

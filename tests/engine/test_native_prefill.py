@@ -1,0 +1,130 @@
+"""The native prefill attention (engine/csrc/paged_prefill.c) against the torch path.
+
+The kernel reads a chunk's keys and values -- its cached prefix and its own, already written -- from the
+paged cache and runs flash-attention style with bfloat16 dot products; the torch path gathers the prefix
+and runs SDPA with a causal mask.  Both must agree (to bfloat16 rounding of the probabilities and the
+output) for every chunk the engine makes: first chunks and later ones, one row or hundreds, grouped and
+plain heads, sliding windows, blocks in any order, and must never read a block outside the chunk's table.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import native
+from engine.attention import PrefillChunk, _prefill_attention
+from tests.engine.test_model_parity import GREEDY, assert_teacher_forced, make_llm
+from tests.tiny_models import random_prompts
+
+pytestmark = pytest.mark.skipif(
+    not native.PrefillKernel.supports(torch.bfloat16, 4, 2, 32), reason="needs a CPU with AVX512-BF16"
+)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> native.PrefillKernel:
+    kernels = native.native_kernels()
+    assert kernels is not None, "the native kernels did not build on this machine (gcc is part of the setup)"
+    return kernels.prefill
+
+
+def _case(
+    heads: int, kv_heads: int, head_dim: int, block_size: int, start: int, n: int
+) -> tuple[torch.Tensor, torch.Tensor, PrefillChunk]:
+    """A cache whose blocks outside the chunk's table are NaN, the chunk's (shuffled) table, and its
+    queries as the engine hands them over: a strided view of the rotated [n, H + Hkv, D]."""
+    gen = torch.Generator().manual_seed(start * 31 + n + heads + head_dim)
+    layers, used = 2, -(-(start + n) // block_size)
+    num_blocks = used + 16
+    cache = torch.full((num_blocks, layers, 2, block_size, kv_heads, head_dim), float("nan"))
+    table = torch.randperm(num_blocks, generator=gen)[:used]
+    cache[table] = torch.randn(used, layers, 2, block_size, kv_heads, head_dim, generator=gen)
+    qk = torch.randn(n, heads + kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    return qk[:, :heads], cache.to(torch.bfloat16), PrefillChunk(0, n, start, table)
+
+
+def _torch_path(
+    q: torch.Tensor, cache: torch.Tensor, layer: int, chunk: PrefillChunk, window: int | None
+) -> torch.Tensor:
+    """The engine's SDPA path, its own keys and values taken from the cache where the kernel reads them."""
+    bs, head_dim = cache.shape[3], cache.shape[5]
+    rows = torch.arange(chunk.start_position, chunk.context_len)
+    blocks = chunk.block_ids[rows // bs]
+    k = cache[blocks, layer, 0, rows % bs]  # [n, Hkv, D]
+    v = cache[blocks, layer, 1, rows % bs]
+    clean = cache.nan_to_num(0.0)  # SDPA reads whole gathered blocks; the kernel only visible keys
+    return _prefill_attention(q, k, v, clean, layer, chunk, head_dim**-0.5, window)
+
+
+SHAPES = [
+    # heads, kv_heads, head_dim, block_size
+    (9, 3, 64, 16),  # SmolLM2's heads
+    (4, 2, 128, 8),
+    (8, 8, 32, 4),  # no grouping
+    (16, 1, 64, 16),  # multi-query: 4 rows per task
+]
+CHUNKS = [
+    # start, n: a first chunk of one row, rows ending on and off tiles and tasks, later chunks
+    (0, 1),
+    (0, 7),
+    (0, 64),
+    (0, 150),
+    (5, 1),
+    (37, 50),
+    (100, 300),
+]
+
+
+@pytest.mark.parametrize("window", [None, 1, 8, 40])
+@pytest.mark.parametrize("chunk", CHUNKS, ids=[f"start{c[0]}n{c[1]}" for c in CHUNKS])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"h{s[0]}kv{s[1]}d{s[2]}bs{s[3]}" for s in SHAPES])
+def test_the_kernel_matches_the_torch_path(
+    kernel: native.PrefillKernel, shape: tuple, chunk: tuple, window: int | None
+) -> None:
+    heads, kv_heads, head_dim, block_size = shape
+    q, cache, pc = _case(heads, kv_heads, head_dim, block_size, *chunk)
+    for layer in range(cache.shape[1]):
+        got = kernel(q, cache, layer, pc.block_ids, pc.start_position, scale=head_dim**-0.5, window=window)
+        want = _torch_path(q, cache, layer, pc, window)
+        assert got.shape == want.shape and got.dtype == torch.bfloat16
+        assert torch.isfinite(got).all(), "the kernel read a block outside the chunk's table"
+        # both round their probabilities to bfloat16, in different places, and the output once
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_strided_queries_are_read_in_place(kernel: native.PrefillKernel) -> None:
+    q, cache, pc = _case(9, 3, 64, 16, 20, 45)
+    assert not q.is_contiguous()
+    got = kernel(q, cache, 1, pc.block_ids, 20, scale=0.125, window=None)
+    assert torch.equal(got, kernel(q.contiguous(), cache, 1, pc.block_ids, 20, scale=0.125, window=None))
+
+
+def test_a_bad_block_table_raises_instead_of_reading_outside_the_cache(kernel: native.PrefillKernel) -> None:
+    q, cache, pc = _case(4, 2, 32, 4, 6, 9)  # positions 6..14: blocks 0..3
+    for table, match in (
+        (pc.block_ids.clone().fill_(cache.shape[0]), "outside"),  # a block id past the cache
+        (pc.block_ids.clone().fill_(-1), "outside"),
+        (pc.block_ids[:3], "beyond the 3 given"),  # too short for the chunk
+    ):
+        with pytest.raises(IndexError, match=match):
+            kernel(q, cache, 0, table, 6, scale=0.25, window=None)
+    with pytest.raises(IndexError, match="layer"):
+        kernel(q, cache, cache.shape[1], pc.block_ids, 6, scale=0.25, window=None)
+
+
+@pytest.mark.parametrize("name", ["llama_hd32", "mistral_window_hd32"])
+def test_a_bfloat16_engine_prefills_with_the_kernel_and_matches_transformers(name: str) -> None:
+    """Chunked (7 tokens a step), with a prefix hit and a window: teacher-forced against transformers."""
+    shared = random_prompts([26], seed=3)[0]
+    prompts = [*random_prompts([5, 17, 40], seed=2), [*shared, 4, 5], [*shared, 9]]
+    llm = make_llm(name, dtype="bfloat16", max_num_batched_tokens=7)
+    assert llm.engine.runner.prefill_kernel is not None
+    outs = llm.generate(prompts[:4], GREEDY) + llm.generate(prompts[4:], GREEDY)
+    assert outs[-1].num_cached_tokens == 24
+    assert_teacher_forced(name, "bfloat16", prompts, outs)
+
+
+def test_float32_keeps_sdpa() -> None:
+    """float32 is the dtype compared with transformers token for token: its prefill stays on SDPA."""
+    assert make_llm("llama_hd32").engine.runner.prefill_kernel is None
