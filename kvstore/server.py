@@ -183,6 +183,7 @@ class StoreServer:
                 "server": "pdkv-kvstore",
                 "protocol": PROTOCOL_VERSION,
                 "tiers": [t.name for t in self.store.tiers],
+                "degraded": self.store.health(),  # tier -> why it cannot serve now
             }
             return [encode_reply(request.id, info=info)], []
         if request.op == "stats":

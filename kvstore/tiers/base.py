@@ -306,6 +306,16 @@ class Tier(ABC):
             self._changed("removed", [run.key(i) for i in range(len(run))])
         return deleted or 0
 
+    def health(self, deadline: Deadline | None = None) -> str | None:
+        """None when the backend answers now; otherwise why not (never raises).  A cheap probe of the
+        backend under the read breaker: one that fails opens the breaker, so while the backend stays down
+        later checks answer at once (with the last error) instead of waiting on it again."""
+        deadline = deadline or Deadline.after(self.policy.lookup_timeout_s)
+        _, reason = self._call("probe", "lookup", self.read_breaker, lambda: self._probe(deadline), deadline)
+        if reason is None:
+            return None
+        return f"{reason.value}: {self.metrics.last_error or 'recent calls failed, retried after a cooldown'}"
+
     def _changed(self, kind: str, keys: Sequence[bytes]) -> None:
         hook = self.on_change
         if hook is not None and keys:
@@ -400,6 +410,10 @@ class Tier(ABC):
 
     @abstractmethod
     def _delete(self, run: KeyRun, deadline: Deadline) -> int: ...
+
+    def _probe(self, deadline: Deadline) -> None:
+        """Raise when the backend cannot serve (``health``); memory tiers always can."""
+        return None
 
     def _backend_stats(self) -> dict[str, Any]:
         return {}

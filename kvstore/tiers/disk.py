@@ -43,7 +43,7 @@ from kvstore.deadline import Deadline
 from kvstore.keys import KeyRun
 from kvstore.layout import BlockLayout
 from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit
-from kvstore.tiers.base import Ghosts, Tier, TierPolicy
+from kvstore.tiers.base import Ghosts, Tier, TierError, TierPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,13 @@ class DiskTier(Tier):
                 exc,
             )
             self.discarded_on_start = 0
+
+    def _probe(self, deadline: Deadline) -> None:
+        """The folder is there, writable, and its file system has room for a block."""
+        if not os.path.isdir(self.root) or not os.access(self.root, os.W_OK | os.X_OK):
+            raise TierError(f"{self.root} is not a writable folder")
+        if os.statvfs(self.root).f_bavail == 0:
+            raise TierError(f"the file system of {self.root} is full")
 
     # ---- paths ---------------------------------------------------------------------------------------
 

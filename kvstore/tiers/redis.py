@@ -205,6 +205,13 @@ class RedisTier(Tier):
         """One connection per pool of ``plan``, released (and on failure disconnected) with ``stack``."""
         return [stack.enter_context(self._connection(pool, deadline)) for pool, _ in plan]
 
+    def _probe(self, deadline: Deadline) -> None:
+        """PING the server (every primary of a cluster), each over a pooled connection by the deadline."""
+        for pool in self._primary_pools() if self.config.cluster else [self._standalone_pool()]:
+            with self._connection(pool, deadline) as conn:
+                conn.send_command("PING")
+                conn.read_response()
+
     # ---- lookups ---------------------------------------------------------------------------------------
 
     def _contains_prefix(self, run: KeyRun, deadline: Deadline) -> int:

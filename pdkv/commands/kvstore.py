@@ -4,7 +4,10 @@
     pdkv kvstore ping --connect tcp://127.0.0.1:7600
 
 ``serve`` prints ``pdkv kvstore: serving on ENDPOINT`` once it accepts requests and exits 0 on SIGTERM or
-SIGINT.  ``ping`` exits 0 when the server answers within ``--timeout-ms`` (a health check for scripts).
+SIGINT.  ``ping`` is a health check: it exits 0 when the server answers within ``--timeout-ms`` and every
+tier can serve (a Redis tier answers its PING, a disk tier's folder is writable and not full), 1 otherwise,
+naming each failing tier.  With ``--liveness`` an answering server is enough (for orchestrators that
+restart what fails a check: a store whose Redis is down still serves its other tiers).
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ def register(subparsers: Any) -> None:
     ping.add_argument("--connect", required=True, metavar="ENDPOINT", help="e.g. tcp://127.0.0.1:7600")
     ping.add_argument("--timeout-ms", type=int, default=1000)
     ping.add_argument("--stats", action="store_true", help="also print the server's counters as JSON")
+    ping.add_argument(
+        "--liveness",
+        action="store_true",
+        help="exit 0 when the server answers, even with a tier that cannot serve (default: exit 1 then)",
+    )
     ping.set_defaults(func=_ping)
 
 
@@ -43,13 +51,17 @@ def _ping(args: argparse.Namespace) -> int:
 
     tier = RemoteTier(RemoteTierConfig(args.connect, timeout_s=args.timeout_ms / 1000))
     try:
-        info = tier.ping(Deadline.after(args.timeout_ms / 1000))
+        pong = tier.ping(Deadline.after(args.timeout_ms / 1000))
+        info: dict[str, Any] = pong
         if args.stats:
-            info = {"ping": info, "stats": tier.server_stats(Deadline.after(args.timeout_ms / 1000))}
+            info = {"ping": pong, "stats": tier.server_stats(Deadline.after(args.timeout_ms / 1000))}
     except (TierError, TierTimeout) as exc:
         print(f"pdkv kvstore ping: {args.connect}: {exc}")
         return 1
     finally:
         tier.close()
     print(json.dumps(info, indent=2, sort_keys=True, default=str))
-    return 0
+    degraded = pong.get("degraded") or {}
+    for name, why in sorted(degraded.items()):
+        print(f"pdkv kvstore ping: {args.connect}: tier {name} cannot serve: {why}")
+    return 0 if args.liveness or not degraded else 1

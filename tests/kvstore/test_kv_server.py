@@ -12,7 +12,17 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
-from kvtest import BLOCK, LAYOUT, NAMESPACE, OTHER_NAMESPACE, Blocks, StoreServerProcess, wait_until
+from kvtest import (
+    BLOCK,
+    LAYOUT,
+    NAMESPACE,
+    OTHER_NAMESPACE,
+    Blocks,
+    RedisProcess,
+    StoreServerProcess,
+    requires_redis,
+    wait_until,
+)
 
 from kvstore.breaker import BreakerConfig
 from kvstore.codec import BlockCodec
@@ -239,6 +249,41 @@ def test_pdkv_kvstore_command_line(store_server: StartServer, capsys: pytest.Cap
     server.kill()
     args = parser.parse_args(["kvstore", "ping", "--connect", server.endpoint, "--timeout-ms", "200"])
     assert args.func(args) == 1
+
+
+@requires_redis
+def test_ping_is_not_green_while_a_tier_cannot_serve(
+    store_server: StartServer, redis_server: RedisProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fault drill: the Redis behind the store stops, then its disk folder goes away.  The store keeps
+    serving its other tiers, and its health check says which tier cannot serve and why."""
+    from pdkv.commands import kvstore as command
+
+    parser = argparse.ArgumentParser(prog="pdkv")
+    command.register(parser.add_subparsers(dest="command", required=True))
+    disk = tmp_path / "disk"
+    server = store_server(f"cpu:1MiB,disk:{disk}:1MiB,{redis_server.url}")
+
+    def ping(*extra: str) -> tuple[int, str]:
+        args = parser.parse_args(["kvstore", "ping", "--connect", server.endpoint, *extra])
+        code = args.func(args)
+        return code, capsys.readouterr().out
+
+    code, out = ping()
+    assert code == 0 and '"degraded": {}' in out
+    redis_server.stop()
+    code, out = ping()
+    assert code == 1 and "tier redis cannot serve: error:" in out, out
+    assert ping("--liveness")[0] == 0, "the server answers: alive, if degraded"
+    started = time.monotonic()
+    assert ping()[0] == 1
+    assert time.monotonic() - started < 0.2, "the open breaker answers without waiting on Redis again"
+    disk.rename(tmp_path / "gone")
+    code, out = ping()
+    assert code == 1 and f"tier disk cannot serve: error: probe: TierError: {disk} is not a writable folder" in out
+    redis_server.start()
+    (tmp_path / "gone").rename(disk)
+    wait_until(lambda: ping()[0] == 0, 5.0, "the tiers back in service")
 
 
 def test_two_engines_share_blocks_through_the_server(store_server: StartServer) -> None:
