@@ -58,6 +58,12 @@ _ARGTYPES: list[Any] = [_PTR, _PTR, _PTR, _PTR, _PTR] + [_INT64] * 9 + [ctypes.c
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}  # the kernel's bf16 flag
 
 
+def _rows_of_contiguous_heads(q: torch.Tensor) -> torch.Tensor:
+    """``q`` [rows, H, D] as the attention kernels read it: rows may be strided (the engine's q is a view
+    of the rotated q and k), each row's heads may not."""
+    return q if q.stride(2) == 1 and q.stride(1) == q.shape[2] else q.contiguous()
+
+
 @dataclass(frozen=True)
 class DecodeKernel:
     """``pdkv_paged_decode`` of the built library."""
@@ -92,8 +98,7 @@ class DecodeKernel:
         assert kv_cache.is_contiguous() and block_table.is_contiguous() and positions.is_contiguous()
         assert block_table.dtype == torch.int64 and positions.dtype == torch.int64
         assert q.dtype == kv_cache.dtype and kv_cache.device.type == "cpu"  # one dtype flag for both
-        if q.stride(2) != 1 or q.stride(1) != head_dim:
-            q = q.contiguous()  # rows may be strided (a view of the rotated q and k); heads may not
+        q = _rows_of_contiguous_heads(q)
         out = torch.empty(b, num_heads, head_dim, dtype=q.dtype)
         failed = self.function(
             q.data_ptr(),
@@ -139,13 +144,10 @@ class PrefillKernel:
     @staticmethod
     def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         return (
-            dtype == torch.bfloat16
+            DecodeKernel.supports(dtype, num_heads, num_kv_heads, head_dim)
+            and dtype == torch.bfloat16
             and "avx512_bf16" in cpu_flags()
-            and num_kv_heads > 0
-            and num_heads % num_kv_heads == 0
-            and num_heads // num_kv_heads <= MAX_GROUP
             and head_dim % 32 == 0
-            and 0 < head_dim <= MAX_HEAD_DIM
         )
 
     def __call__(
@@ -166,8 +168,7 @@ class PrefillKernel:
         n, num_heads, _ = q.shape
         assert kv_cache.is_contiguous() and block_ids.is_contiguous() and block_ids.dtype == torch.int64
         assert q.dtype == kv_cache.dtype == torch.bfloat16 and kv_cache.device.type == "cpu"
-        if q.stride(2) != 1 or q.stride(1) != head_dim:
-            q = q.contiguous()  # rows may be strided (a view of the rotated q and k); heads may not
+        q = _rows_of_contiguous_heads(q)
         out = torch.empty(n, num_heads, head_dim, dtype=q.dtype)
         failed = self.function(
             q.data_ptr(),
