@@ -280,7 +280,7 @@ def test_ping_is_not_green_while_a_tier_cannot_serve(
     assert time.monotonic() - started < 0.2, "the open breaker answers without waiting on Redis again"
     disk.rename(tmp_path / "gone")
     code, out = ping()
-    assert code == 1 and f"tier disk cannot serve: error: probe: TierError: {disk} is not a writable folder" in out
+    assert code == 1 and f"tier disk cannot serve: error: probe: TierError: {disk} is not a writable" in out
     redis_server.start()
     (tmp_path / "gone").rename(disk)
     wait_until(lambda: ping()[0] == 0, 5.0, "the tiers back in service")
