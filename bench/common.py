@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,10 +54,6 @@ def best_of_interleaved(
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)
     return best
-
-
-def median_of(fn: Callable[[], Any], *, repeat: int, warmup: int = 1) -> float:
-    return statistics.median(timings(fn, repeat=repeat, warmup=warmup))
 
 
 def random_prompts(

@@ -13,7 +13,8 @@ the time of its own matmuls.
 - **Matmul floor**: one decode step's linear layers alone -- ``F.linear`` over every weight of the model
   (fused qkv, o, fused gate/up, down per layer, and the LM head) at the step's batch size, same dtype and
   thread count -- against pdkv's measured decode step at that batch (``decode_fraction_of_matmul_floor_b8``
-  and ``_b32``, goal >= 0.8).  The rest of a step is attention, norms, rope, sampling and bookkeeping.
+  and ``_b32``, goal >= 0.8), the two timed in turns.  The rest of a step is attention, norms, rope,
+  sampling and bookkeeping.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import Report, median_of, parser, random_prompts, run_transformers
+from bench.common import Report, parser, random_prompts, run_transformers
 from engine import LLM, SamplingParams
 from engine.model.convert_gguf import convert_gguf
 from engine.model.embedded import ensure_default_model
@@ -46,10 +48,13 @@ def generate_seconds(llm: LLM, prompts: list[list[int]], new_tokens: int) -> flo
     return time.perf_counter() - start
 
 
-def decode_step_seconds(llm: LLM, batch: int, *, steps: int, context: int = 128) -> float:
-    """Median time of one engine step while ``batch`` requests (``context``-token prompts) decode."""
+def step_and_floor_seconds(llm: LLM, batch: int, *, steps: int, context: int = 128) -> tuple[float, float]:
+    """Median time of one engine step while ``batch`` requests (``context``-token prompts) decode, and of
+    the matmul floor at that batch, measured in turns -- a step, then the floor, ``steps`` times -- so that
+    a change in the shared host's load weighs on both alike."""
     engine = llm.engine
     assert engine.reset_prefix_cache()
+    floor = matmul_floor(llm, batch)
     params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
     for i, prompt in enumerate(make_prompts(batch, (context, context), 49152, seed=100 + batch)):
         engine.add_request(f"step-{batch}-{i}", prompt, params)
@@ -58,28 +63,33 @@ def decode_step_seconds(llm: LLM, batch: int, *, steps: int, context: int = 128)
     ):
         engine.step()  # prefill, in chunks
     engine.step()
-    times = []
+    for _ in range(3):
+        floor()  # warm up
+    step_times, floor_times = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         engine.step()
-        times.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        floor()
+        floor_times.append(time.perf_counter() - t1)
+        step_times.append(t1 - t0)
     while engine.has_unfinished_requests():
         engine.step()
-    return statistics.median(times)
+    return statistics.median(step_times), statistics.median(floor_times)
 
 
-def matmul_floor_seconds(llm: LLM, batch: int, *, repeat: int) -> float:
+def matmul_floor(llm: LLM, batch: int) -> Callable[[], None]:
     """One decode step's linear layers alone: every weight matrix of the model times [batch, in]."""
     weights = linear_weights(llm.engine.model.model)  # dense copies where the engine packed them
     dtype = weights[0].dtype
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
 
+    @torch.inference_mode()
     def step() -> None:
         for w in weights:
             F.linear(inputs[w.shape[1]], w)
 
-    with torch.inference_mode():
-        return median_of(step, repeat=repeat, warmup=3)
+    return step
 
 
 def ttft_seconds(llm: LLM, prompt: list[int], repeat: int = 3) -> float:
@@ -130,8 +140,7 @@ def run(
             report.figure(f"real_{tag}_transformers_output_tokens_per_s", total_new / min(theirs_s))
             results[f"speedup_{tag}"] = min(theirs_s) / min(ours)
             for batch in (1, 8, 32):
-                step_s = decode_step_seconds(llm, batch, steps=steps)
-                floor_s = matmul_floor_seconds(llm, batch, repeat=steps)
+                step_s, floor_s = step_and_floor_seconds(llm, batch, steps=steps)
                 report.figure(f"real_{tag}_decode_step_ms_b{batch}", step_s * 1e3)
                 report.figure(f"real_{tag}_matmul_floor_ms_b{batch}", floor_s * 1e3)
                 report.figure(f"real_{tag}_decode_tokens_per_s_b{batch}", batch / step_s)

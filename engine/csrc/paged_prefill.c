@@ -35,6 +35,9 @@
 #define QVECS 64   /* query vectors (rows x heads of one KV head) per task, at most */
 #define QBLOCK 8   /* query vectors per register block of the scores */
 #define MAX_PACK_DWORDS 128 /* head_dim / 2, at most */
+/* The packed keys and values are kept for the next call up to this size; a longer context's (tens of MB)
+ * are freed after the call rather than held for the life of the process. */
+#define PACK_KEEP_BYTES ((size_t)64 << 20)
 
 typedef struct {
     const uint16_t *q;
@@ -296,6 +299,11 @@ int pdkv_paged_prefill(const void *q, int64_t q_stride, const void *cache, void 
 #pragma omp atomic write
             failed = 1;
         }
+    }
+    if (pack_bytes > PACK_KEEP_BYTES) {
+        free(pack);
+        pack = NULL;
+        pack_bytes = 0;
     }
     return failed;
 #endif
