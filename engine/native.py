@@ -170,6 +170,8 @@ class PrefillKernel:
         assert q.dtype == kv_cache.dtype == torch.bfloat16 and kv_cache.device.type == "cpu"
         q = _rows_of_contiguous_heads(q)
         out = torch.empty(n, num_heads, head_dim, dtype=q.dtype)
+        if n == 0:
+            return out
         failed = self.function(
             q.data_ptr(),
             q.stride(0),
@@ -197,7 +199,12 @@ class PrefillKernel:
                 f"{block_ids.shape[0]} given, or a block id lies outside the cache's {num_blocks} blocks, "
                 f"or layer {layer} outside {num_layers}"
             )
-        assert failed == 0, "shape checked by supports()"
+        if failed == 2:
+            raise ValueError(
+                f"the native prefill attention does not take {num_heads} heads over {num_kv_heads} KV "
+                f"heads of {head_dim} (PrefillKernel.supports says which it does)"
+            )
+        assert failed == 0
         return out
 
 
@@ -356,7 +363,7 @@ class ArgmaxKernel:
 @dataclass(frozen=True)
 class NativeKernels:
     decode: DecodeKernel
-    prefill: PrefillKernel
+    prefill: PrefillKernel | None  # None where the build has no AVX512-BF16 code (an older compiler)
     rms_norm: RMSNormKernel
     rope: RopeKernel
     silu_mul: SiluMulKernel
@@ -390,6 +397,7 @@ def _load() -> NativeKernels | None:
     prefill = lib.pdkv_paged_prefill
     prefill.argtypes = [_PTR, _INT64, _PTR, _PTR, _PTR, *[_INT64] * 10, ctypes.c_float, _INT64]
     prefill.restype = ctypes.c_int
+    lib.pdkv_paged_prefill_built.restype = ctypes.c_int
     norm = lib.pdkv_rms_norm
     norm.argtypes = [_PTR] * 5 + [_INT64, _INT64, ctypes.c_float, _INT64]
     norm.restype = ctypes.c_int
@@ -407,7 +415,7 @@ def _load() -> NativeKernels | None:
     )
     return NativeKernels(
         DecodeKernel(decode),
-        PrefillKernel(prefill),
+        PrefillKernel(prefill) if lib.pdkv_paged_prefill_built() else None,
         RMSNormKernel(norm),
         RopeKernel(rope),
         SiluMulKernel(silu),

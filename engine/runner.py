@@ -94,7 +94,7 @@ class ModelRunner:
             return None, None, None
         shape = (kv_spec.dtype, c.num_heads, c.num_kv_heads, c.head_dim)
         decode = kernels.decode if DecodeKernel.supports(*shape) else None
-        prefill = kernels.prefill if PrefillKernel.supports(*shape) else None
+        prefill = kernels.prefill if PrefillKernel.supports(*shape) else None  # the build may lack it
         rope = kernels.rope if RopeKernel.supports(kv_spec.dtype, c.head_dim) else None
         return decode, prefill, rope
 

@@ -58,4 +58,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow a non-loopback --bind without CURVE ($PDKV_CURVE_DIR): only on a network you trust",
     )
+    parser.add_argument(
+        "--health-interval-ms",
+        type=int,
+        default=2000,
+        help="how often the tiers are probed for the health check (ping), off the serving loop",
+    )
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")

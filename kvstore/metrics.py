@@ -25,7 +25,7 @@ from typing import Any
 
 from kvstore.results import MissReason
 
-OPS = ("lookup", "get", "read", "put", "delete", "probe")  # probe: health checks (Tier.health)
+OPS = ("lookup", "get", "read", "put", "delete")
 _BUCKETS = 27  # 1 µs .. 2**26 µs (about 67 s); slower calls land in the last bucket
 
 

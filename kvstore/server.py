@@ -36,6 +36,7 @@ from engine.cpu_memory import tune_malloc_for_tensors
 from kvstore.cli import DEFAULT_BIND, READY_PREFIX, add_serve_arguments
 from kvstore.codec import HEADER_SIZE, HeaderMatcher, verify_payload
 from kvstore.curve import CurveKeys, server_socket, stop_authenticator
+from kvstore.health import HealthMonitor
 from kvstore.metrics import TierStats
 from kvstore.protocol import (
     PROTOCOL_VERSION,
@@ -98,6 +99,7 @@ class StoreServer:
         self._in_flight: list[tuple[zmq.MessageTracker, list[Unit]]] = []
         self.requests: Counter[str] = Counter()
         self.events: KVEventPublisher | None = None  # publish_events() turns it on
+        self.health: HealthMonitor | None = None  # watch_health() turns it on
         self._requests_lock = threading.Lock()  # /metrics reads the counts from its own thread
 
     # ---- the loop --------------------------------------------------------------------------------------
@@ -108,6 +110,11 @@ class StoreServer:
         self.store.enable_events()
         self.events = KVEventPublisher(STORE_PUBLISHER, bind, replay_bind, context=self._context)
         return self.events
+
+    def watch_health(self, interval_s: float = 2.0) -> HealthMonitor:
+        """Probe the tiers every ``interval_s`` in the background; pings report the last result."""
+        self.health = HealthMonitor(self.store, interval_s=interval_s).start()
+        return self.health
 
     def serve(self, stop: threading.Event, poll_ms: int = 100) -> None:
         """Serve until ``stop`` is set (checked at least every ``poll_ms``)."""
@@ -183,7 +190,8 @@ class StoreServer:
                 "server": "pdkv-kvstore",
                 "protocol": PROTOCOL_VERSION,
                 "tiers": [t.name for t in self.store.tiers],
-                "degraded": self.store.health(),  # tier -> why it cannot serve now
+                # tier -> why it could not serve at the last check (kvstore/health.py; none: not watched)
+                "degraded": self.health.degraded() if self.health is not None else {},
             }
             return [encode_reply(request.id, info=info)], []
         if request.op == "stats":
@@ -278,6 +286,8 @@ class StoreServer:
     def close(self) -> None:
         if self.events is not None:
             self.events.close()
+        if self.health is not None:
+            self.health.close()
         self._socket.close(linger=0)
         for _, units in self._in_flight:
             release_all(units)
@@ -363,11 +373,14 @@ def run_server(args: argparse.Namespace) -> int:
         args.bind, "the KV store", curve is not None, args.insecure, "CURVE ($PDKV_CURVE_DIR)"
     )
     limits = Limits(max_blocks=args.max_blocks, max_unit_bytes=args.max_block_bytes)
+    if args.health_interval_ms <= 0:
+        raise SystemExit(f"--health-interval-ms must be positive, got {args.health_interval_ms}")
     tune_malloc_for_tensors()
     store = TieredStore.from_config(args.kv_store)
     metrics: MetricsServer | None = None
     try:
         server = StoreServer(store, args.bind, limits=limits, verify_puts=args.verify_puts)
+        server.watch_health(args.health_interval_ms / 1000)
         if args.metrics_address:
             metrics = MetricsServer(args.metrics_address, server.metrics).start()
         if args.kv_events:

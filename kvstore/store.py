@@ -366,9 +366,10 @@ class TieredStore:
         """Wait for queued background writes (tests, shutdown); ``False`` if they did not finish in time."""
         return self._writer.drain(timeout_s)
 
-    def health(self, timeout_s: float = 0.25) -> dict[str, str]:
-        """The tiers that cannot serve now, by name, with why (empty: all can).  Each is probed with its
-        own ``timeout_s``; one whose breaker is open answers at once."""
+    def health(self, timeout_s: float = 1.0) -> dict[str, str]:
+        """The tiers that cannot serve now, by name, with why (empty: all can): ``Tier.health`` of each,
+        with its own ``timeout_s``.  It waits on the backends: call it off any latency-bound path
+        (kvstore/health.py does)."""
         reasons = {t.name: t.health(Deadline.after(timeout_s)) for t in self.tiers}
         return {name: why for name, why in reasons.items() if why is not None}
 

@@ -35,8 +35,9 @@
 #define QVECS 64   /* query vectors (rows x heads of one KV head) per task, at most */
 #define QBLOCK 8   /* query vectors per register block of the scores */
 #define MAX_PACK_DWORDS 128 /* head_dim / 2, at most */
-/* The packed keys and values are kept for the next call up to this size; a longer context's (tens of MB)
- * are freed after the call rather than held for the life of the process. */
+/* The packed keys and values are kept for the next call (every layer of a chunk packs the same size).
+ * Over this size, a call that needs less than a quarter of them gives them back, so one long prompt does
+ * not hold tens of MB for the life of the process. */
 #define PACK_KEEP_BYTES ((size_t)64 << 20)
 
 typedef struct {
@@ -245,6 +246,16 @@ static _Thread_local size_t pack_bytes;
 
 #endif /* __AVX512BF16__ */
 
+/* 1 when this build has the kernel (the compiler targeted AVX512-BF16), 0 when pdkv_paged_prefill can
+ * only refuse: the CPU's flags say what it runs, not what gcc emitted. */
+int pdkv_paged_prefill_built(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* q: the chunk's queries, row i at q + i * q_stride (its num_heads heads contiguous); out: [n, num_heads,
  * head_dim] contiguous; block_ids: the sequence's blocks, num_ids of them, covering positions
  * 0 .. start + n - 1.  Returns 0; 1 when memory could not be allocated; 2 for what this build or the
@@ -272,11 +283,11 @@ int pdkv_paged_prefill(const void *q, int64_t q_stride, const void *cache, void 
     for (int64_t k = first_visible(&a, start) / block_size; k <= (start + n - 1) / block_size; k++)
         if (block_ids[k] < 0 || block_ids[k] >= num_blocks) return 3;
     const size_t half = (size_t)(num_kv_heads * a.ntiles) * (size_t)(head_dim / 2 * KT) * sizeof(uint32_t);
-    if (2 * half > pack_bytes) {
-        void *grown = realloc(pack, 2 * half);
-        if (grown == NULL) return 1;
-        pack = grown;
-        pack_bytes = 2 * half;
+    if (2 * half > pack_bytes || (pack_bytes > PACK_KEEP_BYTES && 8 * half < pack_bytes)) {
+        free(pack); /* nothing in it is kept: no copy, as realloc would make */
+        pack = malloc(2 * half);
+        pack_bytes = pack == NULL ? 0 : 2 * half;
+        if (pack == NULL) return 1;
     }
     a.kpack = pack;
     a.vpack = (uint32_t *)((char *)pack + half);
@@ -299,11 +310,6 @@ int pdkv_paged_prefill(const void *q, int64_t q_stride, const void *cache, void 
 #pragma omp atomic write
             failed = 1;
         }
-    }
-    if (pack_bytes > PACK_KEEP_BYTES) {
-        free(pack);
-        pack = NULL;
-        pack_bytes = 0;
     }
     return failed;
 #endif

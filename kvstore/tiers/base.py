@@ -47,7 +47,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from kvstore.breaker import BreakerConfig, CircuitBreaker
+from kvstore.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from kvstore.buffers import BufferFence
 from kvstore.codec import check_header
 from kvstore.deadline import Deadline
@@ -307,14 +307,19 @@ class Tier(ABC):
         return deleted or 0
 
     def health(self, deadline: Deadline | None = None) -> str | None:
-        """None when the backend answers now; otherwise why not (never raises).  A cheap probe of the
-        backend under the read breaker: one that fails opens the breaker, so while the backend stays down
-        later checks answer at once (with the last error) instead of waiting on it again."""
-        deadline = deadline or Deadline.after(self.policy.lookup_timeout_s)
-        _, reason = self._call("probe", "lookup", self.read_breaker, lambda: self._probe(deadline), deadline)
-        if reason is None:
-            return None
-        return f"{reason.value}: {self.metrics.last_error or 'recent calls failed, retried after a cooldown'}"
+        """None when the tier can serve now; otherwise why not (never raises).  It cannot while a breaker
+        of its is open (calls of the data path failed) or while a cheap probe of its backend fails
+        (``_probe``).  The probe runs in the caller's thread and leaves the breakers alone: they are the
+        data path's, and a probe's failure (a full disk, say) need not stop reads."""
+        for what, breaker in (("reads", self.read_breaker), ("writes", self.write_breaker)):
+            if breaker.state is BreakerState.OPEN:
+                last = self.metrics.last_error or "none kept"
+                return f"{what} are cut off after failures (last error: {last})"
+        try:
+            self._probe(deadline or Deadline.after(self.policy.lookup_timeout_s))
+        except Exception as exc:
+            return f"probe failed: {type(exc).__name__}: {exc}"
+        return None
 
     def _changed(self, kind: str, keys: Sequence[bytes]) -> None:
         hook = self.on_change

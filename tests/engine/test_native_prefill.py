@@ -26,6 +26,7 @@ pytestmark = pytest.mark.skipif(
 def kernel() -> native.PrefillKernel:
     kernels = native.native_kernels()
     assert kernels is not None, "the native kernels did not build on this machine (gcc is part of the setup)"
+    assert kernels.prefill is not None, "gcc built no AVX512-BF16 code on a CPU that has it"
     return kernels.prefill
 
 
@@ -123,6 +124,19 @@ def test_a_bfloat16_engine_prefills_with_the_kernel_and_matches_transformers(nam
     outs = llm.generate(prompts[:4], GREEDY) + llm.generate(prompts[4:], GREEDY)
     assert outs[-1].num_cached_tokens == 24
     assert_teacher_forced(name, "bfloat16", prompts, outs)
+
+
+def test_an_empty_chunk_and_a_long_prefix_then_a_short_one(kernel: native.PrefillKernel) -> None:
+    """Nothing to attend returns nothing; a short chunk after a long prefix reuses the packing buffer the
+    long one grew, and both answer right."""
+    q, cache, pc = _case(4, 2, 32, 4, 0, 3)
+    assert kernel(q[:0], cache, 0, pc.block_ids, 0, scale=0.2, window=None).shape == (0, 4, 32)
+    for heads, kv_heads, head_dim, start, n in ((16, 8, 256, 4200, 2), (4, 2, 32, 0, 9)):
+        q, cache, pc = _case(heads, kv_heads, head_dim, 16, start, n)
+        got = kernel(q, cache, 1, pc.block_ids, start, scale=head_dim**-0.5, window=None)
+        torch.testing.assert_close(
+            got.float(), _torch_path(q, cache, 1, pc, None).float(), atol=2e-2, rtol=2e-2
+        )
 
 
 def test_float32_keeps_sdpa() -> None:

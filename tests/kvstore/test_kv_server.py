@@ -4,6 +4,7 @@ a server that dies or stalls mid-run, restarts, and the ``pdkv kvstore`` command
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -255,35 +256,68 @@ def test_pdkv_kvstore_command_line(store_server: StartServer, capsys: pytest.Cap
 def test_ping_is_not_green_while_a_tier_cannot_serve(
     store_server: StartServer, redis_server: RedisProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A fault drill: the Redis behind the store stops, then its disk folder goes away.  The store keeps
-    serving its other tiers, and its health check says which tier cannot serve and why."""
+    """A fault drill: the Redis behind the store hangs, then stops; then its disk folder goes away.  The
+    store keeps serving, its health check names each tier that cannot serve and why, and it answers at
+    once whatever the backends do (the probes run off the serving loop)."""
     from pdkv.commands import kvstore as command
 
     parser = argparse.ArgumentParser(prog="pdkv")
     command.register(parser.add_subparsers(dest="command", required=True))
     disk = tmp_path / "disk"
-    server = store_server(f"cpu:1MiB,disk:{disk}:1MiB,{redis_server.url}")
+    server = store_server(
+        f"cpu:1MiB,disk:{disk}:1MiB,{redis_server.url}", extra=("--health-interval-ms", "100")
+    )
 
     def ping(*extra: str) -> tuple[int, str]:
-        args = parser.parse_args(["kvstore", "ping", "--connect", server.endpoint, *extra])
+        args = parser.parse_args(
+            ["kvstore", "ping", "--connect", server.endpoint, "--timeout-ms", "500", *extra]
+        )
         code = args.func(args)
         return code, capsys.readouterr().out
 
     code, out = ping()
     assert code == 0 and '"degraded": {}' in out
-    redis_server.stop()
-    code, out = ping()
-    assert code == 1 and "tier redis cannot serve: error:" in out, out
-    assert ping("--liveness")[0] == 0, "the server answers: alive, if degraded"
+    redis_server.pause()  # it keeps its socket: the probe waits for its whole deadline
+    wait_until(lambda: ping()[0] == 1, 10.0, "the hung Redis reported")
     started = time.monotonic()
-    assert ping()[0] == 1
-    assert time.monotonic() - started < 0.2, "the open breaker answers without waiting on Redis again"
-    disk.rename(tmp_path / "gone")
     code, out = ping()
-    assert code == 1 and f"tier disk cannot serve: error: probe: TierError: {disk} is not a writable" in out
+    assert time.monotonic() - started < 0.3, "a ping does not wait on the hung backend"
+    assert code == 1 and "tier redis cannot serve: probe failed: TierTimeout" in out, out
+    assert ping("--liveness")[0] == 0, "the server answers: alive, if degraded"
+    redis_server.resume()
+    redis_server.stop()
+    wait_until(lambda: "connecting to" in ping()[1], 10.0, "the stopped Redis reported")
+    disk.rename(tmp_path / "gone")
+    wait_until(lambda: "tier disk cannot serve" in ping()[1], 10.0, "the missing folder reported")
+    assert f"probe failed: TierError: {disk} is not a writable folder" in ping()[1]
     redis_server.start()
     (tmp_path / "gone").rename(disk)
-    wait_until(lambda: ping()[0] == 0, 5.0, "the tiers back in service")
+    wait_until(lambda: ping()[0] == 0, 10.0, "the tiers back in service")
+
+
+def test_a_failed_probe_leaves_the_data_path_alone(
+    tmp_path: Path, make_blocks: Callable[..., Blocks]
+) -> None:
+    """A full disk cannot take writes, but its blocks still read: the health check says so without
+    opening a breaker that would cut the reads off."""
+    from kvstore.store import TieredStore
+
+    store = TieredStore.from_config(f"disk:{tmp_path}:1MiB")
+    try:
+        b = make_blocks(3)
+        assert store.put(b.run(), b.units()).stored == 3
+        real_statvfs = os.statvfs
+        full = real_statvfs(tmp_path)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(os, "statvfs", lambda _path: type(full)((*full[:4], 0, *full[5:])))  # f_bavail = 0
+            assert "file system of" in store.health()["disk"]
+            assert store.health()  # asked again: still the probe's answer, not a breaker's
+        disk = store.tiers[0]
+        assert disk.read_breaker.state.value == "closed" and disk.write_breaker.state.value == "closed"
+        assert store.contains_prefix(b.run()) == 3
+        assert store.health() == {}
+    finally:
+        store.close()
 
 
 def test_two_engines_share_blocks_through_the_server(store_server: StartServer) -> None:
