@@ -2,9 +2,9 @@
 
     python -m bench.llamacpp [--quick] [--json PATH]      (alone: llama.cpp's figures only)
 
-Needs ``llama_cpp`` (llama-cpp-python, built from source: ``pip install llama-cpp-python`` takes about
-5 minutes here; kept out of the default setup and CI).  ``PDKV_LLAMACPP_PATH`` may name a folder it was
-installed into with ``pip install --target``.
+Needs ``llama_cpp`` (llama-cpp-python, built from source: ``pip install llama-cpp-python`` takes 4-7
+minutes here; kept out of the default setup and CI).  ``PDKV_LLAMACPP_PATH`` may name a folder it was
+installed into with ``pip install --target`` (with ``--no-deps``, add ``diskcache``, which it imports).
 
 The model is the embedded default's weights as a **BF16 GGUF** (the Q4_1 file dequantized; norms stay
 F32; llama.cpp's q/k layout kept as the file has it), so both engines read the same bytes per step.
