@@ -199,7 +199,7 @@ INLINE void weighted_sum_avx(const float *p, const char *const *rows, size_t off
 /* scores[i] = scale * <q, K[i]> on bfloat16 rows with the AVX512-BF16 dot product: 32 products per
  * instruction straight from the cache's bytes (no conversion); float32 sums.  C2 = head_dim / 32. */
 INLINE void scores_dpbf16(const uint16_t *q, const char *const *rows, size_t off, int64_t n, float *scores,
-                          float scale, const int C2) {
+                          float scale, const int C2, const int prefetch) {
     __m512bh qv[8];
     for (int c = 0; c < C2; c++) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
     const __m512 sv = _mm512_set1_ps(scale);
@@ -209,7 +209,8 @@ INLINE void scores_dpbf16(const uint16_t *q, const char *const *rows, size_t off
         for (int t = 0; t < 16; t++) {
             part[t] = _mm512_setzero_ps();
             if (t < m) {
-                if (i + t + PREFETCH_AHEAD < n) prefetch_row(rows[i + t + PREFETCH_AHEAD] + off, 2 * 32 * C2);
+                if (prefetch && i + t + PREFETCH_AHEAD < n)
+                    prefetch_row(rows[i + t + PREFETCH_AHEAD] + off, 2 * 32 * C2);
                 const uint16_t *k = (const uint16_t *)(rows[i + t] + off);
                 for (int c = 0; c < C2; c++)
                     part[t] = _mm512_dpbf16_ps(part[t], qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
@@ -235,9 +236,9 @@ static void head_avx(const float *q, const char *qraw, float scale, const char *
 #ifdef __AVX512BF16__
     if (bf16 && C % 2 == 0) {
         if (C == 4)
-            scores_dpbf16((const uint16_t *)qraw, krows, off, n, scores, scale, 2);
+            scores_dpbf16((const uint16_t *)qraw, krows, off, n, scores, scale, 2, 1);
         else
-            scores_dpbf16((const uint16_t *)qraw, krows, off, n, scores, scale, C / 2);
+            scores_dpbf16((const uint16_t *)qraw, krows, off, n, scores, scale, C / 2, 1);
     } else
 #endif
     {
@@ -250,13 +251,58 @@ static void head_avx(const float *q, const char *qraw, float scale, const char *
 }
 #endif
 
+#ifdef __AVX512BF16__
+#define GROUP_ACCS 16 /* accumulators of the grouped weighted sum: G * head_dim / 16 at most */
+
+/* All G query heads of one KV head at once (bfloat16, head_dim = 16 C, C even, G * C <= GROUP_ACCS):
+ * each head's scores as head_avx makes them (the first head's pass prefetches the rows, the others find
+ * them in cache), then one pass over the values for every head, so each value row is loaded and widened
+ * to float32 once rather than G times.  Each head's sums run over the keys in the same order as in
+ * head_avx, so the results are the same bits.  `scores` has room for G * n floats; accs gets G * D. */
+INLINE void group_dpbf16(const uint16_t *q, float scale, const char *const *krows, const char *const *vrows,
+                         size_t off, int64_t n, float *scores, float *accs, const int G, const int C) {
+    float inv[MAX_GROUP];
+    for (int g = 0; g < G; g++) {
+        scores_dpbf16(q + (size_t)g * 16 * C, krows, off, n, scores + (size_t)g * n, scale, C / 2, g == 0);
+        inv[g] = 1.0f / softmax_numerators(scores + (size_t)g * n, n);
+    }
+    __m512 acc[GROUP_ACCS];
+    for (int j = 0; j < G * C; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n) prefetch_row(vrows[i + PREFETCH_AHEAD] + off, 2 * 16 * C);
+        __m512 v[GROUP_ACCS];
+        for (int c = 0; c < C; c++) v[c] = load16(vrows[i] + off, 16 * c, 1);
+        for (int g = 0; g < G; g++) {
+            const __m512 w = _mm512_set1_ps(scores[(size_t)g * n + i]);
+            for (int c = 0; c < C; c++) acc[g * C + c] = _mm512_fmadd_ps(w, v[c], acc[g * C + c]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) _mm512_storeu_ps(accs + (size_t)(g * C + c) * 16, acc[g * C + c]);
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < 16 * C; d++) accs[g * 16 * C + d] *= inv[g];
+}
+#endif
+
 /* The G query heads at `q` (G * D contiguous elements) against n keys and values read in place: key i
  * at krows[i] + off bytes, value i at vrows[i] + off; writes G * D elements at `out`.  `scores` has
- * room for n floats. */
+ * room for G * n floats. */
 static void attend(const Args *a, const char *const *krows, const char *const *vrows, size_t off, int64_t n,
                    const char *q, char *out, float *restrict scores) {
     const int D = a->head_dim, G = a->group;
     float qf[MAX_HEAD_DIM], acc[MAX_HEAD_DIM], row[MAX_HEAD_DIM];
+#ifdef __AVX512BF16__
+    if (a->bf16 && D % 32 == 0 && G * (D / 16) <= GROUP_ACCS) {
+        float accs[GROUP_ACCS * 16];
+        if (D == 64 && G == 3) /* SmolLM2's heads, unrolled */
+            group_dpbf16((const uint16_t *)q, a->scale, krows, vrows, off, n, scores, accs, 3, 4);
+        else
+            group_dpbf16((const uint16_t *)q, a->scale, krows, vrows, off, n, scores, accs, G, D / 16);
+        uint16_t *o = (uint16_t *)out;
+        for (int j = 0; j < G * D; j++) o[j] = f32_to_bf16(accs[j]);
+        return;
+    }
+#endif
     for (int g = 0; g < G; g++) {
         load_row(q + (size_t)(g * D) * (a->bf16 ? 2 : 4), a->bf16, qf, D);
         for (int d = 0; d < D; d++) qf[d] *= a->scale;
@@ -326,7 +372,8 @@ static int attend_heads(const Args *a, int64_t b, int64_t h0, int64_t h1) {
     const size_t elem = a->bf16 ? 2 : 4;
     const int64_t n = a->positions[b] + 1 - first_key(a, a->positions[b]);
     /* the row pointers of its keys and values, then the scores */
-    const char **rows = scratch_get(2 * sizeof(char *) * (size_t)a->max_keys + sizeof(float) * (size_t)n);
+    const char **rows =
+        scratch_get(2 * sizeof(char *) * (size_t)a->max_keys + sizeof(float) * (size_t)(a->group * n));
     if (rows == NULL) return 1;
     const char **krows = rows, **vrows = rows + a->max_keys;
     float *scores = (float *)(rows + 2 * a->max_keys);
