@@ -89,9 +89,23 @@ static inline void axpy(float *acc, float p, const float *x, int n) {
 
 /* s[i] = exp(s[i] - max(s)); returns the sum. */
 static float softmax_numerators(float *s, int64_t n) {
-    float m = s[0];
-    for (int64_t i = 1; i < n; i++) m = (s[i] > m || s[i] != s[i]) ? s[i] : m;
+    float m = -INFINITY;
     int64_t i = 0;
+#ifdef __AVX512F__
+    /* the max 16 lanes at a time; max_ps drops a NaN, so NaNs are looked for apart: any makes the max
+     * NaN, as in the scalar loop below */
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    for (; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        const __m512 x = _mm512_mask_loadu_ps(mx, k, s + i);
+        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, x);
+    }
+    m = nan ? NAN : _mm512_reduce_max_ps(mx);
+#endif
+    for (; i < n; i++) m = (s[i] > m || s[i] != s[i]) ? s[i] : m;
+    i = 0;
     float sum = 0.0f;
 #ifdef __AVX512F__
     __m512 mv = _mm512_set1_ps(m), acc = _mm512_setzero_ps();

@@ -87,11 +87,16 @@ def test_queries_may_be_a_strided_view(kernel: native.DecodeKernel) -> None:
     assert torch.equal(got, want)
 
 
-def test_nan_in_a_visible_key_reaches_the_output(kernel: native.DecodeKernel) -> None:
-    """The vector exponential must not turn a NaN score into a weight of zero."""
-    q, cache, dec = _case(torch.float32, 4, 2, 16, 4, [9, 9])
+@pytest.mark.parametrize(
+    "dtype,head_dim", [(torch.float32, 16), (torch.bfloat16, 32)], ids=["fp32", "bf16-grouped-heads"]
+)
+def test_nan_in_a_visible_key_reaches_the_output(
+    kernel: native.DecodeKernel, dtype: torch.dtype, head_dim: int
+) -> None:
+    """Neither the vector max nor the vector exponential may turn a NaN score into a weight of zero."""
+    q, cache, dec = _case(dtype, 4, 2, head_dim, 4, [9, 9])
     cache[dec.block_table[0, 1], 0, 0, 2, 0] = float("nan")  # row 0's key 6, KV head 0
-    out = kernel(q, cache, 0, dec.block_table, dec.positions, scale=0.25, window=None)
+    out = kernel(q, cache, 0, dec.block_table, dec.positions, scale=0.25, window=None).float()
     assert torch.isnan(out[0, :2]).all(), "the query heads of KV head 0 of row 0 see the NaN key"
     assert torch.isfinite(out[0, 2:]).all() and torch.isfinite(out[1]).all()
 
