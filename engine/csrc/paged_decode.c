@@ -45,6 +45,9 @@
  * apart (and one KV head's part of a row is strided), which the hardware prefetchers do not follow.
  * Measured here: 24-48 alike; prefetching a whole next sequence instead was slower for long ones. */
 #define PREFETCH_AHEAD 32
+/* Elements below which the elementwise kernels (norm, SiLU-mul, RoPE) stay on one thread: starting the
+ * parallel region costs a few us.  At 16384 a batch-32 decode step's SiLU-mul takes 12 us instead of 21. */
+#define PARALLEL_MIN 16384
 
 
 /* n elements of a row (bf16 or f32) into dst as float32. */
@@ -460,7 +463,7 @@ int pdkv_rms_norm(const void *x, const void *delta, void *h_out, const void *wei
     if (n <= 0 || n > 65536) return 2;
     const size_t elem = bf16 ? 2 : 4;
     int failed = 0;
-#pragma omp parallel if (rows * hidden >= 65536)
+#pragma omp parallel if (rows * hidden >= PARALLEL_MIN)
     {
         float *row = malloc(sizeof(float) * (size_t)n), *w = malloc(sizeof(float) * (size_t)n);
         float *d = delta != NULL ? malloc(sizeof(float) * (size_t)n) : NULL;
@@ -531,7 +534,7 @@ int pdkv_rms_norm(const void *x, const void *delta, void *h_out, const void *wei
 int pdkv_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int64_t bf16) {
     if (inter <= 0) return 2;
     const size_t elem = bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) if (rows * inter >= 65536)
+#pragma omp parallel for schedule(static) if (rows * inter >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const char *g = (const char *)gate_up + (size_t)(r * 2 * inter) * elem;
         const char *u = g + (size_t)inter * elem;
@@ -584,7 +587,7 @@ int pdkv_rope_write_kv(const void *qkv, const void *cos, const void *sin, void *
             return 3;
     const int64_t D = head_dim, half = D / 2, heads = num_heads + num_kv_heads;
     const size_t elem = bf16 ? 2 : 4, token = (size_t)(num_kv_heads * D) * elem;
-#pragma omp parallel for schedule(static) if (rows * heads * head_dim >= 65536)
+#pragma omp parallel for schedule(static) if (rows * heads * head_dim >= PARALLEL_MIN)
     for (int64_t t = 0; t < rows; t++) {
         const size_t at = (size_t)(t * (heads + num_kv_heads) * D), cs = (size_t)(t * half);
         const size_t slot = (size_t)(((slot_blocks[t] * num_layers + layer) * 2) * block_size + slot_offsets[t]);
