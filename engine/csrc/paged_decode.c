@@ -301,15 +301,26 @@ INLINE void group_dpbf16(const uint16_t *q, float scale, const char *const *krow
 }
 #endif
 
+/* Whether attend() takes the G query heads of a KV head together (group_dpbf16), which needs G * n
+ * floats of scores rather than n. */
+static inline int grouped(const Args *a) {
+#ifdef __AVX512BF16__
+    return a->bf16 && a->head_dim % 32 == 0 && a->group * (a->head_dim / 16) <= GROUP_ACCS;
+#else
+    (void)a;
+    return 0;
+#endif
+}
+
 /* The G query heads at `q` (G * D contiguous elements) against n keys and values read in place: key i
  * at krows[i] + off bytes, value i at vrows[i] + off; writes G * D elements at `out`.  `scores` has
- * room for G * n floats. */
+ * room for n floats, G * n where grouped(a). */
 static void attend(const Args *a, const char *const *krows, const char *const *vrows, size_t off, int64_t n,
                    const char *q, char *out, float *restrict scores) {
     const int D = a->head_dim, G = a->group;
     float qf[MAX_HEAD_DIM], acc[MAX_HEAD_DIM], row[MAX_HEAD_DIM];
 #ifdef __AVX512BF16__
-    if (a->bf16 && D % 32 == 0 && G * (D / 16) <= GROUP_ACCS) {
+    if (grouped(a)) {
         float accs[GROUP_ACCS * 16];
         if (D == 64 && G == 3) /* SmolLM2's heads, unrolled */
             group_dpbf16((const uint16_t *)q, a->scale, krows, vrows, off, n, scores, accs, 3, 4);
@@ -389,8 +400,8 @@ static int attend_heads(const Args *a, int64_t b, int64_t h0, int64_t h1) {
     const size_t elem = a->bf16 ? 2 : 4;
     const int64_t n = a->positions[b] + 1 - first_key(a, a->positions[b]);
     /* the row pointers of its keys and values, then the scores */
-    const char **rows =
-        scratch_get(2 * sizeof(char *) * (size_t)a->max_keys + sizeof(float) * (size_t)(a->group * n));
+    const size_t num_scores = (size_t)(grouped(a) ? a->group * n : n);
+    const char **rows = scratch_get(2 * sizeof(char *) * (size_t)a->max_keys + sizeof(float) * num_scores);
     if (rows == NULL) return 1;
     const char **krows = rows, **vrows = rows + a->max_keys;
     float *scores = (float *)(rows + 2 * a->max_keys);
