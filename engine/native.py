@@ -136,8 +136,9 @@ class DecodeKernel:
 class PrefillKernel:
     """``pdkv_paged_prefill`` of the built library (engine/csrc/paged_prefill.c): one prefill chunk's
     causal attention over its cached prefix and itself, read from the paged cache, with AVX512-BF16 dot
-    products -- 3-4x torch's CPU flash attention on this machine kind.  bfloat16 only, and only where
-    the CPU has AVX512-BF16; float32 (the dtype compared with transformers token for token) keeps SDPA."""
+    products -- 3-4x torch's CPU flash attention on this machine kind.  bfloat16 only; it exists only
+    where gcc built AVX512-BF16 code for this CPU (``NativeKernels.prefill`` is None elsewhere); float32
+    (the dtype compared with transformers token for token) keeps SDPA."""
 
     function: Any  # the ctypes function pdkv_paged_prefill
 
@@ -146,7 +147,6 @@ class PrefillKernel:
         return (
             DecodeKernel.supports(dtype, num_heads, num_kv_heads, head_dim)
             and dtype == torch.bfloat16
-            and "avx512_bf16" in cpu_flags()
             and head_dim % 32 == 0
         )
 

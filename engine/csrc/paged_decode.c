@@ -39,8 +39,6 @@
 #include <omp.h>
 #include "simd.h"
 
-#define MAX_GROUP 16 /* query heads per KV head; engine/native.py checks both limits */
-#define MAX_HEAD_DIM 256
 /* Keys ahead that the score and sum loops prefetch: the rows of a sequence are scattered over blocks far
  * apart (and one KV head's part of a row is strided), which the hardware prefetchers do not follow.
  * Measured here: 24-48 alike; prefetching a whole next sequence instead was slower for long ones. */
@@ -367,20 +365,8 @@ static void attend(const Args *a, const char *const *krows, const char *const *v
 static _Thread_local void *scratch;
 static _Thread_local size_t scratch_bytes;
 
-static void *scratch_get(size_t bytes) {
-    if (bytes > scratch_bytes) {
-        void *grown = realloc(scratch, bytes);
-        if (grown == NULL) return NULL;
-        scratch = grown;
-        scratch_bytes = bytes;
-    }
-    return scratch;
-}
-
 /* The visible keys of sequence b: [first, pos]. */
-static inline int64_t first_key(const Args *a, int64_t pos) {
-    return (a->window > 0 && pos - a->window + 1 > 0) ? pos - a->window + 1 : 0;
-}
+static inline int64_t first_key(const Args *a, int64_t pos) { return first_visible_key(pos, a->window); }
 
 /* Where each visible key's and value's token row (every KV head) of sequence b sits in the cache. */
 static int64_t token_rows(const Args *a, int64_t b, const char **krows, const char **vrows) {
@@ -401,7 +387,8 @@ static int attend_heads(const Args *a, int64_t b, int64_t h0, int64_t h1) {
     const int64_t n = a->positions[b] + 1 - first_key(a, a->positions[b]);
     /* the row pointers of its keys and values, then the scores */
     const size_t num_scores = (size_t)(grouped(a) ? a->group * n : n);
-    const char **rows = scratch_get(2 * sizeof(char *) * (size_t)a->max_keys + sizeof(float) * num_scores);
+    const char **rows =
+        grow_scratch(&scratch, &scratch_bytes, 2 * sizeof(char *) * (size_t)a->max_keys + sizeof(float) * num_scores);
     if (rows == NULL) return 1;
     const char **krows = rows, **vrows = rows + a->max_keys;
     float *scores = (float *)(rows + 2 * a->max_keys);

@@ -34,7 +34,7 @@
 #define KT 32      /* keys per tile */
 #define QVECS 64   /* query vectors (rows x heads of one KV head) per task, at most */
 #define QBLOCK 8   /* query vectors per register block of the scores */
-#define MAX_PACK_DWORDS 128 /* head_dim / 2, at most */
+#define MAX_PACK_DWORDS (MAX_HEAD_DIM / 2)
 /* The packed keys and values are kept for the next call (every layer of a chunk packs the same size).
  * Over this size, a call that needs less than a quarter of them gives them back, so one long prompt does
  * not hold tens of MB for the life of the process. */
@@ -54,9 +54,7 @@ typedef struct {
     uint32_t *kpack, *vpack;              /* [num_kv_heads][ntiles][D / 2 * KT] dwords each */
 } Prefill;
 
-static inline int64_t first_visible(const Prefill *a, int64_t pos) {
-    return (a->window > 0 && pos - a->window + 1 > 0) ? pos - a->window + 1 : 0;
-}
+static inline int64_t first_visible(const Prefill *a, int64_t pos) { return first_visible_key(pos, a->window); }
 
 #ifdef __AVX512BF16__
 
@@ -146,13 +144,8 @@ static _Thread_local size_t task_scratch_bytes;
 
 static int scratch_for(int D, Scratch *s) {
     const size_t bytes = (size_t)QVECS * D * (2 + 4) + 3 * QVECS * sizeof(float) + (size_t)QVECS * KT * 2;
-    if (bytes > task_scratch_bytes) {
-        void *grown = realloc(task_scratch, bytes);
-        if (grown == NULL) return 1;
-        task_scratch = grown;
-        task_scratch_bytes = bytes;
-    }
-    char *b = task_scratch;
+    char *b = grow_scratch(&task_scratch, &task_scratch_bytes, bytes);
+    if (b == NULL) return 1;
     s->o = (float *)b;
     s->m = s->o + (size_t)QVECS * D;
     s->l = s->m + QVECS;
@@ -271,8 +264,8 @@ int pdkv_paged_prefill(const void *q, int64_t q_stride, const void *cache, void 
     (void)window, (void)scale, (void)num_blocks;
     return 2;
 #else
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > 16 || head_dim % 32 ||
-        head_dim <= 0 || head_dim > 2 * MAX_PACK_DWORDS || block_size <= 0 || n <= 0 || start < 0)
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP ||
+        head_dim % 32 || head_dim <= 0 || head_dim > MAX_HEAD_DIM || block_size <= 0 || n <= 0 || start < 0)
         return 2;
     if (layer < 0 || layer >= num_layers || (start + n + block_size - 1) / block_size > num_ids) return 3;
     const int G = (int)(num_heads / num_kv_heads);

@@ -1,15 +1,37 @@
-/* Helpers the native kernels share (the .c files beside this one): bfloat16 conversions, rounded as torch rounds,
- * and the vector exponential. */
+/* Helpers the native kernels share (the .c files beside this one): their shape limits, the window rule,
+ * grow-only scratch buffers, bfloat16 conversions rounded as torch rounds, and the vector exponential. */
 #ifndef PDKV_SIMD_H
 #define PDKV_SIMD_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
+
+#define MAX_GROUP 16 /* query heads per KV head; engine/native.py checks both limits */
+#define MAX_HEAD_DIM 256
+
+/* The first key a query at position pos sees: keys max(0, pos - window + 1) .. pos (window 0: none). */
+static inline int64_t first_visible_key(int64_t pos, int64_t window) {
+    return (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+}
+
+/* *buf with room for `bytes`, grown (never shrunk) where it has less: a kernel's per-thread scratch,
+ * kept across calls so that a fresh buffer is not page-faulted in every time.  NULL (the old buffer kept)
+ * when memory runs out. */
+static inline void *grow_scratch(void **buf, size_t *have, size_t bytes) {
+    if (bytes > *have) {
+        void *grown = realloc(*buf, bytes);
+        if (grown == NULL) return NULL;
+        *buf = grown;
+        *have = bytes;
+    }
+    return *buf;
+}
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;

@@ -207,7 +207,7 @@ class RedisTier(Tier):
 
     def _probe(self, deadline: Deadline) -> None:
         """PING the server (every primary of a cluster), each over a pooled connection by the deadline."""
-        for pool in self._primary_pools() if self.config.cluster else [self._standalone_pool()]:
+        for pool in self._server_pools():
             with self._connection(pool, deadline) as conn:
                 conn.send_command("PING")
                 conn.read_response()
@@ -262,11 +262,14 @@ class RedisTier(Tier):
         return counts
 
     def _load_script(self, deadline: Deadline) -> None:
-        pools = self._primary_pools() if self.config.cluster else [self._standalone_pool()]
-        for pool in pools:
+        for pool in self._server_pools():
             with self._connection(pool, deadline) as conn:
                 conn.send_command("SCRIPT", "LOAD", LOOKUP_SCRIPT)
                 conn.read_response()
+
+    def _server_pools(self) -> list[redis.ConnectionPool]:
+        """One pool for each server that holds keys: the server, or every primary of a cluster."""
+        return self._primary_pools() if self.config.cluster else [self._standalone_pool()]
 
     def _primary_pools(self) -> list[redis.ConnectionPool]:
         cluster = self._cluster_client()

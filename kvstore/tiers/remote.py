@@ -136,7 +136,7 @@ class RemoteTier(Tier):
         return reply.info or {}
 
     def _probe(self, deadline: Deadline) -> None:
-        self._call_simple("ping", None, deadline)
+        self.ping(deadline)
 
     def server_stats(self, deadline: Deadline | None = None) -> dict[str, Any]:
         reply = self._call_simple("stats", None, deadline or Deadline.after(self.config.timeout_s))
