@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -234,6 +236,18 @@ def test_a_late_reply_is_recognised_and_dropped(
 def test_sigterm_stops_the_server_cleanly(store_server: StartServer) -> None:
     server = store_server()
     assert server.terminate() == 0
+
+
+@pytest.mark.parametrize("interval", ["0", "-5"])
+def test_a_health_interval_that_is_not_positive_is_refused_before_serving(interval: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstore.server", "--kv-store", "cpu:1MiB", "--health-interval-ms", interval],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and "pdkv kvstore: serving on" not in done.stdout
+    assert f"--health-interval-ms must be positive, got {interval}" in done.stderr
 
 
 def test_pdkv_kvstore_command_line(store_server: StartServer, capsys: pytest.CaptureFixture[str]) -> None:
