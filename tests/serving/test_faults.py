@@ -26,6 +26,10 @@ from tests.serving.helpers import (
 )
 
 LONG = SamplingParams(max_tokens=3000, ignore_eos=True)
+# Outputs of the streams whose serving node is killed after a few tokens: long enough that the request is
+# still running when the client, which may read seconds behind the node, has its first tokens (the tiny
+# model decodes 300 tokens in well under a second; a 300-token stream once finished before the kill).
+STREAM_TOKENS = 2000
 PROMPT = "A prompt of a few blocks, so that the prefill node holds KV for the decode node. " * 3
 
 
@@ -90,8 +94,11 @@ def serving_node(cluster: Cluster) -> Process:
 @pytest.mark.parametrize(
     ("mode", "params"),
     [
-        ("disaggregated", SamplingParams(max_tokens=400, ignore_eos=True)),
-        ("colocated", SamplingParams(max_tokens=400, ignore_eos=True, temperature=1.0, top_k=40, seed=5)),
+        ("disaggregated", SamplingParams(max_tokens=STREAM_TOKENS, ignore_eos=True)),
+        (
+            "colocated",
+            SamplingParams(max_tokens=STREAM_TOKENS, ignore_eos=True, temperature=1.0, top_k=40, seed=5),
+        ),
     ],
 )
 def test_a_decode_node_killed_mid_stream_hands_the_request_to_another(
@@ -186,7 +193,7 @@ def test_pdkv_up_restarts_a_dead_child_while_a_stream_in_flight_completes() -> N
     watcher = threading.Thread(target=cluster.watch, args=(stop, 0.1), daemon=True)
     watcher.start()
     try:
-        params = SamplingParams(max_tokens=300, ignore_eos=True)
+        params = SamplingParams(max_tokens=STREAM_TOKENS, ignore_eos=True)
         with GenerationClient(cluster.router_address) as client:
             call = client.stream(generate_request(PROMPT, params), timeout=120)
             token_ids: list[int] = []
