@@ -49,6 +49,7 @@ import statistics
 import tempfile
 import threading
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +85,7 @@ class ModelChoice:
     # Defaults for the window and the node caches (per node: below the window's working set, so that
     # local caches overflow; on the trace, large enough that four of them can hold what one cannot).
     requests: int
+    sample: float  # of the trace's conversations
     time_scale: float
     max_input: int
     trace_node_blocks: int
@@ -97,6 +99,7 @@ MODELS = {
         low_id=2,
         store="cpu:1GiB",
         requests=600,
+        sample=1.0,
         time_scale=0.15,
         max_input=1024,
         trace_node_blocks=160,
@@ -109,6 +112,7 @@ MODELS = {
         low_id=20,
         store="cpu:4GiB",
         requests=300,
+        sample=1.0,
         time_scale=1.0,
         max_input=512,
         trace_node_blocks=1280,
@@ -153,8 +157,27 @@ class Scale:
         )
 
 
-def read_trace(path: Path, start: int, count: int) -> list[dict[str, Any]]:
-    """Lines ``start .. start + count`` of the trace, each checked; a bad line stops with its number."""
+def conversation_key(hash_ids: list[int]) -> tuple[int, ...]:
+    """What groups a conversation's turns: its first two block ids.  Every turn of a conversation repeats
+    the history before it, so its turns share their leading ids; the first alone is not enough in the
+    Mooncake trace, whose every request starts with the same block (id 0, a shared system prompt)."""
+    return tuple(hash_ids[:2])
+
+
+def sampled(hash_ids: list[int], fraction: float) -> bool:
+    """Whether a request's conversation is in a ``fraction`` sample of the conversations: the same
+    answer for every turn of one conversation, and in every run."""
+    if fraction >= 1.0:
+        return True
+    key = ",".join(map(str, conversation_key(hash_ids))).encode()
+    return zlib.crc32(key) / 2**32 < fraction
+
+
+def read_trace(path: Path, start: int, count: int, sample: float = 1.0) -> list[dict[str, Any]]:
+    """``count`` requests from line ``start`` on: with ``sample`` below 1, only those of a deterministic
+    sample of the conversations (``sampled``), so a replay spans more of the trace at the same rate and
+    keeps each sampled conversation's every turn.  Every line read is checked; a bad one stops with its
+    number."""
     rows: list[dict[str, Any]] = []
     with path.open(encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
@@ -178,7 +201,9 @@ def read_trace(path: Path, start: int, count: int) -> list[dict[str, Any]]:
                 isinstance(i, int) and not isinstance(i, bool) for i in ids
             ):
                 raise TraceError(f"{path}:{number}: field 'hash_ids' is missing or not a list of ints")
-            rows.append(row)
+            if sampled(ids, sample):
+                row["line"] = number
+                rows.append(row)
     return rows
 
 
@@ -438,6 +463,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--max-input", type=int, default=None, help="scaled input tokens at most (default: the model's)"
     )
+    p.add_argument(
+        "--sample",
+        type=float,
+        default=None,
+        help="replay only this fraction of the conversations (every turn of each; default: the model's)",
+    )
     p.add_argument("--max-output", type=int, default=16, help="output tokens at most")
     p.add_argument("--slo-ttft-ms", type=float, default=500.0)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
@@ -488,10 +519,14 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if value < least:
             raise SystemExit(f"bench.replay: {flag} must be at least {least}, got {value}")
-    if qa and (args.time_scale is not None or args.max_input is not None):
+    if qa and (args.time_scale is not None or args.max_input is not None or args.sample is not None):
         raise SystemExit(
-            "bench.replay: --time-scale and --max-input scale the trace; --workload qa takes --qa-gap-ms"
+            "bench.replay: --time-scale, --max-input and --sample scale the trace; "
+            "--workload qa takes --qa-gap-ms"
         )
+    sample = pick(args.sample, choice.sample)
+    if not 0 < sample <= 1:
+        raise SystemExit(f"bench.replay: --sample must be in (0, 1], got {sample:g}")
     scale = Scale(
         args.tokens_per_block,
         pick(args.time_scale, choice.time_scale),
@@ -500,11 +535,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.workload == "trace":
         try:
-            rows = read_trace(args.trace, args.start, count)
+            rows = read_trace(args.trace, args.start, count, sample)
         except TraceError as exc:
             raise SystemExit(f"bench.replay: {exc}") from None
         requests = scale_trace(rows, scale, choice.vocab, choice.low_id)
-        what = f"{args.trace.name} lines {args.start}..{args.start + len(rows) - 1}"
+        last = rows[-1]["line"] - 1 if rows else args.start
+        what = f"{args.trace.name} lines {args.start}..{last}"
+        if sample < 1:
+            what += f", the requests of {sample:g} of its conversations"
     else:
         users = pick(args.qa_users, 8 if args.quick else 16)
         gap_s = pick(args.qa_gap_ms, choice.qa_gap_ms) / 1e3

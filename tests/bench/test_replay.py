@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from bench.replay import Scale, TraceError, TraceRequest, ceiling, read_trace, scale_trace
+from bench.replay import (
+    Scale,
+    TraceError,
+    TraceRequest,
+    ceiling,
+    conversation_key,
+    read_trace,
+    sampled,
+    scale_trace,
+)
 
 SCALE = Scale(tokens_per_block=4, time_scale=0.5, max_output=8)
 
@@ -61,6 +70,38 @@ def test_the_ceiling_counts_leading_blocks_seen_before_never_the_last_token() ->
     assert ceiling(reqs, 4) == pytest.approx((0 + 8 + 11 + 0) / 48)
 
 
+def test_a_sample_keeps_whole_conversations_the_same_in_every_run(tmp_path: Path) -> None:
+    # 200 conversations of 3 turns each, interleaved; every request starts with the shared block 0.
+    lines = [
+        row(10 * (turn * 200 + c), 512 * (3 + turn), [0, 1000 + c, *range(turn + 1)])
+        for turn in range(3)
+        for c in range(200)
+    ]
+    path = write(tmp_path, lines)
+    rows = read_trace(path, 0, 10_000, sample=0.25)
+    conversations = {conversation_key(r["hash_ids"]) for r in rows}
+    assert 30 <= len(conversations) <= 70  # about a quarter of 200
+    assert len(rows) == 3 * len(conversations)  # every turn of each sampled one
+    assert rows == read_trace(path, 0, 10_000, sample=0.25)  # the same sample in every run
+    assert {r["line"] for r in rows} <= set(range(1, 601))  # lines are numbered from 1, as errors name them
+    # --requests counts the replayed requests, read on past the lines left out.
+    assert len(read_trace(path, 0, 5, sample=0.25)) == 5
+    # A larger sample holds a smaller one, so a window's ceiling does not jump between fractions.
+    assert conversations <= {conversation_key(r["hash_ids"]) for r in read_trace(path, 0, 10_000, 0.5)}
+    assert all(sampled([0, 7], 1.0) for _ in range(3))
+    # A sample's ceiling: later turns reuse earlier ones, as in the whole trace.
+    scaled = scale_trace(rows, SCALE, vocab=512)
+    assert ceiling(scaled, SCALE.tokens_per_block) == pytest.approx(
+        ceiling(scale_trace(read_trace(path, 0, 10_000), SCALE, vocab=512), SCALE.tokens_per_block), abs=0.05
+    )
+
+
+def test_a_bad_line_is_named_even_where_the_sample_leaves_it_out(tmp_path: Path) -> None:
+    path = write(tmp_path, [row(0, 1024, [0, 1]), row(1, 1024, [0, 2]), "{broken"])
+    with pytest.raises(TraceError, match=r"trace.jsonl:3: not valid JSON"):
+        read_trace(path, 0, 10, sample=0.01)
+
+
 def test_real_model_prompts_keep_clear_of_its_special_tokens(tmp_path: Path) -> None:
     from bench.replay import MODELS, qa_workload
 
@@ -84,6 +125,9 @@ def test_real_model_prompts_keep_clear_of_its_special_tokens(tmp_path: Path) -> 
         (["--node-threads", "0"], "--node-threads must be at least 1, got 0"),
         (["--workload", "qa", "--time-scale", "1"], "--workload qa takes --qa-gap-ms"),
         (["--workload", "qa", "--qa-gap-ms", "-1"], "--qa-gap-ms not negative"),
+        (["--workload", "qa", "--sample", "0.5"], "--sample scale the trace"),
+        (["--sample", "0"], r"--sample must be in \(0, 1\], got 0"),
+        (["--sample", "1.5"], r"--sample must be in \(0, 1\], got 1.5"),
     ],
 )
 def test_bad_options_stop_the_bench_with_their_name(argv: list[str], what: str) -> None:
