@@ -37,7 +37,8 @@ Ratios: ``hit_rate_fraction_of_ceiling`` (kv-aware + store: local + store hits o
 ``store_throughput_gain_when_local_overflows`` (kv-aware with the store over without).
 
 ``--workload qa``: the synthetic multi-round QA workload instead (LMCache's: users x rounds, a shared system
-prompt, each round's prompt is the history so far plus a new question), through the same code.
+prompt, each round's prompt is the history so far plus a new question; a user asks the next question once
+the answer is in, never before), through the same code.
 """
 
 from __future__ import annotations
@@ -139,6 +140,9 @@ class TraceRequest:
     prompt: list[int]
     max_tokens: int
     block_ids: tuple[int, ...]
+    # The request that must have finished before this one is sent (its index in the replay): a QA
+    # user's previous round, whose answer this one's prompt holds.  None: sent at its arrival time.
+    after: int | None = None
 
 
 @dataclass(frozen=True)
@@ -264,7 +268,9 @@ def ceiling(requests: list[TraceRequest], tokens_per_block: int) -> float:
 def qa_workload(
     users: int, rounds: int, scale: Scale, vocab: int, gap_s: float, low: int = 2
 ) -> list[TraceRequest]:
-    """Multi-round QA: a shared system prompt; user u's round k asks its history plus a new question."""
+    """Multi-round QA: a shared system prompt; user u's round k asks its history plus a new question,
+    at the round's slot in the schedule or once the user's previous answer is in, whichever is later
+    (``after``): as LMCache's users, no one asks again before being answered."""
     rng = random.Random(7)
 
     def tokens(n: int) -> list[int]:
@@ -273,6 +279,7 @@ def qa_workload(
     system = tokens(8 * scale.tokens_per_block)
     out: list[TraceRequest] = []
     histories = {u: list(system) for u in range(users)}
+    last: dict[int, int] = {}  # user -> the index of its latest round
     tpb = scale.tokens_per_block
     for k in range(rounds):
         order = list(range(users))
@@ -282,7 +289,9 @@ def qa_workload(
             answer = tokens(scale.max_output)
             histories[u] = prompt + answer
             arrival = (k * users + slot) * gap_s
-            out.append(TraceRequest(arrival, prompt, scale.max_output, _chain_ids(prompt, tpb)))
+            after = last.get(u)
+            last[u] = len(out)
+            out.append(TraceRequest(arrival, prompt, scale.max_output, _chain_ids(prompt, tpb), after))
     return out
 
 
@@ -313,27 +322,35 @@ OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
 
 
 def replay(address: str, requests: list[TraceRequest]) -> ModeResult:
-    """Every request at its (scaled) arrival time, on its own thread, streamed."""
+    """Every request at its (scaled) arrival time, on its own thread, streamed; one that comes ``after``
+    another is sent at its arrival time or when that one has finished, whichever is later (a QA user
+    asks the next question once the answer is in, as LMCache's users do)."""
     result = ModeResult()
     lock = threading.Lock()
+    finished = [threading.Event() for _ in requests]
     start = time.perf_counter()
 
-    def one(r: TraceRequest) -> None:
-        delay = r.arrival_s - (time.perf_counter() - start)
-        if delay > 0:
-            time.sleep(delay)
-        params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
+    def one(i: int, r: TraceRequest) -> None:
         try:
-            with GenerationClient(address, options=OWN_CONNECTION) as client:
-                out = client.generate(generate_request(r.prompt, params), timeout=600)
-        except Exception as exc:
+            if r.after is not None:
+                finished[r.after].wait()
+            delay = r.arrival_s - (time.perf_counter() - start)
+            if delay > 0:
+                time.sleep(delay)
+            params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
+            try:
+                with GenerationClient(address, options=OWN_CONNECTION) as client:
+                    out = client.generate(generate_request(r.prompt, params), timeout=600)
+            except Exception as exc:
+                with lock:
+                    result.error_kinds[_error_kind(exc)] += 1
+                return
             with lock:
-                result.error_kinds[_error_kind(exc)] += 1
-            return
-        with lock:
-            result.completions.append(out)
+                result.completions.append(out)
+        finally:
+            finished[i].set()  # failed or not: the user goes on
 
-    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in requests]
+    threads = [threading.Thread(target=one, args=(i, r), daemon=True) for i, r in enumerate(requests)]
     for t in threads:
         t.start()
     for t in threads:
@@ -550,7 +567,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("bench.replay: --qa-users must be at least 1 and --qa-gap-ms not negative")
         rounds = max(2, count // users)
         requests = qa_workload(users, rounds, scale, choice.vocab, gap_s, choice.low_id)
-        what = f"multi-round QA, {users} users x {rounds} rounds, one every {gap_s * 1e3:g} ms"
+        what = (
+            f"multi-round QA, {users} users x {rounds} rounds, one every {gap_s * 1e3:g} ms "
+            "(a user's next once its answer is in)"
+        )
     modes = [m for m in args.modes.split(",") if m] or list(QUICK_MODES if args.quick else MODES)
     unknown = sorted(set(modes) - set(MODES))
     if unknown:

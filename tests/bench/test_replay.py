@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -17,6 +20,7 @@ from bench.replay import (
     sampled,
     scale_trace,
 )
+from serving.client import Completion
 
 SCALE = Scale(tokens_per_block=4, time_scale=0.5, max_output=8)
 
@@ -135,3 +139,63 @@ def test_bad_options_stop_the_bench_with_their_name(argv: list[str], what: str) 
 
     with pytest.raises(SystemExit, match=what):  # before any model is made or cluster started
         main(argv)
+
+
+class FakeClient:
+    """Stands for ``GenerationClient``: records when each prompt was sent and finished; a prompt whose
+    first token is 0 fails."""
+
+    log: ClassVar[list[tuple[str, int, float]]] = []
+    lock = threading.Lock()
+
+    def __init__(self, address: str, options: object = None) -> None:
+        pass
+
+    def __enter__(self) -> FakeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def generate(self, request: object, timeout: float) -> Completion:
+        ids = list(request.token_ids.ids)  # type: ignore[attr-defined]
+        with self.lock:
+            self.log.append(("sent", ids[1], time.perf_counter()))
+        time.sleep(0.15)
+        with self.lock:
+            self.log.append(("done", ids[1], time.perf_counter()))
+        if ids[0] == 0:
+            raise RuntimeError("refused")
+        return Completion(token_ids=[1])
+
+
+def test_a_qa_user_asks_again_only_once_answered(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.replay as replay_module
+
+    monkeypatch.setattr(replay_module, "GenerationClient", FakeClient)
+    FakeClient.log = []
+    # User A's rounds 0 and 2 (the second fails, the third must still go), user B's round 1: all due at 0.
+    reqs = [
+        TraceRequest(0.0, [1, 10], 1, ()),
+        TraceRequest(0.0, [1, 11], 1, ()),
+        TraceRequest(0.0, [0, 12], 1, (), after=0),
+        TraceRequest(0.0, [1, 13], 1, (), after=2),
+    ]
+    result = replay_module.replay("unused", reqs)
+    at = {(kind, n): t for kind, n, t in FakeClient.log}
+    assert at[("sent", 12)] >= at[("done", 10)]  # not before its predecessor's answer
+    assert at[("sent", 13)] >= at[("done", 12)]  # a failed round still lets the user go on
+    assert at[("sent", 11)] < at[("done", 10)]  # other users do not wait
+    assert len(result.completions) == 3 and result.errors == 1
+
+
+def test_qa_rounds_follow_the_same_users_previous_round() -> None:
+    from bench.replay import qa_workload
+
+    reqs = qa_workload(3, 3, SCALE, vocab=512, gap_s=0.1)
+    for i, r in enumerate(reqs):
+        if i < 3:
+            assert r.after is None  # first rounds wait for no one
+        else:
+            prev = reqs[r.after]  # type: ignore[index]
+            assert r.after < i and r.prompt[: len(prev.prompt)] == prev.prompt  # the same user's history
