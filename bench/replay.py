@@ -1,6 +1,6 @@
 """Replaying a Mooncake-format request trace through the router, per routing policy, against its ceiling.
 
-    python -m bench.replay [--trace PATH] [--start N] [--requests N] [--tokens-per-block T]
+    python -m bench.replay [--trace PATH] [--start N] [--requests N] [--sample F] [--tokens-per-block T]
                            [--time-scale S] [--max-input N] [--max-output M] [--workload trace|qa]
                            [--model smollm2|tiny] [--nodes N] [--node-blocks N] [--node-threads N]
                            [--store TIERS] [--modes A,B] [--qa-users N] [--qa-gap-ms MS] [--quick]
@@ -10,7 +10,9 @@ The trace (``../shared/data/traces/conversation_trace.jsonl`` by default; README
 line with ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids`` (512-token prefix
 blocks: equal ids, the same block).  The replay scales it to this machine -- ``--tokens-per-block`` tokens
 stand for each 512-token block (input lengths scale alike, capped at ``--max-input``), arrival times are
-multiplied by ``--time-scale``, outputs are capped at ``--max-output`` -- and makes token ids from hash ids
+multiplied by ``--time-scale``, outputs are capped at ``--max-output``, and with ``--sample F`` only the
+requests of a fraction F of the conversations are replayed (every turn of each, so a window spans more of
+the trace, and more of its reuse, at a rate the machine keeps) -- and makes token ids from hash ids
 deterministically (the same id always gives the same block of tokens; the last block is cut to the scaled
 input length).  Every figure is printed with those factors.
 
@@ -28,7 +30,9 @@ fits in a minute, not a measurement.
 
 The nodes run ``--model smollm2`` by default: the embedded SmolLM2-135M (its GGUF converted once to a bf16
 folder), so a token computed costs what a real model's does against a token loaded (23 KiB of KV).  Its
-window and rates are sized for this 2-core machine (300 requests, inputs capped at 512 tokens, real time);
+window and rates are sized for this 2-core machine: 300 requests of 4 % of the conversations (lines 0-7299,
+a ceiling of 43 %, where 300 consecutive lines have 11 %), 32 tokens for each 512-token block, inputs
+capped at 1024 tokens, outputs at 8, time x0.065 (the window spans 146 s);
 ``--model tiny`` runs the 4-layer random bench model (600 requests at x0.15), on which computing a block
 costs about what loading it does, so reuse barely shows.
 
@@ -75,6 +79,24 @@ BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
+class Sizes:
+    """One workload's defaults for one model: the window, the scale and the node caches (per node, below
+    the window's working set, so that local caches overflow)."""
+
+    requests: int
+    tokens_per_block: int  # also the nodes' block size
+    max_output: int
+    node_blocks: int
+    # The trace's: the share of its conversations replayed, the time factor, the input cap.
+    sample: float = 1.0
+    time_scale: float = 1.0
+    max_input: int = 1 << 30
+    # The QA workload's: users, and the ms between two rounds' slots.
+    users: int = 16
+    gap_ms: float = 250.0
+
+
+@dataclass(frozen=True)
 class ModelChoice:
     """What the nodes run, and the sizes that go with its cost: ``tiny`` is the 4-layer random bench
     model (compute nearly free, so reuse barely shows); ``smollm2`` is the embedded SmolLM2-135M-Instruct,
@@ -83,15 +105,8 @@ class ModelChoice:
     vocab: int
     low_id: int  # prompt ids start here (special tokens below)
     store: str
-    # Defaults for the window and the node caches (per node: below the window's working set, so that
-    # local caches overflow; on the trace, large enough that four of them can hold what one cannot).
-    requests: int
-    sample: float  # of the trace's conversations
-    time_scale: float
-    max_input: int
-    trace_node_blocks: int
-    qa_node_blocks: int
-    qa_gap_ms: float
+    trace: Sizes
+    qa: Sizes
 
 
 MODELS = {
@@ -99,26 +114,19 @@ MODELS = {
         vocab=SPEC.vocab,
         low_id=2,
         store="cpu:1GiB",
-        requests=600,
-        sample=1.0,
-        time_scale=0.15,
-        max_input=1024,
-        trace_node_blocks=160,
-        qa_node_blocks=160,
-        qa_gap_ms=50.0,
+        trace=Sizes(600, 16, 16, 160, time_scale=0.15, max_input=1024),
+        qa=Sizes(600, 16, 16, 160, gap_ms=50.0),
     ),
     # 23 KiB of KV a token (30 layers x 3 KV heads x 64 x K,V in bf16): 4 GiB hold ~180k tokens.
+    # The trace: 300 requests of 4 % of the conversations (lines 0-7299, a ceiling of 43 %), 146 s.
+    # QA: 32 users x 12 rounds whose histories (up to ~1070 tokens) outgrow 2048-token node caches,
+    # with 4-token answers, so that prefill (what the store saves) is most of the work.
     "smollm2": ModelChoice(
         vocab=49152,
         low_id=20,
         store="cpu:4GiB",
-        requests=300,
-        sample=1.0,
-        time_scale=1.0,
-        max_input=512,
-        trace_node_blocks=1280,
-        qa_node_blocks=320,
-        qa_gap_ms=250.0,
+        trace=Sizes(300, 32, 8, 640, sample=0.04, time_scale=0.065, max_input=1024),
+        qa=Sizes(384, 32, 4, 64, users=32, gap_ms=50.0),
     ),
 }
 
@@ -468,8 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--tokens-per-block",
         type=int,
-        default=BLOCK_SIZE,
-        help="tokens standing for 512, also the nodes' block size (default 16)",
+        default=None,
+        help="tokens standing for 512, also the nodes' block size (default: the model's)",
     )
     p.add_argument(
         "--time-scale",
@@ -486,7 +494,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="replay only this fraction of the conversations (every turn of each; default: the model's)",
     )
-    p.add_argument("--max-output", type=int, default=16, help="output tokens at most")
+    p.add_argument(
+        "--max-output", type=int, default=None, help="output tokens at most (default: the model's)"
+    )
     p.add_argument("--slo-ttft-ms", type=float, default=500.0)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--modes", default="", help=f"comma-separated subset of {', '.join(MODES)}")
@@ -502,7 +512,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--node-blocks", type=int, default=None, help="KV blocks per node (default: the model's)")
     p.add_argument("--store", default=None, help="the shared store's tiers (default: the model's)")
-    p.add_argument("--qa-users", type=int, default=None, help="--workload qa: users (default 16, --quick 8)")
+    p.add_argument(
+        "--qa-users", type=int, default=None, help="--workload qa: users (default: the model's; --quick 8)"
+    )
     p.add_argument(
         "--qa-gap-ms",
         type=float,
@@ -524,14 +536,18 @@ def main(argv: list[str] | None = None) -> int:
     choice = MODELS[model_name]
     qa = args.workload == "qa"
     nodes = pick(args.nodes, 2 if args.quick else 4)
-    node_blocks = pick(args.node_blocks, choice.qa_node_blocks if qa else choice.trace_node_blocks)
+    sizes = choice.qa if qa else choice.trace
+    node_blocks = pick(args.node_blocks, sizes.node_blocks)
     store = pick(args.store, choice.store)
-    count = pick(args.requests, 120 if args.quick else choice.requests)
+    count = pick(args.requests, 120 if args.quick else sizes.requests)
+    tokens_per_block = pick(args.tokens_per_block, sizes.tokens_per_block)
+    max_output = pick(args.max_output, sizes.max_output)
     for flag, value, least in (
         ("--nodes", nodes, 2),  # a policy needs a choice
         ("--node-blocks", node_blocks, 1),
         ("--requests", count, 1),
-        ("--tokens-per-block", args.tokens_per_block, 1),
+        ("--tokens-per-block", tokens_per_block, 1),
+        ("--max-output", max_output, 1),
         ("--node-threads", pick(args.node_threads, 1), 1),
     ):
         if value < least:
@@ -541,14 +557,14 @@ def main(argv: list[str] | None = None) -> int:
             "bench.replay: --time-scale, --max-input and --sample scale the trace; "
             "--workload qa takes --qa-gap-ms"
         )
-    sample = pick(args.sample, choice.sample)
+    sample = pick(args.sample, sizes.sample)
     if not 0 < sample <= 1:
         raise SystemExit(f"bench.replay: --sample must be in (0, 1], got {sample:g}")
     scale = Scale(
-        args.tokens_per_block,
-        pick(args.time_scale, choice.time_scale),
-        args.max_output,
-        pick(args.max_input, choice.max_input),
+        tokens_per_block,
+        pick(args.time_scale, sizes.time_scale),
+        max_output,
+        pick(args.max_input, sizes.max_input),
     )
     if args.workload == "trace":
         try:
@@ -561,8 +577,8 @@ def main(argv: list[str] | None = None) -> int:
         if sample < 1:
             what += f", the requests of {sample:g} of its conversations"
     else:
-        users = pick(args.qa_users, 8 if args.quick else 16)
-        gap_s = pick(args.qa_gap_ms, choice.qa_gap_ms) / 1e3
+        users = pick(args.qa_users, 8 if args.quick else sizes.users)
+        gap_s = pick(args.qa_gap_ms, sizes.gap_ms) / 1e3
         if users < 1 or gap_s < 0:
             raise SystemExit("bench.replay: --qa-users must be at least 1 and --qa-gap-ms not negative")
         rounds = max(2, count // users)
