@@ -127,6 +127,8 @@ def test_real_model_prompts_keep_clear_of_its_special_tokens(tmp_path: Path) -> 
         (["--nodes", "0"], "--nodes must be at least 2, got 0"),
         (["--requests", "0"], "--requests must be at least 1, got 0"),
         (["--node-threads", "0"], "--node-threads must be at least 1, got 0"),
+        (["--max-output", "0"], "--max-output must be at least 1, got 0"),
+        (["--tokens-per-block", "0"], "--tokens-per-block must be at least 1, got 0"),
         (["--workload", "qa", "--time-scale", "1"], "--workload qa takes --qa-gap-ms"),
         (["--workload", "qa", "--qa-gap-ms", "-1"], "--qa-gap-ms not negative"),
         (["--workload", "qa", "--sample", "0.5"], "--sample scale the trace"),
