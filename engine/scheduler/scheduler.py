@@ -477,6 +477,15 @@ class Scheduler:
 
     # -- observability ------------------------------------------------------------------------------------
 
+    def _prompt_tokens_to_compute(self, request: Request) -> int:
+        """Prompt tokens ``request`` has still to compute: one not scheduled yet (or preempted) computes
+        none of those its local prefix cache holds now (a kv-aware router reads the sum as queued work,
+        and sends such requests here because of that cache)."""
+        done = request.num_computed_tokens
+        if done == 0:
+            done = self.kv.num_cached_prefix_tokens(request)
+        return max(0, request.num_prompt_tokens - done)
+
     def stats(self) -> StatsSnapshot:
         """The scheduler's counters (with the KV manager's) and gauges, by the keys of engine/metrics.py."""
         counters = self.counters.snapshot()
@@ -490,7 +499,7 @@ class Scheduler:
             "num_requests_held": float(len(self.holds)),
             "prefill_tokens_queued": float(
                 sum(
-                    max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                    self._prompt_tokens_to_compute(r)
                     for r in self.requests.values()
                     if r.num_computed_tokens < r.num_prompt_tokens
                 )

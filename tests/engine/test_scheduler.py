@@ -226,6 +226,18 @@ def _warm(s, prefix: list[int]) -> None:  # type: ignore[no-untyped-def]
     run_to_completion(s)
 
 
+def test_queued_prefill_work_leaves_out_what_the_prefix_cache_holds() -> None:
+    s = make_scheduler(max_num_seqs=1, num_blocks=32)
+    shared = list(range(16))
+    _warm(s, shared)
+    s.add_request(make_request("hot", [*shared, 7, 8], max_tokens=1))  # 16 of 18 cached
+    s.add_request(make_request("cold", range(500, 510), max_tokens=1))
+    assert s.stats().gauges["prefill_tokens_queued"] == 2 + 10
+    so = s.schedule()  # one at a time: "hot" runs its last 2, "cold" still waits
+    assert chunks(so) == [("hot", 16, 2, True)]
+    assert s.stats().gauges["prefill_tokens_queued"] == 10
+
+
 def test_lpm_serves_the_longest_cached_prefix_first() -> None:
     s = make_scheduler(policy="lpm", max_num_seqs=1, num_blocks=32)
     shared = list(range(16))
