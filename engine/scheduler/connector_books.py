@@ -106,6 +106,10 @@ class ConnectorBooks:
         self.loading[request.request_id] = request
         self._load_ends[request.request_id] = loaded_end
 
+    def load_end(self, rid: RequestId) -> int | None:
+        """Where the prompt's KV will end once the load of ``rid`` lands; None if it is not loading."""
+        return self._load_ends.get(rid)
+
     def stop_loading(self, rid: RequestId) -> None:
         """The request finished (aborted, failed) while its load was in flight."""
         self.loading.pop(rid, None)

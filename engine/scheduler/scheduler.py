@@ -479,10 +479,13 @@ class Scheduler:
 
     def _prompt_tokens_to_compute(self, request: Request) -> int:
         """Prompt tokens ``request`` has still to compute: one not scheduled yet (or preempted) computes
-        none of those its local prefix cache holds now (a kv-aware router reads the sum as queued work,
-        and sends such requests here because of that cache)."""
+        none of those its local prefix cache holds now, one loading its KV none of those it loads (a
+        kv-aware router reads the sum as queued work, and sends such requests here because of them)."""
         done = request.num_computed_tokens
-        if done == 0:
+        load_end = self.books.load_end(request.request_id)
+        if load_end is not None:
+            done = max(done, load_end)
+        elif done == 0:
             done = self.kv.num_cached_prefix_tokens(request)
         return max(0, request.num_prompt_tokens - done)
 

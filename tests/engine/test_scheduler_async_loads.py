@@ -137,3 +137,16 @@ def test_a_failed_block_shared_by_two_async_loaders_is_recomputed_by_both() -> N
     step(s, KVConnectorOutput(finished_recving={"c"}))  # type: ignore[arg-type]
     so, _ = step(s)
     assert [(sr.request_id, sr.start_position) for sr in so.scheduled] == [("c", 0)]
+
+
+def test_queued_prefill_work_leaves_out_what_a_request_is_loading() -> None:
+    conn = ScriptedConnector()
+    s = make(conn)
+    conn.answers["r"] = (8, True)
+    s.add_request(make_request("r", range(10), max_tokens=1))
+    assert s.stats().gauges["prefill_tokens_queued"] == 10  # the connector is not asked before scheduling
+    step(s)  # loading tokens 0..7
+    assert s.stats().gauges["prefill_tokens_queued"] == 2
+    step(s, KVConnectorOutput(finished_recving={"r"}))  # type: ignore[arg-type]
+    so, _ = step(s)
+    assert [(sr.request_id, sr.start_position, sr.num_tokens) for sr in so.scheduled] == [("r", 8, 2)]
