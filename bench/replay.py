@@ -169,20 +169,23 @@ class Scale:
         )
 
 
-def conversation_key(hash_ids: list[int]) -> tuple[int, ...]:
+def conversation_key(hash_ids: list[int], line: int) -> str:
     """What groups a conversation's turns: its first two block ids.  Every turn of a conversation repeats
     the history before it, so its turns share their leading ids; the first alone is not enough in the
-    Mooncake trace, whose every request starts with the same block (id 0, a shared system prompt)."""
-    return tuple(hash_ids[:2])
+    Mooncake trace, whose every request starts with the same block (id 0, a shared system prompt).  A
+    request of under two blocks cannot be told apart from others that share its one block: it is a
+    conversation of its own (its line)."""
+    if len(hash_ids) < 2:
+        return f"line {line}"
+    return f"{hash_ids[0]},{hash_ids[1]}"
 
 
-def sampled(hash_ids: list[int], fraction: float) -> bool:
+def sampled(hash_ids: list[int], line: int, fraction: float) -> bool:
     """Whether a request's conversation is in a ``fraction`` sample of the conversations: the same
-    answer for every turn of one conversation, and in every run."""
+    answer for every turn of one conversation, and in every run (a CRC of the key, not Python's hash)."""
     if fraction >= 1.0:
         return True
-    key = ",".join(map(str, conversation_key(hash_ids))).encode()
-    return zlib.crc32(key) / 2**32 < fraction
+    return zlib.crc32(conversation_key(hash_ids, line).encode()) / 2**32 < fraction
 
 
 def read_trace(path: Path, start: int, count: int, sample: float = 1.0) -> list[dict[str, Any]]:
@@ -213,7 +216,7 @@ def read_trace(path: Path, start: int, count: int, sample: float = 1.0) -> list[
                 isinstance(i, int) and not isinstance(i, bool) for i in ids
             ):
                 raise TraceError(f"{path}:{number}: field 'hash_ids' is missing or not a list of ints")
-            if sampled(ids, sample):
+            if sampled(ids, number, sample):
                 row["line"] = number
                 rows.append(row)
     return rows
@@ -571,8 +574,10 @@ def main(argv: list[str] | None = None) -> int:
             rows = read_trace(args.trace, args.start, count, sample)
         except TraceError as exc:
             raise SystemExit(f"bench.replay: {exc}") from None
+        if not rows:
+            raise SystemExit(f"bench.replay: no requests in {args.trace} from line {args.start} on")
         requests = scale_trace(rows, scale, choice.vocab, choice.low_id)
-        last = rows[-1]["line"] - 1 if rows else args.start
+        last = rows[-1]["line"] - 1
         what = f"{args.trace.name} lines {args.start}..{last}"
         if sample < 1:
             what += f", the requests of {sample:g} of its conversations"

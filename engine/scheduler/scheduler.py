@@ -478,9 +478,11 @@ class Scheduler:
     # -- observability ------------------------------------------------------------------------------------
 
     def _prompt_tokens_to_compute(self, request: Request) -> int:
-        """Prompt tokens ``request`` has still to compute: one not scheduled yet (or preempted) computes
-        none of those its local prefix cache holds now, one loading its KV none of those it loads (a
-        kv-aware router reads the sum as queued work, and sends such requests here because of them)."""
+        """Prompt tokens ``request`` has still to compute: one with none computed (not scheduled yet,
+        preempted, or cut back by a failed load) computes none of those its local prefix cache holds now
+        (evictable blocks included: one evicted before it is scheduled is computed after all), one loading
+        its KV none of those it loads.  A kv-aware router reads the sum as queued work, and sends such
+        requests here because of those hits."""
         done = request.num_computed_tokens
         load_end = self.books.load_end(request.request_id)
         if load_end is not None:

@@ -83,21 +83,42 @@ def test_a_sample_keeps_whole_conversations_the_same_in_every_run(tmp_path: Path
     ]
     path = write(tmp_path, lines)
     rows = read_trace(path, 0, 10_000, sample=0.25)
-    conversations = {conversation_key(r["hash_ids"]) for r in rows}
-    assert 30 <= len(conversations) <= 70  # about a quarter of 200
+    conversations = {conversation_key(r["hash_ids"], r["line"]) for r in rows}
+    # About a quarter of 200, and exactly these: a CRC of the key, the same in every process (Python's
+    # hash of a str would not be).
+    assert len(conversations) == 56 and sorted(conversations)[:3] == ["0,1000", "0,1004", "0,1008"]
     assert len(rows) == 3 * len(conversations)  # every turn of each sampled one
-    assert rows == read_trace(path, 0, 10_000, sample=0.25)  # the same sample in every run
+    assert rows == read_trace(path, 0, 10_000, sample=0.25)
     assert {r["line"] for r in rows} <= set(range(1, 601))  # lines are numbered from 1, as errors name them
     # --requests counts the replayed requests, read on past the lines left out.
     assert len(read_trace(path, 0, 5, sample=0.25)) == 5
     # A larger sample holds a smaller one, so a window's ceiling does not jump between fractions.
-    assert conversations <= {conversation_key(r["hash_ids"]) for r in read_trace(path, 0, 10_000, 0.5)}
-    assert all(sampled([0, 7], 1.0) for _ in range(3))
+    assert conversations <= {
+        conversation_key(r["hash_ids"], r["line"]) for r in read_trace(path, 0, 10_000, 0.5)
+    }
+    assert sampled([0, 7000], 1, 0.04) and not sampled([0, 7402], 1, 0.04)
     # A sample's ceiling: later turns reuse earlier ones, as in the whole trace.
     scaled = scale_trace(rows, SCALE, vocab=512)
     assert ceiling(scaled, SCALE.tokens_per_block) == pytest.approx(
         ceiling(scale_trace(read_trace(path, 0, 10_000), SCALE, vocab=512), SCALE.tokens_per_block), abs=0.05
     )
+
+
+def test_a_request_of_one_block_is_a_conversation_of_its_own(tmp_path: Path) -> None:
+    # Short requests that share only their one block are sampled one by one, at the fraction, not all
+    # kept or all dropped together as one "conversation" of block 0.
+    path = write(tmp_path, [row(i, 300, [0]) for i in range(400)] + [row(400, 300, [])])
+    kept = len(read_trace(path, 0, 10_000, sample=0.25))
+    assert 60 <= kept <= 140
+    assert conversation_key([0], 3) != conversation_key([0], 4) and conversation_key([], 9) == "line 9"
+
+
+def test_a_window_with_no_requests_stops_the_bench(tmp_path: Path) -> None:
+    from bench.replay import main
+
+    path = write(tmp_path, [row(0, 1024, [0, 1])])
+    with pytest.raises(SystemExit, match=r"no requests in .* from line 5 on"):
+        main(["--trace", str(path), "--start", "5"])
 
 
 def test_a_bad_line_is_named_even_where_the_sample_leaves_it_out(tmp_path: Path) -> None:
