@@ -49,9 +49,9 @@ from kvstore.codec import BlockCodec
 from kvstore.config import CpuTierConfig, DiskTierConfig, RedisTierConfig, RemoteTierConfig
 from kvstore.deadline import Deadline
 from kvstore.keys import KeyRun
-from kvstore.layout import BlockLayout
 from kvstore.results import Unit
 from kvstore.tiers.base import Tier, TierPolicy
+from wire.layout import BlockLayout
 
 NAMESPACE = bytes(range(16))
 LOOKUP_BLOCKS = 2048

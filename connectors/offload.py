@@ -155,7 +155,7 @@ class OffloadConnector(KVConnectorBase):
         self, role: KVConnectorRole, context: ConnectorContext, options: Mapping[str, Any] | None = None
     ) -> None:
         super().__init__(role, context, options)
-        from kvstore.layout import BlockLayout
+        from wire.layout import BlockLayout
 
         self.layout = BlockLayout.from_spec(context.spec)
         self.store = _SharedStores.acquire(self.options.kv_store, context.namespace.namespace_id, self.layout)

@@ -71,8 +71,8 @@ from connectors.p2p_params import (
 from connectors.p2p_transfer import TransferStats
 from engine.request import Request, RequestId, RequestStatus
 from kvstore.curve import CurveKeys, is_loopback
-from kvstore.layout import BlockLayout
 from kvstore.protocol import MAX_READ_BLOCKS
+from wire.layout import BlockLayout
 
 if TYPE_CHECKING:
     import torch

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvstore.layout import BlockLayout
+from wire.layout import BlockLayout
 
 
 class TransferParamsError(ValueError):

@@ -26,7 +26,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from engine.metrics import SPECS, Histogram, HistogramSnapshot
-from kvstore.layout import BlockLayout
+from wire.layout import BlockLayout
 
 if TYPE_CHECKING:
     import torch

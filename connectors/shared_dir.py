@@ -157,7 +157,7 @@ class SharedDirConnector(KVConnectorBase):
 
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         from kvstore.codec import BlockCodec
-        from kvstore.layout import BlockLayout
+        from wire.layout import BlockLayout
 
         self._kv = kv_cache
         self._codec = BlockCodec(self.context.namespace.namespace_id, BlockLayout.from_kv_cache(kv_cache))

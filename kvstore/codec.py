@@ -1,6 +1,6 @@
 """The block codec: the one definition of a stored block's bytes, shared by every tier and the wire.
 
-A stored block is a 96-byte header followed by the payload (one engine block, see ``kvstore.layout``):
+A stored block is a 96-byte header followed by the payload (one engine block, see ``wire.layout``):
 
     offset size  field                                         (all little-endian)
       0     4    magic b"PDKV"
@@ -9,7 +9,7 @@ A stored block is a 96-byte header followed by the payload (one engine block, se
       8    16    namespace id (raw bytes; ``HashNamespace.namespace_id`` is their hex)
      24    32    block hash, zero-padded to 32 bytes
      56     1    block hash length (16 for xxh3_128, 32 for sha256)
-     57     1    dtype code (``kvstore.layout.DTYPES``)
+     57     1    dtype code (``wire.layout.DTYPES``)
      58     2    flags (u16) = 0
      60    16    num_layers, num_kv_heads, head_dim, block_size (u32 each)
      76     8    payload length (u64)
@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from kvstore.layout import BlockLayout
 from kvstore.reasons import MissReason
+from wire.layout import BlockLayout
 
 MAGIC = b"PDKV"
 FORMAT_VERSION = 1

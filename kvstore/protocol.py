@@ -60,7 +60,7 @@ import zmq
 
 from kvstore.codec import HEADER_SIZE
 from kvstore.keys import ANCHOR_SPAN, KeyRun
-from kvstore.layout import BlockLayout
+from wire.layout import BlockLayout
 
 PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 1 << 20

@@ -47,13 +47,13 @@ from kvstore.config import StoreConfig
 from kvstore.deadline import Deadline
 from kvstore.keys import KeyRun
 from kvstore.lane import Lane
-from kvstore.layout import BlockLayout
 from kvstore.metrics import TierStats
 from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit, UnitBatch, release_all
 from kvstore.tiers.base import Tier, TierPolicy
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.factory import build_tier
 from kvstore.writeback import WriteQueue
+from wire.layout import BlockLayout
 
 
 @dataclass(frozen=True)

@@ -260,7 +260,7 @@ class TokenKeyedConnector(SharedDirConnector):
 
     def register_kv_caches(self, kv_cache: Any) -> None:
         from kvstore.codec import BlockCodec
-        from kvstore.layout import BlockLayout
+        from wire.layout import BlockLayout
 
         self._kv = kv_cache
         # bug: one namespace for every model, and a layout the header is not checked against

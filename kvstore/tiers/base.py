@@ -53,7 +53,6 @@ from kvstore.codec import check_header
 from kvstore.deadline import Deadline
 from kvstore.keys import KeyRun
 from kvstore.lane import Lane
-from kvstore.layout import BlockLayout
 from kvstore.metrics import TierMetrics, TierStats
 from kvstore.reasons import FAILURE_REASONS
 from kvstore.results import (
@@ -65,6 +64,7 @@ from kvstore.results import (
     UnitBatch,
     release_all,
 )
+from wire.layout import BlockLayout
 
 logger = logging.getLogger(__name__)
 

@@ -38,9 +38,9 @@ from kvstore.codec import BlockHeader, check_header, header_checksum, verify_pay
 from kvstore.config import CpuTierConfig
 from kvstore.deadline import Deadline
 from kvstore.keys import KeyRun
-from kvstore.layout import BlockLayout
 from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit
 from kvstore.tiers.base import Ghosts, Tier, TierPolicy
+from wire.layout import BlockLayout
 
 EvictHook = Callable[[list[tuple[KeyRun, Unit]]], None]
 

@@ -41,9 +41,9 @@ from kvstore.codec import (
 from kvstore.config import DiskTierConfig
 from kvstore.deadline import Deadline
 from kvstore.keys import KeyRun
-from kvstore.layout import BlockLayout
 from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit
 from kvstore.tiers.base import Ghosts, Tier, TierError, TierPolicy
+from wire.layout import BlockLayout
 
 logger = logging.getLogger(__name__)
 

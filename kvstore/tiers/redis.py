@@ -46,9 +46,9 @@ from kvstore.codec import HEADER_SIZE, HeaderMatcher, check_header, payload_chec
 from kvstore.config import RedisTierConfig
 from kvstore.deadline import Deadline
 from kvstore.keys import ANCHOR_SPAN, KeyRun
-from kvstore.layout import BlockLayout
 from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit
 from kvstore.tiers.base import Tier, TierError, TierPolicy, TierTimeout
+from wire.layout import BlockLayout
 
 # KEYS: block keys in chain order.  Returns how many leading keys exist; reads only.
 LOOKUP_SCRIPT = """

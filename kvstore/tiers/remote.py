@@ -35,10 +35,10 @@ from kvstore.config import RemoteTierConfig
 from kvstore.curve import client_socket
 from kvstore.deadline import Deadline
 from kvstore.keys import KeyRun
-from kvstore.layout import BlockLayout
 from kvstore.protocol import ProtocolError, Reply, decode_reply, encode_request, send_frames
 from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit
 from kvstore.tiers.base import Tier, TierError, TierPolicy, TierTimeout
+from wire.layout import BlockLayout
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,6 @@ from connectors.p2p_transfer import BlockViews, TransferStats
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from kvstore.codec import pack_header, payload_checksum
-from kvstore.layout import BlockLayout
 from kvstore.protocol import (
     DataReply,
     ErrorCode,
@@ -52,6 +51,7 @@ from tests.p2p_harness import (
     worker,
 )
 from tests.tiny_models import random_prompts
+from wire.layout import BlockLayout
 
 PROMPT = random_prompts([23], seed=3)[0]  # 5 full blocks of 4 tokens, then 3 tokens
 MAX_TOKENS = 6

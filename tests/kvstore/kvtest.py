@@ -22,8 +22,8 @@ import torch
 
 from kvstore.codec import BlockCodec
 from kvstore.keys import KeyRun
-from kvstore.layout import BlockLayout
 from kvstore.results import Unit
+from wire.layout import BlockLayout
 
 # 2 layers x 2 (K, V) x 4 tokens x 2 heads x 8 dims x 2 bytes = 512 bytes per block: big enough to be a
 # real payload, small enough that capacities in tests are counted in blocks.

@@ -18,8 +18,8 @@ from kvstore.codec import (
     payload_checksum,
     store_namespace,
 )
-from kvstore.layout import BlockLayout
 from kvstore.results import MissReason
+from wire.layout import BlockLayout
 
 HASH = chain(1)[0]
 

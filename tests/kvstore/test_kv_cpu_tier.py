@@ -11,9 +11,9 @@ from kvtest import BLOCK, LAYOUT, NAMESPACE, Blocks
 from kvstore.codec import BlockCodec, parse_header, payload_checksum
 from kvstore.config import CpuTierConfig
 from kvstore.keys import KeyRun
-from kvstore.layout import BlockLayout
 from kvstore.results import MissReason, Unit
 from kvstore.tiers.cpu import CpuTier
+from wire.layout import BlockLayout
 
 
 def cpu(blocks: int) -> CpuTier:

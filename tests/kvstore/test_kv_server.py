@@ -31,12 +31,12 @@ from kvstore.breaker import BreakerConfig
 from kvstore.codec import BlockCodec
 from kvstore.config import RemoteTierConfig
 from kvstore.deadline import Deadline
-from kvstore.layout import BlockLayout
 from kvstore.protocol import decode_reply, encode_request, send_frames
 from kvstore.results import MissReason, Unit
 from kvstore.store import KVStore
 from kvstore.tiers.base import TierPolicy
 from kvstore.tiers.remote import PUT_CHUNK, RemoteTier
+from wire.layout import BlockLayout
 
 POLICY = TierPolicy(
     lookup_timeout_s=0.5, get_timeout_s=1.0, put_timeout_s=1.0, breaker=BreakerConfig(cooldown_s=0.1)
