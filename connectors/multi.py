@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from connectors.base import (
+from engine.connector.base import (
     ConnectorContext,
     ConnectorOptionsError,
     ConnectorStats,
@@ -29,6 +29,7 @@ from connectors.base import (
     KVConnectorOutput,
     KVConnectorRole,
 )
+from engine.connector.params import KVTransferParams
 from engine.kv_events import KVCacheEvent
 from engine.request import Request, RequestId
 
@@ -130,19 +131,19 @@ class MultiConnector(KVConnectorBase):
 
     def request_finished(
         self, request: Request, block_ids: Sequence[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         held: set[int] = set()
-        params: dict[str, Any] = {}
+        params: KVTransferParams | None = None
         for i, child in enumerate(self.children):
             hold, child_params = child.request_finished(request, block_ids)
             if hold:
                 held.add(i)
-            for key, value in (child_params or {}).items():
-                params.setdefault(key, value)  # the first child's value wins, as for loads
+            if params is None:
+                params = child_params  # the first child's answer wins, as for loads
         self._loader.pop(request.request_id, None)
         if held:
             self._held_by[request.request_id] = held
-        return bool(held), params or None
+        return bool(held), params
 
     def take_events(self) -> list[KVCacheEvent]:
         return [e for child in self.children for e in child.take_events()]

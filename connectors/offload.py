@@ -43,7 +43,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from connectors.base import (
+from engine.connector.base import (
     ConnectorContext,
     ConnectorStats,
     KVConnectorBase,
@@ -51,6 +51,7 @@ from connectors.base import (
     KVConnectorOutput,
     KVConnectorRole,
 )
+from engine.connector.params import KVTransferParams
 from engine.hashing import BlockHash
 from engine.metrics import SPECS, Histogram
 from engine.request import Request, RequestId
@@ -277,7 +278,7 @@ class OffloadConnector(KVConnectorBase):
 
     def request_finished(
         self, request: Request, block_ids: Sequence[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         rid = request.request_id
         self._block_tables.pop(rid, None)
         self._lookups.pop(rid, None)

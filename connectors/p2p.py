@@ -1,6 +1,6 @@
 """``p2p``: stream a request's prompt KV from a prefill engine (producer) to a decode engine (consumer).
 
-The flow (ARCHITECTURE.md §1; params format in ``connectors.p2p_params``; wire format in
+The flow (ARCHITECTURE.md §1; params format in ``engine.connector.params``; wire format in
 ``connectors.p2p_transfer``)::
 
     producer engine                                          consumer engine
@@ -54,7 +54,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from connectors.base import (
+from connectors.p2p_transfer import TransferStats
+from engine.connector.base import (
     ConnectorContext,
     ConnectorOptionsError,
     ConnectorStats,
@@ -62,13 +63,7 @@ from connectors.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from connectors.p2p_params import (
-    RemotePrefill,
-    TransferParamsError,
-    is_remote_prefill,
-    wants_remote_decode,
-)
-from connectors.p2p_transfer import TransferStats
+from engine.connector.params import KVTransferParams, RemoteDecode, RemotePrefill
 from engine.request import Request, RequestId, RequestStatus
 from kvstore.curve import CurveKeys, is_loopback
 from kvstore.protocol import MAX_READ_BLOCKS
@@ -250,14 +245,8 @@ class P2PConnector(KVConnectorBase):
 
     def _remote_prefill(self, request: Request) -> RemotePrefill | None:
         """The producer's params of ``request`` when they can be used here; None otherwise."""
-        params = request.kv_transfer_params
-        if not is_remote_prefill(params) or request.request_id in self._pulled:
-            return None
-        assert params is not None
-        try:
-            remote = RemotePrefill.from_params(params)
-        except TransferParamsError as exc:
-            self._reject(request, "bad_params", str(exc))
+        remote = request.kv_transfer_params
+        if not isinstance(remote, RemotePrefill) or request.request_id in self._pulled:
             return None
         if remote.namespace_id != self.context.namespace.namespace_id:
             self._reject(request, "namespace", f"namespace {remote.namespace_id} is not this model's")
@@ -320,15 +309,15 @@ class P2PConnector(KVConnectorBase):
 
     def request_finished(
         self, request: Request, block_ids: Sequence[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         # A request that ends while pulling is held by the engine until the pull stopped (its stop comes
         # in the metadata with the pull, if the pull has not been sent yet): nothing to do here.
         self._pulled.discard(request.request_id)
-        if not wants_remote_decode(request.kv_transfer_params) or request.status not in _LEASABLE:
+        if not isinstance(request.kv_transfer_params, RemoteDecode) or request.status not in _LEASABLE:
             return False, None
         return self._lease(request, block_ids)
 
-    def _lease(self, request: Request, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
+    def _lease(self, request: Request, block_ids: Sequence[int]) -> tuple[bool, RemotePrefill | None]:
         bs = self.block_size
         endpoint = self.options.static_endpoint or _BOARD.lookup(self.context)
         if endpoint is None:
@@ -356,7 +345,7 @@ class P2PConnector(KVConnectorBase):
             lease_s=float(self.options.lease_s),
             layout=self.layout,
             namespace_id=self.context.namespace.namespace_id,
-        ).to_params()
+        )
         if n == 0:
             return False, params  # a prompt shorter than a block: nothing worth holding
         self._next.leases.append(lease)

@@ -84,7 +84,7 @@ class TransferStats:
     - consumer: ``pulls_started``/``_ok``/``_failed``/``_cancelled``, ``blocks_received``,
       ``bytes_received``, ``late_replies``, ``failures.<reason>`` (timeout, checksum, expired, malformed,
       truncated, size, socket, unknown_lease, released, hash_mismatch, ...), ``params_rejected.<reason>``
-      (namespace, layout, hash_mismatch, bad_params).
+      (namespace, layout, hash_mismatch).
 
     Histograms (``histograms``): every successful pull (``kv_transfer_seconds.recv``, and
     ``kv_load_seconds.p2p``: the consumer's KV load) and every lease its consumer released

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
-from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole
+from engine.connector.base import ConnectorContext, KVConnectorBase, KVConnectorRole
 
 ENTRY_POINT_GROUP = "pdkv.kv_connectors"
 
 BUILTINS: dict[str, str] = {
-    "null": "connectors.null:NullConnector",
+    "null": "engine.connector.null:NullConnector",
     "shared-dir": "connectors.shared_dir:SharedDirConnector",
     "multi": "connectors.multi:MultiConnector",
     "offload": "connectors.offload:OffloadConnector",
@@ -42,6 +42,11 @@ class KVConnectorConfig:
             raise ValueError("kv connector name must be a non-empty string (e.g. 'shared-dir')")
         if not isinstance(self.options, Mapping):
             raise ValueError(f"kv connector options must be a mapping, got {type(self.options).__name__}")
+
+    def create(self, role: KVConnectorRole, context: ConnectorContext) -> KVConnectorBase:
+        """One half of this connector (``engine.connector.spec.KVConnectorSpec``): the engine calls it
+        without knowing the registry."""
+        return resolve(self.name)(role, context, self.options)
 
 
 BUILTIN_ORIGIN = "built-in"
@@ -119,4 +124,4 @@ def resolve(name_or_path: str) -> type[KVConnectorBase]:
 def create_connector(
     config: KVConnectorConfig, role: KVConnectorRole, context: ConnectorContext
 ) -> KVConnectorBase:
-    return resolve(config.name)(role, context, config.options)
+    return config.create(role, context)

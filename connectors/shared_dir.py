@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from engine.connector.base import ConnectorContext, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from engine.connector.params import KVTransferParams
 from engine.hashing import BlockHash
 from engine.request import Request, RequestId
 
@@ -148,7 +149,7 @@ class SharedDirConnector(KVConnectorBase):
 
     def request_finished(
         self, request: Request, block_ids: Sequence[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         self._requests.pop(request.request_id, None)
         self._saved_upto.pop(request.request_id, None)
         return False, None  # saves are synchronous: nothing reads the blocks after the step

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
+from engine.connector.params import KVTransferParams
 from engine.driver import EngineRequest
 from engine.sampling_params import SamplingParams
 from serving.errors import invalid
@@ -40,7 +40,7 @@ def decode_request(
     params: SamplingParams,
     cache_salt: str | None,
     first_token_id: int | None,
-    kv_transfer_params: dict[str, Any] | None,
+    kv_transfer_params: KVTransferParams | None,
     resume_output_token_ids: Sequence[int] = (),
 ) -> EngineRequest:
     if resume_output_token_ids:

@@ -44,7 +44,7 @@ class DecodeNodeServicer(node_pb2_grpc.DecodeNodeServicer):
                 convert.sampling_params(request.sampling),
                 salt,
                 first,
-                convert.decode_transfer_params(params),
+                convert.transfer_params(params),
                 list(request.resume_output_token_ids),
             )
             for out in EngineCall(self.driver, engine_request, context).outputs():

@@ -30,7 +30,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from connectors.base import ConnectorStats
+from engine.connector.base import ConnectorStats
+from engine.connector.params import KVTransferParams
 from engine.llm_engine import LLMEngine
 from engine.metrics import HistogramSnapshot, StatsSnapshot, merge_histograms
 from engine.outputs import RequestOutput
@@ -57,7 +58,7 @@ class EngineRequest:
     prompt: str | Sequence[int]
     sampling_params: SamplingParams
     cache_salt: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     prior_output_token_ids: tuple[int, ...] = ()
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from connectors.registry import KVConnectorConfig
+from engine.connector.spec import KVConnectorSpec
 from engine.hashing import SUPPORTED_ALGOS
 from engine.scheduler.config import QUEUE_POLICIES, CacheConfig, SchedulerConfig
 
@@ -50,8 +50,9 @@ class EngineConfig:
     policy: str = "fcfs"
     hash_algo: str = "sha256"
     seed: int = 0
-    # The KV connector (name or "pkg.module:Class", and its options); None runs the no-op connector.
-    kv_connector: KVConnectorConfig | None = None
+    # Builds the KV connector's halves (the registry's ``KVConnectorConfig``: a name or "pkg.module:Class"
+    # and its options); None runs the no-op connector.
+    kv_connector: KVConnectorSpec | None = None
     kv_load_failure_policy: str = "recompute"
     kv_hold_timeout_s: float = 120.0
     kv_stop_timeout_s: float = 30.0
@@ -80,8 +81,10 @@ class EngineConfig:
             raise ValueError(
                 f"hash_algo {self.hash_algo!r} is not supported; choose one of {', '.join(SUPPORTED_ALGOS)}"
             )
-        if self.kv_connector is not None and not isinstance(self.kv_connector, KVConnectorConfig):
-            raise ValueError("kv_connector must be a KVConnectorConfig(name=..., options={...})")
+        if self.kv_connector is not None and not isinstance(self.kv_connector, KVConnectorSpec):
+            raise ValueError(
+                "kv_connector must be a KVConnectorConfig(name=..., options={...}) from connectors.registry"
+            )
         if not isinstance(self.engine_id, str) or not self.engine_id:
             raise ValueError("engine_id must be a non-empty string")
         if not isinstance(self.seed, int) or self.seed < 0:

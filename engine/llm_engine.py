@@ -16,10 +16,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole
-from connectors.registry import KVConnectorConfig, create_connector
+from engine.connector.base import ConnectorContext, KVConnectorBase, KVConnectorRole
+from engine.connector.null import NullConnector
+from engine.connector.params import KVTransferParams
+from engine.connector.spec import KVConnectorSpec
 from engine.cpu_memory import tune_malloc_for_tensors
 from engine.engine_config import EngineConfig
 from engine.hashing import HashNamespace
@@ -98,6 +99,13 @@ class RequestTimer:
         return {name: hist.snapshot() for name, hist in self.histograms.items()}
 
 
+def _connector_half(
+    spec: KVConnectorSpec | None, role: KVConnectorRole, context: ConnectorContext
+) -> KVConnectorBase:
+    """The half of the configured connector for ``role``; the no-op connector when none is configured."""
+    return NullConnector(role, context) if spec is None else spec.create(role, context)
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -127,10 +135,10 @@ class LLMEngine:
         self.kv_spec = dataclasses.replace(probe, num_blocks=config.num_blocks_for(probe.bytes_per_block))
         if connectors is None:
             context = ConnectorContext(self.namespace, self.kv_spec, engine_id=config.engine_id)
-            cfg = config.kv_connector or KVConnectorConfig()
+            spec = config.kv_connector
             connectors = (
-                create_connector(cfg, KVConnectorRole.SCHEDULER, context),
-                create_connector(cfg, KVConnectorRole.WORKER, context),
+                _connector_half(spec, KVConnectorRole.SCHEDULER, context),
+                _connector_half(spec, KVConnectorRole.WORKER, context),
             )
         self.scheduler_connector, self.worker_connector = connectors
         self.scheduler = Scheduler(
@@ -172,7 +180,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         prior_output_token_ids: Sequence[int] = (),
     ) -> Request:
         """Validate and queue one request.  Raises ValueError (naming the field) for bad input.

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from engine.connector.params import KVTransferParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +31,7 @@ class RequestOutput:
     # Prompt tokens loaded by the KV connector (a store, another node) instead of computed.
     num_external_tokens: int = 0
     # What the connector returned when the request finished (e.g. where a prefill node holds its KV).
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
     @property
     def num_computed_prompt_tokens(self) -> int:
@@ -51,7 +52,7 @@ class GenerationOutput:
     num_cached_tokens: int = 0
     num_external_tokens: int = 0
     num_computed_prompt_tokens: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
     # Seconds from submission to the first output token (None if none was produced).
     time_to_first_token: float | None = None

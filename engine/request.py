@@ -11,8 +11,9 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
-from typing import Any, NewType
+from typing import NewType
 
+from engine.connector.params import KVTransferParams
 from engine.hashing import BlockHash, HashNamespace, extend_block_hashes
 from engine.sampling_params import SamplingParams
 
@@ -108,7 +109,7 @@ class Request:
         lora_name: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         num_prior_output_tokens: int = 0,
     ) -> None:
         self.request_id = RequestId(request_id)
@@ -125,7 +126,7 @@ class Request:
         # Transfer parameters this request arrived with (e.g. where a decode node pulls its prompt KV) ...
         self.kv_transfer_params = kv_transfer_params
         # ... and those its connector returned when it finished (e.g. where the prefill node holds them).
-        self.finished_kv_transfer_params: dict[str, Any] | None = None
+        self.finished_kv_transfer_params: KVTransferParams | None = None
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from connectors.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
-from connectors.null import NullConnector
 from engine.attention import DECODE_GROUP_SIZE, AttentionMetadata, DecodeBatch, GatherWorkspace, PrefillChunk
+from engine.connector.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
+from engine.connector.null import NullConnector
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from engine.kv_cache_manager import cdiv
 from engine.model.llama import ForwardContext, LlamaForCausalLM

@@ -17,13 +17,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from engine.connector.params import KVTransferParams, RemoteDecode
 from engine.driver import EngineRequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-
-DO_REMOTE_DECODE: dict[str, Any] = {"do_remote_decode": True}
 
 
 def prefill_request(
@@ -34,7 +32,7 @@ def prefill_request(
         prompt=list(prompt_token_ids),
         sampling_params=dataclasses.replace(params, max_tokens=1),
         cache_salt=cache_salt,
-        kv_transfer_params=dict(DO_REMOTE_DECODE),
+        kv_transfer_params=RemoteDecode(),
     )
 
 
@@ -61,7 +59,7 @@ class PrefillResult:
         return self.output.new_text if self.ends_here else ""
 
     @property
-    def kv_transfer_params(self) -> dict[str, Any] | None:
+    def kv_transfer_params(self) -> KVTransferParams | None:
         return None if self.ends_here else self.output.kv_transfer_params
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from engine.connector.params import encode_transfer_params
 from engine.driver import EngineDriver
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
 from prefill_node.prefill import PrefillResult, prefill_request, prefill_result
@@ -53,7 +54,7 @@ def _response(rid: str, result: PrefillResult) -> node_pb2.PrefillResponse:
         finish_reason=convert.finish_reason_proto(result.finish_reason),
         text=result.text,
         prompt=convert.prompt_usage(result.output),
-        kv_transfer_params=convert.encode_transfer_params(result.kv_transfer_params),
+        kv_transfer_params=encode_transfer_params(result.kv_transfer_params),
     )
     if result.first_logprob is not None:
         response.first_logprob = result.first_logprob

@@ -9,8 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
-import msgpack
 
+from engine.connector.params import (
+    KVTransferParams,
+    TransferParamsError,
+    decode_transfer_params,
+)
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from pdkv_proto.pdkv.v1 import types_pb2
@@ -122,21 +126,10 @@ def prompt_usage(out: RequestOutput) -> types_pb2.PromptUsage:
     )
 
 
-def encode_transfer_params(params: dict[str, Any] | None) -> bytes:
-    """The connector's transfer parameters as msgpack (empty bytes for none): lossless for ints, bytes,
-    strings, lists and maps, which is what the p2p contract allows."""
-    if not params:
-        return b""
-    return msgpack.packb(params, use_bin_type=True)  # type: ignore[no-any-return]
-
-
-def decode_transfer_params(raw: bytes, field: str = "kv_transfer_params") -> dict[str, Any] | None:
-    if not raw:
-        return None
+def transfer_params(raw: bytes, field: str = "kv_transfer_params") -> KVTransferParams | None:
+    """The transfer parameters a node was sent (``engine/connector/params.py``: their one wire form);
+    anything else is INVALID_ARGUMENT naming the field."""
     try:
-        value = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise invalid(field, f"is not a msgpack map ({exc}); pass PrefillResponse's bytes untouched") from exc
-    if not isinstance(value, dict):
-        raise invalid(field, f"must be a msgpack map, got {type(value).__name__}")
-    return value
+        return decode_transfer_params(raw)
+    except TransferParamsError as exc:
+        raise invalid(field, f"{exc}; pass PrefillResponse's bytes untouched") from exc

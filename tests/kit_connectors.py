@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from connectors.base import ConnectorContext, KVConnectorMetadata, KVConnectorRole
+from connectors.base import ConnectorContext, KVConnectorMetadata, KVConnectorRole, KVTransferParams
 from connectors.shared_dir import SharedDirConnector, SharedDirMetadata
 from engine.request import Request, RequestId
 
@@ -137,7 +137,7 @@ class NeverSendsConnector(SharedDirConnector):
 
     def request_finished(
         self, request: Request, block_ids: Sequence[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         super().request_finished(request, block_ids)
         return True, {"peer": "nowhere"}
 
@@ -209,7 +209,7 @@ class AsyncSharedDirConnector(SharedDirConnector):
 
     def request_finished(
         self, request: Request, block_ids: Sequence[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         super().request_finished(request, block_ids)
         self._asked.discard(request.request_id)
         self._sends.append(request.request_id)
@@ -353,7 +353,7 @@ class LeakyStateConnector(SharedDirConnector):
 
     def request_finished(
         self, request: Request, block_ids: Sequence[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         return False, None  # bug: self._requests and self._saved_upto keep the request
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from connectors.p2p import P2PConnector
 from connectors.registry import KVConnectorConfig
+from engine.connector.params import KVTransferParams, RemoteDecode, RemotePrefill
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -96,18 +97,16 @@ def tokens(outs: Sequence[RequestOutput]) -> list[int]:
 @dataclass
 class Prefilled:
     first_token: int
-    params: dict[str, Any]
+    params: RemotePrefill
     output: RequestOutput
 
 
 def prefill(producer: LLMEngine, rid: str, prompt: Sequence[int]) -> Prefilled:
     """Run the prefill half: one token, with ``do_remote_decode``; returns the token and the params."""
-    producer.add_request(
-        rid, list(prompt), SamplingParams(max_tokens=1), kv_transfer_params={"do_remote_decode": True}
-    )
+    producer.add_request(rid, list(prompt), SamplingParams(max_tokens=1), kv_transfer_params=RemoteDecode())
     outs = run_until([producer], lambda: producer.scheduler.get_request(rid) is None)
     final = outs[rid][-1]
-    assert final.finished and final.kv_transfer_params is not None, final
+    assert final.finished and isinstance(final.kv_transfer_params, RemotePrefill), final
     return Prefilled(final.new_token_ids[0], final.kv_transfer_params, final)
 
 
@@ -119,7 +118,7 @@ def decode(
     pre: Prefilled,
     max_tokens: int,
     *,
-    params: dict[str, Any] | None = None,
+    params: KVTransferParams | None = None,
     timeout_s: float = 15.0,
 ) -> list[RequestOutput]:
     """Run the decode half until the consumer finished and the producer freed what it held."""

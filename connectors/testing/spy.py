@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput
+from connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput, KVTransferParams
 from engine.kv_events import KVCacheEvent
 from engine.request import Request, RequestId
 
@@ -174,7 +174,7 @@ class SchedulerSpy(_Proxy):
 
     def request_finished(
         self, request: Request, block_ids: Sequence[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         self.finished[request.request_id] += 1
         with CLOCK.call("request_finished"):
             result = self.inner.request_finished(request, block_ids)

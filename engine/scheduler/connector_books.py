@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from connectors.base import KVConnectorBase
+from engine.connector.base import KVConnectorBase
 from engine.kv_cache_manager import KVCacheManager
 from engine.metrics import Counters
 from engine.request import Request, RequestId

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from engine.connector.types import KVConnectorMetadata, KVConnectorOutput
 from engine.hashing import BlockHash
 from engine.request import RequestId
 from engine.sampling_params import SamplingParams
@@ -63,8 +63,8 @@ class SchedulerOutput:
     errored_request_ids: list[RequestId] = field(default_factory=list)
     # Requests that finished since the last step: the runner drops their per-request state.
     finished_request_ids: set[RequestId] = field(default_factory=set)
-    # The connector's per-step instructions for its worker half (see connectors/base.py).
-    kv_connector_metadata: Any = None
+    # The connector's per-step instructions for its worker half (see engine/connector/base.py).
+    kv_connector_metadata: KVConnectorMetadata = field(default_factory=KVConnectorMetadata)
 
     @property
     def is_empty(self) -> bool:
@@ -77,8 +77,8 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[RequestId, int] = field(default_factory=dict)
     logprobs: dict[RequestId, float] = field(default_factory=dict)
-    # The connector worker half's report for the step (see connectors/base.py).
-    kv_connector_output: Any = None
+    # The connector worker half's report for the step (see engine/connector/base.py).
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 @dataclass(slots=True)

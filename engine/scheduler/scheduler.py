@@ -34,8 +34,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from connectors.base import KVConnectorBase, KVConnectorOutput
-from connectors.null import NullConnector
+from engine.connector.base import KVConnectorBase, KVConnectorOutput
+from engine.connector.null import NullConnector
 from engine.integrity import require
 from engine.kv_cache_manager import NO_HIT, KVCacheManager
 from engine.metrics import EXTERNAL_KV_TRANSFER, LOCAL_CACHE_HIT, LOCAL_COMPUTE, Counters, StatsSnapshot

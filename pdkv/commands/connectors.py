@@ -2,7 +2,7 @@
 
     $ pdkv connectors list
     NAME            TARGET                                          ORIGIN
-    null            connectors.null:NullConnector                   built-in
+    null            engine.connector.null:NullConnector                   built-in
     shared-dir      connectors.shared_dir:SharedDirConnector        built-in
     multi           connectors.multi:MultiConnector                 built-in
     example-memory  pdkv_example_connector.memory:MemoryConnector   pdkv-example-connector

@@ -15,7 +15,6 @@ import torch
 import connectors.registry as registry
 from connectors.base import ConnectorContext, ConnectorOptionsError, KVConnectorBase, KVConnectorRole
 from connectors.multi import MultiConnector
-from connectors.null import NullConnector
 from connectors.registry import (
     ConnectorNotFoundError,
     KVConnectorConfig,
@@ -25,6 +24,7 @@ from connectors.registry import (
     resolve,
 )
 from connectors.shared_dir import SharedDirConnector
+from engine.connector.null import NullConnector
 from engine.kv_cache import KVCacheSpec
 from pdkv.cli import main
 from tests.factories import NS4
@@ -63,21 +63,21 @@ def test_importing_the_registry_imports_no_connector() -> None:
         "print(sorted(m for m in sys.modules if m.startswith('connectors.') or m in ('torch', 'kvstore')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['connectors.base', 'connectors.registry']"
+    assert out.strip() == "['connectors.registry']"  # the contract it names is the engine's
 
 
 def test_a_module_class_path_needs_no_registration() -> None:
     assert resolve("connectors.shared_dir:SharedDirConnector") is SharedDirConnector
-    assert isinstance(build("connectors.null:NullConnector"), NullConnector)
+    assert isinstance(build("engine.connector.null:NullConnector"), NullConnector)
 
 
 @pytest.mark.parametrize(
     ("path", "message"),
     [
         ("no_such_module:Thing", "cannot import connector module 'no_such_module'"),
-        ("connectors.null:Nothing", "module 'connectors.null' has no attribute 'Nothing'"),
+        ("engine.connector.null:Nothing", "module 'engine.connector.null' has no attribute 'Nothing'"),
         ("connectors.registry:KVConnectorConfig", "is not a subclass of connectors.base.KVConnectorBase"),
-        ("connectors.null:", "must look like 'package.module:Class'"),
+        ("engine.connector.null:", "must look like 'package.module:Class'"),
     ],
 )
 def test_a_bad_path_says_what_is_wrong(path: str, message: str) -> None:
@@ -131,7 +131,7 @@ def test_pdkv_connectors_list(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
     assert main(["connectors", "list"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert rows[0] == ["NAME", "TARGET", "ORIGIN"]
-    assert ["null", "connectors.null:NullConnector", "built-in"] in rows
+    assert ["null", "engine.connector.null:NullConnector", "built-in"] in rows
     assert rows[-1] == ["acme", "acme_kv.conn:AcmeConnector", "acme-kv"]
     assert main(["connectors", "list", "--json"]) == 0
     assert '"origin": "acme-kv"' in capsys.readouterr().out

@@ -16,9 +16,14 @@ import pytest
 
 from connectors.base import ConnectorOptionsError
 from connectors.p2p import P2PConnector, P2POptions
-from connectors.p2p_params import RemotePrefill, TransferParamsError
 from connectors.registry import KVConnectorConfig, resolve
 from connectors.testing import conformance_suite
+from engine.connector.params import (
+    RemotePrefill,
+    TransferParamsError,
+    decode_transfer_params,
+    encode_transfer_params,
+)
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -96,10 +101,10 @@ def test_advertised_endpoint() -> None:
 
 def test_params_round_trip_and_name_the_bad_key(producer: LLMEngine) -> None:
     pre = prefill(producer, "r", PROMPT)
-    params = pre.params
+    params = pre.params.to_map()
     assert json.loads(json.dumps(params)) == params  # JSON/msgpack-safe: travels through gRPC untouched
-    remote = RemotePrefill.from_params(params)
-    assert remote.to_params() == params
+    assert RemotePrefill.from_map(params) == pre.params
+    assert decode_transfer_params(encode_transfer_params(pre.params)) == pre.params
     for key, bad in [
         ("kv_endpoint", "http://x"),
         ("num_tokens", 3),
@@ -107,7 +112,7 @@ def test_params_round_trip_and_name_the_bad_key(producer: LLMEngine) -> None:
         ("lease_s", 0),
     ]:
         with pytest.raises(TransferParamsError, match=f"'{key}'"):
-            RemotePrefill.from_params({**params, key: bad})
+            RemotePrefill.from_map({**params, key: bad})
     producer.abort_request("r")  # nobody pulls it: free the lease now
     run_until([producer], lambda: not producer.has_pending_work())
     assert_idle(producer)
@@ -120,7 +125,7 @@ def test_prefill_to_decode_matches_a_local_engine_and_transformers(
     producer: LLMEngine, consumer: LLMEngine
 ) -> None:
     pre = prefill(producer, "r1", PROMPT)
-    params = pre.params
+    params = pre.params.to_map()  # as it travels
     whole = len(PROMPT) // BLOCK_SIZE * BLOCK_SIZE
     assert params["do_remote_prefill"] is True
     assert params["engine_id"] == "prefill-0"
@@ -192,7 +197,7 @@ def test_several_requests_transfer_concurrently(producer: LLMEngine, consumer: L
 def test_a_prompt_shorter_than_a_block_holds_nothing(producer: LLMEngine, consumer: LLMEngine) -> None:
     prompt = PROMPT[:3]
     pre = prefill(producer, "tiny", prompt)
-    assert pre.params["num_tokens"] == 0 and pre.params["block_ids"] == []
+    assert pre.params.num_tokens == 0 and pre.params.block_ids == ()
     assert not producer.has_pending_work()
     outs = decode(producer, consumer, "tiny", prompt, pre, 4)
     assert [pre.first_token, *tokens(outs)] == local_reference(tuple(prompt), 4)
@@ -205,15 +210,16 @@ def test_a_prompt_shorter_than_a_block_holds_nothing(producer: LLMEngine, consum
 @pytest.mark.parametrize("tamper", ["namespace", "layout", "other_prompt"])
 def test_params_for_other_kv_are_never_used(producer: LLMEngine, consumer: LLMEngine, tamper: str) -> None:
     pre = prefill(producer, "t", PROMPT)
-    params = dict(pre.params)
+    params = pre.params.to_map()
     prompt = [*PROMPT, pre.first_token]
     if tamper == "namespace":
         params["namespace_id"] = "0" * 32  # another model (or block size, or hash algorithm)
     elif tamper == "layout":
-        params["layout"] = {**params["layout"], "dtype": "bfloat16"}
+        params["layout"] = {**pre.params.to_map()["layout"], "dtype": "bfloat16"}  # type: ignore[dict-item]
     else:
         prompt = random_prompts([24], seed=99)[0]  # another prompt under this prompt's params
-    consumer.add_request("t", prompt, SamplingParams(max_tokens=4), kv_transfer_params=params)
+    tampered = RemotePrefill.from_map(params)
+    consumer.add_request("t", prompt, SamplingParams(max_tokens=4), kv_transfer_params=tampered)
     outs = run_until([consumer], lambda: not consumer.has_pending_work())["t"]
     assert tokens(outs) == local_reference(tuple(prompt), 4)
     assert outs[-1].num_external_tokens == 0
@@ -245,7 +251,7 @@ def test_p2p_composes_inside_multi() -> None:
     producer, consumer = engine("prefill-m"), engine("decode-m")
     try:
         pre = prefill(producer, "m", PROMPT)
-        assert pre.params["do_remote_prefill"] is True and pre.params["num_tokens"] == 20
+        assert pre.params.num_tokens == 20
         outs = decode(producer, consumer, "m", PROMPT, pre, MAX_TOKENS)
         assert [pre.first_token, *tokens(outs)] == local_reference(tuple(PROMPT), MAX_TOKENS)
         assert outs[-1].num_external_tokens == 20

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import grpc
+import msgpack
 import pytest
 
 from connectors.registry import KVConnectorConfig
 from decode_node.decode import decode_request
+from engine.connector.params import KVTransferParams, RemoteDecode, RemotePrefill, encode_transfer_params
 from engine.driver import EngineOverloaded, EngineStopped
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from pdkv_proto.pdkv.v1 import types_pb2
-from prefill_node.prefill import DO_REMOTE_DECODE, prefill_request, prefill_result
+from prefill_node.prefill import prefill_request, prefill_result
 from router.config import RouterConfig
 from router.nodes import NodeHandle
 from router.policy import LeastLoaded, RoundRobin, RoutingInfo
@@ -19,6 +21,7 @@ from serving import convert
 from serving.config import NodeConfig, parse_connector_spec
 from serving.errors import ServingError, status_for
 from serving.launcher import Topology, _parse_ready, connector_stack
+from wire.layout import BlockLayout
 
 # -- conversion -------------------------------------------------------------------------------------------
 
@@ -39,18 +42,30 @@ def test_bad_sampling_params_name_the_field() -> None:
 
 
 def test_transfer_params_travel_losslessly() -> None:
-    params = {
-        "do_remote_prefill": True,
-        "block_ids": [1, 2, 2**40],
-        "block_hashes": ["ab" * 32],
-        "raw": b"\x00\xff",
-        "lease_s": 30.0,
-        "layout": {"num_layers": 2, "dtype": "float32"},
-    }
-    assert convert.decode_transfer_params(convert.encode_transfer_params(params)) == params
-    assert convert.encode_transfer_params(None) == b"" and convert.decode_transfer_params(b"") is None
-    with pytest.raises(ServingError, match="kv_transfer_params"):
-        convert.decode_transfer_params(b"\xc1garbage")
+    remote = RemotePrefill(
+        engine_id="prefill-0",
+        kv_endpoint="tcp://127.0.0.1:5601",
+        remote_request_id="r",
+        block_ids=(1, 2**40),
+        block_hashes=(b"\xab" * 32, b"\x00\xff" * 8),
+        num_tokens=32,
+        lease_s=30.0,
+        layout=BlockLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32"),
+        namespace_id="ns",
+    )
+    for params in (remote, RemoteDecode(), None):
+        assert convert.transfer_params(encode_transfer_params(params)) == params
+    assert encode_transfer_params(None) == b""
+    for raw, why in [
+        (b"\xc1garbage", "not a msgpack map"),
+        (msgpack.packb([1, 2]), "must be a msgpack map"),
+        (msgpack.packb({"k": 1}), "'do_remote_decode' or 'do_remote_prefill'"),
+        (msgpack.packb({"do_remote_decode": True, "x": 1}), "takes no other key"),
+        (msgpack.packb({**remote.to_map(), "lease_s": 0}), "'lease_s'"),
+        (msgpack.packb({**remote.to_map(), "layout": {"num_layers": 2}}), "'layout'"),
+    ]:
+        with pytest.raises(ServingError, match=f"kv_transfer_params.*{why}"):
+            convert.transfer_params(raw)
 
 
 def test_status_mapping() -> None:
@@ -61,10 +76,17 @@ def test_status_mapping() -> None:
     assert status_for(RuntimeError("boom"))[0] == grpc.StatusCode.INTERNAL
 
 
+REMOTE = RemotePrefill(
+    "p", "tcp://127.0.0.1:1", "r", (), (), 0, 1.0, BlockLayout(1, 1, 8, 16, "float32"), "ns"
+)
+
+
 # -- the two phases ---------------------------------------------------------------------------------------
 
 
-def output(tokens: list[int], reason: str, *, prompt: int = 10, params: dict | None = None) -> RequestOutput:
+def output(
+    tokens: list[int], reason: str, *, prompt: int = 10, params: KVTransferParams | None = None
+) -> RequestOutput:
     return RequestOutput(
         "r", tokens, "t", [], True, finish_reason=reason, num_prompt_tokens=prompt, kv_transfer_params=params
     )
@@ -73,7 +95,7 @@ def output(tokens: list[int], reason: str, *, prompt: int = 10, params: dict | N
 def test_prefill_is_a_one_token_request_kept_for_a_decode_node() -> None:
     req = prefill_request("r", [1, 2, 3], SamplingParams(max_tokens=9, stop=("x",)), "salt")
     assert req.sampling_params.max_tokens == 1 and req.sampling_params.stop == ("x",)
-    assert req.kv_transfer_params == DO_REMOTE_DECODE and req.cache_salt == "salt"
+    assert req.kv_transfer_params == RemoteDecode() and req.cache_salt == "salt"
 
 
 @pytest.mark.parametrize(
@@ -89,16 +111,16 @@ def test_prefill_result(
     reason: str, max_tokens: int, prompt: int, ends: bool, client_reason: str | None
 ) -> None:
     result = prefill_result(
-        output([5], reason, prompt=prompt, params={"k": 1}), SamplingParams(max_tokens=max_tokens), 100
+        output([5], reason, prompt=prompt, params=REMOTE), SamplingParams(max_tokens=max_tokens), 100
     )
     assert result.ends_here is ends and result.finish_reason == client_reason
     assert result.first_token_id == 5
     assert result.text == ("t" if ends else "")
-    assert result.kv_transfer_params == (None if ends else {"k": 1})
+    assert result.kv_transfer_params == (None if ends else REMOTE)
 
 
 def test_decode_continues_with_the_first_token() -> None:
-    params = {"do_remote_prefill": True}
+    params = REMOTE
     req = decode_request("r", [1, 2, 3], SamplingParams(max_tokens=5), None, 7, params)
     assert list(req.prompt) == [1, 2, 3, 7] and req.prior_output_token_ids == (7,)
     assert req.sampling_params.max_tokens == 4 and req.kv_transfer_params is params

@@ -26,7 +26,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from connectors.base import (
+    ConnectorContext,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVTransferParams,
+)
 from engine.request import Request, RequestId
 
 if TYPE_CHECKING:
@@ -179,7 +185,7 @@ class MemoryConnector(KVConnectorBase):
 
     def request_finished(
         self, request: Request, block_ids: Sequence[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         self._saved_upto.pop(request.request_id, None)
         return False, None  # saves are synchronous: nothing reads the blocks after this step
 

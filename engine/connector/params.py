@@ -1,12 +1,16 @@
-"""The ``kv_transfer_params`` of the ``p2p`` connector: what travels from prefill to decode via the router.
+"""``KVTransferParams``: what a request carries between a prefill engine and a decode engine.
 
-They are plain msgpack/JSON-safe dicts (the gRPC nodes and the router pass them through untouched).
+Two kinds, one type each (``KVTransferParams = RemoteDecode | RemotePrefill``)::
 
-The router asks a prefill engine to keep the prompt's KV for a decode engine::
+    router -> prefill engine    RemoteDecode()        keep this prompt's KV for a decode engine to pull
+    prefill engine -> router    RemotePrefill(...)    where that KV waits (the connector's answer, in
+    router -> decode engine     RemotePrefill(...)    ``RequestOutput.kv_transfer_params``), passed on as is
+
+On the wire (gRPC ``bytes`` fields, sealed with the cluster secret where one is set) they are one msgpack
+map, written by ``encode_transfer_params`` and read back by ``decode_transfer_params``, which refuses
+anything else with a ``TransferParamsError`` naming the key::
 
     {"do_remote_decode": true}
-
-The prefill engine's connector answers, when the request finishes (``RequestOutput.kv_transfer_params``)::
 
     {
       "do_remote_prefill": true,
@@ -21,35 +25,35 @@ The prefill engine's connector answers, when the request finishes (``RequestOutp
       "namespace_id": "3a1f..."                    # HashNamespace.namespace_id (model, block size, hash algo)
     }
 
-and the decode engine receives the request (prompt + the first sampled token) with exactly these params.
+The router never opens them: it hands the prefill node's bytes to the decode node untouched.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TypeAlias
+
+import msgpack
 
 from wire.layout import BlockLayout
 
+# A producer's answer is a few hundred bytes per thousand blocks; anything far larger is not one.
+MAX_ENCODED_BYTES = 8 * 1024**2
+
 
 class TransferParamsError(ValueError):
-    """``kv_transfer_params`` that cannot be a producer's answer; the message names the key."""
+    """Bytes or a map that are not transfer parameters; the message names the key."""
 
 
-def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
-    """True for a prefill request whose KV a decode engine will pull (``{"do_remote_decode": true}``)."""
-    return isinstance(params, Mapping) and params.get("do_remote_decode") is True
-
-
-def is_remote_prefill(params: Mapping[str, Any] | None) -> bool:
-    """True for a decode request whose prompt KV a producer holds (``{"do_remote_prefill": true, ...}``)."""
-    return isinstance(params, Mapping) and params.get("do_remote_prefill") is True
+@dataclass(frozen=True)
+class RemoteDecode:
+    """The router's ask to a prefill engine: hold this request's prompt KV for a decode engine."""
 
 
 @dataclass(frozen=True)
 class RemotePrefill:
-    """A producer's ``kv_transfer_params``, validated (see the module docstring for the dict form)."""
+    """A producer's answer: where the prompt's leading whole blocks wait, and what they are."""
 
     engine_id: str
     kv_endpoint: str
@@ -61,7 +65,7 @@ class RemotePrefill:
     layout: BlockLayout
     namespace_id: str
 
-    def to_params(self) -> dict[str, Any]:
+    def to_map(self) -> dict[str, object]:
         return {
             "do_remote_prefill": True,
             "engine_id": self.engine_id,
@@ -76,9 +80,9 @@ class RemotePrefill:
         }
 
     @classmethod
-    def from_params(cls, params: Mapping[str, Any]) -> RemotePrefill:
-        """Parse a producer's params; ``TransferParamsError`` names the first bad key."""
-        if not is_remote_prefill(params):
+    def from_map(cls, params: Mapping[object, object]) -> RemotePrefill:
+        """Parse a producer's map; ``TransferParamsError`` names the first bad key."""
+        if params.get("do_remote_prefill") is not True:
             raise TransferParamsError("'do_remote_prefill' must be true")
         engine_id = _str(params, "engine_id")
         endpoint = _str(params, "kv_endpoint")
@@ -101,7 +105,15 @@ class RemotePrefill:
         if not isinstance(layout_raw, Mapping):
             raise TransferParamsError("'layout' must be a map of BlockLayout fields")
         try:
-            layout = BlockLayout(**layout_raw)
+            layout = BlockLayout(
+                num_layers=_layout_int(layout_raw, "num_layers"),
+                num_kv_heads=_layout_int(layout_raw, "num_kv_heads"),
+                head_dim=_layout_int(layout_raw, "head_dim"),
+                block_size=_layout_int(layout_raw, "block_size"),
+                dtype=str(layout_raw.get("dtype")),
+            )
+            if set(layout_raw) != {"num_layers", "num_kv_heads", "head_dim", "block_size", "dtype"}:
+                raise ValueError(f"its keys are {sorted(map(str, layout_raw))}")
         except (TypeError, ValueError) as exc:
             raise TransferParamsError(f"'layout' is not a block layout: {exc}") from None
         num_tokens = params.get("num_tokens")
@@ -132,11 +144,50 @@ class RemotePrefill:
         )
 
 
-def _is_int(value: Any) -> bool:
+KVTransferParams: TypeAlias = RemoteDecode | RemotePrefill
+
+
+def encode_transfer_params(params: KVTransferParams | None) -> bytes:
+    """The wire form (see the module docstring); empty bytes for none."""
+    if params is None:
+        return b""
+    body = {"do_remote_decode": True} if isinstance(params, RemoteDecode) else params.to_map()
+    return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def decode_transfer_params(raw: bytes) -> KVTransferParams | None:
+    """Read ``encode_transfer_params``'s bytes back; ``TransferParamsError`` says what is wrong."""
+    if not raw:
+        return None
+    if len(raw) > MAX_ENCODED_BYTES:
+        raise TransferParamsError(f"are {len(raw)} bytes, more than {MAX_ENCODED_BYTES}")
+    try:
+        body = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise TransferParamsError(f"are not a msgpack map ({exc})") from None
+    if not isinstance(body, dict):
+        raise TransferParamsError(f"must be a msgpack map, got {type(body).__name__}")
+    if body.get("do_remote_decode") is True:
+        if len(body) != 1:
+            raise TransferParamsError("'do_remote_decode' takes no other key")
+        return RemoteDecode()
+    if "do_remote_prefill" in body:
+        return RemotePrefill.from_map(body)
+    raise TransferParamsError("must hold 'do_remote_decode' or 'do_remote_prefill'")
+
+
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _str(params: Mapping[str, Any], key: str) -> str:
+def _layout_int(layout: Mapping[object, object], key: str) -> int:
+    value = layout.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"BlockLayout.{key} must be an int, got {value!r}")
+    return value
+
+
+def _str(params: Mapping[object, object], key: str) -> str:
     value = params.get(key)
     if not isinstance(value, str) or not value:
         raise TransferParamsError(f"{key!r} must be a non-empty string, got {value!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorRole
+from engine.connector.base import ConnectorContext, KVConnectorBase, KVConnectorRole
 
 
 class NullConnector(KVConnectorBase):
