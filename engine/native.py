@@ -19,37 +19,20 @@ OpenMP threads are torch's pool (same thread count, no second pool spinning agai
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.cpu_features import cpu_flags
-from engine.model.embedded import cache_dir
+from engine.native_build import build_library
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_prefill.c")
-HEADERS = (CSRC / "simd.h",)
-FLAGS = (
-    "-O3",
-    "-march=native",
-    "-fopenmp",
-    "-fPIC",
-    "-shared",
-    "-std=c11",
-    "-fno-math-errno",
-    "-ffp-contract=off",
-)
 MAX_GROUP = 16  # query heads per KV head (MAX_GROUP in the C source)
 MAX_HEAD_DIM = 256
 _INT64 = ctypes.c_int64
@@ -386,7 +369,7 @@ def native_kernels() -> NativeKernels | None:
 
 def _load() -> NativeKernels | None:
     try:
-        path = _build()
+        path = build_library()
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         logger.warning("native kernels unavailable (%s); using the torch paths", exc)
@@ -421,36 +404,3 @@ def _load() -> NativeKernels | None:
         SiluMulKernel(silu),
         ArgmaxKernel(argmax),
     )
-
-
-def _build() -> Path:
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    source = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
-    # -march=native: a cache folder shared by different CPUs (a network home, a volume) keeps one build
-    # per CPU, never one that would stop another with an illegal instruction.
-    key = " ".join((compiler, *FLAGS, *sorted(cpu_flags())))
-    digest = hashlib.sha256(source + key.encode()).hexdigest()[:16]
-    folder = cache_dir() / "native" / digest
-    target = folder / "libpdkv_native.so"
-    if target.is_file():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    # Built under a temporary name and renamed: processes that start together never load half a file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target

@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from engine import native
+from engine import native, native_build
 from engine.attention import DecodeBatch, GatherWorkspace, _decode_attention
 from tests.engine.test_model_parity import GREEDY, PROMPTS, assert_matches_transformers, make_llm
 
@@ -130,9 +130,9 @@ def test_a_failed_build_falls_back_to_torch_with_a_warning(
 
 def test_a_built_library_is_reused(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDKV_CACHE_DIR", str(tmp_path))
-    first = native._build()
+    first = native_build.build_library()
     stamp = first.stat().st_mtime_ns
-    assert native._build() == first and first.stat().st_mtime_ns == stamp
+    assert native_build.build_library() == first and first.stat().st_mtime_ns == stamp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
