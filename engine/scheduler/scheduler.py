@@ -14,7 +14,7 @@ One step (``schedule``):
 and frees finished requests.
 
 The KV connector (a ``NullConnector`` when none is configured, so nothing here branches on it) is asked
-for external hits after the local ones; see ``connectors/base.py`` for the contract.  Where a request's
+for external hits after the local ones; see ``engine/connector/base.py`` for the contract.  Where a request's
 blocks are, at any time:
 
     running        computing (prefill chunks or decodes)
@@ -36,12 +36,12 @@ from collections.abc import Callable
 
 from engine.connector.base import KVConnectorBase, KVConnectorOutput
 from engine.connector.null import NullConnector
-from engine.integrity import require
 from engine.kv_cache_manager import NO_HIT, KVCacheManager
-from engine.metrics import EXTERNAL_KV_TRANSFER, LOCAL_CACHE_HIT, LOCAL_COMPUTE, Counters, StatsSnapshot
+from engine.metrics import Counters, StatsSnapshot
 from engine.request import Request, RequestId, RequestStatus
 from engine.scheduler.config import CacheConfig, SchedulerConfig
 from engine.scheduler.connector_books import ConnectorBooks, Hold, HoldKind
+from engine.scheduler.observe import check_scheduler_integrity, scheduler_stats
 from engine.scheduler.output import (
     EngineCoreOutputs,
     ModelRunnerOutput,
@@ -49,6 +49,7 @@ from engine.scheduler.output import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from engine.scheduler.prompt_sources import PromptSources
 from engine.scheduler.request_queue import make_queue
 
 logger = logging.getLogger(__name__)
@@ -93,9 +94,7 @@ class Scheduler:
             stop_timeout_s=scheduler_config.kv_stop_timeout_s,
         )
         self._finished_since_last_step: set[RequestId] = set()
-        # Admitted, prompt sources not counted yet: they are final once the prefill is done (a load that
-        # fails moves tokens from loaded to computed, and a counter never goes down).
-        self._sources_pending: dict[RequestId, Request] = {}
+        self.sources = PromptSources(self.kv, self.counters, clock)
 
     @property
     def loading(self) -> dict[RequestId, Request]:
@@ -246,7 +245,7 @@ class Scheduler:
                 break  # the pool is full: later candidates would not fit better without preemption
             self.waiting.remove(request.request_id)
             if request.num_cached_tokens < 0:  # first admission: record where the prompt came from
-                self._record_prompt_sources(request, hit.num_tokens, num_external)
+                self.sources.record(request, hit.num_tokens, num_external)
             # The connector sees num_computed_tokens = the local hit: its external tokens start there.
             request.num_computed_tokens += hit.num_tokens
             self.connector.update_state_after_alloc(
@@ -284,25 +283,6 @@ class Scheduler:
         self.counters.add("num_preemptions")
         out.preempted_request_ids.append(victim.request_id)
         return True
-
-    def _record_prompt_sources(self, request: Request, num_local: int, num_external: int) -> None:
-        request.num_cached_tokens = num_local
-        request.num_local_cached_tokens = num_local
-        request.num_external_computed_tokens = num_external
-        request.admitted_time = self.clock()
-        self.kv.record_prefix_query(request.num_prompt_tokens, num_local)
-        self._sources_pending[request.request_id] = request
-
-    def _count_prompt_sources(self, request: Request) -> None:
-        """Count where the prompt's KV came from, once, when that is final (prefill done, or finished)."""
-        if self._sources_pending.pop(request.request_id, None) is None:
-            return
-        local, external = request.num_cached_tokens, request.num_external_computed_tokens
-        self.counters.add(f"prompt_tokens.{LOCAL_CACHE_HIT}", local)
-        self.counters.add(f"prompt_tokens.{EXTERNAL_KV_TRANSFER}", external)
-        self.counters.add(
-            f"prompt_tokens.{LOCAL_COMPUTE}", max(0, request.num_prompt_tokens - local - external)
-        )
 
     def _emit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
@@ -351,7 +331,7 @@ class Scheduler:
                 continue  # aborted after scheduling
             token = output.sampled_token_ids[sr.request_id]
             request.append_output_token_ids(token)
-            self._count_prompt_sources(request)
+            self.sources.count(request)
             logprobs: list[float] = []
             if sr.request_id in output.logprobs:
                 request.output_logprobs.append(output.logprobs[sr.request_id])
@@ -396,7 +376,7 @@ class Scheduler:
         elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         request.set_status(status)
-        self._count_prompt_sources(request)
+        self.sources.count(request)
         hold, params = self.connector.request_finished(request, self.kv.get_block_ids(rid))
         request.finished_kv_transfer_params = params
         if was_loading:
@@ -430,7 +410,7 @@ class Scheduler:
             # request's load failed to fill.  Recompute from it, and let nobody else take it as cached.
             self.kv.uncache_from(request, first_bad)
             loaded_end = first_bad * bs
-            self._correct_prompt_sources(request, loaded_end)
+            self.sources.correct(request, loaded_end)
         request.num_computed_tokens = loaded_end
         self.kv.cache_blocks(request, loaded_end)
         request.set_status(RequestStatus.WAITING_LOADED)
@@ -454,82 +434,17 @@ class Scheduler:
                 self._fail_load(request, result)
                 continue
             request.num_computed_tokens = min(request.num_computed_tokens, first_bad * bs)
-            self._correct_prompt_sources(request, first_bad * bs)
+            self.sources.correct(request, first_bad * bs)
         self.books.forget_failed_outside_loads()
         return tainted
-
-    def _correct_prompt_sources(self, request: Request, valid_end: int) -> None:
-        """A load failed from token ``valid_end`` on: what lies past it is recomputed, not cached or
-        loaded, and the request's usage (and the counters, counted once the prefill is done) say what
-        really was."""
-        if request.num_cached_tokens < 0:
-            return  # sources not recorded yet
-        local = min(request.num_cached_tokens, valid_end)
-        external = min(request.num_external_computed_tokens, max(0, valid_end - local))
-        request.num_cached_tokens, request.num_external_computed_tokens = local, external
-        # What a failed step uncaches from: blocks past the valid end are no longer a local hit.
-        request.num_local_cached_tokens = min(request.num_local_cached_tokens, valid_end)
 
     def _fail_load(self, request: Request, result: EngineCoreOutputs) -> None:
         request.error = "loading the prompt's KV from the connector failed (kv_load_failure_policy=fail)"
         self._finish(request, RequestStatus.FINISHED_ERROR)
         result.updates.append(RequestUpdate(request.request_id, [], [], True, "error", error=request.error))
 
-    # -- observability ------------------------------------------------------------------------------------
+    def stats(self) -> StatsSnapshot:  # observability: engine/scheduler/observe.py
+        return scheduler_stats(self)
 
-    def _prompt_tokens_to_compute(self, request: Request) -> int:
-        """Prompt tokens ``request`` has still to compute: one with none computed (not scheduled yet,
-        preempted, or cut back by a failed load) computes none of those its local prefix cache holds now
-        (evictable blocks included: one evicted before it is scheduled is computed after all), one loading
-        its KV none of those it loads.  A kv-aware router reads the sum as queued work, and sends such
-        requests here because of those hits."""
-        done = request.num_computed_tokens
-        load_end = self.books.load_end(request.request_id)
-        if load_end is not None:
-            done = max(done, load_end)
-        elif done == 0:
-            done = self.kv.num_cached_prefix_tokens(request)
-        return max(0, request.num_prompt_tokens - done)
-
-    def stats(self) -> StatsSnapshot:
-        """The scheduler's counters (with the KV manager's) and gauges, by the keys of engine/metrics.py."""
-        counters = self.counters.snapshot()
-        counters["prefix_cache_queries"] = float(self.kv.stats_queries)
-        counters["prefix_cache_hits"] = float(self.kv.stats_hits)
-        counters["kv_block_evictions"] = float(self.kv.num_evictions)
-        gauges = {
-            "num_requests_running": float(len(self.running)),
-            "num_requests_waiting": float(len(self.waiting)),
-            "num_requests_loading": float(len(self.loading)),
-            "num_requests_held": float(len(self.holds)),
-            "prefill_tokens_queued": float(
-                sum(
-                    self._prompt_tokens_to_compute(r)
-                    for r in self.requests.values()
-                    if r.num_computed_tokens < r.num_prompt_tokens
-                )
-            ),
-            "kv_cache_usage_perc": self.kv.usage,
-            "kv_cache_free_blocks": float(self.kv.num_free_blocks),
-            "kv_cache_blocks": float(self.kv.num_blocks),
-        }
-        return StatsSnapshot(counters, gauges, {})
-
-    def check_integrity(self) -> None:
-        self.kv.check_integrity()
-        owners = set(self.kv.block_owners())
-        running = {r.request_id for r in self.running}
-        expected = running | set(self.loading) | set(self.holds)
-        for rid in owners - expected:
-            # Back from an async load, waiting to compute the rest: it keeps the blocks it loaded into.
-            r = self.requests.get(rid)
-            require(
-                r is not None and r.status == RequestStatus.WAITING_LOADED,
-                f"blocks owned by {rid}, which is {r.status.name if r else 'finished'}",
-            )
-        require(expected <= owners, f"{sorted(expected - owners)} should hold blocks but hold none")
-        for rid in self.loading:
-            status = self.requests[rid].status
-            require(status == RequestStatus.WAITING_FOR_REMOTE_KV, f"{rid} is loading but {status.name}")
-        for rid in self.holds:
-            require(rid not in self.requests, f"{rid} is held for its connector but not finished")
+    def check_integrity(self) -> None:  # engine/scheduler/observe.py
+        check_scheduler_integrity(self)
