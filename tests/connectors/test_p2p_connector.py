@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from connectors.base import ConnectorOptionsError
-from connectors.p2p import P2PConnector, P2POptions
+from connectors.p2p import P2PConnector
+from connectors.p2p_options import P2POptions
 from connectors.registry import KVConnectorConfig, resolve
 from connectors.testing import conformance_suite
 from engine.connector.params import (
