@@ -19,7 +19,6 @@ Write failures (a full or read-only disk) are counted and leave no file behind; 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import itertools
 import logging
@@ -34,7 +33,6 @@ from kvstore.codec import (
     HEADER_SIZE,
     HeaderMatcher,
     check_header,
-    parse_header,
     payload_checksum,
     verify_payload,
 )
@@ -43,12 +41,12 @@ from kvstore.deadline import Deadline
 from kvstore.keys import KeyRun
 from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit
 from kvstore.tiers.base import Ghosts, Tier, TierError, TierPolicy
+from kvstore.tiers.diskio import O_CLOEXEC, check_file, listdir, preadv_all, unlink_quietly, writev_all
 from wire.layout import BlockLayout
 
 logger = logging.getLogger(__name__)
 
 _HEX = frozenset("0123456789abcdef")
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 # Reads leave the access time alone: a cache has no use for it, and on a relatime mount the first read of
 # each new file would otherwise dirty its inode.  Only a file's owner may ask (EPERM otherwise).
 _O_NOATIME = getattr(os, "O_NOATIME", 0)
@@ -77,7 +75,7 @@ class DiskTier(Tier):
         self._ghosts = Ghosts()
         self._dirs: set[str] = set()
         self._tmp_ids = itertools.count()
-        self._read_flags = os.O_RDONLY | _O_CLOEXEC | _O_NOATIME
+        self._read_flags = os.O_RDONLY | O_CLOEXEC | _O_NOATIME
         try:
             os.makedirs(self.root, mode=0o700, exist_ok=True)
             self.discarded_on_start = self._rebuild_index()
@@ -166,7 +164,7 @@ class DiskTier(Tier):
                         header = headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
                         got = os.preadv(fd, [header, dst], 0)
                         if 0 < got < expected:
-                            got = _preadv_all(fd, [header, dst])  # a short read: finish it
+                            got = preadv_all(fd, [header, dst])  # a short read: finish it
                     finally:
                         os.close(fd)
                     if got < expected:
@@ -214,7 +212,7 @@ class DiskTier(Tier):
                 self._forget(key)
                 return ReadResult(units, MissReason.ABSENT)
             try:
-                got = _preadv_all(fd, [buf])
+                got = preadv_all(fd, [buf])
             finally:
                 os.close(fd)
             view = memoryview(buf)
@@ -271,20 +269,20 @@ class DiskTier(Tier):
             os.makedirs(folder, mode=0o700, exist_ok=True)
             self._dirs.add(folder)
         tmp = f"{folder}/.{key[16:].hex()}.{os.getpid()}.{next(self._tmp_ids)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600)
         try:
             try:
-                _writev_all(fd, [header, payload])
+                writev_all(fd, [header, payload])
                 if self.config.fsync != "never":
                     os.fsync(fd)
             finally:
                 os.close(fd)
             os.rename(tmp, path)
         except BaseException:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             raise
         if self.config.fsync == "always":
-            dir_fd = os.open(folder, os.O_RDONLY | _O_CLOEXEC)
+            dir_fd = os.open(folder, os.O_RDONLY | O_CLOEXEC)
             try:
                 os.fsync(dir_fd)
             finally:
@@ -300,7 +298,7 @@ class DiskTier(Tier):
             self._ghosts.add(key)
             self.metrics.count(evictions=1)
             self._changed("removed", [key])
-            _unlink_quietly(self._path(key)[1])
+            unlink_quietly(self._path(key)[1])
         return self._used + self._reserved + size <= self.capacity_bytes
 
     def _delete(self, run: KeyRun, deadline: Deadline) -> int:
@@ -311,7 +309,7 @@ class DiskTier(Tier):
                 size = self._index.pop(key, None)
                 if size is not None:
                     self._used -= size
-                    _unlink_quietly(self._path(key)[1])
+                    unlink_quietly(self._path(key)[1])
                     deleted += 1
         return deleted
 
@@ -340,7 +338,7 @@ class DiskTier(Tier):
             size = self._index.pop(key, None)
             if size is not None:
                 self._used -= size
-            _unlink_quietly(path)
+            unlink_quietly(path)
         self._changed("removed", [key])
 
     # ---- restart -------------------------------------------------------------------------------------
@@ -349,26 +347,26 @@ class DiskTier(Tier):
         """Index every block file under the root; delete temp files and files that fail their checks."""
         found: list[tuple[int, bytes, int]] = []
         discarded = 0
-        for ns_name in _listdir(self.root):
+        for ns_name in listdir(self.root):
             if len(ns_name) != 32 or not set(ns_name) <= _HEX:
                 continue  # not ours
             namespace = bytes.fromhex(ns_name)
-            for shard in _listdir(f"{self.root}/{ns_name}"):
+            for shard in listdir(f"{self.root}/{ns_name}"):
                 folder = f"{self.root}/{ns_name}/{shard}"
                 if len(shard) != 2 or not set(shard) <= _HEX or not os.path.isdir(folder):
                     continue
                 self._dirs.add(folder)
-                for name in _listdir(folder):
+                for name in listdir(folder):
                     path = f"{folder}/{name}"
                     if name.startswith(".") and name.endswith(".tmp"):
-                        _unlink_quietly(path)  # a write that never completed
+                        unlink_quietly(path)  # a write that never completed
                         discarded += 1
                         continue
                     if len(name) not in (32, 64) or not set(name) <= _HEX or not name.startswith(shard):
                         continue
-                    entry = _check_file(path, namespace, bytes.fromhex(name))
+                    entry = check_file(path, namespace, bytes.fromhex(name))
                     if entry is None:
-                        _unlink_quietly(path)
+                        unlink_quietly(path)
                         discarded += 1
                     else:
                         found.append((entry[0], namespace + bytes.fromhex(name), entry[1]))
@@ -398,62 +396,3 @@ class DiskTier(Tier):
         """Index keys, least recently used first (for tests and tools)."""
         with self._lock:
             return list(self._index)
-
-
-def _check_file(path: str, namespace: bytes, block_hash: bytes) -> tuple[int, int] | None:
-    """(mtime, size) of a block file whose header names this block and whose size matches; else None."""
-    try:
-        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        raw = os.pread(fd, HEADER_SIZE, 0)
-    finally:
-        os.close(fd)
-    header = parse_header(raw)
-    if isinstance(header, MissReason) or header.namespace != namespace or header.block_hash != block_hash:
-        return None
-    if st.st_size != HEADER_SIZE + header.payload_len:
-        return None
-    return st.st_mtime_ns, st.st_size
-
-
-def _preadv_all(fd: int, buffers: list[Any]) -> int:
-    """Fill ``buffers`` from offset 0 until they are full or the file ends; returns bytes read."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    total = 0
-    while views:
-        n = os.preadv(fd, views, total)
-        if n == 0:
-            break
-        total += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-    return total
-
-
-def _writev_all(fd: int, buffers: list[Any]) -> None:
-    views = [memoryview(b).cast("B") for b in buffers]
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-
-
-def _unlink_quietly(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except FileNotFoundError:
-        return []
