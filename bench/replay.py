@@ -22,7 +22,7 @@ prompt-token hit rates by source (local prefix cache, store, remote prefill) nex
 p50/p90/p99 (client-side, streamed), goodput (requests/s meeting the SLO: TTFT <= ``--slo-ttft-ms`` and
 TPOT <= ``--slo-tpot-ms``) and output throughput.
 
-Modes (real processes through ``serving.launcher``; node caches small enough that the window overflows
+Modes (real processes through ``pdkv.launcher``; node caches small enough that the window overflows
 them): round-robin, least-loaded and kv-aware over 4 colocated nodes (``--nodes``), each without and with
 the shared store (cpu tier), and kv-aware with the store on 2 prefill + 2 decode.  ``--quick`` runs the
 three modes the ratios need with the tiny model, 2 nodes and 120 requests: a check of the pipeline that
@@ -70,8 +70,8 @@ from engine.model.convert_gguf import convert_gguf
 from engine.model.embedded import ensure_default_model
 from engine.model.make_model import TinyLlamaSpec, make_model
 from engine.sampling_params import SamplingParams
+from pdkv.launcher import Cluster, Topology
 from serving.client import Completion, GenerationClient, generate_request
-from serving.launcher import Cluster, Topology
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "conversation_trace.jsonl"

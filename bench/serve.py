@@ -7,7 +7,7 @@ prompt is the system prompt, the previous turns (user message + the model's answ
 message, so consecutive turns share ever longer prefixes.  Requests stream (greedy, EOS ignored, a fixed
 number of output tokens) through ``pdkv.v1.Generation``; conversations run concurrently, turns in order.
 
-Modes (real processes started by ``serving.launcher``, same model, same workload):
+Modes (real processes started by ``pdkv.launcher``, same model, same workload):
 
 - ``colocated``: two colocated nodes, no KV store -- each node only has its own prefix cache;
 - ``colocated_store``: the same plus the shared store (cpu + disk tiers) through the ``offload``
@@ -48,8 +48,8 @@ from bench.common import Report, parser
 from connectors.registry import discover
 from engine.model.make_model import TinyLlamaSpec, make_model
 from engine.sampling_params import SamplingParams
+from pdkv.launcher import DEFAULT_STORE, Cluster, Topology
 from serving.client import Completion, generate_request
-from serving.launcher import DEFAULT_STORE, Cluster, Topology
 
 BENCH_SPEC = TinyLlamaSpec(layers=4, hidden=256, heads=8, kv_heads=4, vocab=512, max_position_embeddings=4096)
 

@@ -3,7 +3,7 @@
     python -m bench.soak [--seconds 60] [--quick] [--json PATH]
 
 One prefill + one decode node, the shared store, the router (real processes through
-``serving.launcher``).  ``--clients`` threads send streamed requests with shared prefixes for
+``pdkv.launcher``).  ``--clients`` threads send streamed requests with shared prefixes for
 ``--seconds``; every fourth request is cancelled after its first token, which stops its holds on both
 nodes.  Afterwards the nodes must be idle (every block free, the books balanced), and their logs are
 counted: WARNING and ERROR lines, and the lines of the old one-phase release ("reused while it
@@ -30,9 +30,9 @@ from bench.common import Report, parser
 from bench.serve import BENCH_SPEC
 from engine.model.make_model import make_model
 from engine.sampling_params import SamplingParams
+from pdkv.launcher import DEFAULT_STORE, Cluster, Topology
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
 from serving.client import GenerationClient, generate_request
-from serving.launcher import DEFAULT_STORE, Cluster, Topology
 
 REUSE_WARNING = "reused while it transfers"
 

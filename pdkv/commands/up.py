@@ -94,8 +94,8 @@ def register(subparsers: Any) -> None:
 def _up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from pdkv.launcher import Cluster, Topology, run_until_signal
     from serving.config import parse_address
-    from serving.launcher import Cluster, Topology, run_until_signal
 
     host, port = parse_address(args.router_address, "--router-address")
     topology = Topology(

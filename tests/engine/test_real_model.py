@@ -21,8 +21,8 @@ from connectors.registry import KVConnectorConfig
 from engine.llm import LLM
 from engine.model.embedded import ensure_default_model
 from engine.sampling_params import SamplingParams
+from pdkv.launcher import Cluster
 from serving.client import GenerationClient, generate_request
-from serving.launcher import Cluster
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from serving.launcher import Cluster
+from pdkv.launcher import Cluster
 from tests.serving.helpers import start_cluster
 
 

@@ -11,8 +11,8 @@ from typing import Any, TypeVar
 
 import grpc
 
+from pdkv.launcher import Cluster, Topology
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
-from serving.launcher import Cluster, Topology
 from tests.tiny_models import pdkv_tiny_model_dir, tiny_model_dir
 
 T = TypeVar("T")

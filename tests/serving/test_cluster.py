@@ -20,12 +20,12 @@ import pytest
 from connectors.registry import discover
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from pdkv.launcher import Cluster
 from pdkv_proto.pdkv.v1 import generation_pb2, types_pb2
 from router.config import RouterConfig
 from router.server import RouterRuntime, create_server
 from serving.client import Completion, GenerationClient, generate_request
 from serving.health import wait_healthy
-from serving.launcher import Cluster
 from tests.serving.helpers import assert_node_idle, assert_usage_adds_up, node_stats, pdkv_model
 
 TEXT_PROMPTS = [

@@ -13,8 +13,8 @@ import pytest
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from pdkv.launcher import Cluster, Process, RestartPolicy, Topology
 from serving.client import GenerationClient, generate_request
-from serving.launcher import Cluster, Process, RestartPolicy, Topology
 from tests.serving.helpers import (
     NODE_ARGS,
     assert_node_idle,

@@ -10,8 +10,8 @@ import pytest
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from pdkv.launcher import Cluster, Process
 from serving.client import GenerationClient, generate_request
-from serving.launcher import Cluster, Process
 from tests.serving.helpers import HF_NODE_ARGS, hf_model, node_stats, start_cluster, wait_until
 from tests.tiny_models import random_prompts
 

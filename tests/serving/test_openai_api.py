@@ -17,7 +17,7 @@ import pytest
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from serving.launcher import Cluster
+from pdkv.launcher import Cluster
 from tests.gguf_models import write_gguf
 from tests.serving.helpers import NODE_ARGS, assert_node_idle, start_cluster, wait_until
 from tests.tiny_models import pdkv_tiny_model_dir

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.launcher import Cluster
+from pdkv.launcher import Cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,10 +20,10 @@ import zmq
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from pdkv.launcher import Cluster
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
 from serving import convert
 from serving.client import GenerationClient, generate_request
-from serving.launcher import Cluster
 from tests.serving.helpers import NODE_ARGS, assert_node_idle, pdkv_model, start_cluster, wait_until
 
 openai = pytest.importorskip("openai")

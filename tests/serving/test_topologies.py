@@ -10,8 +10,8 @@ import pytest
 from connectors.registry import discover
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from pdkv.launcher import DEFAULT_STORE, Cluster
 from serving.client import GenerationClient, generate_request
-from serving.launcher import DEFAULT_STORE, Cluster
 from tests.serving.helpers import (
     HF_NODE_ARGS,
     assert_node_idle,

@@ -12,6 +12,8 @@ from engine.connector.params import KVTransferParams, RemoteDecode, RemotePrefil
 from engine.driver import EngineOverloaded, EngineStopped
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from pdkv.launcher import Topology, connector_stack
+from pdkv.launcher.process import parse_ready
 from pdkv_proto.pdkv.v1 import types_pb2
 from prefill_node.prefill import prefill_request, prefill_result
 from router.config import RouterConfig
@@ -20,7 +22,6 @@ from router.policy import LeastLoaded, RoundRobin, RoutingInfo
 from serving import convert
 from serving.config import NodeConfig, parse_connector_spec
 from serving.errors import ServingError, status_for
-from serving.launcher import Topology, _parse_ready, connector_stack
 from wire.layout import BlockLayout
 
 # -- conversion -------------------------------------------------------------------------------------------
@@ -186,9 +187,9 @@ def test_connector_stack_follows_what_is_registered() -> None:
 
 
 def test_ready_lines_parse() -> None:
-    info = _parse_ready("pdkv node: serving on 127.0.0.1:5 role=decode metrics=127.0.0.1:6 kv_endpoint=-\n")
+    info = parse_ready("pdkv node: serving on 127.0.0.1:5 role=decode metrics=127.0.0.1:6 kv_endpoint=-\n")
     assert info == {"address": "127.0.0.1:5", "role": "decode", "metrics": "127.0.0.1:6", "kv_endpoint": "-"}
-    assert _parse_ready("some log line") is None
+    assert parse_ready("some log line") is None
 
 
 # -- node selection ---------------------------------------------------------------------------------------

@@ -25,198 +25,35 @@ nodes' remote tier.  The router fails over meanwhile.  A child that keeps dying 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import json
 import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore import cli as kvstore_cli
-from router import config as router_config
-from serving import config as node_config
+from pdkv.launcher.process import (
+    Process,
+    die_with_parent,
+    free_port,
+    pdkv_command,
+    pump,
+)
+from pdkv.launcher.topology import (
+    Topology,
+    available_connectors,
+    connector_stack,
+)
 from serving.health import wait_healthy
 from serving.secrets import Secrets
 
 logger = logging.getLogger(__name__)
-
-MODES = ("disaggregated", "colocated")
-NODE_READY = node_config.READY_PREFIX
-ROUTER_READY = router_config.READY_PREFIX
-STORE_READY = kvstore_cli.READY_PREFIX
-REDIS_READY = "Ready to accept connections"
-DEFAULT_STORE = "cpu:256MiB,disk:{run_dir}/kvstore:1GiB"
-# p2p leases must end before the engine's own reclaim deadline (see connectors/p2p.py).
-P2P_LEASE_S = 30.0
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """When ``supervise`` restarts a dead child: after ``backoff_s`` doubled per death in the window (at
-    most ``max_backoff_s``); ``max_deaths`` deaths within ``window_s`` stop the cluster instead."""
-
-    backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
-    max_deaths: int = 5
-    window_s: float = 120.0
-
-    def delay(self, deaths: int) -> float:
-        return min(self.max_backoff_s, self.backoff_s * 2 ** max(0, deaths - 1))
-
-
-@dataclass(frozen=True)
-class Topology:
-    """What to run.  ``kv_store``: tiers of the shared store server (``{run_dir}`` is replaced), or None
-    for no store.  ``kv_connector`` overrides the connector stack the launcher derives for every node."""
-
-    mode: str = "disaggregated"
-    num_prefill: int = 1
-    num_decode: int = 1
-    model: str | None = None
-    kv_store: str | None = DEFAULT_STORE
-    redis: bool = False
-    host: str = "127.0.0.1"
-    router_port: int = 0
-    # The router's OpenAI-compatible HTTP API on ``host`` (0: any free port; None: off).
-    http_port: int | None = 0
-    kv_connector: str | None = None
-    # The router's node-selection policy; "kv-aware" also makes every node publish its KV events.
-    policy: str = "least-loaded"
-    # The router returns cached-token counts in the usage (one user on loopback: nothing to hide).
-    cache_details: bool = True
-    # Everything on (``Secrets``): TLS on gRPC and HTTP (mutual between router and nodes), an API key,
-    # CURVE on the store and p2p, sealed transfer params.
-    secure: bool = False
-    # Compute threads per node (``--threads``); None: each node's default, one per core.
-    node_threads: int | None = None
-    node_args: tuple[str, ...] = ()
-    router_args: tuple[str, ...] = ()
-    log_dir: Path | None = None
-    startup_timeout_s: float = 180.0
-    grace_s: float = 5.0
-    restart_policy: RestartPolicy = RestartPolicy()
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode {self.mode!r} is unknown; choose one of {', '.join(MODES)}")
-        if self.num_decode < 1:
-            raise ValueError(f"--decode must be at least 1, got {self.num_decode}")
-        if self.mode == "disaggregated" and self.num_prefill < 1:
-            raise ValueError(f"--prefill must be at least 1 in disaggregated mode, got {self.num_prefill}")
-        if self.redis and self.kv_store is None:
-            raise ValueError("--redis adds a tier to the KV store: it needs --kv-store (not 'none')")
-        for name, port in (("router", self.router_port), ("http", self.http_port)):
-            if port is not None and not 0 <= port <= 65535:
-                raise ValueError(f"{name} port {port} is not a port")
-        if self.node_threads is not None and self.node_threads < 1:
-            raise ValueError(f"node_threads must be at least 1, got {self.node_threads}")
-        if self.startup_timeout_s <= 0:
-            raise ValueError("startup_timeout_s must be positive")
-
-
-# Where a restarted child listens: flag -> the ready-line field that says where its first run listened.
-PINNED_FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
-    "router": (("--address", "address"), ("--http-address", "http"), ("--metrics-address", "metrics")),
-    "prefill": (("--address", "address"), ("--metrics-address", "metrics")),
-    "decode": (("--address", "address"), ("--metrics-address", "metrics")),
-    "colocated": (("--address", "address"), ("--metrics-address", "metrics")),
-    "store": (("--bind", "address"), ("--kv-events", "kv_events:0"), ("--kv-events-replay", "kv_events:1")),
-}
-
-
-@dataclass
-class Process:
-    """One child: its name, role, command and what its ready line said."""
-
-    name: str
-    role: str
-    argv: list[str]
-    log_path: Path
-    popen: subprocess.Popen[str] | None = None
-    ready_line: str = ""
-    info: dict[str, str] = field(default_factory=dict)
-    ready: threading.Event = field(default_factory=threading.Event)
-    restarts: int = 0
-    deaths: list[float] = field(default_factory=list)  # monotonic times, within the policy's window
-    restart_at: float | None = None  # set while it is dead and waits for its restart
-
-    @property
-    def address(self) -> str:
-        """Where it serves (HOST:PORT, or a ZeroMQ endpoint for the store)."""
-        return self.info.get("address", "")
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid if self.popen is not None else -1
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def pin_addresses(self) -> None:
-        """Rewrite the command so that a restart listens where this run does (its ready line says)."""
-        for flag, key in PINNED_FLAGS.get(self.role, ()):
-            name, _, index = key.partition(":")
-            value = self.info.get(name, "-")
-            if index:
-                parts = value.split(",")
-                value = parts[int(index)] if len(parts) > int(index) else "-"
-            if value in ("", "-"):
-                continue
-            if flag in self.argv:
-                self.argv[self.argv.index(flag) + 1] = value
-            elif index == "1" and "--kv-events" in self.argv:  # a flag the first run did not need
-                self.argv += [flag, value]
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: SIGKILL this child when the launcher dies, however it dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def available_connectors() -> set[str]:
-    from connectors.registry import discover
-
-    return set(discover())
-
-
-def connector_stack(role: str, mode: str, store_spec: str | None, known: set[str]) -> str:
-    """The ``--kv-connector`` spec of a node, from what the registry has: ``offload`` (the store) where
-    prompts are computed (prefill, colocated), ``p2p`` in disaggregated mode; ``none`` when neither
-    applies.  A decode node takes its prompt KV from the prefill node only."""
-    children: list[dict[str, Any]] = []
-    if store_spec is not None and "offload" in known and role != "decode":
-        children.append({"name": "offload", "options": {"kv_store": store_spec}})
-    if mode == "disaggregated" and "p2p" in known:
-        children.append({"name": "p2p", "options": {"lease_s": P2P_LEASE_S}})
-    if not children:
-        return "none"
-    if len(children) == 1:
-        return json.dumps(children[0])
-    return json.dumps({"name": "multi", "options": {"connectors": children}})
 
 
 class Cluster:
@@ -316,7 +153,7 @@ class Cluster:
                 "kvstore",
                 "store",
                 [
-                    *_pdkv(),
+                    *pdkv_command(),
                     "kvstore",
                     "serve",
                     "--kv-store",
@@ -338,7 +175,7 @@ class Cluster:
             name = f"{role}-{i}"
             spec = t.kv_connector or connector_stack(role, t.mode, node_store, known)
             argv = [
-                *_pdkv(),
+                *pdkv_command(),
                 f"serve-{role}",
                 "--address",
                 f"{t.host}:0",
@@ -360,7 +197,7 @@ class Cluster:
         decode = ",".join(p.address for p in self.decode_nodes)
         prefill = ",".join(p.address for p in self.prefill_nodes)
         argv = [
-            *_pdkv(),
+            *pdkv_command(),
             "serve-router",
             "--address",
             f"{t.host}:{t.router_port}",
@@ -425,9 +262,9 @@ class Cluster:
             text=True,
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         )
-        threading.Thread(target=_pump, args=(proc, proc.popen), name=f"log-{proc.name}", daemon=True).start()
+        threading.Thread(target=pump, args=(proc, proc.popen), name=f"log-{proc.name}", daemon=True).start()
 
     def _wait_ready(self, procs: Sequence[Process], deadline: float) -> None:
         for proc in procs:
@@ -536,44 +373,6 @@ class Cluster:
             for p in self.processes
         ]
         return "\n".join(rows)
-
-
-def _pdkv() -> list[str]:
-    return [sys.executable, "-m", "pdkv"]
-
-
-def _pump(proc: Process, popen: subprocess.Popen[str]) -> None:
-    """Copy a child's output to its log (a restart appends to it); parse its ready line."""
-    assert popen.stdout is not None
-    mode = os.O_APPEND if proc.restarts else os.O_TRUNC
-    fd = os.open(proc.log_path, os.O_WRONLY | os.O_CREAT | mode, 0o600)
-    with open(fd, "w", encoding="utf-8") as log:
-        if proc.restarts:
-            log.write(f"--- pdkv up: restart {proc.restarts} ---\n")
-        for line in popen.stdout:
-            log.write(line)
-            log.flush()
-            if not proc.ready.is_set():
-                info = _parse_ready(line)
-                if info is not None:
-                    proc.ready_line = line.strip()
-                    proc.info = info
-                    proc.ready.set()
-
-
-def _parse_ready(line: str) -> dict[str, str] | None:
-    """``pdkv node: serving on HOST:PORT k=v ...`` (and the router's, the store's, redis') -> fields."""
-    for prefix in (NODE_READY, ROUTER_READY, STORE_READY):
-        if line.startswith(prefix):
-            address, *rest = line[len(prefix) :].split()
-            info = {"address": address}
-            for item in rest:
-                key, _, value = item.partition("=")
-                info[key] = value
-            return info
-    if REDIS_READY in line:
-        return {"address": ""}
-    return None
 
 
 def run_until_signal(cluster: Cluster, on_ready: Callable[[Cluster], None]) -> int:

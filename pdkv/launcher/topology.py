@@ -1,0 +1,100 @@
+"""What ``pdkv up`` runs (``Topology``), how it restarts a child (``RestartPolicy``), and the connector
+stack each node gets from what the registry has."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MODES = ("disaggregated", "colocated")
+DEFAULT_STORE = "cpu:256MiB,disk:{run_dir}/kvstore:1GiB"
+# p2p leases must end before the engine's own reclaim deadline (see connectors/p2p.py).
+P2P_LEASE_S = 30.0
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When ``supervise`` restarts a dead child: after ``backoff_s`` doubled per death in the window (at
+    most ``max_backoff_s``); ``max_deaths`` deaths within ``window_s`` stop the cluster instead."""
+
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    max_deaths: int = 5
+    window_s: float = 120.0
+
+    def delay(self, deaths: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2 ** max(0, deaths - 1))
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What to run.  ``kv_store``: tiers of the shared store server (``{run_dir}`` is replaced), or None
+    for no store.  ``kv_connector`` overrides the connector stack the launcher derives for every node."""
+
+    mode: str = "disaggregated"
+    num_prefill: int = 1
+    num_decode: int = 1
+    model: str | None = None
+    kv_store: str | None = DEFAULT_STORE
+    redis: bool = False
+    host: str = "127.0.0.1"
+    router_port: int = 0
+    # The router's OpenAI-compatible HTTP API on ``host`` (0: any free port; None: off).
+    http_port: int | None = 0
+    kv_connector: str | None = None
+    # The router's node-selection policy; "kv-aware" also makes every node publish its KV events.
+    policy: str = "least-loaded"
+    # The router returns cached-token counts in the usage (one user on loopback: nothing to hide).
+    cache_details: bool = True
+    # Everything on (``Secrets``): TLS on gRPC and HTTP (mutual between router and nodes), an API key,
+    # CURVE on the store and p2p, sealed transfer params.
+    secure: bool = False
+    # Compute threads per node (``--threads``); None: each node's default, one per core.
+    node_threads: int | None = None
+    node_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    log_dir: Path | None = None
+    startup_timeout_s: float = 180.0
+    grace_s: float = 5.0
+    restart_policy: RestartPolicy = RestartPolicy()
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} is unknown; choose one of {', '.join(MODES)}")
+        if self.num_decode < 1:
+            raise ValueError(f"--decode must be at least 1, got {self.num_decode}")
+        if self.mode == "disaggregated" and self.num_prefill < 1:
+            raise ValueError(f"--prefill must be at least 1 in disaggregated mode, got {self.num_prefill}")
+        if self.redis and self.kv_store is None:
+            raise ValueError("--redis adds a tier to the KV store: it needs --kv-store (not 'none')")
+        for name, port in (("router", self.router_port), ("http", self.http_port)):
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{name} port {port} is not a port")
+        if self.node_threads is not None and self.node_threads < 1:
+            raise ValueError(f"node_threads must be at least 1, got {self.node_threads}")
+        if self.startup_timeout_s <= 0:
+            raise ValueError("startup_timeout_s must be positive")
+
+
+def available_connectors() -> set[str]:
+    from connectors.registry import discover
+
+    return set(discover())
+
+
+def connector_stack(role: str, mode: str, store_spec: str | None, known: set[str]) -> str:
+    """The ``--kv-connector`` spec of a node, from what the registry has: ``offload`` (the store) where
+    prompts are computed (prefill, colocated), ``p2p`` in disaggregated mode; ``none`` when neither
+    applies.  A decode node takes its prompt KV from the prefill node only."""
+    children: list[dict[str, Any]] = []
+    if store_spec is not None and "offload" in known and role != "decode":
+        children.append({"name": "offload", "options": {"kv_store": store_spec}})
+    if mode == "disaggregated" and "p2p" in known:
+        children.append({"name": "p2p", "options": {"lease_s": P2P_LEASE_S}})
+    if not children:
+        return "none"
+    if len(children) == 1:
+        return json.dumps(children[0])
+    return json.dumps({"name": "multi", "options": {"connectors": children}})
