@@ -50,7 +50,6 @@ from kvstore.protocol import (
 )
 from kvstore.results import MissReason, Unit, release_all
 from kvstore.store import TieredStore
-from serving.config import refuse_open_wide_bind
 from serving.kv_events import KVEventPublisher
 from serving.logs import throttle_noisy_logs
 from serving.metrics import (
@@ -62,6 +61,7 @@ from serving.metrics import (
     gauge,
     metric_name,
 )
+from serving.runtime import refuse_open_wide_bind
 
 logger = logging.getLogger(__name__)
 

@@ -609,7 +609,7 @@ class HttpServer:
         """``tls``: a ``serving.tls.TLSFolder`` -- HTTPS with its server certificate."""
         import uvicorn
 
-        from serving.config import parse_address
+        from serving.runtime import parse_address
 
         host, port = parse_address(address, "--http-address")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

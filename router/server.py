@@ -25,7 +25,6 @@ from router.policy import STORE, NodeSelector, make_selector
 from router.servicer import GenerationServicer
 from router.streams import StreamWatch
 from router.tokenizer import RouterModel, load_model, model_path
-from serving.config import refuse_open_wide_bind, stop_on_signals
 from serving.metrics import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -36,6 +35,7 @@ from serving.metrics import (
     stats_families,
 )
 from serving.reflection import enable_reflection
+from serving.runtime import refuse_open_wide_bind, stop_on_signals
 from serving.signing import load_cluster_secret
 from serving.tls import TLSFolder, add_port
 

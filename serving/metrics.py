@@ -30,7 +30,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from engine.metrics import SPECS, HistogramSnapshot, Kind, MetricSpec, StatsSnapshot
-from serving.config import parse_address
+from serving.runtime import parse_address
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ def register(subparsers: Any) -> None:
 
 
 def _health(args: argparse.Namespace) -> int:
-    from serving.config import parse_address
     from serving.health import SERVING, check, wait_healthy
+    from serving.runtime import parse_address
     from serving.tls import TLSFolder
 
     parse_address(args.address)

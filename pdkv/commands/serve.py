@@ -22,8 +22,8 @@ _NODE_HELP = {
 
 
 def register(subparsers: Any) -> None:
+    from node.config import add_node_arguments
     from router.config import add_router_arguments
-    from serving.config import add_node_arguments
 
     for role, help_text in _NODE_HELP.items():
         parser = subparsers.add_parser(f"serve-{role}", help=help_text, description=help_text)
@@ -46,8 +46,8 @@ def _logging(level: str) -> None:
 
 
 def _serve_node(args: argparse.Namespace) -> int:
-    from serving.config import node_config_from_args
-    from serving.node import run_node
+    from node.config import node_config_from_args
+    from node.process import run_node
 
     _logging(args.log_level)
     return run_node(node_config_from_args(args, args.role))

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore import cli as kvstore_cli
+from node import config as node_config
 from router import config as router_config
-from serving import config as node_config
 
 NODE_READY = node_config.READY_PREFIX
 ROUTER_READY = router_config.READY_PREFIX

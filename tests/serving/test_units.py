@@ -12,6 +12,7 @@ from engine.connector.params import KVTransferParams, RemoteDecode, RemotePrefil
 from engine.driver import EngineOverloaded, EngineStopped
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from node.config import NodeConfig, parse_connector_spec
 from pdkv.launcher import Topology, connector_stack
 from pdkv.launcher.process import parse_ready
 from pdkv_proto.pdkv.v1 import types_pb2
@@ -20,7 +21,6 @@ from router.config import RouterConfig
 from router.nodes import NodeHandle
 from router.policy import LeastLoaded, RoundRobin, RoutingInfo
 from serving import convert
-from serving.config import NodeConfig, parse_connector_spec
 from serving.errors import ServingError, status_for
 from wire.layout import BlockLayout
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ from typing import Any
 from connectors.registry import KVConnectorConfig
 from engine.cpu_features import auto_cpu_dtype_note
 from engine.engine_config import EngineConfig
-from kvstore.curve import is_loopback
+from serving.runtime import parse_address
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -74,14 +72,6 @@ def parse_connector_spec(spec: str | None) -> KVConnectorConfig | None:
             + (f"; unknown key {extra[0]!r}" if extra else "")
         )
     return KVConnectorConfig(name=raw["name"], options=raw.get("options") or {})
-
-
-def parse_address(text: str, what: str = "address") -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); port 0 means "pick a free one"."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"{what} {text!r} must look like HOST:PORT, e.g. 127.0.0.1:50061")
-    return host.strip("[]"), int(port)
 
 
 @dataclass(frozen=True)
@@ -261,30 +251,3 @@ def node_config_from_args(args: argparse.Namespace, role: str) -> NodeConfig:
         insecure=args.insecure,
         threads=args.threads,
     )
-
-
-def refuse_open_wide_bind(address: str, what: str, secured: bool, insecure: bool, how: str) -> None:
-    """A listener on a non-loopback ``address`` (HOST:PORT, or a ZeroMQ tcp:// endpoint) with its
-    security off is refused unless ``insecure``.  ipc:// endpoints are files: never "wide"."""
-    if address.startswith("ipc://"):
-        return
-    host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-    if secured or insecure or is_loopback(host):
-        return
-    raise ValueError(
-        f"refusing to serve {what} on {address} without {how}: anyone who reaches that address could use "
-        "it. Turn security on (pdkv up --secure writes what it needs), bind a loopback address, or pass "
-        "--insecure on a network you trust"
-    )
-
-
-def stop_on_signals() -> threading.Event:
-    """An event set by SIGTERM or SIGINT: a server process waits on it, then stops gracefully."""
-    stop = threading.Event()
-
-    def request_stop(signum: int, _frame: Any) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-    return stop
