@@ -94,7 +94,8 @@ class P2PMetadata(KVConnectorMetadata):
     pulls: list[PullJob] = field(default_factory=list)  # consumer: start pulling these
 
 
-_LEASABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+# A prefill request is leased when its one token capped it: one that met EOS or a stop token ends there.
+_LEASABLE = (RequestStatus.FINISHED_LENGTH_CAPPED,)
 
 
 class P2PConnector(KVConnectorBase):

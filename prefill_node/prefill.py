@@ -4,12 +4,16 @@ The router sends the client's own sampling parameters; here the request becomes:
 
     prompt                  the client's prompt token ids
     max_tokens              1 (the decode node samples the rest)
-    kv_transfer_params      {"do_remote_decode": True}   -> the connector holds the blocks under a lease
+    kv_transfer_params      RemoteDecode()   -> the connector holds the blocks under a lease
 
-When the engine finishes it, its final ``RequestOutput.kv_transfer_params`` (from the connector) say
-where the KV is held; they travel to the decode node untouched.  A request can also end right here (EOS,
-a stop, the client's ``max_tokens`` is 1, the context is full): then no decode node will come, and the
-held blocks are released at once.
+The hand-off is decided here, once: a request asks for a remote decode only when a decode node will have
+tokens to produce (the client's ``max_tokens`` is over 1 and the context has room past the first token),
+and the connector leases its blocks only when the first token did not stop it (``connectors/p2p.py``
+leases a request capped at its one token, not one that met EOS or a stop token).  When the engine
+finishes it, its final ``RequestOutput.kv_transfer_params`` (from the connector) say where the KV is held;
+they travel to the decode node untouched, and the decode node's ``release`` ends the lease.  The one case
+decided after the lease: a first token that completes a stop *string* (the output processor sees text
+after the scheduler finished the request); the servicer releases that lease at once.
 """
 
 from __future__ import annotations
@@ -25,14 +29,19 @@ from engine.sampling_params import SamplingParams
 
 
 def prefill_request(
-    request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, cache_salt: str | None
+    request_id: str,
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    cache_salt: str | None,
+    max_model_len: int,
 ) -> EngineRequest:
+    decode_follows = params.max_tokens > 1 and len(prompt_token_ids) + 1 < max_model_len
     return EngineRequest(
         request_id=request_id,
         prompt=list(prompt_token_ids),
         sampling_params=dataclasses.replace(params, max_tokens=1),
         cache_salt=cache_salt,
-        kv_transfer_params=RemoteDecode(),
+        kv_transfer_params=RemoteDecode() if decode_follows else None,
     )
 
 

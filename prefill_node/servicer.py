@@ -32,11 +32,13 @@ class PrefillNodeServicer(node_pb2_grpc.PrefillNodeServicer):
             params = convert.sampling_params(request.sampling)
             prompt = convert.token_ids(request.prompt_token_ids, "prompt_token_ids")
             salt = convert.cache_salt(request)
-            call = EngineCall(self.driver, prefill_request(rid, prompt, params, salt), context)
+            max_len = self.driver.engine.max_model_len
+            call = EngineCall(self.driver, prefill_request(rid, prompt, params, salt, max_len), context)
             final = list(call.outputs())[-1]
-            result = prefill_result(final, params, self.driver.engine.max_model_len)
-            if result.ends_here:
-                self.driver.abort(rid)  # no decode node will read the held KV: free it now
+            result = prefill_result(final, params, max_len)
+            if result.ends_here and final.kv_transfer_params is not None:
+                # Leased, then stopped by a stop string in the first token's text: no decode node comes.
+                self.driver.abort(rid)
             response = _response(rid, result)
             if self.signer is not None:
                 response.kv_transfer_params = self.signer.seal(

@@ -94,9 +94,23 @@ def output(
 
 
 def test_prefill_is_a_one_token_request_kept_for_a_decode_node() -> None:
-    req = prefill_request("r", [1, 2, 3], SamplingParams(max_tokens=9, stop=("x",)), "salt")
+    req = prefill_request("r", [1, 2, 3], SamplingParams(max_tokens=9, stop=("x",)), "salt", 100)
     assert req.sampling_params.max_tokens == 1 and req.sampling_params.stop == ("x",)
     assert req.kv_transfer_params == RemoteDecode() and req.cache_salt == "salt"
+
+
+@pytest.mark.parametrize(
+    "max_tokens, prompt_len, max_model_len",
+    [(1, 3, 100), (9, 99, 100), (9, 100, 100)],
+    ids=["one-token", "context-full-after-first", "context-full"],
+)
+def test_prefill_asks_for_no_remote_decode_when_decode_would_have_nothing_to_do(
+    max_tokens: int, prompt_len: int, max_model_len: int
+) -> None:
+    """The hand-off is decided once, before the engine runs: nothing is leased for a decode that will
+    not come (the prefill node used to lease, then release at once)."""
+    req = prefill_request("r", [1] * prompt_len, SamplingParams(max_tokens=max_tokens), None, max_model_len)
+    assert req.kv_transfer_params is None and req.sampling_params.max_tokens == 1
 
 
 @pytest.mark.parametrize(
