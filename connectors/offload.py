@@ -53,8 +53,9 @@ from engine.connector.base import (
 )
 from engine.connector.params import KVTransferParams
 from engine.hashing import BlockHash
-from engine.metrics import SPECS, Histogram
+from engine.metrics import SPECS
 from engine.request import Request, RequestId
+from telemetry.metrics import Histogram
 
 if TYPE_CHECKING:
     import torch

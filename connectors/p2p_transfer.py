@@ -25,7 +25,8 @@ import threading
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from engine.metrics import SPECS, Histogram, HistogramSnapshot
+from engine.metrics import SPECS
+from telemetry.metrics import Histogram, HistogramSnapshot
 from wire.layout import BlockLayout
 
 if TYPE_CHECKING:

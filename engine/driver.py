@@ -33,9 +33,10 @@ from typing import Any, TypeVar
 from engine.connector.base import ConnectorStats
 from engine.connector.params import KVTransferParams
 from engine.llm_engine import LLMEngine
-from engine.metrics import HistogramSnapshot, StatsSnapshot, merge_histograms
+from engine.metrics import StatsSnapshot
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from telemetry.metrics import HistogramSnapshot, merge_histograms
 
 logger = logging.getLogger(__name__)
 

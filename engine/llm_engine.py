@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from engine.connector.base import ConnectorContext, KVConnectorBase, KVConnectorRole
 from engine.connector.null import NullConnector
@@ -27,7 +26,7 @@ from engine.hashing import HashNamespace
 from engine.kv_cache import KVCacheSpec
 from engine.kv_cache_manager import cdiv
 from engine.kv_events import KVCacheEvent
-from engine.metrics import SPECS, Counters, Histogram, HistogramSnapshot, StatsSnapshot
+from engine.metrics import SPECS, StatsSnapshot
 from engine.model.embedded import ensure_default_model
 from engine.model.loader import LoadedModel, inspect_model, load_model
 from engine.output_processor import OutputProcessor
@@ -38,65 +37,45 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import Tokenizer
+from telemetry.latency import REQUEST_LATENCIES, LatencyTracker, RequestLatency
+from telemetry.metrics import Counters, Histogram, HistogramSnapshot
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class _Timing:
-    request: Request
-    first_token: float | None = None
-    last_token: float = 0.0
-    num_tokens: int = 0
+QUEUE_TIME = "request_queue_time_seconds"
 
 
 class RequestTimer:
-    """The engine's per-request latency histograms (engine/metrics.py), observed from its outputs."""
+    """The engine's per-request latency histograms (engine/metrics.py), observed from its outputs through
+    one ``telemetry`` latency clock per request, plus the queue time (arrival to admission)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self._live: dict[str, _Timing] = {}
-        self.histograms = {
-            name: Histogram(SPECS[name])
-            for name in (
-                "time_to_first_token_seconds",
-                "inter_token_latency_seconds",
-                "request_time_per_output_token_seconds",
-                "e2e_request_latency_seconds",
-                "request_queue_time_seconds",
-            )
-        }
+        self._live: dict[str, tuple[Request, RequestLatency]] = {}
+        names = (*REQUEST_LATENCIES, QUEUE_TIME)
+        self.latency = LatencyTracker({name: Histogram(SPECS[name]) for name in names})
 
     def add(self, request: Request) -> None:
-        self._live[request.request_id] = _Timing(request)
+        self._live[request.request_id] = (request, self.latency.start(request.arrival_time))
 
     def observe(self, out: RequestOutput) -> None:
-        timing = self._live.get(out.request_id)
-        if timing is None:
+        live = self._live.get(out.request_id)
+        if live is None:
             return
+        request, latency = live
         now = self.clock()
-        h = self.histograms
-        arrival = timing.request.arrival_time
         if out.new_token_ids:
-            if timing.first_token is None:
-                timing.first_token = now
-                h["time_to_first_token_seconds"].observe(now - arrival)
-            else:
-                h["inter_token_latency_seconds"].observe(now - timing.last_token)
-            timing.last_token = now
-            timing.num_tokens += len(out.new_token_ids)
+            latency.tokens(len(out.new_token_ids), now)
         if not out.finished:
             return
         del self._live[out.request_id]
-        h["e2e_request_latency_seconds"].observe(now - arrival)
-        admitted = timing.request.admitted_time
-        h["request_queue_time_seconds"].observe((now if admitted is None else admitted) - arrival)
-        if timing.first_token is not None and timing.num_tokens > 1:
-            tpot = (timing.last_token - timing.first_token) / (timing.num_tokens - 1)
-            h["request_time_per_output_token_seconds"].observe(tpot)
+        latency.finish(now)
+        admitted = now if request.admitted_time is None else request.admitted_time
+        self.latency.histograms[QUEUE_TIME].observe(admitted - request.arrival_time)
 
     def snapshot(self) -> dict[str, HistogramSnapshot]:
-        return {name: hist.snapshot() for name, hist in self.histograms.items()}
+        return self.latency.snapshot()
 
 
 def _connector_half(
@@ -155,7 +134,7 @@ class LLMEngine:
             connector=self.worker_connector,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.counters = Counters()  # the engine's own; the scheduler keeps its counters
+        self.counters = Counters(SPECS)  # the engine's own; the scheduler keeps its counters
         self.timer = RequestTimer()
 
     @staticmethod

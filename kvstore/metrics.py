@@ -12,8 +12,8 @@ Counter names (``TierMetrics.count``):
     lost_writes                             blocks not written down: the source evicted them first
 
 ``misses`` counts, by ``MissReason``, the calls that stopped short (one per call: the reason of the first
-block not served); ``put_failures`` does the same for writes.  Latencies are log2 histograms in
-microseconds: bucket ``i`` counts calls that took ``[2**i, 2**(i+1))`` µs.
+block not served); ``put_failures`` does the same for writes.  Latencies are ``telemetry`` histograms
+over log2 microsecond buckets: bucket ``i`` counts calls that took up to ``2**(i+1)`` µs.
 """
 
 from __future__ import annotations
@@ -24,57 +24,35 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.results import MissReason
+from telemetry.metrics import Histogram, HistogramSnapshot
 
 OPS = ("lookup", "get", "read", "put", "delete")
-_BUCKETS = 27  # 1 µs .. 2**26 µs (about 67 s); slower calls land in the last bucket
+# Log2 buckets in microseconds: bucket ``i`` ends at ``2**(i+1)`` µs, 1 µs .. 2**26 µs (about 67 s);
+# slower calls land in the last (+Inf) bucket.
+LATENCY_BOUNDS = tuple(2 ** (i + 1) / 1e6 for i in range(26))
 
 
-@dataclass(frozen=True)
-class LatencySnapshot:
-    count: int
-    total_s: float
-    buckets: tuple[int, ...]
-
-    def quantile(self, q: float) -> float:
-        """Upper bound (seconds) of the bucket holding quantile ``q``; 0.0 with no samples."""
-        if self.count == 0:
-            return 0.0
-        rank = q * self.count
-        seen = 0
-        for i, n in enumerate(self.buckets):
-            seen += n
-            if seen >= rank and n:
-                return (2 ** (i + 1)) / 1e6
-        return (2**_BUCKETS) / 1e6
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "count": self.count,
-            "mean_s": self.total_s / self.count if self.count else 0.0,
-            "p50_s": self.quantile(0.5),
-            "p99_s": self.quantile(0.99),
-            "buckets_us_log2": list(self.buckets),
-        }
+def quantile(snap: HistogramSnapshot, q: float) -> float:
+    """Upper bound (seconds) of the log2 bucket holding quantile ``q``; 0.0 with no samples."""
+    if snap.count == 0:
+        return 0.0
+    rank = q * snap.count
+    seen = 0
+    for i, n in enumerate(snap.counts):
+        seen += n
+        if seen >= rank and n:
+            return (2 ** (i + 1)) / 1e6
+    return (2 ** len(snap.counts)) / 1e6
 
 
-class LatencyHistogram:
-    """Not thread-safe on its own: ``TierMetrics`` holds the lock."""
-
-    __slots__ = ("buckets", "count", "total_s")
-
-    def __init__(self) -> None:
-        self.buckets = [0] * _BUCKETS
-        self.count = 0
-        self.total_s = 0.0
-
-    def record(self, seconds: float) -> None:
-        micros = int(seconds * 1e6)
-        self.buckets[min(max(micros, 1).bit_length() - 1, _BUCKETS - 1)] += 1
-        self.count += 1
-        self.total_s += seconds
-
-    def snapshot(self) -> LatencySnapshot:
-        return LatencySnapshot(self.count, self.total_s, tuple(self.buckets))
+def latency_dict(snap: HistogramSnapshot) -> dict[str, Any]:
+    return {
+        "count": snap.count,
+        "mean_s": snap.total / snap.count if snap.count else 0.0,
+        "p50_s": quantile(snap, 0.5),
+        "p99_s": quantile(snap, 0.99),
+        "buckets_us_log2": list(snap.counts),
+    }
 
 
 @dataclass(frozen=True)
@@ -86,7 +64,7 @@ class TierStats:
     counters: dict[str, int]
     misses: dict[str, int]
     put_failures: dict[str, int]
-    latency: dict[str, LatencySnapshot]
+    latency: dict[str, HistogramSnapshot]
     breakers: dict[str, str]
     backend: dict[str, Any] = field(default_factory=dict)
     last_error: str = ""
@@ -104,7 +82,7 @@ class TierStats:
             "counters": dict(self.counters),
             "misses": dict(self.misses),
             "put_failures": dict(self.put_failures),
-            "latency": {op: snap.to_dict() for op, snap in self.latency.items()},
+            "latency": {op: latency_dict(snap) for op, snap in self.latency.items()},
             "breakers": dict(self.breakers),
             "backend": dict(self.backend),
             "last_error": self.last_error,
@@ -119,7 +97,7 @@ class TierMetrics:
         self._counters: Counter[str] = Counter()
         self._misses: Counter[str] = Counter()
         self._put_failures: Counter[str] = Counter()
-        self._latency = {op: LatencyHistogram() for op in OPS}
+        self._latency = {op: Histogram(LATENCY_BOUNDS) for op in OPS}
         self.last_error = ""
 
     def count(self, **increments: int) -> None:
@@ -135,8 +113,7 @@ class TierMetrics:
             self._put_failures[reason.value] += n
 
     def latency(self, op: str, seconds: float) -> None:
-        with self._lock:
-            self._latency[op].record(seconds)
+        self._latency[op].observe(seconds)  # a Histogram takes its own lock
 
     def error(self, message: str) -> None:
         with self._lock:

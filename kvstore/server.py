@@ -51,8 +51,8 @@ from kvstore.protocol import (
 from kvstore.results import MissReason, Unit, release_all
 from kvstore.store import TieredStore
 from serving.kv_events import KVEventPublisher
-from serving.logs import throttle_noisy_logs
-from serving.metrics import (
+from serving.runtime import refuse_open_wide_bind
+from telemetry.exposition import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
@@ -61,7 +61,7 @@ from serving.metrics import (
     gauge,
     metric_name,
 )
-from serving.runtime import refuse_open_wide_bind
+from telemetry.logs import throttle_noisy_logs
 
 logger = logging.getLogger(__name__)
 
@@ -331,12 +331,7 @@ def tier_families(tiers: Sequence[TierStats]) -> list[Metric]:
         for breaker, state in sorted(tier.breakers.items()):
             breakers.add_metric([tier.name, breaker], 0.0 if state == "closed" else 1.0)
         for op, snap in sorted(tier.latency.items()):
-            buckets, running = [], 0
-            for i, n in enumerate(snap.buckets[:-1]):
-                running += n
-                buckets.append((repr(2 ** (i + 1) / 1e6), running))
-            buckets.append(("+Inf", snap.count))
-            latency.add_metric([tier.name, op], buckets, sum_value=snap.total_s)
+            latency.add_metric([tier.name, op], snap.cumulative(), sum_value=snap.total)
     return [*counters.values(), misses, put_failures, breakers, latency]
 
 

@@ -28,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from decode_node.servicer import DecodeNodeServicer
 from engine.driver import EngineDriver, EngineSnapshot, snapshot
 from engine.llm_engine import LLMEngine
+from engine.metrics import SPECS
 from kvstore.curve import CurveKeys
 from node.config import READY_PREFIX, NodeConfig
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
@@ -35,11 +36,11 @@ from prefill_node.servicer import PrefillNodeServicer
 from serving import convert
 from serving.errors import CallRecorder, rpc_errors
 from serving.kv_events import KVEventPublisher
-from serving.metrics import Metric, MetricsServer, RpcCounters, counter_families, gauge, stats_families
 from serving.reflection import enable_reflection
 from serving.runtime import refuse_open_wide_bind, stop_on_signals
 from serving.signing import TransferSigner, load_cluster_secret
 from serving.tls import TLSFolder, add_port
+from telemetry.exposition import Metric, MetricsServer, RpcCounters, counter_families, gauge, stats_families
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +201,7 @@ def node_metrics(node: NodeRuntime) -> list[Metric]:
     the node's admitted requests and its gRPC calls."""
     s = node.snapshot()
     return [
-        *stats_families(s.stats, s.histograms),
+        *stats_families(s.stats, s.histograms, specs=SPECS),
         gauge("pdkv_node_requests", "unfinished requests admitted by the node", node.driver.num_requests),
         *counter_families(s.connector.counters, "pdkv_connector_", "connector counter"),
         *node.calls.families("pdkv_node"),

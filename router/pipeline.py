@@ -38,7 +38,7 @@ from typing import Protocol
 
 import grpc
 
-from engine.metrics import SPECS, Histogram
+from engine.metrics import SPECS
 from engine.sampling_params import SamplingParams
 from pdkv_proto.pdkv.v1 import node_pb2, types_pb2
 from router.nodes import NodeHandle, NodePool
@@ -46,6 +46,8 @@ from router.policy import NodeSelector, RoutingInfo
 from serving import convert
 from serving.calls import time_remaining
 from serving.errors import ServingError
+from telemetry.latency import REQUEST_LATENCIES, LatencyTracker, RequestLatency
+from telemetry.metrics import Histogram
 
 logger = logging.getLogger(__name__)
 
@@ -98,42 +100,13 @@ class Done:
 Event = Delta | Done
 
 
-ROUTER_HISTOGRAMS = (
-    "time_to_first_token_seconds",
-    "inter_token_latency_seconds",
-    "request_time_per_output_token_seconds",
-    "e2e_request_latency_seconds",
-)
-
-
-class _LatencyTimer:
-    """Observes one call's latencies from the events it yields (the client's view)."""
-
-    def __init__(self, histograms: dict[str, Histogram], start: float) -> None:
-        self.h = histograms
-        self.start = start
-        self.first: float | None = None
-        self.last = start
-        self.tokens = 0
-
-    def observe(self, event: Event) -> None:
-        now = time.perf_counter()
-        if isinstance(event, Delta):
-            if not event.token_ids:
-                return
-            if self.first is None:
-                self.first = now
-                self.h["time_to_first_token_seconds"].observe(now - self.start)
-            else:
-                self.h["inter_token_latency_seconds"].observe(now - self.last)
-            self.last = now
-            self.tokens += len(event.token_ids)
-            return
-        self.h["e2e_request_latency_seconds"].observe(now - self.start)
-        if self.first is not None and self.tokens > 1:
-            self.h["request_time_per_output_token_seconds"].observe(
-                (self.last - self.first) / (self.tokens - 1)
-            )
+def _observe_latency(latency: RequestLatency, event: Event) -> None:
+    """Tell one call's latency clock about an event it yields (the client's view)."""
+    now = time.perf_counter()
+    if not isinstance(event, Delta):
+        latency.finish(now)
+    elif event.token_ids:
+        latency.tokens(len(event.token_ids), now)
 
 
 class Cancellation:
@@ -201,7 +174,7 @@ class Pipeline:
         self.max_tokens_limit = max_tokens_limit  # 0: none beyond the model's context
         self.resumed = 0  # requests continued on another decode node after output had reached the client
         # As the client sees them (engine/metrics.py names; exported as pdkv_router_*).
-        self.latency = {name: Histogram(SPECS[name]) for name in ROUTER_HISTOGRAMS}
+        self.latency = LatencyTracker({name: Histogram(SPECS[name]) for name in REQUEST_LATENCIES})
         self._inflight = 0
         self._lock = threading.Lock()
 
@@ -227,9 +200,9 @@ class Pipeline:
             cancellation = Cancellation(scope)
             run = self._disaggregated if self.mode == "disaggregated" else self._colocated
             start = time.perf_counter()
-            timer = _LatencyTimer(self.latency, start)
+            latency = self.latency.start(start)
             for event in run(request, scope, cancellation, start):
-                timer.observe(event)
+                _observe_latency(latency, event)
                 yield event
             cancellation.finish()
         finally:

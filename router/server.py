@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from engine.metrics import StatsSnapshot
+from engine.metrics import SPECS, StatsSnapshot
 from engine.tokenizer import Tokenizer
 from pdkv_proto.pdkv.v1 import generation_pb2_grpc
 from router.auth import Access, load_access
@@ -25,7 +25,11 @@ from router.policy import STORE, NodeSelector, make_selector
 from router.servicer import GenerationServicer
 from router.streams import StreamWatch
 from router.tokenizer import RouterModel, load_model, model_path
-from serving.metrics import (
+from serving.reflection import enable_reflection
+from serving.runtime import refuse_open_wide_bind, stop_on_signals
+from serving.signing import load_cluster_secret
+from serving.tls import TLSFolder, add_port
+from telemetry.exposition import (
     CounterMetricFamily,
     GaugeMetricFamily,
     Metric,
@@ -34,10 +38,6 @@ from serving.metrics import (
     gauge,
     stats_families,
 )
-from serving.reflection import enable_reflection
-from serving.runtime import refuse_open_wide_bind, stop_on_signals
-from serving.signing import load_cluster_secret
-from serving.tls import TLSFolder, add_port
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class RouterRuntime:
         _publish_health(self.health, self.pools)
 
     def metrics(self) -> list[Metric]:
-        latency = {name: h.snapshot() for name, h in self.pipeline.latency.items()}
+        latency = self.pipeline.latency.snapshot()
         resumes = CounterMetricFamily(
             "pdkv_router_decode_resumes",
             "decode streams resumed on another node after theirs failed mid-stream (one per resume)",
@@ -194,7 +194,7 @@ class RouterRuntime:
             gauge("pdkv_router_inflight_requests", "client calls in flight", self.pipeline.inflight),
             resumes,
             cut,
-            *stats_families(StatsSnapshot({}, {}, latency), prefix="pdkv_router_"),
+            *stats_families(StatsSnapshot({}, {}, latency), specs=SPECS, prefix="pdkv_router_"),
         ]
         for pool in self.pools:
             up = GaugeMetricFamily(

@@ -13,8 +13,8 @@ from typing import Any
 
 from engine.hashing import HashNamespace
 from engine.kv_cache import KVCacheSpec
-from engine.metrics import HistogramSnapshot, merge_histograms
 from engine.request import RequestId
+from telemetry.metrics import HistogramSnapshot, merge_histograms
 
 
 class KVConnectorRole(enum.Enum):

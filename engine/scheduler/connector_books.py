@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from engine.connector.base import KVConnectorBase
 from engine.kv_cache_manager import KVCacheManager
-from engine.metrics import Counters
 from engine.request import Request, RequestId
+from telemetry.metrics import Counters
 
 logger = logging.getLogger(__name__)
 

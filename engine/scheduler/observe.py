@@ -8,9 +8,10 @@ from typing import Protocol
 
 from engine.integrity import require
 from engine.kv_cache_manager import KVCacheManager
-from engine.metrics import Counters, StatsSnapshot
+from engine.metrics import StatsSnapshot
 from engine.request import Request, RequestId, RequestStatus
 from engine.scheduler.connector_books import ConnectorBooks, Hold
+from telemetry.metrics import Counters
 
 
 class Scheduler(Protocol):

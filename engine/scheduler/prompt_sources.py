@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.kv_cache_manager import KVCacheManager
-from engine.metrics import EXTERNAL_KV_TRANSFER, LOCAL_CACHE_HIT, LOCAL_COMPUTE, Counters
+from engine.metrics import EXTERNAL_KV_TRANSFER, LOCAL_CACHE_HIT, LOCAL_COMPUTE
 from engine.request import Request, RequestId
+from telemetry.metrics import Counters
 
 
 class PromptSources:

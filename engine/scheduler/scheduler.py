@@ -37,7 +37,7 @@ from collections.abc import Callable
 from engine.connector.base import KVConnectorBase, KVConnectorOutput
 from engine.connector.null import NullConnector
 from engine.kv_cache_manager import NO_HIT, KVCacheManager
-from engine.metrics import Counters, StatsSnapshot
+from engine.metrics import SPECS, StatsSnapshot
 from engine.request import Request, RequestId, RequestStatus
 from engine.scheduler.config import CacheConfig, SchedulerConfig
 from engine.scheduler.connector_books import ConnectorBooks, Hold, HoldKind
@@ -51,6 +51,7 @@ from engine.scheduler.output import (
 )
 from engine.scheduler.prompt_sources import PromptSources
 from engine.scheduler.request_queue import make_queue
+from telemetry.metrics import Counters
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class Scheduler:
         )
         self.running: list[Request] = []
         # Declared in engine/metrics.py; counted here and in the books.
-        self.counters = Counters()
+        self.counters = Counters(SPECS)
         self.books = ConnectorBooks(
             self.kv,
             self.connector,

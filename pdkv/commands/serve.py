@@ -39,7 +39,7 @@ def register(subparsers: Any) -> None:
 
 
 def _logging(level: str) -> None:
-    from serving.logs import throttle_noisy_logs
+    from telemetry.logs import throttle_noisy_logs
 
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     throttle_noisy_logs()  # bad input: one line a minute per kind, not a traceback per request

@@ -1,11 +1,12 @@
 """``/metrics`` for every pdkv process, through ``prometheus_client``.
 
-Each process keeps its figures where they are counted (the engine's in ``engine/metrics.py``, a store's
-tiers in ``kvstore/metrics.py``) and gives ``MetricsServer`` a ``collect()`` function that turns one
-snapshot of them into ``prometheus_client`` metric families at scrape time (a custom collector: nothing
-is counted twice, and a scrape reads one consistent snapshot).  ``stats_families`` does that for the
-declared metrics (counters as ``pdkv_<name>_total``, gauges, histograms); ``RpcCounters`` counts a
-server's calls by method and status code (the error counts operators alert on).
+Each process keeps its figures where they are counted (the engine's declared in ``engine/metrics.py``, a
+store's tiers in ``kvstore/metrics.py``, all in the value types of ``telemetry/metrics.py``) and gives
+``MetricsServer`` a ``collect()`` function that turns one snapshot of them into ``prometheus_client``
+metric families at scrape time (a custom collector: nothing is counted twice, and a scrape reads one
+consistent snapshot).  ``stats_families`` does that for declared metrics (counters as
+``pdkv_<name>_total``, gauges, histograms); ``RpcCounters`` counts a server's calls by method and status
+code (the error counts operators alert on).
 
 The HTTP side is ``prometheus_client``'s exposition (``generate_latest``) on a small threaded server
 whose connections time out: a client that connects and never sends cannot hold a thread.
@@ -18,7 +19,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -29,8 +30,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from engine.metrics import SPECS, HistogramSnapshot, Kind, MetricSpec, StatsSnapshot
-from serving.runtime import parse_address
+from telemetry.metrics import HistogramSnapshot, Kind, MetricSpec
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +80,23 @@ def _families(
     return out
 
 
+class Stats(Protocol):
+    """Counters, gauges and histograms by declared key, at one moment (the engine's ``StatsSnapshot``)."""
+
+    @property
+    def counters(self) -> Mapping[str, float]: ...
+    @property
+    def gauges(self) -> Mapping[str, float]: ...
+    @property
+    def histograms(self) -> Mapping[str, HistogramSnapshot]: ...
+
+
 def stats_families(
-    stats: StatsSnapshot,
+    stats: Stats,
     histograms: Mapping[str, HistogramSnapshot] | None = None,
     *,
+    specs: Mapping[str, MetricSpec],
     prefix: str = PREFIX,
-    specs: Mapping[str, MetricSpec] = SPECS,
 ) -> list[Metric]:
     """The declared counters, gauges and histograms of ``stats`` (plus ``histograms``, if given)."""
     hist = stats.histograms if histograms is None else histograms
@@ -160,7 +171,7 @@ class MetricsServer:
     """``GET /metrics`` on ``address`` (HOST:PORT, port 0 picks one), served from a daemon thread."""
 
     def __init__(self, address: str, collect: Callable[[], Sequence[Metric]]) -> None:
-        host, port = parse_address(address, "metrics address")
+        host, port = _host_port(address)
         self.registry = registry_of(collect)
         self._server = ThreadingHTTPServer((host, port), _handler(self.registry))
         self._server.daemon_threads = True
@@ -178,6 +189,15 @@ class MetricsServer:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port), as ``serving.runtime.parse_address`` reads it
+    (this leaf cannot import it; the node and router configs have checked the address with it already)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"metrics address {address!r} must look like HOST:PORT, e.g. 127.0.0.1:50061")
+    return host.strip("[]"), int(port)
 
 
 def _handler(registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
