@@ -47,11 +47,12 @@ class DecodeNodeServicer(node_pb2_grpc.DecodeNodeServicer):
                 convert.transfer_params(params),
                 list(request.resume_output_token_ids),
             )
+            carried = len(engine_request.prior_output_token_ids)
             for out in EngineCall(self.driver, engine_request, context).outputs():
-                yield _response(rid, out)
+                yield _response(rid, out, carried)
 
 
-def _response(rid: str, out: RequestOutput) -> node_pb2.DecodeResponse:
+def _response(rid: str, out: RequestOutput, carried: int) -> node_pb2.DecodeResponse:
     msg = node_pb2.DecodeResponse(
         request_id=rid,
         token_ids=out.new_token_ids,
@@ -59,7 +60,7 @@ def _response(rid: str, out: RequestOutput) -> node_pb2.DecodeResponse:
         logprobs=out.new_logprobs,
         finished=out.finished,
         finish_reason=convert.finish_reason_proto(out.finish_reason),
-        prompt=convert.prompt_usage(out),
+        prompt=convert.prompt_usage(out, carried),
     )
     convert.set_stop_reason(msg, out.stop_reason)
     return msg

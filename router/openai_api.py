@@ -10,6 +10,10 @@ finish reason, a usage chunk when ``stream_options.include_usage``, then ``data:
 OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``) with the status the gRPC code maps
 to (``HTTP_STATUS``); a malformed body is 400 naming the field.
 
+Each handler only converts: the body becomes the neutral ``GenerationRequest``, which takes the one
+admission path the gRPC front end takes too (``router/admission.py``: chat template, tokens, vocabulary,
+context, defaults), and the pipeline's events become OpenAI's objects.
+
 The pipeline is synchronous (it blocks on node calls), so each request runs it on a thread of its own
 that hands events to the event loop.  ``HttpCallScope`` stands in for a gRPC context: when the client
 disconnects (or the server-side deadline passes) the scope ends, which cancels the node calls, and the
@@ -35,11 +39,21 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.chat_template import ChatTemplateError
-from engine.sampling_params import SamplingParams
+from router.admission import (
+    Admission,
+    AdmittedRequest,
+    ChatPrompt,
+    ChatTurn,
+    FieldNames,
+    GenerationRequest,
+    InvalidField,
+    Prompt,
+    TextPrompt,
+    TokenPrompt,
+)
 from router.auth import Access, Caller
 from router.openai_schema import ChatCompletionRequest, CompletionRequest
-from router.pipeline import ClientRequest, Delta, Done, Event, Pipeline, Usage
+from router.pipeline import Delta, Done, Event, Pipeline, Usage
 from router.streams import StreamWatch
 from router.tokenizer import RouterModel
 from serving.errors import ServingError
@@ -56,10 +70,6 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
-# Completions without max_tokens generate 16 tokens (OpenAI's documented default); chat completions
-# without it generate until the model's context is full, capped here.
-DEFAULT_COMPLETION_TOKENS = 16
-MAX_DEFAULT_CHAT_TOKENS = 4096
 
 
 class ApiError(Exception):
@@ -75,6 +85,8 @@ class ApiError(Exception):
 
     @classmethod
     def from_serving(cls, exc: ServingError) -> ApiError:
+        if isinstance(exc, InvalidField):  # admission's refusals name the field: OpenAI's ``param``
+            return cls(400, exc.message, kind="invalid_request_error", param=exc.field)
         status, kind = HTTP_STATUS.get(exc.code, (500, "internal_error"))
         return cls(status, exc.message, kind=kind, code=exc.code.name.lower())
 
@@ -121,7 +133,7 @@ class HttpCallScope:
 
 async def _events(
     pipeline: Pipeline,
-    request: ClientRequest,
+    request: AdmittedRequest,
     scope: HttpCallScope,
     pool: ThreadPoolExecutor,
     access: Access,
@@ -173,6 +185,7 @@ def create_app(
     # One worker per request the pipeline may admit, and a few more so a request beyond the limit
     # reaches the pipeline and gets its 429 instead of queueing for a thread.
     pool = ThreadPoolExecutor(max_workers=pipeline.max_inflight + 8, thread_name_prefix="http-pipeline")
+    admission = Admission(model, pipeline.max_tokens_limit)
     created = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -213,38 +226,29 @@ def create_app(
 
     @app.post("/v1/chat/completions", response_model=None)
     async def _chat(body: ChatCompletionRequest, http: Request, caller: Caller = authenticated) -> Any:
-        request, include_usage = _chat_request(body, model, caller, pipeline.max_tokens_limit)
-        return await _respond(
-            http, body.stream, include_usage, request, caller, chat=True, logprobs=body.logprobs
-        )
+        return await _respond(http, _chat_request(body, model), caller)
 
     @app.post("/v1/completions", response_model=None)
     async def _completions(body: CompletionRequest, http: Request, caller: Caller = authenticated) -> Any:
-        request, include_usage = _completion_request(body, model, caller, pipeline.max_tokens_limit)
-        return await _respond(
-            http, body.stream, include_usage, request, caller, chat=False, logprobs=body.logprobs is not None
-        )
+        return await _respond(http, _completion_request(body, model), caller)
 
-    async def _respond(
-        http: Request,
-        stream: bool,
-        include_usage: bool,
-        request: ClientRequest,
-        caller: Caller,
-        *,
-        chat: bool,
-        logprobs: bool,
-    ) -> Any:
+    async def _respond(http: Request, asked: GenerationRequest, caller: Caller) -> Any:
+        """Admit the neutral request (the one path both front ends take), run it, answer as OpenAI does."""
+        try:
+            request = admission.admit(asked, caller)
+        except ServingError as exc:
+            raise ApiError.from_serving(exc) from None
         scope = HttpCallScope(request_timeout_s)
         shape = _Shape(
             model,
             request.request_id,
             created=int(time.time()),
-            chat=chat,
-            logprobs=logprobs,
+            chat=isinstance(asked.prompt, ChatPrompt),
+            logprobs=request.params.logprobs,
             cache_details=caller.cache_details,
         )
-        if stream:
+        include_usage = asked.include_usage
+        if asked.stream:
             # The first event decides the status: an overloaded router (429), no healthy node (503) or a
             # refused request (400) is answered as such, not as a 200 whose stream holds the error.
             events = _events(pipeline, request, scope, pool, access, caller)
@@ -484,68 +488,30 @@ def _check_model(model: RouterModel, name: str) -> None:
         )
 
 
-def _sampling(
-    body: Any, max_tokens: int | None, prompt_len: int, model: RouterModel, default: int, limit: int = 0
-) -> SamplingParams:
-    """``limit``: the router's max_tokens_limit (0: none) -- an explicit max_tokens above it is refused,
-    the default is cut to it."""
+# How this front end names a request's fields in a 400 (its ``param``).
+FIELDS = FieldNames(
+    text="prompt", messages="messages", token_ids="prompt", token_id="prompt.{i}", sampling=""
+)
+
+
+def _refuse_unserved(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """Fields of OpenAI's schema pdkv does not serve: refused naming them, never accepted and ignored."""
     if body.n != 1:
         raise ApiError.invalid("n", f"only n=1 is served, got {body.n}; send one request per completion")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) != 0:
             raise ApiError.invalid(name, "penalties are not supported; leave it at 0")
-    room = model.context_length - prompt_len
-    if room <= 0:
-        raise ApiError.invalid(
-            "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-            f"has {prompt_len} tokens; the model's context holds {model.context_length}",
-        )
-    if limit and max_tokens is not None and max_tokens > limit:
-        raise ApiError.invalid("max_tokens", f"{max_tokens} is more than this server allows ({limit})")
-    if limit:
-        default = min(default, limit)
-    if max_tokens is not None and max_tokens > room:
-        raise ApiError.invalid(
-            "max_tokens",
-            f"{max_tokens} does not fit: the prompt has {prompt_len} tokens and the context holds "
-            f"{model.context_length}",
-        )
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
-    for i, t in enumerate(body.stop_token_ids):
-        if not 0 <= t < model.vocab_size:
-            raise ApiError.invalid(f"stop_token_ids[{i}]", f"{t} is outside the vocabulary")
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens if max_tokens is not None else min(room, default),
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k,
-            min_p=body.min_p,
-            seed=body.seed,
-            stop=tuple(stop),
-            stop_token_ids=tuple(body.stop_token_ids),
-            ignore_eos=body.ignore_eos,
-            # chat: a bool; completions: an int, where 0 asks for the chosen token's logprob only
-            logprobs=body.logprobs if isinstance(body.logprobs, bool) else body.logprobs is not None,
-        )
-    except ValueError as exc:  # the message starts with the field's name
-        field = str(exc).split(" ", 1)[0]
-        raise ApiError.invalid(field, str(exc)) from None
 
 
-def _request_id(kind: str) -> str:
-    return f"{kind}-{uuid.uuid4().hex}"
-
-
-def _chat_request(
-    body: ChatCompletionRequest, model: RouterModel, caller: Caller, limit: int = 0
-) -> tuple[ClientRequest, bool]:
+def _chat_request(body: ChatCompletionRequest, model: RouterModel) -> GenerationRequest:
+    """A chat completion body as the neutral request (admission checks the rest)."""
     _check_model(model, body.model)
+    _refuse_unserved(body)
     if body.tools:
         raise ApiError.invalid("tools", "tool calls are not supported")
     if body.top_logprobs:
         raise ApiError.invalid("top_logprobs", "only the chosen token's logprob is returned; use 0")
-    messages = []
+    turns = []
     for i, m in enumerate(body.messages):
         content = m.content
         if isinstance(content, list):  # text parts only
@@ -555,22 +521,17 @@ def _chat_request(
                     raise ApiError.invalid(f"messages.{i}.content.{j}", "only text parts are supported")
                 parts.append(part["text"])
             content = "".join(parts)
-        messages.append({"role": m.role, "content": content or ""})
-    tok = model.tokenizer
-    try:
-        ids = tok.apply_chat_template(messages)
-    except ChatTemplateError as exc:
-        raise ApiError.invalid("messages", str(exc)) from None
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = tok.chat_sampling(_sampling(body, max_tokens, len(ids), model, MAX_DEFAULT_CHAT_TOKENS, limit))
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return ClientRequest(_request_id("chatcmpl"), ids, params, caller.salt(body.cache_salt)), include_usage
+        turns.append(ChatTurn(m.role, content or ""))
+    sampling = body.sampling()
+    if body.max_completion_tokens is not None:  # the newer name wins
+        sampling["max_tokens"] = body.max_completion_tokens
+    return _neutral(body, "chatcmpl", ChatPrompt(tuple(turns)), sampling)
 
 
-def _completion_request(
-    body: CompletionRequest, model: RouterModel, caller: Caller, limit: int = 0
-) -> tuple[ClientRequest, bool]:
+def _completion_request(body: CompletionRequest, model: RouterModel) -> GenerationRequest:
+    """A completion body as the neutral request (admission checks the rest)."""
     _check_model(model, body.model)
+    _refuse_unserved(body)
     if body.echo:
         raise ApiError.invalid("echo", "echo is not supported")
     if body.suffix:
@@ -584,22 +545,22 @@ def _completion_request(
                 "prompt", f"a list of {len(prompt)} prompts is not served; send one prompt per request"
             )
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError.invalid("prompt", "is empty")
-        ids = model.tokenizer.encode(prompt)
-    else:
-        ids = list(prompt)
-        for i, t in enumerate(ids):
-            if not 0 <= t < model.vocab_size:
-                raise ApiError.invalid(
-                    f"prompt.{i}", f"token id {t} is outside the vocabulary [0, {model.vocab_size})"
-                )
-    if not ids:
-        raise ApiError.invalid("prompt", "has no tokens")
-    params = _sampling(body, body.max_tokens, len(ids), model, DEFAULT_COMPLETION_TOKENS, limit)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return ClientRequest(_request_id("cmpl"), ids, params, caller.salt(body.cache_salt)), include_usage
+    neutral = TextPrompt(prompt) if isinstance(prompt, str) else TokenPrompt(tuple(prompt))
+    return _neutral(body, "cmpl", neutral, body.sampling())
+
+
+def _neutral(
+    body: ChatCompletionRequest | CompletionRequest, kind: str, prompt: Prompt, sampling: dict[str, Any]
+) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=f"{kind}-{uuid.uuid4().hex}",
+        prompt=prompt,
+        fields=FIELDS,
+        sampling=sampling,
+        cache_salt=body.cache_salt,
+        stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+    )
 
 
 class HttpServer:

@@ -8,9 +8,15 @@ same salt share cached KV, and only they do.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sampling_params import SamplingParams
+
+# A body field named as a SamplingParams field is that field: a new sampling field is one line below.
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 class _Body(BaseModel):
@@ -41,6 +47,23 @@ class _Sampling(_Body):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
+
+    def sampling(self) -> dict[str, Any]:
+        """The SamplingParams fields this body sets, by their names (null is unset).  OpenAI's own
+        defaults and shapes apply: temperature 1, ``stop`` a string or a list, ``logprobs`` a flag (chat)
+        or a count (completions, where 0 asks for the chosen token's logprob)."""
+        fields = type(self).model_fields
+        options = {
+            name: getattr(self, name)
+            for name in _SAMPLING_FIELDS
+            if name in fields and getattr(self, name) is not None
+        }
+        options.setdefault("temperature", 1.0)
+        if isinstance(self.stop, str):
+            options["stop"] = (self.stop,)
+        if "logprobs" in options:  # a flag, or a count: any count asks for the chosen token's
+            options["logprobs"] = options["logprobs"] is not False
+        return options
 
 
 class ChatMessage(_Body):

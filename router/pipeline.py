@@ -39,8 +39,9 @@ from typing import Protocol
 import grpc
 
 from engine.metrics import SPECS
-from engine.sampling_params import SamplingParams
 from pdkv_proto.pdkv.v1 import node_pb2, types_pb2
+from router.admission import AdmittedRequest
+from router.node_messages import carried_tokens, decode_message, prefill_message
 from router.nodes import NodeHandle, NodePool
 from router.policy import NodeSelector, RoutingInfo
 from serving import convert
@@ -61,14 +62,6 @@ class CallScope(Protocol):
     def time_remaining(self) -> float | None: ...
     def add_callback(self, callback: Callable[[], None]) -> bool: ...
     def is_active(self) -> bool: ...
-
-
-@dataclass(frozen=True)
-class ClientRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -183,15 +176,9 @@ class Pipeline:
         """Client calls in flight."""
         return self._inflight
 
-    def generate(self, request: ClientRequest, scope: CallScope) -> Iterator[Event]:
-        """The request's deltas, then one ``Done``.  Raises ``ServingError`` with the status to return."""
-        limit = self.max_tokens_limit
-        if limit and request.params.max_tokens > limit:
-            raise ServingError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"sampling.max_tokens: {request.params.max_tokens} is more than this router allows "
-                f"(max_tokens_limit {limit})",
-            )
+    def generate(self, request: AdmittedRequest, scope: CallScope) -> Iterator[Event]:
+        """The request's deltas, then one ``Done``.  Raises ``ServingError`` with the status to return.
+        ``request`` passed admission (``router/admission.py``: max_tokens_limit included)."""
         self._admit()
         # Nodes see an id of the router's making: the client's id is echoed back to the client only, never
         # used as an engine request id or a lease id (another client could collide with it, or abort it).
@@ -222,30 +209,18 @@ class Pipeline:
     # -- disaggregated ------------------------------------------------------------------------------------
 
     def _disaggregated(
-        self, request: ClientRequest, scope: CallScope, cancellation: Cancellation, start: float
+        self, request: AdmittedRequest, scope: CallScope, cancellation: Cancellation, start: float
     ) -> Iterator[Event]:
         assert self.prefill_pool is not None
-        prefill_msg = node_pb2.PrefillRequest(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            sampling=convert.sampling_params_proto(request.params),
-        )
-        if request.cache_salt is not None:
-            prefill_msg.cache_salt = request.cache_salt
-        prefill_node, first = self._prefill(request, prefill_msg, scope, cancellation)
+        prefill_node, first = self._prefill(request, prefill_message(request), scope, cancellation)
         # From here the prefill node holds the KV for a decode node: free it if the client goes away.
         cancellation.on_cancel(lambda: prefill_node.abort_async(request.request_id))
-        n = len(request.prompt_token_ids)
-        local = min(first.prompt.local_prefix_tokens, n)
-        store = min(first.prompt.external_tokens, n - local)
         usage = Usage(
-            prompt_tokens=n,
+            prompt_tokens=len(request.prompt_token_ids),
             completion_tokens=1,
-            local_prefix=local,
-            store=store,
-            computed_prompt_tokens=n - local - store,
             time_to_first_token_s=time.perf_counter() - start,
         )
+        _relay_prompt_sources(usage, first.prompt)
         yield Delta(
             [first.first_token_id],
             first.text,
@@ -255,15 +230,7 @@ class Pipeline:
             usage.total_time_s = time.perf_counter() - start
             yield Done(convert.finish_reason(first.finish_reason), convert.stop_reason(first), usage)
             return
-        decode_msg = node_pb2.DecodeRequest(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            sampling=prefill_msg.sampling,
-            first_token_id=first.first_token_id,
-            kv_transfer_params=first.kv_transfer_params,
-        )
-        if request.cache_salt is not None:
-            decode_msg.cache_salt = request.cache_salt
+        decode_msg = decode_message(request, prefilled=first)
         sent = _Sent([first.first_token_id], len(first.text))
         try:
             yield from self._decode(
@@ -277,7 +244,7 @@ class Pipeline:
 
     def _prefill(
         self,
-        request: ClientRequest,
+        request: AdmittedRequest,
         msg: node_pb2.PrefillRequest,
         scope: CallScope,
         cancellation: Cancellation,
@@ -310,17 +277,11 @@ class Pipeline:
     # -- colocated ----------------------------------------------------------------------------------------
 
     def _colocated(
-        self, request: ClientRequest, scope: CallScope, cancellation: Cancellation, start: float
+        self, request: AdmittedRequest, scope: CallScope, cancellation: Cancellation, start: float
     ) -> Iterator[Event]:
-        msg = node_pb2.DecodeRequest(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            sampling=convert.sampling_params_proto(request.params),
-        )
-        if request.cache_salt is not None:
-            msg.cache_salt = request.cache_salt
         usage = Usage(prompt_tokens=len(request.prompt_token_ids))
-        yield from self._decode(_ClientStream(request, scope, cancellation, usage, start, _Sent()), msg)
+        client = _ClientStream(request, scope, cancellation, usage, start, _Sent())
+        yield from self._decode(client, decode_message(request))
 
     # -- shared -------------------------------------------------------------------------------------------
 
@@ -337,7 +298,7 @@ class Pipeline:
                     raise
                 raise ServingError(exc.code, _gave_up(sent, exc.message)) from None
             tried.append(node)
-            carried = _carried_tokens(msg)
+            carried = carried_tokens(msg)
             try:
                 yield from self._relay(client, node, msg)
                 return
@@ -348,7 +309,7 @@ class Pipeline:
                         failed.code, _gave_up(sent, f"decode node {node.address}: {failed.details}")
                     ) from None
             if sent.token_ids != carried:  # the client got more than the message carries: resume after it
-                msg = _resume_message(request, msg, sent.token_ids)
+                msg = decode_message(request, resume_output_token_ids=sent.token_ids)
                 with self._lock:
                     self.resumed += 1
                 logger.warning(
@@ -408,26 +369,17 @@ class Pipeline:
         yield Done(convert.finish_reason(last.finish_reason), convert.stop_reason(last), usage)
 
     def _record_prompt(self, usage: Usage, prompt: types_pb2.PromptUsage) -> None:
-        """Fold a node's prompt figures into the client's usage.  The accounting, on every path:
-
-            local_prefix + store + computed_prompt_tokens == prompt_tokens
-
-        ``remote_prefill`` is not a fourth source: those tokens were computed (or loaded) by the prefill
-        node and are counted there; it says how many of them the decode node received instead of
-        recomputing.  A resumed node's prompt covers the client's prompt plus the tokens resumed, so its
-        figures are cut to the client's prompt."""
-        n = usage.prompt_tokens
+        """Relay a decode (or colocated) node's figures of the client's prompt: in colocated mode it
+        computed the prompt; after a prefill, its external tokens are the ones it received."""
         if self.mode == "colocated":
-            usage.local_prefix = min(prompt.local_prefix_tokens, n)
-            usage.store = min(prompt.external_tokens, n - usage.local_prefix)
-            usage.computed_prompt_tokens = n - usage.local_prefix - usage.store
+            _relay_prompt_sources(usage, prompt)
         else:
-            usage.remote_prefill = min(prompt.external_tokens, n)
+            usage.remote_prefill = prompt.external_tokens
 
     def _choose(
         self,
         pool: NodePool,
-        request: ClientRequest,
+        request: AdmittedRequest,
         tried: Sequence[NodeHandle],
         errors: Sequence[str] = (),
     ) -> NodeHandle:
@@ -457,7 +409,7 @@ class _Sent:
 class _ClientStream:
     """One client call's decode phase: what it asked, how long it may take, what it has been sent."""
 
-    request: ClientRequest
+    request: AdmittedRequest
     scope: CallScope
     cancellation: Cancellation
     usage: Usage
@@ -475,25 +427,17 @@ class _Interrupted(Exception):
         self.details = details
 
 
-def _carried_tokens(msg: node_pb2.DecodeRequest) -> list[int]:
-    """The output tokens a Decode message hands the node (which the client already has)."""
-    if msg.resume_output_token_ids:
-        return list(msg.resume_output_token_ids)
-    return [msg.first_token_id] if msg.HasField("first_token_id") else []
+def _relay_prompt_sources(usage: Usage, prompt: types_pb2.PromptUsage) -> None:
+    """The node that computed the prompt says where its KV came from; the router relays it (the node
+    computes usage, once: ``serving/convert.py``'s ``prompt_usage``).  The accounting, on every path:
 
+        local_prefix + store + computed_prompt_tokens == prompt_tokens
 
-def _resume_message(
-    request: ClientRequest, msg: node_pb2.DecodeRequest, token_ids: list[int]
-) -> node_pb2.DecodeRequest:
-    resumed = node_pb2.DecodeRequest(
-        request_id=request.request_id,
-        prompt_token_ids=request.prompt_token_ids,
-        sampling=msg.sampling,
-        resume_output_token_ids=token_ids,
-    )
-    if request.cache_salt is not None:
-        resumed.cache_salt = request.cache_salt
-    return resumed
+    ``remote_prefill`` is not a fourth source: those tokens were computed (or loaded) by the prefill node
+    and are counted there; it says how many of them the decode node received instead of recomputing."""
+    usage.local_prefix = prompt.local_prefix_tokens
+    usage.store = prompt.external_tokens
+    usage.computed_prompt_tokens = prompt.computed_tokens
 
 
 def _gave_up(sent: _Sent, why: str) -> str:

@@ -1,4 +1,5 @@
-"""``pdkv.v1.Generation``: proto in (text is tokenized here), the pipeline's events out."""
+"""``pdkv.v1.Generation``: proto in -> the neutral request -> admission (``router/admission.py``) -> the
+pipeline; the pipeline's events out as proto."""
 
 from __future__ import annotations
 
@@ -8,13 +9,22 @@ from contextlib import contextmanager
 
 import grpc
 
-from engine.chat_template import ChatTemplateError
-from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from pdkv_proto.pdkv.v1 import generation_pb2, generation_pb2_grpc
+from router.admission import (
+    Admission,
+    AdmittedRequest,
+    ChatPrompt,
+    ChatTurn,
+    FieldNames,
+    GenerationRequest,
+    Prompt,
+    TextPrompt,
+    TokenPrompt,
+)
 from router.auth import Access, Caller
 from router.nodes import NodePool
-from router.pipeline import ClientRequest, Delta, Done, Pipeline, Usage
+from router.pipeline import Delta, Done, Pipeline, Usage
 from router.streams import StreamWatch
 from router.tokenizer import RouterModel
 from serving import convert
@@ -36,7 +46,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.pipeline = pipeline
         self.model = model
         self.tokenizer: Tokenizer = model.tokenizer
-        self.vocab_size = model.vocab_size
+        self.admission = Admission(model, pipeline.max_tokens_limit)
         self.calls = calls
         self.pools = pools
 
@@ -64,13 +74,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[generation_pb2.GenerateResponse]:
         with rpc_errors(context, self.calls, "Generate"), self._call(context) as caller:
-            client_request = self._client_request(request, caller)
-            rid = client_request.request_id
+            admitted = self._admitted(request, caller)
+            rid = admitted.request_id
             # A client that stops reading holds its send here: past the idle limit, the call is cut
             # (and its request aborted on the nodes) instead of holding a slot for ever.
             watch = self.streams.watch(context.cancel) if self.streams is not None else None
             try:
-                for event in self.pipeline.generate(client_request, context):
+                for event in self.pipeline.generate(admitted, context):
                     if isinstance(event, Delta):
                         delta = generation_pb2.TokenDelta(
                             token_ids=event.token_ids, text=event.text, logprobs=event.logprobs
@@ -92,9 +102,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> generation_pb2.GenerateResult:
         with rpc_errors(context, self.calls, "GenerateUnary"), self._call(context) as caller:
-            client_request = self._client_request(request, caller)
-            result = generation_pb2.GenerateResult(request_id=client_request.request_id)
-            for event in self.pipeline.generate(client_request, context):
+            admitted = self._admitted(request, caller)
+            result = generation_pb2.GenerateResult(request_id=admitted.request_id)
+            for event in self.pipeline.generate(admitted, context):
                 if isinstance(event, Delta):
                     result.token_ids.extend(event.token_ids)
                     result.text += event.text
@@ -118,46 +128,41 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         with self.access.admitted(caller):
             yield caller
 
-    def _client_request(self, request: generation_pb2.GenerateRequest, caller: Caller) -> ClientRequest:
-        rid = convert.request_id(request.request_id) if request.request_id else f"req-{uuid.uuid4().hex}"
-        params = convert.sampling_params(request.sampling)
-        which = request.WhichOneof("prompt")
-        if which == "text":
-            if not request.text:
-                raise invalid("prompt.text", "is empty")
-            token_ids = self.tokenizer.encode(request.text)
-        elif which == "messages":
-            token_ids, params = self._chat(request.messages, params)
-        elif which == "token_ids":
-            token_ids = convert.token_ids(request.token_ids.ids, "prompt.token_ids.ids")
-            for i, t in enumerate(token_ids):
-                if t >= self.vocab_size:
-                    raise invalid(
-                        f"prompt.token_ids.ids[{i}]", f"{t} is outside the vocabulary [0, {self.vocab_size})"
-                    )
-        else:
-            raise invalid("prompt", "set text, token_ids or messages")
-        if not token_ids:
-            raise invalid("prompt.text", "has no tokens")
-        context = self.model.context_length
-        if len(token_ids) >= context:  # refused here, before any node call
-            raise invalid(
-                "prompt",
-                f"has {len(token_ids)} tokens, more than max_model_len {context} leaves room for "
-                "(the model's context holds the prompt and at least one output token)",
-            )
-        return ClientRequest(rid, token_ids, params, caller.salt(convert.cache_salt(request)))
+    def _admitted(self, request: generation_pb2.GenerateRequest, caller: Caller) -> AdmittedRequest:
+        """Proto -> the neutral request -> the one admission path."""
+        return self.admission.admit(generation_request(request), caller)
 
-    def _chat(
-        self, messages: generation_pb2.ChatMessages, params: SamplingParams
-    ) -> tuple[list[int], SamplingParams]:
-        """The conversation rendered with the model's template; the reply stops at its end of turn."""
-        conversation = [{"role": m.role, "content": m.content} for m in messages.messages]
-        try:
-            token_ids = self.tokenizer.apply_chat_template(conversation)
-        except ChatTemplateError as exc:
-            raise invalid("prompt.messages", str(exc)) from None
-        return token_ids, self.tokenizer.chat_sampling(params)
+
+# How this front end names a request's fields in INVALID_ARGUMENT.
+FIELDS = FieldNames(
+    text="prompt.text",
+    messages="prompt.messages",
+    token_ids="prompt.token_ids.ids",
+    token_id="prompt.token_ids.ids[{i}]",
+    sampling="sampling.",
+)
+
+
+def generation_request(request: generation_pb2.GenerateRequest) -> GenerationRequest:
+    """A ``GenerateRequest`` as the neutral request (nothing is checked here that admission checks)."""
+    rid = convert.request_id(request.request_id) if request.request_id else f"req-{uuid.uuid4().hex}"
+    prompt: Prompt
+    which = request.WhichOneof("prompt")
+    if which == "text":
+        prompt = TextPrompt(request.text)
+    elif which == "messages":
+        prompt = ChatPrompt(tuple(ChatTurn(m.role, m.content) for m in request.messages.messages))
+    elif which == "token_ids":
+        prompt = TokenPrompt(tuple(request.token_ids.ids))
+    else:
+        raise invalid("prompt", "set text, token_ids or messages")
+    return GenerationRequest(
+        request_id=rid,
+        prompt=prompt,
+        fields=FIELDS,
+        sampling=convert.sampling_options(request.sampling),
+        cache_salt=convert.cache_salt(request),
+    )
 
 
 def _completion(done: Done, cache_details: bool) -> generation_pb2.Completion:

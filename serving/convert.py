@@ -6,6 +6,7 @@ Validation failures raise ``ServingError(INVALID_ARGUMENT)`` naming the field as
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import grpc
@@ -29,47 +30,30 @@ _FINISH_TO_PROTO: dict[str, types_pb2.FinishReason] = {
 _FINISH_FROM_PROTO: dict[int, str] = {int(v): k for k, v in _FINISH_TO_PROTO.items()}
 
 
+def sampling_options(msg: types_pb2.SamplingParams) -> dict[str, Any]:
+    """The fields ``msg`` sets, by ``SamplingParams``'s names (the proto's fields share them, so a new
+    sampling field needs no line here): every plain field, an ``optional`` one only when set."""
+    options: dict[str, Any] = {}
+    for name, proto_field in msg.DESCRIPTOR.fields_by_name.items():
+        if proto_field.has_presence and not msg.HasField(name):
+            continue  # unset: the default of whoever builds SamplingParams
+        value = getattr(msg, name)
+        options[name] = tuple(value) if proto_field.is_repeated else value
+    return options
+
+
 def sampling_params(msg: types_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
     """``SamplingParams`` from its proto; unset optional fields take the engine's defaults."""
-    options: dict[str, Any] = {
-        "temperature": msg.temperature,
-        "top_k": msg.top_k,
-        "min_p": msg.min_p,
-        "stop_token_ids": tuple(msg.stop_token_ids),
-        "stop": tuple(msg.stop),
-        "ignore_eos": msg.ignore_eos,
-        "logprobs": msg.logprobs,
-    }
-    if msg.HasField("max_tokens"):
-        options["max_tokens"] = msg.max_tokens
-    if msg.HasField("top_p"):
-        options["top_p"] = msg.top_p
-    if msg.HasField("seed"):
-        options["seed"] = msg.seed
-    if msg.HasField("skip_special_tokens"):
-        options["skip_special_tokens"] = msg.skip_special_tokens
     try:
-        return SamplingParams(**options)
+        return SamplingParams(**sampling_options(msg))
     except ValueError as exc:  # the message starts with the field's name
         raise ServingError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}.{exc}") from exc
 
 
 def sampling_params_proto(params: SamplingParams) -> types_pb2.SamplingParams:
-    msg = types_pb2.SamplingParams(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        min_p=params.min_p,
-        stop_token_ids=list(params.stop_token_ids),
-        stop=list(params.stop),
-        ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs,
-        skip_special_tokens=params.skip_special_tokens,
-    )
-    if params.seed is not None:
-        msg.seed = params.seed
-    return msg
+    """The proto of ``params``: every field by its name (None leaves an ``optional`` one unset)."""
+    values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    return types_pb2.SamplingParams(**{k: v for k, v in values.items() if v is not None})
 
 
 def request_id(value: str, field: str = "request_id") -> str:
@@ -117,12 +101,22 @@ def stop_reason(msg: Any) -> int | str | None:
     return getattr(msg, which) if which else None
 
 
-def prompt_usage(out: RequestOutput) -> types_pb2.PromptUsage:
+def prompt_usage(out: RequestOutput, carried: int = 0) -> types_pb2.PromptUsage:
+    """Where the KV of the client's prompt came from on this node: the one place a request's prompt usage
+    is computed (the router relays it).  ``carried``: the output tokens the node was handed as part of
+    its prompt (the first token after a prefill, the tokens of a resumed request) -- not the client's
+    prompt, so the figures are cut to it::
+
+        local_prefix_tokens + external_tokens + computed_tokens == prompt_tokens   (the client's prompt)
+    """
+    n = out.num_prompt_tokens - carried
+    local = min(out.num_cached_tokens, n)
+    external = min(out.num_external_tokens, n - local)
     return types_pb2.PromptUsage(
-        prompt_tokens=out.num_prompt_tokens,
-        local_prefix_tokens=out.num_cached_tokens,
-        external_tokens=out.num_external_tokens,
-        computed_tokens=out.num_computed_prompt_tokens,
+        prompt_tokens=n,
+        local_prefix_tokens=local,
+        external_tokens=external,
+        computed_tokens=n - local - external,
     )
 
 

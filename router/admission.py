@@ -1,0 +1,218 @@
+"""One way in: what a client asked for, whatever the front end, admitted in one place.
+
+    gRPC GenerateRequest ──servicer.py──┐
+                                        ├─▶ GenerationRequest ──admit()──▶ AdmittedRequest ──▶ pipeline
+    HTTP JSON body ────────openai_api.py┘
+
+A front end only converts: its request becomes a ``GenerationRequest`` (the prompt as text, messages or
+token ids; the sampling fields the client set, by ``SamplingParams``'s names; the client's cache salt;
+stream options; how the front end spells each field in an error).  ``Admission.admit`` does the rest, the
+same for both: it renders the chat template, tokenizes, checks the vocabulary and the model's context,
+applies the defaults and the router's ``max_tokens_limit``, builds the validated ``SamplingParams`` and
+derives the cache salt from the caller's tenant.  A refusal is ``InvalidField``: INVALID_ARGUMENT on
+gRPC, HTTP 400 with ``param`` on the OpenAI API, naming the field as that client spells it.
+
+Defaults (both front ends):
+
+    max_tokens unset    a conversation (messages): up to MAX_DEFAULT_CHAT_TOKENS, an end of turn ends it
+                        first; a text or token-id prompt: DEFAULT_MAX_TOKENS (OpenAI's completions
+                        default).  Either is cut to the room the context leaves and to max_tokens_limit.
+    max_tokens set      refused when over max_tokens_limit, or when prompt + max_tokens exceed the
+                        model's context (max_model_len).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.chat_template import ChatTemplateError
+from engine.sampling_params import SamplingParams
+from router.auth import Caller
+from router.tokenizer import RouterModel
+from serving.errors import ServingError
+
+# A text or token-id prompt without max_tokens generates this many tokens (OpenAI's completions default).
+DEFAULT_MAX_TOKENS = 16
+# A conversation without max_tokens runs to its end of turn, or to the context's end, capped here.
+MAX_DEFAULT_CHAT_TOKENS = 4096
+
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+class InvalidField(ServingError):
+    """INVALID_ARGUMENT naming ``field`` (as the client spells it): the front end maps it to its error."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class TextPrompt:
+    text: str
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation, rendered with the model's chat template; the reply stops at its end of turn."""
+
+    messages: tuple[ChatTurn, ...]
+
+
+@dataclass(frozen=True)
+class TokenPrompt:
+    token_ids: tuple[int, ...]
+
+
+Prompt = TextPrompt | ChatPrompt | TokenPrompt
+
+
+@dataclass(frozen=True)
+class FieldNames:
+    """How a front end names a request's fields in its errors."""
+
+    text: str  # a text prompt
+    messages: str  # a conversation
+    token_ids: str  # token ids, the whole list
+    token_id: str  # one of them; "{i}" is its index
+    sampling: str  # the prefix of a sampling field ("sampling." -> "sampling.top_p")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What a client asked for, front end aside: the one input of ``Admission.admit``."""
+
+    request_id: str  # the client's: echoed back to it, never sent to a node
+    prompt: Prompt
+    fields: FieldNames
+    # The SamplingParams fields the client set, by their names (a front end selects them by name, so a
+    # new sampling field needs no line here); max_tokens absent: the default of the prompt's kind.
+    sampling: Mapping[str, object] = field(default_factory=dict)
+    cache_salt: str | None = None  # the client's; the caller's tenant is added at admission
+    stream: bool = False
+    include_usage: bool = True  # the OpenAI API's stream_options.include_usage; gRPC always has usage
+
+
+@dataclass(frozen=True)
+class AdmittedRequest:
+    """What the pipeline runs: the prompt's token ids, complete sampling parameters, the tenant's salt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+
+
+class Admission:
+    """Admits requests for ``model`` on a router whose ``max_tokens_limit`` (0: none) caps max_tokens."""
+
+    def __init__(self, model: RouterModel, max_tokens_limit: int = 0) -> None:
+        self.model = model
+        self.max_tokens_limit = max_tokens_limit
+
+    def admit(self, request: GenerationRequest, caller: Caller) -> AdmittedRequest:
+        """The request as the pipeline runs it; ``InvalidField`` when the client must change it."""
+        unknown = set(request.sampling) - SAMPLING_FIELDS
+        assert not unknown, f"a front end passed sampling fields SamplingParams lacks: {sorted(unknown)}"
+        names = request.fields
+        token_ids, prompt_field = self._tokens(request.prompt, names)
+        options = dict(request.sampling)
+        chat = isinstance(request.prompt, ChatPrompt)
+        options["max_tokens"] = self._max_tokens(
+            options.get("max_tokens"), len(token_ids), prompt_field, chat, names
+        )
+        self._check_stop_token_ids(options.get("stop_token_ids", ()), names)
+        try:
+            params = SamplingParams(**options)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise _sampling_error(str(exc), names) from None
+        if chat:
+            params = self.model.tokenizer.chat_sampling(params)
+        return AdmittedRequest(request.request_id, token_ids, params, caller.salt(request.cache_salt))
+
+    def _tokens(self, prompt: Prompt, names: FieldNames) -> tuple[list[int], str]:
+        """The prompt's token ids, and the field that names the prompt in an error."""
+        tokenizer = self.model.tokenizer
+        if isinstance(prompt, TextPrompt):
+            if not prompt.text:
+                raise InvalidField(names.text, "is empty")
+            token_ids, where = tokenizer.encode(prompt.text), names.text
+        elif isinstance(prompt, ChatPrompt):
+            conversation = [{"role": m.role, "content": m.content} for m in prompt.messages]
+            try:
+                token_ids = tokenizer.apply_chat_template(conversation)
+            except ChatTemplateError as exc:
+                raise InvalidField(names.messages, str(exc)) from None
+            where = names.messages
+        else:
+            token_ids, where = list(prompt.token_ids), names.token_ids
+            vocab = self.model.vocab_size
+            for i, t in enumerate(token_ids):
+                if not 0 <= t < vocab:
+                    raise InvalidField(
+                        names.token_id.format(i=i), f"token id {t} is outside the vocabulary [0, {vocab})"
+                    )
+        if not token_ids:
+            raise InvalidField(where, "has no tokens: a prompt needs at least one")
+        context = self.model.context_length
+        if len(token_ids) >= context:  # refused here, before any node call
+            raise InvalidField(
+                where,
+                f"has {len(token_ids)} tokens, more than max_model_len {context} leaves room for "
+                "(the model's context holds the prompt and at least one output token)",
+            )
+        return token_ids, where
+
+    def _max_tokens(
+        self, asked: object, prompt_len: int, prompt_field: str, chat: bool, names: FieldNames
+    ) -> int:
+        """The client's max_tokens, checked; or the default of the prompt's kind, cut to what fits."""
+        name = f"{names.sampling}max_tokens"
+        room = self.model.context_length - prompt_len
+        limit = self.max_tokens_limit
+        if asked is None:
+            default = MAX_DEFAULT_CHAT_TOKENS if chat else DEFAULT_MAX_TOKENS
+            return min(default, room, limit or default)
+        if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
+            raise InvalidField(name, f"must be a positive integer, got {asked!r}")
+        if limit and asked > limit:
+            raise InvalidField(
+                name,
+                f"{asked} is more than this server allows ({limit}): the router's max_tokens_limit {limit}",
+            )
+        if asked > room:
+            raise InvalidField(
+                name,
+                f"{asked} does not fit: {prompt_field} has {prompt_len} tokens and the model's context "
+                f"(max_model_len) holds {self.model.context_length}; ask for at most {room}",
+            )
+        return asked
+
+    def _check_stop_token_ids(self, stop_token_ids: object, names: FieldNames) -> None:
+        """A stop token outside the vocabulary could never match: refused, not accepted and ignored."""
+        vocab = self.model.vocab_size
+        for i, t in enumerate(stop_token_ids if isinstance(stop_token_ids, list | tuple) else ()):
+            if isinstance(t, int) and not 0 <= t < vocab:
+                raise InvalidField(
+                    f"{names.sampling}stop_token_ids[{i}]", f"{t} is outside the vocabulary [0, {vocab})"
+                )
+
+
+def _sampling_error(message: str, names: FieldNames) -> InvalidField:
+    """``SamplingParams``'s ValueError, naming the field it is about (its message names it)."""
+    name = next((w for w in re.findall(r"\w+", message) if w in SAMPLING_FIELDS), None)
+    if name is None:
+        return InvalidField(names.sampling.rstrip(".") or "body", message)
+    problem = message[len(name) :].lstrip() if message.startswith(name + " ") else message
+    return InvalidField(f"{names.sampling}{name}", problem)

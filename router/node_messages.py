@@ -1,0 +1,60 @@
+"""The node messages of one admitted request, built in one place.
+
+    PrefillRequest   the prompt and the client's sampling parameters (disaggregated: phase 1)
+    DecodeRequest    the same, and what this call of the decode phase carries:
+                       nothing                      colocated: the node runs the whole request
+                       first token + transfer params after a prefill (also when retried on another node)
+                       resume_output_token_ids      resumed after a node failed mid-stream
+
+What every message shares -- request id, prompt, sampling, cache salt -- is set by ``_shared`` only, so a
+field of the admitted request reaches every node the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+from pdkv_proto.pdkv.v1 import node_pb2
+from router.admission import AdmittedRequest
+from serving import convert
+
+_Message = TypeVar("_Message", node_pb2.PrefillRequest, node_pb2.DecodeRequest)
+
+
+def prefill_message(request: AdmittedRequest) -> node_pb2.PrefillRequest:
+    return _shared(node_pb2.PrefillRequest(), request)
+
+
+def decode_message(
+    request: AdmittedRequest,
+    *,
+    prefilled: node_pb2.PrefillResponse | None = None,
+    resume_output_token_ids: Sequence[int] = (),
+) -> node_pb2.DecodeRequest:
+    """``prefilled``: the prefill node's answer (its first token and transfer params, byte for byte);
+    ``resume_output_token_ids``: every token the client already has (the node computes their KV)."""
+    assert prefilled is None or not resume_output_token_ids, "a resumed request carries no prefill"
+    msg = _shared(node_pb2.DecodeRequest(), request)
+    if resume_output_token_ids:
+        msg.resume_output_token_ids.extend(resume_output_token_ids)
+    elif prefilled is not None:
+        msg.first_token_id = prefilled.first_token_id
+        msg.kv_transfer_params = prefilled.kv_transfer_params
+    return msg
+
+
+def carried_tokens(msg: node_pb2.DecodeRequest) -> list[int]:
+    """The output tokens a Decode message hands the node (which the client already has)."""
+    if msg.resume_output_token_ids:
+        return list(msg.resume_output_token_ids)
+    return [msg.first_token_id] if msg.HasField("first_token_id") else []
+
+
+def _shared(msg: _Message, request: AdmittedRequest) -> _Message:
+    msg.request_id = request.request_id
+    msg.prompt_token_ids.extend(request.prompt_token_ids)
+    msg.sampling.CopyFrom(convert.sampling_params_proto(request.params))
+    if request.cache_salt is not None:
+        msg.cache_salt = request.cache_salt
+    return msg
