@@ -177,15 +177,17 @@ def create_app(
     request_timeout_s: float | None = 600.0,
     access: Access | None = None,
     streams: StreamWatch | None = None,
+    admission: Admission | None = None,
 ) -> Any:
     """The app; ``access`` decides who may call (open when None), ``streams`` cuts streams whose client
-    reads nothing for its idle limit."""
+    reads nothing for its idle limit, ``admission`` is the router's one admission path, shared with the
+    gRPC front end (default: this model's, without a max_tokens_limit)."""
     access = access if access is not None else Access()
+    admission = admission if admission is not None else Admission(model)
     app = FastAPI(title="pdkv", docs_url=None, redoc_url=None, openapi_url=None)
     # One worker per request the pipeline may admit, and a few more so a request beyond the limit
     # reaches the pipeline and gets its 429 instead of queueing for a thread.
     pool = ThreadPoolExecutor(max_workers=pipeline.max_inflight + 8, thread_name_prefix="http-pipeline")
-    admission = Admission(model, pipeline.max_tokens_limit)
     created = int(time.time())
 
     @app.exception_handler(ApiError)

@@ -151,7 +151,6 @@ class Pipeline:
         prefill_attempts: int = 2,
         decode_attempts: int = 2,
         max_inflight: int = 256,
-        max_tokens_limit: int = 0,
     ) -> None:
         assert mode == "colocated" or prefill_pool is not None, "disaggregated mode needs a prefill pool"
         self.mode = mode
@@ -164,7 +163,6 @@ class Pipeline:
         self.prefill_attempts = prefill_attempts
         self.decode_attempts = decode_attempts
         self.max_inflight = max_inflight
-        self.max_tokens_limit = max_tokens_limit  # 0: none beyond the model's context
         self.resumed = 0  # requests continued on another decode node after output had reached the client
         # As the client sees them (engine/metrics.py names; exported as pdkv_router_*).
         self.latency = LatencyTracker({name: Histogram(SPECS[name]) for name in REQUEST_LATENCIES})

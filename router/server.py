@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from engine.metrics import SPECS, StatsSnapshot
 from engine.tokenizer import Tokenizer
 from pdkv_proto.pdkv.v1 import generation_pb2_grpc
+from router.admission import Admission
 from router.auth import Access, load_access
 from router.config import READY_PREFIX, RouterConfig
 from router.kv_index import KVEventSubscriber, KVIndex, Publisher
@@ -57,6 +58,7 @@ class RouterRuntime:
     calls: RpcCounters
     access: Access
     streams: StreamWatch
+    admission: Admission
     tls: TLSFolder | None = None
     kv_index: KVIndex | None = None
     kv_events: KVEventSubscriber | None = None
@@ -114,7 +116,6 @@ class RouterRuntime:
             prefill_attempts=config.prefill_attempts,
             decode_attempts=config.decode_attempts,
             max_inflight=config.max_inflight,
-            max_tokens_limit=config.max_tokens_limit,
         )
         servicer = health.HealthServicer()
         _publish_health(servicer, pools)  # NOT_SERVING until a health round found the nodes up
@@ -146,6 +147,7 @@ class RouterRuntime:
             RpcCounters(),
             access,
             streams,
+            Admission(model, config.max_tokens_limit),
             tls,
             index,
             subscriber,
@@ -170,6 +172,7 @@ class RouterRuntime:
             self.pipeline,
             self.model,
             healthy=self.healthy,
+            admission=self.admission,
             request_timeout_s=self.config.http_timeout_s,
             access=self.access,
             streams=self.streams,
@@ -258,7 +261,13 @@ def create_server(runtime: RouterRuntime, address: str) -> tuple[grpc.Server, in
         options=[("grpc.so_reuseport", 0)],
     )
     servicer = GenerationServicer(
-        runtime.pipeline, runtime.model, runtime.calls, runtime.pools, runtime.access, runtime.streams
+        runtime.pipeline,
+        runtime.model,
+        runtime.calls,
+        runtime.pools,
+        runtime.access,
+        runtime.streams,
+        admission=runtime.admission,
     )
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(runtime.health, server)

@@ -40,13 +40,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         pools: tuple[NodePool, ...] = (),
         access: Access | None = None,
         streams: StreamWatch | None = None,
+        *,
+        admission: Admission | None = None,
     ) -> None:
+        """``admission``: the router's one admission path, shared with the HTTP API (default: this
+        model's, without a max_tokens_limit)."""
         self.access = access if access is not None else Access()
         self.streams = streams
         self.pipeline = pipeline
         self.model = model
         self.tokenizer: Tokenizer = model.tokenizer
-        self.admission = Admission(model, pipeline.max_tokens_limit)
+        self.admission = admission if admission is not None else Admission(model)
         self.calls = calls
         self.pools = pools
 
