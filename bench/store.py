@@ -44,14 +44,14 @@ from typing import Any
 
 import torch
 
-from engine.cpu_memory import tune_malloc_for_tensors
-from kvstore.codec import BlockCodec
 from kvstore.config import CpuTierConfig, DiskTierConfig, RedisTierConfig, RemoteTierConfig
 from kvstore.deadline import Deadline
-from kvstore.keys import KeyRun
 from kvstore.results import Unit
 from kvstore.tiers.base import Tier, TierPolicy
+from wire.codec import BlockCodec
+from wire.keys import KeyRun
 from wire.layout import BlockLayout
+from wire.memory import tune_malloc_for_tensors
 
 NAMESPACE = bytes(range(16))
 LOOKUP_BLOCKS = 2048

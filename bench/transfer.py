@@ -36,7 +36,7 @@ import torch
 from bench.common import Report, parser
 from connectors.p2p_client import BlockPuller, PullJob
 from connectors.p2p_transfer import BlockViews, TransferStats
-from engine.cpu_memory import tune_malloc_for_tensors
+from wire.memory import tune_malloc_for_tensors
 
 # [num_layers, 2, block_size, kv_heads, head_dim] of one block: 256 KiB in float32.
 BLOCK_SHAPE = (4, 2, 16, 8, 64)

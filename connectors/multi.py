@@ -30,8 +30,8 @@ from engine.connector.base import (
     KVConnectorRole,
 )
 from engine.connector.params import KVTransferParams
-from engine.kv_events import KVCacheEvent
 from engine.request import Request, RequestId
+from wire.kv_events import KVCacheEvent
 
 if TYPE_CHECKING:
     import torch

@@ -64,8 +64,8 @@ from engine.connector.base import (
 )
 from engine.connector.params import KVTransferParams, RemoteDecode, RemotePrefill
 from engine.request import Request, RequestId, RequestStatus
-from kvstore.protocol import MAX_READ_BLOCKS
 from wire.layout import BlockLayout
+from wire.p2p_protocol import MAX_READ_BLOCKS
 
 if TYPE_CHECKING:
     import torch
@@ -241,7 +241,7 @@ class P2PConnector(KVConnectorBase):
         from connectors.p2p_server import BlockServer
         from connectors.p2p_transfer import BlockViews
         from connectors.staging import BlockStager, needs_staging
-        from kvstore.codec import store_namespace
+        from wire.codec import store_namespace
 
         views = BlockViews(kv_cache)
         self._stager = BlockStager.for_cache(kv_cache) if needs_staging(kv_cache) else None

@@ -2,7 +2,7 @@
 
 ``BlockPuller`` runs up to ``threads`` pulls at once, each on a background thread (never on the engine's
 step loop).  A thread keeps one DEALER socket per producer endpoint and speaks the p2p ops of
-``kvstore.protocol``: it keeps up to ``window`` reads of at most ``batch_blocks`` blocks outstanding,
+``wire.p2p_protocol``: it keeps up to ``window`` reads of at most ``batch_blocks`` blocks outstanding,
 receives each payload frame with ``recv_into`` directly into the destination block's bytes, checks the
 block by its codec header (this engine's namespace and layout, the block's hash, the payload checksum),
 and finally sends ``release`` so the producer frees its blocks.
@@ -34,21 +34,11 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from connectors.p2p_transfer import BlockViews, TransferStats
-from kvstore.codec import HEADER_SIZE, HeaderMatcher, payload_checksum
-from kvstore.curve import client_socket
-from kvstore.protocol import (
-    MAX_HEADER_BYTES,
-    DataReply,
-    ErrorCode,
-    ErrorReply,
-    ProtocolError,
-    decode_p2p_reply,
-    drain,
-    encode_read,
-    encode_release,
-    unit_header,
-)
-from kvstore.reasons import MissReason
+from wire.codec import HeaderMatcher
+from wire.curve import client_socket
+from wire.framing import MAX_HEADER_BYTES, ErrorCode, ErrorReply, ProtocolError, drain
+from wire.p2p_protocol import DataReply, ReadRequest, ReleaseRequest, decode_p2p_reply
+from wire.units import BlockFrameError, receive_units
 
 if TYPE_CHECKING:
     from connectors.staging import StagedBlocks
@@ -239,7 +229,7 @@ class BlockPuller:
 
     def _release(self, sockets: dict[str, zmq.Socket[Any]], endpoint: str, rid: str) -> None:
         try:
-            self._socket(sockets, endpoint).send(encode_release(next(self._ids), rid), zmq.NOBLOCK)
+            self._socket(sockets, endpoint).send(ReleaseRequest(next(self._ids), rid).encode(), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             logger.debug("p2p: release of %s not sent: %s", rid, exc)
 
@@ -305,8 +295,10 @@ class BlockPuller:
                 offset, count = todo.popleft()
                 read_id = next(self._ids)
                 first = job.first + offset
-                read = encode_read(read_id, job.remote_request_id, first, job.hashes[offset : offset + count])
-                sock.send(read, zmq.NOBLOCK)  # a full queue means a peer that does not read: zmq.Again
+                read = ReadRequest(read_id, job.remote_request_id, first, job.hashes[offset : offset + count])
+                sock.send(
+                    read.encode(), zmq.NOBLOCK
+                )  # a full queue means a peer that does not read: zmq.Again
                 if not outstanding:
                     heard = now  # the silence clock runs from the oldest outstanding read
                 outstanding[read_id] = (offset, count)
@@ -349,40 +341,23 @@ class BlockPuller:
     ) -> None:
         """Receive one data reply's blocks into the job's blocks ``[offset, offset + count)``, each checked
         by its codec header before it counts as loaded."""
-        job, into = handle.job, handle.into
+        job = handle.job
         if reply.first != job.first + offset or reply.n != count:
             self._drain(sock)
             raise _PullFailed("malformed", f"reply for blocks at {reply.first} x {reply.n}")
-        if not sock.getsockopt(zmq.RCVMORE):
-            raise _PullFailed("truncated", "a data reply without its unit headers")
-        headers = sock.recv(zmq.NOBLOCK)
-        if len(headers) != HEADER_SIZE * count:
-            self._drain(sock)
-            raise _PullFailed("malformed", f"unit headers of {len(headers)} bytes for {count} blocks")
-        nbytes = self.views.block_nbytes
-        for j in range(count):
-            if not sock.getsockopt(zmq.RCVMORE):
-                raise _PullFailed("truncated", f"reply ended after {j} of {count} payload frames")
-            dst = into.view(offset + j) if into is not None else self.views.block(job.block_ids[offset + j])
-            got = sock.recv_into(dst, flags=zmq.NOBLOCK)
-            bad: str | None = None
-            checksum = self.matcher.match(unit_header(headers, j), job.hashes[offset + j])
-            if isinstance(checksum, MissReason):
-                bad = checksum.value  # another namespace, layout or block: never this block's KV
-            elif got != nbytes:
-                bad = "size"
-            elif payload_checksum(dst) != checksum:
-                bad = "checksum"
-            if bad is not None:
-                self._drain(sock)
-                loaded[offset : offset + j] = [True] * j  # the blocks before it verified
-                raise _PullFailed(bad, f"block {reply.first + j} failed its header check ({bad})")
-        if sock.getsockopt(zmq.RCVMORE):
-            self._drain(sock)
-            raise _PullFailed("malformed", "more payload frames than blocks")
+        staged, views = handle.into, self.views
+
+        def into(j: int) -> memoryview:
+            return staged.view(offset + j) if staged is not None else views.block(job.block_ids[offset + j])
+
+        try:
+            receive_units(sock, count, job.hashes[offset : offset + count], self.matcher, into)
+        except BlockFrameError as exc:
+            loaded[offset : offset + exc.verified] = [True] * exc.verified  # the blocks before it verified
+            raise _PullFailed(exc.reason.value, f"blocks from {reply.first}: {exc}") from None
         loaded[offset : offset + count] = [True] * count
         self.stats.add("blocks_received", count)
-        self.stats.add("bytes_received", count * nbytes)
+        self.stats.add("bytes_received", count * views.block_nbytes)
 
     @staticmethod
     def _drain(sock: zmq.Socket[Any]) -> None:

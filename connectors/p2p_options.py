@@ -9,7 +9,8 @@ import weakref
 from dataclasses import dataclass
 
 from engine.connector.base import ConnectorContext, ConnectorOptionsError
-from kvstore.curve import CurveKeys, is_loopback
+from wire.curve import CurveKeys
+from wire.endpoints import is_loopback
 
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
 

@@ -19,7 +19,7 @@ overwritten between lease and send is caught by the consumer's check.  A read th
 is done computes the missing sums itself.
 
 Payload frames point into the engine's cache (no copy): ZeroMQ's I/O thread reads them after ``send``
-returned.  Every data reply is sent with a ``MessageTracker`` (``kvstore.protocol.send_frames``); a lease
+returned.  Every data reply is sent with a ``MessageTracker`` (``wire.units.send_units``); a lease
 reaches "finished" only when all its trackers are done (invariant 8).  ``stop`` -- the engine wants the
 blocks back -- waits for them synchronously, so the lease is reported finished within the engine's step;
 a peer that stopped reading cannot stall it for longer than ``stop_timeout_s``: then the socket is closed
@@ -40,20 +40,11 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from connectors.p2p_transfer import BlockViews, TransferStats
-from kvstore.codec import pack_header, payload_checksum
-from kvstore.curve import server_socket, stop_authenticator
-from kvstore.protocol import (
-    MAX_HEADER_BYTES,
-    ErrorCode,
-    PingRequest,
-    ProtocolError,
-    ReadRequest,
-    decode_p2p_request,
-    encode_data,
-    encode_error,
-    encode_pong,
-    send_frames,
-)
+from wire.codec import pack_header, payload_checksum
+from wire.curve import server_socket, stop_authenticator
+from wire.framing import MAX_HEADER_BYTES, ErrorCode, ErrorReply, ProtocolError
+from wire.p2p_protocol import DataReply, PingRequest, Pong, ReadRequest, decode_p2p_request
+from wire.units import send_units
 
 if TYPE_CHECKING:
     from connectors.staging import StagedBlocks
@@ -308,7 +299,7 @@ class BlockServer:
                 self._serve_one(frames)
             except Exception:  # never let one request stop the server
                 logger.exception("p2p: serving a request failed")
-                self._reply(frames[0].bytes, [encode_error(0, ErrorCode.INTERNAL, "internal error")])
+                self._reply(frames[0].bytes, [ErrorReply(0, ErrorCode.INTERNAL, "internal error").encode()])
 
     def _serve_one(self, frames: list[zmq.Frame]) -> None:
         identity, body = frames[0].bytes, frames[1:]
@@ -318,11 +309,11 @@ class BlockServer:
             request = decode_p2p_request(body[0].buffer)
         except ProtocolError as exc:
             self.stats.add("requests_refused")
-            self._reply(identity, [encode_error(exc.request_id, exc.code, str(exc))])
+            self._reply(identity, [ErrorReply.of(exc).encode()])
             return
         if isinstance(request, PingRequest):
             info = {"engine_id": self.engine_id, "leases": self.num_leases()}
-            self._reply(identity, [encode_pong(request.id, info)])
+            self._reply(identity, [Pong(request.id, info).encode()])
         elif isinstance(request, ReadRequest):
             self._serve_read(identity, request)
         else:
@@ -343,7 +334,7 @@ class BlockServer:
             refusal = self._check_read_locked(request)
             if refusal is not None:
                 self.stats.add("requests_refused")
-                self._reply(identity, [encode_error(request.id, *refusal)])
+                self._reply(identity, [ErrorReply(request.id, *refusal).encode()])
                 return
             lease = self._leases[request.rid]
             count = len(request.hashes)
@@ -353,9 +344,9 @@ class BlockServer:
                 pack_header(self.namespace, lease.hashes[i], layout, self._checksum_locked(lease, i, p))
                 for i, p in enumerate(payloads, start=request.first)
             )
-            parts: list[Any] = [identity, encode_data(request.id, request.first, count), headers, *payloads]
+            head = [identity, DataReply(request.id, request.first, count).encode()]
             try:
-                tracker = send_frames(self._socket, parts, track=True, nonblocking=True)
+                tracker = send_units(self._socket, head, headers, payloads, track=True, nonblocking=True)
             except zmq.ZMQError as exc:  # the peer vanished (EHOSTUNREACH) or does not read (EAGAIN)
                 logger.debug("p2p: reply dropped: %s", exc)
                 self.stats.add("replies_dropped")

@@ -1,6 +1,6 @@
 """What the ``p2p`` transfer moves and counts: byte views of the paged cache, and the transfer counters.
 
-The wire format is ``kvstore.protocol`` (the one block protocol, shared with the store server): the
+The wire format is ``wire.p2p_protocol`` over ``wire.units`` (the block frames the store's also use): the
 producer's worker half binds a ROUTER (``connectors.p2p_server``), a consumer connects DEALERs
 (``connectors.p2p_client``) and sends ``read``/``release``; a data reply carries each block's codec header
 (namespace, hash, layout, checksum) and its raw payload, and the consumer checks every block by that

@@ -157,7 +157,7 @@ class SharedDirConnector(KVConnectorBase):
     # ---------------------------------------------------------------- worker half
 
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
-        from kvstore.codec import BlockCodec
+        from wire.codec import BlockCodec
         from wire.layout import BlockLayout
 
         self._kv = kv_cache

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from engine.hashing import BlockHash
 from engine.integrity import require
-from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
 @dataclass(slots=True, eq=False)

@@ -22,9 +22,11 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import NewType, Protocol, cast
+from typing import Protocol, cast
 
-BlockHash = NewType("BlockHash", bytes)
+from wire.keys import (
+    BlockHash as BlockHash,  # the type lives in the wire layer: events and store keys carry it
+)
 
 HASH_SPEC_VERSION = b"pdkv-block-hash/v1"
 SUPPORTED_ALGOS = ("sha256", "xxh3_128")

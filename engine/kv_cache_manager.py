@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from engine.block_pool import BlockPool, KVCacheBlock
 from engine.integrity import require
-from engine.kv_events import KVCacheEvent
 from engine.request import Request, RequestId
+from wire.kv_events import KVCacheEvent
 
 
 def cdiv(a: int, b: int) -> int:

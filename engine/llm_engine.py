@@ -20,12 +20,10 @@ from engine.connector.base import ConnectorContext, KVConnectorBase, KVConnector
 from engine.connector.null import NullConnector
 from engine.connector.params import KVTransferParams
 from engine.connector.spec import KVConnectorSpec
-from engine.cpu_memory import tune_malloc_for_tensors
 from engine.engine_config import EngineConfig
 from engine.hashing import HashNamespace
 from engine.kv_cache import KVCacheSpec
 from engine.kv_cache_manager import cdiv
-from engine.kv_events import KVCacheEvent
 from engine.metrics import SPECS, StatsSnapshot
 from engine.model.embedded import ensure_default_model
 from engine.model.loader import LoadedModel, inspect_model, load_model
@@ -39,6 +37,8 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import Tokenizer
 from telemetry.latency import REQUEST_LATENCIES, LatencyTracker, RequestLatency
 from telemetry.metrics import Counters, Histogram, HistogramSnapshot
+from wire.kv_events import KVCacheEvent
+from wire.memory import tune_malloc_for_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class LLMEngine:
         self.config = config
         device = config.torch_device()
         if device.type == "cpu":
-            tune_malloc_for_tensors()  # see engine/cpu_memory.py: stops per-op page faults
+            tune_malloc_for_tensors()  # see wire/memory.py: stops per-op page faults
         model_path = config.model if config.model is not None else ensure_default_model()
         source = inspect_model(model_path)  # refuses a bad folder or file before any weight is read
         self.tokenizer = Tokenizer.for_model(source)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvstore.protocol import Limits
+from wire.store_protocol import Limits
 
 DEFAULT_BIND = "tcp://127.0.0.1:7600"
 READY_PREFIX = "pdkv kvstore: serving on "

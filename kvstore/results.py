@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvstore.reasons import MissReason
+from wire.reasons import MissReason
 
 if TYPE_CHECKING:
-    from kvstore.codec import BlockHeader
+    from wire.codec import BlockHeader
 
 
 @dataclass(frozen=True, slots=True)

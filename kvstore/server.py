@@ -1,12 +1,12 @@
 """The store server: one process holding a tier stack (cpu, disk, optionally fronting Redis) that several
 engines on a host share through the ``remote:`` tier.
 
-One ZeroMQ ROUTER socket, one thread, requests served in arrival order (``kvstore.protocol``).  A put is
+One ZeroMQ ROUTER socket, one thread, requests served in arrival order (``wire.store_protocol``).  A put is
 stored only if every block's header names the block it is put under and its payload has the length the
 header gives; payload checksums are left to the readers, which verify every block they load (the server
 verifies them too with ``verify_puts``, at a cost of about 7 µs per 256 KiB).  A malformed, oversized or
-inconsistent request gets an error reply (``ok: false``) and the loop carries on: nothing a peer sends can
-stop the server.
+inconsistent request gets an error reply (``wire.framing.ErrorReply``) and the loop carries on: nothing
+a peer sends can stop the server.
 Frames above ``2 x max_unit_bytes`` never reach the application (ZeroMQ disconnects the peer).
 
 Replies to a get send the stored payloads without copying; a payload leased from the cpu tier is
@@ -32,26 +32,11 @@ from typing import Any
 
 import zmq
 
-from engine.cpu_memory import tune_malloc_for_tensors
 from kvstore.cli import DEFAULT_BIND, READY_PREFIX, add_serve_arguments
-from kvstore.codec import HEADER_SIZE, HeaderMatcher, verify_payload
-from kvstore.curve import CurveKeys, server_socket, stop_authenticator
 from kvstore.health import HealthMonitor
 from kvstore.metrics import TierStats
-from kvstore.protocol import (
-    PROTOCOL_VERSION,
-    Limits,
-    ProtocolError,
-    Request,
-    decode_request,
-    encode_reply,
-    peek_frame_id,
-    send_frames,
-)
 from kvstore.results import MissReason, Unit, release_all
 from kvstore.store import TieredStore
-from serving.kv_events import KVEventPublisher
-from serving.runtime import refuse_open_wide_bind
 from telemetry.exposition import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -62,6 +47,25 @@ from telemetry.exposition import (
     metric_name,
 )
 from telemetry.logs import throttle_noisy_logs
+from wire.codec import HEADER_SIZE, HeaderMatcher, verify_payload
+from wire.curve import CurveKeys, server_socket, stop_authenticator
+from wire.endpoints import refuse_open_wide_bind
+from wire.event_publisher import KVEventPublisher
+from wire.framing import PROTOCOL_VERSION, ErrorCode, ErrorReply, ProtocolError, peek_frame_id, send_frames
+from wire.memory import tune_malloc_for_tensors
+from wire.store_protocol import (
+    CountReply,
+    Delete,
+    Get,
+    InfoReply,
+    Limits,
+    Lookup,
+    Ping,
+    Put,
+    Stats,
+    decode_store_request,
+)
+from wire.units import unit_header
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +87,7 @@ class StoreServer:
         self.verify_puts = verify_puts
         self._own_context = context is None
         self._context: zmq.Context[Any] = context or zmq.Context()
-        # CURVE with $PDKV_CURVE_DIR: only allow-listed clients complete the handshake (kvstore/curve.py).
+        # CURVE with $PDKV_CURVE_DIR: only allow-listed clients complete the handshake (wire/curve.py).
         self._socket = server_socket(self._context, zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, 2 * self.limits.max_unit_bytes)
@@ -144,11 +148,12 @@ class StoreServer:
             reply, units = self._dispatch(body)
         except ProtocolError as exc:
             self._count("refused")
-            reply = [encode_reply(_peek_id(body), ok=False, error=str(exc))]
+            reply = [ErrorReply(exc.request_id or _peek_id(body), exc.code, str(exc)).encode()]
         except Exception as exc:
             logger.exception("kvstore server: request failed")
             self._count("failed")
-            reply = [encode_reply(_peek_id(body), ok=False, error=f"internal error: {type(exc).__name__}")]
+            refusal = ErrorReply(_peek_id(body), ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")
+            reply = [refusal.encode()]
         try:
             # The identity goes as bytes: a received (untracked) frame cannot be part of a tracked send.
             tracker = send_frames(self._socket, [identity.bytes, *reply], track=bool(units))
@@ -181,11 +186,11 @@ class StoreServer:
     def _dispatch(self, body: Sequence[zmq.Frame]) -> tuple[list[Any], list[Unit]]:
         if not body:
             raise ProtocolError("empty message")
-        request = decode_request(body[0].buffer, self.limits)
+        request = decode_store_request(body[0].buffer, self.limits)
         self._count(request.op)
-        if request.op != "put" and len(body) != 1:
-            raise ProtocolError(f"{request.op} takes one frame, got {len(body)}")
-        if request.op == "ping":
+        if not isinstance(request, Put) and len(body) != 1:
+            raise ProtocolError(f"{request.op} takes one frame, got {len(body)}", request_id=request.id)
+        if isinstance(request, Ping):
             info = {
                 "server": "pdkv-kvstore",
                 "protocol": PROTOCOL_VERSION,
@@ -193,54 +198,53 @@ class StoreServer:
                 # tier -> why it could not serve at the last check (kvstore/health.py; none: not watched)
                 "degraded": self.health.degraded() if self.health is not None else {},
             }
-            return [encode_reply(request.id, info=info)], []
-        if request.op == "stats":
+            return [InfoReply(request.id, info).encode()], []
+        if isinstance(request, Stats):
             info = self.store.stats().to_dict()
             info["requests"] = self.request_counts()
-            return [encode_reply(request.id, info=info)], []
-        run = request.run
-        assert run is not None
-        if request.op == "lookup":
-            return [encode_reply(request.id, n=self.store.contains_prefix(run))], []
-        if request.op == "delete":
-            return [encode_reply(request.id, n=self.store.delete(run))], []
-        if request.op == "get":
-            read = self.store.read(run, request.layout)
+            return [InfoReply(request.id, info).encode()], []
+        if isinstance(request, Lookup):
+            return [CountReply(request.id, self.store.contains_prefix(request.run)).encode()], []
+        if isinstance(request, Delete):
+            return [CountReply(request.id, self.store.delete(request.run)).encode()], []
+        if isinstance(request, Get):
+            read = self.store.read(request.run, request.layout)
             headers = b"".join(unit.seal() for unit in read.units)
             frames: list[Any] = [
-                encode_reply(request.id, n=len(read.units), reason=_reason(read.reason)),
+                CountReply(request.id, len(read.units), read.reason).encode(),
                 headers,
                 *(_wire_frame(unit.payload) for unit in read.units),
             ]
             return frames, read.units
         return self._put(request, body), []
 
-    def _put(self, request: Request, body: Sequence[zmq.Frame]) -> list[Any]:
+    def _put(self, request: Put, body: Sequence[zmq.Frame]) -> list[Any]:
         run = request.run
-        assert run is not None
         n = len(run)
         if len(body) != 2 + n:
             raise ProtocolError(
-                f"put of {n} blocks needs {2 + n} frames (header, unit headers, payloads), got {len(body)}"
+                f"put of {n} blocks needs {2 + n} frames (header, unit headers, payloads), got {len(body)}",
+                request_id=request.id,
             )
         headers = body[1].buffer
         if headers.nbytes != HEADER_SIZE * n:
             raise ProtocolError(
-                f"unit headers frame is {headers.nbytes} bytes; {n} blocks need {HEADER_SIZE * n}"
+                f"unit headers frame is {headers.nbytes} bytes; {n} blocks need {HEADER_SIZE * n}",
+                request_id=request.id,
             )
         units: list[Unit] = []
         reason: MissReason | None = None
         # Every header must name the run's namespace, its block and the layout the request names: compared
         # with a template's bytes (``HeaderMatcher``).
-        assert request.layout is not None, "decode_request requires a put's layout"
         matcher = HeaderMatcher(run.namespace, request.layout)
         for i in range(n):
             payload = body[2 + i].buffer
             if payload.nbytes > self.limits.max_unit_bytes:
                 raise ProtocolError(
-                    f"block {i} is {payload.nbytes} bytes; the limit is {self.limits.max_unit_bytes}"
+                    f"block {i} is {payload.nbytes} bytes; the limit is {self.limits.max_unit_bytes}",
+                    request_id=request.id,
                 )
-            raw = headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
+            raw = unit_header(headers, i)
             header = matcher.parse(raw, run.hashes[i])
             if isinstance(header, MissReason):
                 reason = header
@@ -256,7 +260,7 @@ class StoreServer:
         stored = self.store.put(run.slice(0, len(units)), units) if units else None
         count = stored.stored if stored is not None else 0
         out_reason = reason if reason is not None else (stored.reason if stored is not None else None)
-        return [encode_reply(request.id, n=count, reason=_reason(out_reason))]
+        return [CountReply(request.id, count, out_reason).encode()]
 
     def _count(self, what: str) -> None:
         with self._requests_lock:
@@ -343,10 +347,6 @@ def _wire_frame(payload: memoryview) -> Any:
     if isinstance(frame, zmq.Frame) and payload.nbytes == len(frame):
         return frame
     return payload
-
-
-def _reason(reason: MissReason | None) -> str | None:
-    return None if reason is None else reason.value
 
 
 def _peek_id(body: Sequence[zmq.Frame]) -> int:

@@ -39,13 +39,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from engine.hashing import BlockHash
-from engine.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from kvstore.buffers import host_views
-from kvstore.codec import BlockCodec, check_block_hash, pack_header, payload_checksum, store_namespace
 from kvstore.config import StoreConfig
 from kvstore.deadline import Deadline
-from kvstore.keys import KeyRun
 from kvstore.lane import Lane
 from kvstore.metrics import TierStats
 from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit, UnitBatch, release_all
@@ -53,6 +49,9 @@ from kvstore.tiers.base import Tier, TierPolicy
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.factory import build_tier
 from kvstore.writeback import WriteQueue
+from wire.codec import BlockCodec, check_block_hash, pack_header, payload_checksum, store_namespace
+from wire.keys import BlockHash, KeyRun
+from wire.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from wire.layout import BlockLayout
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from connectors.registry import KVConnectorConfig
 from engine.cpu_features import auto_cpu_dtype_note
 from engine.engine_config import EngineConfig
-from serving.runtime import parse_address
+from wire.endpoints import parse_address
 
 ROLES = ("prefill", "decode", "colocated")
 

@@ -29,18 +29,19 @@ from decode_node.servicer import DecodeNodeServicer
 from engine.driver import EngineDriver, EngineSnapshot, snapshot
 from engine.llm_engine import LLMEngine
 from engine.metrics import SPECS
-from kvstore.curve import CurveKeys
 from node.config import READY_PREFIX, NodeConfig
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
 from prefill_node.servicer import PrefillNodeServicer
 from serving import convert
 from serving.errors import CallRecorder, rpc_errors
-from serving.kv_events import KVEventPublisher
 from serving.reflection import enable_reflection
-from serving.runtime import refuse_open_wide_bind, stop_on_signals
+from serving.runtime import stop_on_signals
 from serving.signing import TransferSigner, load_cluster_secret
 from serving.tls import TLSFolder, add_port
 from telemetry.exposition import Metric, MetricsServer, RpcCounters, counter_families, gauge, stats_families
+from wire.curve import CurveKeys
+from wire.endpoints import refuse_open_wide_bind
+from wire.event_publisher import KVEventPublisher
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from serving.runtime import parse_address
+from wire.endpoints import parse_address
 
 MODES = ("disaggregated", "colocated")
 POLICIES = ("round-robin", "least-loaded", "kv-aware")

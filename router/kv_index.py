@@ -4,7 +4,7 @@
 epoch and the last batch sequence number applied.  ``KVEventSubscriber`` feeds it: one SUB socket per
 publishing node (the endpoint its ``Stats`` names), a DEALER to each node's replay socket, one thread.
 
-The rules (``engine/kv_events.py`` has the wire format):
+The rules (``wire/kv_events.py`` has the wire format):
 
 - a batch from another **epoch** than the one the index knows for that node (the engine restarted):
   the node's entries are dropped, then the batch applies;
@@ -26,19 +26,19 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import zmq
 
-from engine.hashing import BlockHash
-from engine.kv_events import (
+from wire.curve import client_socket
+from wire.keys import BlockHash
+from wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
     EventDecodeError,
-    decode_batch,
+    ReplayReply,
+    ReplayRequest,
 )
-from kvstore.curve import client_socket
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +277,7 @@ class KVEventSubscriber:
         """One frame from ``node``'s publisher: decode, check, apply -- replaying a gap first."""
         entry = self._subs.get(node)
         try:
-            batch = decode_batch(frame)
+            batch = EventBatch.decode(frame)
         except EventDecodeError as exc:
             self.index.count("garbage")
             logger.debug("kv index: garbage from %s dropped: %s", node, exc)
@@ -301,27 +301,25 @@ class KVEventSubscriber:
                 return
         self.index.apply(node, batch)
 
-    def _ask(self, publisher: Publisher, start: int) -> tuple[dict[str, Any], list[bytes]] | None:
+    def _ask(self, publisher: Publisher, start: int) -> tuple[ReplayReply, list[bytes]] | None:
         """One replay exchange: the reply's header and batch frames, or None (no answer, garbage)."""
         sock = client_socket(self._context, zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(publisher.replay_endpoint)
-            sock.send(msgpack.packb({"v": 1, "id": start, "from": start}))
+            sock.send(ReplayRequest(start, start).encode())
             if not sock.poll(int(self.replay_timeout_s * 1000)):
                 return None
             header, *frames = sock.recv_multipart()
-            info = msgpack.unpackb(header, raw=False, max_map_len=16)
-            return (info, frames) if isinstance(info, dict) else None
-        except (zmq.ZMQError, ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+            return ReplayReply.decode(header), frames
+        except (zmq.ZMQError, EventDecodeError):
             return None
         finally:
             sock.close(linger=0)
 
     def _oldest(self, publisher: Publisher) -> int:
         answer = self._ask(publisher, 1)
-        oldest = answer[0].get("oldest") if answer is not None else None
-        return oldest if isinstance(oldest, int) and oldest > 0 else 0
+        return answer[0].oldest if answer is not None else 0
 
     def _replay(self, publisher: Publisher, start: int, epoch: str | None) -> list[EventBatch] | None:
         """The batches of ``publisher`` from ``start`` on (of ``epoch``, when given), or None if they are
@@ -330,12 +328,12 @@ class KVEventSubscriber:
         if answer is None:
             return None
         info, frames = answer
-        if info.get("gone") or (epoch is not None and info.get("epoch") != epoch):
+        if info.gone or (epoch is not None and info.epoch != epoch):
             return None
         out = []
         for frame in frames:
             try:
-                batch = decode_batch(frame)
+                batch = EventBatch.decode(frame)
             except EventDecodeError:
                 return None
             if batch.publisher != publisher.publisher:

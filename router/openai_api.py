@@ -572,7 +572,7 @@ class HttpServer:
         """``tls``: a ``serving.tls.TLSFolder`` -- HTTPS with its server certificate."""
         import uvicorn
 
-        from serving.runtime import parse_address
+        from wire.endpoints import parse_address
 
         host, port = parse_address(address, "--http-address")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -27,7 +27,7 @@ from router.servicer import GenerationServicer
 from router.streams import StreamWatch
 from router.tokenizer import RouterModel, load_model, model_path
 from serving.reflection import enable_reflection
-from serving.runtime import refuse_open_wide_bind, stop_on_signals
+from serving.runtime import stop_on_signals
 from serving.signing import load_cluster_secret
 from serving.tls import TLSFolder, add_port
 from telemetry.exposition import (
@@ -39,6 +39,7 @@ from telemetry.exposition import (
     gauge,
     stats_families,
 )
+from wire.endpoints import refuse_open_wide_bind
 
 logger = logging.getLogger(__name__)
 

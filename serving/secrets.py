@@ -19,7 +19,7 @@ class Secrets:
     (0700, every file 0600)::
 
     tls/            the cluster's CA certificate, server and client certificates (serving/tls.py)
-    curve/          CURVE key pairs: the servers' and one per process (kvstore/curve.py)
+    curve/          CURVE key pairs: the servers' and one per process (wire/curve.py)
     cluster-secret  seals transfer params (serving/signing.py)
     api-keys.toml   the router's keys file: one tenant, "default"
     api-key         that tenant's key, for clients
@@ -34,8 +34,8 @@ class Secrets:
 
     @classmethod
     def write(cls, folder: Path, names: Sequence[str], hosts: Sequence[str], cache_details: bool) -> Secrets:
-        from kvstore.curve import write_curve_folder
         from serving.tls import write_tls_folder
+        from wire.curve import write_curve_folder
 
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         folder.chmod(0o700)

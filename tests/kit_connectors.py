@@ -121,7 +121,7 @@ class TrustingLoadConnector(SharedDirConnector):
     """Copies a block file's payload without checking it: damage is loaded as if it were KV."""
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
-        from kvstore.codec import HEADER_SIZE
+        from wire.codec import HEADER_SIZE
 
         assert isinstance(metadata, SharedDirMetadata)
         for block_id, block_hash in metadata.loads:
@@ -259,7 +259,7 @@ class TokenKeyedConnector(SharedDirConnector):
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def register_kv_caches(self, kv_cache: Any) -> None:
-        from kvstore.codec import BlockCodec
+        from wire.codec import BlockCodec
         from wire.layout import BlockLayout
 
         self._kv = kv_cache

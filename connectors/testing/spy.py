@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput, KVTransferParams
-from engine.kv_events import KVCacheEvent
 from engine.request import Request, RequestId
+from wire.kv_events import KVCacheEvent
 
 if TYPE_CHECKING:
     import torch

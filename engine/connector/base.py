@@ -81,8 +81,8 @@ from engine.connector.types import (
     KVConnectorRole,
     parse_options,
 )
-from engine.kv_events import KVCacheEvent
 from engine.request import Request, RequestId
+from wire.kv_events import KVCacheEvent
 
 if TYPE_CHECKING:
     import torch

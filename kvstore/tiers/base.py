@@ -49,12 +49,9 @@ from typing import Any, ClassVar
 
 from kvstore.breaker import BreakerConfig, BreakerState, CircuitBreaker
 from kvstore.buffers import BufferFence
-from kvstore.codec import check_header
 from kvstore.deadline import Deadline
-from kvstore.keys import KeyRun
 from kvstore.lane import Lane
 from kvstore.metrics import TierMetrics, TierStats
-from kvstore.reasons import FAILURE_REASONS
 from kvstore.results import (
     GetResult,
     MissReason,
@@ -64,7 +61,10 @@ from kvstore.results import (
     UnitBatch,
     release_all,
 )
+from wire.codec import check_header
+from wire.keys import KeyRun
 from wire.layout import BlockLayout
+from wire.reasons import FAILURE_REASONS
 
 logger = logging.getLogger(__name__)
 

@@ -34,12 +34,12 @@ from functools import partial
 from typing import Any
 
 from kvstore.buffers import BufferFence, copy_bytes
-from kvstore.codec import BlockHeader, check_header, header_checksum, verify_payload
 from kvstore.config import CpuTierConfig
 from kvstore.deadline import Deadline
-from kvstore.keys import KeyRun
 from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit
 from kvstore.tiers.base import Ghosts, Tier, TierPolicy
+from wire.codec import BlockHeader, check_header, header_checksum, verify_payload
+from wire.keys import KeyRun
 from wire.layout import BlockLayout
 
 EvictHook = Callable[[list[tuple[KeyRun, Unit]]], None]

@@ -29,19 +29,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore.buffers import BufferFence
-from kvstore.codec import (
+from kvstore.config import DiskTierConfig
+from kvstore.deadline import Deadline
+from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit
+from kvstore.tiers.base import Ghosts, Tier, TierError, TierPolicy
+from kvstore.tiers.diskio import O_CLOEXEC, check_file, listdir, preadv_all, unlink_quietly, writev_all
+from wire.codec import (
     HEADER_SIZE,
     HeaderMatcher,
     check_header,
     payload_checksum,
     verify_payload,
 )
-from kvstore.config import DiskTierConfig
-from kvstore.deadline import Deadline
-from kvstore.keys import KeyRun
-from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit
-from kvstore.tiers.base import Ghosts, Tier, TierError, TierPolicy
-from kvstore.tiers.diskio import O_CLOEXEC, check_file, listdir, preadv_all, unlink_quietly, writev_all
+from wire.keys import KeyRun
 from wire.layout import BlockLayout
 
 logger = logging.getLogger(__name__)

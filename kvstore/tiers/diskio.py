@@ -7,8 +7,8 @@ import contextlib
 import os
 from typing import Any
 
-from kvstore.codec import HEADER_SIZE, parse_header
 from kvstore.results import MissReason
+from wire.codec import HEADER_SIZE, parse_header
 
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 

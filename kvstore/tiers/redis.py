@@ -4,11 +4,11 @@ Keys and values:
 
     key   = PREFIX ":" first 8 bytes of the namespace, hex ":{" first 4 bytes of the block's anchor, hex "}:"
             raw hash bytes
-    value = the 96-byte block header followed by the payload (``kvstore.codec``), SET with PX when a TTL
+    value = the 96-byte block header followed by the payload (``wire.codec``), SET with PX when a TTL
             is configured
 
 The ``{...}`` hash tag puts a group of ``ANCHOR_SPAN`` consecutive blocks in one cluster slot
-(``kvstore.keys``), so on a cluster a lookup is one pipelined round trip per node, and on a single server
+(``wire.keys``), so on a cluster a lookup is one pipelined round trip per node, and on a single server
 one round trip.  Keys are kept short because a lookup sends and hashes every one of them: the hash goes in
 raw, and 8 bytes of namespace are plenty to keep namespaces apart (the block hash already differs between
 models; between layouts of one model a collision would only be a checked miss).
@@ -41,13 +41,13 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvstore.buffers import BufferFence
-from kvstore.codec import HEADER_SIZE, HeaderMatcher, check_header, payload_checksum, verify_payload
 from kvstore.config import RedisTierConfig
 from kvstore.deadline import Deadline
-from kvstore.keys import ANCHOR_SPAN, KeyRun
 from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit
 from kvstore.tiers.base import Tier, TierError, TierPolicy, TierTimeout
 from kvstore.tiers.resp import CRLF, LOOKUP_SCRIPT, LOOKUP_SHA, BulkReader, pack_command
+from wire.codec import HEADER_SIZE, HeaderMatcher, check_header, payload_checksum, verify_payload
+from wire.keys import ANCHOR_SPAN, KeyRun
 from wire.layout import BlockLayout
 
 _TOPOLOGY_ERRORS = (redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.ClusterDownError)

@@ -23,22 +23,29 @@ from typing import Any
 import zmq
 
 from kvstore.buffers import BufferFence
-from kvstore.codec import (
-    HEADER_SIZE,
-    HeaderMatcher,
-    check_header,
-    parse_header,
-    payload_checksum,
-    verify_payload,
-)
 from kvstore.config import RemoteTierConfig
-from kvstore.curve import client_socket
 from kvstore.deadline import Deadline
-from kvstore.keys import KeyRun
-from kvstore.protocol import ProtocolError, Reply, decode_reply, encode_request, send_frames
 from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit
 from kvstore.tiers.base import Tier, TierError, TierPolicy, TierTimeout
+from wire.codec import HEADER_SIZE, HeaderMatcher, parse_header
+from wire.curve import client_socket
+from wire.framing import ErrorReply, ProtocolError, drain, send_frames
+from wire.keys import KeyRun
 from wire.layout import BlockLayout
+from wire.store_protocol import (
+    CountReply,
+    Delete,
+    Get,
+    InfoReply,
+    Lookup,
+    Ping,
+    Put,
+    Stats,
+    StoreReply,
+    StoreRequest,
+    decode_store_reply,
+)
+from wire.units import BlockFrameError, receive_unit_frames, receive_units
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +107,7 @@ class RemoteTier(Tier):
         except zmq.Again:
             raise TierError(f"store server {self.config.endpoint} is not connected") from None
 
-    def _await_reply(self, request_id: int, deadline: Deadline) -> Reply:
+    def _await_reply(self, request_id: int, deadline: Deadline) -> CountReply | InfoReply:
         """The reply to ``request_id``; its further frames are left for the caller to read."""
         sock = self._socket()
         while True:
@@ -109,41 +116,58 @@ class RemoteTier(Tier):
                 raise TierTimeout(f"no reply from {self.config.endpoint} within the deadline")
             first = sock.recv(zmq.NOBLOCK, copy=True)
             try:
-                reply = decode_reply(first)
+                reply: StoreReply = decode_store_reply(first)
             except ProtocolError as exc:
-                _drain(sock)
+                drain(sock)
                 raise TierError(f"bad reply from {self.config.endpoint}: {exc}") from None
             if reply.id == request_id:
-                if not reply.ok:
-                    _drain(sock)
-                    raise TierError(f"store server refused the request: {reply.error}")
+                if isinstance(reply, ErrorReply):
+                    drain(sock)
+                    raise TierError(f"store server refused the request ({reply.code.value}): {reply.msg}")
                 return reply
             self.late_replies += 1  # the answer to a request given up on: drop it
-            _drain(sock)
+            drain(sock)
 
-    def _call_simple(self, op: str, run: KeyRun | None, deadline: Deadline) -> Reply:
-        request_id = next(self._ids)
-        self._send([encode_request(request_id, op, run)], deadline)
+    def _exchange(self, request: StoreRequest, deadline: Deadline) -> CountReply | InfoReply:
+        """One request that carries no blocks and whose reply carries none."""
+        self._send([request.encode()], deadline)
+        reply = self._await_reply(request.id, deadline)
+        drain(self._socket())
+        return reply
+
+    def _count(self, request: StoreRequest, deadline: Deadline) -> int:
+        reply = self._exchange(request, deadline)
+        if not isinstance(reply, CountReply):
+            raise TierError(f"store server answered {request.op} with {type(reply).__name__}")
+        return reply.n
+
+    def _info(self, request: StoreRequest, deadline: Deadline) -> dict[str, Any]:
+        reply = self._exchange(request, deadline)
+        if not isinstance(reply, InfoReply):
+            raise TierError(f"store server answered {request.op} with {type(reply).__name__}")
+        return reply.info
+
+    def _expect_count(self, request_id: int, deadline: Deadline) -> CountReply:
         reply = self._await_reply(request_id, deadline)
-        _drain(self._socket())
+        if not isinstance(reply, CountReply):
+            drain(self._socket())
+            raise TierError(f"store server answered a block request with {type(reply).__name__}")
         return reply
 
     # ---- tier operations -------------------------------------------------------------------------------
 
     def ping(self, deadline: Deadline | None = None) -> dict[str, Any]:
         """The server's ping info (raises ``TierError``/``TierTimeout``: a health check, not a data path)."""
-        reply = self._call_simple("ping", None, deadline or Deadline.after(self.config.timeout_s))
-        return reply.info or {}
+        return self._info(Ping(next(self._ids)), deadline or Deadline.after(self.config.timeout_s))
 
     def _probe(self, deadline: Deadline) -> None:
         self.ping(deadline)
 
     def server_stats(self, deadline: Deadline | None = None) -> dict[str, Any]:
-        reply = self._call_simple("stats", None, deadline or Deadline.after(self.config.timeout_s))
-        return reply.info or {}
+        return self._info(Stats(next(self._ids)), deadline or Deadline.after(self.config.timeout_s))
 
     def _contains_prefix(self, run: KeyRun, deadline: Deadline) -> int:
-        return self._call_simple("lookup", run, deadline).n
+        return self._count(Lookup(next(self._ids), run), deadline)
 
     def _get_into(
         self, run: KeyRun, fence: BufferFence, layout: BlockLayout, deadline: Deadline
@@ -152,9 +176,9 @@ class RemoteTier(Tier):
         # copies chunk k into the caller's blocks, chunk k + 1 is already on the wire.
         pending = []
         for lo in range(0, len(run), GET_CHUNK):
-            request_id = next(self._ids)
-            self._send([encode_request(request_id, "get", run.slice(lo, lo + GET_CHUNK), layout)], deadline)
-            pending.append((request_id, lo, min(GET_CHUNK, len(run) - lo)))
+            request = Get(next(self._ids), run.slice(lo, lo + GET_CHUNK), layout)
+            self._send([request.encode()], deadline)
+            pending.append((request.id, lo, min(GET_CHUNK, len(run) - lo)))
         matcher = HeaderMatcher(run.namespace, layout)
         checksums: list[int | None] = []
         result: GetResult | None = None
@@ -162,82 +186,40 @@ class RemoteTier(Tier):
             if result is not None:  # already answered: let the rest of the replies go by
                 self._skip_reply(request_id, deadline)
                 continue
-            reply = self._await_reply(request_id, deadline)
-            loaded, reason = self._receive_chunk(run, lo, min(reply.n, size), fence, matcher, checksums)
-            if reason is None and reply.n < size:
-                reason = _miss_reason(reply.reason)
-            if reason is not None:
-                result = GetResult(lo + loaded, reason, tuple(checksums))
+            reply = self._expect_count(request_id, deadline)
+            n = min(reply.n, size)
+            try:
+                checksums.extend(
+                    receive_units(self._socket(), n, run.hashes[lo : lo + n], matcher, *_fenced(fence, lo))
+                )
+            except BlockFrameError as exc:
+                checksums.extend(exc.checksums)
+                result = GetResult(lo + exc.verified, exc.reason, tuple(checksums))
+                continue
+            if n < size:
+                result = GetResult(lo + n, reply.reason or MissReason.ABSENT, tuple(checksums))
         return result or GetResult(len(run), None, tuple(checksums))
-
-    def _receive_chunk(
-        self,
-        run: KeyRun,
-        lo: int,
-        n: int,
-        fence: BufferFence,
-        matcher: HeaderMatcher,
-        checksums: list[int | None],
-    ) -> tuple[int, MissReason | None]:
-        """Read the rest of a get reply (n blocks from block ``lo``) into the caller's blocks."""
-        sock = self._socket()
-        try:
-            headers = _recv_frame(sock) if n else b""
-            if len(headers) < HEADER_SIZE * n:
-                raise TierError("get reply: unit headers frame has the wrong size")
-            for j in range(n):
-                i = lo + j
-                _expect_more(sock)
-                dst = fence.hold(i)
-                try:
-                    received = sock.recv_into(dst, flags=zmq.NOBLOCK)
-                finally:
-                    fence.let_go()
-                checksum = matcher.match(headers[j * HEADER_SIZE : (j + 1) * HEADER_SIZE], run.hashes[i])
-                if isinstance(checksum, MissReason):
-                    return j, checksum
-                if received != dst.nbytes:
-                    return j, MissReason.TRUNCATED if received < dst.nbytes else MissReason.CORRUPT
-                if payload_checksum(dst) != checksum:
-                    return j, MissReason.CORRUPT
-                checksums.append(checksum)
-            return n, None
-        finally:
-            _drain(sock)
 
     def _skip_reply(self, request_id: int, deadline: Deadline) -> None:
         try:
             self._await_reply(request_id, deadline)
         except (TierError, TierTimeout):
             return  # a reply that does not come is dropped by id later
-        _drain(self._socket())
+        drain(self._socket())
 
     def _read(self, run: KeyRun, deadline: Deadline, layout: BlockLayout | None) -> ReadResult:
         if layout is None:
             raise TierError("reading units from a store server needs the layout they must have")
-        request_id = next(self._ids)
-        self._send([encode_request(request_id, "get", run, layout)], deadline)
-        reply = self._await_reply(request_id, deadline)
-        sock = self._socket()
-        units: list[Unit] = []
+        request = Get(next(self._ids), run, layout)
+        self._send([request.encode()], deadline)
+        reply = self._expect_count(request.id, deadline)
+        n = min(reply.n, len(run))
         try:
-            n = min(reply.n, len(run))
-            headers = _recv_frame(sock) if reply.n else b""
-            if len(headers) != HEADER_SIZE * reply.n:
-                raise TierError("get reply: unit headers frame has the wrong size")
-            for i in range(n):
-                _expect_more(sock)
-                frame = sock.recv(zmq.NOBLOCK, copy=False)
-                payload = memoryview(frame.buffer)
-                raw = headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
-                header = check_header(raw, run.namespace, run.hashes[i], layout)
-                reason = header if isinstance(header, MissReason) else verify_payload(header, payload)
-                if reason is not None:
-                    return ReadResult(units, reason)
-                units.append(Unit(payload, bytes(raw)))
-        finally:
-            _drain(sock)
-        return ReadResult(units, None if n == len(run) else _miss_reason(reply.reason))
+            received = receive_unit_frames(self._socket(), n, run.hashes, run.namespace, layout)
+        except BlockFrameError as exc:
+            return ReadResult([Unit(payload, raw) for raw, payload in exc.received], exc.reason)
+        units = [Unit(payload, raw) for raw, payload in received]
+        return ReadResult(units, None if n == len(run) else reply.reason or MissReason.ABSENT)
 
     def _put(self, run: KeyRun, units: Sequence[Unit], deadline: Deadline) -> PutResult:
         # Chunks of PUT_CHUNK blocks, all sent before the first reply is awaited: the server stores one
@@ -256,20 +238,20 @@ class RemoteTier(Tier):
                     if isinstance(first, MissReason):
                         return PutResult(lo, first)
                     layout = first.layout
-                request = encode_request(request_id, "put", run.slice(lo, lo + len(chunk)), layout)
+                request = Put(request_id, run.slice(lo, lo + len(chunk)), layout)
                 tracker = self._send(
-                    [request, headers, *(unit.payload for unit in chunk)], deadline, track=True
+                    [request.encode(), headers, *(unit.payload for unit in chunk)], deadline, track=True
                 )
                 assert tracker is not None
                 trackers.append(tracker)
                 pending.append((request_id, len(chunk)))
             stored = 0
             for request_id, size in pending:
-                reply = self._await_reply(request_id, deadline)
-                _drain(self._socket())
+                reply = self._expect_count(request_id, deadline)
+                drain(self._socket())
                 stored += min(reply.n, size)
                 if reply.n < size:
-                    return PutResult(stored, _miss_reason(reply.reason) if reply.reason else MissReason.ERROR)
+                    return PutResult(stored, reply.reason or MissReason.ERROR)
             return PutResult(stored)
         finally:
             if not all(tracker.done for tracker in trackers):
@@ -285,7 +267,7 @@ class RemoteTier(Tier):
                         break
 
     def _delete(self, run: KeyRun, deadline: Deadline) -> int:
-        return self._call_simple("delete", run, deadline).n
+        return self._count(Delete(next(self._ids), run), deadline)
 
     def _backend_stats(self) -> dict[str, Any]:
         return {"endpoint": self.config.endpoint, "late_replies": self.late_replies}
@@ -296,24 +278,13 @@ class RemoteTier(Tier):
         self._context.destroy(linger=0)  # closes every thread's socket
 
 
-def _expect_more(sock: zmq.Socket[Any]) -> None:
-    if not sock.getsockopt(zmq.RCVMORE):
-        raise TierError("reply ended early")
+def _fenced(fence: BufferFence, lo: int) -> tuple[Callable[[int], memoryview], Callable[[int], None]]:
+    """Where ``receive_units`` writes block ``lo + j`` of a get, and how it lets go of it."""
 
+    def into(j: int) -> memoryview:
+        return fence.hold(lo + j)
 
-def _recv_frame(sock: zmq.Socket[Any]) -> bytes:
-    _expect_more(sock)
-    return sock.recv(zmq.NOBLOCK)
+    def let_go(_j: int) -> None:
+        fence.let_go()
 
-
-def _drain(sock: zmq.Socket[Any]) -> None:
-    """Discard the rest of the current multipart message."""
-    while sock.getsockopt(zmq.RCVMORE):
-        sock.recv(zmq.NOBLOCK, copy=False)
-
-
-def _miss_reason(value: str | None) -> MissReason:
-    try:
-        return MissReason(value) if value else MissReason.ABSENT
-    except ValueError:
-        return MissReason.ERROR
+    return into, let_go

@@ -27,8 +27,8 @@ def register(subparsers: Any) -> None:
 
 def _health(args: argparse.Namespace) -> int:
     from serving.health import SERVING, check, wait_healthy
-    from serving.runtime import parse_address
     from serving.tls import TLSFolder
+    from wire.endpoints import parse_address
 
     parse_address(args.address)
     tls = TLSFolder.from_option(args.tls_dir)

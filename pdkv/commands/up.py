@@ -95,7 +95,7 @@ def _up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from pdkv.launcher import Cluster, Topology, run_until_signal
-    from serving.runtime import parse_address
+    from wire.endpoints import parse_address
 
     host, port = parse_address(args.router_address, "--router-address")
     topology = Topology(

@@ -276,7 +276,7 @@ def test_a_wide_bind_needs_curve_or_insecure(tmp_path: Path, monkeypatch: pytest
     with pytest.raises(ConnectorOptionsError, match="without CURVE"):
         P2POptions(bind="tcp://10.0.0.5:5600")
     assert P2POptions(bind="tcp://10.0.0.5:5600", insecure=True).insecure
-    from kvstore.curve import write_curve_folder
+    from wire.curve import write_curve_folder
 
     monkeypatch.setenv("PDKV_CURVE_DIR", str(write_curve_folder(tmp_path / "curve", ["node"])))
     monkeypatch.setenv("PDKV_CURVE_NAME", "node")

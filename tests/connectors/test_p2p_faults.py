@@ -23,21 +23,6 @@ from connectors.p2p_server import BlockServer
 from connectors.p2p_transfer import BlockViews, TransferStats
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from kvstore.codec import pack_header, payload_checksum
-from kvstore.protocol import (
-    DataReply,
-    ErrorCode,
-    ErrorReply,
-    Pong,
-    ProtocolError,
-    ReadRequest,
-    encode_data,
-    encode_ping,
-    encode_read,
-    encode_release,
-)
-from kvstore.protocol import decode_p2p_reply as decode_reply
-from kvstore.protocol import decode_p2p_request as decode_request
 from tests.p2p_harness import (
     BLOCK_SIZE,
     assert_idle,
@@ -51,7 +36,12 @@ from tests.p2p_harness import (
     worker,
 )
 from tests.tiny_models import random_prompts
+from wire.codec import pack_header, payload_checksum
+from wire.framing import ErrorCode, ErrorReply, ProtocolError
 from wire.layout import BlockLayout
+from wire.p2p_protocol import DataReply, PingRequest, Pong, ReadRequest, ReleaseRequest
+from wire.p2p_protocol import decode_p2p_reply as decode_reply
+from wire.p2p_protocol import decode_p2p_request as decode_request
 
 PROMPT = random_prompts([23], seed=3)[0]  # 5 full blocks of 4 tokens, then 3 tokens
 MAX_TOKENS = 6
@@ -192,7 +182,7 @@ def test_checksum_mismatch_is_a_load_error_and_the_engine_recomputes(
     outs = decode(producer, consumer, "r", PROMPT, pre, MAX_TOKENS)
     assert [pre.first_token, *tokens(outs)] == local_reference(tuple(PROMPT), MAX_TOKENS)
     s = stats(consumer)
-    assert s["failures.checksum"] == 1 and s["pulls_failed"] == 1
+    assert s["failures.corrupt"] == 1 and s["pulls_failed"] == 1
     assert consumer.stats().counter("kv_load_failures") == 1
     # Blocks 0 and 1 were good; the engine recomputed from block 2 on, and says so: 8 tokens loaded (not
     # the 20 offered), the rest computed -- the usage a client sees counts what really was loaded.
@@ -267,10 +257,10 @@ def test_garbage_to_the_endpoint_is_refused_and_serving_continues(
         [b""],
         [b"\x93\x01\x02\x03"],  # a msgpack array, not a map
         [b"\x81\xa1v\x07"],  # {"v": 7}: another version
-        [encode_read(5, "nope", 0, [b"x" * 32])],  # unknown lease
-        [encode_read(6, "r", -1, [b"x" * 32])[:-3]],  # truncated msgpack
-        [encode_release(7, "nope"), b"extra frame"],
-        [encode_ping(8)],
+        [ReadRequest(5, "nope", 0, (b"x" * 32,)).encode()],  # unknown lease
+        [ReadRequest(6, "r", -1, (b"x" * 32,)).encode()[:-3]],  # truncated msgpack
+        [ReleaseRequest(7, "nope").encode(), b"extra frame"],
+        [PingRequest(8).encode()],
     ]
     for frames in garbage:
         dealer.send_multipart(frames)
@@ -343,7 +333,7 @@ def test_stop_waits_for_sends_still_in_flight_and_resets_a_stuck_socket() -> Non
         stuck.setsockopt(zmq.RCVBUF, 4096)
         stuck.connect(server.endpoint)
         for k in range(8):
-            stuck.send(encode_read(k + 1, "r", k * 8, HASHES[k * 8 : k * 8 + 8]))
+            stuck.send(ReadRequest(k + 1, "r", k * 8, tuple(HASHES[k * 8 : k * 8 + 8])).encode())
         wait_for(lambda: st.get("blocks_sent") == 64)
         with server._lock:
             in_flight = len(server._leases["r"].pending_trackers())
@@ -358,7 +348,7 @@ def test_stop_waits_for_sends_still_in_flight_and_resets_a_stuck_socket() -> Non
         fresh = ctx.socket(zmq.DEALER)
         fresh.setsockopt(zmq.LINGER, 0)
         fresh.connect(server.endpoint)
-        fresh.send(encode_read(99, "s", 0, HASHES[:2]))
+        fresh.send(ReadRequest(99, "s", 0, tuple(HASHES[:2])).encode())
         assert fresh.poll(int(DEADLINE_S * 1000))
         frames = fresh.recv_multipart()
         reply = decode_reply(frames[0])
@@ -416,7 +406,7 @@ class FakeProducer:
             for h, b in zip(hashes, blocks, strict=True)
         )
         rid = request.id if reply_id is None else reply_id
-        return [encode_data(rid, request.first, len(blocks)), headers, *(bytes(b) for b in blocks)]
+        return [DataReply(rid, request.first, len(blocks)).encode(), headers, *(bytes(b) for b in blocks)]
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -503,15 +493,15 @@ def test_a_silent_producer_times_out_and_the_next_pull_reconnects(
 @pytest.mark.parametrize(
     ("reply", "reason"),
     [
-        (lambda fake, req: [encode_data(req.id, req.first, 1)], "truncated"),  # no headers, no frames
-        (lambda fake, req: [*fake.data(req)[:2], b"short"], "size"),
-        (lambda fake, req: [*fake.data(req)[:1], b"\x00" * 95, *fake.data(req)[2:]], "malformed"),
+        (lambda fake, req: [DataReply(req.id, req.first, 1).encode()], "truncated"),  # no headers, no frames
+        (lambda fake, req: [*fake.data(req)[:2], b"short"], "truncated"),
+        (lambda fake, req: [*fake.data(req)[:1], b"\x00" * 95, *fake.data(req)[2:]], "corrupt"),
         # A block whose header names another model, layout or block is never this block's KV.
         (lambda fake, req: fake.data(req, namespace=bytes(16)), "wrong_namespace"),
         (lambda fake, req: fake.data(req, layout=OTHER_LAYOUT), "wrong_layout"),
         (lambda fake, req: fake.data(req, hashes=[HASHES[9]]), "wrong_hash"),
         (lambda fake, req: [b"\x92\x01\x02"], "malformed"),
-        (lambda fake, req: [*fake.data(req), b"extra"], "malformed"),
+        (lambda fake, req: [*fake.data(req), b"extra"], "corrupt"),
     ],
 )
 def test_a_malformed_reply_fails_the_pull_without_using_it(
@@ -537,6 +527,8 @@ def test_refused_requests_carry_their_id_and_a_code() -> None:
         decode_request(msgpack.packb({"v": 1, "op": "read", "id": 41}))
     assert (info.value.code, info.value.request_id) == (ErrorCode.VERSION, 41)
     with pytest.raises(ProtocolError) as info:
-        decode_request(encode_read(42, "r", 0, [b"short"]))
+        decode_request(ReadRequest(42, "r", 0, (b"short",)).encode())
     assert (info.value.code, info.value.request_id) == (ErrorCode.MALFORMED, 42)
-    assert decode_request(encode_read(3, "r", 2, [HASHES[0]])) == ReadRequest(3, "r", 2, (HASHES[0],))
+    assert decode_request(ReadRequest(3, "r", 2, (HASHES[0],)).encode()) == ReadRequest(
+        3, "r", 2, (HASHES[0],)
+    )

@@ -6,8 +6,8 @@ import pytest
 
 from engine.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.factories import make_request
+from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 def make_manager(num_blocks: int = 10, *, events: bool = False) -> KVCacheManager:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvstore.codec import BlockCodec
-from kvstore.keys import KeyRun
 from kvstore.results import Unit
+from wire.codec import BlockCodec
+from wire.keys import KeyRun
 from wire.layout import BlockLayout
 
 # 2 layers x 2 (K, V) x 4 tokens x 2 heads x 8 dims x 2 bytes = 512 bytes per block: big enough to be a

@@ -1,4 +1,4 @@
-"""CURVE on the store server (kvstore/curve.py): forged puts and deletes from a peer without an
+"""CURVE on the store server (wire/curve.py): forged puts and deletes from a peer without an
 allow-listed key never reach the store; the cluster's own clients are served as before."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import zmq
 import zmq.auth
 from kvtest import LAYOUT, NAMESPACE, Blocks, StoreServerProcess
 
-from kvstore.codec import BlockCodec
 from kvstore.config import RemoteTierConfig
-from kvstore.curve import CurveKeys, write_curve_folder
-from kvstore.protocol import encode_request
 from kvstore.tiers.remote import RemoteTier
+from wire.codec import BlockCodec
+from wire.curve import CurveKeys, write_curve_folder
+from wire.store_protocol import Delete, Put
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 
@@ -24,7 +24,7 @@ def forged_put(blocks: Blocks) -> list[bytes]:
     """A well-formed put: valid headers and checksums over the blocks' payloads."""
     codec = BlockCodec(NAMESPACE, LAYOUT)
     headers = b"".join(codec.header_of(h, v) for h, v in zip(blocks.hashes, blocks.views, strict=True))
-    return [encode_request(1, "put", blocks.run(), LAYOUT), headers, *(bytes(v) for v in blocks.views)]
+    return [Put(1, blocks.run(), LAYOUT).encode(), headers, *(bytes(v) for v in blocks.views)]
 
 
 def answered(endpoint: str, frames: list[bytes], secure: Callable[[zmq.Socket], None] | None = None) -> bool:
@@ -69,7 +69,7 @@ def test_a_peer_without_an_allowed_key_cannot_put_or_delete(
         assert tier.contains_prefix(blocks.run()) == 0  # nothing of the forged puts was stored
         assert tier.put(blocks.run(), blocks.units()).stored == 4  # the cluster's own client is served
         for secure in (None, with_own_keys):
-            delete = [encode_request(2, "delete", blocks.run())]
+            delete = [Delete(2, blocks.run()).encode()]
             assert not answered(server.endpoint, delete, secure)
         assert tier.contains_prefix(blocks.run()) == 4  # the stranger's deletes changed nothing
     finally:

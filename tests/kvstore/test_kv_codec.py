@@ -7,7 +7,8 @@ import torch
 from kvtest import BLOCK, LAYOUT, NAMESPACE, OTHER_NAMESPACE, chain
 
 from engine.hashing import HashNamespace, hash_blocks
-from kvstore.codec import (
+from kvstore.results import MissReason
+from wire.codec import (
     HEADER_SIZE,
     BlockCodec,
     HeaderMatcher,
@@ -18,7 +19,6 @@ from kvstore.codec import (
     payload_checksum,
     store_namespace,
 )
-from kvstore.results import MissReason
 from wire.layout import BlockLayout
 
 HASH = chain(1)[0]

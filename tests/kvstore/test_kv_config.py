@@ -14,7 +14,7 @@ from kvstore.config import (
     StoreConfig,
     parse_size,
 )
-from kvstore.keys import ANCHOR_SPAN, KeyRun
+from wire.keys import ANCHOR_SPAN, KeyRun
 
 # ---- the config string ------------------------------------------------------------------------------------
 

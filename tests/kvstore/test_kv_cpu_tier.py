@@ -8,11 +8,11 @@ import pytest
 import torch
 from kvtest import BLOCK, LAYOUT, NAMESPACE, Blocks
 
-from kvstore.codec import BlockCodec, parse_header, payload_checksum
 from kvstore.config import CpuTierConfig
-from kvstore.keys import KeyRun
 from kvstore.results import MissReason, Unit
 from kvstore.tiers.cpu import CpuTier
+from wire.codec import BlockCodec, parse_header, payload_checksum
+from wire.keys import KeyRun
 from wire.layout import BlockLayout
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from kvtest import BLOCK, LAYOUT, NAMESPACE, OTHER_NAMESPACE, Blocks
 
-from kvstore.codec import HEADER_SIZE, BlockCodec
 from kvstore.config import DiskTierConfig
 from kvstore.results import MissReason
 from kvstore.tiers.disk import DiskTier
+from wire.codec import HEADER_SIZE, BlockCodec
 
 FILE = HEADER_SIZE + BLOCK
 
@@ -85,9 +85,9 @@ def test_a_crash_between_write_and_rename(tmp_path: Path, make_blocks: Callable[
         import os, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from kvtest import NAMESPACE, chain, LAYOUT
-        from kvstore.codec import BlockCodec
+        from wire.codec import BlockCodec
         from kvstore.config import DiskTierConfig
-        from kvstore.keys import KeyRun
+        from wire.keys import KeyRun
         from kvstore.results import Unit
         from kvstore.tiers.disk import DiskTier
         tier = DiskTier(DiskTierConfig({str(tmp_path)!r}, 1 << 20))

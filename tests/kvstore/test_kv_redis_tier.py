@@ -13,13 +13,13 @@ import redis
 from kvtest import BLOCK, LAYOUT, NAMESPACE, OTHER_NAMESPACE, Blocks, RedisProcess, free_port, wait_until
 
 from kvstore.breaker import BreakerConfig
-from kvstore.codec import BlockCodec
 from kvstore.config import RedisTierConfig
 from kvstore.deadline import Deadline
-from kvstore.keys import ANCHOR_SPAN
 from kvstore.results import MissReason
 from kvstore.tiers.base import TierPolicy
 from kvstore.tiers.redis import RedisTier
+from wire.codec import BlockCodec
+from wire.keys import ANCHOR_SPAN
 
 pytestmark = pytest.mark.redis
 

@@ -28,15 +28,16 @@ from kvtest import (
 )
 
 from kvstore.breaker import BreakerConfig
-from kvstore.codec import BlockCodec
 from kvstore.config import RemoteTierConfig
 from kvstore.deadline import Deadline
-from kvstore.protocol import decode_reply, encode_request, send_frames
 from kvstore.results import MissReason, Unit
 from kvstore.store import KVStore
 from kvstore.tiers.base import TierPolicy
 from kvstore.tiers.remote import PUT_CHUNK, RemoteTier
+from wire.codec import BlockCodec
+from wire.framing import PROTOCOL_VERSION, ErrorReply, send_frames
 from wire.layout import BlockLayout
+from wire.store_protocol import CountReply, Lookup, Put, decode_store_reply
 
 POLICY = TierPolicy(
     lookup_timeout_s=0.5, get_timeout_s=1.0, put_timeout_s=1.0, breaker=BreakerConfig(cooldown_s=0.1)
@@ -131,24 +132,32 @@ def test_engines_with_different_layouts_share_one_server(store_server: StartServ
     [
         [b"not msgpack \xc1"],
         [msgpack.packb([1, 2, 3])],
-        [msgpack.packb({"v": 2, "id": 7, "op": "format_disk"})],
+        [msgpack.packb({"v": PROTOCOL_VERSION, "id": 7, "op": "format_disk"})],
         [msgpack.packb({"v": 99, "id": 7, "op": "ping"})],
         [
             msgpack.packb(
-                {"v": 2, "id": 7, "op": "lookup", "ns": b"x", "start": 0, "hashes": [], "anchors": []}
+                {
+                    "v": PROTOCOL_VERSION,
+                    "id": 7,
+                    "op": "lookup",
+                    "ns": b"x",
+                    "start": 0,
+                    "hashes": [],
+                    "anchors": [],
+                }
             )
         ],
         [b"x" * (2 << 20)],  # an oversized header frame
-        [msgpack.packb({"v": 2, "id": 7, "op": "ping"}), b"extra"],
+        [msgpack.packb({"v": PROTOCOL_VERSION, "id": 7, "op": "ping"}), b"extra"],
     ],
 )
 def test_garbage_gets_an_error_reply_and_the_server_keeps_serving(
     store_server: StartServer, remote: Callable[[str], RemoteTier], frames: list[bytes]
 ) -> None:
     server = store_server()
-    reply = decode_reply(raw_request(server.endpoint, frames)[0])
-    assert not reply.ok and reply.error
-    assert remote(server.endpoint).ping()["protocol"] == 2
+    reply = decode_store_reply(raw_request(server.endpoint, frames)[0])
+    assert isinstance(reply, ErrorReply) and reply.msg
+    assert remote(server.endpoint).ping()["protocol"] == PROTOCOL_VERSION
 
 
 def test_bad_puts_are_refused_block_by_block(
@@ -159,18 +168,18 @@ def test_bad_puts_are_refused_block_by_block(
     codec = BlockCodec(NAMESPACE, LAYOUT)
     run = b.run()
     headers = [codec.header_of(h, v) for h, v in zip(b.hashes, b.views, strict=True)]
-    header_frame = encode_request(5, "put", run, LAYOUT)
+    header_frame = Put(5, run, LAYOUT).encode()
     # block 1 carries block 2's header: blocks 0 is stored, the rest refused
     frames = [header_frame, headers[0] + headers[2] + headers[2], *(bytes(v) for v in b.views)]
-    reply = decode_reply(raw_request(server.endpoint, frames)[0])
-    assert (reply.ok, reply.n, reply.reason) == (True, 1, "wrong_hash")
-    # a frame count that does not match the run
-    reply = decode_reply(raw_request(server.endpoint, [header_frame, b"".join(headers)])[0])
-    assert not reply.ok and "frames" in (reply.error or "")
+    reply = decode_store_reply(raw_request(server.endpoint, frames)[0])
+    assert reply == CountReply(5, 1, MissReason.WRONG_HASH)
+    # a frame count that does not match the run: refused, by name, matched to its request
+    reply = decode_store_reply(raw_request(server.endpoint, [header_frame, b"".join(headers)])[0])
+    assert isinstance(reply, ErrorReply) and reply.id == 5 and "frames" in reply.msg
     # more blocks than the server accepts
     big = make_blocks(9, salt=1)
-    reply = decode_reply(raw_request(server.endpoint, [encode_request(6, "lookup", big.run())])[0])
-    assert not reply.ok and "limit" in (reply.error or "")
+    reply = decode_store_reply(raw_request(server.endpoint, [Lookup(6, big.run()).encode()])[0])
+    assert isinstance(reply, ErrorReply) and reply.id == 6 and "limit" in reply.msg
     tier = remote(server.endpoint)
     assert tier.contains_prefix(run) == 1
 
@@ -422,8 +431,8 @@ def test_a_wrong_block_in_a_tier_is_never_served_or_promoted_and_is_dropped(
     promoted into the server's memory, and made every later request for its prefix miss -- forever.
     Now the server checks every block it returns against the run's namespace and the layout the client
     asked for, and drops a block that fails from the tier it found it in."""
-    from kvstore.codec import pack_header, payload_checksum
     from kvstore.store import TieredStore
+    from wire.codec import pack_header, payload_checksum
 
     if backend == "redis":
         lower = request.getfixturevalue("redis_server").url
@@ -512,7 +521,7 @@ def test_an_oversized_frame_is_refused_as_it_arrives_without_the_server_bufferin
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(server.endpoint)
     try:
-        sock.send_multipart([encode_request(1, "put", make_blocks(1).run(), LAYOUT), b"x" * 96, huge])
+        sock.send_multipart([Put(1, make_blocks(1).run(), LAYOUT).encode(), b"x" * 96, huge])
         assert sock.poll(2000) == 0  # no reply: the peer was dropped
     finally:
         sock.close(0)

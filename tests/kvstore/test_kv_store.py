@@ -18,12 +18,12 @@ from kvstore.breaker import BreakerConfig
 from kvstore.buffers import BufferFence
 from kvstore.config import CpuTierConfig, DiskTierConfig
 from kvstore.deadline import Deadline
-from kvstore.keys import KeyRun
 from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit
 from kvstore.store import KVStore, TieredStore
 from kvstore.tiers.base import Tier, TierPolicy
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.disk import DiskTier
+from wire.keys import KeyRun
 from wire.layout import BlockLayout
 
 

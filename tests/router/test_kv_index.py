@@ -10,11 +10,11 @@ import pytest
 import zmq
 
 from engine.hashing import BlockHash, HashNamespace, hash_blocks
-from engine.kv_events import BlockRemoved, BlockStored, EventBatch, encode_batch
 from router.kv_index import KVEventSubscriber, KVIndex, Publisher
 from router.nodes import NodeCosts, NodeHandle
 from router.policy import STORE, KVAware, RoutingInfo
-from serving.kv_events import KVEventPublisher
+from wire.event_publisher import KVEventPublisher
+from wire.kv_events import BlockRemoved, BlockStored, EventBatch
 
 NS = HashNamespace(model_fingerprint="ab" * 16, block_size=4, algo="sha256")
 H = [BlockHash(bytes([i + 1]) * 32) for i in range(16)]
@@ -131,9 +131,9 @@ def test_a_gap_in_the_live_stream_is_replayed() -> None:
             pub.publish([stored(h)])
         time.sleep(0.3)  # the sender has them in its replay buffer
         first = EventBatch("engine-a", pub.epoch, 1, 0.0, (stored(H[0]),))
-        sub.receive("a:1", encode_batch(first))
+        sub.receive("a:1", first.encode())
         late = EventBatch("engine-a", pub.epoch, 4, 0.0, (stored(H[3]),))
-        sub.receive("a:1", encode_batch(late))  # 2 and 3 never arrived: replayed
+        sub.receive("a:1", late.encode())  # 2 and 3 never arrived: replayed
         assert index.counters["gaps"] == 1 and index.counters["resyncs"] == 0
         assert index.prefix_blocks("a:1", H) == 4
     finally:
@@ -176,10 +176,10 @@ def test_garbage_and_strangers_are_counted_and_dropped(wiring) -> None:  # type:
         targets["a:1"] = Publisher("a:1", "engine-a", f"tcp://127.0.0.1:{port}", "tcp://127.0.0.1:1")
         time.sleep(0.3)
         rogue.send(b"\xc1 garbage")
-        rogue.send(encode_batch(EventBatch("engine-z", "e", 1, 0.0, (stored(H[0]),))))
+        rogue.send(EventBatch("engine-z", "e", 1, 0.0, (stored(H[0]),)).encode())
         wait_for(lambda: index.counters["garbage"] == 1 and index.counters["unknown_publisher"] == 1)
         assert index.prefix_blocks("a:1", H) == 0
-        rogue.send(encode_batch(EventBatch("engine-a", "e", 1, 0.0, (stored(H[0]),))))
+        rogue.send(EventBatch("engine-a", "e", 1, 0.0, (stored(H[0]),)).encode())
         wait_for(lambda: index.prefix_blocks("a:1", H) == 1)  # and it keeps going
     finally:
         rogue.close()
@@ -239,7 +239,7 @@ def test_kv_events_travel_over_curve_and_a_stranger_gets_none(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
     """With $PDKV_CURVE_DIR the events say which prefixes are cached to allow-listed subscribers only."""
-    from kvstore.curve import write_curve_folder
+    from wire.curve import write_curve_folder
 
     monkeypatch.setenv("PDKV_CURVE_DIR", str(write_curve_folder(tmp_path / "curve", ["router"])))
     monkeypatch.setenv("PDKV_CURVE_NAME", "router")

@@ -15,7 +15,7 @@ from kvstore.config import StoreConfig
 from node.config import node_config_from_args
 from pdkv.cli import build_parser
 from router.config import router_config_from_args
-from serving.runtime import parse_address
+from wire.endpoints import parse_address
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "deploy" / "docker-compose.yml"
@@ -121,7 +121,7 @@ def env_of(service: dict[str, Any]) -> dict[str, str]:
 def test_no_service_listens_wide_with_its_security_off(compose: dict[str, Any]) -> None:
     """Every pdkv service binds 0.0.0.0 inside its container, so each must have its security on: TLS
     (mutual) on the nodes, TLS and API keys on the router, CURVE on the store; nothing says --insecure."""
-    from serving.runtime import refuse_open_wide_bind
+    from wire.endpoints import refuse_open_wide_bind
 
     parser = build_parser()
     s = compose["services"]

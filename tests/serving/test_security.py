@@ -307,7 +307,7 @@ def test_pdkv_up_secure_turns_everything_on_and_a_client_with_the_credentials_is
 
 
 def test_a_node_refuses_a_wide_address_without_tls_unless_insecure(tmp_path: Path) -> None:
-    from serving.runtime import refuse_open_wide_bind
+    from wire.endpoints import refuse_open_wide_bind
 
     for address in ("127.0.0.1:1", "localhost:1", "[::1]:1", "tcp://127.0.0.1:7600", "ipc:///tmp/x"):
         refuse_open_wide_bind(address, "gRPC", False, False, "TLS")

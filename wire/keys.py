@@ -18,8 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NewType
 
-from kvstore.codec import NAMESPACE_SIZE, check_block_hash
+from wire.codec import NAMESPACE_SIZE, check_block_hash
+
+BlockHash = NewType("BlockHash", bytes)  # one block's chained hash (``engine.hashing`` computes them)
 
 ANCHOR_SPAN = 64
 

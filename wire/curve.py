@@ -35,20 +35,6 @@ from zmq.auth.thread import ThreadAuthenticator
 logger = logging.getLogger(__name__)
 
 
-def is_loopback(host: str) -> bool:
-    """A host only this machine reaches: a loopback address (127.0.0.0/8, ::1) or ``localhost``.  A
-    name that merely starts with "127." is not one."""
-    import ipaddress
-
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 CURVE_DIR_ENV = "PDKV_CURVE_DIR"
 ZAP_DOMAIN = "pdkv"
 CURVE_NAME_ENV = "PDKV_CURVE_NAME"

@@ -6,14 +6,12 @@ import msgpack
 import pytest
 
 from engine.hashing import BlockHash
-from engine.kv_events import (
+from wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
     EventDecodeError,
-    decode_batch,
-    encode_batch,
 )
 
 H = [BlockHash(bytes([i]) * 32) for i in range(4)]
@@ -33,7 +31,7 @@ def test_a_batch_round_trips() -> None:
         ),
         dropped=2,
     )
-    assert decode_batch(encode_batch(batch)) == batch
+    assert EventBatch.decode(batch.encode()) == batch
 
 
 @pytest.mark.parametrize(
@@ -63,4 +61,4 @@ def test_a_batch_round_trips() -> None:
 )
 def test_garbage_is_refused_with_a_reason(frame: bytes) -> None:
     with pytest.raises(EventDecodeError):
-        decode_batch(frame)
+        EventBatch.decode(frame)

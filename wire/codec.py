@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from kvstore.reasons import MissReason
 from wire.layout import BlockLayout
+from wire.reasons import MissReason
 
 MAGIC = b"PDKV"
 FORMAT_VERSION = 1

@@ -1,6 +1,6 @@
 """Publishing an engine's KV events: a ZeroMQ PUB socket for batches, a ROUTER socket to replay them.
 
-Wire format: ``engine/kv_events.py`` (``EventBatch``: publisher, epoch, sequence number, events).
+Wire format: ``wire/kv_events.py`` (``EventBatch``: publisher, epoch, sequence number, events).
 
     engine thread: publish(events)  ->  bounded queue  ->  sender thread: PUB.send(batch)
                                                                           keeps the last N batches
@@ -13,8 +13,7 @@ the last ``replay_size`` encoded batches; a subscriber that missed some asks the
 batch from a sequence number on, and is told ``gone`` when they are older than that, so it forgets the
 publisher's blocks and starts over.
 
-Replay request: one msgpack frame ``{"v": 1, "id": u64, "from": seq}``; reply:
-``[{"v": 1, "id": u64, "epoch": str, "oldest": seq, "last": seq, "gone": bool}, batch frame, ...]``.
+Replay request and reply: ``wire.kv_events`` (``ReplayRequest``, ``ReplayReply``).
 """
 
 from __future__ import annotations
@@ -27,15 +26,12 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any
 
-import msgpack
 import zmq
 
-from engine.kv_events import EventBatch, KVCacheEvent, encode_batch
-from kvstore.curve import server_socket, stop_authenticator
+from wire.curve import server_socket, stop_authenticator
+from wire.kv_events import EventBatch, EventDecodeError, KVCacheEvent, ReplayReply, ReplayRequest
 
 logger = logging.getLogger(__name__)
-
-REPLAY_VERSION = 1
 
 
 def replay_endpoint_for(bind: str) -> str:
@@ -70,7 +66,7 @@ class KVEventPublisher:
         self.replay_size = replay_size
         self._own_context = context is None
         self._context: zmq.Context[Any] = context or zmq.Context()
-        # CURVE with $PDKV_CURVE_DIR: block hashes say which prefixes are cached (kvstore/curve.py).
+        # CURVE with $PDKV_CURVE_DIR: block hashes say which prefixes are cached (wire/curve.py).
         self._pub = server_socket(self._context, zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, queue_size)
@@ -151,7 +147,7 @@ class KVEventPublisher:
                 if not self._queue:
                     return
                 batch = self._queue.popleft()
-            frame = encode_batch(batch)
+            frame = batch.encode()
             self._history[batch.seq] = frame
             while len(self._history) > self.replay_size:
                 self._history.popitem(last=False)
@@ -168,29 +164,19 @@ class KVEventPublisher:
             except zmq.Again:
                 return
             try:
-                request = msgpack.unpackb(body[0], raw=False, max_map_len=8) if len(body) == 1 else None
-            except Exception:
-                request = None
-            if not isinstance(request, dict):
-                logger.debug("kv events: a malformed replay request from a subscriber: dropped")
+                if len(body) != 1:
+                    raise EventDecodeError(f"a replay request is one frame, got {len(body)}")
+                request = ReplayRequest.decode(body[0])
+            except EventDecodeError as exc:
+                logger.debug("kv events: a malformed replay request from a subscriber: dropped (%s)", exc)
                 continue
-            start = request.get("from")
-            if not isinstance(start, int) or start < 1:
-                logger.debug("kv events: a malformed replay request from a subscriber: dropped")
-                continue
+            start = request.start
             oldest = next(iter(self._history), 0)
             last = next(reversed(self._history), 0)
             gone = (bool(self._history) and start < oldest) or (not self._history and start <= self._seq)
-            header = {
-                "v": REPLAY_VERSION,
-                "id": request.get("id", 0),
-                "epoch": self.epoch,
-                "oldest": oldest,
-                "last": last,
-                "gone": gone,
-            }
+            header = ReplayReply(request.id, self.epoch, oldest, last, gone)
             frames = [] if gone else [f for seq, f in self._history.items() if seq >= start]
             try:
-                self._replay.send_multipart([identity, msgpack.packb(header), *frames], zmq.NOBLOCK)
+                self._replay.send_multipart([identity, header.encode(), *frames], zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 logger.debug("kv events: replay reply dropped: %s", exc)
