@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
     from connectors.staging import BlockStager, StagedBlocks
     from engine.scheduler.output import SchedulerOutput
-    from kvstore.store import KVStore
+    from kvstore.engine_view import KVStore
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class _SharedStores:
 
     @classmethod
     def acquire(cls, spec: str, namespace_id: str, layout: Any) -> KVStore:
-        from kvstore.store import KVStore
+        from kvstore.engine_view import KVStore
 
         key = (spec, namespace_id, layout)
         with cls._lock:

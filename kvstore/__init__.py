@@ -9,8 +9,9 @@ Backends (redis, zmq) are imported only when a tier that needs them is configure
 """
 
 from kvstore.config import StoreConfig
+from kvstore.engine_view import KVStore
 from kvstore.results import GetResult, MissReason, PutResult
-from kvstore.store import KVStore, StoreStats, TieredStore
+from kvstore.store import StoreStats, TieredStore
 from wire.layout import BlockLayout
 
 __all__ = [

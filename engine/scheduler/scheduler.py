@@ -13,9 +13,8 @@ One step (``schedule``):
 ``update_from_output`` appends the sampled tokens (which extends ``block_hashes``), applies stop rules,
 and frees finished requests.
 
-The KV connector (a ``NullConnector`` when none is configured, so nothing here branches on it) is asked
-for external hits after the local ones; see ``engine/connector/base.py`` for the contract.  Where a request's
-blocks are, at any time:
+The KV connector (a ``NullConnector`` when none is configured: nothing here branches on it) is asked for
+external hits after the local ones (contract: ``engine/connector/base.py``).  A request's blocks are:
 
     running        computing (prefill chunks or decodes)
     loading        WAITING_FOR_REMOTE_KV: blocks allocated, an async load filling them, not yet cached

@@ -30,8 +30,8 @@ from kvtest import (
 from kvstore.breaker import BreakerConfig
 from kvstore.config import RemoteTierConfig
 from kvstore.deadline import Deadline
+from kvstore.engine_view import KVStore
 from kvstore.results import MissReason, Unit
-from kvstore.store import KVStore
 from kvstore.tiers.base import TierPolicy
 from kvstore.tiers.remote import PUT_CHUNK, RemoteTier
 from wire.codec import BlockCodec

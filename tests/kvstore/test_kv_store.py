@@ -18,8 +18,9 @@ from kvstore.breaker import BreakerConfig
 from kvstore.buffers import BufferFence
 from kvstore.config import CpuTierConfig, DiskTierConfig
 from kvstore.deadline import Deadline
+from kvstore.engine_view import KVStore
 from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit
-from kvstore.store import KVStore, TieredStore
+from kvstore.store import TieredStore
 from kvstore.tiers.base import Tier, TierPolicy
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.disk import DiskTier
