@@ -26,11 +26,14 @@ per read), ``window`` (reads outstanding per pull), ``stop_timeout_s`` (how long
 in flight before resetting the socket).
 
 A *lease* is the producer's side of the engine's hold on a finished request's blocks: what its block
-server serves while the engine keeps them.  Every hold has an end (invariant 7): a lease ends on the
-consumer's ``release``, when ``lease_s`` passes unread, or when the engine asks for the blocks back
-(``stop_request_ids``: the request was aborted, or ``kv_hold_timeout_s`` passed -- keep it above
-``lease_s``); a pull ends by success, failure (reported as load errors: the engine recomputes from the
-first bad block) or a stop (the request ended while pulling).
+server serves while the engine keeps them.  One owner ends it: the consumer's ``release``, sent after
+its pull, or at admission without a pull when it holds every block already (``releases`` in the
+metadata; a release that arrives before the lease is registered ends it as it is registered).  The
+rest are safety nets, each for a consumer that never comes (invariant 7: every hold has an end):
+``lease_s`` passing unread, and the engine asking for the blocks back (``stop_request_ids``: the router
+aborted the request because decode failed or the client left, or ``kv_hold_timeout_s`` passed -- keep
+it above ``lease_s``).  A pull ends by success, failure (reported as load errors: the engine recomputes
+from the first bad block) or a stop (the request ended while pulling).
 
 No block is reused under a transfer (invariant 8), and this connector keeps no books for it: the engine
 frees held blocks only after the worker half reported them (two-phase release, ``connectors/base.py``).
@@ -92,6 +95,8 @@ class P2PMetadata(KVConnectorMetadata):
 
     leases: list[LeaseSpec] = field(default_factory=list)  # producer: start serving these
     pulls: list[PullJob] = field(default_factory=list)  # consumer: start pulling these
+    # consumer: leases this engine will not read (it held every block already): (endpoint, lease id)
+    releases: list[tuple[str, str]] = field(default_factory=list)
 
 
 # A prefill request is leased when its one token capped it: one that met EOS or a stop token ends there.
@@ -164,9 +169,14 @@ class P2PConnector(KVConnectorBase):
         self, request: Request, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
         first = request.num_computed_tokens // self.block_size
-        if num_external_tokens <= 0:
-            return
         remote = self._remote_prefill(request)
+        if num_external_tokens <= 0:
+            if remote is not None:
+                # Admitted with nothing to pull (its blocks were all here already): the consumer is the
+                # one owner that ends a lease it does not read, so the producer frees it now, not at lease_s.
+                self._next.releases.append((remote.kv_endpoint, remote.remote_request_id))
+                self._pulled.add(request.request_id)
+            return
         assert remote is not None, "external tokens were only offered for usable params"
         from connectors.p2p_client import PullJob
 
@@ -295,6 +305,8 @@ class P2PConnector(KVConnectorBase):
             if into is not None:
                 self._staged_pulls[RequestId(job.request_id)] = (job, into)
             self._puller.submit(job, into)
+        for endpoint, lease_id in metadata.releases:
+            self._puller.release(endpoint, lease_id)
         # After the leases and pulls: a request may have ended between being handed over and this step.
         for rid in metadata.stop_request_ids:
             if rid in self._pulling:

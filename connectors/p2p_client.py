@@ -97,6 +97,14 @@ class PullHandle:
         return self.result
 
 
+@dataclass(frozen=True, slots=True)
+class _Release:
+    """Tell a producer this engine will not read a lease (a pull thread sends it: sockets are per thread)."""
+
+    endpoint: str
+    lease_id: str
+
+
 class BlockPuller:
     """Pulls blocks into ``views`` on background threads; see the module docstring."""
 
@@ -124,7 +132,7 @@ class BlockPuller:
         self._poll_ms = max(1, int(poll_s * 1000))
         self._context: zmq.Context[Any] = zmq.Context()
         self._ids = itertools.count(1)
-        self._queue: queue.SimpleQueue[PullHandle | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[PullHandle | _Release | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._handles: dict[str, PullHandle] = {}
         self._finished: list[PullResult] = []
@@ -148,6 +156,11 @@ class BlockPuller:
         self.stats.add("pulls_started")
         self._queue.put(handle)
         return handle
+
+    def release(self, endpoint: str, lease_id: str) -> None:
+        """Release a lease unread (fire and forget: a lost release ends at the lease's ``lease_s``)."""
+        self.stats.add("leases_unused")
+        self._queue.put(_Release(endpoint, lease_id))
 
     def stop(self, request_id: str, timeout_s: float) -> bool:
         """Cancel a pull and wait until it no longer writes into its blocks (its result, ``cancelled``,
@@ -191,6 +204,9 @@ class BlockPuller:
                 handle = self._queue.get()
                 if handle is None:
                     return
+                if isinstance(handle, _Release):
+                    self._release(sockets, handle.endpoint, handle.lease_id)
+                    continue
                 try:
                     result = self._run(handle, sockets)
                 except Exception:  # a bug: still report the pull, or its request would wait forever

@@ -127,6 +127,9 @@ class BlockServer:
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._tombstones: OrderedDict[str, ErrorCode] = OrderedDict()
+        # Releases that came before their lease (a consumer that holds every block releases at admission,
+        # which can beat the lease's registration one engine step after the request finished).
+        self._early_releases: OrderedDict[str, None] = OrderedDict()
         self._finished: list[str] = []
         self._unsealed: deque[Lease] = deque()
         self._reset_requested = threading.Event()
@@ -182,7 +185,13 @@ class BlockServer:
             self._leases[request_id] = lease
             self._tombstones.pop(request_id, None)
             self._unsealed.append(lease)
+            released = request_id in self._early_releases
+            if released:  # its consumer released it already: it ends now, unread
+                del self._early_releases[request_id]
+                self._close_locked(lease, ErrorCode.RELEASED)
         self.stats.add("leases_registered")
+        if released:
+            self.stats.add("leases_released")
 
     def stop(self, request_id: str) -> bool:
         """End the lease (the engine wants its blocks back) and return once no send of it is in flight:
@@ -322,6 +331,10 @@ class BlockServer:
                 if lease is not None and lease.state is LeaseState.SERVING:
                     self._close_locked(lease, ErrorCode.RELEASED)
                     self.stats.add("leases_released")
+                elif lease is None and request.rid not in self._tombstones:
+                    self._early_releases[request.rid] = None  # remembered for its registration
+                    while len(self._early_releases) > _MAX_TOMBSTONES:
+                        self._early_releases.popitem(last=False)
 
     def _serve_read(self, identity: bytes, request: ReadRequest) -> None:
         if not self.views.on_host:  # a GPU cache's host copy: waited for here, never under the lock

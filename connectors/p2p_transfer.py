@@ -83,9 +83,10 @@ class TransferStats:
       ``leases_stopped`` (the engine asked for the blocks back), ``leases_unavailable``,
       ``socket_resets``, ``blocks_sent``, ``bytes_sent``, ``requests_refused``, ``replies_dropped``;
     - consumer: ``pulls_started``/``_ok``/``_failed``/``_cancelled``, ``blocks_received``,
-      ``bytes_received``, ``late_replies``, ``failures.<reason>`` (timeout, checksum, expired, malformed,
-      truncated, size, socket, unknown_lease, released, hash_mismatch, ...), ``params_rejected.<reason>``
-      (namespace, layout, hash_mismatch).
+      ``bytes_received``, ``late_replies``, ``leases_unused`` (released unread: this engine held every
+      block already), ``failures.<reason>`` (timeout, expired, malformed, socket, unknown_lease, released,
+      hash_mismatch, and the block checks' ``MissReason``: truncated, corrupt, wrong_namespace,
+      wrong_layout, wrong_hash), ``params_rejected.<reason>`` (namespace, layout, hash_mismatch).
 
     Histograms (``histograms``): every successful pull (``kv_transfer_seconds.recv``, and
     ``kv_load_seconds.p2p``: the consumer's KV load) and every lease its consumer released

@@ -230,15 +230,18 @@ class Pipeline:
             return
         decode_msg = decode_message(request, prefilled=first)
         sent = _Sent([first.first_token_id], len(first.text))
+        completed = False
         try:
             yield from self._decode(
                 _ClientStream(request, scope, cancellation, usage, start, sent), decode_msg
             )
+            completed = True
         finally:
-            # The decode node has read the held KV, or never will (it had the blocks already, it failed,
-            # the client left): release what the prefill node may still hold.  A no-op when the
-            # transfer's own acknowledgement already freed it.
-            prefill_node.abort_async(request.request_id)
+            # A decode that completed ended the prefill node's hold itself: its engine released the lease
+            # after reading it, or unread when it held every block already.  Only a failure or a client
+            # that left may leave the hold with nobody to end it: then, and only then, Abort.
+            if not completed:
+                prefill_node.abort_async(request.request_id)
 
     def _prefill(
         self,

@@ -177,6 +177,28 @@ def test_a_consumer_holding_a_prefix_pulls_only_the_rest(producer: LLMEngine, co
     assert_idle(consumer)
 
 
+def test_a_consumer_holding_every_block_releases_the_lease_unread(
+    producer: LLMEngine, consumer: LLMEngine
+) -> None:
+    """One owner ends a hold: the consumer, which will not read the lease, releases it at admission; the
+    producer frees the blocks then, not when ``lease_s`` runs out, and nobody has to send an Abort."""
+    consumer.add_request("warm", PROMPT, SamplingParams(max_tokens=1))  # caches every full prompt block
+    run_until([consumer], lambda: not consumer.has_unfinished_requests())
+
+    pre = prefill(producer, "r3", PROMPT)
+    assert worker(producer).options.lease_s >= 30  # an expiry could not end it within this test
+    outs = decode(producer, consumer, "r3", PROMPT, pre, MAX_TOKENS, timeout_s=10.0)
+    assert [pre.first_token, *tokens(outs)] == local_reference(tuple(PROMPT), MAX_TOKENS)
+    assert (
+        outs[-1].num_external_tokens == 0
+        and outs[-1].num_cached_tokens == len(PROMPT) // BLOCK_SIZE * BLOCK_SIZE
+    )
+    assert stats(consumer).get("leases_unused") == 1 and "pulls_started" not in stats(consumer)
+    assert stats(producer).get("leases_released") == 1 and "lease_expiries" not in stats(producer)
+    assert_idle(producer)
+    assert_idle(consumer)
+
+
 def test_several_requests_transfer_concurrently(producer: LLMEngine, consumer: LLMEngine) -> None:
     prompts = random_prompts([9, 31, 40, 17], seed=7)
     pres = [prefill(producer, f"c{i}", p) for i, p in enumerate(prompts)]

@@ -371,6 +371,30 @@ def test_a_stop_for_a_lease_that_never_arrived_is_confirmed() -> None:
         server.close()
 
 
+def test_a_release_that_beats_its_lease_ends_the_lease_at_registration() -> None:
+    """A consumer that holds every block releases at admission, which can arrive before the producer
+    registers the lease (a step after the request finished): the lease then ends as it is registered."""
+    st = TransferStats()
+    server = BlockServer(BlockViews(cache(4)), "tcp://127.0.0.1:0", stats=st, namespace=NS)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(server.endpoint)
+        dealer.send(ReleaseRequest(1, "early").encode())
+        dealer.send(PingRequest(2).encode())  # answered after the release was handled (one thread, in order)
+        assert dealer.poll(int(DEADLINE_S * 1000)) and isinstance(decode_reply(dealer.recv()), Pong)
+        server.add_lease("early", range(4), HASHES[:4], 30.0)
+        finished: list[str] = []
+        wait_for(lambda: bool(finished.extend(server.take_finished())) or finished == ["early"])
+        assert (st.get("leases_registered"), st.get("leases_released"), st.get("lease_expiries")) == (1, 1, 0)
+        assert server.num_leases() == 0
+    finally:
+        dealer.close(0)
+        ctx.term()
+        server.close()
+
+
 class FakeProducer:
     """A ROUTER the test scripts: ``answer(request, frames_out)`` decides what each read gets."""
 

@@ -26,7 +26,7 @@ from router.config import RouterConfig
 from router.server import RouterRuntime, create_server
 from serving.client import Completion, GenerationClient, generate_request
 from serving.health import wait_healthy
-from tests.serving.helpers import assert_node_idle, assert_usage_adds_up, node_stats, pdkv_model
+from tests.serving.helpers import assert_node_idle, assert_usage_adds_up, node_stats, pdkv_model, wait_until
 
 TEXT_PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -223,6 +223,37 @@ def test_client_cancel_mid_stream_frees_the_request_on_both_nodes(
     decode = cluster.decode_nodes[0].address
     stats = assert_node_idle(decode)
     assert stats.counters["generation_tokens"] > 0
+    assert_node_idle(cluster.prefill_nodes[0].address)
+
+
+def abort_calls(cluster: Cluster) -> float:
+    """Abort RPCs the prefill node has served (its ``pdkv_node_rpcs`` counter)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    node = cluster.prefill_nodes[0]
+    with urllib.request.urlopen(f"http://{node.info['metrics']}/metrics", timeout=10) as response:
+        body = response.read().decode()
+    rpcs = next(f for f in text_string_to_metric_families(body) if f.name == "pdkv_node_rpcs")
+    return sum(s.value for s in rpcs.samples if s.name.endswith("_total") and s.labels["method"] == "Abort")
+
+
+def test_the_router_aborts_only_a_failed_or_cancelled_request(
+    cluster: Cluster, client: GenerationClient
+) -> None:
+    """One owner ends a hold: after a decode that completed, the decode engine has released the lease
+    (read or unread), so the router sends no Abort; a client that leaves gets one."""
+    prompt = "A prompt of a few blocks, so that the prefill node holds KV for the decode node. " * 2
+    before = abort_calls(cluster)
+    for salt in ("a", "a", "b"):  # the second one's blocks are all on the decode node already
+        client.generate(generate_request(prompt, GREEDY, cache_salt=salt), timeout=60)
+    assert_node_idle(cluster.prefill_nodes[0].address)  # every lease ended without an Abort
+    assert abort_calls(cluster) == before
+    call = client.stream(long_request(prompt), timeout=60)
+    for msg in call:
+        if msg.HasField("delta"):
+            break
+    call.cancel()
+    wait_until(lambda: abort_calls(cluster) > before, timeout=10, what="the Abort of a cancelled call")
     assert_node_idle(cluster.prefill_nodes[0].address)
 
 
