@@ -377,3 +377,29 @@ class SilentLoadConnector(AsyncSharedDirConnector):
     def get_finished(self, finished_req_ids: set[RequestId]) -> tuple[set[RequestId], set[RequestId]]:
         sending, _ = super().get_finished(finished_req_ids)
         return sending, set()  # bug: finished_recving never reported
+
+
+# ---- the three classes the issue #31 drill found slipping through ------------------------------------------
+
+
+class BackgroundSaveConnector(SharedDirConnector):
+    """Saves each step's blocks on a background thread 50 ms later and returns no hold: by then the engine
+    may have freed the blocks (and reused them)."""
+
+    def wait_for_save(self) -> None:
+        meta = self.step_metadata
+        if isinstance(meta, SharedDirMetadata) and meta.saves:
+            timer = threading.Timer(0.05, self._save_blocks, (meta,))  # bug: no hold for the late copy
+            timer.daemon = True
+            timer.start()
+
+
+class DtypelessKeyConnector(SharedDirConnector):
+    """Keys blocks by namespace and hash only: an engine with another KV dtype finds the same files."""
+
+    def __init__(
+        self, role: KVConnectorRole, context: ConnectorContext, options: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__(role, context, options)
+        self.dir = Path(self.options.path) / context.namespace.namespace_id  # bug: no dtype, no geometry
+        self.dir.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
-import random
 import shutil
 import tempfile
 import time
@@ -21,91 +20,23 @@ from typing import Any
 
 from connectors.base import ConnectorContext, KVConnectorRole
 from connectors.registry import KVConnectorConfig, create_connector
+from connectors.testing.items import (
+    ASYNC_LOADS,
+    HOLD_ENDS,
+    NONE_ANSWER,
+    STOP_CONFIRMED,
+    ConformanceError,
+)
 from connectors.testing.spy import SchedulerSpy, WorkerSpy
 from connectors.testing.target import MIN_KIT_BLOCKS, ConformanceTarget
+from connectors.testing.workload import BLOCK_SIZE, KIT_MODEL_SPEC, PARAMS
 from engine.engine_config import EngineConfig
+from engine.hashing import BlockHash
 from engine.llm_engine import LLMEngine
-from engine.model.make_model import TinyLlamaSpec, make_model
+from engine.model.make_model import make_model
 from engine.outputs import GenerationOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-
-# Wide weights (init_std 0.2) spread the logits, so greedy decoding has no near-ties and outputs compare
-# exactly whether a prefix was loaded or computed: over the kit's prompts and 12 generated tokens, the
-# top-2 logit gap never falls below 0.017 (float32 rounding moves logits by ~1e-6).
-KIT_MODEL_SPEC = TinyLlamaSpec(
-    layers=2,
-    hidden=64,
-    heads=4,
-    kv_heads=2,
-    vocab=300,
-    intermediate_size=128,
-    max_position_embeddings=256,
-    init_std=0.2,
-    seed=0,
-)
-BLOCK_SIZE = 4
-MAX_TOKENS = 6
-PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-def _prompts(lengths: Sequence[int], seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    out = []
-    for i, n in enumerate(lengths):
-        # A distinct first token per prompt: no two prompts share a block, so no local prefix hits.
-        out.append([seed % 50 + i] + [rng.randrange(256) for _ in range(n - 1)])
-    return out
-
-
-# 18 and 23: a partial last block; 16: an exact multiple of the block size (the last token is the last
-# token of a full block); 11 and 9 short ones.
-PROMPTS = _prompts((18, 16, 11, 23, 9), seed=1)
-EXACT_MULTIPLE = 1  # index of the 16-token prompt
-LONG_PROMPT = _prompts((40,), seed=101)[0]  # never saved by anyone: always computed
-# What an engine serves after the kit's prompts, so that their freed blocks are reused (the freed-block
-# check); its own prompt, so that a backend shared by every check never holds LONG_PROMPT.
-FILLER_PROMPT = _prompts((40,), seed=202)[0]
-# The first two blocks of each prompt that has them, then a tail of its own: a fork loads the shared
-# blocks and computes the rest (the case where blocks computed over a failed load could be saved).
-FORKS = [
-    p[: 2 * BLOCK_SIZE] + tail
-    for p, tail in zip(
-        [p for p in PROMPTS if len(p) > 2 * BLOCK_SIZE], _prompts((13, 13, 13, 13), seed=7), strict=False
-    )
-]
-
-
-# The contract items, as failure messages name them ("[item] what happened").
-LOOKUP = "idempotent, side-effect-free lookups"
-WHOLE_BLOCKS = "whole-block prefix hits, never the last token"
-NONE_ANSWER = "None means 'ask again', and an answer follows in bounded time"
-LOADS = "loads reproduce the saved KV bit for bit"
-LOAD_ERRORS = "load errors are reported, not raised"
-FINISHED_ONCE = "request_finished exactly once"
-ABORT_LEAK = "no block leaked after an abort"
-PREEMPT_LEAK = "no block leaked after preemption"
-HOLD_ENDS = "a hold ends with finished_sending, in bounded time"
-STOP_CONFIRMED = "a stopped hold is confirmed within a step, and nothing leaks"
-UNREACHABLE = "an unreachable backend costs bounded time and gives zero hits"
-BOUNDED_CALLS = "every connector call returns in bounded time"
-ASYNC_LOADS = "an async load ends with finished_recving, in bounded time"
-NAMESPACE = "blocks are keyed by the whole namespace: salt, model and dtype"
-HOLES = "a hit is a contiguous prefix: a missing block ends it"
-FREED = "a block is not read after request_finished returned hold=False"
-RELEASED = "nothing is kept for a finished request"
-
-
-class ConformanceError(AssertionError):
-    """A contract item the connector under test violates.  The message starts with ``[item]``."""
-
-    def __init__(self, item: str, detail: str) -> None:
-        super().__init__(f"[{item}] {detail}")
-        self.item = item
-
-
-class NotApplicable(Exception):
-    """The check needs a hook the target does not give (the suite reports it as skipped)."""
 
 
 @functools.cache
@@ -218,11 +149,19 @@ class KitEngine:
         params: SamplingParams = PARAMS,
         *,
         cache_salt: str | None = None,
+        decoys: Mapping[int, bytes] | None = None,
     ) -> str:
+        """Submit ``prompt``.  ``decoys`` (block index -> hash) replace those blocks' hashes before the
+        connector sees the request: the connector saves them under keys no other request has, so an
+        engine asking for the real prompt later finds a hole there (the kit's own, no hook needed)."""
         rid = f"{self.engine.config.engine_id}-{self._ids}"
         self._ids += 1
         self.engine.add_request(rid, prompt, params, cache_salt=cache_salt)
         self.results[rid] = GenerationOutput(rid, list(prompt))
+        if decoys:
+            hashes = self.request(rid).block_hashes
+            for index, decoy in decoys.items():
+                hashes[index] = BlockHash(decoy)
         return rid
 
     def request(self, rid: str) -> Request:
@@ -346,6 +285,14 @@ class KitEngine:
                     f"(the deadline is {self.lookup_deadline_s:g}s): a lookup that never finishes stalls "
                     "its request forever",
                 )
+
+    def settle(self, seconds: float) -> None:
+        """Keep stepping the idle engine for ``seconds``: a connector's background work (a save on a
+        thread of its own) runs meanwhile, while the freed blocks stay as they are (nothing reuses them)."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if self.step() == 0:
+                time.sleep(0.005)
 
     def drain(self, deadline_s: float, what: str) -> None:
         """Step until no request is unfinished and no block is held for the connector.

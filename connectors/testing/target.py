@@ -24,11 +24,14 @@ MIN_KIT_BLOCKS = 64
 class ConformanceTarget:
     """A connector under test.
 
+    Every check runs for every target: a check whose hook is missing **fails**, saying what to add.
+
     ``factory``              ``shared -> KVConnectorConfig`` (see ``ConfigFactory``).
     ``unreachable_factory``  ``shared -> KVConnectorConfig`` for a backend that cannot be reached (a dead
-                             address, a path that cannot be a directory).  Enables the bounded-time check.
+                             address, a path that cannot be a directory).  Required.  A connector with
+                             nothing to reach (in-process memory) passes its ``factory`` here.
     ``corrupt``              ``shared -> None``: damage every block stored under ``shared`` (flip bytes,
-                             truncate).  Enables the load-error check.
+                             truncate).  Required unless ``provides_hits`` is False.
     ``provides_hits``        False for a connector that never loads (e.g. ``null``): the load checks then
                              require zero external tokens instead of a full prefix hit.
     ``lookup_deadline_s``    how long a lookup may answer ``None`` before it must give a number.
@@ -37,7 +40,11 @@ class ConformanceTarget:
                              then (the engine's timeouts are set far above it, so relying on them fails).
     ``unreachable_deadline_s``  engine start + generating the kit's prompts with the backend down.
     ``evict``                ``(shared, block_hash) -> None``: remove that one block from the backend.
-                             Enables the hole check (a hit ends at the first missing block).
+                             Optional: the hole check makes its own hole (a block saved under a decoy
+                             key); with ``evict`` it also evicts one.
+    ``save_settle_s``        how long after its requests ended the kit waits, freed blocks poisoned and
+                             unused, before it reads back what was saved: a save that copies a block
+                             later than ``request_finished`` allowed has run by then and copied poison.
     ``tracked_requests``     ``scheduler_half -> int``: how many requests the connector's scheduler half
                              keeps state for.  Without it the kit looks for finished request ids in the
                              half's attributes (dicts, sets, lists), which finds the usual leaks.
@@ -60,6 +67,7 @@ class ConformanceTarget:
     tracked_requests: Callable[[Any], int] | None = None
     call_deadline_s: float = 30.0
     load_deadline_s: float = 30.0
+    save_settle_s: float = 1.0
     engine_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -75,6 +83,7 @@ class ConformanceTarget:
             "unreachable_deadline_s",
             "call_deadline_s",
             "load_deadline_s",
+            "save_settle_s",
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
@@ -97,6 +106,24 @@ class ConformanceTarget:
     def unreachable_config(self, shared: Path) -> KVConnectorConfig:
         assert self.unreachable_factory is not None
         return _checked(self.unreachable_factory(shared), "unreachable_factory")
+
+    def missing_hook(self, hook: str) -> str | None:
+        """What to add when the check needing ``hook`` cannot run (None: it can)."""
+        if hook == "unreachable_factory" and self.unreachable_factory is None:
+            return (
+                "the target gives no unreachable_factory(shared) hook, so the kit cannot check that an "
+                "unreachable backend costs bounded time and zero hits.  Add one returning the connector's "
+                "config pointed at a backend that cannot be reached (a dead address, a path under a "
+                "regular file); a connector with nothing to reach passes its own factory"
+            )
+        if hook == "corrupt" and self.corrupt is None and self.provides_hits:
+            return (
+                "the target gives no corrupt(shared) hook, so the kit cannot check that damaged blocks "
+                "are reported as load errors (never loaded, never raised).  Add one that damages every "
+                "block stored under shared (flip a payload byte; for memory, reach the store the way "
+                "your tests can), or declare provides_hits=False if the connector never loads"
+            )
+        return None
 
 
 def _checked(config: object, hook: str) -> KVConnectorConfig:

@@ -43,7 +43,11 @@ def multi(*children: dict[str, Any]) -> KVConnectorConfig:
     return KVConnectorConfig("multi", {"connectors": list(children)})
 
 
-TestNull = conformance_suite(lambda shared: KVConnectorConfig("null"), provides_hits=False)
+TestNull = conformance_suite(
+    lambda shared: KVConnectorConfig("null"),
+    provides_hits=False,
+    unreachable_factory=lambda shared: KVConnectorConfig("null"),  # no backend: nothing to reach
+)
 
 TestSharedDir = conformance_suite(
     lambda shared: KVConnectorConfig("shared-dir", {"path": str(shared / "kv")}),

@@ -30,8 +30,8 @@ from connectors.testing import (
     conformance_suite,
     run_check,
 )
-from connectors.testing import checks as kit
-from connectors.testing.harness import ASYNC_LOADS
+from connectors.testing import items as kit
+from connectors.testing.items import ASYNC_LOADS
 from tests.connectors.test_conformance_builtins import corrupt_block_files, evict_block_file, unreachable
 
 
@@ -133,12 +133,34 @@ CASES = [
         kit.FREED,
         "after request_finished returned hold=False",
     ),
+    # The three classes issue #31 found slipping through, each caught without the author's help:
     (
-        "HoleBlindConnector",
+        "HoleBlindConnector",  # no evict hook: the kit makes the hole itself
+        {},
+        check_a_hit_ends_at_the_first_missing_block,
+        kit.HOLES,
+        "block 1 of 5 was never saved",
+    ),
+    (
+        "HoleBlindConnector",  # and with one, it also evicts a block
         {"evict": evict_block_file},
         check_a_hit_ends_at_the_first_missing_block,
         kit.HOLES,
         "block 1 of",
+    ),
+    (
+        "BackgroundSaveConnector",
+        {},
+        check_freed_blocks_are_not_read,
+        kit.FREED,
+        "after request_finished returned hold=False",
+    ),
+    (
+        "DtypelessKeyConnector",
+        {},
+        check_blocks_are_keyed_by_the_namespace,
+        kit.NAMESPACE,
+        "engine D: the connector offered",
     ),
     (
         "BlockingLookupConnector",
@@ -172,7 +194,9 @@ CASES = [
 
 
 @pytest.mark.parametrize(
-    ("name", "hooks", "check", "item", "fragment"), CASES, ids=[case[0] for case in CASES]
+    ("name", "hooks", "check", "item", "fragment"),
+    CASES,
+    ids=[case[0] + ("-" + "-".join(case[1]) if case[1] else "") for case in CASES],
 )
 def test_the_kit_flags_each_broken_connector(
     tmp_path: Path, name: str, hooks: dict[str, Any], check: Any, item: str, fragment: str
@@ -206,18 +230,28 @@ def test_the_engines_last_resort_free_does_not_hide_a_connector_that_ignores_sto
         check_stopped_holds_are_confirmed(broken("NeverSendsConnector", send_deadline_s=0.5), tmp_path)
 
 
-def test_the_one_line_suite_reports_exactly_the_broken_item(tmp_path: Path) -> None:
+def test_the_one_line_suite_reports_exactly_the_broken_item_and_never_skips(tmp_path: Path) -> None:
+    """A broken connector with every hook fails its one item; a correct one without the required hooks
+    fails the two checks that need them, saying what to add -- no check is ever skipped."""
     module = tmp_path / "test_generated_kit.py"
     module.write_text(
         textwrap.dedent(
             """
             from connectors.registry import KVConnectorConfig
             from connectors.testing import conformance_suite
+            from tests.connectors.test_conformance_builtins import corrupt_block_files, unreachable
 
             def factory(shared):
                 return KVConnectorConfig("tests.kit_connectors:LastTokenConnector", {"path": str(shared)})
 
-            TestLastToken = conformance_suite(factory)
+            def dead(shared):
+                return KVConnectorConfig("shared-dir", {"path": str(unreachable(shared))})
+
+            TestLastToken = conformance_suite(factory, corrupt=corrupt_block_files, unreachable_factory=dead)
+            def correct(shared):
+                return KVConnectorConfig("shared-dir", {"path": str(shared)})
+
+            TestNoHooks = conformance_suite(correct)
             """
         )
     )
@@ -244,19 +278,22 @@ def test_the_one_line_suite_reports_exactly_the_broken_item(tmp_path: Path) -> N
         ],
         plugins=[collect],
     )
-    outcomes = {r.nodeid.rsplit("::", 1)[-1]: r.outcome for r in collect.reports}
-    assert set(outcomes) == set(CHECKS)
-    failed = {name for name, outcome in outcomes.items() if outcome == "failed"}
-    assert failed == {"test_hits_are_whole_blocks_and_never_the_last_token"}
     assert code == pytest.ExitCode.TESTS_FAILED
-    report = next(r for r in collect.reports if r.outcome == "failed")
-    assert f"[{kit.WHOLE_BLOCKS}]" in report.longreprtext
-    skipped = {name for name, outcome in outcomes.items() if outcome == "skipped"}
-    assert skipped == {
-        "test_load_errors_are_reported_not_raised",
-        "test_unreachable_backend_bounded_time_zero_hits",
-        "test_a_hit_ends_at_the_first_missing_block",
+    outcomes = {tuple(r.nodeid.rsplit("::", 2)[-2:]): r for r in collect.reports}
+    assert {name for _, name in outcomes} == set(CHECKS)
+    assert not [key for key, r in outcomes.items() if r.outcome == "skipped"]
+    failed = {key: r.longreprtext for key, r in outcomes.items() if r.outcome == "failed"}
+    assert set(failed) == {
+        ("TestLastToken", "test_hits_are_whole_blocks_and_never_the_last_token"),
+        ("TestNoHooks", "test_load_errors_are_reported_not_raised"),
+        ("TestNoHooks", "test_unreachable_backend_bounded_time_zero_hits"),
     }
+    assert (
+        f"[{kit.WHOLE_BLOCKS}]"
+        in failed[("TestLastToken", "test_hits_are_whole_blocks_and_never_the_last_token")]
+    )
+    assert "no corrupt(shared) hook" in failed[("TestNoHooks", "test_load_errors_are_reported_not_raised")]
+    assert "Add one" in failed[("TestNoHooks", "test_unreachable_backend_bounded_time_zero_hits")]
 
 
 def test_conformance_suite_validates_its_target() -> None:

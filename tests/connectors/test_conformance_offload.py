@@ -1,13 +1,14 @@
-"""The ``offload`` connector passes the conformance kit on each tier of the store.
+"""The ``offload`` connector passes the conformance kit on each tier of the store, every hook given.
 
-One redis-server and one store server (real processes on free ports) serve the whole module; every
-test gets its own namespace of keys through its own ``tmp_path`` (the cpu tier's name, a disk folder, a
-Redis key prefix), so tests never see each other's blocks.
+One redis-server (a real process on a free port) serves the whole module; every test gets its own
+namespace of keys through its own ``tmp_path`` (the cpu tier's name, a disk folder, a Redis key prefix,
+a store server of its own over a disk tier in that folder), so tests never see each other's blocks.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,24 +16,43 @@ import pytest
 
 from connectors.registry import KVConnectorConfig
 from connectors.testing import conformance_suite
+from kvstore.server import StoreServer
+from kvstore.store import TieredStore
 from tests.connectors.test_conformance_builtins import unreachable
-from tests.kvstore.kvtest import RedisProcess, StoreServerProcess, free_port
+from tests.kvstore.kvtest import RedisProcess, free_port
 
 SERVERS: dict[str, str] = {}
+STORE_SERVERS: dict[Path, tuple[StoreServer, threading.Event, threading.Thread]] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def servers() -> Iterator[None]:
     redis = RedisProcess(free_port())
     redis.start()
-    store = StoreServerProcess("cpu:256MiB", f"tcp://127.0.0.1:{free_port()}", ())
-    store.start()
-    SERVERS.update(redis=f"127.0.0.1:{redis.port}", remote=store.endpoint)
+    SERVERS.update(redis=f"127.0.0.1:{redis.port}")
     try:
         yield
     finally:
-        store.kill()
+        for server, stop, thread in STORE_SERVERS.values():
+            stop.set()
+            thread.join()
+            server.close()
+            server.store.close()
+        STORE_SERVERS.clear()
         redis.stop()
+
+
+def store_server(shared: Path) -> str:
+    """The endpoint of a store server of this test's own (in this process), over a disk tier in
+    ``shared / "srv"``, so that ``corrupt`` can damage what it holds."""
+    if shared not in STORE_SERVERS:
+        store = TieredStore.from_config(f"disk:{shared / 'srv'}:64MiB")
+        server = StoreServer(store, f"tcp://127.0.0.1:{free_port()}")
+        stop = threading.Event()
+        thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+        thread.start()
+        STORE_SERVERS[shared] = (server, stop, thread)
+    return STORE_SERVERS[shared][0].endpoint
 
 
 def tag(shared: Path) -> str:
@@ -60,21 +80,51 @@ def corrupt_redis_values(shared: Path) -> None:
         client.set(key, bytes(value))
 
 
-def corrupt_disk_tier(shared: Path) -> None:
+def corrupt_disk_tier(shared: Path, folder: str = "kv") -> None:
     """Flip one payload byte of every block file of the disk tier (its checksum no longer matches)."""
-    files = sorted(p for p in (shared / "kv").rglob("*") if p.is_file() and not p.name.startswith("."))
-    assert files, f"nothing was saved under {shared / 'kv'}"
+    files = sorted(p for p in (shared / folder).rglob("*") if p.is_file() and not p.name.startswith("."))
+    assert files, f"nothing was saved under {shared / folder}"
     for path in files:
         data = bytearray(path.read_bytes())
         data[-3] ^= 0x40
         path.write_bytes(bytes(data))
 
 
+def corrupt_cpu_tier(shared: Path) -> None:
+    """Flip one payload byte of every block the test's named cpu tier holds, after its checksum was taken
+    (a tier with ``verify=true`` then reports the block damaged)."""
+    from connectors.offload import _SharedStores
+
+    damaged = 0
+    for (spec, _, _), store in list(_SharedStores._stores.items()):
+        if f"name=cpu{tag(shared)}" not in spec:
+            continue
+        for tier in store.store.tiers:
+            if tier.kind != "cpu":
+                continue
+            with tier._lock:  # type: ignore[attr-defined]
+                for entry in tier._index.values():  # type: ignore[attr-defined]
+                    tier._seal(entry)  # type: ignore[attr-defined]  # the checksum of the intact block
+                    entry.slot.view[entry.nbytes - 3] ^= 0x40
+                    damaged += 1
+    assert damaged, "nothing was saved in the cpu tier"
+
+
 def nowhere() -> str:
     return f"127.0.0.1:{free_port()}"  # nothing listens there
 
 
-TestOffloadCpu = conformance_suite(lambda shared: offload(f"cpu:64MiB?name=cpu{tag(shared)}"))
+def cpu_spec(shared: Path, size: str = "64MiB") -> str:
+    # verify=true: the kit damages blocks in memory (corrupt_cpu_tier); a tier that trusts its memory
+    # would hand them out.
+    return f"cpu:{size}?name=cpu{tag(shared)}&verify=true"
+
+
+TestOffloadCpu = conformance_suite(
+    lambda shared: offload(cpu_spec(shared)),
+    corrupt=corrupt_cpu_tier,
+    unreachable_factory=lambda shared: offload(cpu_spec(shared)),  # in-process memory: nothing to reach
+)
 
 TestOffloadDisk = conformance_suite(
     lambda shared: offload(f"disk:{shared / 'kv'}:64MiB"),
@@ -89,11 +139,21 @@ TestOffloadRedis = conformance_suite(
 )
 
 TestOffloadRemote = conformance_suite(
-    lambda shared: offload(f"remote:{SERVERS['remote']}?timeout_ms=500"),
+    lambda shared: offload(f"remote:{store_server(shared)}?timeout_ms=500"),
+    corrupt=lambda shared: corrupt_disk_tier(shared, "srv"),
     unreachable_factory=lambda shared: offload(f"remote:tcp://{nowhere()}?timeout_ms=300"),
 )
 
+
+def corrupt_both_tiers(shared: Path) -> None:
+    corrupt_cpu_tier(shared)
+    corrupt_disk_tier(shared)
+
+
 TestOffloadCpuOverDisk = conformance_suite(
-    # No corrupt hook: the cpu tier in front keeps intact copies of what the disk tier holds.
-    lambda shared: offload(f"cpu:8MiB?name=cpu{tag(shared)},disk:{shared / 'kv'}:64MiB"),
+    lambda shared: offload(f"{cpu_spec(shared, '8MiB')},disk:{shared / 'kv'}:64MiB"),
+    corrupt=corrupt_both_tiers,
+    unreachable_factory=lambda shared: offload(
+        f"{cpu_spec(shared, '8MiB')},disk:{unreachable(shared)}:64MiB"
+    ),
 )

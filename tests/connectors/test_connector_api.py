@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from connectors.base import ConnectorContext, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
-from connectors.testing.harness import PARAMS, PROMPTS, engine_config
+from connectors.testing.harness import engine_config
+from connectors.testing.workload import PARAMS, PROMPTS
 from engine.llm_engine import LLMEngine
 from engine.request import Request
 

@@ -71,9 +71,12 @@ def evict(shared: object, block_hash: bytes) -> None:
         del blocks[key]
 
 
-TestExampleMemory = conformance_suite(
-    lambda shared: KVConnectorConfig("example-memory", {"store": str(shared)}), corrupt=damage, evict=evict
-)
+def example(shared: object) -> KVConnectorConfig:
+    return KVConnectorConfig("example-memory", {"store": str(shared)})
+
+
+# In-process memory has nothing to reach: its own factory stands in for the unreachable backend.
+TestExampleMemory = conformance_suite(example, corrupt=damage, evict=evict, unreachable_factory=example)
 
 
 def test_blocks_computed_over_a_failed_load_are_not_stored() -> None:

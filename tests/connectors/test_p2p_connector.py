@@ -291,7 +291,11 @@ def test_p2p_composes_inside_multi() -> None:
 # pull KV, so it checks the lifecycle around the connector (request_finished exactly once, no leaked block
 # after aborts, preemption or reclaimed delayed frees, shutdown with threads and sockets), not transfers --
 # those are the tests above and tests/connectors/test_p2p_faults.py.
-TestP2PConformance = conformance_suite(lambda shared: KVConnectorConfig("p2p"), provides_hits=False)
+TestP2PConformance = conformance_suite(
+    lambda shared: KVConnectorConfig("p2p"),
+    provides_hits=False,  # it loads only what a producer leased for one request: never from a shared backend
+    unreachable_factory=lambda shared: KVConnectorConfig("p2p"),  # it reaches a producer only per request
+)
 
 
 def test_a_wide_bind_needs_curve_or_insecure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,5 @@
-"""The conformance kit against ``example-memory``: one line (plus an optional hook that damages data)."""
+"""The conformance kit against ``example-memory``: one line, plus the two hooks the kit requires (a way to
+damage stored blocks, and a backend that cannot be reached -- for an in-process store, its own factory)."""
 
 from pathlib import Path
 
@@ -8,20 +9,16 @@ from connectors.registry import KVConnectorConfig
 from connectors.testing import conformance_suite
 
 
+def factory(shared: Path) -> KVConnectorConfig:
+    return KVConnectorConfig("example-memory", {"store": str(shared)})
+
+
 def damage(shared: Path) -> None:
-    """Flip one byte of every block in the store the factory below names."""
+    """Flip one byte of every block in the store the factory names."""
     blocks = get_store(str(shared)).blocks
     for key, block in blocks.items():
         blocks[key] = block._replace(payload=bytes([block.payload[0] ^ 1]) + block.payload[1:])
 
 
-def evict(shared: Path, block_hash: bytes) -> None:
-    """Remove the one block ``block_hash`` from the store the factory below names."""
-    blocks = get_store(str(shared)).blocks
-    for key in [k for k in blocks if k.endswith(block_hash)]:
-        del blocks[key]
-
-
-TestExampleMemory = conformance_suite(
-    lambda shared: KVConnectorConfig("example-memory", {"store": str(shared)}), corrupt=damage, evict=evict
-)
+# In-process memory has nothing to reach: its own factory is the "unreachable" backend.
+TestExampleMemory = conformance_suite(factory, corrupt=damage, unreachable_factory=factory)
