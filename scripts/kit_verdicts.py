@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from connectors.registry import KVConnectorConfig
 from connectors.testing import CHECKS, ConformanceError, ConformanceTarget, run_check
-from connectors.testing import harness as kit
+from connectors.testing import items as kit
 
 
 def _targets() -> dict[str, tuple[ConformanceTarget, str | None]]:
