@@ -2,7 +2,7 @@
 
     gRPC GenerateRequest ──servicer.py──┐
                                         ├─▶ GenerationRequest ──admit()──▶ AdmittedRequest ──▶ pipeline
-    HTTP JSON body ────────openai_api.py┘
+    HTTP JSON body ───openai_requests.py┘
 
 A front end only converts: its request becomes a ``GenerationRequest`` (the prompt as text, messages or
 token ids; the sampling fields the client set, by ``SamplingParams``'s names; the client's cache salt;

@@ -25,7 +25,7 @@ from router.admission import (
 )
 from router.auth import OPEN, Caller
 from router.node_messages import carried_tokens, decode_message, prefill_message
-from router.openai_api import _chat_request, _completion_request
+from router.openai_requests import chat_request, completion_request
 from router.openai_schema import ChatCompletionRequest, CompletionRequest
 from router.servicer import generation_request
 from router.tokenizer import RouterModel, load_model
@@ -60,12 +60,12 @@ def grpc_token_ids(ids: list[int]) -> GenerationRequest:
 
 
 def http_completion(model: RouterModel, **body: object) -> GenerationRequest:
-    return _completion_request(CompletionRequest(model=model.name, **body), model)  # type: ignore[arg-type]
+    return completion_request(CompletionRequest(model=model.name, **body), model)  # type: ignore[arg-type]
 
 
 def http_chat(model: RouterModel, content: str, **body: object) -> GenerationRequest:
     messages = [{"role": "user", "content": content}]
-    return _chat_request(ChatCompletionRequest(model=model.name, messages=messages, **body), model)  # type: ignore[arg-type]
+    return chat_request(ChatCompletionRequest(model=model.name, messages=messages, **body), model)  # type: ignore[arg-type]
 
 
 def same(a: AdmittedRequest, b: AdmittedRequest) -> bool:

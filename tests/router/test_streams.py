@@ -1,4 +1,4 @@
-"""The idle limit on streams (router/streams.py) and its HTTP side (router/openai_api._IdleCutoff)."""
+"""The idle limit on streams (router/streams.py) and its HTTP side (router/http_scope.IdleCutoff)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Any
 
-from router.openai_api import _IdleCutoff
+from router.http_scope import IdleCutoff
 from router.streams import StreamWatch
 
 
@@ -59,7 +59,7 @@ def test_http_a_response_the_client_does_not_take_is_cut() -> None:
 
     try:
         started = time.monotonic()
-        asyncio.run(_IdleCutoff(app, watch)({"type": "http"}, None, stalling_send))
+        asyncio.run(IdleCutoff(app, watch)({"type": "http"}, None, stalling_send))
         assert time.monotonic() - started < 2.0
         assert [m["type"] for m in sent] == ["http.response.start"] and watch.cut == 1
     finally:

@@ -1,0 +1,153 @@
+"""The OpenAI-compatible API's response objects, and the non-streaming answer.
+
+``ResponseShape`` builds one request's objects from the pipeline's events: ``chat.completion`` /
+``text_completion`` whole, their chunks for a stream (``router/openai_stream.py`` sends them), the
+logprobs and usage as OpenAI spells them.  ``whole_response`` collects a request's events into one JSON
+answer, ending the call's scope if the client disconnects meanwhile.  ``model_card`` is ``GET /v1/models``'s
+object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from router.http_scope import HttpCallScope, watch_disconnect
+from router.openai_errors import ApiError
+from router.pipeline import Delta, Done, Event, Usage
+from router.tokenizer import RouterModel
+from serving.errors import ServingError
+
+
+class ResponseShape:
+    """Builds one request's response objects (chat.completion / text_completion, whole or chunked)."""
+
+    def __init__(
+        self,
+        model: RouterModel,
+        request_id: str,
+        *,
+        created: int,
+        chat: bool,
+        logprobs: bool,
+        cache_details: bool = False,
+    ) -> None:
+        self.model, self.id, self.created, self.chat, self.logprobs = (
+            model,
+            request_id,
+            created,
+            chat,
+            logprobs,
+        )
+        self.cache_details = cache_details
+
+    def envelope(self) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model.name}
+
+    def chunk(self, delta: Any, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
+        if self.chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        return {**self.envelope(), "choices": [choice]}
+
+    def delta_chunk(self, d: Delta) -> dict[str, Any]:
+        lp = self._logprobs(d.token_ids, d.logprobs) if self.logprobs else None
+        return self.chunk({"content": d.text} if self.chat else d.text, None, lp)
+
+    def whole(self, deltas: list[Delta], done: Done) -> dict[str, Any]:
+        text = "".join(d.text for d in deltas)
+        ids = [t for d in deltas for t in d.token_ids]
+        lps = [x for d in deltas for x in d.logprobs]
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": done.finish_reason,
+            "logprobs": self._logprobs(ids, lps) if self.logprobs else None,
+        }
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+            kind = "chat.completion"
+        else:
+            choice["text"] = text
+            kind = "text_completion"
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model.name,
+            "choices": [choice],
+            "usage": self.usage(done.usage),
+        }
+
+    def _logprobs(self, ids: list[int], lps: list[float]) -> Any:
+        tok = self.model.tokenizer
+        tokens = [tok.decode([t], skip_special_tokens=False) for t in ids]
+        if self.chat:
+            return {
+                "content": [
+                    {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
+                    for s, lp in zip(tokens, lps, strict=False)
+                ]
+            }
+        offsets, at = [], 0
+        for s in tokens:
+            offsets.append(at)
+            at += len(s)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+
+    def usage(self, u: Usage) -> dict[str, Any]:
+        """OpenAI's usage; cached-token counts only where the operator enabled them."""
+        out: dict[str, Any] = {
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "pdkv": {"time_to_first_token_s": round(u.time_to_first_token_s, 6)},
+        }
+        if self.cache_details:
+            out["prompt_tokens_details"] = {"cached_tokens": u.local_prefix + u.store}
+            out["pdkv"]["cached_tokens_by_source"] = {
+                "local_prefix": u.local_prefix,
+                "store": u.store,
+                "remote_prefill": u.remote_prefill,
+            }
+            out["pdkv"]["computed_prompt_tokens"] = u.computed_prompt_tokens
+        return out
+
+
+async def whole_response(
+    events: AsyncGenerator[Event, None], http: Any, scope: HttpCallScope, shape: ResponseShape
+) -> JSONResponse:
+    """The request's events as one JSON answer; a client that disconnects first ends ``scope`` (the
+    request is aborted downstream), and a refusal or failure is raised as its ``ApiError``."""
+    watcher = asyncio.create_task(watch_disconnect(http, scope))
+    try:
+        deltas: list[Delta] = []
+        done: Done | None = None
+        try:
+            async for event in events:
+                if isinstance(event, Delta):
+                    deltas.append(event)
+                else:
+                    done = event
+        except ServingError as exc:
+            raise ApiError.from_serving(exc) from None
+        assert done is not None
+        return JSONResponse(shape.whole(deltas, done))
+    finally:
+        watcher.cancel()
+
+
+def model_card(model: RouterModel, created: int) -> dict[str, Any]:
+    return {
+        "id": model.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "pdkv",
+        "max_model_len": model.context_length,
+        "context_length": model.context_length,
+    }
