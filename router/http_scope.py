@@ -19,7 +19,8 @@ from typing import Any
 
 from router.admission import AdmittedRequest
 from router.auth import Access, Caller
-from router.pipeline import Event, Pipeline
+from router.events import Event
+from router.pipeline import Pipeline
 from router.streams import StreamWatch
 
 logger = logging.getLogger(__name__)

@@ -15,9 +15,9 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from router.events import Delta, Done, Event, Usage
 from router.http_scope import HttpCallScope, watch_disconnect
 from router.openai_errors import ApiError
-from router.pipeline import Delta, Done, Event, Usage
 from router.tokenizer import RouterModel
 from serving.errors import ServingError
 

@@ -16,10 +16,10 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
+from router.events import Delta, Event
 from router.http_scope import HttpCallScope
 from router.openai_errors import ApiError
 from router.openai_responses import ResponseShape
-from router.pipeline import Delta, Event
 from serving.errors import ServingError
 
 

@@ -18,11 +18,10 @@ Cancellation: every downstream call registers with the request's ``Cancellation`
 call ends early (cancel, deadline) it cancels them, and gRPC carries the cancel to the nodes, whose
 engines abort the request.  Deadlines: every downstream call gets the client's remaining time.
 
-Once Prefill returned, the prefill node holds the prompt's KV for a decode node (under a lease).  When
-the decode phase ends -- done, failed or cancelled -- the router sends the prefill node an ``Abort`` for
-the request: usually a no-op (the decode node's acknowledgement freed the blocks), but it also ends the
-holds no transfer will end (the decode node had the blocks cached and pulled nothing, or died) without
-waiting for the lease to expire.
+Once Prefill returned, the prefill node holds the prompt's KV for a decode node (under a lease).  The
+decode engine that consumes it ends that hold (it releases the lease after reading it, or unread when it
+had every block); the router sends the prefill node an ``Abort`` only when the decode phase failed or the
+client left, when no decode engine may ever end it.
 """
 
 from __future__ import annotations
@@ -34,13 +33,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import grpc
 
 from engine.metrics import SPECS
 from pdkv_proto.pdkv.v1 import node_pb2, types_pb2
 from router.admission import AdmittedRequest
+from router.events import CallScope, Cancellation, Delta, Done, Event, Usage
 from router.node_messages import carried_tokens, decode_message, prefill_message
 from router.nodes import NodeHandle, NodePool
 from router.policy import NodeSelector, RoutingInfo
@@ -56,43 +55,6 @@ logger = logging.getLogger(__name__)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
-class CallScope(Protocol):
-    """What the pipeline needs from the client's call (``grpc.ServicerContext`` has it)."""
-
-    def time_remaining(self) -> float | None: ...
-    def add_callback(self, callback: Callable[[], None]) -> bool: ...
-    def is_active(self) -> bool: ...
-
-
-@dataclass(frozen=True)
-class Delta:
-    token_ids: list[int]
-    text: str
-    logprobs: list[float]
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    local_prefix: int = 0
-    store: int = 0
-    remote_prefill: int = 0
-    computed_prompt_tokens: int = 0
-    time_to_first_token_s: float = 0.0
-    total_time_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class Done:
-    finish_reason: str | None
-    stop_reason: int | str | None
-    usage: Usage
-
-
-Event = Delta | Done
-
-
 def _observe_latency(latency: RequestLatency, event: Event) -> None:
     """Tell one call's latency clock about an event it yields (the client's view)."""
     now = time.perf_counter()
@@ -100,41 +62,6 @@ def _observe_latency(latency: RequestLatency, event: Event) -> None:
         latency.finish(now)
     elif event.token_ids:
         latency.tokens(len(event.token_ids), now)
-
-
-class Cancellation:
-    """Hooks run once if the client's call ends before the pipeline finished (cancel or deadline)."""
-
-    def __init__(self, scope: CallScope) -> None:
-        self._lock = threading.Lock()
-        self._hooks: list[Callable[[], None]] = []
-        self._done = False
-        self.cancelled = False
-        if not scope.add_callback(self._fire):  # the call already ended: it was cancelled
-            self.cancelled = True
-
-    def on_cancel(self, hook: Callable[[], None]) -> None:
-        with self._lock:
-            if not self.cancelled:
-                self._hooks.append(hook)
-                return
-        hook()  # already cancelled: run it now
-
-    def finish(self) -> None:
-        with self._lock:
-            self._done = True
-
-    def _fire(self) -> None:
-        with self._lock:
-            if self._done or self.cancelled:
-                return
-            self.cancelled = True
-            hooks, self._hooks = self._hooks, []
-        for hook in hooks:
-            try:
-                hook()
-            except Exception:
-                logger.exception("cancel hook failed")
 
 
 class Pipeline:
@@ -237,9 +164,8 @@ class Pipeline:
             )
             completed = True
         finally:
-            # A decode that completed ended the prefill node's hold itself: its engine released the lease
-            # after reading it, or unread when it held every block already.  Only a failure or a client
-            # that left may leave the hold with nobody to end it: then, and only then, Abort.
+            # A completed decode's engine released the hold (read, or unread when it had every block);
+            # only a failure or a client that left may leave it with no owner: then, and only then, Abort.
             if not completed:
                 prefill_node.abort_async(request.request_id)
 

@@ -23,8 +23,9 @@ from router.admission import (
     TokenPrompt,
 )
 from router.auth import Access, Caller
+from router.events import Delta, Done, Usage
 from router.nodes import NodePool
-from router.pipeline import Delta, Done, Pipeline, Usage
+from router.pipeline import Pipeline
 from router.streams import StreamWatch
 from router.tokenizer import RouterModel
 from serving import convert

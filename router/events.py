@@ -1,0 +1,86 @@
+"""What the pipeline and its front ends exchange: the events a request yields to its client (``Delta``,
+then ``Done`` with the ``Usage``), what the pipeline needs from the client's call (``CallScope``: a gRPC
+context is one, ``router.http_scope.HttpCallScope`` the other), and the hooks run when that call ends
+early (``Cancellation``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+
+
+class CallScope(Protocol):
+    """What the pipeline needs from the client's call (``grpc.ServicerContext`` has it)."""
+
+    def time_remaining(self) -> float | None: ...
+    def add_callback(self, callback: Callable[[], None]) -> bool: ...
+    def is_active(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Delta:
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    local_prefix: int = 0
+    store: int = 0
+    remote_prefill: int = 0
+    computed_prompt_tokens: int = 0
+    time_to_first_token_s: float = 0.0
+    total_time_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str | None
+    stop_reason: int | str | None
+    usage: Usage
+
+
+Event = Delta | Done
+
+
+class Cancellation:
+    """Hooks run once if the client's call ends before the pipeline finished (cancel or deadline)."""
+
+    def __init__(self, scope: CallScope) -> None:
+        self._lock = threading.Lock()
+        self._hooks: list[Callable[[], None]] = []
+        self._done = False
+        self.cancelled = False
+        if not scope.add_callback(self._fire):  # the call already ended: it was cancelled
+            self.cancelled = True
+
+    def on_cancel(self, hook: Callable[[], None]) -> None:
+        with self._lock:
+            if not self.cancelled:
+                self._hooks.append(hook)
+                return
+        hook()  # already cancelled: run it now
+
+    def finish(self) -> None:
+        with self._lock:
+            self._done = True
+
+    def _fire(self) -> None:
+        with self._lock:
+            if self._done or self.cancelled:
+                return
+            self.cancelled = True
+            hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            try:
+                hook()
+            except Exception:
+                logger.exception("cancel hook failed")
