@@ -121,6 +121,8 @@ def run_kit(target: ConformanceTarget) -> tuple[set[str], float]:
                 run_check(check, target, Path(shared))
             except ConformanceError as exc:
                 failed.add(exc.item)
+            except Exception as exc:  # a kit bug or a hook's: counted, never a crash of the whole run
+                failed.add(f"raised {type(exc).__name__}: {exc}"[:200])
     return failed, time.monotonic() - started
 
 

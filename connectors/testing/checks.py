@@ -26,6 +26,7 @@ from connectors.testing.items import (
 )
 from connectors.testing.steps import (
     LONG_PARAMS,
+    call_hook,
     check_answers,
     expect_loaded_bytes,
     expect_outputs,
@@ -201,7 +202,7 @@ def check_load_errors_are_reported(target: ConformanceTarget, shared: Path) -> N
         raise ConformanceError(item, missing)
     save(target, shared, item)
     if target.corrupt is not None:
-        target.corrupt(shared)
+        call_hook(item, "corrupt(shared)", lambda: target.corrupt(shared))  # type: ignore[misc]
     ref = reference(target, PROMPTS)
     with KitEngine(target, target.config(shared), item=item, engine_id="kit-b") as b:
         # First, forks of the damaged prompts: their shared blocks fail to load, and the blocks computed
@@ -274,7 +275,7 @@ def check_a_hit_ends_at_the_first_missing_block(target: ConformanceTarget, share
     _expect_hole(target, shared, prompt, 1, f"prompt {longest}: block 1 of {len(hashes)} was never saved")
     if target.evict is not None:
         save(target, shared, item)
-        target.evict(shared, hashes[2])
+        call_hook(item, "evict(shared, block_hash)", lambda: target.evict(shared, hashes[2]))  # type: ignore[misc]
         _expect_hole(target, shared, prompt, 2, f"prompt {longest}: block 2 of {len(hashes)} was evicted")
 
 

@@ -4,7 +4,7 @@ must offer nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +141,17 @@ def expect_no_hits(item: str, tokens: Sequence[int], who: str, why: str, verb: s
             "(ConnectorContext.spec: dtype, geometry) is the connector's to key by -- a block is only "
             "ever offered to an engine with the same namespace, salt and layout",
         )
+
+
+def call_hook(item: str, name: str, hook: Callable[[], object]) -> None:
+    """Run one of the target's hooks; what it raises fails the check by name (a hook that finds nothing
+    to damage or evict usually means the connector had not saved by the time its requests ended)."""
+    try:
+        hook()
+    except Exception as exc:
+        raise ConformanceError(
+            item,
+            f"the target's {name} hook raised {exc!r} after engine A's requests ended and its holds were "
+            "over; if it found nothing stored, the connector had not saved by then (a save must have read "
+            "its blocks by the time request_finished returns hold=False, or the hold ends)",
+        ) from exc
