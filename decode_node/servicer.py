@@ -31,6 +31,7 @@ class DecodeNodeServicer(node_pb2_grpc.DecodeNodeServicer):
         self, request: node_pb2.DecodeRequest, context: grpc.ServicerContext
     ) -> Iterator[node_pb2.DecodeResponse]:
         with rpc_errors(context, self.calls, "Decode"):
+            convert.known_fields_only(request)
             rid = convert.request_id(request.request_id)
             prompt = convert.token_ids(request.prompt_token_ids, "prompt_token_ids")
             salt = convert.cache_salt(request)

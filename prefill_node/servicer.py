@@ -28,6 +28,7 @@ class PrefillNodeServicer(node_pb2_grpc.PrefillNodeServicer):
         self, request: node_pb2.PrefillRequest, context: grpc.ServicerContext
     ) -> node_pb2.PrefillResponse:
         with rpc_errors(context, self.calls, "Prefill"):
+            convert.known_fields_only(request)
             rid = convert.request_id(request.request_id)
             params = convert.sampling_params(request.sampling)
             prompt = convert.token_ids(request.prompt_token_ids, "prompt_token_ids")

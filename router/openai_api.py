@@ -34,8 +34,9 @@ from router.http_scope import HttpCallScope, IdleCutoff, pipeline_events
 from router.openai_errors import ApiError
 from router.openai_requests import chat_request, check_model, completion_request
 from router.openai_responses import ResponseShape, model_card, whole_response
-from router.openai_schema import ChatCompletionRequest, CompletionRequest
+from router.openai_schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.openai_stream import stream_response
+from router.openai_tokens import detokenize, tokenize, version
 from router.pipeline import Pipeline
 from router.streams import StreamWatch
 from router.tokenizer import RouterModel
@@ -57,7 +58,8 @@ def create_app(
     gRPC front end (default: this model's, without a max_tokens_limit)."""
     access = access if access is not None else Access()
     admission = admission if admission is not None else Admission(model)
-    app = FastAPI(title="pdkv", docs_url=None, redoc_url=None, openapi_url=None)
+    # The OpenAPI docs page (/docs, /openapi.json): every body's fields, served and refused alike.
+    app = FastAPI(title="pdkv", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     # One worker per request the pipeline may admit, and a few more so a request beyond the limit
     # reaches the pipeline and gets its 429 instead of queueing for a thread.
     pool = ThreadPoolExecutor(max_workers=pipeline.max_inflight + 8, thread_name_prefix="http-pipeline")
@@ -72,7 +74,13 @@ def create_app(
         first = exc.errors()[0] if exc.errors() else {"loc": ("body",), "msg": "invalid body"}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or "body"
-        return JSONResponse(ApiError.invalid(param, str(first.get("msg"))).body(), status_code=400)
+        message = str(first.get("msg"))
+        if first.get("type") == "extra_forbidden":  # a field in none of openai_schema's three kinds
+            message = (
+                "is not a field this server serves or can ignore (it could change the output); "
+                "see GET /docs for the fields served"
+            )
+        return JSONResponse(ApiError.invalid(param, message).body(), status_code=400)
 
     @app.get("/health")
     async def _health() -> JSONResponse:
@@ -98,6 +106,18 @@ def create_app(
     async def _model(name: str, caller: Caller = authenticated) -> dict[str, Any]:
         check_model(model, name)
         return model_card(model, created)
+
+    @app.post("/tokenize")
+    async def _tokenize(body: TokenizeRequest, caller: Caller = authenticated) -> dict[str, Any]:
+        return tokenize(body, model)
+
+    @app.post("/detokenize")
+    async def _detokenize(body: DetokenizeRequest, caller: Caller = authenticated) -> dict[str, Any]:
+        return detokenize(body, model)
+
+    @app.get("/version")
+    async def _version() -> dict[str, Any]:
+        return version()
 
     @app.post("/v1/chat/completions", response_model=None)
     async def _chat(body: ChatCompletionRequest, http: Request, caller: Caller = authenticated) -> Any:

@@ -22,7 +22,7 @@ from router.admission import (
     TokenPrompt,
 )
 from router.openai_errors import ApiError
-from router.openai_schema import ChatCompletionRequest, CompletionRequest
+from router.openai_schema import ChatCompletionRequest, CompletionRequest, unserved_field
 from router.tokenizer import RouterModel
 
 # How this front end names a request's fields in a 400 (its ``param``).
@@ -44,33 +44,19 @@ def check_model(model: RouterModel, name: str) -> None:
 
 
 def _refuse_unserved(body: ChatCompletionRequest | CompletionRequest) -> None:
-    """Fields of OpenAI's schema pdkv does not serve: refused naming them, never accepted and ignored."""
-    if body.n != 1:
-        raise ApiError.invalid("n", f"only n=1 is served, got {body.n}; send one request per completion")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) != 0:
-            raise ApiError.invalid(name, "penalties are not supported; leave it at 0")
+    """Fields of OpenAI's schema pdkv does not serve (``openai_schema.NOT_SERVED``): refused naming them
+    unless off, never accepted and ignored."""
+    unserved = unserved_field(body)
+    if unserved is not None:
+        name, why = unserved
+        raise ApiError.invalid(name, f"{why} (got {getattr(body, name)!r})")
 
 
 def chat_request(body: ChatCompletionRequest, model: RouterModel) -> GenerationRequest:
     """A chat completion body as the neutral request (admission checks the rest)."""
     check_model(model, body.model)
     _refuse_unserved(body)
-    if body.tools:
-        raise ApiError.invalid("tools", "tool calls are not supported")
-    if body.top_logprobs:
-        raise ApiError.invalid("top_logprobs", "only the chosen token's logprob is returned; use 0")
-    turns = []
-    for i, m in enumerate(body.messages):
-        content = m.content
-        if isinstance(content, list):  # text parts only
-            parts = []
-            for j, part in enumerate(content):
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError.invalid(f"messages.{i}.content.{j}", "only text parts are supported")
-                parts.append(part["text"])
-            content = "".join(parts)
-        turns.append(ChatTurn(m.role, content or ""))
+    turns = [ChatTurn(m.role, message_text(m.content, i)) for i, m in enumerate(body.messages)]
     sampling = body.sampling()
     if body.max_completion_tokens is not None:  # the newer name wins
         sampling["max_tokens"] = body.max_completion_tokens
@@ -81,10 +67,6 @@ def completion_request(body: CompletionRequest, model: RouterModel) -> Generatio
     """A completion body as the neutral request (admission checks the rest)."""
     check_model(model, body.model)
     _refuse_unserved(body)
-    if body.echo:
-        raise ApiError.invalid("echo", "echo is not supported")
-    if body.suffix:
-        raise ApiError.invalid("suffix", "suffix is not supported")
     if body.logprobs:
         raise ApiError.invalid("logprobs", "only the chosen token's logprob is returned; use 0")
     prompt: Any = body.prompt
@@ -110,3 +92,15 @@ def _neutral(
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
     )
+
+
+def message_text(content: str | list[dict[str, Any]] | None, i: int) -> str:
+    """Message ``i``'s content as text: a string, or a list of text parts as newer SDKs send."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for j, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ApiError.invalid(f"messages.{i}.content.{j}", "only text parts are supported")
+        parts.append(part["text"])
+    return "".join(parts)

@@ -1,14 +1,23 @@
 """The request bodies of the OpenAI-compatible API, as pydantic models (what the official SDK sends).
 
-Fields pdkv does not serve are either accepted and ignored because they cannot change the output
-(``user``, ``presence_penalty`` = 0, ...) or refused with 400 naming the field (``n`` > 1,
-``top_logprobs`` > 0, non-zero penalties, tools).  ``cache_salt`` is vLLM's extension: requests with the
-same salt share cached KV, and only they do.
+Every field a client may send is one of three kinds, and only three (``tests/router/test_api_contract.py``
+walks the ``openai`` SDK's own request types and fails on a field that is none of them):
+
+- **served**: a field of these models that is neither of the two below;
+- **output-neutral** (``OUTPUT_NEUTRAL``): it cannot change the output (who asks, what to store, routing
+  and caching hints): accepted and ignored;
+- **not served** (``NOT_SERVED``): refused with 400 naming the field whenever it asks for anything but
+  its "off" value -- never accepted and dropped.
+
+A field that is in none of them (a newer SDK's, another server's extension such as
+``repetition_penalty``) is refused the same way: an unknown field could change the output.
+``cache_salt`` is vLLM's extension: requests with the same salt share cached KV, and only they do.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -19,9 +28,61 @@ from engine.sampling_params import SamplingParams
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
+# Accepted and ignored: fields that cannot change what is generated.
+OUTPUT_NEUTRAL = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
+    }
+)
+
+
+@dataclass(frozen=True)
+class NotServed:
+    """A field pdkv does not serve: the values that mean "off" (accepted), and why anything else is not."""
+
+    off: tuple[object, ...]
+    why: str
+
+
+_NONE = (None,)
+# Refused with 400 naming the field unless off.  Serving one moves it out of this table.
+NOT_SERVED: dict[str, NotServed] = {
+    "n": NotServed((1,), "only n=1 is served; send one request per completion"),
+    "best_of": NotServed(_NONE, "best_of is not served (vLLM dropped it too); use n, or several requests"),
+    "presence_penalty": NotServed((0, 0.0), "penalties are not served yet; leave it at 0"),
+    "frequency_penalty": NotServed((0, 0.0), "penalties are not served yet; leave it at 0"),
+    "logit_bias": NotServed((None, {}), "logit_bias is not served yet"),
+    "top_logprobs": NotServed((None, 0), "only the chosen token's logprob is returned; use 0"),
+    "echo": NotServed((False,), "echo is not served yet"),
+    "suffix": NotServed((None, ""), "suffix is not served"),
+    "response_format": NotServed(
+        (None, {"type": "text"}), "only {'type': 'text'} is served yet: structured outputs are not"
+    ),
+    "tools": NotServed((None, []), "tool calls are not served yet"),
+    "tool_choice": NotServed((None, "none"), "tool calls are not served yet"),
+    "parallel_tool_calls": NotServed(_NONE, "tool calls are not served yet"),
+    "functions": NotServed((None, []), "function calls are not served"),
+    "function_call": NotServed((None, "none"), "function calls are not served"),
+    "audio": NotServed(_NONE, "audio output is not served"),
+    "modalities": NotServed((None, ["text"]), "only text output is served"),
+    "prediction": NotServed(_NONE, "predicted outputs are not served"),
+    "reasoning_effort": NotServed(_NONE, "this model has no reasoning effort to set"),
+    "verbosity": NotServed(_NONE, "verbosity is not served"),
+    "web_search_options": NotServed(_NONE, "web search is not served"),
+    "moderation": NotServed(_NONE, "moderation is not served"),
+}
+
+
 class _Body(BaseModel):
-    # Unknown fields are ignored, as OpenAI's own server does for fields an SDK version adds.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are refused, naming them (see the module docstring): never accepted and ignored.
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Body):
@@ -40,7 +101,16 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # Output-neutral (OUTPUT_NEUTRAL): accepted and ignored.
     user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     # pdkv extensions (vLLM's names): top_k, min_p, ignore_eos, stop_token_ids.
     top_k: int = Field(default=0, ge=0)
@@ -78,7 +148,20 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Not served yet (NOT_SERVED): refused unless off.
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: Any = None
+    moderation: Any = None
 
 
 class CompletionRequest(_Sampling):
@@ -87,3 +170,30 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
+
+
+def unserved_field(body: BaseModel) -> tuple[str, str] | None:
+    """The first field of ``body`` that asks for something pdkv does not serve, with why (None: none)."""
+    for name, rule in NOT_SERVED.items():
+        if name in type(body).model_fields and getattr(body, name) not in rule.off:
+            return name, rule.why
+    return None
+
+
+class TokenizeRequest(_Body):
+    """``POST /tokenize`` (vLLM's shape): a text prompt, or messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize`` (vLLM's shape): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]

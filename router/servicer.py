@@ -150,6 +150,7 @@ FIELDS = FieldNames(
 
 def generation_request(request: generation_pb2.GenerateRequest) -> GenerationRequest:
     """A ``GenerateRequest`` as the neutral request (nothing is checked here that admission checks)."""
+    convert.known_fields_only(request)  # a field this build does not know is refused, never dropped
     rid = convert.request_id(request.request_id) if request.request_id else f"req-{uuid.uuid4().hex}"
     prompt: Prompt
     which = request.WhichOneof("prompt")

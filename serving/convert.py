@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from engine.connector.params import (
     KVTransferParams,
@@ -28,6 +29,31 @@ _FINISH_TO_PROTO: dict[str, types_pb2.FinishReason] = {
     "length": types_pb2.FINISH_REASON_LENGTH,
 }
 _FINISH_FROM_PROTO: dict[int, str] = {int(v): k for k, v in _FINISH_TO_PROTO.items()}
+
+
+def known_fields_only(msg: Message, where: str = "") -> None:
+    """Refuse a message carrying fields this build's ``.proto`` does not have (a newer client's): protobuf
+    would keep them aside and the request would run without them -- a field accepted and dropped.
+    INVALID_ARGUMENT names the field by its number and where it sits."""
+    from google.protobuf import unknown_fields
+
+    unknown = sorted({f.field_number for f in unknown_fields.UnknownFieldSet(msg)})
+    if unknown:
+        raise invalid(
+            f"{where}#{unknown[0]}",
+            "is not a field of this server's API (a newer .proto?); it could change the output, so the "
+            "request is refused rather than run without it",
+        )
+    for descriptor, value in msg.ListFields():
+        if descriptor.message_type is None:
+            continue
+        name = f"{where}{descriptor.name}"
+        if descriptor.is_repeated:
+            for i, item in enumerate(value):
+                if isinstance(item, Message):
+                    known_fields_only(item, f"{name}[{i}].")
+        else:
+            known_fields_only(value, f"{name}.")
 
 
 def sampling_options(msg: types_pb2.SamplingParams) -> dict[str, Any]:

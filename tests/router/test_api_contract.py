@@ -1,0 +1,209 @@
+"""The API honors everything it accepts: every request field of the OpenAI API is served, refused with 400
+naming it, or output-neutral (listed in one place) -- walked from the ``openai`` SDK's own request types,
+so a field a new SDK adds fails here until it is classified.  Plus ``/tokenize``, ``/detokenize``,
+``/version`` and the docs page."""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from openai.types import completion_create_params
+from openai.types.chat import completion_create_params as chat_create_params
+from pydantic import ValidationError
+
+from router.openai_api import create_app
+from router.openai_errors import ApiError
+from router.openai_requests import chat_request, completion_request
+from router.openai_schema import (
+    NOT_SERVED,
+    OUTPUT_NEUTRAL,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from router.tokenizer import RouterModel, load_model
+from tests.gguf_models import write_gguf
+from tests.tiny_models import pdkv_tiny_model_dir
+
+CHAT = {"model": "tiny-chat", "messages": [{"role": "user", "content": "Hi"}]}
+TEXT = {"model": "tiny-chat", "prompt": "Hi"}
+
+# A value that asks for something, per not-served field (anything but its "off" value).
+ASKING: dict[str, Any] = {
+    "n": 2,
+    "best_of": 2,
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.5,
+    "logit_bias": {"5": -100},
+    "top_logprobs": 3,
+    "echo": True,
+    "suffix": "tail",
+    "response_format": {"type": "json_object"},
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    "tool_choice": "required",
+    "parallel_tool_calls": True,
+    "functions": [{"name": "f"}],
+    "function_call": "auto",
+    "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"},
+    "reasoning_effort": "high",
+    "verbosity": "low",
+    "web_search_options": {},
+    "moderation": {"model": "x"},
+}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> RouterModel:
+    path: Path = tmp_path_factory.mktemp("contract") / "tiny-chat.gguf"
+    return load_model(write_gguf(pdkv_tiny_model_dir(), path, qtype="F32"))
+
+
+@pytest.fixture(scope="module")
+def http(model: RouterModel) -> TestClient:
+    # Nothing here reaches the pipeline: every request below is answered before admission runs it.
+    pipeline: Any = SimpleNamespace(max_inflight=1)
+    return TestClient(create_app(pipeline, model, healthy=lambda: True))
+
+
+def _sdk_fields(params: Any) -> set[str]:
+    fields = set(typing.get_type_hints(params.CompletionCreateParamsBase, include_extras=True))
+    return fields | {"stream"}  # the streaming / non-streaming variants add it
+
+
+@pytest.mark.parametrize(
+    ("params", "body"),
+    [(chat_create_params, ChatCompletionRequest), (completion_create_params, CompletionRequest)],
+    ids=["chat", "completions"],
+)
+def test_every_sdk_field_is_served_refused_or_output_neutral(params: Any, body: type) -> None:
+    ours = set(body.model_fields)
+    unclassified = sorted(_sdk_fields(params) - ours)
+    assert not unclassified, (
+        f"fields of the openai SDK's {params.__name__} that router/openai_schema.py neither serves, "
+        f"refuses by name nor lists as output-neutral: {unclassified}"
+    )
+    kinds = {
+        name: "neutral" if name in OUTPUT_NEUTRAL else "refused" if name in NOT_SERVED else "served"
+        for name in _sdk_fields(params)
+    }
+    assert "served" in kinds.values() and "refused" in kinds.values()
+    assert OUTPUT_NEUTRAL.isdisjoint(NOT_SERVED)
+
+
+@pytest.mark.parametrize("name", sorted(NOT_SERVED))
+def test_each_unserved_field_is_refused_naming_it(model: RouterModel, name: str) -> None:
+    for schema, base, convert in (
+        (ChatCompletionRequest, CHAT, chat_request),
+        (CompletionRequest, TEXT, completion_request),
+    ):
+        if name not in schema.model_fields:
+            continue
+        body = schema.model_validate({**base, name: ASKING[name]})
+        with pytest.raises(ApiError) as info:
+            convert(body, model)
+        assert info.value.status == 400 and info.value.param == name, info.value.body()
+        convert(schema.model_validate({**base, name: NOT_SERVED[name].off[0]}), model)  # off: accepted
+
+
+@pytest.mark.parametrize("name", sorted(OUTPUT_NEUTRAL))
+def test_output_neutral_fields_are_accepted(model: RouterModel, name: str) -> None:
+    value: Any = (
+        {"a": "b"} if name in ("metadata", "prompt_cache_options") else True if name == "store" else "x"
+    )
+    chat_request(ChatCompletionRequest.model_validate({**CHAT, name: value}), model)
+    if name in CompletionRequest.model_fields:
+        completion_request(CompletionRequest.model_validate({**TEXT, name: value}), model)
+
+
+@pytest.mark.parametrize("name", ["repetition_penalty", "guided_json", "structured_outputs", "min_tokens"])
+def test_an_unknown_field_is_a_400_naming_it(http: TestClient, name: str) -> None:
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({**CHAT, name: 1})
+    for path, base in (("/v1/chat/completions", CHAT), ("/v1/completions", TEXT)):
+        response = http.post(path, json={**base, name: 1})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == name and "could change the output" in error["message"]
+
+
+def test_a_refused_field_over_http_keeps_the_server_serving(http: TestClient) -> None:
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    response = http.post("/v1/chat/completions", json={**CHAT, "response_format": schema})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
+    assert http.post("/tokenize", json={"prompt": "still here"}).status_code == 200
+
+
+def test_tokenize_detokenize_and_version(http: TestClient, model: RouterModel) -> None:
+    tok = http.post(
+        "/tokenize", json={"model": "tiny-chat", "prompt": "Hello world", "return_token_strs": True}
+    )
+    assert tok.status_code == 200, tok.text
+    body = tok.json()
+    assert body["tokens"] == model.tokenizer.encode("Hello world")
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == model.context_length
+    assert "".join(body["token_strs"]).endswith("world")
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["tokens"] == model.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    back = http.post("/detokenize", json={"tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json()["prompt"].endswith("Hello world")
+    assert http.get("/version").json()["version"]
+    assert http.get("/docs").status_code == 200 and "/v1/chat/completions" in http.get("/openapi.json").text
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"model": "another", "prompt": "a"}, "model"),
+        ("/detokenize", {"tokens": [1, 10**9]}, "tokens.1"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ],
+)
+def test_bad_tokenize_requests_name_the_field(http: TestClient, path: str, body: dict, param: str) -> None:
+    response = http.post(path, json=body)
+    assert response.status_code in (400, 404), response.text
+    assert response.json()["error"]["param"] == param
+
+
+def _with_unknown_field(msg: Any, number: int = 1007) -> bytes:
+    """``msg`` serialized with one more field: what a client built from a newer .proto sends."""
+    tag = (number << 3) | 0  # a varint field
+    varint = bytearray()
+    while True:
+        byte, tag = tag & 0x7F, tag >> 7
+        varint.append(byte | (0x80 if tag else 0))
+        if not tag:
+            break
+    return bytes(msg.SerializeToString() + bytes(varint) + b"\x05")
+
+
+def test_grpc_refuses_a_field_it_does_not_know_naming_it() -> None:
+    """The same rule on gRPC: protobuf keeps unknown fields aside, so a newer client's field would be
+    accepted and dropped; it is refused by number, top level or nested, on the router and the nodes."""
+    from pdkv_proto.pdkv.v1 import generation_pb2, node_pb2, types_pb2
+    from router.servicer import generation_request
+    from serving import convert
+    from serving.errors import ServingError
+
+    top = generation_pb2.GenerateRequest.FromString(
+        _with_unknown_field(generation_pb2.GenerateRequest(text="hi"))
+    )
+    nested = generation_pb2.GenerateRequest(
+        text="hi",
+        sampling=types_pb2.SamplingParams.FromString(_with_unknown_field(types_pb2.SamplingParams())),
+    )
+    for msg, field in ((top, "#1007"), (nested, "sampling.#1007")):
+        with pytest.raises(ServingError) as info:
+            generation_request(msg)
+        assert info.value.message.startswith(f"{field}: is not a field of this server's API")
+    generation_request(generation_pb2.GenerateRequest(text="hi"))  # a known message passes
+    prefill = node_pb2.PrefillRequest.FromString(_with_unknown_field(node_pb2.PrefillRequest(request_id="r")))
+    with pytest.raises(ServingError):
+        convert.known_fields_only(prefill)
