@@ -6,7 +6,8 @@ is not a kit.
 
 A correct target must pass every check in every run; a broken variant must fail in every run, with its
 rule among the failures, each run within 60 s.  (The offload connector's Redis and remote tiers need
-servers: the test suite runs them; here it runs its in-process tiers.)
+servers: this script starts a redis-server of its own on a free port, and a store server per check in
+this process, as the test suite does.)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def _targets() -> dict[str, tuple[ConformanceTarget, str | None]]:
     """name -> (target, the rule it must break; None: it must pass)."""
     from pdkv_example_connector import get_store
 
+    from tests.connectors import test_conformance_offload as off
     from tests.connectors.test_conformance_builtins import corrupt_block_files, multi, shared_dir, unreachable
     from tests.connectors.test_conformance_offload import (
         corrupt_cpu_tier,
@@ -77,6 +79,21 @@ def _targets() -> dict[str, tuple[ConformanceTarget, str | None]]:
     def two_dead(shared: Path) -> KVConnectorConfig:
         return multi(shared_dir(unreachable(shared, "a")), shared_dir(unreachable(shared, "b")))
 
+    def redis(shared: Path) -> KVConnectorConfig:
+        return offload(off.redis_spec(shared))
+
+    def redis_dead(shared: Path) -> KVConnectorConfig:
+        return offload(off.redis_spec(shared, off.nowhere()))
+
+    def remote(shared: Path) -> KVConnectorConfig:
+        return offload(f"remote:{off.store_server(shared)}?timeout_ms=500")
+
+    def remote_dead(shared: Path) -> KVConnectorConfig:
+        return offload(f"remote:tcp://{off.nowhere()}?timeout_ms=300")
+
+    def corrupt_remote(shared: Path) -> None:
+        corrupt_disk_tier(shared, "srv")
+
     hooks = {"corrupt": corrupt_block_files, "unreachable_factory": sd_dead}
     return {
         "shared-dir": (ConformanceTarget(sd, **hooks), None),
@@ -89,6 +106,14 @@ def _targets() -> dict[str, tuple[ConformanceTarget, str | None]]:
         "offload cpu": (ConformanceTarget(cpu, corrupt=corrupt_cpu_tier, unreachable_factory=cpu), None),
         "offload disk": (
             ConformanceTarget(disk, corrupt=corrupt_disk_tier, unreachable_factory=disk_dead),
+            None,
+        ),
+        "offload redis": (
+            ConformanceTarget(redis, corrupt=off.corrupt_redis_values, unreachable_factory=redis_dead),
+            None,
+        ),
+        "offload remote (store server)": (
+            ConformanceTarget(remote, corrupt=corrupt_remote, unreachable_factory=remote_dead),
             None,
         ),
         "example-memory (plugin)": (
@@ -130,13 +155,37 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--only", default="", help="run only the targets whose name contains this")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)  # the connectors' warnings about the kit's damage are expected
     if args.runs < 1:
         parser.error("--runs must be at least 1")
     report: dict[str, dict[str, object]] = {}
+    from tests.connectors import test_conformance_offload as off
+    from tests.kvstore.kvtest import RedisProcess, free_port
+
+    redis = RedisProcess(free_port())
+    redis.start()
+    off.SERVERS["redis"] = f"127.0.0.1:{redis.port}"
+    try:
+        ok = _run(args, report)
+    finally:
+        for server, stop, thread in off.STORE_SERVERS.values():
+            stop.set()
+            thread.join()
+            server.close()
+            server.store.close()
+        redis.stop()
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0 if ok else 1
+
+
+def _run(args: argparse.Namespace, report: dict[str, dict[str, object]]) -> bool:
     ok = True
     for name, (target, rule) in _targets().items():
+        if args.only not in name:
+            continue
         good, slowest, seen = 0, 0.0, []
         for _ in range(args.runs):
             failed, seconds = run_kit(target)
@@ -147,9 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:44s} {verdict:60s} slowest run {slowest:5.1f}s", flush=True)
         report[name] = {"expected": rule or "pass", "as_expected": good, "runs": args.runs, "failures": seen}
         ok = ok and good == args.runs
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-    return 0 if ok else 1
+    return ok
 
 
 if __name__ == "__main__":
