@@ -41,8 +41,8 @@ from connectors.p2p_lease import Lease, LeaseState, wait_trackers
 from connectors.p2p_transfer import BlockViews, TransferStats
 from wire.codec import pack_header, payload_checksum
 from wire.curve import server_socket, stop_authenticator
-from wire.framing import MAX_HEADER_BYTES, ErrorCode, ErrorReply, ProtocolError
-from wire.p2p_protocol import DataReply, PingRequest, Pong, ReadRequest, decode_p2p_request
+from wire.framing import MAX_HEADER_BYTES, ErrorCode, ErrorReply, InfoReply, ProtocolError
+from wire.p2p_protocol import DataReply, PingRequest, ReadRequest, decode_p2p_request
 from wire.units import send_units
 
 if TYPE_CHECKING:
@@ -279,7 +279,7 @@ class BlockServer:
             return
         if isinstance(request, PingRequest):
             info = {"engine_id": self.engine_id, "leases": self.num_leases()}
-            self._reply(identity, [Pong(request.id, info).encode()])
+            self._reply(identity, [InfoReply(request.id, info).encode()])
         elif isinstance(request, ReadRequest):
             self._serve_read(identity, request)
         else:

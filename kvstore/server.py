@@ -51,13 +51,20 @@ from wire.codec import HEADER_SIZE, HeaderMatcher, verify_payload
 from wire.curve import CurveKeys, server_socket, stop_authenticator
 from wire.endpoints import refuse_open_wide_bind
 from wire.event_publisher import KVEventPublisher
-from wire.framing import PROTOCOL_VERSION, ErrorCode, ErrorReply, ProtocolError, peek_frame_id, send_frames
+from wire.framing import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    ErrorReply,
+    InfoReply,
+    ProtocolError,
+    peek_frame_id,
+    send_frames,
+)
 from wire.memory import tune_malloc_for_tensors
 from wire.store_protocol import (
     CountReply,
     Delete,
     Get,
-    InfoReply,
     Limits,
     Lookup,
     Ping,

@@ -30,8 +30,6 @@ from connectors.testing import items as kit
 
 def _targets() -> dict[str, tuple[ConformanceTarget, str | None]]:
     """name -> (target, the rule it must break; None: it must pass)."""
-    from pdkv_example_connector import get_store
-
     from tests.connectors import test_conformance_offload as off
     from tests.connectors.test_conformance_builtins import corrupt_block_files, multi, shared_dir, unreachable
     from tests.connectors.test_conformance_offload import (
@@ -40,6 +38,7 @@ def _targets() -> dict[str, tuple[ConformanceTarget, str | None]]:
         cpu_spec,
         offload,
     )
+    from tests.connectors.test_example_plugin import damage
 
     def sd(shared: Path) -> KVConnectorConfig:
         return KVConnectorConfig("shared-dir", {"path": str(shared / "kv")})
@@ -52,11 +51,6 @@ def _targets() -> dict[str, tuple[ConformanceTarget, str | None]]:
 
     def example(shared: Path) -> KVConnectorConfig:
         return KVConnectorConfig("example-memory", {"store": str(shared)})
-
-    def damage(shared: Path) -> None:
-        blocks = get_store(str(shared)).blocks
-        for key, block in blocks.items():
-            blocks[key] = block._replace(payload=bytes([block.payload[0] ^ 1]) + block.payload[1:])
 
     def null(shared: Path) -> KVConnectorConfig:
         return KVConnectorConfig("null")

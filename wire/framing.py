@@ -6,9 +6,11 @@ messages that carry blocks -- the unit headers frame and one payload frame per b
 The store protocol (``wire.store_protocol``) and the p2p protocol (``wire.p2p_protocol``) are two sets of
 messages over this framing; KV event batches (``wire.kv_events``) use its bounded parse.
 
-A peer refuses a message it cannot use with **one** error reply, whatever the protocol::
+A peer refuses a message it cannot use with **one** error reply, and answers about itself (a ping) with
+one info reply, whatever the protocol::
 
     {"v", "id", "ok": false, "error": code, "msg": str}     (``ErrorCode``; ``msg`` at most 512 chars)
+    {"v", "id", "ok": true, "info": map}
 
 ``id`` is the refused message's id when one could be read, else 0.
 """
@@ -79,6 +81,17 @@ class ErrorReply:
             raise ProtocolError(f"unknown error code {body.get('error')!r}", request_id=request_id) from None
         msg = body.get("msg")
         return cls(request_id, code, msg if isinstance(msg, str) else "")
+
+
+@dataclass(frozen=True, slots=True)
+class InfoReply:
+    """A peer's answer about itself (a ping's, the store's stats), the same in every protocol of ours."""
+
+    id: int
+    info: dict[str, Any]
+
+    def encode(self) -> bytes:
+        return pack({"id": self.id, "ok": True, "info": self.info})
 
 
 def unpack_bounded(

@@ -11,7 +11,7 @@ blocks: ``wire.units``::
     release  {"v", "op": "release", "id", "rid"}      the consumer is done with the lease.  No reply.
     ping     {"v", "op": "ping", "id"}
     data     {"v", "id", "ok": true, "first": int, "n": int} + unit headers + n payloads
-    pong     {"v", "id", "ok": true, "info": map}
+    pong     {"v", "id", "ok": true, "info": map}                  (``wire.framing.InfoReply``)
     error    {"v", "id", "ok": false, "error": code, "msg": str}   (``wire.framing.ErrorReply``)
 
 ``unknown_lease`` is transient (the producer registers a lease one engine step after the request
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from wire.framing import ErrorReply, ProtocolError, count, pack, peek_id, u64, unpack, with_id
+from wire.framing import ErrorReply, InfoReply, ProtocolError, count, pack, peek_id, u64, unpack, with_id
 
 MAX_READ_BLOCKS = 4096
 MAX_LEASE_ID_CHARS = 1024
@@ -71,17 +71,8 @@ class DataReply:
         return pack({"id": self.id, "ok": True, "first": self.first, "n": self.n})
 
 
-@dataclass(frozen=True, slots=True)
-class Pong:
-    id: int
-    info: dict[str, Any]
-
-    def encode(self) -> bytes:
-        return pack({"id": self.id, "ok": True, "info": self.info})
-
-
 P2PRequest = ReadRequest | ReleaseRequest | PingRequest
-P2PReply = DataReply | Pong | ErrorReply
+P2PReply = DataReply | InfoReply | ErrorReply
 
 
 def decode_p2p_request(frame: Any) -> P2PRequest:
@@ -122,7 +113,7 @@ def decode_p2p_reply(frame: Any) -> P2PReply:
         raise ProtocolError("'ok' must be a bool", request_id=request_id)
     if "info" in body:
         info = body["info"]
-        return Pong(request_id, info if isinstance(info, dict) else {})
+        return InfoReply(request_id, info if isinstance(info, dict) else {})
     try:
         return DataReply(request_id, count(body, "first"), count(body, "n"))
     except ProtocolError as exc:

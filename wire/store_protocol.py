@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 
 from wire.framing import (
     ErrorReply,
+    InfoReply,
     ProtocolError,
     layout_from_wire,
     layout_to_wire,
@@ -194,17 +195,6 @@ class CountReply:
         return pack(
             {"id": self.id, "ok": True, "n": self.n, "reason": self.reason.value if self.reason else None}
         )
-
-
-@dataclass(frozen=True, slots=True)
-class InfoReply:
-    """A ping's or a stats request's answer."""
-
-    id: int
-    info: dict[str, Any]
-
-    def encode(self) -> bytes:
-        return pack({"id": self.id, "ok": True, "info": self.info})
 
 
 StoreReply = CountReply | InfoReply | ErrorReply

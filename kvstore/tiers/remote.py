@@ -29,14 +29,13 @@ from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit
 from kvstore.tiers.base import Tier, TierError, TierPolicy, TierTimeout
 from wire.codec import HEADER_SIZE, HeaderMatcher, parse_header
 from wire.curve import client_socket
-from wire.framing import ErrorReply, ProtocolError, drain, send_frames
+from wire.framing import ErrorReply, InfoReply, ProtocolError, drain, send_frames
 from wire.keys import KeyRun
 from wire.layout import BlockLayout
 from wire.store_protocol import (
     CountReply,
     Delete,
     Get,
-    InfoReply,
     Lookup,
     Ping,
     Put,

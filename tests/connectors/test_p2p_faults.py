@@ -37,9 +37,9 @@ from tests.p2p_harness import (
 )
 from tests.tiny_models import random_prompts
 from wire.codec import pack_header, payload_checksum
-from wire.framing import ErrorCode, ErrorReply, ProtocolError
+from wire.framing import ErrorCode, ErrorReply, InfoReply, ProtocolError
 from wire.layout import BlockLayout
-from wire.p2p_protocol import DataReply, PingRequest, Pong, ReadRequest, ReleaseRequest
+from wire.p2p_protocol import DataReply, PingRequest, ReadRequest, ReleaseRequest
 from wire.p2p_protocol import decode_p2p_reply as decode_reply
 from wire.p2p_protocol import decode_p2p_request as decode_request
 
@@ -269,7 +269,7 @@ def test_garbage_to_the_endpoint_is_refused_and_serving_continues(
         assert dealer.poll(int(DEADLINE_S * 1000))
         replies.append(decode_reply(dealer.recv()))
     errors = [r for r in replies if isinstance(r, ErrorReply)]
-    assert len(errors) == 7 and any(isinstance(r, Pong) for r in replies)
+    assert len(errors) == 7 and any(isinstance(r, InfoReply) for r in replies)
     assert {r.code for r in errors} >= {ErrorCode.MALFORMED, ErrorCode.VERSION, ErrorCode.UNKNOWN_LEASE}
     # Bytes that are not even ZeroMQ, and a frame beyond the size limit: the peer is dropped.
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
@@ -383,7 +383,7 @@ def test_a_release_that_beats_its_lease_ends_the_lease_at_registration() -> None
         dealer.connect(server.endpoint)
         dealer.send(ReleaseRequest(1, "early").encode())
         dealer.send(PingRequest(2).encode())  # answered after the release was handled (one thread, in order)
-        assert dealer.poll(int(DEADLINE_S * 1000)) and isinstance(decode_reply(dealer.recv()), Pong)
+        assert dealer.poll(int(DEADLINE_S * 1000)) and isinstance(decode_reply(dealer.recv()), InfoReply)
         server.add_lease("early", range(4), HASHES[:4], 30.0)
         finished: list[str] = []
         wait_for(lambda: bool(finished.extend(server.take_finished())) or finished == ["early"])

@@ -11,14 +11,13 @@ import pytest
 import zmq
 
 from wire.codec import HeaderMatcher, pack_header, payload_checksum
-from wire.framing import PROTOCOL_VERSION, ErrorCode, ErrorReply, ProtocolError
+from wire.framing import PROTOCOL_VERSION, ErrorCode, ErrorReply, InfoReply, ProtocolError
 from wire.keys import KeyRun
 from wire.kv_events import EventDecodeError, ReplayReply, ReplayRequest
 from wire.layout import BlockLayout
 from wire.p2p_protocol import (
     DataReply,
     PingRequest,
-    Pong,
     ReadRequest,
     ReleaseRequest,
     decode_p2p_reply,
@@ -29,7 +28,6 @@ from wire.store_protocol import (
     CountReply,
     Delete,
     Get,
-    InfoReply,
     Limits,
     Lookup,
     Ping,
@@ -70,7 +68,7 @@ def test_every_p2p_message_round_trips() -> None:
         assert decode_p2p_request(request.encode()) == request
     for reply in (
         DataReply(4, 2, 3),
-        Pong(5, {"leases": 1}),
+        InfoReply(5, {"leases": 1}),
         ErrorReply(6, ErrorCode.UNKNOWN_LEASE, "later"),
     ):
         assert decode_p2p_reply(reply.encode()) == reply
