@@ -15,6 +15,7 @@ from typing import NewType
 
 from engine.connector.params import KVTransferParams
 from engine.hashing import BlockHash, HashNamespace, extend_block_hashes
+from engine.sampler import TokenHistory
 from engine.sampling_params import SamplingParams
 
 RequestId = NewType("RequestId", str)
@@ -177,6 +178,13 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def token_history(self) -> TokenHistory:
+        """What the request's logit processors read (its own lists: valid during the step)."""
+        params = self.sampling_params
+        eos = () if params.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
+        stops = tuple(dict.fromkeys((*eos, *params.stop_token_ids)))
+        return TokenHistory(self.prompt_token_ids, self.output_token_ids, self.num_prior_output_tokens, stops)
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append sampled tokens and hash every block they complete (invariant 1)."""

@@ -11,7 +11,15 @@ sampled it (a decode node continuing a prefill counts the first token as output 
 on the CPU so a seed means the same thing on every device.  Unseeded requests share the engine's
 generator.
 
-Logprobs are ``log_softmax`` of the raw (untempered, unfiltered) logits at the chosen token.
+Logit processors run first, on a copy, for the rows whose parameters turn one on (``logit_bias``,
+``min_tokens``, the penalties; ``SamplingParams.processes_logits``), in this order: the bias is added,
+the stop tokens are masked while fewer than ``min_tokens`` are out, then transformers' repetition penalty
+(over the prompt and the output: a positive logit divided by it, a negative one multiplied) and OpenAI's
+presence and frequency penalties (over the output: ``- presence * [count > 0] - frequency * count``).
+"The output" is every output token, also those another engine sampled before this one took over (a
+decode node continuing a prefill), so a request's penalties do not depend on where it runs.
+
+Logprobs are ``log_softmax`` of the raw (unprocessed, untempered, unfiltered) logits at the chosen token.
 """
 
 from __future__ import annotations
@@ -35,11 +43,30 @@ def mix_seed(seed: int, index: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenHistory:
+    """What a request's logit processors read: its token lists (the request's own, not copies: read them
+    during the step only).  The last ``num_prior`` prompt tokens are outputs another engine sampled."""
+
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    num_prior: int
+    stop_token_ids: tuple[int, ...]  # what ``min_tokens`` holds back: EOS (unless ignored) and stop ids
+
+    def outputs(self) -> list[int]:
+        """Every output token so far, whichever engine sampled it."""
+        if not self.num_prior:
+            return list(self.output_token_ids)
+        return [*self.prompt_token_ids[-self.num_prior :], *self.output_token_ids]
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingRow:
-    """One request to sample for: its parameters and which output token (0-based) this is."""
+    """One request to sample for: its parameters, which output token (0-based) this is, and -- when a
+    logit processor is on -- its tokens."""
 
     params: SamplingParams
     output_index: int
+    history: TokenHistory | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +85,16 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """``logits`` [R, V] float32, one row per entry of ``rows``."""
         assert logits.shape[0] == len(rows), "one logits row per sampling row"
+        raw = logits
+        if any(r.params.processes_logits for r in rows):
+            logits = process_logits(logits.clone(), rows)
         # max(dim).indices is argmax (first index of the maximum, NaN wins) at 2.5x its speed on the CPU
         chosen = self.argmax(logits) if self.argmax is not None else logits.max(dim=-1).indices
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
             idx = torch.tensor(sampled, device=logits.device)
             chosen[idx] = self._sample(logits[idx], [rows[i] for i in sampled])
+        logits = raw
         want_lp = [i for i, r in enumerate(rows) if r.params.logprobs]
         logprobs: list[float | None] = [None] * len(rows)
         if want_lp:
@@ -114,3 +145,38 @@ class Sampler:
         noise = torch.empty(vocab).exponential_(generator=generator)  # [V] float32 on the CPU
         # A draw of exactly 0 would turn a zero-probability token into 0/0 = NaN, which argmax picks.
         return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Apply each row's logit processors to ``logits`` [R, V] in place (see the module docstring)."""
+    vocab = logits.shape[1]
+    device = logits.device
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.processes_logits:
+            continue
+        history = row.history
+        assert history is not None, "a request whose logits are processed carries its tokens"
+        x = logits[i]
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.long, device=device)
+            bias = torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=x.dtype, device=device)
+            x.index_add_(0, ids, bias)
+        if p.min_tokens and row.output_index < p.min_tokens:
+            stops = [t for t in history.stop_token_ids if t < vocab]
+            if stops:
+                x[torch.tensor(stops, dtype=torch.long, device=device)] = float("-inf")
+        outputs = history.outputs() if p.presence_penalty or p.frequency_penalty else []
+        if p.repetition_penalty != 1.0:
+            seen = set(history.prompt_token_ids)
+            seen.update(history.output_token_ids)
+            ids = torch.tensor(sorted(t for t in seen if t < vocab), dtype=torch.long, device=device)
+            selected = x[ids]
+            x[ids] = torch.where(
+                selected < 0, selected * p.repetition_penalty, selected / p.repetition_penalty
+            )
+        if outputs:
+            counts = torch.bincount(torch.tensor(outputs, dtype=torch.long, device=device), minlength=vocab)
+            counts = counts[:vocab].to(x.dtype)
+            x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+    return logits

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 # Below this temperature a request is greedy: logits / 1e-300 overflow to inf, and inf / inf is NaN.
@@ -12,6 +13,9 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
+# logit_bias entries per request, and the bound of each bias (OpenAI's).
+MAX_LOGIT_BIAS = 300
+MAX_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,11 @@ class SamplingParams:
     ``temperature`` below ``GREEDY_TEMPERATURE`` (1e-5, 0 included) is greedy; it must be finite, as must
     ``top_p`` and ``min_p``.  ``seed`` makes a sampled request reproducible regardless of what else runs
     in the batch.  ``stop`` strings are matched on the detokenized output and cut from the text.
+
+    Logit processors (``engine/sampler.py``; off at their defaults): ``logit_bias`` (token id -> bias,
+    stored as sorted pairs), ``min_tokens`` (stop tokens masked until that many are out), and the
+    penalties -- ``repetition_penalty`` over the prompt and the output (transformers'), ``presence_penalty``
+    and ``frequency_penalty`` over the output (OpenAI's).
     """
 
     max_tokens: int = 16
@@ -34,8 +43,16 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, Mapping) else bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((k, float(v)) for k, v in pairs)))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -43,7 +60,14 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        for name in ("temperature", "top_p", "min_p"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
@@ -55,6 +79,24 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias holds {len(self.logit_bias)} entries; the limit is {MAX_LOGIT_BIAS}"
+            )
+        for token, value in self.logit_bias:
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {token!r}")
+            if not math.isfinite(value) or not -MAX_BIAS <= value <= MAX_BIAS:
+                raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {value!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
@@ -77,3 +119,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a logit processor is on (the sampler then needs the request's tokens)."""
+        return bool(
+            self.logit_bias
+            or self.min_tokens
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )

@@ -132,7 +132,7 @@ class Admission:
         options["max_tokens"] = self._max_tokens(
             options.get("max_tokens"), len(token_ids), prompt_field, chat, names
         )
-        self._check_stop_token_ids(options.get("stop_token_ids", ()), names)
+        self._check_token_ids(options, names)
         try:
             params = SamplingParams(**options)  # type: ignore[arg-type]
         except ValueError as exc:
@@ -199,13 +199,21 @@ class Admission:
             )
         return asked
 
-    def _check_stop_token_ids(self, stop_token_ids: object, names: FieldNames) -> None:
-        """A stop token outside the vocabulary could never match: refused, not accepted and ignored."""
+    def _check_token_ids(self, options: Mapping[str, object], names: FieldNames) -> None:
+        """A stop token or a biased token outside the vocabulary could never act: refused, not accepted
+        and ignored."""
         vocab = self.model.vocab_size
+        stop_token_ids = options.get("stop_token_ids", ())
         for i, t in enumerate(stop_token_ids if isinstance(stop_token_ids, list | tuple) else ()):
             if isinstance(t, int) and not 0 <= t < vocab:
                 raise InvalidField(
                     f"{names.sampling}stop_token_ids[{i}]", f"{t} is outside the vocabulary [0, {vocab})"
+                )
+        bias = options.get("logit_bias", {})
+        for t in bias if isinstance(bias, Mapping) else ():
+            if isinstance(t, int) and not 0 <= t < vocab:
+                raise InvalidField(
+                    f"{names.sampling}logit_bias", f"token id {t} is outside the vocabulary [0, {vocab})"
                 )
 
 

@@ -57,7 +57,7 @@ def chat_request(body: ChatCompletionRequest, model: RouterModel) -> GenerationR
     check_model(model, body.model)
     _refuse_unserved(body)
     turns = [ChatTurn(m.role, message_text(m.content, i)) for i, m in enumerate(body.messages)]
-    sampling = body.sampling()
+    sampling = _sampling(body)
     if body.max_completion_tokens is not None:  # the newer name wins
         sampling["max_tokens"] = body.max_completion_tokens
     return _neutral(body, "chatcmpl", ChatPrompt(tuple(turns)), sampling)
@@ -77,7 +77,14 @@ def completion_request(body: CompletionRequest, model: RouterModel) -> Generatio
             )
         prompt = prompt[0]
     neutral = TextPrompt(prompt) if isinstance(prompt, str) else TokenPrompt(tuple(prompt))
-    return _neutral(body, "cmpl", neutral, body.sampling())
+    return _neutral(body, "cmpl", neutral, _sampling(body))
+
+
+def _sampling(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    try:
+        return body.sampling()
+    except ValueError as exc:  # only logit_bias's keys are read there; the message names the field
+        raise ApiError.invalid("logit_bias", str(exc).removeprefix("logit_bias ")) from None
 
 
 def _neutral(

@@ -56,9 +56,6 @@ _NONE = (None,)
 NOT_SERVED: dict[str, NotServed] = {
     "n": NotServed((1,), "only n=1 is served; send one request per completion"),
     "best_of": NotServed(_NONE, "best_of is not served (vLLM dropped it too); use n, or several requests"),
-    "presence_penalty": NotServed((0, 0.0), "penalties are not served yet; leave it at 0"),
-    "frequency_penalty": NotServed((0, 0.0), "penalties are not served yet; leave it at 0"),
-    "logit_bias": NotServed((None, {}), "logit_bias is not served yet"),
     "top_logprobs": NotServed((None, 0), "only the chosen token's logprob is returned; use 0"),
     "echo": NotServed((False,), "echo is not served yet"),
     "suffix": NotServed((None, ""), "suffix is not served"),
@@ -99,8 +96,9 @@ class _Sampling(_Body):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # token id (as a string, as OpenAI's JSON has it) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = None
     # Output-neutral (OUTPUT_NEUTRAL): accepted and ignored.
     user: str | None = None
@@ -112,7 +110,10 @@ class _Sampling(_Body):
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
-    # pdkv extensions (vLLM's names): top_k, min_p, ignore_eos, stop_token_ids.
+    # pdkv extensions (vLLM's names): top_k, min_p, ignore_eos, stop_token_ids, repetition_penalty,
+    # min_tokens.
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     ignore_eos: bool = False
@@ -133,6 +134,8 @@ class _Sampling(_Body):
             options["stop"] = (self.stop,)
         if "logprobs" in options:  # a flag, or a count: any count asks for the chosen token's
             options["logprobs"] = options["logprobs"] is not False
+        if self.logit_bias is not None:
+            options["logit_bias"] = _token_bias(self.logit_bias)
         return options
 
 
@@ -171,6 +174,16 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+
+def _token_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) keyed by token id."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not key.strip().isdigit():
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        out[int(key)] = value
+    return out
 
 
 def unserved_field(body: BaseModel) -> tuple[str, str] | None:

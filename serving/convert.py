@@ -64,7 +64,10 @@ def sampling_options(msg: types_pb2.SamplingParams) -> dict[str, Any]:
         if proto_field.has_presence and not msg.HasField(name):
             continue  # unset: the default of whoever builds SamplingParams
         value = getattr(msg, name)
-        options[name] = tuple(value) if proto_field.is_repeated else value
+        if proto_field.message_type is not None and proto_field.message_type.GetOptions().map_entry:
+            options[name] = dict(value)  # a map (logit_bias): token id -> value
+        else:
+            options[name] = tuple(value) if proto_field.is_repeated else value
     return options
 
 
@@ -79,6 +82,7 @@ def sampling_params(msg: types_pb2.SamplingParams, field: str = "sampling") -> S
 def sampling_params_proto(params: SamplingParams) -> types_pb2.SamplingParams:
     """The proto of ``params``: every field by its name (None leaves an ``optional`` one unset)."""
     values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    values["logit_bias"] = dict(params.logit_bias)  # sorted pairs -> the proto's map
     return types_pb2.SamplingParams(**{k: v for k, v in values.items() if v is not None})
 
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from engine.connector.types import KVConnectorMetadata, KVConnectorOutput
 from engine.hashing import BlockHash
-from engine.request import RequestId
+from engine.request import Request, RequestId
+from engine.sampler import TokenHistory
 from engine.sampling_params import SamplingParams
 
 
@@ -38,6 +39,24 @@ class ScheduledRequest:
     # The request's block hashes, one per full block so far (the request's own list, not a copy: read it
     # in build_connector_meta, never change it).  What a connector saves block i of ``block_ids`` under.
     block_hashes: Sequence[BlockHash] = ()
+    # The request's tokens, for its logit processors (None unless its sampling parameters turn one on).
+    history: TokenHistory | None = None
+
+    @classmethod
+    def of(cls, request: Request, start: int, end: int, block_ids: list[int]) -> ScheduledRequest:
+        """``request``'s tokens ``[start, end)`` this step, into its ``block_ids``."""
+        params = request.sampling_params
+        return cls(
+            request_id=request.request_id,
+            token_ids=request.token_ids_slice(start, end),
+            start_position=start,
+            block_ids=block_ids,
+            sample=end == request.num_tokens,
+            sampling_params=params,
+            output_index=request.num_prior_output_tokens + request.num_output_tokens,
+            block_hashes=request.block_hashes,
+            history=request.token_history() if params.processes_logits else None,
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -288,16 +288,7 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + num_new
         out.scheduled.append(
-            ScheduledRequest(
-                request_id=request.request_id,
-                token_ids=request.token_ids_slice(start, end),
-                start_position=start,
-                block_ids=self.kv.get_block_ids(request.request_id),
-                sample=end == request.num_tokens,
-                sampling_params=request.sampling_params,
-                output_index=request.num_prior_output_tokens + request.num_output_tokens,
-                block_hashes=request.block_hashes,
-            )
+            ScheduledRequest.of(request, start, end, self.kv.get_block_ids(request.request_id))
         )
         out.num_scheduled_tokens[request.request_id] = num_new
         out.total_num_scheduled_tokens += num_new

@@ -121,7 +121,7 @@ def test_output_neutral_fields_are_accepted(model: RouterModel, name: str) -> No
         completion_request(CompletionRequest.model_validate({**TEXT, name: value}), model)
 
 
-@pytest.mark.parametrize("name", ["repetition_penalty", "guided_json", "structured_outputs", "min_tokens"])
+@pytest.mark.parametrize("name", ["guided_json", "structured_outputs", "length_penalty", "use_beam_search"])
 def test_an_unknown_field_is_a_400_naming_it(http: TestClient, name: str) -> None:
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate({**CHAT, name: 1})
@@ -207,3 +207,53 @@ def test_grpc_refuses_a_field_it_does_not_know_naming_it() -> None:
     prefill = node_pb2.PrefillRequest.FromString(_with_unknown_field(node_pb2.PrefillRequest(request_id="r")))
     with pytest.raises(ServingError):
         convert.known_fields_only(prefill)
+
+
+def test_penalties_bias_and_min_tokens_are_served(model: RouterModel) -> None:
+    """Served: they reach SamplingParams by their names (logit_bias keyed by token id), from either front
+    end, and bad values are 400s naming them."""
+    from router.admission import Admission
+    from router.auth import OPEN, Caller
+
+    caller = Caller(OPEN, "peer:test", 8, cache_details=False)
+    body = ChatCompletionRequest.model_validate(
+        {
+            **CHAT,
+            "max_tokens": 8,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.25,
+            "logit_bias": {"7": -100, "12": 3.5},
+            "repetition_penalty": 1.1,
+            "min_tokens": 2,
+        }
+    )
+    params = Admission(model).admit(chat_request(body, model), caller).params
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -0.25, 1.1)
+    assert params.logit_bias == ((7, -100.0), (12, 3.5)) and params.min_tokens == 2
+    for bad, param in (
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+    ):
+        with pytest.raises((ApiError, Exception)) as info:
+            Admission(model).admit(
+                chat_request(ChatCompletionRequest.model_validate({**CHAT, **bad}), model), caller
+            )
+        assert param in str(info.value)
+
+
+def test_grpc_serves_them_and_they_travel_to_the_nodes(model: RouterModel) -> None:
+    from pdkv_proto.pdkv.v1 import generation_pb2, types_pb2
+    from router.admission import Admission
+    from router.auth import OPEN, Caller
+    from router.servicer import generation_request
+    from serving import convert
+
+    sampling = types_pb2.SamplingParams(
+        max_tokens=8, presence_penalty=0.5, repetition_penalty=1.2, logit_bias={7: -100.0}, min_tokens=3
+    )
+    msg = generation_pb2.GenerateRequest(text="hi", sampling=sampling)
+    params = Admission(model).admit(generation_request(msg), Caller(OPEN, "p", 8, cache_details=False)).params
+    assert (params.presence_penalty, params.repetition_penalty, params.min_tokens) == (0.5, 1.2, 3)
+    assert params.logit_bias == ((7, -100.0),)
+    assert convert.sampling_params(convert.sampling_params_proto(params)) == params  # router -> node
+    assert convert.sampling_params(types_pb2.SamplingParams()).repetition_penalty == 1.0  # unset: off

@@ -156,13 +156,19 @@ def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
         ({"messages": []}, "messages"),
         ({"top_logprobs": 3, "logprobs": True}, "top_logprobs"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"logit_bias": {"999999": -100}}, "logit_bias"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"min_tokens": 9}, "min_tokens"),  # over max_tokens (4)
+        ({"best_of": 2}, "best_of"),
     ],
 )
 def test_a_bad_parameter_is_a_bad_request_naming_it(client: openai.OpenAI, kwargs: dict, param: str) -> None:
     body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kwargs}
+    sdk = {k: v for k, v in body.items() if k not in ("min_tokens", "best_of")}  # not the SDK's chat fields
+    extra = {k: v for k, v in body.items() if k in ("min_tokens", "best_of")}
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(**body)
+        client.chat.completions.create(**sdk, extra_body=extra)
     assert err.value.status_code == 400
     assert param in str(err.value)
     assert isinstance(err.value.body, dict) and err.value.body.get("param") == param

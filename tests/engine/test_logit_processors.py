@@ -1,0 +1,203 @@
+"""Logit processors (``engine/sampler.py``): ``logit_bias``, ``min_tokens``, ``repetition_penalty``,
+``presence_penalty``, ``frequency_penalty`` -- equal to transformers' processors on the same inputs (and to
+OpenAI's formula where transformers has none), in greedy generation equal to transformers' ``generate``
+token for token, and the same whether a request runs on one engine or is split prefill -> decode."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import transformers
+
+from engine import LLM, SamplingParams
+from engine.connector.params import RemoteDecode, RemotePrefill
+from engine.sampler import Sampler, SamplingRow, TokenHistory, process_logits
+from tests.p2p_harness import make_engine, run_until
+from tests.tiny_models import hf_model, random_prompts, tiny_model_dir
+
+VOCAB = 320
+PROMPT = [5, 17, 17, 200, 3, 9]
+OUTPUT = [17, 40, 40, 40, 8]
+
+
+def _processed(
+    params: SamplingParams, logits: torch.Tensor, history: TokenHistory, index: int
+) -> torch.Tensor:
+    return process_logits(logits.clone()[None, :], [SamplingRow(params, index, history)])[0]
+
+
+def _logits(seed: int = 0) -> torch.Tensor:
+    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _hf(processor: transformers.LogitsProcessor, logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    return processor(torch.tensor([ids]), logits.clone()[None, :])[0]
+
+
+@pytest.mark.parametrize("penalty", [0.7, 1.3, 2.0])
+def test_repetition_penalty_equals_transformers(penalty: float) -> None:
+    logits = _logits(1)
+    history = TokenHistory(PROMPT, OUTPUT, 0, ())
+    ours = _processed(SamplingParams(repetition_penalty=penalty), logits, history, len(OUTPUT))
+    theirs = _hf(transformers.RepetitionPenaltyLogitsProcessor(penalty), logits, PROMPT + OUTPUT)
+    assert torch.equal(ours, theirs)
+
+
+def test_min_tokens_equals_transformers_and_masks_every_stop_token() -> None:
+    logits = _logits(2)
+    eos = [7, 11]
+    params = SamplingParams(min_tokens=4, max_tokens=8)
+    history = TokenHistory(PROMPT, OUTPUT[:2], 0, tuple(eos))
+    processor = transformers.MinNewTokensLengthLogitsProcessor(len(PROMPT), 4, eos)
+    for n in range(6):
+        history = TokenHistory(PROMPT, OUTPUT[:n], 0, tuple(eos))
+        ours = _processed(params, logits, history, n)
+        assert torch.equal(ours, _hf(processor, logits, PROMPT + OUTPUT[:n])), f"after {n} output tokens"
+        assert (ours[eos] == float("-inf")).all() == (n < 4)
+
+
+def test_logit_bias_equals_transformers_sequence_bias() -> None:
+    logits = _logits(3)
+    bias = {3: -100.0, 50: 5.5, 319: -0.25}
+    ours = _processed(SamplingParams(logit_bias=bias), logits, TokenHistory(PROMPT, OUTPUT, 0, ()), 0)
+    processor = transformers.SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})
+    assert torch.allclose(ours, _hf(processor, logits, PROMPT + OUTPUT))
+
+
+def test_presence_and_frequency_follow_openai_over_the_output_only() -> None:
+    logits = _logits(4)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    ours = _processed(params, logits, TokenHistory(PROMPT, OUTPUT, 0, ()), len(OUTPUT))
+    want = logits.clone()
+    for t in set(OUTPUT):
+        want[t] -= 0.5 + 0.25 * OUTPUT.count(t)
+    assert torch.allclose(ours, want)
+    assert ours[5] == logits[5]  # a prompt token that is not in the output is not penalized
+
+
+def test_outputs_another_engine_sampled_count_as_outputs() -> None:
+    """A decode node's prompt ends with the tokens the prefill node sampled: they are outputs."""
+    logits = _logits(5)
+    params = SamplingParams(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.2)
+    here = _processed(params, logits, TokenHistory(PROMPT, OUTPUT, 0, ()), len(OUTPUT))
+    split = _processed(params, logits, TokenHistory(PROMPT + OUTPUT[:2], OUTPUT[2:], 2, ()), len(OUTPUT))
+    assert torch.equal(here, split)
+
+
+def test_logprobs_stay_those_of_the_raw_logits() -> None:
+    logits = _logits(6)[None, :]
+    params = SamplingParams(logprobs=True, logit_bias={int(logits[0].argmin()): 100.0})
+    out = Sampler()(logits.clone(), [SamplingRow(params, 0, TokenHistory(PROMPT, [], 0, ()))])
+    assert out.token_ids == [int(logits[0].argmin())]  # the bias decided the token ...
+    assert out.logprobs[0] == pytest.approx(float(logits[0].log_softmax(-1).min()))  # ... not its logprob
+
+
+@pytest.mark.parametrize(
+    ("bad", "field"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {1: 101.0}}, "logit_bias[1]"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ],
+)
+def test_bad_processor_parameters_are_refused_naming_them(bad: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field.replace("[", r"\[")):
+        SamplingParams(**bad)
+
+
+# ---- in generation ----------------------------------------------------------------------------------------
+
+PROMPTS = random_prompts([9, 23], seed=11)
+NEW = 12
+
+
+def _hf_generate(prompt: list[int], **kwargs: object) -> list[int]:
+    model = hf_model("llama")
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=NEW,
+            pad_token_id=0,
+            **kwargs,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(tiny_model_dir("llama"), dtype="float32", device="cpu", block_size=4, num_blocks=128)
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [
+        ({"repetition_penalty": 1.5}, {"repetition_penalty": 1.5}),
+        # 150 and 278: the greedy first tokens of the two prompts, banned
+        ({"logit_bias": {150: -100.0, 278: -100.0}}, {"sequence_bias": {(150,): -100.0, (278,): -100.0}}),
+    ],
+    ids=["repetition_penalty", "logit_bias"],
+)
+def test_greedy_generation_equals_transformers(llm: LLM, ours: dict, theirs: dict) -> None:
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True, **ours)
+    for prompt in PROMPTS:
+        [out] = llm.generate([prompt], params)
+        assert out.token_ids == _hf_generate(prompt, **theirs)
+    plain = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in plain] != [o.token_ids for o in llm.generate(PROMPTS, params)]  # it did act
+
+
+def test_min_tokens_holds_back_eos_like_transformers(llm: LLM) -> None:
+    """The stop token is the greedy choice at once; min_tokens keeps it back for 5 tokens."""
+    prompt = PROMPTS[0]
+    eos = llm.generate([prompt], SamplingParams(max_tokens=1))[0].token_ids[0]
+    params = SamplingParams(max_tokens=NEW, min_tokens=5, stop_token_ids=(eos,))
+    [out] = llm.generate([prompt], params)
+    theirs = _hf_generate(prompt, min_new_tokens=5, eos_token_id=eos)
+    assert len(out.token_ids) >= 5 and out.token_ids == theirs[: len(out.token_ids)]
+    assert eos not in out.token_ids[:5]
+
+
+def test_penalties_are_the_same_split_prefill_to_decode() -> None:
+    """The prefill engine samples the first token with the penalties, the decode engine counts it as an
+    output: the tokens equal one engine's."""
+    params = SamplingParams(
+        max_tokens=NEW, presence_penalty=0.7, frequency_penalty=0.6, repetition_penalty=1.2
+    )
+    prompt = PROMPTS[1]
+    local = make_engine("pen-local", p2p=False)
+    local.add_request("r", list(prompt), params)
+    want = [
+        t
+        for o in run_until([local], lambda: not local.has_unfinished_requests())["r"]
+        for t in o.new_token_ids
+    ]
+    producer, consumer = make_engine("pen-p"), make_engine("pen-d")
+    try:
+        producer.add_request(
+            "r", list(prompt), dataclasses.replace(params, max_tokens=1), kv_transfer_params=RemoteDecode()
+        )
+        first = run_until([producer], lambda: producer.scheduler.get_request("r") is None)["r"][-1]
+        assert isinstance(first.kv_transfer_params, RemotePrefill)
+        token = first.new_token_ids[0]
+        consumer.add_request(
+            "r",
+            [*prompt, token],
+            dataclasses.replace(params, max_tokens=NEW - 1),
+            kv_transfer_params=first.kv_transfer_params,
+            prior_output_token_ids=[token],
+        )
+        outs = run_until(
+            [consumer, producer], lambda: not consumer.has_pending_work() and not producer.has_pending_work()
+        )
+        assert [token, *(t for o in outs["r"] for t in o.new_token_ids)] == want
+    finally:
+        for engine in (local, producer, consumer):
+            engine.shutdown()
