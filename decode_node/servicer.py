@@ -59,6 +59,7 @@ def _response(rid: str, out: RequestOutput, carried: int) -> node_pb2.DecodeResp
         token_ids=out.new_token_ids,
         text=out.new_text,
         logprobs=out.new_logprobs,
+        top_logprobs=[convert.top_logprobs_proto(t) for t in out.new_top_logprobs],
         finished=out.finished,
         finish_reason=convert.finish_reason_proto(out.finish_reason),
         prompt=convert.prompt_usage(out, carried),

@@ -59,6 +59,7 @@ class LLM:
                     request_id=rid,
                     prompt_token_ids=list(request.prompt_token_ids),
                     logprobs=[] if p.logprobs else None,
+                    top_logprobs=[] if p.top_logprobs else None,
                 )
         except BaseException:
             for rid in order:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
+from engine.sampling_params import TopLogprobs
 from engine.scheduler import RequestUpdate, Scheduler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -95,7 +96,16 @@ class OutputProcessor:
                         update.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop
                     )
                 finished, reason, stop_reason = True, "stop", stop
-        return self._emit(state, new_ids, update.new_logprobs, finished, reason, stop_reason, update.error)
+        return self._emit(
+            state,
+            new_ids,
+            update.new_logprobs,
+            finished,
+            reason,
+            stop_reason,
+            update.error,
+            update.new_top_logprobs,
+        )
 
     @staticmethod
     def _find_stop(state: _RequestState) -> tuple[int, str] | None:
@@ -118,6 +128,7 @@ class OutputProcessor:
         reason: str | None,
         stop_reason: int | str | None,
         error: str | None,
+        new_top_logprobs: list[TopLogprobs] | None = None,
     ) -> RequestOutput:
         hold_back = 0 if finished else max(0, state.max_stop_len - 1)
         end = max(state.num_emitted_chars, len(state.text) - hold_back)
@@ -131,6 +142,7 @@ class OutputProcessor:
             new_token_ids=list(new_ids),
             new_text=delta,
             new_logprobs=list(new_logprobs),
+            new_top_logprobs=list(new_top_logprobs or ()),
             finished=finished,
             finish_reason=reason,
             stop_reason=stop_reason,

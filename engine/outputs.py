@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.connector.params import KVTransferParams
+from engine.sampling_params import TopLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,8 @@ class RequestOutput:
     num_external_tokens: int = 0
     # What the connector returned when the request finished (e.g. where a prefill node holds its KV).
     kv_transfer_params: KVTransferParams | None = None
+    # One per new token, when the request asked for top_logprobs: the most likely tokens there.
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
     @property
     def num_computed_prompt_tokens(self) -> int:
@@ -49,6 +52,7 @@ class GenerationOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
     num_cached_tokens: int = 0
     num_external_tokens: int = 0
     num_computed_prompt_tokens: int = 0
@@ -62,6 +66,8 @@ class GenerationOutput:
         self.text += delta.new_text
         if self.logprobs is not None:
             self.logprobs.extend(delta.new_logprobs)
+        if self.top_logprobs is not None:
+            self.top_logprobs.extend(delta.new_top_logprobs)
         self.num_cached_tokens = delta.num_cached_tokens
         self.num_external_tokens = delta.num_external_tokens
         self.num_computed_prompt_tokens = delta.num_computed_prompt_tokens

@@ -137,10 +137,14 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [R, vocab] float32
         rows = [SamplingRow(sr.sampling_params, sr.output_index, sr.history) for sr in inputs.sampling]
         sampled = self.sampler(logits, rows)
-        for sr, token, logprob in zip(inputs.sampling, sampled.token_ids, sampled.logprobs, strict=True):
+        for sr, token, logprob, top in zip(
+            inputs.sampling, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, strict=True
+        ):
             out.sampled_token_ids[sr.request_id] = token
             if logprob is not None:
                 out.logprobs[sr.request_id] = logprob
+            if top is not None:
+                out.top_logprobs[sr.request_id] = top
         return out
 
     def _finish_connector_step(self, step: SchedulerOutput, out: ModelRunnerOutput) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TopLogprobs
 
 _MASK64 = (1 << 64) - 1
 
@@ -73,6 +73,7 @@ class SamplingRow:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float | None]  # None where the request did not ask for logprobs
+    top_logprobs: list[TopLogprobs | None]  # None where it did not ask for alternatives
 
 
 class Sampler:
@@ -97,12 +98,21 @@ class Sampler:
         logits = raw
         want_lp = [i for i, r in enumerate(rows) if r.params.logprobs]
         logprobs: list[float | None] = [None] * len(rows)
+        top: list[TopLogprobs | None] = [None] * len(rows)
         if want_lp:
             idx = torch.tensor(want_lp, device=logits.device)
-            lp = logits[idx].log_softmax(dim=-1).gather(1, chosen[idx, None])[:, 0]  # [n]
+            table = logits[idx].log_softmax(dim=-1)  # [n, V]
+            lp = table.gather(1, chosen[idx, None])[:, 0]  # [n]
             for i, value in zip(want_lp, lp.tolist(), strict=True):
                 logprobs[i] = value
-        return SamplerOutput(chosen.tolist(), logprobs)
+            k = max(rows[i].params.top_logprobs for i in want_lp)
+            if k:
+                values, ids = table.topk(k, dim=-1)  # [n, k], most likely first
+                for j, i in enumerate(want_lp):
+                    n = rows[i].params.top_logprobs
+                    if n:
+                        top[i] = tuple(zip(ids[j, :n].tolist(), values[j, :n].tolist(), strict=True))
+        return SamplerOutput(chosen.tolist(), logprobs, top)
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Sample one token per row of ``logits`` [n, V]; returns [n] int64."""

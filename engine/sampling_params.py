@@ -13,6 +13,10 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
+# The most alternatives a request may ask for at each position (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+# One position's most likely tokens and their log-probabilities, most likely first.
+TopLogprobs = tuple[tuple[int, float], ...]
 # logit_bias entries per request, and the bound of each bias (OpenAI's).
 MAX_LOGIT_BIAS = 300
 MAX_BIAS = 100.0
@@ -48,6 +52,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         bias = self.logit_bias
@@ -97,6 +102,12 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}"
+            )
+        if self.top_logprobs and not self.logprobs:
+            object.__setattr__(self, "logprobs", True)  # the alternatives come with the chosen token's
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:

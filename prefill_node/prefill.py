@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from engine.connector.params import KVTransferParams, RemoteDecode
 from engine.driver import EngineRequest
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TopLogprobs
 
 
 def prefill_request(
@@ -60,6 +60,10 @@ class PrefillResult:
     @property
     def first_logprob(self) -> float | None:
         return self.output.new_logprobs[0] if self.output.new_logprobs else None
+
+    @property
+    def first_top_logprobs(self) -> TopLogprobs | None:
+        return self.output.new_top_logprobs[0] if self.output.new_top_logprobs else None
 
     @property
     def text(self) -> str:

@@ -61,6 +61,8 @@ def _response(rid: str, result: PrefillResult) -> node_pb2.PrefillResponse:
     )
     if result.first_logprob is not None:
         response.first_logprob = result.first_logprob
+    if result.first_top_logprobs is not None:
+        response.first_top_logprobs.CopyFrom(convert.top_logprobs_proto(result.first_top_logprobs))
     if result.ends_here:
         convert.set_stop_reason(response, result.output.stop_reason)
     return response

@@ -8,8 +8,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
+
+from engine.sampling_params import TopLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +29,8 @@ class Delta:
     token_ids: list[int]
     text: str
     logprobs: list[float]
+    # One per token when the client asked for top_logprobs: the most likely tokens there.
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
 @dataclass

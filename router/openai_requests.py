@@ -67,8 +67,6 @@ def completion_request(body: CompletionRequest, model: RouterModel) -> Generatio
     """A completion body as the neutral request (admission checks the rest)."""
     check_model(model, body.model)
     _refuse_unserved(body)
-    if body.logprobs:
-        raise ApiError.invalid("logprobs", "only the chosen token's logprob is returned; use 0")
     prompt: Any = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:

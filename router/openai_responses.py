@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from engine.sampling_params import TopLogprobs
 from router.events import Delta, Done, Event, Usage
 from router.http_scope import HttpCallScope, watch_disconnect
 from router.openai_errors import ApiError
@@ -57,17 +58,18 @@ class ResponseShape:
         return {**self.envelope(), "choices": [choice]}
 
     def delta_chunk(self, d: Delta) -> dict[str, Any]:
-        lp = self._logprobs(d.token_ids, d.logprobs) if self.logprobs else None
+        lp = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs) if self.logprobs else None
         return self.chunk({"content": d.text} if self.chat else d.text, None, lp)
 
     def whole(self, deltas: list[Delta], done: Done) -> dict[str, Any]:
         text = "".join(d.text for d in deltas)
         ids = [t for d in deltas for t in d.token_ids]
         lps = [x for d in deltas for x in d.logprobs]
+        tops = [x for d in deltas for x in d.top_logprobs]
         choice: dict[str, Any] = {
             "index": 0,
             "finish_reason": done.finish_reason,
-            "logprobs": self._logprobs(ids, lps) if self.logprobs else None,
+            "logprobs": self._logprobs(ids, lps, tops) if self.logprobs else None,
         }
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -84,21 +86,38 @@ class ResponseShape:
             "usage": self.usage(done.usage),
         }
 
-    def _logprobs(self, ids: list[int], lps: list[float]) -> Any:
-        tok = self.model.tokenizer
-        tokens = [tok.decode([t], skip_special_tokens=False) for t in ids]
+    def _logprobs(self, ids: list[int], lps: list[float], tops: list[TopLogprobs]) -> Any:
+        """OpenAI's logprobs object: chat's ``content`` entries (each with its ``top_logprobs``), or
+        completions' parallel lists (``top_logprobs``: one {token: logprob} map per token)."""
+        tokens = [self._token(t) for t in ids]
         if self.chat:
             return {
                 "content": [
-                    {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
-                    for s, lp in zip(tokens, lps, strict=False)
+                    {
+                        "token": s,
+                        "logprob": lp,
+                        "bytes": list(s.encode("utf-8")),
+                        "top_logprobs": [
+                            {
+                                "token": self._token(t),
+                                "logprob": v,
+                                "bytes": list(self._token(t).encode("utf-8")),
+                            }
+                            for t, v in (tops[i] if i < len(tops) else ())
+                        ],
+                    }
+                    for i, (s, lp) in enumerate(zip(tokens, lps, strict=False))
                 ]
             }
         offsets, at = [], 0
         for s in tokens:
             offsets.append(at)
             at += len(s)
-        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+        top_maps = [{self._token(t): v for t, v in top} for top in tops] if tops else None
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top_maps, "text_offset": offsets}
+
+    def _token(self, token_id: int) -> str:
+        return self.model.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def usage(self, u: Usage) -> dict[str, Any]:
         """OpenAI's usage; cached-token counts only where the operator enabled them."""

@@ -56,7 +56,6 @@ _NONE = (None,)
 NOT_SERVED: dict[str, NotServed] = {
     "n": NotServed((1,), "only n=1 is served; send one request per completion"),
     "best_of": NotServed(_NONE, "best_of is not served (vLLM dropped it too); use n, or several requests"),
-    "top_logprobs": NotServed((None, 0), "only the chosen token's logprob is returned; use 0"),
     "echo": NotServed((False,), "echo is not served yet"),
     "suffix": NotServed((None, ""), "suffix is not served"),
     "response_format": NotServed(
@@ -132,8 +131,11 @@ class _Sampling(_Body):
         options.setdefault("temperature", 1.0)
         if isinstance(self.stop, str):
             options["stop"] = (self.stop,)
-        if "logprobs" in options:  # a flag, or a count: any count asks for the chosen token's
-            options["logprobs"] = options["logprobs"] is not False
+        if "logprobs" in options:  # chat: a flag; completions: how many alternatives (0: the chosen only)
+            asked = options["logprobs"]
+            options["logprobs"] = asked is not False
+            if not isinstance(asked, bool) and isinstance(asked, int):
+                options["top_logprobs"] = asked
         if self.logit_bias is not None:
             options["logit_bias"] = _token_bias(self.logit_bias)
         return options

@@ -150,6 +150,7 @@ class Pipeline:
             [first.first_token_id],
             first.text,
             [first.first_logprob] if first.HasField("first_logprob") else [],
+            [convert.top_logprobs(first.first_top_logprobs)] if first.HasField("first_top_logprobs") else [],
         )
         if first.finished:
             usage.total_time_s = time.perf_counter() - start
@@ -274,7 +275,8 @@ class Pipeline:
                     if last.token_ids or text:
                         sent.token_ids.extend(last.token_ids)
                         sent.chars += len(text)
-                        yield Delta(list(last.token_ids), text, list(last.logprobs))
+                        top = [convert.top_logprobs(t) for t in last.top_logprobs]
+                        yield Delta(list(last.token_ids), text, list(last.logprobs), top)
             except grpc.RpcError as exc:
                 code, details = _code_details(exc)
                 if client.cancellation.cancelled or code == grpc.StatusCode.CANCELLED:

@@ -88,7 +88,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 for event in self.pipeline.generate(admitted, context):
                     if isinstance(event, Delta):
                         delta = generation_pb2.TokenDelta(
-                            token_ids=event.token_ids, text=event.text, logprobs=event.logprobs
+                            token_ids=event.token_ids,
+                            text=event.text,
+                            logprobs=event.logprobs,
+                            top_logprobs=[convert.top_logprobs_proto(t) for t in event.top_logprobs],
                         )
                         msg = generation_pb2.GenerateResponse(request_id=rid, delta=delta)
                     else:
@@ -114,6 +117,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     result.token_ids.extend(event.token_ids)
                     result.text += event.text
                     result.logprobs.extend(event.logprobs)
+                    result.top_logprobs.extend(convert.top_logprobs_proto(t) for t in event.top_logprobs)
                 else:
                     result.done.CopyFrom(_completion(event, caller.cache_details))
             return result

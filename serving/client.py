@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TopLogprobs
 from pdkv_proto.pdkv.v1 import generation_pb2, generation_pb2_grpc
 from serving import convert
 
@@ -22,6 +22,7 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     usage: generation_pb2.Usage | None = None
@@ -113,6 +114,7 @@ class GenerationClient:
                 out.token_ids.extend(msg.delta.token_ids)
                 out.text += msg.delta.text
                 out.logprobs.extend(msg.delta.logprobs)
+                out.top_logprobs.extend(convert.top_logprobs(t) for t in msg.delta.top_logprobs)
                 if on_delta is not None:
                     on_delta(msg.delta)
             else:

@@ -18,7 +18,7 @@ from engine.connector.params import (
     decode_transfer_params,
 )
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TopLogprobs
 from pdkv_proto.pdkv.v1 import types_pb2
 from serving.errors import ServingError, invalid
 
@@ -157,3 +157,12 @@ def transfer_params(raw: bytes, field: str = "kv_transfer_params") -> KVTransfer
         return decode_transfer_params(raw)
     except TransferParamsError as exc:
         raise invalid(field, f"{exc}; pass PrefillResponse's bytes untouched") from exc
+
+
+def top_logprobs_proto(top: TopLogprobs) -> types_pb2.TopLogprobs:
+    """One position's alternatives as the proto carries them (ids and values, most likely first)."""
+    return types_pb2.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+
+
+def top_logprobs(msg: types_pb2.TopLogprobs) -> TopLogprobs:
+    return tuple(zip(msg.token_ids, msg.logprobs, strict=True))

@@ -13,7 +13,7 @@ from engine.connector.types import KVConnectorMetadata, KVConnectorOutput
 from engine.hashing import BlockHash
 from engine.request import Request, RequestId
 from engine.sampler import TokenHistory
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TopLogprobs
 
 
 @dataclass(slots=True)
@@ -96,6 +96,7 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[RequestId, int] = field(default_factory=dict)
     logprobs: dict[RequestId, float] = field(default_factory=dict)
+    top_logprobs: dict[RequestId, TopLogprobs] = field(default_factory=dict)
     # The connector worker half's report for the step (see engine/connector/base.py).
     kv_connector_output: KVConnectorOutput | None = None
 
@@ -111,6 +112,7 @@ class RequestUpdate:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
 @dataclass(slots=True)

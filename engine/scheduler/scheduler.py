@@ -327,6 +327,7 @@ class Scheduler:
             if sr.request_id in output.logprobs:
                 request.output_logprobs.append(output.logprobs[sr.request_id])
                 logprobs.append(output.logprobs[sr.request_id])
+            top = output.top_logprobs.get(sr.request_id)
             status = self._stop_status(request, token)
             if status is not None:
                 self._finish(request, status)
@@ -338,6 +339,7 @@ class Scheduler:
                     finished=status is not None,
                     finish_reason=status.finish_reason if status is not None else None,
                     stop_reason=request.stop_reason,
+                    new_top_logprobs=[top] if top is not None else [],
                 )
             )
         return result

@@ -201,3 +201,58 @@ def test_penalties_are_the_same_split_prefill_to_decode() -> None:
     finally:
         for engine in (local, producer, consumer):
             engine.shutdown()
+
+
+# ---- top logprobs -----------------------------------------------------------------------------------------
+
+
+def test_top_logprobs_are_transformers_log_softmax_and_lead_with_the_greedy_token(llm: LLM) -> None:
+    from tests.tiny_models import hf_logits
+
+    prompt = PROMPTS[1]
+    [out] = llm.generate([prompt], SamplingParams(max_tokens=6, top_logprobs=5, ignore_eos=True))
+    assert out.top_logprobs is not None and out.logprobs is not None and len(out.top_logprobs) == 6
+    reference = hf_logits("llama", "float32", [*prompt, *out.token_ids]).log_softmax(-1)[len(prompt) - 1 : -1]
+    for i, (token, top) in enumerate(zip(out.token_ids, out.top_logprobs, strict=True)):
+        assert len(top) == 5 and top[0][0] == token and top[0][1] == pytest.approx(out.logprobs[i])
+        values = [v for _, v in top]
+        assert values == sorted(values, reverse=True)
+        want = reference[i].topk(5)
+        assert [t for t, _ in top] == want.indices.tolist()
+        assert values == pytest.approx(want.values.tolist(), abs=1e-3)
+
+
+def test_top_logprobs_are_the_same_split_prefill_to_decode() -> None:
+    params = SamplingParams(max_tokens=5, top_logprobs=3)
+    prompt = PROMPTS[0]
+    local = make_engine("top-local", p2p=False)
+    local.add_request("r", list(prompt), params)
+    want = [
+        t
+        for o in run_until([local], lambda: not local.has_unfinished_requests())["r"]
+        for t in o.new_top_logprobs
+    ]
+    producer, consumer = make_engine("top-p"), make_engine("top-d")
+    try:
+        producer.add_request(
+            "r", list(prompt), dataclasses.replace(params, max_tokens=1), kv_transfer_params=RemoteDecode()
+        )
+        first = run_until([producer], lambda: producer.scheduler.get_request("r") is None)["r"][-1]
+        token = first.new_token_ids[0]
+        consumer.add_request(
+            "r",
+            [*prompt, token],
+            dataclasses.replace(params, max_tokens=4),
+            kv_transfer_params=first.kv_transfer_params,
+            prior_output_token_ids=[token],
+        )
+        outs = run_until(
+            [consumer, producer], lambda: not consumer.has_pending_work() and not producer.has_pending_work()
+        )
+        got = [*first.new_top_logprobs, *(t for o in outs["r"] for t in o.new_top_logprobs)]
+        assert [[t for t, _ in top] for top in got] == [[t for t, _ in top] for top in want]
+        for a, b in zip(got, want, strict=True):
+            assert [v for _, v in a] == pytest.approx([v for _, v in b], abs=1e-4)
+    finally:
+        for engine in (local, producer, consumer):
+            engine.shutdown()

@@ -257,3 +257,35 @@ def test_grpc_serves_them_and_they_travel_to_the_nodes(model: RouterModel) -> No
     assert params.logit_bias == ((7, -100.0),)
     assert convert.sampling_params(convert.sampling_params_proto(params)) == params  # router -> node
     assert convert.sampling_params(types_pb2.SamplingParams()).repetition_penalty == 1.0  # unset: off
+
+
+def test_top_logprobs_in_openai_shapes(model: RouterModel) -> None:
+    """Chat: each content entry carries its top_logprobs; completions: one {token: logprob} map per token."""
+    from router.events import Delta, Done, Usage
+    from router.openai_responses import ResponseShape
+
+    tok = model.tokenizer
+    delta = Delta([5, 6], "xy", [-0.1, -0.2], [((5, -0.1), (9, -2.0)), ((6, -0.2), (5, -3.0))])
+    done = Done("length", None, Usage(prompt_tokens=3, completion_tokens=2))
+    chat = ResponseShape(model, "id", created=0, chat=True, logprobs=True).whole([delta], done)
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [e["top_logprobs"][1]["logprob"] for e in content] == [-2.0, -3.0]
+    assert content[0]["top_logprobs"][0]["token"] == tok.decode([5], skip_special_tokens=False)
+    text = ResponseShape(model, "id", created=0, chat=False, logprobs=True).whole([delta], done)
+    maps = text["choices"][0]["logprobs"]["top_logprobs"]
+    assert maps[1] == {
+        tok.decode([6], skip_special_tokens=False): -0.2,
+        tok.decode([5], skip_special_tokens=False): -3.0,
+    }
+    stream = ResponseShape(model, "id", created=0, chat=True, logprobs=True).delta_chunk(delta)
+    assert len(stream["choices"][0]["logprobs"]["content"][1]["top_logprobs"]) == 2
+
+
+def test_top_logprobs_limits_are_400s(model: RouterModel) -> None:
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({**CHAT, "logprobs": True, "top_logprobs": 21})
+    assert info.value.errors()[0]["loc"] == ("top_logprobs",)
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({**TEXT, "logprobs": 6})
+    body = CompletionRequest.model_validate({**TEXT, "logprobs": 3})
+    assert completion_request(body, model).sampling["top_logprobs"] == 3

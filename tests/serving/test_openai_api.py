@@ -155,7 +155,7 @@ def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
         ({"max_tokens": 10**6}, "max_tokens"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
         ({"messages": []}, "messages"),
-        ({"top_logprobs": 3, "logprobs": True}, "top_logprobs"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"logit_bias": {"999999": -100}}, "logit_bias"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
@@ -314,3 +314,43 @@ def _served(cl: openai.OpenAI) -> bool:
     except openai.RateLimitError:
         return False
     return True
+
+
+def test_sdk_top_logprobs_penalties_and_bias_through_the_cluster(client: openai.OpenAI, local: LLM) -> None:
+    """What the SDK asks is served through prefill and decode nodes: top_logprobs (the top entry is the
+    token chosen, greedily), a frequency penalty that changes the output as on one engine, and a
+    logit_bias of -100 that bans the greedy first token (found with /tokenize's neighbour, the engine)."""
+    tok = local.tokenizer
+    messages = [{"role": "user", "content": "Count: one two three"}]
+    ids = tok.apply_chat_template(messages)
+    stops = tok.end_of_turn_token_ids
+    r = client.chat.completions.create(
+        model="tiny-chat", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=5
+    )
+    content = r.choices[0].logprobs.content
+    assert content and all(len(e.top_logprobs) == 5 for e in content)
+    assert all(e.top_logprobs[0].token == e.token for e in content)
+    assert all(abs(e.top_logprobs[0].logprob - e.logprob) < 1e-6 for e in content)
+    penalized = SamplingParams(
+        max_tokens=12, frequency_penalty=1.5, presence_penalty=0.5, stop_token_ids=stops
+    )
+    want = local.generate([ids], penalized)[0].text
+    r = client.chat.completions.create(
+        model="tiny-chat",
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        frequency_penalty=1.5,
+        presence_penalty=0.5,
+    )
+    assert r.choices[0].message.content == want
+    first = local.generate([ids], SamplingParams(max_tokens=1, stop_token_ids=stops))[0].token_ids[0]
+    r = client.chat.completions.create(
+        model="tiny-chat",
+        messages=messages,
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        logit_bias={str(first): -100},
+    )
+    assert r.choices[0].logprobs.content[0].token != tok.decode([first], skip_special_tokens=False)
