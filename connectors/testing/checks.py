@@ -41,6 +41,7 @@ from connectors.testing.workload import (
     FORKS,
     PROMPTS,
 )
+from engine.sampling_params import SamplingParams
 
 
 def check_lookups_are_idempotent(target: ConformanceTarget, shared: Path) -> None:
@@ -305,6 +306,9 @@ def _expect_hole(
                 )
 
 
+ONE_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
+
+
 def check_freed_blocks_are_not_read(target: ConformanceTarget, shared: Path) -> None:
     """Engine A overwrites every block with NaN the moment the engine frees it (after request_finished
     returned ``hold=False``, or after the hold ended) and keeps it so for ``save_settle_s``: a save that
@@ -315,7 +319,11 @@ def check_freed_blocks_are_not_read(target: ConformanceTarget, shared: Path) -> 
 
     item = FREED
     with KitEngine(target, target.config(shared), item=item, engine_id="kit-a", poison_freed=True) as a:
-        expect_outputs(item, a.generate(PROMPTS), reference(target, PROMPTS), "engine A (poisoning)")
+        # One output token each: a request ends in the very step that computed (and saved) its prompt
+        # blocks, so the engine frees and poisons them at once -- a copy made any later reads poison,
+        # however fast or slow the host runs the steps.
+        ref = reference(target, PROMPTS, ONE_TOKEN)
+        expect_outputs(item, a.generate(PROMPTS, ONE_TOKEN), ref, "engine A (poisoning)")
         a.settle(target.save_settle_s)  # a late save runs now, and reads the poison
         # The engine goes on serving (its freed blocks are reused), as engines do.
         a.generate([FILLER_PROMPT], LONG_PARAMS)
