@@ -195,6 +195,9 @@ class EngineDriver:
         Raises ValueError (bad input, naming the field), EngineOverloaded, EngineStopped, or TimeoutError
         if the engine thread did not answer within ``timeout`` seconds.
         """
+        structured = request.sampling_params.structured
+        if structured is not None:  # compiled here, on the caller's thread: the engine thread finds it cached
+            self.engine.grammars.compile(structured)  # GrammarError (a ValueError) names what is wrong
         with self._lock:
             self._check_accepting()
             if self._num_admitted >= self.max_num_requests:

@@ -34,6 +34,7 @@ from engine.runner import ModelRunner, StepFailed
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured import GrammarCompiler
 from engine.tokenizer import Tokenizer
 from telemetry.latency import REQUEST_LATENCIES, LatencyTracker, RequestLatency
 from telemetry.metrics import Counters, Histogram, HistogramSnapshot
@@ -134,6 +135,8 @@ class LLMEngine:
             connector=self.worker_connector,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Structured outputs: constraints compiled once per engine (engine/structured.py).
+        self.grammars = GrammarCompiler(self.tokenizer.to_json(), model_config.vocab_size, self.eos_token_ids)
         self.counters = Counters(SPECS)  # the engine's own; the scheduler keeps its counters
         self.timer = RequestTimer()
 
@@ -200,6 +203,8 @@ class LLMEngine:
             kv_transfer_params=kv_transfer_params,
             num_prior_output_tokens=len(prior),
         )
+        if params.structured is not None:  # compiled already when the driver submitted it (cached)
+            request.matcher = self.grammars.matcher(params.structured, prior)
         self.scheduler.add_request(request)
         self.output_processor.add_request(request, prior)
         self.timer.add(request)

@@ -17,6 +17,7 @@ from engine.connector.params import KVTransferParams
 from engine.hashing import BlockHash, HashNamespace, extend_block_hashes
 from engine.sampler import TokenHistory
 from engine.sampling_params import SamplingParams
+from engine.structured import Matcher
 
 RequestId = NewType("RequestId", str)
 
@@ -81,6 +82,7 @@ class Request:
         "finished_kv_transfer_params",
         "kv_transfer_params",
         "lora_name",
+        "matcher",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_external_computed_tokens",
@@ -117,6 +119,7 @@ class Request:
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[float] = []
+        self.matcher: Matcher | None = None  # its structured-output constraint's state, if it has one
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.cache_salt = cache_salt

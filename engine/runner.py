@@ -135,7 +135,9 @@ class ModelRunner:
         if not inputs.sampling:
             return out
         logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [R, vocab] float32
-        rows = [SamplingRow(sr.sampling_params, sr.output_index, sr.history) for sr in inputs.sampling]
+        rows = [
+            SamplingRow(sr.sampling_params, sr.output_index, sr.history, sr.matcher) for sr in inputs.sampling
+        ]
         sampled = self.sampler(logits, rows)
         for sr, token, logprob, top in zip(
             inputs.sampling, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, strict=True

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams, TopLogprobs
+from engine.structured import Matcher
 
 _MASK64 = (1 << 64) - 1
 
@@ -67,6 +68,7 @@ class SamplingRow:
     params: SamplingParams
     output_index: int
     history: TokenHistory | None = None
+    matcher: Matcher | None = None  # a structured output's constraint: only the tokens it allows
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +91,8 @@ class Sampler:
         raw = logits
         if any(r.params.processes_logits for r in rows):
             logits = process_logits(logits.clone(), rows)
+        if any(r.matcher is not None for r in rows):
+            logits = constrain(logits if logits is not raw else logits.clone(), rows)
         # max(dim).indices is argmax (first index of the maximum, NaN wins) at 2.5x its speed on the CPU
         chosen = self.argmax(logits) if self.argmax is not None else logits.max(dim=-1).indices
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -189,4 +193,18 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
             counts = torch.bincount(torch.tensor(outputs, dtype=torch.long, device=device), minlength=vocab)
             counts = counts[:vocab].to(x.dtype)
             x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+    return logits
+
+
+def constrain(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Drop, in place, every token a row's constraint does not allow (``engine/structured.py``)."""
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        if row.matcher is None:
+            continue
+        allowed = row.matcher.allowed().to(logits.device)
+        keep = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+        n = min(vocab, allowed.shape[0])
+        keep[:n] = allowed[:n]
+        logits[i].masked_fill_(~keep, float("-inf"))
     return logits

@@ -6,6 +6,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from engine.structured import StructuredOutput
+
 # Below this temperature a request is greedy: logits / 1e-300 overflow to inf, and inf / inf is NaN.
 GREEDY_TEMPERATURE = 1e-5
 # Stop conditions are checked on every output token: a request may not make that check unboundedly slow
@@ -53,6 +55,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     top_logprobs: int = 0
+    # The output's constraint (a JSON schema, a regex, a choice, a grammar; engine/structured.py).
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         bias = self.logit_bias
@@ -106,6 +110,8 @@ class SamplingParams:
             raise ValueError(
                 f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}"
             )
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         if self.top_logprobs and not self.logprobs:
             object.__setattr__(self, "logprobs", True)  # the alternatives come with the chosen token's
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):

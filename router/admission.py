@@ -32,6 +32,7 @@ import grpc
 
 from engine.chat_template import ChatTemplateError
 from engine.sampling_params import SamplingParams
+from engine.structured import GrammarCompiler, GrammarError
 from router.auth import Caller
 from router.tokenizer import RouterModel
 from serving.errors import ServingError
@@ -87,6 +88,7 @@ class FieldNames:
     token_ids: str  # token ids, the whole list
     token_id: str  # one of them; "{i}" is its index
     sampling: str  # the prefix of a sampling field ("sampling." -> "sampling.top_p")
+    structured: str = "sampling.structured"  # the field that carries the output's constraint
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,9 @@ class Admission:
     def __init__(self, model: RouterModel, max_tokens_limit: int = 0) -> None:
         self.model = model
         self.max_tokens_limit = max_tokens_limit
+        # A constraint that does not compile is refused here, before any node call (engine/structured.py).
+        tok = model.tokenizer
+        self.grammars = GrammarCompiler(tok.to_json(), model.vocab_size, model.eos_token_ids)
 
     def admit(self, request: GenerationRequest, caller: Caller) -> AdmittedRequest:
         """The request as the pipeline runs it; ``InvalidField`` when the client must change it."""
@@ -137,6 +142,11 @@ class Admission:
             params = SamplingParams(**options)  # type: ignore[arg-type]
         except ValueError as exc:
             raise _sampling_error(str(exc), names) from None
+        if params.structured is not None:
+            try:
+                self.grammars.compile(params.structured)
+            except GrammarError as exc:
+                raise InvalidField(names.structured, str(exc).removeprefix("structured.")) from None
         if chat:
             params = self.model.tokenizer.chat_sampling(params)
         return AdmittedRequest(request.request_id, token_ids, params, caller.salt(request.cache_salt))

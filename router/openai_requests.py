@@ -9,6 +9,7 @@ the field, never accepted and ignored).
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
@@ -22,7 +23,12 @@ from router.admission import (
     TokenPrompt,
 )
 from router.openai_errors import ApiError
-from router.openai_schema import ChatCompletionRequest, CompletionRequest, unserved_field
+from router.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    structured_output,
+    unserved_field,
+)
 from router.tokenizer import RouterModel
 
 # How this front end names a request's fields in a 400 (its ``param``).
@@ -80,18 +86,28 @@ def completion_request(body: CompletionRequest, model: RouterModel) -> Generatio
 
 def _sampling(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
     try:
-        return body.sampling()
+        options = body.sampling()
     except ValueError as exc:  # only logit_bias's keys are read there; the message names the field
         raise ApiError.invalid("logit_bias", str(exc).removeprefix("logit_bias ")) from None
+    try:
+        structured, _ = structured_output(body)
+    except ValueError as exc:  # "field: problem"
+        field, _, problem = str(exc).partition(": ")
+        raise ApiError.invalid(field, problem) from None
+    if structured is not None:
+        options["structured"] = structured
+    return options
 
 
 def _neutral(
     body: ChatCompletionRequest | CompletionRequest, kind: str, prompt: Prompt, sampling: dict[str, Any]
 ) -> GenerationRequest:
+    _, structured_field = structured_output(body)  # checked in _sampling already
+    fields = dataclasses.replace(FIELDS, structured=structured_field) if structured_field else FIELDS
     return GenerationRequest(
         request_id=f"{kind}-{uuid.uuid4().hex}",
         prompt=prompt,
-        fields=FIELDS,
+        fields=fields,
         sampling=sampling,
         cache_salt=body.cache_salt,
         stream=body.stream,

@@ -17,12 +17,14 @@ A field that is in none of them (a newer SDK's, another server's extension such 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutput
 
 # A body field named as a SamplingParams field is that field: a new sampling field is one line below.
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
@@ -58,9 +60,6 @@ NOT_SERVED: dict[str, NotServed] = {
     "best_of": NotServed(_NONE, "best_of is not served (vLLM dropped it too); use n, or several requests"),
     "echo": NotServed((False,), "echo is not served yet"),
     "suffix": NotServed((None, ""), "suffix is not served"),
-    "response_format": NotServed(
-        (None, {"type": "text"}), "only {'type': 'text'} is served yet: structured outputs are not"
-    ),
     "tools": NotServed((None, []), "tool calls are not served yet"),
     "tool_choice": NotServed((None, "none"), "tool calls are not served yet"),
     "parallel_tool_calls": NotServed(_NONE, "tool calls are not served yet"),
@@ -73,6 +72,12 @@ NOT_SERVED: dict[str, NotServed] = {
     "verbosity": NotServed(_NONE, "verbosity is not served"),
     "web_search_options": NotServed(_NONE, "web search is not served"),
     "moderation": NotServed(_NONE, "moderation is not served"),
+    # vLLM's old names for structured outputs: refused, naming the new one.
+    "guided_json": NotServed(_NONE, "renamed: send structured_outputs: {json: ...} (or response_format)"),
+    "guided_regex": NotServed(_NONE, "renamed: send structured_outputs: {regex: ...}"),
+    "guided_choice": NotServed(_NONE, "renamed: send structured_outputs: {choice: [...]}"),
+    "guided_grammar": NotServed(_NONE, "renamed: send structured_outputs: {grammar: ...}"),
+    "guided_decoding_backend": NotServed(_NONE, "renamed and not needed: pdkv uses llguidance"),
 }
 
 
@@ -113,6 +118,13 @@ class _Sampling(_Body):
     # min_tokens.
     repetition_penalty: float | None = None
     min_tokens: int | None = None
+    # vLLM's structured outputs: exactly one of json (a schema), regex, choice (strings), grammar (Lark).
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     ignore_eos: bool = False
@@ -150,6 +162,8 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    # OpenAI's structured outputs: {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
+    response_format: dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -159,7 +173,6 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None
@@ -186,6 +199,61 @@ def _token_bias(bias: dict[str, float]) -> dict[int, float]:
             raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
         out[int(key)] = value
     return out
+
+
+_STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def structured_output(body: BaseModel) -> tuple[StructuredOutput | None, str]:
+    """The constraint a body asks for, and the field that names it in an error; ``ValueError`` (the
+    message starting with that field) when the field is malformed."""
+    response_format = getattr(body, "response_format", None)
+    asked: dict[str, Any] | None = getattr(body, "structured_outputs", None)
+    if response_format is not None and asked is not None:
+        raise ValueError("structured_outputs: send one of response_format and structured_outputs")
+    if response_format is not None:
+        return _response_format(response_format), "response_format"
+    if asked is None:
+        return None, ""
+    keys = [k for k, v in asked.items() if v is not None]
+    unknown = [k for k in keys if k not in _STRUCTURED_KEYS]
+    if unknown:
+        raise ValueError(f"structured_outputs.{unknown[0]}: is not served (json, regex, choice, grammar are)")
+    if len(keys) != 1:
+        raise ValueError("structured_outputs: set exactly one of json, regex, choice, grammar")
+    key = keys[0]
+    value, where = asked[key], f"structured_outputs.{key}"
+    try:
+        if key == "json":
+            if isinstance(value, str):
+                value = json.loads(value)
+            if not isinstance(value, dict):
+                raise ValueError("must be a JSON schema (an object)")
+            return StructuredOutput.json_schema(value), where
+        if key == "choice":
+            if not isinstance(value, list):
+                raise ValueError("must be a list of strings")
+            return StructuredOutput.choice(value), where
+        if not isinstance(value, str):
+            raise ValueError("must be a string")
+        return StructuredOutput(_STRUCTURED_KEYS[key], value), where  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(f"{where}: {str(exc).removeprefix('structured.')}") from None
+
+
+def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind != "json_schema":
+        raise ValueError(f"response_format.type: {kind!r} is not one of text, json_object, json_schema")
+    spec = value.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise ValueError("response_format.json_schema.schema: must be a JSON schema (an object)")
+    return StructuredOutput.json_schema(schema)
 
 
 def unserved_field(body: BaseModel) -> tuple[str, str] | None:

@@ -7,6 +7,7 @@ Validation failures raise ``ServingError(INVALID_ARGUMENT)`` naming the field as
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import grpc
@@ -19,6 +20,7 @@ from engine.connector.params import (
 )
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, TopLogprobs
+from engine.structured import StructuredOutput
 from pdkv_proto.pdkv.v1 import types_pb2
 from serving.errors import ServingError, invalid
 
@@ -64,7 +66,9 @@ def sampling_options(msg: types_pb2.SamplingParams) -> dict[str, Any]:
         if proto_field.has_presence and not msg.HasField(name):
             continue  # unset: the default of whoever builds SamplingParams
         value = getattr(msg, name)
-        if proto_field.message_type is not None and proto_field.message_type.GetOptions().map_entry:
+        if name == "structured":
+            options[name] = structured_output(value)
+        elif proto_field.message_type is not None and proto_field.message_type.GetOptions().map_entry:
             options[name] = dict(value)  # a map (logit_bias): token id -> value
         else:
             options[name] = tuple(value) if proto_field.is_repeated else value
@@ -83,6 +87,7 @@ def sampling_params_proto(params: SamplingParams) -> types_pb2.SamplingParams:
     """The proto of ``params``: every field by its name (None leaves an ``optional`` one unset)."""
     values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
     values["logit_bias"] = dict(params.logit_bias)  # sorted pairs -> the proto's map
+    values["structured"] = structured_proto(params.structured) if params.structured is not None else None
     return types_pb2.SamplingParams(**{k: v for k, v in values.items() if v is not None})
 
 
@@ -166,3 +171,25 @@ def top_logprobs_proto(top: TopLogprobs) -> types_pb2.TopLogprobs:
 
 def top_logprobs(msg: types_pb2.TopLogprobs) -> TopLogprobs:
     return tuple(zip(msg.token_ids, msg.logprobs, strict=True))
+
+
+def structured_output(msg: types_pb2.StructuredOutput) -> StructuredOutput | None:
+    """The constraint a ``StructuredOutput`` message names (None when it names none)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        return StructuredOutput.choice(list(msg.choice.choices))
+    return StructuredOutput(kind, getattr(msg, kind))
+
+
+def structured_proto(spec: StructuredOutput) -> types_pb2.StructuredOutput:
+    if spec.kind == "json_object":
+        return types_pb2.StructuredOutput(json_object=True)
+    if spec.kind == "choice":
+        return types_pb2.StructuredOutput(choice=types_pb2.ChoiceList(choices=json.loads(spec.spec)))
+    msg = types_pb2.StructuredOutput()
+    setattr(msg, spec.kind, spec.spec)  # json_schema, regex or grammar: a string field of that name
+    return msg

@@ -14,6 +14,7 @@ from engine.hashing import BlockHash
 from engine.request import Request, RequestId
 from engine.sampler import TokenHistory
 from engine.sampling_params import SamplingParams, TopLogprobs
+from engine.structured import Matcher
 
 
 @dataclass(slots=True)
@@ -41,6 +42,8 @@ class ScheduledRequest:
     block_hashes: Sequence[BlockHash] = ()
     # The request's tokens, for its logit processors (None unless its sampling parameters turn one on).
     history: TokenHistory | None = None
+    # The request's structured-output constraint (None without one): the sampler masks by it.
+    matcher: Matcher | None = None
 
     @classmethod
     def of(cls, request: Request, start: int, end: int, block_ids: list[int]) -> ScheduledRequest:
@@ -56,6 +59,7 @@ class ScheduledRequest:
             output_index=request.num_prior_output_tokens + request.num_output_tokens,
             block_hashes=request.block_hashes,
             history=request.token_history() if params.processes_logits else None,
+            matcher=request.matcher,
         )
 
     @property

@@ -42,7 +42,11 @@ ASKING: dict[str, Any] = {
     "top_logprobs": 3,
     "echo": True,
     "suffix": "tail",
-    "response_format": {"type": "json_object"},
+    "guided_json": {"type": "object"},
+    "guided_regex": "a+",
+    "guided_choice": ["a", "b"],
+    "guided_grammar": 'start: "a"',
+    "guided_decoding_backend": "xgrammar",
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
     "tool_choice": "required",
     "parallel_tool_calls": True,
@@ -121,7 +125,7 @@ def test_output_neutral_fields_are_accepted(model: RouterModel, name: str) -> No
         completion_request(CompletionRequest.model_validate({**TEXT, name: value}), model)
 
 
-@pytest.mark.parametrize("name", ["guided_json", "structured_outputs", "length_penalty", "use_beam_search"])
+@pytest.mark.parametrize("name", ["length_penalty", "use_beam_search", "structural_tag", "bad_words"])
 def test_an_unknown_field_is_a_400_naming_it(http: TestClient, name: str) -> None:
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate({**CHAT, name: 1})
@@ -133,9 +137,13 @@ def test_an_unknown_field_is_a_400_naming_it(http: TestClient, name: str) -> Non
 
 
 def test_a_refused_field_over_http_keeps_the_server_serving(http: TestClient) -> None:
-    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
-    response = http.post("/v1/chat/completions", json={**CHAT, "response_format": schema})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
+    response = http.post("/v1/chat/completions", json={**CHAT, "guided_json": {"type": "object"}})
+    error = response.json()["error"]
+    assert (
+        response.status_code == 400
+        and error["param"] == "guided_json"
+        and "structured_outputs" in error["message"]
+    )
     assert http.post("/tokenize", json={"prompt": "still here"}).status_code == 200
 
 
@@ -289,3 +297,73 @@ def test_top_logprobs_limits_are_400s(model: RouterModel) -> None:
         CompletionRequest.model_validate({**TEXT, "logprobs": 6})
     body = CompletionRequest.model_validate({**TEXT, "logprobs": 3})
     assert completion_request(body, model).sampling["top_logprobs"] == 3
+
+
+@pytest.mark.parametrize(
+    ("extra", "kind"),
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "p", "schema": {"type": "object"}},
+                }
+            },
+            "json_schema",
+        ),
+        ({"structured_outputs": {"json": {"type": "object"}}}, "json_schema"),
+        ({"structured_outputs": {"json": '{"type": "object"}'}}, "json_schema"),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, "regex"),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, "choice"),
+        ({"structured_outputs": {"grammar": 'start: "x"'}}, "grammar"),
+    ],
+)
+def test_structured_outputs_reach_sampling_params(model: RouterModel, extra: dict, kind: str) -> None:
+    from router.admission import Admission
+    from router.auth import OPEN, Caller
+
+    body = ChatCompletionRequest.model_validate({**CHAT, **extra})
+    params = (
+        Admission(model).admit(chat_request(body, model), Caller(OPEN, "p", 8, cache_details=False)).params
+    )
+    assert params.structured is not None and params.structured.kind == kind
+    text = {k: v for k, v in extra.items() if k == "structured_outputs"}
+    if text:  # completions take structured_outputs too
+        assert completion_request(CompletionRequest.model_validate({**TEXT, **text}), model).sampling[
+            "structured"
+        ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "p", "schema": {"type": "nope"}},
+                }
+            },
+            "response_format",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "p"}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"grammar": "start: nothing_defined"}}, "structured_outputs.grammar"),
+        ({"structured_outputs": {"choice": "a"}}, "structured_outputs.choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+        (
+            {"structured_outputs": {"json": {}}, "response_format": {"type": "json_object"}},
+            "structured_outputs",
+        ),
+    ],
+)
+def test_a_bad_constraint_is_a_400_naming_it(http: TestClient, extra: dict, param: str) -> None:
+    response = http.post("/v1/chat/completions", json={**CHAT, **extra})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.json()
