@@ -102,7 +102,7 @@ def test_a_constraint_that_does_not_compile_is_refused_naming_it(llm: LLM) -> No
             llm.engine.grammars.compile(spec)
         with pytest.raises(ValueError, match=re.escape(what)):
             llm.engine.add_request("bad", "hi", SamplingParams(structured=spec))
-    with pytest.raises(ValueError, match="structured.choice"):
+    with pytest.raises(ValueError, match=r"structured\.choice"):
         StructuredOutput.choice([])
     assert llm.generate(["still serving"], SamplingParams(max_tokens=2))[0].token_ids  # and it carries on
 
