@@ -9,8 +9,9 @@ from contextlib import contextmanager
 
 import grpc
 
+from engine import structured
 from engine.tokenizer import Tokenizer
-from pdkv_proto.pdkv.v1 import generation_pb2, generation_pb2_grpc
+from pdkv_proto.pdkv.v1 import generation_pb2, generation_pb2_grpc, types_pb2
 from router.admission import (
     Admission,
     AdmittedRequest,
@@ -72,6 +73,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 block_size=block_size,
                 has_chat_template=self.tokenizer.chat_template is not None,
                 end_of_turn_token_ids=list(self.tokenizer.end_of_turn_token_ids),
+                sampling_fields=sorted(types_pb2.SamplingParams.DESCRIPTOR.fields_by_name),
+                structured_kinds=list(structured.KINDS),
             )
         raise AssertionError("unreachable: rpc_errors aborts the call")
 

@@ -160,6 +160,9 @@ def test_get_model_info_says_what_a_client_needs(cluster: Cluster) -> None:
     assert list(info.eos_token_ids) == [TINY_PDKV_SPEC["vocab"] - 1]
     assert info.block_size == 16
     assert info.has_chat_template is False  # make-model folders have none
+    fields = set(info.sampling_fields)
+    assert {"structured", "logit_bias", "top_logprobs", "presence_penalty", "min_tokens"} <= fields
+    assert set(info.structured_kinds) == {"json_schema", "json_object", "regex", "choice", "grammar"}
 
 
 def test_the_proto_files_name_packages_for_other_languages() -> None:

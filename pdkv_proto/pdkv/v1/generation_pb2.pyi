@@ -12,7 +12,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "context_length", "eos_token_ids", "block_size", "has_chat_template", "end_of_turn_token_ids")
+    __slots__ = ("name", "vocab_size", "context_length", "eos_token_ids", "block_size", "has_chat_template", "end_of_turn_token_ids", "sampling_fields", "structured_kinds")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,8 @@ class ModelInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     END_OF_TURN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELDS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_KINDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     context_length: int
@@ -27,7 +29,9 @@ class ModelInfo(_message.Message):
     block_size: int
     has_chat_template: bool
     end_of_turn_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., end_of_turn_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    sampling_fields: _containers.RepeatedScalarFieldContainer[str]
+    structured_kinds: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., end_of_turn_token_ids: _Optional[_Iterable[int]] = ..., sampling_fields: _Optional[_Iterable[str]] = ..., structured_kinds: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "messages", "sampling", "cache_salt")
