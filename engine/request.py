@@ -11,11 +11,11 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NewType
 
 from engine.connector.params import KVTransferParams
 from engine.hashing import BlockHash, HashNamespace, extend_block_hashes
-from engine.sampler import TokenHistory
 from engine.sampling_params import SamplingParams
 from engine.structured import Matcher
 
@@ -66,6 +66,23 @@ _TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     ),
 }
 _FINISHED = frozenset(s for s in RequestStatus if s.is_finished)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenHistory:
+    """What a request's logit processors read: its token lists (the request's own, not copies: read them
+    during the step only).  The last ``num_prior`` prompt tokens are outputs another engine sampled."""
+
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    num_prior: int
+    stop_token_ids: tuple[int, ...]  # what ``min_tokens`` holds back: EOS (unless ignored) and stop ids
+
+    def outputs(self) -> list[int]:
+        """Every output token so far, whichever engine sampled it."""
+        if not self.num_prior:
+            return list(self.output_token_ids)
+        return [*self.prompt_token_ids[-self.num_prior :], *self.output_token_ids]
 
 
 class Request:

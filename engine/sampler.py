@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.request import TokenHistory
 from engine.sampling_params import SamplingParams, TopLogprobs
 from engine.structured import Matcher
 
@@ -41,23 +42,6 @@ def mix_seed(seed: int, index: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1
-
-
-@dataclass(frozen=True, slots=True)
-class TokenHistory:
-    """What a request's logit processors read: its token lists (the request's own, not copies: read them
-    during the step only).  The last ``num_prior`` prompt tokens are outputs another engine sampled."""
-
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    num_prior: int
-    stop_token_ids: tuple[int, ...]  # what ``min_tokens`` holds back: EOS (unless ignored) and stop ids
-
-    def outputs(self) -> list[int]:
-        """Every output token so far, whichever engine sampled it."""
-        if not self.num_prior:
-            return list(self.output_token_ids)
-        return [*self.prompt_token_ids[-self.num_prior :], *self.output_token_ids]
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 
 from engine.connector.types import KVConnectorMetadata, KVConnectorOutput
 from engine.hashing import BlockHash
-from engine.request import Request, RequestId
-from engine.sampler import TokenHistory
+from engine.request import Request, RequestId, TokenHistory
 from engine.sampling_params import SamplingParams, TopLogprobs
 from engine.structured import Matcher
 

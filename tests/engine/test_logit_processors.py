@@ -13,7 +13,8 @@ import transformers
 
 from engine import LLM, SamplingParams
 from engine.connector.params import RemoteDecode, RemotePrefill
-from engine.sampler import Sampler, SamplingRow, TokenHistory, process_logits
+from engine.request import TokenHistory
+from engine.sampler import Sampler, SamplingRow, process_logits
 from tests.p2p_harness import make_engine, run_until
 from tests.tiny_models import hf_model, random_prompts, tiny_model_dir
 
