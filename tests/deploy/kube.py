@@ -57,8 +57,8 @@ def find_kubectl() -> tuple[str | None, str]:
         path = shutil.which("kubectl")
     if path is None:
         return None, (
-            "kubectl is not installed and could not be installed: install kubectl (`apt-get install "
-            "kubernetes-client`, or the kubectl of your cluster) to render deploy/kubernetes"
+            "kubectl is not installed and `apt-get install kubernetes-client` could not install it: install "
+            f"kubectl >= 1.27 (it embeds kustomize v{KUSTOMIZE_MAJOR}) to render deploy/kubernetes"
         )
     try:
         out = subprocess.run(
