@@ -169,14 +169,20 @@ class P2PConnector(KVConnectorBase):
         self, request: Request, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
         first = request.num_computed_tokens // self.block_size
-        remote = self._remote_prefill(request)
         if num_external_tokens <= 0:
-            if remote is not None:
-                # Admitted with nothing to pull (its blocks were all here already): the consumer is the
-                # one owner that ends a lease it does not read, so the producer frees it now, not at lease_s.
-                self._next.releases.append((remote.kv_endpoint, remote.remote_request_id))
+            params = request.kv_transfer_params
+            if (
+                isinstance(params, RemotePrefill)
+                and params.block_hashes
+                and request.request_id not in self._pulled
+            ):
+                # Admitted with nothing to pull (its blocks were all here already, or the params were not
+                # usable here): the consumer is the one owner that ends a lease it does not read, so the
+                # producer frees it now, not at lease_s.  (No blocks: no lease, nothing to release.)
+                self._next.releases.append((params.kv_endpoint, params.remote_request_id))
                 self._pulled.add(request.request_id)
             return
+        remote = self._remote_prefill(request)
         assert remote is not None, "external tokens were only offered for usable params"
         from connectors.p2p_client import PullJob
 

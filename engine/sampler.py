@@ -160,7 +160,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
             ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.long, device=device)
             bias = torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=x.dtype, device=device)
             x.index_add_(0, ids, bias)
-        if p.min_tokens and row.output_index < p.min_tokens:
+        if p.min_tokens and row.output_index < p.min_tokens and (row.matcher is None or not row.matcher.done):
             stops = [t for t in history.stop_token_ids if t < vocab]
             if stops:
                 x[torch.tensor(stops, dtype=torch.long, device=device)] = float("-inf")
@@ -187,6 +187,8 @@ def constrain(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor
         if row.matcher is None:
             continue
         allowed = row.matcher.allowed().to(logits.device)
+        if not bool(allowed.any()):  # a matcher in error allows nothing: left unmasked, the scheduler ends it
+            continue
         keep = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
         n = min(vocab, allowed.shape[0])
         keep[:n] = allowed[:n]

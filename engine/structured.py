@@ -60,6 +60,15 @@ class StructuredOutput:
             )
         if self.kind != "json_object" and not self.spec:
             raise ValueError(f"structured.{self.kind} is empty")
+        if self.kind == "choice":
+            try:
+                choices = json.loads(self.spec)
+            except json.JSONDecodeError:
+                choices = None
+            if not isinstance(choices, list) or not choices or len(choices) > MAX_CHOICES:
+                raise ValueError(f"structured.choice must be a JSON list of 1 to {MAX_CHOICES} strings")
+            if not all(isinstance(c, str) and c for c in choices):
+                raise ValueError("structured.choice must list non-empty strings")
 
     @classmethod
     def choice(cls, choices: Sequence[str]) -> StructuredOutput:
@@ -116,10 +125,21 @@ class Matcher:
         """Advance over tokens sampled (here or by another engine); False if the constraint refused one."""
         return bool(self._inner.consume_tokens(list(token_ids))) if token_ids else True
 
+    def step(self, token: int, eos_token_id: int | None) -> str | None:
+        """After ``token`` was sampled: "stop" when the constraint is complete (the token is the EOS the
+        mask allowed, even with ``ignore_eos``), an error message when the token broke it, else None."""
+        if self.done:
+            return "stop"
+        if not self.consume((token,)) or self.error:
+            return f"structured output: token {token} broke the constraint ({self.error[:200]})"
+        if self.done and token == eos_token_id:
+            return "stop"
+        return None
+
     @property
     def done(self) -> bool:
         """The constraint is complete and allows nothing more."""
-        return bool(self._inner.is_stopped())
+        return bool(self._inner.is_stopped()) and not self._inner.is_error()
 
     @property
     def error(self) -> str:

@@ -57,6 +57,7 @@ class InvalidField(ServingError):
 class ChatTurn:
     role: str
     content: str
+    name: str | None = None  # the participant's name, handed to the chat template when set
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,12 @@ class Admission:
             options.get("max_tokens"), len(token_ids), prompt_field, chat, names
         )
         self._check_token_ids(options, names)
+        min_tokens, max_tokens = options.get("min_tokens", 0), options["max_tokens"]
+        if isinstance(min_tokens, int) and isinstance(max_tokens, int) and min_tokens > max_tokens:
+            raise InvalidField(
+                f"{names.sampling}min_tokens",
+                f"{min_tokens} is more than max_tokens ({options['max_tokens']})",
+            )
         try:
             params = SamplingParams(**options)  # type: ignore[arg-type]
         except ValueError as exc:
@@ -159,7 +166,10 @@ class Admission:
                 raise InvalidField(names.text, "is empty")
             token_ids, where = tokenizer.encode(prompt.text), names.text
         elif isinstance(prompt, ChatPrompt):
-            conversation = [{"role": m.role, "content": m.content} for m in prompt.messages]
+            conversation = [
+                {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+                for m in prompt.messages
+            ]
             try:
                 token_ids = tokenizer.apply_chat_template(conversation)
             except ChatTemplateError as exc:

@@ -17,6 +17,7 @@ one JSON answer (``router/openai_responses.py``) or, with ``stream: true``, serv
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -130,7 +131,8 @@ def create_app(
     async def _respond(http: Request, asked: GenerationRequest, caller: Caller) -> Any:
         """Admit the neutral request (the one path both front ends take), run it, answer as OpenAI does."""
         try:
-            request = admission.admit(asked, caller)
+            # Off the event loop: admission tokenizes, renders the template and may compile a grammar.
+            request = await asyncio.to_thread(admission.admit, asked, caller)
         except ServingError as exc:
             raise ApiError.from_serving(exc) from None
         scope = HttpCallScope(request_timeout_s)

@@ -62,11 +62,10 @@ def chat_request(body: ChatCompletionRequest, model: RouterModel) -> GenerationR
     """A chat completion body as the neutral request (admission checks the rest)."""
     check_model(model, body.model)
     _refuse_unserved(body)
-    turns = [ChatTurn(m.role, message_text(m.content, i)) for i, m in enumerate(body.messages)]
-    sampling = _sampling(body)
-    if body.max_completion_tokens is not None:  # the newer name wins
-        sampling["max_tokens"] = body.max_completion_tokens
-    return _neutral(body, "chatcmpl", ChatPrompt(tuple(turns)), sampling)
+    turns = [ChatTurn(m.role, message_text(m.content, i), m.name) for i, m in enumerate(body.messages)]
+    if body.top_logprobs and not body.logprobs:
+        raise ApiError.invalid("top_logprobs", "needs logprobs: true (as OpenAI requires)")
+    return _neutral(body, "chatcmpl", ChatPrompt(tuple(turns)))
 
 
 def completion_request(body: CompletionRequest, model: RouterModel) -> GenerationRequest:
@@ -81,29 +80,29 @@ def completion_request(body: CompletionRequest, model: RouterModel) -> Generatio
             )
         prompt = prompt[0]
     neutral = TextPrompt(prompt) if isinstance(prompt, str) else TokenPrompt(tuple(prompt))
-    return _neutral(body, "cmpl", neutral, _sampling(body))
+    return _neutral(body, "cmpl", neutral)
 
 
-def _sampling(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+def _sampling(body: ChatCompletionRequest | CompletionRequest) -> tuple[dict[str, Any], FieldNames]:
+    """The body's sampling fields by SamplingParams's names, and how this request names its fields."""
     try:
         options = body.sampling()
     except ValueError as exc:  # only logit_bias's keys are read there; the message names the field
         raise ApiError.invalid("logit_bias", str(exc).removeprefix("logit_bias ")) from None
     try:
-        structured, _ = structured_output(body)
+        structured, where = structured_output(body)
     except ValueError as exc:  # "field: problem"
         field, _, problem = str(exc).partition(": ")
         raise ApiError.invalid(field, problem) from None
-    if structured is not None:
-        options["structured"] = structured
-    return options
+    if structured is None:
+        return options, FIELDS
+    return {**options, "structured": structured}, dataclasses.replace(FIELDS, structured=where)
 
 
-def _neutral(
-    body: ChatCompletionRequest | CompletionRequest, kind: str, prompt: Prompt, sampling: dict[str, Any]
-) -> GenerationRequest:
-    _, structured_field = structured_output(body)  # checked in _sampling already
-    fields = dataclasses.replace(FIELDS, structured=structured_field) if structured_field else FIELDS
+def _neutral(body: ChatCompletionRequest | CompletionRequest, kind: str, prompt: Prompt) -> GenerationRequest:
+    sampling, fields = _sampling(body)
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        sampling["max_tokens"] = body.max_completion_tokens  # the newer name wins
     return GenerationRequest(
         request_id=f"{kind}-{uuid.uuid4().hex}",
         prompt=prompt,

@@ -141,3 +141,43 @@ def assert_idle(engine: LLMEngine) -> None:
     assert not engine.has_pending_work()
     engine.scheduler.check_integrity()
     assert engine.scheduler.kv.num_free_blocks == engine.kv_spec.num_blocks
+
+
+@dataclass(frozen=True)
+class SplitRun:
+    """One request run on one engine and split prefill -> decode, for comparing the two."""
+
+    local: list[RequestOutput]  # the plain engine's outputs
+    first: RequestOutput  # the prefill engine's final output (the first token)
+    decoded: list[RequestOutput]  # the decode engine's outputs
+
+
+def run_local_and_split(name: str, prompt: Sequence[int], params: SamplingParams) -> SplitRun:
+    """``prompt`` with ``params`` on a plain engine, then split: the prefill engine samples the first token
+    (``max_tokens`` 1), the decode engine continues with it as a prior output token."""
+    import dataclasses
+
+    local = make_engine(f"{name}-local", p2p=False)
+    producer, consumer = make_engine(f"{name}-p"), make_engine(f"{name}-d")
+    try:
+        local.add_request("r", list(prompt), params)
+        want = run_until([local], lambda: not local.has_unfinished_requests())["r"]
+        producer.add_request(
+            "r", list(prompt), dataclasses.replace(params, max_tokens=1), kv_transfer_params=RemoteDecode()
+        )
+        first = run_until([producer], lambda: producer.scheduler.get_request("r") is None)["r"][-1]
+        token = first.new_token_ids[0]
+        consumer.add_request(
+            "r",
+            [*prompt, token],
+            dataclasses.replace(params, max_tokens=params.max_tokens - 1),
+            kv_transfer_params=first.kv_transfer_params,
+            prior_output_token_ids=[token],
+        )
+        decoded = run_until(
+            [consumer, producer], lambda: not consumer.has_pending_work() and not producer.has_pending_work()
+        )["r"]
+        return SplitRun(want, first, decoded)
+    finally:
+        for engine in (local, producer, consumer):
+            engine.shutdown()

@@ -352,12 +352,10 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if not params.ignore_eos and request.eos_token_id is not None and token == request.eos_token_id:
             return RequestStatus.FINISHED_STOPPED
-        matcher = request.matcher
-        if matcher is not None and matcher.done:  # complete: the mask allowed only EOS, and it came
-            return RequestStatus.FINISHED_STOPPED
-        if matcher is not None and not matcher.consume((token,)):  # the mask lets nothing else in: a bug
-            request.error = f"structured output: token {token} broke the constraint ({matcher.error[:200]})"
-            return RequestStatus.FINISHED_ERROR
+        verdict = request.matcher.step(token, request.eos_token_id) if request.matcher is not None else None
+        if verdict is not None:  # the constraint is complete ("stop"), or the token broke it ("error")
+            request.error = verdict if verdict != "stop" else None
+            return RequestStatus.FINISHED_STOPPED if verdict == "stop" else RequestStatus.FINISHED_ERROR
         if request.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         if self.max_model_len is not None and request.num_tokens >= self.max_model_len:

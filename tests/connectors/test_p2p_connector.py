@@ -225,7 +225,7 @@ def test_a_prompt_shorter_than_a_block_holds_nothing(producer: LLMEngine, consum
     outs = decode(producer, consumer, "tiny", prompt, pre, 4)
     assert [pre.first_token, *tokens(outs)] == local_reference(tuple(prompt), 4)
     assert outs[-1].num_external_tokens == 0
-    assert "pulls_started" not in stats(consumer)
+    assert "pulls_started" not in stats(consumer) and "leases_unused" not in stats(consumer)  # no lease
     assert_idle(producer)
     assert_idle(consumer)
 
@@ -249,8 +249,9 @@ def test_params_for_other_kv_are_never_used(producer: LLMEngine, consumer: LLMEn
     reason = "hash_mismatch" if tamper == "other_prompt" else tamper
     assert stats(consumer)[f"params_rejected.{reason}"] >= 1
     assert "pulls_started" not in stats(consumer)
-    producer.abort_request("t")  # the router cancels the lease nobody will read
-    run_until([producer], lambda: not producer.has_pending_work())
+    # The consumer, which will not read the lease, releases it: nobody has to Abort it.
+    run_until([consumer, producer], lambda: not producer.has_pending_work(), timeout_s=10.0)
+    assert stats(producer).get("leases_released") == 1 and "lease_expiries" not in stats(producer)
     assert_idle(producer)
     assert_idle(consumer)
 

@@ -5,17 +5,14 @@ token for token, and the same whether a request runs on one engine or is split p
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import transformers
 
 from engine import LLM, SamplingParams
-from engine.connector.params import RemoteDecode, RemotePrefill
 from engine.request import TokenHistory
 from engine.sampler import Sampler, SamplingRow, process_logits
-from tests.p2p_harness import make_engine, run_until
+from tests.p2p_harness import run_local_and_split
 from tests.tiny_models import hf_model, random_prompts, tiny_model_dir
 
 VOCAB = 320
@@ -103,7 +100,6 @@ def test_logprobs_stay_those_of_the_raw_logits() -> None:
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"logit_bias": {1: 101.0}}, "logit_bias[1]"),
-        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
     ],
 )
 def test_bad_processor_parameters_are_refused_naming_them(bad: dict, field: str) -> None:
@@ -172,36 +168,19 @@ def test_penalties_are_the_same_split_prefill_to_decode() -> None:
     params = SamplingParams(
         max_tokens=NEW, presence_penalty=0.7, frequency_penalty=0.6, repetition_penalty=1.2
     )
-    prompt = PROMPTS[1]
-    local = make_engine("pen-local", p2p=False)
-    local.add_request("r", list(prompt), params)
-    want = [
-        t
-        for o in run_until([local], lambda: not local.has_unfinished_requests())["r"]
-        for t in o.new_token_ids
-    ]
-    producer, consumer = make_engine("pen-p"), make_engine("pen-d")
-    try:
-        producer.add_request(
-            "r", list(prompt), dataclasses.replace(params, max_tokens=1), kv_transfer_params=RemoteDecode()
-        )
-        first = run_until([producer], lambda: producer.scheduler.get_request("r") is None)["r"][-1]
-        assert isinstance(first.kv_transfer_params, RemotePrefill)
-        token = first.new_token_ids[0]
-        consumer.add_request(
-            "r",
-            [*prompt, token],
-            dataclasses.replace(params, max_tokens=NEW - 1),
-            kv_transfer_params=first.kv_transfer_params,
-            prior_output_token_ids=[token],
-        )
-        outs = run_until(
-            [consumer, producer], lambda: not consumer.has_pending_work() and not producer.has_pending_work()
-        )
-        assert [token, *(t for o in outs["r"] for t in o.new_token_ids)] == want
-    finally:
-        for engine in (local, producer, consumer):
-            engine.shutdown()
+    run = run_local_and_split("pen", PROMPTS[1], params)
+    want = [t for o in run.local for t in o.new_token_ids]
+    assert [*run.first.new_token_ids, *(t for o in run.decoded for t in o.new_token_ids)] == want
+
+
+def test_min_tokens_is_the_same_split_prefill_to_decode() -> None:
+    """min_tokens counts the prefill engine's token too (the review's finding: every split request with
+    min_tokens >= 2 was refused)."""
+    params = SamplingParams(max_tokens=6, min_tokens=6, stop_token_ids=(1, 2, 3))
+    run = run_local_and_split("mintok", PROMPTS[0], params)
+    want = [t for o in run.local for t in o.new_token_ids]
+    assert len(want) == 6
+    assert [*run.first.new_token_ids, *(t for o in run.decoded for t in o.new_token_ids)] == want
 
 
 # ---- top logprobs -----------------------------------------------------------------------------------------
@@ -224,36 +203,9 @@ def test_top_logprobs_are_transformers_log_softmax_and_lead_with_the_greedy_toke
 
 
 def test_top_logprobs_are_the_same_split_prefill_to_decode() -> None:
-    params = SamplingParams(max_tokens=5, top_logprobs=3)
-    prompt = PROMPTS[0]
-    local = make_engine("top-local", p2p=False)
-    local.add_request("r", list(prompt), params)
-    want = [
-        t
-        for o in run_until([local], lambda: not local.has_unfinished_requests())["r"]
-        for t in o.new_top_logprobs
-    ]
-    producer, consumer = make_engine("top-p"), make_engine("top-d")
-    try:
-        producer.add_request(
-            "r", list(prompt), dataclasses.replace(params, max_tokens=1), kv_transfer_params=RemoteDecode()
-        )
-        first = run_until([producer], lambda: producer.scheduler.get_request("r") is None)["r"][-1]
-        token = first.new_token_ids[0]
-        consumer.add_request(
-            "r",
-            [*prompt, token],
-            dataclasses.replace(params, max_tokens=4),
-            kv_transfer_params=first.kv_transfer_params,
-            prior_output_token_ids=[token],
-        )
-        outs = run_until(
-            [consumer, producer], lambda: not consumer.has_pending_work() and not producer.has_pending_work()
-        )
-        got = [*first.new_top_logprobs, *(t for o in outs["r"] for t in o.new_top_logprobs)]
-        assert [[t for t, _ in top] for top in got] == [[t for t, _ in top] for top in want]
-        for a, b in zip(got, want, strict=True):
-            assert [v for _, v in a] == pytest.approx([v for _, v in b], abs=1e-4)
-    finally:
-        for engine in (local, producer, consumer):
-            engine.shutdown()
+    run = run_local_and_split("top", PROMPTS[0], SamplingParams(max_tokens=5, top_logprobs=3))
+    want = [t for o in run.local for t in o.new_top_logprobs]
+    got = [*run.first.new_top_logprobs, *(t for o in run.decoded for t in o.new_top_logprobs)]
+    assert [[t for t, _ in top] for top in got] == [[t for t, _ in top] for top in want]
+    for a, b in zip(got, want, strict=True):
+        assert [v for _, v in a] == pytest.approx([v for _, v in b], abs=1e-4)

@@ -5,16 +5,14 @@ compile is refused naming it."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.connector.params import RemoteDecode
 from engine.structured import GrammarError, StructuredOutput
-from tests.p2p_harness import make_engine, run_until
+from tests.p2p_harness import run_local_and_split
 from tests.tiny_models import pdkv_tiny_model_dir
 
 SCHEMA = {
@@ -117,35 +115,20 @@ def test_compiled_once_per_constraint(llm: LLM) -> None:
 def test_a_constraint_holds_across_a_prefill_decode_split() -> None:
     """The prefill engine samples the first token under the constraint; the decode engine's matcher
     advances over it first: the tokens equal one engine's."""
-    spec = StructuredOutput.json_schema(SCHEMA)
-    params = SamplingParams(max_tokens=60, structured=spec)
-    prompt = [5, 17, 33, 90, 12, 7, 200, 41, 8]
-    local = make_engine("st-local", p2p=False)
-    local.add_request("r", prompt, params)
-    want = [
-        t
-        for o in run_until([local], lambda: not local.has_unfinished_requests())["r"]
-        for t in o.new_token_ids
-    ]
-    producer, consumer = make_engine("st-p"), make_engine("st-d")
-    try:
-        producer.add_request(
-            "r", prompt, dataclasses.replace(params, max_tokens=1), kv_transfer_params=RemoteDecode()
-        )
-        first = run_until([producer], lambda: producer.scheduler.get_request("r") is None)["r"][-1]
-        token = first.new_token_ids[0]
-        consumer.add_request(
-            "r",
-            [*prompt, token],
-            dataclasses.replace(params, max_tokens=59),
-            kv_transfer_params=first.kv_transfer_params,
-            prior_output_token_ids=[token],
-        )
-        outs = run_until(
-            [consumer, producer], lambda: not consumer.has_pending_work() and not producer.has_pending_work()
-        )
-        assert [token, *(t for o in outs["r"] for t in o.new_token_ids)] == want
-        assert outs["r"][-1].finish_reason == "stop"
-    finally:
-        for engine in (local, producer, consumer):
-            engine.shutdown()
+    params = SamplingParams(max_tokens=60, structured=StructuredOutput.json_schema(SCHEMA))
+    run = run_local_and_split("st", [5, 17, 33, 90, 12, 7, 200, 41, 8], params)
+    want = [t for o in run.local for t in o.new_token_ids]
+    assert [*run.first.new_token_ids, *(t for o in run.decoded for t in o.new_token_ids)] == want
+    assert run.decoded[-1].finish_reason == "stop"
+
+
+def test_min_tokens_and_ignore_eos_with_a_constraint_add_no_stray_token(llm: LLM) -> None:
+    """A complete constraint allows only EOS: min_tokens does not mask it then (the row would be all
+    -inf and token 0 come out), and with ignore_eos the request ends at that EOS, not at a second one."""
+    choices = ["yes", "no"]
+    for extra in ({"min_tokens": 5}, {"ignore_eos": True}, {"min_tokens": 5, "ignore_eos": True}):
+        [out] = llm.generate(
+            ["Is it?"], SamplingParams(max_tokens=20, structured=StructuredOutput.choice(choices), **extra)
+        )  # type: ignore[arg-type]
+        assert out.text in choices and out.finish_reason == "stop", extra
+        assert 0 not in out.token_ids[:-1] and len(out.token_ids) <= 4, (extra, out.token_ids)

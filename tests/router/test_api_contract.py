@@ -367,3 +367,16 @@ def test_a_bad_constraint_is_a_400_naming_it(http: TestClient, extra: dict, para
     response = http.post("/v1/chat/completions", json={**CHAT, **extra})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.json()
+
+
+def test_min_tokens_over_max_tokens_and_top_logprobs_without_logprobs_are_400s(model: RouterModel) -> None:
+    from router.admission import Admission, InvalidField
+    from router.auth import OPEN, Caller
+
+    body = ChatCompletionRequest.model_validate({**CHAT, "max_tokens": 4, "min_tokens": 9})
+    with pytest.raises(InvalidField) as info:
+        Admission(model).admit(chat_request(body, model), Caller(OPEN, "p", 8, cache_details=False))
+    assert info.value.field == "min_tokens"
+    with pytest.raises(ApiError) as err:
+        chat_request(ChatCompletionRequest.model_validate({**CHAT, "top_logprobs": 3}), model)
+    assert err.value.param == "top_logprobs"
