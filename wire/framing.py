@@ -94,6 +94,22 @@ class InfoReply:
         return pack({"id": self.id, "ok": True, "info": self.info})
 
 
+def answer_or_refusal(body: dict[Any, Any], request_id: int) -> ErrorReply | InfoReply | None:
+    """The replies every protocol shares, from a parsed reply header: the refusal (``ok`` false), the
+    info reply, or None for a protocol's own reply (``ok`` true, no ``info``)."""
+    ok = body.get("ok")
+    if ok is False:
+        return ErrorReply.from_body(body)
+    if ok is not True:
+        raise ProtocolError("'ok' must be a bool", request_id=request_id)
+    if "info" not in body:
+        return None
+    info = body["info"]
+    if not isinstance(info, dict):
+        raise ProtocolError("'info' must be a map", request_id=request_id)
+    return InfoReply(request_id, info)
+
+
 def unpack_bounded(
     frame: Any,
     *,

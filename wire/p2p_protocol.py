@@ -23,7 +23,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from wire.framing import ErrorReply, InfoReply, ProtocolError, count, pack, peek_id, u64, unpack, with_id
+from wire.framing import (
+    ErrorReply,
+    InfoReply,
+    ProtocolError,
+    answer_or_refusal,
+    count,
+    pack,
+    peek_id,
+    u64,
+    unpack,
+    with_id,
+)
 
 MAX_READ_BLOCKS = 4096
 MAX_LEASE_ID_CHARS = 1024
@@ -106,14 +117,9 @@ def decode_p2p_reply(frame: Any) -> P2PReply:
     """Parse a p2p reply header frame; ``ProtocolError`` for anything this protocol does not produce."""
     body = unpack(frame, max_array_len=64, max_str_len=MAX_LEASE_ID_CHARS)
     request_id = u64(body, "id")
-    ok = body.get("ok")
-    if ok is False:
-        return ErrorReply.from_body(body)
-    if ok is not True:
-        raise ProtocolError("'ok' must be a bool", request_id=request_id)
-    if "info" in body:
-        info = body["info"]
-        return InfoReply(request_id, info if isinstance(info, dict) else {})
+    shared = answer_or_refusal(body, request_id)
+    if shared is not None:
+        return shared
     try:
         return DataReply(request_id, count(body, "first"), count(body, "n"))
     except ProtocolError as exc:

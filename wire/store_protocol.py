@@ -35,6 +35,7 @@ from wire.framing import (
     ErrorReply,
     InfoReply,
     ProtocolError,
+    answer_or_refusal,
     layout_from_wire,
     layout_to_wire,
     pack,
@@ -215,16 +216,9 @@ def decode_store_reply(frame: Any) -> StoreReply:
     """Parse a store reply header frame; ``ProtocolError`` for anything the server does not send."""
     body = unpack(frame, max_array_len=1024, max_map_len=4096, max_str_len=1 << 16)
     request_id = peek_id(body)
-    ok = body.get("ok")
-    if ok is False:
-        return ErrorReply.from_body(body)
-    if ok is not True:
-        raise ProtocolError("'ok' must be a bool", request_id=request_id)
-    if "info" in body:
-        info = body["info"]
-        if not isinstance(info, dict):
-            raise ProtocolError("'info' must be a map", request_id=request_id)
-        return InfoReply(request_id, info)
+    shared = answer_or_refusal(body, request_id)
+    if shared is not None:
+        return shared
     n = body.get("n")
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise ProtocolError(f"'n' must be a non-negative int, got {n!r}", request_id=request_id)
