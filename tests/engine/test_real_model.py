@@ -178,7 +178,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_bfloat16_picks_the_argmax_of_transformers_in_bfloat16(converted: Path) -> None:
     """bf16 drifts from fp32 over many tokens, so it is checked teacher-forced: every greedy pick is
-    within 0.1 (or one bf16 step, where that is more) of transformers' best logit at that position.
+    within 0.1 (or two bf16 steps, where that is more) of transformers' best logit at that position.
     transformers runs the converted folder in bfloat16 (its GGUF path would keep the weights packed and
     compute in fp32).
 
@@ -199,10 +199,12 @@ def test_bfloat16_picks_the_argmax_of_transformers_in_bfloat16(converted: Path) 
         assert out.logprobs is not None
         for j, tok in enumerate(out.token_ids):
             row = logits[len(prompt) - 1 + j]
-            # transformers' logits are bf16: two within one bf16 step of the max (0.125 at 16..32) are a
-            # tie its own output cannot order.
+            # Both sides' logits are bf16, each rounded within one step of its own (differently reduced)
+            # value: two logits within two bf16 steps of the max (0.25 at 16..32) are a tie neither
+            # output can order.  One step was not enough on an AMX host (oneDNN's AMX kernels reduce in
+            # another order than AVX-512's): a pick 0.25 under transformers' 22.5.
             top = float(row.max())
-            tolerance = max(0.1, 2.0 ** (math.floor(math.log2(abs(top))) - 7)) if top else 0.1
+            tolerance = max(0.1, 2.0 ** (math.floor(math.log2(abs(top))) - 6)) if top else 0.1
             assert top - float(row[tok]) <= tolerance, f"token {j}: not transformers' argmax"
             diffs.append(abs(out.logprobs[j] - float(logprobs[len(prompt) - 1 + j, tok])))
     diffs.sort()
