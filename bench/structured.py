@@ -1,18 +1,28 @@
 """Structured outputs on the embedded model: decode throughput under a JSON-schema constraint against the
-same batch unconstrained, and the compile time of a 20-field schema.
+same batch unconstrained, and the compile time of a 20-field schema; and ``n`` choices against as many
+separate requests.
 
-    python -m bench.structured [--quick] [--json PATH] [--batch 8] [--tokens 64]
+    python -m bench.structured [--quick] [--json PATH] [--batch 8] [--tokens 64] [--fork-prompt 2000]
 
 ``structured_decode_fraction`` (target >= 0.9 at batch 8): decode tokens/s with every request of the batch
 under a JSON schema over the same batch without one, the two run in turns (the decode time is the wall time
 after the batch's last first token).  ``schema_compile_ms``: compiling a 20-field schema the compiler has
 not seen (llguidance; the tokenizer's table built beforehand), median of several schemas.
+
+``n_fork_speedup`` (target >= 3): on a colocated cluster (router + one node, ``pdkv.launcher``), total
+time of 8 separate concurrent requests for one 2,000-token prompt (``POST /v1/completions``, sampled,
+``--fork-tokens`` each) over one request with ``n=8`` for the same; each round's prompt starts with words
+of its own, so nothing of it is cached before the round.  The rounds alternate.
 """
 
 from __future__ import annotations
 
+import json
+import random
 import statistics
+import threading
 import time
+import urllib.request
 from typing import Any
 
 from bench.common import Report, parser
@@ -60,11 +70,83 @@ def decode_rate(llm: Any, prompts: list[str], params: Any) -> tuple[float, int]:
     return (tokens - len(outs)) / max(elapsed - first, 1e-9), tokens
 
 
+def _complete(address: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        f"http://{address}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=600) as answer:
+        return json.loads(answer.read())  # type: ignore[no-any-return]
+
+
+def fork_times(prompt_tokens: int, new_tokens: int, rounds: int) -> dict[str, list[float]]:
+    """Per round: seconds of 8 separate concurrent requests and of one request with ``n=8`` (the same
+    prompt of ``prompt_tokens`` random token ids, new each round), and the prompt tokens the separate
+    requests computed (their usage; the n=8 request computes the prompt once, plus each later choice's
+    tokens after the last full block)."""
+    from engine.model.embedded import default_model_path
+    from pdkv.launcher import Cluster, Topology
+
+    rng = random.Random(5)
+    topology = Topology(model=str(default_model_path()), mode="colocated", num_decode=1, router_port=0)
+    out: dict[str, list[float]] = {"separate": [], "forked": [], "separate_computed": []}
+    with Cluster.start(topology) as cluster:
+        address = cluster.http_address
+        assert address is not None
+        name = _model_name(address)
+
+        def body(prompt: list[int], seed: int, n: int) -> dict[str, Any]:
+            return {
+                "model": name,
+                "prompt": prompt,
+                "max_tokens": new_tokens,
+                "temperature": 0.8,
+                "seed": seed,
+                "n": n,
+                "ignore_eos": True,
+            }
+
+        for r in range(rounds + 1):  # round 0 warms up
+            for kind in ("separate", "forked") if r % 2 else ("forked", "separate"):
+                prompt = [rng.randrange(1000, 40_000) for _ in range(prompt_tokens)]
+                answers: list[dict[str, Any]] = []
+                t0 = time.perf_counter()
+                if kind == "forked":
+                    assert len(_complete(address, body(prompt, 1, 8))["choices"]) == 8
+                else:
+                    threads = [
+                        threading.Thread(target=_append, args=(answers, address, body(prompt, 1 + i, 1)))
+                        for i in range(8)
+                    ]
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join()
+                    assert len(answers) == 8
+                elapsed = time.perf_counter() - t0
+                if r:
+                    out[kind].append(elapsed)
+                    if answers:
+                        computed = sum(a["usage"]["pdkv"].get("computed_prompt_tokens", 0) for a in answers)
+                        out["separate_computed"].append(computed)
+    return out
+
+
+def _append(answers: list[dict[str, Any]], address: str, body: dict[str, Any]) -> None:
+    answers.append(_complete(address, body))
+
+
+def _model_name(address: str) -> str:
+    with urllib.request.urlopen(f"http://{address}/v1/models", timeout=30) as answer:
+        return str(json.loads(answer.read())["data"][0]["id"])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__.splitlines()[0] if __doc__ else "structured outputs benchmark")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--tokens", type=int, default=None, help="tokens per request (default 64, --quick 24)")
     p.add_argument("--rounds", type=int, default=None, help="rounds of each, in turns (default 3, --quick 1)")
+    p.add_argument("--fork-prompt", type=int, default=None, help="n=8's prompt tokens (2000; --quick 400)")
+    p.add_argument("--fork-tokens", type=int, default=16, help="tokens per choice (default 16)")
     args: Any = p.parse_args(argv)
     tokens = args.tokens or (24 if args.quick else 64)
     rounds = args.rounds or (1 if args.quick else 3)
@@ -109,6 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     report.figure("schema_compile_cached_ms", cached_ms)
     fraction = statistics.median(c / f for c, f in zip(constrained_rates, free_rates, strict=True))
     report.ratio("structured_decode_fraction", fraction, ">= 0.9 at batch 8")
+    del llm  # the cluster's node needs the cores
+    fork_prompt = args.fork_prompt or (400 if args.quick else 2000)
+    fork = fork_times(fork_prompt, args.fork_tokens, 1 if args.quick else 3)
+    report.figure("fork_prompt_tokens", fork_prompt)
+    report.figure("separate_8_s", statistics.median(fork["separate"]))
+    report.figure("separate_8_prompt_tokens_computed", statistics.median(fork["separate_computed"]))
+    report.figure("n8_s", statistics.median(fork["forked"]))
+    speedup = statistics.median(s / f for s, f in zip(fork["separate"], fork["forked"], strict=True))
+    report.ratio("n_fork_speedup", speedup, ">= 3 (n=8, 2,000-token prompt)")
     report.emit(args.json)
     return 0
 

@@ -90,6 +90,7 @@ class FieldNames:
     token_id: str  # one of them; "{i}" is its index
     sampling: str  # the prefix of a sampling field ("sampling." -> "sampling.top_p")
     structured: str = "sampling.structured"  # the field that carries the output's constraint
+    n: str = "n"  # how many choices
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class GenerationRequest:
     cache_salt: str | None = None  # the client's; the caller's tenant is added at admission
     stream: bool = False
     include_usage: bool = True  # the OpenAI API's stream_options.include_usage; gRPC always has usage
+    n: int = 1  # choices: the prompt is prefilled once, each choice samples on with its own seed
 
 
 @dataclass(frozen=True)
@@ -115,14 +117,17 @@ class AdmittedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
+    n: int = 1  # choices (the pipeline forks them after one prefill: router/choices.py)
 
 
 class Admission:
     """Admits requests for ``model`` on a router whose ``max_tokens_limit`` (0: none) caps max_tokens."""
 
-    def __init__(self, model: RouterModel, max_tokens_limit: int = 0) -> None:
+    def __init__(self, model: RouterModel, max_tokens_limit: int = 0, *, max_n: int = 16) -> None:
+        """``max_n``: the most choices (``n``) one request may ask for."""
         self.model = model
         self.max_tokens_limit = max_tokens_limit
+        self.max_n = max_n
         # A constraint that does not compile is refused here, before any node call (engine/structured.py).
         tok = model.tokenizer
         self.grammars = GrammarCompiler(tok.to_json(), model.vocab_size, model.eos_token_ids)
@@ -132,6 +137,10 @@ class Admission:
         unknown = set(request.sampling) - SAMPLING_FIELDS
         assert not unknown, f"a front end passed sampling fields SamplingParams lacks: {sorted(unknown)}"
         names = request.fields
+        if not 1 <= request.n <= self.max_n:
+            raise InvalidField(
+                names.n, f"{request.n} choices asked; this server serves 1 to {self.max_n} (its max_n)"
+            )
         token_ids, prompt_field = self._tokens(request.prompt, names)
         options = dict(request.sampling)
         chat = isinstance(request.prompt, ChatPrompt)
@@ -156,7 +165,9 @@ class Admission:
                 raise InvalidField(names.structured, str(exc).removeprefix("structured.")) from None
         if chat:
             params = self.model.tokenizer.chat_sampling(params)
-        return AdmittedRequest(request.request_id, token_ids, params, caller.salt(request.cache_salt))
+        return AdmittedRequest(
+            request.request_id, token_ids, params, caller.salt(request.cache_salt), n=request.n
+        )
 
     def _tokens(self, prompt: Prompt, names: FieldNames) -> tuple[list[int], str]:
         """The prompt's token ids, and the field that names the prompt in an error."""

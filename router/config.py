@@ -40,6 +40,8 @@ class RouterConfig:
     max_inflight: int = 256
     # Most output tokens one request may ask for (0: as many as the model's context leaves room for).
     max_tokens_limit: int = 0
+    # Most choices one request may ask for (OpenAI's ``n``): each is a sequence decoded in the batch.
+    max_n: int = 16
     # API keys (router/auth.py): a TOML keys file; "" = $PDKV_API_KEYS_FILE / $PDKV_API_KEYS, or open.
     api_keys_file: str = ""
     # Calls in flight of one tenant (open: one connection) before RESOURCE_EXHAUSTED; 0 = max_inflight/2.
@@ -95,6 +97,8 @@ class RouterConfig:
             raise ValueError(f"http_timeout_s must be positive, got {self.http_timeout_s!r}")
         if not isinstance(self.max_tokens_limit, int) or self.max_tokens_limit < 0:
             raise ValueError(f"max_tokens_limit must be >= 0, got {self.max_tokens_limit!r}")
+        if not isinstance(self.max_n, int) or self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n!r}")
         if not isinstance(self.client_max_inflight, int) or self.client_max_inflight < 0:
             raise ValueError(f"client_max_inflight must be >= 0, got {self.client_max_inflight!r}")
         if not self.stream_idle_timeout_s > 0:
@@ -159,6 +163,13 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         metavar="N",
         help="most output tokens one request may ask for (default 0: what the context leaves room for)",
+    )
+    parser.add_argument(
+        "--max-n",
+        type=int,
+        default=16,
+        metavar="N",
+        help="most choices one request may ask for (OpenAI's n; default 16)",
     )
     parser.add_argument(
         "--api-keys-file",
@@ -231,6 +242,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         http_timeout_s=args.http_timeout_s,
         max_inflight=args.max_inflight,
         max_tokens_limit=args.max_tokens_limit,
+        max_n=args.max_n,
         api_keys_file=args.api_keys_file,
         client_max_inflight=args.client_max_inflight,
         cache_details=args.cache_details,

@@ -5,6 +5,7 @@ early (``Cancellation``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -31,6 +32,7 @@ class Delta:
     logprobs: list[float]
     # One per token when the client asked for top_logprobs: the most likely tokens there.
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    index: int = 0  # the choice (of the request's n) this belongs to
 
 
 @dataclass
@@ -49,7 +51,20 @@ class Usage:
 class Done:
     finish_reason: str | None
     stop_reason: int | str | None
-    usage: Usage
+    usage: Usage  # this choice's: its completion tokens, the request's prompt
+    index: int = 0  # the choice (of the request's n) this ends
+
+
+def total_usage(usages: list[Usage]) -> Usage:
+    """The request's usage over its choices: the prompt once (as the first choice's node saw it: the one
+    that computed it), completion tokens summed, the first token at the earliest, the end at the latest."""
+    first = usages[0]
+    return dataclasses.replace(
+        first,
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        time_to_first_token_s=min(u.time_to_first_token_s for u in usages),
+        total_time_s=max(u.total_time_s for u in usages),
+    )
 
 
 Event = Delta | Done

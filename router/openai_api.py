@@ -143,6 +143,7 @@ def create_app(
             chat=isinstance(asked.prompt, ChatPrompt),
             logprobs=request.params.logprobs,
             cache_details=caller.cache_details,
+            n=request.n,
         )
         events = pipeline_events(pipeline, request, scope, pool, access, caller)
         if asked.stream:

@@ -110,6 +110,7 @@ def _neutral(body: ChatCompletionRequest | CompletionRequest, kind: str, prompt:
         sampling=sampling,
         cache_salt=body.cache_salt,
         stream=body.stream,
+        n=body.n,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
     )
 

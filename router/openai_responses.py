@@ -16,7 +16,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from engine.sampling_params import TopLogprobs
-from router.events import Delta, Done, Event, Usage
+from router.events import Delta, Done, Event, Usage, total_usage
 from router.http_scope import HttpCallScope, watch_disconnect
 from router.openai_errors import ApiError
 from router.tokenizer import RouterModel
@@ -35,7 +35,9 @@ class ResponseShape:
         chat: bool,
         logprobs: bool,
         cache_details: bool = False,
+        n: int = 1,
     ) -> None:
+        """``n``: the request's choices (a stream's usage chunk waits for the last one's end)."""
         self.model, self.id, self.created, self.chat, self.logprobs = (
             model,
             request_id,
@@ -44,13 +46,16 @@ class ResponseShape:
             logprobs,
         )
         self.cache_details = cache_details
+        self.n = n
 
     def envelope(self) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model.name}
 
-    def chunk(self, delta: Any, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
+    def chunk(
+        self, delta: Any, finish_reason: str | None, logprobs: Any = None, index: int = 0
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
         if self.chat:
             choice["delta"] = delta
         else:
@@ -59,32 +64,34 @@ class ResponseShape:
 
     def delta_chunk(self, d: Delta) -> dict[str, Any]:
         lp = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs) if self.logprobs else None
-        return self.chunk({"content": d.text} if self.chat else d.text, None, lp)
+        return self.chunk({"content": d.text} if self.chat else d.text, None, lp, d.index)
 
-    def whole(self, deltas: list[Delta], done: Done) -> dict[str, Any]:
+    def whole(self, choices: list[tuple[list[Delta], Done]]) -> dict[str, Any]:
+        """The whole answer: one choice per (deltas, done) of a choice, in index order."""
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model.name,
+            "choices": [self._choice(deltas, done) for deltas, done in choices],
+            "usage": self.usage(total_usage([done.usage for _, done in choices])),
+        }
+
+    def _choice(self, deltas: list[Delta], done: Done) -> dict[str, Any]:
         text = "".join(d.text for d in deltas)
         ids = [t for d in deltas for t in d.token_ids]
         lps = [x for d in deltas for x in d.logprobs]
         tops = [x for d in deltas for x in d.top_logprobs]
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": done.index,
             "finish_reason": done.finish_reason,
             "logprobs": self._logprobs(ids, lps, tops) if self.logprobs else None,
         }
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
-            kind = "chat.completion"
         else:
             choice["text"] = text
-            kind = "text_completion"
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model.name,
-            "choices": [choice],
-            "usage": self.usage(done.usage),
-        }
+        return choice
 
     def _logprobs(self, ids: list[int], lps: list[float], tops: list[TopLogprobs]) -> Any:
         """OpenAI's logprobs object: chat's ``content`` entries (each with its ``top_logprobs``), or
@@ -145,18 +152,19 @@ async def whole_response(
     request is aborted downstream), and a refusal or failure is raised as its ``ApiError``."""
     watcher = asyncio.create_task(watch_disconnect(http, scope))
     try:
-        deltas: list[Delta] = []
-        done: Done | None = None
+        deltas: list[list[Delta]] = [[] for _ in range(shape.n)]
+        done: list[Done | None] = [None] * shape.n
         try:
             async for event in events:
                 if isinstance(event, Delta):
-                    deltas.append(event)
+                    deltas[event.index].append(event)
                 else:
-                    done = event
+                    done[event.index] = event
         except ServingError as exc:
             raise ApiError.from_serving(exc) from None
-        assert done is not None
-        return JSONResponse(shape.whole(deltas, done))
+        ended = [d for d in done if d is not None]
+        assert len(ended) == shape.n, "the pipeline ended without every choice's Done"
+        return JSONResponse(shape.whole(list(zip(deltas, ended, strict=True))))
     finally:
         watcher.cancel()
 

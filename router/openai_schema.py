@@ -56,7 +56,6 @@ class NotServed:
 _NONE = (None,)
 # Refused with 400 naming the field unless off.  Serving one moves it out of this table.
 NOT_SERVED: dict[str, NotServed] = {
-    "n": NotServed((1,), "only n=1 is served; send one request per completion"),
     "best_of": NotServed(_NONE, "best_of is not served (vLLM dropped it too); use n, or several requests"),
     "echo": NotServed((False,), "echo is not served yet"),
     "suffix": NotServed((None, ""), "suffix is not served"),
@@ -97,7 +96,7 @@ class _Sampling(_Body):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1)  # choices; the router's max_n caps it (400 naming n above it)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None

@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from router.events import Delta, Event
+from router.events import Delta, Event, Usage, total_usage
 from router.http_scope import HttpCallScope
 from router.openai_errors import ApiError
 from router.openai_responses import ResponseShape
@@ -54,12 +54,16 @@ async def _sse(
     def data(obj: Any) -> bytes:
         return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
+    usages: dict[int, Usage] = {}
+
     def render(event: Event) -> list[bytes]:
         if isinstance(event, Delta):
             return [data(shape.delta_chunk(event))]
-        out = [data(shape.chunk({} if shape.chat else "", event.finish_reason))]
-        if include_usage:
-            out.append(data({**shape.envelope(), "choices": [], "usage": shape.usage(event.usage)}))
+        out = [data(shape.chunk({} if shape.chat else "", event.finish_reason, index=event.index))]
+        usages[event.index] = event.usage
+        if include_usage and len(usages) == shape.n:  # after the last choice's end: the request's usage
+            usage = total_usage([usages[i] for i in sorted(usages)])
+            out.append(data({**shape.envelope(), "choices": [], "usage": shape.usage(usage)}))
         return out
 
     # aclosing + finally: however this generator ends -- done, or cancelled while a slow client's send
@@ -67,7 +71,8 @@ async def _sse(
     try:
         async with contextlib.aclosing(events) as rest:
             if shape.chat:
-                yield data(shape.chunk({"role": "assistant", "content": ""}, None))
+                for i in range(shape.n):
+                    yield data(shape.chunk({"role": "assistant", "content": ""}, None, index=i))
             for chunk in render(first):
                 yield chunk
             try:

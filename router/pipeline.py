@@ -39,6 +39,7 @@ import grpc
 from engine.metrics import SPECS
 from pdkv_proto.pdkv.v1 import node_pb2, types_pb2
 from router.admission import AdmittedRequest
+from router.choices import Placement, fork_choices
 from router.events import CallScope, Cancellation, Delta, Done, Event, Usage
 from router.node_messages import carried_tokens, decode_message, prefill_message
 from router.nodes import NodeHandle, NodePool
@@ -102,42 +103,66 @@ class Pipeline:
         return self._inflight
 
     def generate(self, request: AdmittedRequest, scope: CallScope) -> Iterator[Event]:
-        """The request's deltas, then one ``Done``.  Raises ``ServingError`` with the status to return.
-        ``request`` passed admission (``router/admission.py``: max_tokens_limit included)."""
-        self._admit()
+        """The request's deltas, then one ``Done`` -- per choice, each event carrying its choice's
+        ``index`` when ``request.n`` > 1 (``router/choices.py``).  Raises ``ServingError`` with the status
+        to return.  ``request`` passed admission (``router/admission.py``: max_tokens_limit and max_n
+        included).  Every choice counts against ``max_inflight``: each is a sequence in a batch."""
+        self._admit(request.n)
+        if request.n > 1:
+            yield from fork_choices(request, scope, self._run_choice, self._release)
+            return
+        try:
+            yield from self._run(request, scope, Placement())
+        finally:
+            self._release()
+
+    def _run_choice(
+        self, request: AdmittedRequest, scope: CallScope, placement: Placement
+    ) -> Iterator[Event]:
+        try:
+            yield from self._run(request, scope, placement)
+        finally:
+            self._release()
+
+    def _run(self, request: AdmittedRequest, scope: CallScope, placement: Placement) -> Iterator[Event]:
         # Nodes see an id of the router's making: the client's id is echoed back to the client only, never
         # used as an engine request id or a lease id (another client could collide with it, or abort it).
         request = dataclasses.replace(request, request_id=f"pdkv-{uuid.uuid4().hex}")
-        try:
-            cancellation = Cancellation(scope)
-            run = self._disaggregated if self.mode == "disaggregated" else self._colocated
-            start = time.perf_counter()
-            latency = self.latency.start(start)
-            for event in run(request, scope, cancellation, start):
-                _observe_latency(latency, event)
-                yield event
-            cancellation.finish()
-        finally:
-            with self._lock:
-                self._inflight -= 1
+        cancellation = Cancellation(scope)
+        run = self._disaggregated if self.mode == "disaggregated" else self._colocated
+        start = time.perf_counter()
+        latency = self.latency.start(start)
+        for event in run(request, scope, cancellation, start, placement):
+            _observe_latency(latency, event)
+            yield event
+        cancellation.finish()
 
-    def _admit(self) -> None:
+    def _admit(self, n: int = 1) -> None:
         with self._lock:
-            if self._inflight >= self.max_inflight:
+            if self._inflight + n > self.max_inflight:
                 raise ServingError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"the router already serves {self._inflight} requests "
                     f"(max_inflight {self.max_inflight}); retry later",
                 )
-            self._inflight += 1
+            self._inflight += n
+
+    def _release(self, n: int = 1) -> None:
+        with self._lock:
+            self._inflight -= n
 
     # -- disaggregated ------------------------------------------------------------------------------------
 
     def _disaggregated(
-        self, request: AdmittedRequest, scope: CallScope, cancellation: Cancellation, start: float
+        self,
+        request: AdmittedRequest,
+        scope: CallScope,
+        cancellation: Cancellation,
+        start: float,
+        placement: Placement,
     ) -> Iterator[Event]:
         assert self.prefill_pool is not None
-        prefill_node, first = self._prefill(request, prefill_message(request), scope, cancellation)
+        prefill_node, first = self._prefill(request, prefill_message(request), scope, cancellation, placement)
         # From here the prefill node holds the KV for a decode node: free it if the client goes away.
         cancellation.on_cancel(lambda: prefill_node.abort_async(request.request_id))
         usage = Usage(
@@ -161,7 +186,7 @@ class Pipeline:
         completed = False
         try:
             yield from self._decode(
-                _ClientStream(request, scope, cancellation, usage, start, sent), decode_msg
+                _ClientStream(request, scope, cancellation, usage, start, sent, placement), decode_msg
             )
             completed = True
         finally:
@@ -176,12 +201,14 @@ class Pipeline:
         msg: node_pb2.PrefillRequest,
         scope: CallScope,
         cancellation: Cancellation,
+        placement: Placement,
     ) -> tuple[NodeHandle, node_pb2.PrefillResponse]:
         assert self.prefill_pool is not None
         tried: list[NodeHandle] = []
         errors: list[str] = []
         for _ in range(self.prefill_attempts):
-            node = self._choose(self.prefill_pool, request, tried, errors)
+            node = self._choose(self.prefill_pool, request, tried, errors, placement.prefill)
+            placement.prefill = node
             tried.append(node)
             future = node.prefill.Prefill.future(msg, timeout=time_remaining(scope))
             cancellation.on_cancel(future.cancel)
@@ -205,10 +232,15 @@ class Pipeline:
     # -- colocated ----------------------------------------------------------------------------------------
 
     def _colocated(
-        self, request: AdmittedRequest, scope: CallScope, cancellation: Cancellation, start: float
+        self,
+        request: AdmittedRequest,
+        scope: CallScope,
+        cancellation: Cancellation,
+        start: float,
+        placement: Placement,
     ) -> Iterator[Event]:
         usage = Usage(prompt_tokens=len(request.prompt_token_ids))
-        client = _ClientStream(request, scope, cancellation, usage, start, _Sent())
+        client = _ClientStream(request, scope, cancellation, usage, start, _Sent(), placement)
         yield from self._decode(client, decode_message(request))
 
     # -- shared -------------------------------------------------------------------------------------------
@@ -220,7 +252,8 @@ class Pipeline:
         errors: list[str] = []
         while True:
             try:
-                node = self._choose(self.decode_pool, request, tried, errors)
+                node = self._choose(self.decode_pool, request, tried, errors, client.placement.decode)
+                client.placement.decode = node
             except ServingError as exc:
                 if not errors:
                     raise
@@ -311,8 +344,12 @@ class Pipeline:
         request: AdmittedRequest,
         tried: Sequence[NodeHandle],
         errors: Sequence[str] = (),
+        prefer: NodeHandle | None = None,
     ) -> NodeHandle:
+        """A healthy node of ``pool`` not yet tried: ``prefer`` where it is one, else the policy's."""
         candidates = pool.healthy(exclude=tried)
+        if prefer is not None and prefer in candidates:
+            return prefer
         if not candidates:
             detail = f"; tried {'; '.join(errors)}" if errors else ""
             down = ", ".join(f"{n.address} ({n.last_error})" for n in pool.nodes() if not n.healthy)
@@ -344,6 +381,7 @@ class _ClientStream:
     usage: Usage
     start: float
     sent: _Sent
+    placement: Placement
     prompt_recorded: bool = False  # usage holds the prompt figures of the first node that saw the prompt
 
 

@@ -148,7 +148,7 @@ class RouterRuntime:
             RpcCounters(),
             access,
             streams,
-            Admission(model, config.max_tokens_limit),
+            Admission(model, config.max_tokens_limit, max_n=config.max_n),
             tls,
             index,
             subscriber,

@@ -24,7 +24,7 @@ from router.admission import (
     TokenPrompt,
 )
 from router.auth import Access, Caller
-from router.events import Delta, Done, Usage
+from router.events import Delta, Done, Usage, total_usage
 from router.nodes import NodePool
 from router.pipeline import Pipeline
 from router.streams import StreamWatch
@@ -75,6 +75,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 end_of_turn_token_ids=list(self.tokenizer.end_of_turn_token_ids),
                 sampling_fields=sorted(types_pb2.SamplingParams.DESCRIPTOR.fields_by_name),
                 structured_kinds=list(structured.KINDS),
+                max_n=self.admission.max_n,
             )
         raise AssertionError("unreachable: rpc_errors aborts the call")
 
@@ -96,10 +97,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                             logprobs=event.logprobs,
                             top_logprobs=[convert.top_logprobs_proto(t) for t in event.top_logprobs],
                         )
-                        msg = generation_pb2.GenerateResponse(request_id=rid, delta=delta)
+                        msg = generation_pb2.GenerateResponse(request_id=rid, delta=delta, index=event.index)
                     else:
                         done = _completion(event, caller.cache_details)
-                        msg = generation_pb2.GenerateResponse(request_id=rid, done=done)
+                        msg = generation_pb2.GenerateResponse(request_id=rid, done=done, index=event.index)
                     if watch is not None:
                         watch.sending()
                     yield msg
@@ -114,15 +115,29 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> generation_pb2.GenerateResult:
         with rpc_errors(context, self.calls, "GenerateUnary"), self._call(context) as caller:
             admitted = self._admitted(request, caller)
-            result = generation_pb2.GenerateResult(request_id=admitted.request_id)
+            choices = [generation_pb2.Choice(index=i) for i in range(admitted.n)]
+            usages: list[Usage] = [Usage()] * admitted.n
             for event in self.pipeline.generate(admitted, context):
+                choice = choices[event.index]
                 if isinstance(event, Delta):
-                    result.token_ids.extend(event.token_ids)
-                    result.text += event.text
-                    result.logprobs.extend(event.logprobs)
-                    result.top_logprobs.extend(convert.top_logprobs_proto(t) for t in event.top_logprobs)
+                    choice.token_ids.extend(event.token_ids)
+                    choice.text += event.text
+                    choice.logprobs.extend(event.logprobs)
+                    choice.top_logprobs.extend(convert.top_logprobs_proto(t) for t in event.top_logprobs)
                 else:
-                    result.done.CopyFrom(_completion(event, caller.cache_details))
+                    choice.done.CopyFrom(_completion(event, caller.cache_details))
+                    usages[event.index] = event.usage
+            first = choices[0]
+            result = generation_pb2.GenerateResult(
+                request_id=admitted.request_id,
+                token_ids=first.token_ids,
+                text=first.text,
+                logprobs=first.logprobs,
+                top_logprobs=first.top_logprobs,
+                done=first.done,
+                choices=choices,
+            )
+            result.done.usage.CopyFrom(_usage(total_usage(usages), caller.cache_details))
             return result
         raise AssertionError("unreachable: rpc_errors aborts the call")
 
@@ -175,6 +190,7 @@ def generation_request(request: generation_pb2.GenerateRequest) -> GenerationReq
         fields=FIELDS,
         sampling=convert.sampling_options(request.sampling),
         cache_salt=convert.cache_salt(request),
+        n=request.n or 1,
     )
 
 

@@ -275,11 +275,11 @@ def test_top_logprobs_in_openai_shapes(model: RouterModel) -> None:
     tok = model.tokenizer
     delta = Delta([5, 6], "xy", [-0.1, -0.2], [((5, -0.1), (9, -2.0)), ((6, -0.2), (5, -3.0))])
     done = Done("length", None, Usage(prompt_tokens=3, completion_tokens=2))
-    chat = ResponseShape(model, "id", created=0, chat=True, logprobs=True).whole([delta], done)
+    chat = ResponseShape(model, "id", created=0, chat=True, logprobs=True).whole([([delta], done)])
     content = chat["choices"][0]["logprobs"]["content"]
     assert [e["top_logprobs"][1]["logprob"] for e in content] == [-2.0, -3.0]
     assert content[0]["top_logprobs"][0]["token"] == tok.decode([5], skip_special_tokens=False)
-    text = ResponseShape(model, "id", created=0, chat=False, logprobs=True).whole([delta], done)
+    text = ResponseShape(model, "id", created=0, chat=False, logprobs=True).whole([([delta], done)])
     maps = text["choices"][0]["logprobs"]["top_logprobs"]
     assert maps[1] == {
         tok.decode([6], skip_special_tokens=False): -0.2,

@@ -150,7 +150,7 @@ def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),  # over the router's max_n (16 by default)
         ({"temperature": 5.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),

@@ -1,0 +1,97 @@
+"""``n`` choices of one request: the prompt is prefilled once, and each choice samples on from it.
+
+    choice 0 ──▶ a node (the policy's choice) ── prompt computed, its blocks cached ──▶ first token
+                   │
+                   └─ then choices 1..n-1, each on the same node(s) ──▶ prefix hit on every full block
+                      of the prompt (the node's prefix cache), the rest (under one block) computed
+
+A choice is an ordinary request of the pipeline -- its own engine request, its own seed stream (``seed +
+i`` when the client set a seed, as vLLM numbers them; else the engine draws one per choice), failover
+and resume as any request -- so what holds for one request holds for each choice, on every path.  The
+choices after the first wait for its first token: by then the prompt's blocks are in the prefix cache
+of the node that computed them (the prefill node, or the colocated node), and the others are sent there
+(``Placement``), where they find them.  In disaggregated mode they also prefer the decode node of the
+first choice, whose cache holds the prompt once it received it.
+
+The sharing is the prefix cache's: every full block of the prompt is computed once and shared by
+reference; the last, partial block is recomputed by each choice (fewer than ``block_size`` tokens)
+rather than copied -- the same KV, without a copy-on-write path in the engine.
+
+Events are relayed as they come, each with its choice's ``index``; the request fails when a choice
+fails (the client's call then ends, which cancels the others).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from router.events import CallScope, Event
+
+if TYPE_CHECKING:
+    from router.admission import AdmittedRequest
+    from router.nodes import NodeHandle
+
+
+@dataclass
+class Placement:
+    """The nodes one request went to (set by the pipeline as it chooses them), or should go to first."""
+
+    prefill: NodeHandle | None = None
+    decode: NodeHandle | None = None
+
+
+RunChoice = Callable[["AdmittedRequest", CallScope, Placement], Iterator[Event]]
+
+
+def choice_request(request: AdmittedRequest, i: int) -> AdmittedRequest:
+    """Choice ``i`` of ``request``: one sequence, seeded ``seed + i`` where the client set a seed."""
+    params = request.params
+    if params.seed is not None:
+        params = dataclasses.replace(params, seed=(params.seed + i) % 2**63)
+    return dataclasses.replace(request, params=params, n=1)
+
+
+def fork_choices(
+    request: AdmittedRequest, scope: CallScope, run: RunChoice, release: Callable[[int], None]
+) -> Iterator[Event]:
+    """Every choice's events, each with its ``index``.  ``run(choice, scope, placement)`` runs one choice
+    (releasing its ``max_inflight`` slot when it ends); ``release(k)`` gives back the slots of ``k``
+    choices never started."""
+    n = request.n
+    events: queue.Queue[tuple[int, Event | BaseException | None]] = queue.Queue()
+    first = Placement()
+
+    def worker(i: int, placement: Placement) -> None:
+        try:
+            for event in run(choice_request(request, i), scope, placement):
+                events.put((i, event))
+        except BaseException as exc:  # relayed to the caller's thread, which raises it
+            events.put((i, exc))
+        else:
+            events.put((i, None))
+
+    def start(i: int, placement: Placement) -> None:
+        threading.Thread(target=worker, args=(i, placement), name=f"choice-{i}", daemon=True).start()
+
+    start(0, first)
+    started, finished = 1, 0
+    try:
+        while finished < n:
+            i, item = events.get()
+            if item is None:
+                finished += 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            if started == 1:  # choice 0's first event: its prompt is computed and cached
+                for j in range(1, n):
+                    start(j, Placement(prefill=first.prefill, decode=first.decode))
+                started = n
+            yield dataclasses.replace(item, index=i)
+    finally:
+        release(n - started)

@@ -1,0 +1,107 @@
+"""``router/choices.py`` on its own: the later choices wait for the first one's first event and go where
+it went; each choice is seeded ``seed + i``; a failing choice fails the request; every ``max_inflight``
+slot is given back, also for choices never started."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from engine.sampling_params import SamplingParams
+from router.admission import AdmittedRequest
+from router.choices import Placement, choice_request, fork_choices
+from router.events import CallScope, Delta, Done, Event, Usage
+from serving.errors import ServingError
+
+NODE = object()
+
+
+class _Scope:
+    def time_remaining(self) -> float | None:
+        return None
+
+    def add_callback(self, callback: object) -> bool:
+        return True
+
+    def is_active(self) -> bool:
+        return True
+
+
+class _Runs:
+    """A fake pipeline: records each choice's seed and placement; ``fail`` choices raise."""
+
+    def __init__(self, fail: frozenset[int] = frozenset()) -> None:
+        self.fail = fail
+        self.lock = threading.Lock()
+        self.seeds: dict[int, int | None] = {}
+        self.placements: dict[int, tuple[object, object]] = {}
+        self.first_sent = threading.Event()
+        self.held = 0  # slots taken and not given back
+        self.started_before_first: list[int] = []
+
+    def run(self, request: AdmittedRequest, scope: CallScope, placement: Placement) -> Iterator[Event]:
+        with self.lock:
+            i = len(self.seeds)
+            self.seeds[i] = request.params.seed
+            self.placements[i] = (placement.prefill, placement.decode)
+            if i and not self.first_sent.is_set():
+                self.started_before_first.append(i)
+        try:
+            if i == 0:
+                placement.prefill = placement.decode = NODE  # type: ignore[assignment]
+                self.first_sent.set()
+            if request.params.seed is not None and request.params.seed - 10 in self.fail:
+                raise ServingError(grpc.StatusCode.UNAVAILABLE, "node gone")
+            yield Delta([1], "a", [])
+            yield Done("length", None, Usage(prompt_tokens=4, completion_tokens=1))
+        finally:
+            with self.lock:
+                self.held -= 1
+
+    def release(self, k: int) -> None:
+        with self.lock:
+            self.held -= k
+
+
+def _request(n: int) -> AdmittedRequest:
+    return AdmittedRequest("r", [1, 2, 3, 4], SamplingParams(max_tokens=1, seed=10), n=n)
+
+
+def test_choices_follow_the_first_and_are_seeded_seed_plus_i() -> None:
+    runs = _Runs()
+    runs.held = 3
+    events = list(fork_choices(_request(3), _Scope(), runs.run, runs.release))
+    assert sorted(e.index for e in events if isinstance(e, Done)) == [0, 1, 2]
+    assert sorted(runs.seeds.values()) == [10, 11, 12]
+    assert runs.started_before_first == []
+    assert runs.placements[0] == (None, None)
+    assert all(runs.placements[i] == (NODE, NODE) for i in (1, 2))
+    assert runs.held == 0
+
+
+def test_a_failing_choice_fails_the_request_and_every_slot_comes_back() -> None:
+    runs = _Runs(fail=frozenset({2}))
+    runs.held = 3
+    with pytest.raises(ServingError, match="node gone"):
+        list(fork_choices(_request(3), _Scope(), runs.run, runs.release))
+    for _ in range(100):  # the other choices' threads end on their own
+        if runs.held == 0:
+            break
+        threading.Event().wait(0.01)
+    assert runs.held == 0
+
+
+def test_a_first_choice_failing_before_output_starts_no_other() -> None:
+    runs = _Runs(fail=frozenset({0}))
+    runs.held = 4
+    with pytest.raises(ServingError):
+        list(fork_choices(_request(4), _Scope(), runs.run, runs.release))
+    assert list(runs.seeds) == [0] and runs.held == 0
+
+
+def test_a_choice_without_a_seed_stays_unseeded() -> None:
+    request = AdmittedRequest("r", [1], SamplingParams(max_tokens=1), n=2)
+    assert choice_request(request, 1).params.seed is None and choice_request(request, 1).n == 1
