@@ -65,4 +65,8 @@ def _response(rid: str, out: RequestOutput, carried: int) -> node_pb2.DecodeResp
         prompt=convert.prompt_usage(out, carried),
     )
     convert.set_stop_reason(msg, out.stop_reason)
+    if out.prompt_logprobs is not None and out.prompt_top_logprobs is not None:
+        msg.prompt_logprobs.CopyFrom(
+            convert.prompt_logprobs_proto(out.prompt_logprobs, out.prompt_top_logprobs)
+        )
     return msg

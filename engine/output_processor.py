@@ -105,6 +105,7 @@ class OutputProcessor:
             stop_reason,
             update.error,
             update.new_top_logprobs,
+            (update.prompt_logprobs, update.prompt_top_logprobs),
         )
 
     @staticmethod
@@ -129,6 +130,7 @@ class OutputProcessor:
         stop_reason: int | str | None,
         error: str | None,
         new_top_logprobs: list[TopLogprobs] | None = None,
+        prompt: tuple[list[float | None] | None, list[TopLogprobs] | None] = (None, None),
     ) -> RequestOutput:
         hold_back = 0 if finished else max(0, state.max_stop_len - 1)
         end = max(state.num_emitted_chars, len(state.text) - hold_back)
@@ -151,6 +153,8 @@ class OutputProcessor:
             num_cached_tokens=max(0, request.num_cached_tokens),
             num_external_tokens=request.num_external_computed_tokens,
             kv_transfer_params=request.finished_kv_transfer_params if finished else None,
+            prompt_logprobs=prompt[0],
+            prompt_top_logprobs=prompt[1],
         )
 
     def finish(self, request_id: str, reason: str, *, error: str | None = None) -> RequestOutput | None:

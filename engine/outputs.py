@@ -35,6 +35,10 @@ class RequestOutput:
     kv_transfer_params: KVTransferParams | None = None
     # One per new token, when the request asked for top_logprobs: the most likely tokens there.
     new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # With sampling_params.prompt_logprobs, in the request's first output: per prompt position, the token's
+    # logprob given the ones before it (None at position 0) and its most likely alternatives.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[TopLogprobs] | None = None
 
     @property
     def num_computed_prompt_tokens(self) -> int:
@@ -60,6 +64,9 @@ class GenerationOutput:
     error: str | None = None
     # Seconds from submission to the first output token (None if none was produced).
     time_to_first_token: float | None = None
+    # With sampling_params.prompt_logprobs: the prompt's scores (see RequestOutput).
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[TopLogprobs] | None = None
 
     def add(self, delta: RequestOutput) -> None:
         self.token_ids.extend(delta.new_token_ids)
@@ -71,6 +78,9 @@ class GenerationOutput:
         self.num_cached_tokens = delta.num_cached_tokens
         self.num_external_tokens = delta.num_external_tokens
         self.num_computed_prompt_tokens = delta.num_computed_prompt_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+            self.prompt_top_logprobs = delta.prompt_top_logprobs
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason

@@ -16,7 +16,7 @@ from typing import NewType
 
 from engine.connector.params import KVTransferParams
 from engine.hashing import BlockHash, HashNamespace, extend_block_hashes
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TopLogprobs
 from engine.structured import Matcher
 
 RequestId = NewType("RequestId", str)
@@ -109,7 +109,9 @@ class Request:
         "output_logprobs",
         "output_token_ids",
         "priority",
+        "prompt_logprobs",
         "prompt_token_ids",
+        "prompt_top_logprobs",
         "request_id",
         "sampling_params",
         "status",
@@ -136,6 +138,12 @@ class Request:
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[float] = []
+        # With sampling_params.prompt_logprobs: per prompt position, the token's logprob given the ones
+        # before it (None at position 0, which has none) and its most likely alternatives; filled by the
+        # scheduler as the prompt's chunks are computed (a recompute after preemption writes the same).
+        wants = sampling_params.prompt_logprobs is not None
+        self.prompt_logprobs: list[float | None] = [None] * len(prompt_token_ids) if wants else []
+        self.prompt_top_logprobs: list[TopLogprobs] = [()] * len(prompt_token_ids) if wants else []
         self.matcher: Matcher | None = None  # its structured-output constraint's state, if it has one
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id

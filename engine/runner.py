@@ -30,9 +30,13 @@ from engine.kv_cache_manager import cdiv
 from engine.model.llama import ForwardContext, LlamaForCausalLM
 from engine.native import DecodeKernel, PrefillKernel, RopeKernel, native_kernels
 from engine.sampler import Sampler, SamplingRow
-from engine.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.sampling_params import TopLogprobs
+from engine.scheduler.output import ModelRunnerOutput, PromptScores, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# Prompt rows scored at once (prompt_logprobs): a [SCORE_ROWS, vocab] float32 slice of logits at a time.
+SCORE_ROWS = 256
 
 
 class StepFailed(RuntimeError):
@@ -53,6 +57,8 @@ class StepInputs:
     attn: AttentionMetadata
     sample_rows: torch.Tensor  # [R] int64: flat row of each sampling request's last token
     sampling: list[ScheduledRequest]  # the R requests that sample, in sample_rows order
+    # Requests scoring their prompt (prompt_targets), with the flat row of their chunk's first token.
+    scoring: list[tuple[ScheduledRequest, int]]
 
 
 class ModelRunner:
@@ -132,6 +138,8 @@ class ModelRunner:
                 logger.exception("the KV connector failed to finish a failed step")
             raise StepFailed(out) from exc
         self._finish_connector_step(step, out)
+        for sr, row in inputs.scoring:
+            out.prompt_scores[sr.request_id] = self._score_prompt(hidden, sr, row)
         if not inputs.sampling:
             return out
         logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [R, vocab] float32
@@ -148,6 +156,30 @@ class ModelRunner:
             if top is not None:
                 out.top_logprobs[sr.request_id] = top
         return out
+
+    def _score_prompt(self, hidden: torch.Tensor, sr: ScheduledRequest, row: int) -> PromptScores:
+        """Each of the chunk's prompt tokens' next token scored: log_softmax of the float32 logits (as the
+        sampler's logprobs), in slices of ``SCORE_ROWS`` rows so a long chunk never holds a [T, vocab]
+        tensor."""
+        targets = sr.prompt_targets or []
+        k = sr.sampling_params.prompt_logprobs or 0
+        logprobs: list[float] = []
+        tops: list[TopLogprobs] = []
+        for i in range(0, len(targets), SCORE_ROWS):
+            chunk = targets[i : i + SCORE_ROWS]
+            logits = self.model.compute_logits(hidden[row + i : row + i + len(chunk)])
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            picked = logp.gather(1, self._tensor(chunk).unsqueeze(1)).squeeze(1)
+            logprobs.extend(picked.tolist())
+            if k:
+                values, ids = logp.topk(k, dim=-1)
+                tops.extend(
+                    tuple(zip(i_row, v_row, strict=True))
+                    for i_row, v_row in zip(ids.tolist(), values.tolist(), strict=True)
+                )
+            else:
+                tops.extend(() for _ in chunk)
+        return PromptScores(sr.start_position + 1, logprobs, tops)
 
     def _finish_connector_step(self, step: SchedulerOutput, out: ModelRunnerOutput) -> None:
         connector = self.connector
@@ -172,8 +204,11 @@ class ModelRunner:
         slot_blocks: list[int] = []
         sample_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
+        scoring: list[tuple[ScheduledRequest, int]] = []
 
         for row, sr in enumerate(decodes):
+            if sr.prompt_targets:
+                scoring.append((sr, row))
             p = sr.start_position
             ids.append(sr.token_ids[0])
             positions.append(p)
@@ -198,6 +233,8 @@ class ModelRunner:
             slot_blocks.extend(table[p // bs] for p in span)
             num_blocks = cdiv(start + n, bs)
             chunks.append(PrefillChunk(row_start, n, start, self._tensor(table[:num_blocks])))
+            if sr.prompt_targets:
+                scoring.append((sr, row_start))
             if sr.sample:
                 sample_rows.append(row_start + n - 1)
                 sampling.append(sr)
@@ -209,7 +246,7 @@ class ModelRunner:
             decodes=decode_groups,
             prefills=chunks,
         )
-        return StepInputs(self._tensor(ids), pos, attn, self._tensor(sample_rows), sampling)
+        return StepInputs(self._tensor(ids), pos, attn, self._tensor(sample_rows), sampling, scoring)
 
     def _decode_batch(
         self, row_start: int, decodes: Sequence[ScheduledRequest], positions: list[int]

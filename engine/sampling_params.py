@@ -57,6 +57,11 @@ class SamplingParams:
     top_logprobs: int = 0
     # The output's constraint (a JSON schema, a regex, a choice, a grammar; engine/structured.py).
     structured: StructuredOutput | None = None
+    # The prompt's own logprobs (vLLM's name): each prompt token's log-probability given the tokens before
+    # it, with this many most likely alternatives per position (0: the token's only); None is off.  The
+    # prompt is then computed whole (no prefix-cache or connector hit: a hit has no logits).  With it,
+    # max_tokens may be 0: the prompt is scored and nothing is generated.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         bias = self.logit_bias
@@ -67,8 +72,19 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int)
+            or isinstance(self.prompt_logprobs, bool)
+            or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], "
+                f"got {self.prompt_logprobs!r}"
+            )
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens must be a positive integer (0 only when scoring the prompt), got 0")
         for name in (
             "temperature",
             "top_p",

@@ -39,7 +39,7 @@ def prefill_request(
     return EngineRequest(
         request_id=request_id,
         prompt=list(prompt_token_ids),
-        sampling_params=dataclasses.replace(params, max_tokens=1),
+        sampling_params=dataclasses.replace(params, max_tokens=min(params.max_tokens, 1)),  # 0: score only
         cache_salt=cache_salt,
         kv_transfer_params=RemoteDecode() if decode_follows else None,
     )
@@ -54,8 +54,9 @@ class PrefillResult:
     finish_reason: str | None  # the client-visible reason when ends_here
 
     @property
-    def first_token_id(self) -> int:
-        return self.output.new_token_ids[0]
+    def first_token_id(self) -> int | None:
+        """None only for a request of no output token (max_tokens 0: its prompt scored)."""
+        return self.output.new_token_ids[0] if self.output.new_token_ids else None
 
     @property
     def first_logprob(self) -> float | None:
@@ -78,7 +79,10 @@ class PrefillResult:
 
 def prefill_result(output: RequestOutput, params: SamplingParams, max_model_len: int) -> PrefillResult:
     """Interpret the finished one-token request against the client's ``params``."""
-    assert output.finished and output.new_token_ids, f"prefill output without a token: {output}"
+    assert output.finished, f"prefill output unfinished: {output}"
+    if params.max_tokens == 0:  # the prompt scored (prompt_logprobs): nothing to generate
+        return PrefillResult(output, True, "length")
+    assert output.new_token_ids, f"prefill output without a token: {output}"
     full_context = output.num_prompt_tokens + 1 >= max_model_len
     if output.finish_reason == "stop":
         return PrefillResult(output, True, "stop")

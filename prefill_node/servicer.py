@@ -41,7 +41,7 @@ class PrefillNodeServicer(node_pb2_grpc.PrefillNodeServicer):
                 # Leased, then stopped by a stop string in the first token's text: no decode node comes.
                 self.driver.abort(rid)
             response = _response(rid, result)
-            if self.signer is not None:
+            if self.signer is not None and result.first_token_id is not None:
                 response.kv_transfer_params = self.signer.seal(
                     response.kv_transfer_params, rid, prompt, salt, result.first_token_id
                 )
@@ -52,7 +52,7 @@ class PrefillNodeServicer(node_pb2_grpc.PrefillNodeServicer):
 def _response(rid: str, result: PrefillResult) -> node_pb2.PrefillResponse:
     response = node_pb2.PrefillResponse(
         request_id=rid,
-        first_token_id=result.first_token_id,
+        first_token_id=result.first_token_id,  # None (unset) when max_tokens is 0
         finished=result.ends_here,
         finish_reason=convert.finish_reason_proto(result.finish_reason),
         text=result.text,
@@ -65,4 +65,9 @@ def _response(rid: str, result: PrefillResult) -> node_pb2.PrefillResponse:
         response.first_top_logprobs.CopyFrom(convert.top_logprobs_proto(result.first_top_logprobs))
     if result.ends_here:
         convert.set_stop_reason(response, result.output.stop_reason)
+    scores = result.output
+    if scores.prompt_logprobs is not None and scores.prompt_top_logprobs is not None:
+        response.prompt_logprobs.CopyFrom(
+            convert.prompt_logprobs_proto(scores.prompt_logprobs, scores.prompt_top_logprobs)
+        )
     return response

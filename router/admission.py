@@ -144,8 +144,9 @@ class Admission:
         token_ids, prompt_field = self._tokens(request.prompt, names)
         options = dict(request.sampling)
         chat = isinstance(request.prompt, ChatPrompt)
+        scoring = options.get("prompt_logprobs") is not None
         options["max_tokens"] = self._max_tokens(
-            options.get("max_tokens"), len(token_ids), prompt_field, chat, names
+            options.get("max_tokens"), len(token_ids), prompt_field, chat, names, scoring
         )
         self._check_token_ids(options, names)
         min_tokens, max_tokens = options.get("min_tokens", 0), options["max_tokens"]
@@ -206,17 +207,28 @@ class Admission:
         return token_ids, where
 
     def _max_tokens(
-        self, asked: object, prompt_len: int, prompt_field: str, chat: bool, names: FieldNames
+        self,
+        asked: object,
+        prompt_len: int,
+        prompt_field: str,
+        chat: bool,
+        names: FieldNames,
+        scoring: bool = False,
     ) -> int:
-        """The client's max_tokens, checked; or the default of the prompt's kind, cut to what fits."""
+        """The client's max_tokens, checked; or the default of the prompt's kind, cut to what fits.  0
+        only when the request scores its prompt (``scoring``: prompt_logprobs, OpenAI's echo)."""
         name = f"{names.sampling}max_tokens"
         room = self.model.context_length - prompt_len
         limit = self.max_tokens_limit
         if asked is None:
             default = MAX_DEFAULT_CHAT_TOKENS if chat else DEFAULT_MAX_TOKENS
             return min(default, room, limit or default)
+        if isinstance(asked, int) and not isinstance(asked, bool) and asked == 0 and scoring:
+            return 0  # the prompt scored, nothing generated
         if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
-            raise InvalidField(name, f"must be a positive integer, got {asked!r}")
+            raise InvalidField(
+                name, f"must be a positive integer (0 only when the prompt is scored: echo), got {asked!r}"
+            )
         if limit and asked > limit:
             raise InvalidField(
                 name,

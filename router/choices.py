@@ -49,10 +49,14 @@ RunChoice = Callable[["AdmittedRequest", CallScope, Placement], Iterator[Event]]
 
 
 def choice_request(request: AdmittedRequest, i: int) -> AdmittedRequest:
-    """Choice ``i`` of ``request``: one sequence, seeded ``seed + i`` where the client set a seed."""
+    """Choice ``i`` of ``request``: one sequence, seeded ``seed + i`` where the client set a seed.  The
+    prompt's scores (prompt_logprobs) are the first choice's: the others do not score it again, and so
+    find its blocks cached (unless nothing is generated: then scoring is all a choice does)."""
     params = request.params
     if params.seed is not None:
         params = dataclasses.replace(params, seed=(params.seed + i) % 2**63)
+    if i and params.prompt_logprobs is not None and params.max_tokens:
+        params = dataclasses.replace(params, prompt_logprobs=None)
     return dataclasses.replace(request, params=params, n=1)
 
 

@@ -33,6 +33,11 @@ class Delta:
     # One per token when the client asked for top_logprobs: the most likely tokens there.
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     index: int = 0  # the choice (of the request's n) this belongs to
+    # In the first delta, when the request scores its prompt (SamplingParams.prompt_logprobs): one per
+    # prompt position from the second, and their alternatives (empty when it asked for none).  Such a
+    # delta may have no tokens (max_tokens 0).
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
 @dataclass

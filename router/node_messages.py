@@ -36,6 +36,10 @@ def decode_message(
     ``resume_output_token_ids``: every token the client already has (the node computes their KV)."""
     assert prefilled is None or not resume_output_token_ids, "a resumed request carries no prefill"
     msg = _shared(node_pb2.DecodeRequest(), request)
+    if prefilled is not None or resume_output_token_ids:
+        # The prompt's scores came with the prefill (or reached the client before the node failed): this
+        # node need not compute the prompt whole for them.
+        msg.sampling.ClearField("prompt_logprobs")
     if resume_output_token_ids:
         msg.resume_output_token_ids.extend(resume_output_token_ids)
     elif prefilled is not None:

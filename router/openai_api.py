@@ -34,7 +34,7 @@ from router.auth import Access, Caller
 from router.http_scope import HttpCallScope, IdleCutoff, pipeline_events
 from router.openai_errors import ApiError
 from router.openai_requests import chat_request, check_model, completion_request
-from router.openai_responses import ResponseShape, model_card, whole_response
+from router.openai_responses import ResponseShape, echo_of, model_card, whole_response
 from router.openai_schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.openai_stream import stream_response
 from router.openai_tokens import detokenize, tokenize, version
@@ -126,9 +126,9 @@ def create_app(
 
     @app.post("/v1/completions", response_model=None)
     async def _completions(body: CompletionRequest, http: Request, caller: Caller = authenticated) -> Any:
-        return await _respond(http, completion_request(body, model), caller)
+        return await _respond(http, completion_request(body, model), caller, echo=body.echo)
 
-    async def _respond(http: Request, asked: GenerationRequest, caller: Caller) -> Any:
+    async def _respond(http: Request, asked: GenerationRequest, caller: Caller, echo: bool = False) -> Any:
         """Admit the neutral request (the one path both front ends take), run it, answer as OpenAI does."""
         try:
             # Off the event loop: admission tokenizes, renders the template and may compile a grammar.
@@ -144,6 +144,7 @@ def create_app(
             logprobs=request.params.logprobs,
             cache_details=caller.cache_details,
             n=request.n,
+            echo=echo_of(asked, request, model) if echo else None,
         )
         events = pipeline_events(pipeline, request, scope, pool, access, caller)
         if asked.stream:

@@ -80,7 +80,15 @@ def completion_request(body: CompletionRequest, model: RouterModel) -> Generatio
             )
         prompt = prompt[0]
     neutral = TextPrompt(prompt) if isinstance(prompt, str) else TokenPrompt(tuple(prompt))
-    return _neutral(body, "cmpl", neutral)
+    request = _neutral(body, "cmpl", neutral)
+    if not body.echo:
+        return request
+    # echo: the prompt comes back before the completion, scored when logprobs asks for it (the prompt's
+    # tokens with their logprobs and that many alternatives, as lm-eval-harness's loglikelihood reads them).
+    scoring = body.logprobs if body.logprobs is not None else (0 if body.max_tokens == 0 else None)
+    if scoring is None:
+        return request
+    return dataclasses.replace(request, sampling={**request.sampling, "prompt_logprobs": scoring})
 
 
 def _sampling(body: ChatCompletionRequest | CompletionRequest) -> tuple[dict[str, Any], FieldNames]:
@@ -103,6 +111,8 @@ def _neutral(body: ChatCompletionRequest | CompletionRequest, kind: str, prompt:
     sampling, fields = _sampling(body)
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         sampling["max_tokens"] = body.max_completion_tokens  # the newer name wins
+    if sampling.get("max_tokens") == 0 and not getattr(body, "echo", False):
+        raise ApiError.invalid("max_tokens", "must be at least 1 (0 only with echo on completions)")
     return GenerationRequest(
         request_id=f"{kind}-{uuid.uuid4().hex}",
         prompt=prompt,

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from engine.sampling_params import TopLogprobs
+from router.admission import AdmittedRequest, GenerationRequest, TextPrompt
 from router.events import Delta, Done, Event, Usage, total_usage
 from router.http_scope import HttpCallScope, watch_disconnect
 from router.openai_errors import ApiError
@@ -36,8 +37,10 @@ class ResponseShape:
         logprobs: bool,
         cache_details: bool = False,
         n: int = 1,
+        echo: Echo | None = None,
     ) -> None:
-        """``n``: the request's choices (a stream's usage chunk waits for the last one's end)."""
+        """``n``: the request's choices (a stream's usage chunk waits for the last one's end); ``echo``:
+        the prompt every completion choice starts with (completions' ``echo``)."""
         self.model, self.id, self.created, self.chat, self.logprobs = (
             model,
             request_id,
@@ -47,6 +50,8 @@ class ResponseShape:
         )
         self.cache_details = cache_details
         self.n = n
+        self.echo = echo
+        self._echoed: set[int] = set()  # the choices whose stream has had the prompt
 
     def envelope(self) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -63,11 +68,23 @@ class ResponseShape:
         return {**self.envelope(), "choices": [choice]}
 
     def delta_chunk(self, d: Delta) -> dict[str, Any]:
-        lp = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs) if self.logprobs else None
-        return self.chunk({"content": d.text} if self.chat else d.text, None, lp, d.index)
+        ids, text = d.token_ids, d.text
+        lps: list[float | None] = list(d.logprobs)
+        tops: list[TopLogprobs | None] = list(d.top_logprobs)
+        if self.echo is not None and d.index not in self._echoed:  # a choice's first chunk: the prompt first
+            self._echoed.add(d.index)
+            self.echo.seen(d)
+            ids, text = [*self.echo.token_ids, *ids], self.echo.text + text
+            lps, tops = [*self.echo.logprobs(), *lps], [*self.echo.top_logprobs(), *tops]
+        lp = self._logprobs(ids, lps, tops) if self.logprobs else None
+        return self.chunk({"content": text} if self.chat else text, None, lp, d.index)
 
     def whole(self, choices: list[tuple[list[Delta], Done]]) -> dict[str, Any]:
         """The whole answer: one choice per (deltas, done) of a choice, in index order."""
+        if self.echo is not None:
+            for deltas, _ in choices:
+                for d in deltas:
+                    self.echo.seen(d)
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
@@ -80,8 +97,11 @@ class ResponseShape:
     def _choice(self, deltas: list[Delta], done: Done) -> dict[str, Any]:
         text = "".join(d.text for d in deltas)
         ids = [t for d in deltas for t in d.token_ids]
-        lps = [x for d in deltas for x in d.logprobs]
-        tops = [x for d in deltas for x in d.top_logprobs]
+        lps: list[float | None] = [x for d in deltas for x in d.logprobs]
+        tops: list[TopLogprobs | None] = [x for d in deltas for x in d.top_logprobs]
+        if self.echo is not None:
+            ids, text = [*self.echo.token_ids, *ids], self.echo.text + text
+            lps, tops = [*self.echo.logprobs(), *lps], [*self.echo.top_logprobs(), *tops]
         choice: dict[str, Any] = {
             "index": done.index,
             "finish_reason": done.finish_reason,
@@ -93,9 +113,10 @@ class ResponseShape:
             choice["text"] = text
         return choice
 
-    def _logprobs(self, ids: list[int], lps: list[float], tops: list[TopLogprobs]) -> Any:
+    def _logprobs(self, ids: list[int], lps: list[float | None], tops: list[TopLogprobs | None]) -> Any:
         """OpenAI's logprobs object: chat's ``content`` entries (each with its ``top_logprobs``), or
-        completions' parallel lists (``top_logprobs``: one {token: logprob} map per token)."""
+        completions' parallel lists (``top_logprobs``: one {token: logprob} map per token; None where a
+        position has none: an echoed prompt's first token)."""
         tokens = [self._token(t) for t in ids]
         if self.chat:
             return {
@@ -110,7 +131,7 @@ class ResponseShape:
                                 "logprob": v,
                                 "bytes": list(self._token(t).encode("utf-8")),
                             }
-                            for t, v in (tops[i] if i < len(tops) else ())
+                            for t, v in ((tops[i] or ()) if i < len(tops) else ())
                         ],
                     }
                     for i, (s, lp) in enumerate(zip(tokens, lps, strict=False))
@@ -120,7 +141,11 @@ class ResponseShape:
         for s in tokens:
             offsets.append(at)
             at += len(s)
-        top_maps = [{self._token(t): v for t, v in top} for top in tops] if tops else None
+        top_maps = (
+            [None if top is None else {self._token(t): v for t, v in top} for top in tops]
+            if any(tops)
+            else None
+        )
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top_maps, "text_offset": offsets}
 
     def _token(self, token_id: int) -> str:
@@ -169,6 +194,30 @@ async def whole_response(
         watcher.cancel()
 
 
+class Echo:
+    """Completions' ``echo``: the prompt (its text as the client sent it, or its tokens' text) before each
+    choice's completion, with the prompt's scores when the request asked for logprobs (they arrive with the
+    first choice's first delta: ``seen``).  The first token has no logprob (None), as OpenAI answers."""
+
+    def __init__(self, text: str, token_ids: list[int]) -> None:
+        self.text, self.token_ids = text, token_ids
+        self._logprobs: list[float] | None = None
+        self._tops: list[TopLogprobs] = []
+
+    def seen(self, d: Delta) -> None:
+        if d.prompt_logprobs is not None and self._logprobs is None:
+            self._logprobs, self._tops = d.prompt_logprobs, d.prompt_top_logprobs
+
+    def logprobs(self) -> list[float | None]:
+        rest = self._logprobs if self._logprobs is not None else [None] * (len(self.token_ids) - 1)
+        return [None, *rest]
+
+    def top_logprobs(self) -> list[TopLogprobs | None]:
+        if not self._tops:
+            return [None] * len(self.token_ids)
+        return [None, *self._tops]
+
+
 def model_card(model: RouterModel, created: int) -> dict[str, Any]:
     return {
         "id": model.name,
@@ -178,3 +227,15 @@ def model_card(model: RouterModel, created: int) -> dict[str, Any]:
         "max_model_len": model.context_length,
         "context_length": model.context_length,
     }
+
+
+def echo_of(asked: GenerationRequest, request: AdmittedRequest, model: RouterModel) -> Echo:
+    """What ``echo`` repeats of this request: the client's text prompt as sent, or its tokens' text."""
+    ids = list(request.prompt_token_ids)
+    prompt = asked.prompt
+    text = (
+        prompt.text
+        if isinstance(prompt, TextPrompt)
+        else model.tokenizer.decode(ids, skip_special_tokens=False)
+    )
+    return Echo(text, ids)

@@ -57,7 +57,6 @@ _NONE = (None,)
 # Refused with 400 naming the field unless off.  Serving one moves it out of this table.
 NOT_SERVED: dict[str, NotServed] = {
     "best_of": NotServed(_NONE, "best_of is not served (vLLM dropped it too); use n, or several requests"),
-    "echo": NotServed((False,), "echo is not served yet"),
     "suffix": NotServed((None, ""), "suffix is not served"),
     "tools": NotServed((None, []), "tool calls are not served yet"),
     "tool_choice": NotServed((None, "none"), "tool calls are not served yet"),
@@ -91,7 +90,7 @@ class StreamOptions(_Body):
 
 class _Sampling(_Body):
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: completions with echo only (admission)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.metrics import SPECS
+from engine.sampling_params import TopLogprobs
 from pdkv_proto.pdkv.v1 import node_pb2, types_pb2
 from router.admission import AdmittedRequest
 from router.choices import Placement, fork_choices
@@ -171,11 +172,20 @@ class Pipeline:
             time_to_first_token_s=time.perf_counter() - start,
         )
         _relay_prompt_sources(usage, first.prompt)
+        scored, alternatives = _prompt_scores(first)
+        if not first.HasField("first_token_id"):  # max_tokens 0: the prompt scored, nothing generated
+            usage.completion_tokens = 0
+            yield Delta([], "", [], [], prompt_logprobs=scored, prompt_top_logprobs=alternatives)
+            usage.total_time_s = time.perf_counter() - start
+            yield Done(convert.finish_reason(first.finish_reason), None, usage)
+            return
         yield Delta(
             [first.first_token_id],
             first.text,
             [first.first_logprob] if first.HasField("first_logprob") else [],
             [convert.top_logprobs(first.first_top_logprobs)] if first.HasField("first_top_logprobs") else [],
+            prompt_logprobs=scored,
+            prompt_top_logprobs=alternatives,
         )
         if first.finished:
             usage.total_time_s = time.perf_counter() - start
@@ -305,11 +315,19 @@ class Pipeline:
                     if last.token_ids and usage.time_to_first_token_s == 0.0:
                         usage.time_to_first_token_s = time.perf_counter() - client.start
                     usage.completion_tokens += len(last.token_ids)
-                    if last.token_ids or text:
+                    scored, alternatives = _prompt_scores(last)
+                    if last.token_ids or text or scored is not None:
                         sent.token_ids.extend(last.token_ids)
                         sent.chars += len(text)
                         top = [convert.top_logprobs(t) for t in last.top_logprobs]
-                        yield Delta(list(last.token_ids), text, list(last.logprobs), top)
+                        yield Delta(
+                            list(last.token_ids),
+                            text,
+                            list(last.logprobs),
+                            top,
+                            prompt_logprobs=scored,
+                            prompt_top_logprobs=alternatives,
+                        )
             except grpc.RpcError as exc:
                 code, details = _code_details(exc)
                 if client.cancellation.cancelled or code == grpc.StatusCode.CANCELLED:
@@ -405,6 +423,15 @@ def _relay_prompt_sources(usage: Usage, prompt: types_pb2.PromptUsage) -> None:
     usage.local_prefix = prompt.local_prefix_tokens
     usage.store = prompt.external_tokens
     usage.computed_prompt_tokens = prompt.computed_tokens
+
+
+def _prompt_scores(
+    msg: node_pb2.PrefillResponse | node_pb2.DecodeResponse,
+) -> tuple[list[float] | None, list[TopLogprobs]]:
+    """A node message's prompt scores (None: it carries none)."""
+    if not msg.HasField("prompt_logprobs"):
+        return None, []
+    return convert.prompt_logprobs(msg.prompt_logprobs)
 
 
 def _gave_up(sent: _Sent, why: str) -> str:

@@ -97,6 +97,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                             logprobs=event.logprobs,
                             top_logprobs=[convert.top_logprobs_proto(t) for t in event.top_logprobs],
                         )
+                        if event.prompt_logprobs is not None:
+                            delta.prompt_logprobs.CopyFrom(_prompt_logprobs(event))
                         msg = generation_pb2.GenerateResponse(request_id=rid, delta=delta, index=event.index)
                     else:
                         done = _completion(event, caller.cache_details)
@@ -124,6 +126,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     choice.text += event.text
                     choice.logprobs.extend(event.logprobs)
                     choice.top_logprobs.extend(convert.top_logprobs_proto(t) for t in event.top_logprobs)
+                    if event.prompt_logprobs is not None:
+                        choice.prompt_logprobs.CopyFrom(_prompt_logprobs(event))
                 else:
                     choice.done.CopyFrom(_completion(event, caller.cache_details))
                     usages[event.index] = event.usage
@@ -137,6 +141,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 done=first.done,
                 choices=choices,
             )
+            if first.HasField("prompt_logprobs"):
+                result.prompt_logprobs.CopyFrom(first.prompt_logprobs)
             result.done.usage.CopyFrom(_usage(total_usage(usages), caller.cache_details))
             return result
         raise AssertionError("unreachable: rpc_errors aborts the call")
@@ -192,6 +198,12 @@ def generation_request(request: generation_pb2.GenerateRequest) -> GenerationReq
         cache_salt=convert.cache_salt(request),
         n=request.n or 1,
     )
+
+
+def _prompt_logprobs(delta: Delta) -> types_pb2.PromptLogprobs:
+    msg = types_pb2.PromptLogprobs(logprobs=delta.prompt_logprobs or [])
+    msg.top_logprobs.extend(convert.top_logprobs_proto(t) for t in delta.prompt_top_logprobs)
+    return msg
 
 
 def _completion(done: Done, cache_details: bool) -> generation_pb2.Completion:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -167,6 +168,21 @@ def transfer_params(raw: bytes, field: str = "kv_transfer_params") -> KVTransfer
 def top_logprobs_proto(top: TopLogprobs) -> types_pb2.TopLogprobs:
     """One position's alternatives as the proto carries them (ids and values, most likely first)."""
     return types_pb2.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+
+
+def prompt_logprobs_proto(
+    logprobs: Sequence[float | None], tops: Sequence[TopLogprobs]
+) -> types_pb2.PromptLogprobs:
+    """The prompt's scores as the proto carries them: from the second position (the first has none)."""
+    msg = types_pb2.PromptLogprobs(logprobs=[lp for lp in logprobs[1:] if lp is not None])
+    if any(tops[1:]):
+        msg.top_logprobs.extend(top_logprobs_proto(t) for t in tops[1:])
+    return msg
+
+
+def prompt_logprobs(msg: types_pb2.PromptLogprobs) -> tuple[list[float], list[TopLogprobs]]:
+    """A ``PromptLogprobs`` message's scores (from the prompt's second position) and alternatives."""
+    return list(msg.logprobs), [top_logprobs(t) for t in msg.top_logprobs]
 
 
 def top_logprobs(msg: types_pb2.TopLogprobs) -> TopLogprobs:

@@ -43,11 +43,18 @@ class ScheduledRequest:
     history: TokenHistory | None = None
     # The request's structured-output constraint (None without one): the sampler masks by it.
     matcher: Matcher | None = None
+    # With sampling_params.prompt_logprobs, the prompt token that follows each of this chunk's rows that
+    # has one (rows start_position.. in order; the prompt's last position has none): the runner scores
+    # them.  None otherwise.
+    prompt_targets: list[int] | None = None
 
     @classmethod
     def of(cls, request: Request, start: int, end: int, block_ids: list[int]) -> ScheduledRequest:
         """``request``'s tokens ``[start, end)`` this step, into its ``block_ids``."""
         params = request.sampling_params
+        targets = None
+        if params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
+            targets = request.token_ids_slice(start + 1, min(end, request.num_prompt_tokens - 1) + 1)
         return cls(
             request_id=request.request_id,
             token_ids=request.token_ids_slice(start, end),
@@ -59,6 +66,7 @@ class ScheduledRequest:
             block_hashes=request.block_hashes,
             history=request.token_history() if params.processes_logits else None,
             matcher=request.matcher,
+            prompt_targets=targets,
         )
 
     @property
@@ -100,8 +108,19 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[RequestId, int] = field(default_factory=dict)
     logprobs: dict[RequestId, float] = field(default_factory=dict)
     top_logprobs: dict[RequestId, TopLogprobs] = field(default_factory=dict)
+    # Per request with prompt_targets: the targets' logprobs and alternatives, from the chunk's first row.
+    prompt_scores: dict[RequestId, PromptScores] = field(default_factory=dict)
     # The connector worker half's report for the step (see engine/connector/base.py).
     kv_connector_output: KVConnectorOutput | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PromptScores:
+    """Prompt tokens ``first``, ``first + 1``, ... each scored given the tokens before it."""
+
+    first: int  # the prompt position of the first scored token
+    logprobs: list[float]
+    top_logprobs: list[TopLogprobs]
 
 
 @dataclass(slots=True)
@@ -116,6 +135,9 @@ class RequestUpdate:
     stop_reason: int | str | None = None
     error: str | None = None
     new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # The whole prompt's scores (sampling_params.prompt_logprobs), with the request's first update.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass(slots=True)

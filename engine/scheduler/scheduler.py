@@ -216,6 +216,9 @@ class Scheduler:
                 # Back from an async load: it already holds its blocks (up to num_computed_tokens, which is
                 # 0 if the first loaded block failed; the connector is not asked again for the same blocks).
                 hit, num_external, load_async = NO_HIT, 0, False
+            elif request.sampling_params.prompt_logprobs is not None:
+                # Scoring the prompt needs every position's logits: a hit (local or loaded) has none.
+                hit, num_external, load_async = NO_HIT, 0, False
             else:
                 hit = self.kv.get_computed_blocks(request)
                 answer, load_async = self.books.external_hit(request, hit.num_tokens)
@@ -315,11 +318,36 @@ class Scheduler:
             self.books.end_hold(rid, HoldKind.SEND)
         self.connector.update_connector_output(kv_out)
         for sr in scheduler_output.scheduled:
+            scores = output.prompt_scores.get(sr.request_id)
+            if scores is not None and (request := self.requests.get(sr.request_id)) is not None:
+                at = slice(scores.first, scores.first + len(scores.logprobs))
+                request.prompt_logprobs[at] = scores.logprobs
+                request.prompt_top_logprobs[at] = scores.top_logprobs
             if not sr.sample or sr.request_id in tainted:
                 continue
             request = self.requests.get(sr.request_id)
             if request is None or request.is_finished:
                 continue  # aborted after scheduling
+            first = request.num_output_tokens == 0
+            prompt_scores = (
+                (list(request.prompt_logprobs), list(request.prompt_top_logprobs))
+                if first and request.sampling_params.prompt_logprobs is not None
+                else (None, None)
+            )
+            if request.sampling_params.max_tokens == 0:  # the prompt scored: nothing to generate
+                self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
+                result.updates.append(
+                    RequestUpdate(
+                        request.request_id,
+                        [],
+                        [],
+                        finished=True,
+                        finish_reason="length",
+                        prompt_logprobs=prompt_scores[0],
+                        prompt_top_logprobs=prompt_scores[1],
+                    )
+                )
+                continue
             token = output.sampled_token_ids[sr.request_id]
             request.append_output_token_ids(token)
             self.sources.count(request)
@@ -341,6 +369,8 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     error=request.error,
                     new_top_logprobs=[top] if top is not None else [],
+                    prompt_logprobs=prompt_scores[0],
+                    prompt_top_logprobs=prompt_scores[1],
                 )
             )
         return result

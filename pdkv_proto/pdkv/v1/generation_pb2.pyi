@@ -86,16 +86,18 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., done: _Optional[_Union[Completion, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "top_logprobs")
+    __slots__ = ("token_ids", "text", "logprobs", "top_logprobs", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TopLogprobs]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_types_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _types_pb2.PromptLogprobs
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_types_pb2.TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[_types_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class Completion(_message.Message):
     __slots__ = ("finish_reason", "stop_token_id", "stop_string", "usage")
@@ -136,7 +138,7 @@ class CachedTokens(_message.Message):
     def __init__(self, local_prefix: _Optional[int] = ..., store: _Optional[int] = ..., remote_prefill: _Optional[int] = ...) -> None: ...
 
 class GenerateResult(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "done", "top_logprobs", "choices")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "done", "top_logprobs", "choices", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +146,7 @@ class GenerateResult(_message.Message):
     DONE_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CHOICES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -151,20 +154,23 @@ class GenerateResult(_message.Message):
     done: Completion
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TopLogprobs]
     choices: _containers.RepeatedCompositeFieldContainer[Choice]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., done: _Optional[_Union[Completion, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[_types_pb2.TopLogprobs, _Mapping]]] = ..., choices: _Optional[_Iterable[_Union[Choice, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _types_pb2.PromptLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., done: _Optional[_Union[Completion, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[_types_pb2.TopLogprobs, _Mapping]]] = ..., choices: _Optional[_Iterable[_Union[Choice, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[_types_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class Choice(_message.Message):
-    __slots__ = ("index", "token_ids", "text", "logprobs", "top_logprobs", "done")
+    __slots__ = ("index", "token_ids", "text", "logprobs", "top_logprobs", "done", "prompt_logprobs")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TopLogprobs]
     done: Completion
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_types_pb2.TopLogprobs, _Mapping]]] = ..., done: _Optional[_Union[Completion, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _types_pb2.PromptLogprobs
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_types_pb2.TopLogprobs, _Mapping]]] = ..., done: _Optional[_Union[Completion, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_types_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...

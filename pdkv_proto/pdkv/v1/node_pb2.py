@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdkv_proto.pdkv.v1 import types_pb2 as pdkv_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12pdkv/v1/node.proto\x12\x07pdkv.v1\x1a\x13pdkv/v1/types.proto\"\x91\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.pdkv.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"\xec\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x1a\n\rfirst_logprob\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12,\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x15.pdkv.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x0c\n\x04text\x18\x08 \x01(\t\x12$\n\x06prompt\x18\t \x01(\x0b\x32\x14.pdkv.v1.PromptUsage\x12\x1a\n\x12kv_transfer_params\x18\n \x01(\x0c\x12\x30\n\x12\x66irst_top_logprobs\x18\x0b \x01(\x0b\x32\x14.pdkv.v1.TopLogprobsB\r\n\x0bstop_reasonB\x10\n\x0e_first_logprob\"\xfd\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.pdkv.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x1b\n\x0e\x66irst_token_id\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x1a\n\x12kv_transfer_params\x18\x06 \x01(\x0c\x12\x1f\n\x17resume_output_token_ids\x18\x07 \x03(\rB\r\n\x0b_cache_saltB\x11\n\x0f_first_token_id\"\xa8\x02\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12,\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x15.pdkv.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12$\n\x06prompt\x18\t \x01(\x0b\x32\x14.pdkv.v1.PromptUsage\x12*\n\x0ctop_logprobs\x18\n \x03(\x0b\x32\x14.pdkv.v1.TopLogprobsB\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\'\n\x0cStatsRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"\x93\x06\n\tNodeStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x14\n\x0cnum_requests\x18\x04 \x01(\r\x12\x19\n\x11integrity_checked\x18\x0c \x01(\x08\x12\x14\n\x0cintegrity_ok\x18\r \x01(\x08\x12\x17\n\x0fintegrity_error\x18\x0e \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x1a \x01(\t\x12?\n\x0f\x63onnector_stats\x18\x1b \x03(\x0b\x32&.pdkv.v1.NodeStats.ConnectorStatsEntry\x12\x19\n\x11model_fingerprint\x18\x1c \x01(\t\x12\x12\n\nblock_size\x18\x1d \x01(\r\x12\x11\n\thash_algo\x18\x1e \x01(\t\x12\x32\n\x08\x63ounters\x18\x1f \x03(\x0b\x32 .pdkv.v1.NodeStats.CountersEntry\x12.\n\x06gauges\x18  \x03(\x0b\x32\x1e.pdkv.v1.NodeStats.GaugesEntry\x12\x36\n\nhistograms\x18! \x03(\x0b\x32\".pdkv.v1.NodeStats.HistogramsEntry\x12\x1a\n\x12kv_events_endpoint\x18\" \x01(\t\x12!\n\x19kv_events_replay_endpoint\x18# \x01(\t\x12\x17\n\x0fkv_events_epoch\x18$ \x01(\t\x1a\x35\n\x13\x43onnectorStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a-\n\x0bGaugesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x45\n\x0fHistogramsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.pdkv.v1.Histogram:\x02\x38\x01J\x04\x08\x05\x10\x0cJ\x04\x08\x0f\x10\x1a\"8\n\tHistogram\x12\x0e\n\x06\x62ounds\x18\x01 \x03(\x01\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x04\x12\x0b\n\x03sum\x18\x03 \x01(\x01\x32K\n\x0bPrefillNode\x12<\n\x07Prefill\x12\x17.pdkv.v1.PrefillRequest\x1a\x18.pdkv.v1.PrefillResponse2I\n\nDecodeNode\x12;\n\x06\x44\x65\x63ode\x12\x16.pdkv.v1.DecodeRequest\x1a\x17.pdkv.v1.DecodeResponse0\x01\x32r\n\x04Node\x12\x36\n\x05\x41\x62ort\x12\x15.pdkv.v1.AbortRequest\x1a\x16.pdkv.v1.AbortResponse\x12\x32\n\x05Stats\x12\x15.pdkv.v1.StatsRequest\x1a\x12.pdkv.v1.NodeStatsBD\n\nio.pdkv.v1P\x01Z*github.com/pdkv/pdkv/gen/go/pdkv/v1;pdkvv1\xaa\x02\x07Pdkv.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12pdkv/v1/node.proto\x12\x07pdkv.v1\x1a\x13pdkv/v1/types.proto\"\x91\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.pdkv.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"\xb6\x03\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x0e\x66irst_token_id\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x1a\n\rfirst_logprob\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12,\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x15.pdkv.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x0c\n\x04text\x18\x08 \x01(\t\x12$\n\x06prompt\x18\t \x01(\x0b\x32\x14.pdkv.v1.PromptUsage\x12\x1a\n\x12kv_transfer_params\x18\n \x01(\x0c\x12\x30\n\x12\x66irst_top_logprobs\x18\x0b \x01(\x0b\x32\x14.pdkv.v1.TopLogprobs\x12\x30\n\x0fprompt_logprobs\x18\x0c \x01(\x0b\x32\x17.pdkv.v1.PromptLogprobsB\r\n\x0bstop_reasonB\x11\n\x0f_first_token_idB\x10\n\x0e_first_logprob\"\xfd\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.pdkv.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x1b\n\x0e\x66irst_token_id\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x1a\n\x12kv_transfer_params\x18\x06 \x01(\x0c\x12\x1f\n\x17resume_output_token_ids\x18\x07 \x03(\rB\r\n\x0b_cache_saltB\x11\n\x0f_first_token_id\"\xda\x02\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12,\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x15.pdkv.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12$\n\x06prompt\x18\t \x01(\x0b\x32\x14.pdkv.v1.PromptUsage\x12*\n\x0ctop_logprobs\x18\n \x03(\x0b\x32\x14.pdkv.v1.TopLogprobs\x12\x30\n\x0fprompt_logprobs\x18\x0b \x01(\x0b\x32\x17.pdkv.v1.PromptLogprobsB\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\'\n\x0cStatsRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"\x93\x06\n\tNodeStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x14\n\x0cnum_requests\x18\x04 \x01(\r\x12\x19\n\x11integrity_checked\x18\x0c \x01(\x08\x12\x14\n\x0cintegrity_ok\x18\r \x01(\x08\x12\x17\n\x0fintegrity_error\x18\x0e \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x1a \x01(\t\x12?\n\x0f\x63onnector_stats\x18\x1b \x03(\x0b\x32&.pdkv.v1.NodeStats.ConnectorStatsEntry\x12\x19\n\x11model_fingerprint\x18\x1c \x01(\t\x12\x12\n\nblock_size\x18\x1d \x01(\r\x12\x11\n\thash_algo\x18\x1e \x01(\t\x12\x32\n\x08\x63ounters\x18\x1f \x03(\x0b\x32 .pdkv.v1.NodeStats.CountersEntry\x12.\n\x06gauges\x18  \x03(\x0b\x32\x1e.pdkv.v1.NodeStats.GaugesEntry\x12\x36\n\nhistograms\x18! \x03(\x0b\x32\".pdkv.v1.NodeStats.HistogramsEntry\x12\x1a\n\x12kv_events_endpoint\x18\" \x01(\t\x12!\n\x19kv_events_replay_endpoint\x18# \x01(\t\x12\x17\n\x0fkv_events_epoch\x18$ \x01(\t\x1a\x35\n\x13\x43onnectorStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a-\n\x0bGaugesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x45\n\x0fHistogramsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.pdkv.v1.Histogram:\x02\x38\x01J\x04\x08\x05\x10\x0cJ\x04\x08\x0f\x10\x1a\"8\n\tHistogram\x12\x0e\n\x06\x62ounds\x18\x01 \x03(\x01\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x04\x12\x0b\n\x03sum\x18\x03 \x01(\x01\x32K\n\x0bPrefillNode\x12<\n\x07Prefill\x12\x17.pdkv.v1.PrefillRequest\x1a\x18.pdkv.v1.PrefillResponse2I\n\nDecodeNode\x12;\n\x06\x44\x65\x63ode\x12\x16.pdkv.v1.DecodeRequest\x1a\x17.pdkv.v1.DecodeResponse0\x01\x32r\n\x04Node\x12\x36\n\x05\x41\x62ort\x12\x15.pdkv.v1.AbortRequest\x1a\x16.pdkv.v1.AbortResponse\x12\x32\n\x05Stats\x12\x15.pdkv.v1.StatsRequest\x1a\x12.pdkv.v1.NodeStatsBD\n\nio.pdkv.v1P\x01Z*github.com/pdkv/pdkv/gen/go/pdkv/v1;pdkvv1\xaa\x02\x07Pdkv.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,33 +44,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=53
   _globals['_PREFILLREQUEST']._serialized_end=198
   _globals['_PREFILLRESPONSE']._serialized_start=201
-  _globals['_PREFILLRESPONSE']._serialized_end=565
-  _globals['_DECODEREQUEST']._serialized_start=568
-  _globals['_DECODEREQUEST']._serialized_end=821
-  _globals['_DECODERESPONSE']._serialized_start=824
-  _globals['_DECODERESPONSE']._serialized_end=1120
-  _globals['_ABORTREQUEST']._serialized_start=1122
-  _globals['_ABORTREQUEST']._serialized_end=1156
-  _globals['_ABORTRESPONSE']._serialized_start=1158
-  _globals['_ABORTRESPONSE']._serialized_end=1173
-  _globals['_STATSREQUEST']._serialized_start=1175
-  _globals['_STATSREQUEST']._serialized_end=1214
-  _globals['_NODESTATS']._serialized_start=1217
-  _globals['_NODESTATS']._serialized_end=2004
-  _globals['_NODESTATS_CONNECTORSTATSENTRY']._serialized_start=1772
-  _globals['_NODESTATS_CONNECTORSTATSENTRY']._serialized_end=1825
-  _globals['_NODESTATS_COUNTERSENTRY']._serialized_start=1827
-  _globals['_NODESTATS_COUNTERSENTRY']._serialized_end=1874
-  _globals['_NODESTATS_GAUGESENTRY']._serialized_start=1876
-  _globals['_NODESTATS_GAUGESENTRY']._serialized_end=1921
-  _globals['_NODESTATS_HISTOGRAMSENTRY']._serialized_start=1923
-  _globals['_NODESTATS_HISTOGRAMSENTRY']._serialized_end=1992
-  _globals['_HISTOGRAM']._serialized_start=2006
-  _globals['_HISTOGRAM']._serialized_end=2062
-  _globals['_PREFILLNODE']._serialized_start=2064
-  _globals['_PREFILLNODE']._serialized_end=2139
-  _globals['_DECODENODE']._serialized_start=2141
-  _globals['_DECODENODE']._serialized_end=2214
-  _globals['_NODE']._serialized_start=2216
-  _globals['_NODE']._serialized_end=2330
+  _globals['_PREFILLRESPONSE']._serialized_end=639
+  _globals['_DECODEREQUEST']._serialized_start=642
+  _globals['_DECODEREQUEST']._serialized_end=895
+  _globals['_DECODERESPONSE']._serialized_start=898
+  _globals['_DECODERESPONSE']._serialized_end=1244
+  _globals['_ABORTREQUEST']._serialized_start=1246
+  _globals['_ABORTREQUEST']._serialized_end=1280
+  _globals['_ABORTRESPONSE']._serialized_start=1282
+  _globals['_ABORTRESPONSE']._serialized_end=1297
+  _globals['_STATSREQUEST']._serialized_start=1299
+  _globals['_STATSREQUEST']._serialized_end=1338
+  _globals['_NODESTATS']._serialized_start=1341
+  _globals['_NODESTATS']._serialized_end=2128
+  _globals['_NODESTATS_CONNECTORSTATSENTRY']._serialized_start=1896
+  _globals['_NODESTATS_CONNECTORSTATSENTRY']._serialized_end=1949
+  _globals['_NODESTATS_COUNTERSENTRY']._serialized_start=1951
+  _globals['_NODESTATS_COUNTERSENTRY']._serialized_end=1998
+  _globals['_NODESTATS_GAUGESENTRY']._serialized_start=2000
+  _globals['_NODESTATS_GAUGESENTRY']._serialized_end=2045
+  _globals['_NODESTATS_HISTOGRAMSENTRY']._serialized_start=2047
+  _globals['_NODESTATS_HISTOGRAMSENTRY']._serialized_end=2116
+  _globals['_HISTOGRAM']._serialized_start=2130
+  _globals['_HISTOGRAM']._serialized_end=2186
+  _globals['_PREFILLNODE']._serialized_start=2188
+  _globals['_PREFILLNODE']._serialized_end=2263
+  _globals['_DECODENODE']._serialized_start=2265
+  _globals['_DECODENODE']._serialized_end=2338
+  _globals['_NODE']._serialized_start=2340
+  _globals['_NODE']._serialized_end=2454
 # @@protoc_insertion_point(module_scope)

@@ -20,7 +20,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_logprob", "finished", "finish_reason", "stop_token_id", "stop_string", "text", "prompt", "kv_transfer_params", "first_top_logprobs")
+    __slots__ = ("request_id", "first_token_id", "first_logprob", "finished", "finish_reason", "stop_token_id", "stop_string", "text", "prompt", "kv_transfer_params", "first_top_logprobs", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class PrefillResponse(_message.Message):
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_logprob: float
@@ -43,7 +44,8 @@ class PrefillResponse(_message.Message):
     prompt: _types_pb2.PromptUsage
     kv_transfer_params: bytes
     first_top_logprobs: _types_pb2.TopLogprobs
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., text: _Optional[str] = ..., prompt: _Optional[_Union[_types_pb2.PromptUsage, _Mapping]] = ..., kv_transfer_params: _Optional[bytes] = ..., first_top_logprobs: _Optional[_Union[_types_pb2.TopLogprobs, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _types_pb2.PromptLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., text: _Optional[str] = ..., prompt: _Optional[_Union[_types_pb2.PromptUsage, _Mapping]] = ..., kv_transfer_params: _Optional[bytes] = ..., first_top_logprobs: _Optional[_Union[_types_pb2.TopLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_types_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "first_token_id", "kv_transfer_params", "resume_output_token_ids")
@@ -64,7 +66,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., first_token_id: _Optional[int] = ..., kv_transfer_params: _Optional[bytes] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "stop_token_id", "stop_string", "prompt", "top_logprobs")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "stop_token_id", "stop_string", "prompt", "top_logprobs", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +77,7 @@ class DecodeResponse(_message.Message):
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -85,7 +88,8 @@ class DecodeResponse(_message.Message):
     stop_string: str
     prompt: _types_pb2.PromptUsage
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TopLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., prompt: _Optional[_Union[_types_pb2.PromptUsage, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[_types_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _types_pb2.PromptLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., prompt: _Optional[_Union[_types_pb2.PromptUsage, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[_types_pb2.TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[_types_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13pdkv/v1/types.proto\x12\x07pdkv.v1\"\xdf\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0b \x01(\x08H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\x04\x88\x01\x01\x12:\n\nlogit_bias\x18\x0f \x03(\x0b\x32&.pdkv.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\x14\n\x0ctop_logprobs\x18\x11 \x01(\r\x12-\n\nstructured\x18\x12 \x01(\x0b\x32\x19.pdkv.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x16\n\x14_skip_special_tokensB\x15\n\x13_repetition_penalty\"\x93\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdkv.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"s\n\x0bPromptUsage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1b\n\x13local_prefix_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x65xternal_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x42\x44\n\nio.pdkv.v1P\x01Z*github.com/pdkv/pdkv/gen/go/pdkv/v1;pdkvv1\xaa\x02\x07Pdkv.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13pdkv/v1/types.proto\x12\x07pdkv.v1\"\x91\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0b \x01(\x08H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\x04\x88\x01\x01\x12:\n\nlogit_bias\x18\x0f \x03(\x0b\x32&.pdkv.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\x14\n\x0ctop_logprobs\x18\x11 \x01(\r\x12-\n\nstructured\x18\x12 \x01(\x0b\x32\x19.pdkv.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x16\n\x14_skip_special_tokensB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"N\n\x0ePromptLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12*\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x14.pdkv.v1.TopLogprobs\"\x93\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdkv.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"s\n\x0bPromptUsage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1b\n\x13local_prefix_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x65xternal_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x42\x44\n\nio.pdkv.v1P\x01Z*github.com/pdkv/pdkv/gen/go/pdkv/v1;pdkvv1\xaa\x02\x07Pdkv.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,18 +34,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'\n\nio.pdkv.v1P\001Z*github.com/pdkv/pdkv/gen/go/pdkv/v1;pdkvv1\252\002\007Pdkv.V1'
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=992
-  _globals['_FINISHREASON']._serialized_end=1087
+  _globals['_FINISHREASON']._serialized_start=1122
+  _globals['_FINISHREASON']._serialized_end=1217
   _globals['_SAMPLINGPARAMS']._serialized_start=33
-  _globals['_SAMPLINGPARAMS']._serialized_end=640
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=511
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=559
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=643
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=790
-  _globals['_CHOICELIST']._serialized_start=792
-  _globals['_CHOICELIST']._serialized_end=821
-  _globals['_TOPLOGPROBS']._serialized_start=823
-  _globals['_TOPLOGPROBS']._serialized_end=873
-  _globals['_PROMPTUSAGE']._serialized_start=875
-  _globals['_PROMPTUSAGE']._serialized_end=990
+  _globals['_SAMPLINGPARAMS']._serialized_end=690
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=541
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=589
+  _globals['_PROMPTLOGPROBS']._serialized_start=692
+  _globals['_PROMPTLOGPROBS']._serialized_end=770
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=773
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=920
+  _globals['_CHOICELIST']._serialized_start=922
+  _globals['_CHOICELIST']._serialized_end=951
+  _globals['_TOPLOGPROBS']._serialized_start=953
+  _globals['_TOPLOGPROBS']._serialized_end=1003
+  _globals['_PROMPTUSAGE']._serialized_start=1005
+  _globals['_PROMPTUSAGE']._serialized_end=1120
 # @@protoc_insertion_point(module_scope)
