@@ -19,7 +19,9 @@ from engine.sampling_params import TopLogprobs
 from router.events import Delta, Done, Event, Usage
 from router.http_scope import HttpCallScope, watch_disconnect
 from router.openai_errors import ApiError
+from router.openai_tools import call_deltas, openai_calls
 from router.tokenizer import RouterModel
+from router.tool_parser import Piece, ToolParser
 from serving.errors import ServingError
 
 
@@ -35,7 +37,9 @@ class ResponseShape:
         chat: bool,
         logprobs: bool,
         cache_details: bool = False,
+        tools: ToolParser | None = None,
     ) -> None:
+        """``tools``: how a chat reply's tool calls are read (None: the reply is text)."""
         self.model, self.id, self.created, self.chat, self.logprobs = (
             model,
             request_id,
@@ -44,6 +48,9 @@ class ResponseShape:
             logprobs,
         )
         self.cache_details = cache_details
+        self.tools = tools if chat else None
+        self._stream = self.tools.stream() if self.tools is not None else None
+        self._calls_sent = 0
 
     def envelope(self) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -57,9 +64,37 @@ class ResponseShape:
             choice["text"] = delta
         return {**self.envelope(), "choices": [choice]}
 
-    def delta_chunk(self, d: Delta) -> dict[str, Any]:
+    def delta_chunks(self, d: Delta) -> list[dict[str, Any]]:
+        """The chunks of one delta: its text, or -- with tools -- the content and the calls it
+        completes (none while the text is held; its logprobs then come in a chunk of their own)."""
         lp = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs) if self.logprobs else None
-        return self.chunk({"content": d.text} if self.chat else d.text, None, lp)
+        if self._stream is None:
+            return [self.chunk({"content": d.text} if self.chat else d.text, None, lp)]
+        deltas = self._deltas(self._stream.push(d.text))
+        if not deltas:
+            return [self.chunk({}, None, lp)] if lp is not None else []
+        return [self.chunk(delta, None, lp if i == 0 else None) for i, delta in enumerate(deltas)]
+
+    def final_chunks(self, done: Done) -> list[dict[str, Any]]:
+        """What the reply still held, then the chunk with the finish reason."""
+        held = self._deltas(self._stream.finish()) if self._stream is not None else []
+        last = self.chunk({} if self.chat else "", self._finish_reason(done, self._calls_sent))
+        return [*(self.chunk(delta, None) for delta in held), last]
+
+    def _deltas(self, pieces: list[Piece]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                out.append({"content": piece})
+            else:
+                out += call_deltas(self._calls_sent, piece)
+                self._calls_sent += 1
+        return out
+
+    @staticmethod
+    def _finish_reason(done: Done, calls: int) -> str | None:
+        """OpenAI's "tool_calls" when a reply that ended by itself called tools."""
+        return "tool_calls" if calls and done.finish_reason == "stop" else done.finish_reason
 
     def whole(self, deltas: list[Delta], done: Done) -> dict[str, Any]:
         text = "".join(d.text for d in deltas)
@@ -71,7 +106,14 @@ class ResponseShape:
             "finish_reason": done.finish_reason,
             "logprobs": self._logprobs(ids, lps, tops) if self.logprobs else None,
         }
-        if self.chat:
+        if self.chat and self.tools is not None:
+            reply = self.tools.parse(text)
+            choice["message"] = {"role": "assistant", "content": reply.content}
+            if reply.calls:
+                choice["message"]["tool_calls"] = openai_calls(reply.calls)
+            choice["finish_reason"] = self._finish_reason(done, len(reply.calls))
+            kind = "chat.completion"
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
             kind = "chat.completion"
         else:

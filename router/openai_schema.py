@@ -60,11 +60,10 @@ NOT_SERVED: dict[str, NotServed] = {
     "best_of": NotServed(_NONE, "best_of is not served (vLLM dropped it too); use n, or several requests"),
     "echo": NotServed((False,), "echo is not served yet"),
     "suffix": NotServed((None, ""), "suffix is not served"),
-    "tools": NotServed((None, []), "tool calls are not served yet"),
-    "tool_choice": NotServed((None, "none"), "tool calls are not served yet"),
-    "parallel_tool_calls": NotServed(_NONE, "tool calls are not served yet"),
-    "functions": NotServed((None, []), "function calls are not served"),
-    "function_call": NotServed((None, "none"), "function calls are not served"),
+    "functions": NotServed((None, []), "the deprecated functions are not served; send tools"),
+    "function_call": NotServed(
+        (None, "none"), "the deprecated function_call is not served; send tool_choice"
+    ),
     "audio": NotServed(_NONE, "audio output is not served"),
     "modalities": NotServed((None, ["text"]), "only text output is served"),
     "prediction": NotServed(_NONE, "predicted outputs are not served"),
@@ -153,11 +152,39 @@ class _Sampling(_Body):
         return options
 
 
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    # The JSON schema of the arguments; unset: the function takes none.
+    parameters: dict[str, Any] | None = None
+    # Accepted: under tool_choice required or a named function the arguments are always constrained to
+    # the schema; under auto they are parsed, not constrained (docs/tool_calls.md).
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallItem(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     # A string, or a list of text parts ({"type": "text", "text": ...}) as newer SDKs send.
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_Sampling):
@@ -167,10 +194,11 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # Not served yet (NOT_SERVED): refused unless off.
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}} (router/openai_tools.py)
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # Not served (NOT_SERVED): refused unless off.
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
     audio: Any = None
@@ -270,6 +298,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None  # rendered as a request with tool_choice auto would be
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
