@@ -29,6 +29,8 @@ from router.nodes import NodePool
 from router.pipeline import Pipeline
 from router.streams import StreamWatch
 from router.tokenizer import RouterModel
+from router.tool_calls import ToolCall, ToolChoice, ToolFields, ToolSpec
+from router.tool_parser import ToolParser
 from serving import convert
 from serving.errors import CallRecorder, invalid, rpc_errors
 
@@ -75,6 +77,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 end_of_turn_token_ids=list(self.tokenizer.end_of_turn_token_ids),
                 sampling_fields=sorted(types_pb2.SamplingParams.DESCRIPTOR.fields_by_name),
                 structured_kinds=list(structured.KINDS),
+                tool_calls=self.admission.tool_format is not None,
+                tool_call_format=self.admission.tool_format or "",
             )
         raise AssertionError("unreachable: rpc_errors aborts the call")
 
@@ -87,9 +91,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # A client that stops reading holds its send here: past the idle limit, the call is cut
             # (and its request aborted on the nodes) instead of holding a slot for ever.
             watch = self.streams.watch(context.cancel) if self.streams is not None else None
+            text: list[str] = []  # the reply, for its tool calls at the end
             try:
                 for event in self.pipeline.generate(admitted, context):
                     if isinstance(event, Delta):
+                        text.append(event.text)
                         delta = generation_pb2.TokenDelta(
                             token_ids=event.token_ids,
                             text=event.text,
@@ -98,7 +104,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         )
                         msg = generation_pb2.GenerateResponse(request_id=rid, delta=delta)
                     else:
-                        done = _completion(event, caller.cache_details)
+                        done = _completion(event, caller.cache_details, admitted.tools, "".join(text))
                         msg = generation_pb2.GenerateResponse(request_id=rid, done=done)
                     if watch is not None:
                         watch.sending()
@@ -122,7 +128,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     result.logprobs.extend(event.logprobs)
                     result.top_logprobs.extend(convert.top_logprobs_proto(t) for t in event.top_logprobs)
                 else:
-                    result.done.CopyFrom(_completion(event, caller.cache_details))
+                    done = _completion(event, caller.cache_details, admitted.tools, result.text)
+                    result.done.CopyFrom(done)
             return result
         raise AssertionError("unreachable: rpc_errors aborts the call")
 
@@ -152,7 +159,21 @@ FIELDS = FieldNames(
     token_ids="prompt.token_ids.ids",
     token_id="prompt.token_ids.ids[{i}]",
     sampling="sampling.",
+    tools=ToolFields(
+        tools="prompt.messages.tools",
+        tool="prompt.messages.tools[{i}]",
+        tool_choice="prompt.messages.tool_choice",
+        message="prompt.messages.messages[{i}]",
+        tool_call="prompt.messages.messages[{i}].tool_calls[{j}]",
+        tool_call_function="prompt.messages.messages[{i}].tool_calls[{j}]",
+    ),
 )
+_MODES: dict[int, ToolChoice | None] = {
+    generation_pb2.TOOL_CHOICE_MODE_UNSPECIFIED: None,
+    generation_pb2.TOOL_CHOICE_MODE_NONE: ToolChoice("none"),
+    generation_pb2.TOOL_CHOICE_MODE_AUTO: ToolChoice("auto"),
+    generation_pb2.TOOL_CHOICE_MODE_REQUIRED: ToolChoice("required"),
+}
 
 
 def generation_request(request: generation_pb2.GenerateRequest) -> GenerationRequest:
@@ -164,7 +185,7 @@ def generation_request(request: generation_pb2.GenerateRequest) -> GenerationReq
     if which == "text":
         prompt = TextPrompt(request.text)
     elif which == "messages":
-        prompt = ChatPrompt(tuple(ChatTurn(m.role, m.content) for m in request.messages.messages))
+        prompt = chat_prompt(request.messages)
     elif which == "token_ids":
         prompt = TokenPrompt(tuple(request.token_ids.ids))
     else:
@@ -178,11 +199,52 @@ def generation_request(request: generation_pb2.GenerateRequest) -> GenerationReq
     )
 
 
-def _completion(done: Done, cache_details: bool) -> generation_pb2.Completion:
-    msg = generation_pb2.Completion(
-        finish_reason=convert.finish_reason_proto(done.finish_reason), usage=_usage(done.usage, cache_details)
+def chat_prompt(msg: generation_pb2.ChatMessages) -> ChatPrompt:
+    """A conversation, its tools and tool choice as the neutral prompt (admission checks them)."""
+    turns = tuple(
+        ChatTurn(
+            m.role,
+            m.content,
+            m.name if m.HasField("name") else None,
+            tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls),
+            m.tool_call_id if m.HasField("tool_call_id") else None,
+        )
+        for m in msg.messages
     )
+    choice: ToolChoice | None = None
+    which = msg.tool_choice.WhichOneof("choice")
+    if which == "function":
+        choice = ToolChoice("function", msg.tool_choice.function)
+    elif which == "mode":
+        if msg.tool_choice.mode not in _MODES:
+            raise invalid(
+                "prompt.messages.tool_choice.mode", f"{msg.tool_choice.mode} is not a ToolChoiceMode"
+            )
+        choice = _MODES[msg.tool_choice.mode]
+    return ChatPrompt(
+        turns,
+        tools=tuple(ToolSpec(t.name, t.description, t.parameters, t.strict) for t in msg.tools),
+        tool_choice=choice,
+        parallel_tool_calls=msg.parallel_tool_calls if msg.HasField("parallel_tool_calls") else True,
+    )
+
+
+def _completion(
+    done: Done, cache_details: bool, tools: ToolParser | None = None, text: str = ""
+) -> generation_pb2.Completion:
+    """The request's end; with ``tools``, the calls parsed from the reply's ``text`` and what is left."""
+    reason = done.finish_reason
+    msg = generation_pb2.Completion(usage=_usage(done.usage, cache_details))
     convert.set_stop_reason(msg, done.stop_reason)
+    if tools is not None:
+        reply = tools.parse(text)
+        msg.tool_calls.extend(
+            generation_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in reply.calls
+        )
+        msg.content = reply.content or ""
+        if reply.calls and reason == "stop":
+            reason = "tool_calls"
+    msg.finish_reason = convert.finish_reason_proto(reason)
     return msg
 
 

@@ -1,8 +1,8 @@
 """Tool calls, the request side, through the one admission path: the template family read from each real
 template (Qwen2.5's hermes, Llama 3.1's JSON, a ChatML template that renders no tools), the conversation
 rendered as transformers renders it, the generic format's system message, the constraint of ``required``
-and a named function (it accepts a valid call and nothing else), and every bad input a 400 naming
-its field."""
+and a named function (it accepts a valid call and nothing else), and every bad input a 400 / an
+INVALID_ARGUMENT naming its field -- the same from HTTP and gRPC."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from router.admission import Admission, AdmittedRequest
+from pdkv_proto.pdkv.v1 import generation_pb2
+from router.admission import Admission, AdmittedRequest, InvalidField
 from router.auth import OPEN, Caller
 from router.openai_api import create_app
 from router.openai_requests import chat_request
 from router.openai_schema import ChatCompletionRequest
+from router.servicer import generation_request
 from router.tokenizer import RouterModel, load_model
 from router.tool_calls import NO_PARAMETERS
 from tests.chat_templates import LLAMA31, QWEN25
@@ -194,6 +196,37 @@ def test_required_and_a_named_function_constrain_the_call(models: dict[str, Rout
         assert follows(model, parallel, two) and not follows(model, required, two)
 
 
+def test_grpc_admits_what_http_admits(models: dict[str, RouterModel]) -> None:
+    model = models["hermes"]
+    http = admit(model, messages=HISTORY, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    messages = generation_pb2.ChatMessages(
+        messages=[
+            generation_pb2.ChatMessage(role="user", content=USER["content"]),
+            generation_pb2.ChatMessage(
+                role="assistant",
+                tool_calls=[
+                    generation_pb2.ToolCall(
+                        id="call_1", name="get_weather", arguments=CALL["function"]["arguments"]
+                    )
+                ],
+            ),
+            generation_pb2.ChatMessage(role="tool", tool_call_id="call_1", content="18C"),
+        ],
+        tools=[
+            generation_pb2.Tool(
+                name="get_weather", description="Weather in a city", parameters=json.dumps(WEATHER_ARGS)
+            )
+        ],
+        tool_choice=generation_pb2.ToolChoice(mode=generation_pb2.TOOL_CHOICE_MODE_REQUIRED),
+        parallel_tool_calls=False,
+    )
+    grpc = Admission(model).admit(
+        generation_request(generation_pb2.GenerateRequest(messages=messages)), CALLER
+    )
+    assert grpc.prompt_token_ids == http.prompt_token_ids
+    assert grpc.params.structured == http.params.structured and grpc.tools == http.tools
+
+
 BAD: list[tuple[dict[str, Any], str]] = [
     (
         {"messages": [USER, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "content": "18C"}]},
@@ -262,3 +295,49 @@ def test_bad_tool_input_is_a_400_naming_the_field_and_the_server_keeps_serving(
         assert response.json()["error"]["param"] == param, response.json()
         still = http.post("/tokenize", json={"messages": HISTORY, "tools": [WEATHER]})
         assert still.status_code == 200 and still.json()["count"] > 0
+
+
+@pytest.mark.parametrize(
+    ("messages", "field"),
+    [
+        (
+            generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(role="tool", content="18C")]),
+            "prompt.messages.messages[0].tool_call_id",
+        ),
+        (
+            generation_pb2.ChatMessages(
+                messages=[generation_pb2.ChatMessage(role="user", content="hi")],
+                tools=[generation_pb2.Tool(name="f", parameters='{"type": "nope"}')],
+            ),
+            "prompt.messages.tools[0].parameters",
+        ),
+        (
+            generation_pb2.ChatMessages(
+                messages=[generation_pb2.ChatMessage(role="user", content="hi")],
+                tools=[generation_pb2.Tool(name="f")],
+                tool_choice=generation_pb2.ToolChoice(function="g"),
+            ),
+            "prompt.messages.tool_choice",
+        ),
+        (
+            generation_pb2.ChatMessages(
+                messages=[
+                    generation_pb2.ChatMessage(role="user", content="hi"),
+                    generation_pb2.ChatMessage(
+                        role="assistant",
+                        tool_calls=[generation_pb2.ToolCall(id="c", name="f", arguments="[]")],
+                    ),
+                ]
+            ),
+            "prompt.messages.messages[1].tool_calls[0].arguments",
+        ),
+    ],
+)
+def test_bad_tool_input_on_grpc_names_the_field(
+    models: dict[str, RouterModel], messages: generation_pb2.ChatMessages, field: str
+) -> None:
+    with pytest.raises(InvalidField) as info:
+        Admission(models["hermes"]).admit(
+            generation_request(generation_pb2.GenerateRequest(messages=messages)), CALLER
+        )
+    assert info.value.field == field, info.value.message
