@@ -77,6 +77,13 @@ def chat_request(body: ChatCompletionRequest, model: RouterModel) -> GenerationR
 
 def chat_turns(messages: list[ChatMessage]) -> tuple[ChatTurn, ...]:
     """The body's messages as the neutral conversation (admission checks the calls and results)."""
+    for i, m in enumerate(messages):
+        for name in ("refusal", "audio", "function_call"):
+            if getattr(m, name) is not None:
+                raise ApiError.invalid(
+                    f"messages.{i}.{name}",
+                    "is not served in a message (send it as content, or leave it null)",
+                )
     return tuple(
         ChatTurn(m.role, message_text(m.content, i), m.name, message_calls(m), m.tool_call_id)
         for i, m in enumerate(messages)

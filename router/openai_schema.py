@@ -185,6 +185,13 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCallItem] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # What a reply's message carries besides (a client that sends back ``message.model_dump()``): accepted
+    # at their "off" values only (router/openai_requests.py); ``annotations`` (citations) never reach
+    # the model, as on OpenAI.
+    refusal: str | None = None
+    audio: Any = None
+    function_call: Any = None
+    annotations: list[Any] | None = None
 
 
 class ChatCompletionRequest(_Sampling):

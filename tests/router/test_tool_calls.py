@@ -276,6 +276,11 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools"),
+    (
+        {"messages": [USER, {"role": "assistant", "content": "no", "refusal": "I refuse"}]},
+        "messages.1.refusal",
+    ),
     (
         {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
         "response_format",
@@ -341,3 +346,20 @@ def test_bad_tool_input_on_grpc_names_the_field(
             generation_request(generation_pb2.GenerateRequest(messages=messages)), CALLER
         )
     assert info.value.field == field, info.value.message
+
+
+def test_the_sdks_reply_message_dumped_whole_is_accepted_back(models: dict[str, RouterModel]) -> None:
+    """``messages.append(reply.message.model_dump())`` sends refusal, audio, function_call and annotations
+    as null: accepted at those values (a refusal that is set is a 400, above)."""
+    from openai.types.chat import ChatCompletionMessage
+
+    message = ChatCompletionMessage.model_validate(
+        {"role": "assistant", "content": None, "tool_calls": [CALL]}
+    )
+    dumped = message.model_dump()
+    assert {"refusal", "audio", "function_call", "annotations"} <= set(dumped)
+    history = [USER, dumped, {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]
+    model = models["hermes"]
+    assert rendered(model, admit(model, messages=history, tools=[WEATHER])) == rendered(
+        model, admit(model, messages=HISTORY, tools=[WEATHER])
+    )
