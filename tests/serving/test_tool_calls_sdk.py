@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import jsonschema
 import pydantic
 import pytest
@@ -158,7 +159,7 @@ def test_named_call_parsed_into_the_sdk_model_whole_and_streamed(client: Any) ->
 
 
 def test_required_call_streamed_as_delta_tool_calls(client: Any) -> None:
-    stream = client.chat.completions.create(
+    with client.chat.completions.create(
         model=model_name(client),
         messages=QUESTION,
         tools=TOOLS,
@@ -166,8 +167,8 @@ def test_required_call_streamed_as_delta_tool_calls(client: Any) -> None:
         parallel_tool_calls=False,
         max_tokens=200,
         stream=True,
-    )
-    deltas = [c.choices[0] for c in stream if c.choices]
+    ) as stream:
+        deltas = [c.choices[0] for c in stream if c.choices]
     parts = [t for d in deltas for t in d.delta.tool_calls or ()]
     head, *rest = parts
     assert head.index == 0 and head.id.startswith("call_") and head.type == "function" and head.function.name
@@ -181,8 +182,6 @@ def test_required_call_streamed_as_delta_tool_calls(client: Any) -> None:
 def test_follow_up_turn_with_the_tool_result(client: Any, cluster: Cluster) -> None:
     """The assistant's call (the SDK's own message object) and the tool's result go back; the model reads
     them: the prompt is the one /tokenize renders, and holds the result."""
-    import httpx
-
     name = model_name(client)
     first = client.chat.completions.create(
         model=name,
