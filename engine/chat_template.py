@@ -68,8 +68,14 @@ class ChatTemplate:
         return cls(source, dict(special_tokens), eot, origin)
 
     def render(
-        self, messages: Sequence[ChatMessage | Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
+        """``tools``: the functions the model may call, in OpenAI's shape (``{"type": "function",
+        "function": {...}}``), as Hugging Face hands them to a template; None (no tools) otherwise."""
         import jinja2
 
         checked = [_check_message(i, m) for i, m in enumerate(messages)]
@@ -80,7 +86,7 @@ class ChatTemplate:
                 self._compiled.render(  # type: ignore[attr-defined]
                     messages=checked,
                     add_generation_prompt=add_generation_prompt,
-                    tools=None,
+                    tools=list(tools) if tools else None,
                     documents=None,
                     **self.special_tokens,
                 )
@@ -95,14 +101,31 @@ class ChatTemplate:
             ) from exc
 
 
-def _check_message(i: int, m: ChatMessage | Mapping[str, Any]) -> dict[str, str]:
+def _check_message(i: int, m: ChatMessage | Mapping[str, Any]) -> dict[str, Any]:
+    """The message as the template sees it: role and content, and -- only when set, since templates test
+    for the key (``'tool_calls' in message``) -- the participant's ``name``, an assistant's
+    ``tool_calls`` and a tool result's ``tool_call_id``."""
     d = m.as_dict() if isinstance(m, ChatMessage) else dict(m)
     role, content = d.get("role"), d.get("content")
     if not isinstance(role, str) or role not in ROLES:
         raise ChatTemplateError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
     if not isinstance(content, str):
         raise ChatTemplateError(f"messages[{i}].content must be a string, got {type(content).__name__}")
-    return {"role": role, "content": content}
+    out: dict[str, Any] = {"role": role, "content": content}
+    for key, kind in _OPTIONAL_KEYS.items():
+        value = d.get(key)
+        if value is None or (key == "tool_calls" and not value):
+            continue
+        if not isinstance(value, kind):
+            raise ChatTemplateError(
+                f"messages[{i}].{key} must be a {kind.__name__}, got {type(value).__name__}"
+            )
+        out[key] = value
+    return out
+
+
+# What a message may carry besides its role and content (Hugging Face's names), and each one's type.
+_OPTIONAL_KEYS: dict[str, type] = {"name": str, "tool_calls": list, "tool_call_id": str}
 
 
 def _raise_exception(message: str) -> None:

@@ -182,6 +182,19 @@ class Request:
 
     # -- tokens -------------------------------------------------------------------------------------------
 
+    def record_prompt_scores(self, first: int, logprobs: list[float], tops: list[TopLogprobs]) -> None:
+        """Prompt positions ``first``.. scored (a recomputed chunk writes the same values again)."""
+        at = slice(first, first + len(logprobs))
+        self.prompt_logprobs[at] = logprobs
+        self.prompt_top_logprobs[at] = tops
+
+    def finished_prompt_scores(self) -> tuple[list[float | None] | None, list[TopLogprobs] | None]:
+        """The whole prompt's scores, when this request scores its prompt and samples for the first time
+        (its prompt is computed); else (None, None)."""
+        if self.sampling_params.prompt_logprobs is None or self.num_output_tokens:
+            return None, None
+        return list(self.prompt_logprobs), list(self.prompt_top_logprobs)
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

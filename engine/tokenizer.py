@@ -145,15 +145,20 @@ class Tokenizer:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        """``messages`` rendered with the model's chat template and tokenized (the template writes every
-        special token itself, so none is added).  ``ChatTemplateError`` names what is wrong."""
+        """``messages`` rendered with the model's chat template (and ``tools``, OpenAI-shaped, for a
+        template that describes them) and tokenized (the template writes every special token itself, so
+        none is added).  ``ChatTemplateError`` names what is wrong."""
         from engine.chat_template import ChatTemplateError
 
         if self.chat_template is None:
             raise ChatTemplateError(f"the model ({self.source}) has no chat template; send text or token ids")
-        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         return self.encode(text, add_special_tokens=False)
 
     @property

@@ -32,9 +32,23 @@ import grpc
 
 from engine.chat_template import ChatTemplateError
 from engine.sampling_params import SamplingParams
-from engine.structured import GrammarCompiler, GrammarError
+from engine.structured import GrammarCompiler, GrammarError, StructuredOutput
 from router.auth import Caller
 from router.tokenizer import RouterModel
+from router.tool_calls import (
+    ToolCall,
+    ToolChoice,
+    ToolFieldError,
+    ToolFields,
+    ToolPlan,
+    ToolSpec,
+    check_choice,
+    check_history,
+    check_tools,
+    tool_format,
+)
+from router.tool_parser import ToolParser
+from router.tool_prompt import constraint, template_inputs
 from serving.errors import ServingError
 
 # A text or token-id prompt without max_tokens generates this many tokens (OpenAI's completions default).
@@ -58,6 +72,8 @@ class ChatTurn:
     role: str
     content: str
     name: str | None = None  # the participant's name, handed to the chat template when set
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 @dataclass(frozen=True)
@@ -67,9 +83,14 @@ class TextPrompt:
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """A conversation, rendered with the model's chat template; the reply stops at its end of turn."""
+    """A conversation, rendered with the model's chat template; the reply stops at its end of turn.
+    ``tools`` the model may call, as ``tool_choice`` allows (unset: OpenAI's default) and at most one
+    call per reply without ``parallel_tool_calls`` (``router/tool_calls.py``)."""
 
     messages: tuple[ChatTurn, ...]
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 @dataclass(frozen=True)
@@ -91,6 +112,7 @@ class FieldNames:
     sampling: str  # the prefix of a sampling field ("sampling." -> "sampling.top_p")
     structured: str = "sampling.structured"  # the field that carries the output's constraint
     n: str = "n"  # how many choices
+    tools: ToolFields = field(default_factory=ToolFields)  # the tool fields (OpenAI's by default)
 
 
 @dataclass(frozen=True)
@@ -118,6 +140,7 @@ class AdmittedRequest:
     params: SamplingParams
     cache_salt: str | None = None
     n: int = 1  # choices (the pipeline forks them after one prefill: router/choices.py)
+    tools: ToolParser | None = None  # how the reply's tool calls are read (None: the reply is text)
 
 
 class Admission:
@@ -131,6 +154,8 @@ class Admission:
         # A constraint that does not compile is refused here, before any node call (engine/structured.py).
         tok = model.tokenizer
         self.grammars = GrammarCompiler(tok.to_json(), model.vocab_size, model.eos_token_ids)
+        template = tok.chat_template
+        self.tool_format = tool_format(template.source if template is not None else None)
 
     def admit(self, request: GenerationRequest, caller: Caller) -> AdmittedRequest:
         """The request as the pipeline runs it; ``InvalidField`` when the client must change it."""
@@ -141,9 +166,12 @@ class Admission:
             raise InvalidField(
                 names.n, f"{request.n} choices asked; this server serves 1 to {self.max_n} (its max_n)"
             )
-        token_ids, prompt_field = self._tokens(request.prompt, names)
+        plan, called = self._tool_plan(request.prompt, names)
+        token_ids, prompt_field = self._tokens(request.prompt, names, plan, called)
         options = dict(request.sampling)
         chat = isinstance(request.prompt, ChatPrompt)
+        if plan is not None and plan.calls_allowed:
+            self._constrain(plan, options, names)
         scoring = options.get("prompt_logprobs") is not None
         options["max_tokens"] = self._max_tokens(
             options.get("max_tokens"), len(token_ids), prompt_field, chat, names, scoring
@@ -166,11 +194,79 @@ class Admission:
                 raise InvalidField(names.structured, str(exc).removeprefix("structured.")) from None
         if chat:
             params = self.model.tokenizer.chat_sampling(params)
-        return AdmittedRequest(
-            request.request_id, token_ids, params, caller.salt(request.cache_salt), n=request.n
-        )
+        parser = None
+        if plan is not None and plan.calls_allowed:
+            parser = ToolParser(plan.format, frozenset(plan.schemas), plan.parallel)
+        salt = caller.salt(request.cache_salt)
+        return AdmittedRequest(request.request_id, token_ids, params, salt, n=request.n, tools=parser)
 
-    def _tokens(self, prompt: Prompt, names: FieldNames) -> tuple[list[int], str]:
+    def chat_tokens(
+        self, prompt: ChatPrompt, names: FieldNames, *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The conversation as the model reads it (``POST /tokenize`` counts it the way a request would)."""
+        plan, called = self._tool_plan(prompt, names)
+        return self._render(prompt, names, plan, called, add_generation_prompt)
+
+    def _tool_plan(self, prompt: Prompt, names: FieldNames) -> tuple[ToolPlan | None, dict[str, str]]:
+        """A conversation's tools, checked (None: no tools, or no template to show them), and each call
+        id of its history with the function it called."""
+        if not isinstance(prompt, ChatPrompt):
+            return None, {}
+        fields = names.tools
+        try:
+            called = check_history(prompt.messages, fields)
+            schemas = check_tools(prompt.tools, fields, self._check_schema)
+            choice = check_choice(prompt.tool_choice, list(schemas), fields)
+        except ToolFieldError as exc:
+            raise InvalidField(exc.field, exc.problem) from None
+        if not schemas or self.tool_format is None:
+            return None, called
+        return ToolPlan(self.tool_format, prompt.tools, schemas, choice, prompt.parallel_tool_calls), called
+
+    def _check_schema(self, schema: Mapping[str, object]) -> None:
+        try:
+            self.grammars.compile(StructuredOutput.json_schema(dict(schema)))
+        except GrammarError as exc:
+            raise ValueError(str(exc).removeprefix("structured.json_schema ")) from None
+
+    def _constrain(self, plan: ToolPlan, options: dict[str, object], names: FieldNames) -> None:
+        """A reply that may call tools is the model's or the tool grammar's: never another format too."""
+        if options.get("structured") is not None:
+            raise InvalidField(
+                names.structured,
+                f"cannot be combined with tools under tool_choice {plan.choice.mode!r}: a reply is a "
+                "tool call or free text (send tool_choice 'none' to use the format with tools)",
+            )
+        forced = constraint(plan)
+        if forced is None:
+            return
+        try:
+            self.grammars.compile(forced)
+        except GrammarError as exc:
+            raise InvalidField(
+                names.tools.tool_choice, f"the tools' call grammar does not compile: {exc}"
+            ) from None
+        options["structured"] = forced
+
+    def _render(
+        self,
+        prompt: ChatPrompt,
+        names: FieldNames,
+        plan: ToolPlan | None,
+        called: Mapping[str, str],
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        messages, tools = template_inputs(prompt.messages, self.tool_format, plan, called)
+        try:
+            return self.model.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools
+            )
+        except ChatTemplateError as exc:
+            raise InvalidField(names.messages, str(exc)) from None
+
+    def _tokens(
+        self, prompt: Prompt, names: FieldNames, plan: ToolPlan | None, called: Mapping[str, str]
+    ) -> tuple[list[int], str]:
         """The prompt's token ids, and the field that names the prompt in an error."""
         tokenizer = self.model.tokenizer
         if isinstance(prompt, TextPrompt):
@@ -178,15 +274,7 @@ class Admission:
                 raise InvalidField(names.text, "is empty")
             token_ids, where = tokenizer.encode(prompt.text), names.text
         elif isinstance(prompt, ChatPrompt):
-            conversation = [
-                {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
-                for m in prompt.messages
-            ]
-            try:
-                token_ids = tokenizer.apply_chat_template(conversation)
-            except ChatTemplateError as exc:
-                raise InvalidField(names.messages, str(exc)) from None
-            where = names.messages
+            token_ids, where = self._render(prompt, names, plan, called), names.messages
         else:
             token_ids, where = list(prompt.token_ids), names.token_ids
             vocab = self.model.vocab_size

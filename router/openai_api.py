@@ -76,6 +76,8 @@ def create_app(
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or "body"
         message = str(first.get("msg"))
+        if first.get("type") == "literal_error":  # say what was sent: a "custom" tool, a "web_search" ...
+            message = f"{message}, got {first.get('input')!r}"
         if first.get("type") == "extra_forbidden":  # a field in none of openai_schema's three kinds
             message = (
                 "is not a field this server serves or can ignore (it could change the output); "
@@ -110,7 +112,7 @@ def create_app(
 
     @app.post("/tokenize")
     async def _tokenize(body: TokenizeRequest, caller: Caller = authenticated) -> dict[str, Any]:
-        return tokenize(body, model)
+        return tokenize(body, model, admission)
 
     @app.post("/detokenize")
     async def _detokenize(body: DetokenizeRequest, caller: Caller = authenticated) -> dict[str, Any]:
@@ -145,6 +147,7 @@ def create_app(
             cache_details=caller.cache_details,
             n=request.n,
             echo=echo_of(asked, request, model) if echo else None,
+            tools=request.tools,
         )
         events = pipeline_events(pipeline, request, scope, pool, access, caller)
         if asked.stream:

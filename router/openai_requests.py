@@ -25,10 +25,12 @@ from router.admission import (
 from router.openai_errors import ApiError
 from router.openai_schema import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     structured_output,
     unserved_field,
 )
+from router.openai_tools import message_calls, tool_choice, tool_specs
 from router.tokenizer import RouterModel
 
 # How this front end names a request's fields in a 400 (its ``param``).
@@ -62,10 +64,30 @@ def chat_request(body: ChatCompletionRequest, model: RouterModel) -> GenerationR
     """A chat completion body as the neutral request (admission checks the rest)."""
     check_model(model, body.model)
     _refuse_unserved(body)
-    turns = [ChatTurn(m.role, message_text(m.content, i), m.name) for i, m in enumerate(body.messages)]
     if body.top_logprobs and not body.logprobs:
         raise ApiError.invalid("top_logprobs", "needs logprobs: true (as OpenAI requires)")
-    return _neutral(body, "chatcmpl", ChatPrompt(tuple(turns)))
+    prompt = ChatPrompt(
+        chat_turns(body.messages),
+        tools=tool_specs(body.tools),
+        tool_choice=tool_choice(body.tool_choice),
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+    )
+    return _neutral(body, "chatcmpl", prompt)
+
+
+def chat_turns(messages: list[ChatMessage]) -> tuple[ChatTurn, ...]:
+    """The body's messages as the neutral conversation (admission checks the calls and results)."""
+    for i, m in enumerate(messages):
+        for name in ("refusal", "audio", "function_call"):
+            if getattr(m, name) is not None:
+                raise ApiError.invalid(
+                    f"messages.{i}.{name}",
+                    "is not served in a message (send it as content, or leave it null)",
+                )
+    return tuple(
+        ChatTurn(m.role, message_text(m.content, i), m.name, message_calls(m), m.tool_call_id)
+        for i, m in enumerate(messages)
+    )
 
 
 def completion_request(body: CompletionRequest, model: RouterModel) -> GenerationRequest:

@@ -20,7 +20,9 @@ from router.admission import AdmittedRequest, GenerationRequest, TextPrompt
 from router.events import Delta, Done, Event, Usage, total_usage
 from router.http_scope import HttpCallScope, watch_disconnect
 from router.openai_errors import ApiError
+from router.openai_tools import call_deltas, openai_calls
 from router.tokenizer import RouterModel
+from router.tool_parser import Piece, ToolParser
 from serving.errors import ServingError
 
 
@@ -38,9 +40,11 @@ class ResponseShape:
         cache_details: bool = False,
         n: int = 1,
         echo: Echo | None = None,
+        tools: ToolParser | None = None,
     ) -> None:
         """``n``: the request's choices (a stream's usage chunk waits for the last one's end); ``echo``:
-        the prompt every completion choice starts with (completions' ``echo``)."""
+        the prompt every completion choice starts with (completions' ``echo``); ``tools``: how a chat
+        reply's tool calls are read (None: the reply is text), each choice's on its own."""
         self.model, self.id, self.created, self.chat, self.logprobs = (
             model,
             request_id,
@@ -52,6 +56,9 @@ class ResponseShape:
         self.n = n
         self.echo = echo
         self._echoed: set[int] = set()  # the choices whose stream has had the prompt
+        self.tools = tools if chat else None
+        self._streams = {i: self.tools.stream() for i in range(n)} if self.tools is not None else {}
+        self._calls_sent = dict.fromkeys(range(n), 0)  # per choice
 
     def envelope(self) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -67,7 +74,10 @@ class ResponseShape:
             choice["text"] = delta
         return {**self.envelope(), "choices": [choice]}
 
-    def delta_chunk(self, d: Delta) -> dict[str, Any]:
+    def delta_chunks(self, d: Delta) -> list[dict[str, Any]]:
+        """The chunks of one delta: its text (after the prompt, in a choice's first chunk, with echo), or
+        -- with tools -- the content and the calls it completes (none while the text is held; its
+        logprobs then come in a chunk of their own)."""
         ids, text = d.token_ids, d.text
         lps: list[float | None] = list(d.logprobs)
         tops: list[TopLogprobs | None] = list(d.top_logprobs)
@@ -77,7 +87,36 @@ class ResponseShape:
             ids, text = [*self.echo.token_ids, *ids], self.echo.text + text
             lps, tops = [*self.echo.logprobs(), *lps], [*self.echo.top_logprobs(), *tops]
         lp = self._logprobs(ids, lps, tops) if self.logprobs else None
-        return self.chunk({"content": text} if self.chat else text, None, lp, d.index)
+        stream = self._streams.get(d.index)
+        if stream is None:
+            return [self.chunk({"content": text} if self.chat else text, None, lp, d.index)]
+        deltas = self._deltas(d.index, stream.push(text))
+        if not deltas:
+            return [self.chunk({}, None, lp, d.index)] if lp is not None else []
+        return [self.chunk(delta, None, lp if i == 0 else None, d.index) for i, delta in enumerate(deltas)]
+
+    def final_chunks(self, done: Done) -> list[dict[str, Any]]:
+        """What the choice's reply still held, then the chunk with its finish reason."""
+        stream = self._streams.get(done.index)
+        held = self._deltas(done.index, stream.finish()) if stream is not None else []
+        reason = self._finish_reason(done, self._calls_sent[done.index])
+        last = self.chunk({} if self.chat else "", reason, index=done.index)
+        return [*(self.chunk(delta, None, index=done.index) for delta in held), last]
+
+    def _deltas(self, index: int, pieces: list[Piece]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                out.append({"content": piece})
+            else:
+                out += call_deltas(self._calls_sent[index], piece)
+                self._calls_sent[index] += 1
+        return out
+
+    @staticmethod
+    def _finish_reason(done: Done, calls: int) -> str | None:
+        """OpenAI's "tool_calls" when a reply that ended by itself called tools."""
+        return "tool_calls" if calls and done.finish_reason == "stop" else done.finish_reason
 
     def whole(self, choices: list[tuple[list[Delta], Done]]) -> dict[str, Any]:
         """The whole answer: one choice per (deltas, done) of a choice, in index order."""
@@ -107,7 +146,13 @@ class ResponseShape:
             "finish_reason": done.finish_reason,
             "logprobs": self._logprobs(ids, lps, tops) if self.logprobs else None,
         }
-        if self.chat:
+        if self.chat and self.tools is not None:
+            reply = self.tools.parse(text)
+            choice["message"] = {"role": "assistant", "content": reply.content}
+            if reply.calls:
+                choice["message"]["tool_calls"] = openai_calls(reply.calls)
+            choice["finish_reason"] = self._finish_reason(done, len(reply.calls))
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text

@@ -58,11 +58,10 @@ _NONE = (None,)
 NOT_SERVED: dict[str, NotServed] = {
     "best_of": NotServed(_NONE, "best_of is not served (vLLM dropped it too); use n, or several requests"),
     "suffix": NotServed((None, ""), "suffix is not served"),
-    "tools": NotServed((None, []), "tool calls are not served yet"),
-    "tool_choice": NotServed((None, "none"), "tool calls are not served yet"),
-    "parallel_tool_calls": NotServed(_NONE, "tool calls are not served yet"),
-    "functions": NotServed((None, []), "function calls are not served"),
-    "function_call": NotServed((None, "none"), "function calls are not served"),
+    "functions": NotServed((None, []), "the deprecated functions are not served; send tools"),
+    "function_call": NotServed(
+        (None, "none"), "the deprecated function_call is not served; send tool_choice"
+    ),
     "audio": NotServed(_NONE, "audio output is not served"),
     "modalities": NotServed((None, ["text"]), "only text output is served"),
     "prediction": NotServed(_NONE, "predicted outputs are not served"),
@@ -151,11 +150,46 @@ class _Sampling(_Body):
         return options
 
 
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    # The JSON schema of the arguments; unset: the function takes none.
+    parameters: dict[str, Any] | None = None
+    # Accepted: under tool_choice required or a named function the arguments are always constrained to
+    # the schema; under auto they are parsed, not constrained (docs/tool_calls.md).
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallItem(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     # A string, or a list of text parts ({"type": "text", "text": ...}) as newer SDKs send.
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    # What a reply's message carries besides (a client that sends back ``message.model_dump()``): accepted
+    # at their "off" values only (router/openai_requests.py); ``annotations`` (citations) never reach
+    # the model, as on OpenAI.
+    refusal: str | None = None
+    audio: Any = None
+    function_call: Any = None
+    annotations: list[Any] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -165,10 +199,11 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # Not served yet (NOT_SERVED): refused unless off.
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}} (router/openai_tools.py)
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # Not served (NOT_SERVED): refused unless off.
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
     audio: Any = None
@@ -268,6 +303,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None  # rendered as a request with tool_choice auto would be
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False

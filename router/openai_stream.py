@@ -1,8 +1,9 @@
 """The OpenAI-compatible API's streamed answer (``stream: true``): server-sent events.
 
-One ``data: {chunk}`` per delta (a chat stream opens with the assistant's role), a last chunk with the
-finish reason, a usage chunk when ``stream_options.include_usage``, then ``data: [DONE]``.  The first
-event decides the status: a refusal before any output is answered with its own status, not as a 200 whose
+One ``data: {chunk}`` per delta (a chat stream opens with the assistant's role; with tools, a delta's
+content and the tool calls it completes, ``router/openai_tools.py``), a last chunk with the finish
+reason, a usage chunk when ``stream_options.include_usage``, then ``data: [DONE]``.  The first event
+decides the status: a refusal before any output is answered with its own status, not as a 200 whose
 stream holds the error; an error after that goes in-band.  However the stream ends -- done, failed, or
 its client gone -- the call's scope ends with it, which aborts the request downstream.
 """
@@ -58,8 +59,8 @@ async def _sse(
 
     def render(event: Event) -> list[bytes]:
         if isinstance(event, Delta):
-            return [data(shape.delta_chunk(event))]
-        out = [data(shape.chunk({} if shape.chat else "", event.finish_reason, index=event.index))]
+            return [data(chunk) for chunk in shape.delta_chunks(event)]
+        out = [data(chunk) for chunk in shape.final_chunks(event)]
         usages[event.index] = event.usage
         if include_usage and len(usages) == shape.n:  # after the last choice's end: the request's usage
             usage = total_usage([usages[i] for i in sorted(usages)])

@@ -12,30 +12,31 @@ from __future__ import annotations
 from importlib import metadata
 from typing import Any
 
-from engine.chat_template import ChatTemplateError
+from router.admission import Admission, ChatPrompt
 from router.openai_errors import ApiError
-from router.openai_requests import check_model, message_text
+from router.openai_requests import FIELDS, chat_turns, check_model
 from router.openai_schema import DetokenizeRequest, TokenizeRequest
+from router.openai_tools import tool_specs
 from router.tokenizer import RouterModel
+from serving.errors import ServingError
 
 
-def tokenize(body: TokenizeRequest, model: RouterModel) -> dict[str, Any]:
+def tokenize(body: TokenizeRequest, model: RouterModel, admission: Admission) -> dict[str, Any]:
+    """``admission`` renders messages as a chat request would (its tools, calls and results too)."""
     if body.model is not None:
         check_model(model, body.model)
     tokenizer = model.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise ApiError.invalid("prompt", "send exactly one of prompt and messages")
     if body.messages is not None:
-        conversation = [
-            {"role": m.role, "content": message_text(m.content, i)} for i, m in enumerate(body.messages)
-        ]
+        prompt = ChatPrompt(chat_turns(body.messages), tools=tool_specs(body.tools))
         try:
-            tokens = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=body.add_generation_prompt
-            )
-        except ChatTemplateError as exc:
-            raise ApiError.invalid("messages", str(exc)) from None
+            tokens = admission.chat_tokens(prompt, FIELDS, add_generation_prompt=body.add_generation_prompt)
+        except ServingError as exc:
+            raise ApiError.from_serving(exc) from None
     else:
+        if body.tools is not None:
+            raise ApiError.invalid("tools", "a text prompt is not rendered with tools; send messages")
         assert body.prompt is not None
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     out: dict[str, Any] = {"count": len(tokens), "max_model_len": model.context_length, "tokens": tokens}

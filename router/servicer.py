@@ -29,6 +29,8 @@ from router.nodes import NodePool
 from router.pipeline import Pipeline
 from router.streams import StreamWatch
 from router.tokenizer import RouterModel
+from router.tool_calls import ToolCall, ToolChoice, ToolFields, ToolSpec
+from router.tool_parser import ToolParser
 from serving import convert
 from serving.errors import CallRecorder, invalid, rpc_errors
 
@@ -76,6 +78,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 sampling_fields=sorted(types_pb2.SamplingParams.DESCRIPTOR.fields_by_name),
                 structured_kinds=list(structured.KINDS),
                 max_n=self.admission.max_n,
+                tool_calls=self.admission.tool_format is not None,
+                tool_call_format=self.admission.tool_format or "",
             )
         raise AssertionError("unreachable: rpc_errors aborts the call")
 
@@ -88,9 +92,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # A client that stops reading holds its send here: past the idle limit, the call is cut
             # (and its request aborted on the nodes) instead of holding a slot for ever.
             watch = self.streams.watch(context.cancel) if self.streams is not None else None
+            text: dict[int, list[str]] = {}  # each choice's reply, for its tool calls at the end
             try:
                 for event in self.pipeline.generate(admitted, context):
                     if isinstance(event, Delta):
+                        text.setdefault(event.index, []).append(event.text)
                         delta = generation_pb2.TokenDelta(
                             token_ids=event.token_ids,
                             text=event.text,
@@ -101,7 +107,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                             delta.prompt_logprobs.CopyFrom(_prompt_logprobs(event))
                         msg = generation_pb2.GenerateResponse(request_id=rid, delta=delta, index=event.index)
                     else:
-                        done = _completion(event, caller.cache_details)
+                        reply = "".join(text.pop(event.index, []))
+                        done = _completion(event, caller.cache_details, admitted.tools, reply)
                         msg = generation_pb2.GenerateResponse(request_id=rid, done=done, index=event.index)
                     if watch is not None:
                         watch.sending()
@@ -129,7 +136,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     if event.prompt_logprobs is not None:
                         choice.prompt_logprobs.CopyFrom(_prompt_logprobs(event))
                 else:
-                    choice.done.CopyFrom(_completion(event, caller.cache_details))
+                    choice.done.CopyFrom(
+                        _completion(event, caller.cache_details, admitted.tools, choice.text)
+                    )
                     usages[event.index] = event.usage
             first = choices[0]
             result = generation_pb2.GenerateResult(
@@ -173,7 +182,21 @@ FIELDS = FieldNames(
     token_ids="prompt.token_ids.ids",
     token_id="prompt.token_ids.ids[{i}]",
     sampling="sampling.",
+    tools=ToolFields(
+        tools="prompt.messages.tools",
+        tool="prompt.messages.tools[{i}]",
+        tool_choice="prompt.messages.tool_choice",
+        message="prompt.messages.messages[{i}]",
+        tool_call="prompt.messages.messages[{i}].tool_calls[{j}]",
+        tool_call_function="prompt.messages.messages[{i}].tool_calls[{j}]",
+    ),
 )
+_MODES: dict[int, ToolChoice | None] = {
+    generation_pb2.TOOL_CHOICE_MODE_UNSPECIFIED: None,
+    generation_pb2.TOOL_CHOICE_MODE_NONE: ToolChoice("none"),
+    generation_pb2.TOOL_CHOICE_MODE_AUTO: ToolChoice("auto"),
+    generation_pb2.TOOL_CHOICE_MODE_REQUIRED: ToolChoice("required"),
+}
 
 
 def generation_request(request: generation_pb2.GenerateRequest) -> GenerationRequest:
@@ -185,7 +208,7 @@ def generation_request(request: generation_pb2.GenerateRequest) -> GenerationReq
     if which == "text":
         prompt = TextPrompt(request.text)
     elif which == "messages":
-        prompt = ChatPrompt(tuple(ChatTurn(m.role, m.content) for m in request.messages.messages))
+        prompt = chat_prompt(request.messages)
     elif which == "token_ids":
         prompt = TokenPrompt(tuple(request.token_ids.ids))
     else:
@@ -206,11 +229,52 @@ def _prompt_logprobs(delta: Delta) -> types_pb2.PromptLogprobs:
     return msg
 
 
-def _completion(done: Done, cache_details: bool) -> generation_pb2.Completion:
-    msg = generation_pb2.Completion(
-        finish_reason=convert.finish_reason_proto(done.finish_reason), usage=_usage(done.usage, cache_details)
+def chat_prompt(msg: generation_pb2.ChatMessages) -> ChatPrompt:
+    """A conversation, its tools and tool choice as the neutral prompt (admission checks them)."""
+    turns = tuple(
+        ChatTurn(
+            m.role,
+            m.content,
+            m.name if m.HasField("name") else None,
+            tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls),
+            m.tool_call_id if m.HasField("tool_call_id") else None,
+        )
+        for m in msg.messages
     )
+    choice: ToolChoice | None = None
+    which = msg.tool_choice.WhichOneof("choice")
+    if which == "function":
+        choice = ToolChoice("function", msg.tool_choice.function)
+    elif which == "mode":
+        if msg.tool_choice.mode not in _MODES:
+            raise invalid(
+                "prompt.messages.tool_choice.mode", f"{msg.tool_choice.mode} is not a ToolChoiceMode"
+            )
+        choice = _MODES[msg.tool_choice.mode]
+    return ChatPrompt(
+        turns,
+        tools=tuple(ToolSpec(t.name, t.description, t.parameters, t.strict) for t in msg.tools),
+        tool_choice=choice,
+        parallel_tool_calls=msg.parallel_tool_calls if msg.HasField("parallel_tool_calls") else True,
+    )
+
+
+def _completion(
+    done: Done, cache_details: bool, tools: ToolParser | None = None, text: str = ""
+) -> generation_pb2.Completion:
+    """The request's end; with ``tools``, the calls parsed from the reply's ``text`` and what is left."""
+    reason = done.finish_reason
+    msg = generation_pb2.Completion(usage=_usage(done.usage, cache_details))
     convert.set_stop_reason(msg, done.stop_reason)
+    if tools is not None:
+        reply = tools.parse(text)
+        msg.tool_calls.extend(
+            generation_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in reply.calls
+        )
+        msg.content = reply.content or ""
+        if reply.calls and reason == "stop":
+            reason = "tool_calls"
+    msg.finish_reason = convert.finish_reason_proto(reason)
     return msg
 
 

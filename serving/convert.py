@@ -30,6 +30,7 @@ MAX_REQUEST_ID_LEN = 256
 _FINISH_TO_PROTO: dict[str, types_pb2.FinishReason] = {
     "stop": types_pb2.FINISH_REASON_STOP,
     "length": types_pb2.FINISH_REASON_LENGTH,
+    "tool_calls": types_pb2.FINISH_REASON_TOOL_CALLS,  # the router's, to its clients only
 }
 _FINISH_FROM_PROTO: dict[int, str] = {int(v): k for k, v in _FINISH_TO_PROTO.items()}
 

@@ -50,6 +50,7 @@ from engine.scheduler.output import (
 )
 from engine.scheduler.prompt_sources import PromptSources
 from engine.scheduler.request_queue import make_queue
+from engine.scheduler.stopping import stop_status
 from telemetry.metrics import Counters
 
 logger = logging.getLogger(__name__)
@@ -320,33 +321,18 @@ class Scheduler:
         for sr in scheduler_output.scheduled:
             scores = output.prompt_scores.get(sr.request_id)
             if scores is not None and (request := self.requests.get(sr.request_id)) is not None:
-                at = slice(scores.first, scores.first + len(scores.logprobs))
-                request.prompt_logprobs[at] = scores.logprobs
-                request.prompt_top_logprobs[at] = scores.top_logprobs
+                request.record_prompt_scores(scores.first, scores.logprobs, scores.top_logprobs)
             if not sr.sample or sr.request_id in tainted:
                 continue
             request = self.requests.get(sr.request_id)
             if request is None or request.is_finished:
                 continue  # aborted after scheduling
-            first = request.num_output_tokens == 0
-            prompt_scores = (
-                (list(request.prompt_logprobs), list(request.prompt_top_logprobs))
-                if first and request.sampling_params.prompt_logprobs is not None
-                else (None, None)
-            )
+            prompt_scores = request.finished_prompt_scores()
             if request.sampling_params.max_tokens == 0:  # the prompt scored: nothing to generate
                 self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
-                result.updates.append(
-                    RequestUpdate(
-                        request.request_id,
-                        [],
-                        [],
-                        finished=True,
-                        finish_reason="length",
-                        prompt_logprobs=prompt_scores[0],
-                        prompt_top_logprobs=prompt_scores[1],
-                    )
-                )
+                update = RequestUpdate(request.request_id, [], [], finished=True, finish_reason="length")
+                update.prompt_logprobs, update.prompt_top_logprobs = prompt_scores
+                result.updates.append(update)
                 continue
             token = output.sampled_token_ids[sr.request_id]
             request.append_output_token_ids(token)
@@ -356,7 +342,7 @@ class Scheduler:
                 request.output_logprobs.append(output.logprobs[sr.request_id])
                 logprobs.append(output.logprobs[sr.request_id])
             top = output.top_logprobs.get(sr.request_id)
-            status = self._stop_status(request, token)
+            status = stop_status(request, token, self.max_model_len)
             if status is not None:
                 self._finish(request, status)
             result.updates.append(
@@ -374,23 +360,6 @@ class Scheduler:
                 )
             )
         return result
-
-    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if token in params.stop_token_ids:
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if not params.ignore_eos and request.eos_token_id is not None and token == request.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
-        verdict = request.matcher.step(token, request.eos_token_id) if request.matcher is not None else None
-        if verdict is not None:  # the constraint is complete ("stop"), or the token broke it ("error")
-            request.error = verdict if verdict != "stop" else None
-            return RequestStatus.FINISHED_STOPPED if verdict == "stop" else RequestStatus.FINISHED_ERROR
-        if request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        if self.max_model_len is not None and request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Every finish goes through here: out of its queue, the connector told once, blocks freed or held."""

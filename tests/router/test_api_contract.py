@@ -47,9 +47,6 @@ ASKING: dict[str, Any] = {
     "guided_choice": ["a", "b"],
     "guided_grammar": 'start: "a"',
     "guided_decoding_backend": "xgrammar",
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-    "tool_choice": "required",
-    "parallel_tool_calls": True,
     "functions": [{"name": "f"}],
     "function_call": "auto",
     "audio": {"voice": "alloy", "format": "wav"},
@@ -285,7 +282,7 @@ def test_top_logprobs_in_openai_shapes(model: RouterModel) -> None:
         tok.decode([6], skip_special_tokens=False): -0.2,
         tok.decode([5], skip_special_tokens=False): -3.0,
     }
-    stream = ResponseShape(model, "id", created=0, chat=True, logprobs=True).delta_chunk(delta)
+    (stream,) = ResponseShape(model, "id", created=0, chat=True, logprobs=True).delta_chunks(delta)
     assert len(stream["choices"][0]["logprobs"]["content"][1]["top_logprobs"]) == 2
 
 

@@ -163,6 +163,7 @@ def test_get_model_info_says_what_a_client_needs(cluster: Cluster) -> None:
     fields = set(info.sampling_fields)
     assert {"structured", "logit_bias", "top_logprobs", "presence_penalty", "min_tokens"} <= fields
     assert set(info.structured_kinds) == {"json_schema", "json_object", "regex", "choice", "grammar"}
+    assert info.tool_calls is False and info.tool_call_format == ""  # no chat template, no tools
 
 
 def test_the_proto_files_name_packages_for_other_languages() -> None:
