@@ -36,7 +36,14 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.structured import GrammarCompiler
 from engine.tokenizer import Tokenizer
-from telemetry.latency import REQUEST_LATENCIES, LatencyTracker, RequestLatency
+from telemetry.latency import (
+    DECODE_TIME,
+    PREFILL_TIME,
+    REQUEST_LATENCIES,
+    REQUEST_LENGTHS,
+    LatencyTracker,
+    RequestLatency,
+)
 from telemetry.metrics import Counters, Histogram, HistogramSnapshot
 from wire.kv_events import KVCacheEvent
 from wire.memory import tune_malloc_for_tensors
@@ -49,12 +56,13 @@ QUEUE_TIME = "request_queue_time_seconds"
 
 class RequestTimer:
     """The engine's per-request latency histograms (engine/metrics.py), observed from its outputs through
-    one ``telemetry`` latency clock per request, plus the queue time (arrival to admission)."""
+    one ``telemetry`` latency clock per request: the latencies, the prefill and decode phases and the
+    lengths, plus the queue time (arrival to admission)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._live: dict[str, tuple[Request, RequestLatency]] = {}
-        names = (*REQUEST_LATENCIES, QUEUE_TIME)
+        names = (*REQUEST_LATENCIES, PREFILL_TIME, DECODE_TIME, *REQUEST_LENGTHS, QUEUE_TIME)
         self.latency = LatencyTracker({name: Histogram(SPECS[name]) for name in names})
 
     def add(self, request: Request) -> None:
@@ -71,7 +79,12 @@ class RequestTimer:
         if not out.finished:
             return
         del self._live[out.request_id]
-        latency.finish(now)
+        latency.finish(
+            now,
+            scheduled=request.admitted_time,
+            prompt_tokens=request.num_prompt_tokens,
+            generation_tokens=request.num_output_tokens,
+        )
         admitted = now if request.admitted_time is None else request.admitted_time
         self.latency.histograms[QUEUE_TIME].observe(admitted - request.arrival_time)
 

@@ -32,10 +32,12 @@ from telemetry.metrics import (
     merge_histograms,
 )
 
-# vLLM's bucket bounds for the same histograms.
+# vLLM's bucket bounds for the same histograms (the prefill time takes the TTFT's, finer than vLLM's).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+# Token counts (prompt and output lengths): vLLM's 1-2-5 steps, here up to 200k tokens.
+LENGTH_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))[:-1]  # 1, 2, 5, ..., 200000
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 # Prompt token sources (vLLM's label values).
@@ -91,6 +93,17 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     ),
     histogram("e2e_request_latency_seconds", "arrival to finish", REQUEST_BUCKETS),
     histogram("request_queue_time_seconds", "arrival to admission (KV blocks allocated)", REQUEST_BUCKETS),
+    histogram(
+        "request_prefill_time_seconds", "per request: first admission to its first output token", TTFT_BUCKETS
+    ),
+    histogram(
+        "request_decode_time_seconds",
+        "per request with more than one output token: first to last output token",
+        REQUEST_BUCKETS,
+    ),
+    # histograms (token counts)
+    histogram("request_prompt_tokens", "per request: prompt tokens", LENGTH_BUCKETS),
+    histogram("request_generation_tokens", "per request: output tokens sampled", LENGTH_BUCKETS),
 )
 
 # Observed by connectors (``ConnectorStats.histograms``), declared here so every connector names them alike.

@@ -48,7 +48,7 @@ from router.policy import NodeSelector, RoutingInfo
 from serving import convert
 from serving.calls import time_remaining
 from serving.errors import ServingError
-from telemetry.latency import REQUEST_LATENCIES, LatencyTracker, RequestLatency
+from telemetry.latency import REQUEST_LATENCIES, REQUEST_LENGTHS, LatencyTracker, RequestLatency
 from telemetry.metrics import Histogram
 
 logger = logging.getLogger(__name__)
@@ -58,10 +58,11 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 def _observe_latency(latency: RequestLatency, event: Event) -> None:
-    """Tell one call's latency clock about an event it yields (the client's view)."""
+    """Tell one call's latency clock about an event it yields (the client's view, lengths included)."""
     now = time.perf_counter()
-    if not isinstance(event, Delta):
-        latency.finish(now)
+    if isinstance(event, Done):
+        u = event.usage
+        latency.finish(now, prompt_tokens=u.prompt_tokens, generation_tokens=u.completion_tokens)
     elif event.token_ids:
         latency.tokens(len(event.token_ids), now)
 
@@ -94,7 +95,8 @@ class Pipeline:
         self.max_inflight = max_inflight
         self.resumed = 0  # requests continued on another decode node after output had reached the client
         # As the client sees them (engine/metrics.py names; exported as pdkv_router_*).
-        self.latency = LatencyTracker({name: Histogram(SPECS[name]) for name in REQUEST_LATENCIES})
+        names = (*REQUEST_LATENCIES, *REQUEST_LENGTHS)
+        self.latency = LatencyTracker({name: Histogram(SPECS[name]) for name in names})
         self._inflight = 0
         self._lock = threading.Lock()
 

@@ -8,6 +8,14 @@ request's clock, which observes from the tokens it is told about::
           ──finish──▶               e2e_request_latency_seconds = now - start
                                     request_time_per_output_token_seconds
                                         = (last - first) / (tokens - 1), with more than one token
+                                    request_decode_time_seconds = last - first, likewise
+                                    request_prefill_time_seconds = first - scheduled, when told
+                                    request_prompt_tokens, request_generation_tokens, when told
+
+The last four are vLLM's per-request phase and length histograms.  A tracker holds them where its owner
+knows the figures (the engine knows when it scheduled a request, the router does not): ``finish``
+observes a figure it is given into its histogram, which must then exist, and the decode time where the
+tracker holds it.
 
 Times are whatever clock the caller reads (the engine's ``time.monotonic``, the router's
 ``time.perf_counter``), passed in, so one reading serves every histogram an event touches.
@@ -24,6 +32,11 @@ ITL = "inter_token_latency_seconds"
 TPOT = "request_time_per_output_token_seconds"
 E2E = "e2e_request_latency_seconds"
 REQUEST_LATENCIES = (TTFT, ITL, TPOT, E2E)
+PREFILL_TIME = "request_prefill_time_seconds"
+DECODE_TIME = "request_decode_time_seconds"
+PROMPT_TOKENS = "request_prompt_tokens"
+GENERATION_TOKENS = "request_generation_tokens"
+REQUEST_LENGTHS = (PROMPT_TOKENS, GENERATION_TOKENS)
 
 
 class LatencyTracker:
@@ -66,8 +79,25 @@ class RequestLatency:
         self.last = now
         self.tokens_seen += n
 
-    def finish(self, now: float) -> None:
-        """The request ended at ``now`` (call once)."""
+    def finish(
+        self,
+        now: float,
+        *,
+        scheduled: float | None = None,
+        prompt_tokens: int | None = None,
+        generation_tokens: int | None = None,
+    ) -> None:
+        """The request ended at ``now`` (call once).  ``scheduled``: when it was first scheduled (the
+        prefill phase runs from there to the first token); the lengths: its prompt and its output."""
         self._h[E2E].observe(now - self.start)
         if self.first is not None and self.tokens_seen > 1:
             self._h[TPOT].observe((self.last - self.first) / (self.tokens_seen - 1))
+            # One token is no decode phase (a prefill node's requests): nothing to observe, not a zero.
+            if DECODE_TIME in self._h:
+                self._h[DECODE_TIME].observe(self.last - self.first)
+        if self.first is not None and scheduled is not None:
+            self._h[PREFILL_TIME].observe(self.first - scheduled)
+        if prompt_tokens is not None:
+            self._h[PROMPT_TOKENS].observe(prompt_tokens)
+        if generation_tokens is not None:
+            self._h[GENERATION_TOKENS].observe(generation_tokens)

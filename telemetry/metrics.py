@@ -29,7 +29,7 @@ class MetricSpec:
     kind: Kind
     help: str
     label: str | None = None  # the one label a keyed metric has ("source" for prompt_tokens.<source>)
-    buckets: tuple[float, ...] = ()  # histogram bucket upper bounds, seconds
+    buckets: tuple[float, ...] = ()  # histogram bucket upper bounds: seconds, or token counts
 
 
 def counter(name: str, help: str, label: str | None = None) -> MetricSpec:
@@ -104,7 +104,7 @@ class HistogramSnapshot:
 
 
 class Histogram:
-    """A fixed-bucket histogram of seconds, safe to observe from any thread."""
+    """A fixed-bucket histogram (of seconds, or of token counts), safe to observe from any thread."""
 
     def __init__(self, spec_or_bounds: MetricSpec | tuple[float, ...]) -> None:
         bounds = spec_or_bounds.buckets if isinstance(spec_or_bounds, MetricSpec) else spec_or_bounds

@@ -86,6 +86,20 @@ def test_generate_is_all_or_nothing() -> None:
     assert len(out.token_ids) == 2
 
 
+def test_the_engine_observes_each_request_s_phases_and_lengths() -> None:
+    """vLLM's per-request histograms: prompt and output lengths, prefill (admission to first token) and
+    decode (first to last token, only with more than one token).  Counts and totals only: no timing."""
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), device="cpu", block_size=4, num_blocks=64))
+    engine.add_request("long", GOOD, SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.add_request("one", GOOD[:3], SamplingParams(max_tokens=1, ignore_eos=True))
+    run(engine)
+    h = engine.stats().histograms
+    assert h["request_prompt_tokens"].count == 2 and h["request_prompt_tokens"].total == len(GOOD) + 3
+    assert h["request_generation_tokens"].total == 5 + 1
+    assert h["request_prefill_time_seconds"].count == 2
+    assert h["request_decode_time_seconds"].count == 1  # the one-token request has no decode phase
+
+
 def test_abort_returns_a_final_output(engine: LLMEngine) -> None:
     engine.add_request("a", GOOD, SamplingParams(max_tokens=50))
     engine.add_request("b", GOOD, SamplingParams(max_tokens=3))

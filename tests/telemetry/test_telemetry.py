@@ -7,7 +7,19 @@ import sys
 
 import pytest
 
-from telemetry.latency import E2E, ITL, REQUEST_LATENCIES, TPOT, TTFT, LatencyTracker
+from telemetry.latency import (
+    DECODE_TIME,
+    E2E,
+    GENERATION_TOKENS,
+    ITL,
+    PREFILL_TIME,
+    PROMPT_TOKENS,
+    REQUEST_LATENCIES,
+    REQUEST_LENGTHS,
+    TPOT,
+    TTFT,
+    LatencyTracker,
+)
 from telemetry.logs import Throttle
 from telemetry.metrics import Counters, Histogram, counter, gauge, merge_histograms
 
@@ -60,6 +72,35 @@ def test_a_request_without_tokens_observes_only_its_end() -> None:
     assert [snap[n].count for n in REQUEST_LATENCIES] == [0, 0, 0, 1]
     with pytest.raises(ValueError):
         LatencyTracker({TTFT: Histogram((1.0,))})
+
+
+def test_a_request_clock_observes_its_phases_and_lengths_when_told() -> None:
+    names = (*REQUEST_LATENCIES, PREFILL_TIME, DECODE_TIME, *REQUEST_LENGTHS)
+    tracker = LatencyTracker({name: Histogram((1.0, 10.0, 100.0)) for name in names})
+    latency = tracker.start(100.0)
+    latency.tokens(1, 100.5)
+    latency.tokens(3, 103.5)
+    latency.finish(104.0, scheduled=100.25, prompt_tokens=40, generation_tokens=4)
+    one = tracker.start(200.0)  # one output token: a prefill, no decode phase
+    one.tokens(1, 201.0)
+    one.finish(201.0, scheduled=200.5, prompt_tokens=7, generation_tokens=1)
+    snap = tracker.snapshot()
+    assert snap[PREFILL_TIME].count == 2 and snap[PREFILL_TIME].total == 0.25 + 0.5
+    assert snap[DECODE_TIME].count == 1 and snap[DECODE_TIME].total == 3.0
+    assert snap[PROMPT_TOKENS].counts == (0, 1, 1, 0) and snap[PROMPT_TOKENS].total == 47
+    assert snap[GENERATION_TOKENS].counts == (1, 1, 0, 0)
+    # Never scheduled (aborted while waiting) and never a token: only its end and its lengths.
+    tracker.start(300.0).finish(301.0, scheduled=None, prompt_tokens=3, generation_tokens=0)
+    snap = tracker.snapshot()
+    assert snap[PREFILL_TIME].count == 2 and snap[E2E].count == 3 and snap[GENERATION_TOKENS].count == 3
+
+
+def test_a_figure_without_its_histogram_is_an_error_not_a_silent_drop() -> None:
+    tracker = LatencyTracker({name: Histogram((1.0,)) for name in REQUEST_LATENCIES})
+    latency = tracker.start(0.0)
+    latency.tokens(2, 1.0)
+    with pytest.raises(KeyError):
+        latency.finish(2.0, prompt_tokens=3)
 
 
 def test_throttle_passes_one_traceback_per_interval_without_it() -> None:
