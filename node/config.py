@@ -21,6 +21,7 @@ from typing import Any
 from connectors.registry import KVConnectorConfig
 from engine.cpu_features import auto_cpu_dtype_note
 from engine.engine_config import EngineConfig
+from engine.model.embedded import model_name
 from wire.endpoints import parse_address
 
 ROLES = ("prefill", "decode", "colocated")
@@ -84,6 +85,9 @@ class NodeConfig:
     # Where /metrics is served over HTTP ("" disables it); port 0 picks a free one.
     metrics_address: str = "127.0.0.1:0"
     node_id: str = ""
+    # The model's name in the metrics' model_name label (the router's --served-model-name); None: the
+    # model's own (engine/model/embedded.py: model_name).
+    served_model_name: str | None = None
     # Where the engine's KV events are published (a ZeroMQ PUB endpoint, "tcp://HOST:PORT", port 0 picks
     # one; its replay socket binds the same host on a free port); "" publishes none.
     kv_events_bind: str = ""
@@ -124,6 +128,11 @@ class NodeConfig:
             object.__setattr__(self, "node_id", f"{self.role}-{socket.gethostname()}-{os.getpid()}")
 
     @property
+    def model_name(self) -> str:
+        """The ``model_name`` label on every series of this node's ``/metrics``."""
+        return self.served_model_name or model_name(self.engine.model)
+
+    @property
     def max_workers(self) -> int:
         """Server threads: one per admitted request plus room for health, stats and abort calls."""
         return self.max_num_requests + 16
@@ -142,6 +151,12 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     )
     parser.add_argument(
         "--node-id", default="", help="name in logs, stats and metrics (default ROLE-HOST-PID)"
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model's name in the metrics' model_name label, as the router's (default: from --model)",
     )
     parser.add_argument(
         "--kv-connector",
@@ -242,6 +257,7 @@ def node_config_from_args(args: argparse.Namespace, role: str) -> NodeConfig:
         address=args.address,
         metrics_address=metrics,
         node_id=node_id,
+        served_model_name=args.served_model_name,
         kv_events_bind=args.kv_events,
         max_num_requests=args.max_num_requests,
         grace_s=args.grace_s,

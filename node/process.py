@@ -217,7 +217,8 @@ def run_node(config: NodeConfig) -> int:
     server, port = create_server(node, config.address)
     metrics: MetricsServer | None = None
     if config.metrics_address:
-        metrics = MetricsServer(config.metrics_address, lambda: node_metrics(node)).start()
+        labels = {"model_name": config.model_name}
+        metrics = MetricsServer(config.metrics_address, lambda: node_metrics(node), labels).start()
     server.start()
     node.set_serving(True)
     stop = stop_on_signals()

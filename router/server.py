@@ -284,9 +284,10 @@ def run_router(config: RouterConfig) -> int:
     runtime = RouterRuntime.build(config)
     server, port = create_server(runtime, config.address)
     runtime.update_health()
-    metrics = (
-        MetricsServer(config.metrics_address, runtime.metrics).start() if config.metrics_address else None
-    )
+    metrics = None
+    if config.metrics_address:
+        labels = {"model_name": runtime.model.name}  # the served name, as the nodes' (--served-model-name)
+        metrics = MetricsServer(config.metrics_address, runtime.metrics, labels).start()
     http = None
     if config.http_address:
         from router.openai_api import HttpServer

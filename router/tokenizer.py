@@ -32,16 +32,14 @@ class RouterModel:
 def load_model(path: Path, name: str | None = None) -> RouterModel:
     """The model at ``path`` without its weights; ``name`` is what clients call it (default: the file's
     stem or the folder's name; the embedded model is SmolLM2-135M-Instruct)."""
-    from engine.model.embedded import DEFAULT_MODEL_NAME, default_model_path
+    from engine.model.embedded import model_name
 
     source = inspect_model(path)
-    if name is None:
-        resolved = path.expanduser().resolve()
-        if resolved == default_model_path().resolve():
-            name = DEFAULT_MODEL_NAME
-        else:
-            name = resolved.stem if resolved.is_file() else resolved.name
     c = source.config
     return RouterModel(
-        name, Tokenizer.for_model(source), c.vocab_size, c.max_position_embeddings, c.eos_token_ids
+        name or model_name(path),
+        Tokenizer.for_model(source),
+        c.vocab_size,
+        c.max_position_embeddings,
+        c.eos_token_ids,
     )

@@ -8,6 +8,9 @@ consistent snapshot).  ``stats_families`` does that for declared metrics (counte
 ``pdkv_<name>_total``, gauges, histograms); ``RpcCounters`` counts a server's calls by method and status
 code (the error counts operators alert on).
 
+Labels every series of a process carries (the ``model_name`` of an engine or a router, vLLM's label) are
+given to ``MetricsServer`` once and added to every sample at scrape time, so no family declares them.
+
 The HTTP side is ``prometheus_client``'s exposition (``generate_latest``) on a small threaded server
 whose connections time out: a client that connects and never sends cannot hold a thread.
 """
@@ -151,28 +154,43 @@ class RpcCounters:
 
 
 class _Collector:
-    """A ``prometheus_client`` collector over a function that builds the families at scrape time."""
+    """A ``prometheus_client`` collector over a function that builds the families at scrape time, adding
+    ``labels`` to every sample."""
 
-    def __init__(self, collect: Callable[[], Iterable[Metric]]) -> None:
+    def __init__(self, collect: Callable[[], Iterable[Metric]], labels: Mapping[str, str]) -> None:
         self._collect = collect
+        self._labels = dict(labels)
 
     def collect(self) -> Iterable[Metric]:
-        return list(self._collect())
+        families = list(self._collect())
+        if self._labels:
+            for family in families:
+                family.samples = [s._replace(labels={**self._labels, **s.labels}) for s in family.samples]
+        return families
 
 
-def registry_of(collect: Callable[[], Iterable[Metric]]) -> CollectorRegistry:
-    """A registry of its own (several nodes may share a test process) holding ``collect``."""
+def registry_of(
+    collect: Callable[[], Iterable[Metric]], labels: Mapping[str, str] | None = None
+) -> CollectorRegistry:
+    """A registry of its own (several nodes may share a test process) holding ``collect``; ``labels`` go
+    on every sample."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(collect))  # type: ignore[arg-type]
+    registry.register(_Collector(collect, labels or {}))  # type: ignore[arg-type]
     return registry
 
 
 class MetricsServer:
-    """``GET /metrics`` on ``address`` (HOST:PORT, port 0 picks one), served from a daemon thread."""
+    """``GET /metrics`` on ``address`` (HOST:PORT, port 0 picks one), served from a daemon thread;
+    ``labels`` (e.g. ``{"model_name": ...}``) go on every series it serves."""
 
-    def __init__(self, address: str, collect: Callable[[], Sequence[Metric]]) -> None:
+    def __init__(
+        self,
+        address: str,
+        collect: Callable[[], Sequence[Metric]],
+        labels: Mapping[str, str] | None = None,
+    ) -> None:
         host, port = _host_port(address)
-        self.registry = registry_of(collect)
+        self.registry = registry_of(collect, labels)
         self._server = ThreadingHTTPServer((host, port), _handler(self.registry))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics", daemon=True)

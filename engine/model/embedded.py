@@ -48,6 +48,18 @@ def default_model_path() -> Path:
     return cache_dir() / "models" / GGUF_NAME
 
 
+def model_name(path: str | Path | None) -> str:
+    """What a model is called where no ``--served-model-name`` says: the HTTP API's ``model``, the
+    metrics' ``model_name`` label.  The embedded model's name for it (or for no path), else the file's
+    stem or the folder's name -- the router and the nodes name one model alike."""
+    if path is None:
+        return DEFAULT_MODEL_NAME
+    resolved = Path(path).expanduser().resolve()
+    if resolved == default_model_path().resolve():
+        return DEFAULT_MODEL_NAME
+    return resolved.stem if resolved.is_file() else resolved.name
+
+
 def ensure_default_model(*, progress: bool = False) -> Path:
     """The default model's GGUF file, fetched on first use.  A file already in place is trusted by size
     (its sha256 was checked before it was renamed there); ``verify_default_model`` re-checks it."""

@@ -1,12 +1,17 @@
-"""telemetry/: the histogram, the per-request latency clock, the throttled logs."""
+"""telemetry/: the histogram, the per-request latency clock, /metrics and its labels, the throttled logs."""
 
 from __future__ import annotations
 
 import logging
 import sys
+import urllib.request
+from pathlib import Path
 
 import pytest
 
+from engine.model.embedded import DEFAULT_MODEL_NAME, default_model_path, model_name
+from telemetry.exposition import Metric, MetricsServer, RpcCounters, stats_families
+from telemetry.exposition import gauge as gauge_family
 from telemetry.latency import (
     DECODE_TIME,
     E2E,
@@ -101,6 +106,54 @@ def test_a_figure_without_its_histogram_is_an_error_not_a_silent_drop() -> None:
     latency.tokens(2, 1.0)
     with pytest.raises(KeyError):
         latency.finish(2.0, prompt_tokens=3)
+
+
+def test_metrics_server_puts_its_labels_on_every_series() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine.metrics import SPECS, StatsSnapshot
+
+    calls = RpcCounters()
+    calls.record("Generate", "OK")
+    h = Histogram(SPECS["request_prompt_tokens"])
+    h.observe(12)
+
+    def collect() -> list[Metric]:
+        stats = StatsSnapshot(
+            {"prompt_tokens.local_compute": 12.0}, {}, {"request_prompt_tokens": h.snapshot()}
+        )
+        return [
+            gauge_family("pdkv_x", "x", 1.0),
+            *stats_families(stats, specs=SPECS),
+            *calls.families("pdkv_t"),
+        ]
+
+    server = MetricsServer("127.0.0.1:0", collect, {"model_name": "smol"}).start()
+    try:
+        with urllib.request.urlopen(f"http://{server.address}/metrics", timeout=10) as response:
+            body = response.read().decode()
+    finally:
+        server.close()
+    samples = [s for f in text_string_to_metric_families(body) for s in f.samples]
+    names = {s.name for s in samples}
+    assert {
+        "pdkv_x",
+        "pdkv_prompt_tokens_total",
+        "pdkv_request_prompt_tokens_bucket",
+        "pdkv_t_rpcs_total",
+    } <= names
+    assert all(s.labels.get("model_name") == "smol" for s in samples), body
+    # A family's own labels stay.
+    assert any(s.labels.get("source") == "local_compute" for s in samples)
+    assert any(s.labels.get("le") == "20.0" and s.value == 1 for s in samples)
+
+
+def test_a_model_s_default_name_is_the_same_for_the_router_and_the_nodes(tmp_path: Path) -> None:
+    (tmp_path / "my-model").mkdir()
+    (tmp_path / "tiny.Q8_0.gguf").write_bytes(b"GGUF")
+    assert model_name(tmp_path / "my-model") == "my-model"
+    assert model_name(str(tmp_path / "tiny.Q8_0.gguf")) == "tiny.Q8_0"
+    assert model_name(None) == model_name(default_model_path()) == DEFAULT_MODEL_NAME
 
 
 def test_throttle_passes_one_traceback_per_interval_without_it() -> None:
