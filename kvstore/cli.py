@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import argparse
 
+from telemetry.ports import metrics_port
 from wire.store_protocol import Limits
 
 DEFAULT_BIND = "tcp://127.0.0.1:7600"
+DEFAULT_METRICS_ADDRESS = f"127.0.0.1:{metrics_port('kvstore')}"
 READY_PREFIX = "pdkv kvstore: serving on "
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+def add_serve_arguments(parser: argparse.ArgumentParser, *, metrics: str = DEFAULT_METRICS_ADDRESS) -> None:
+    """The store server's options; ``metrics``: the default ``--metrics-address`` ("" = none: the
+    tests' and benchmarks' ``python -m kvstore.server`` runs several servers at once)."""
     parser.add_argument(
         "--kv-store",
         required=True,
@@ -49,9 +53,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--metrics-address",
-        default="",
+        default=metrics,
         metavar="HOST:PORT",
-        help="serve Prometheus /metrics here (port 0 picks one; default: none)",
+        help=f"serve Prometheus /metrics here (port 0 picks one; 'none': off; default {metrics or 'none'})",
     )
     parser.add_argument(
         "--insecure",
@@ -65,3 +69,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="how often the tiers are probed for the health check (ping), off the serving loop",
     )
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+
+
+def metrics_address(args: argparse.Namespace) -> str:
+    """``--metrics-address``, "" when it says none."""
+    value = str(args.metrics_address or "")
+    return "" if value.lower() in ("", "none", "off") else value

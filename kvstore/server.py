@@ -32,7 +32,7 @@ from typing import Any
 
 import zmq
 
-from kvstore.cli import DEFAULT_BIND, READY_PREFIX, add_serve_arguments
+from kvstore.cli import DEFAULT_BIND, READY_PREFIX, add_serve_arguments, metrics_address
 from kvstore.health import HealthMonitor
 from kvstore.metrics import TierStats
 from kvstore.results import MissReason, Unit, release_all
@@ -383,8 +383,8 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         server = StoreServer(store, args.bind, limits=limits, verify_puts=args.verify_puts)
         server.watch_health(args.health_interval_ms / 1000)
-        if args.metrics_address:
-            metrics = MetricsServer(args.metrics_address, server.metrics).start()
+        if metrics_address(args):
+            metrics = MetricsServer(metrics_address(args), server.metrics).start()
         if args.kv_events:
             refuse_open_wide_bind(args.kv_events, "KV events", curve is not None, args.insecure, "CURVE")
             server.publish_events(args.kv_events, args.kv_events_replay or None)
@@ -415,7 +415,7 @@ def run_server(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvstore.server", description="Serve a pdkv KV store.")
-    add_serve_arguments(parser)
+    add_serve_arguments(parser, metrics="")
     return run_server(parser.parse_args(argv))
 
 

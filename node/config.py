@@ -22,6 +22,7 @@ from connectors.registry import KVConnectorConfig
 from engine.cpu_features import auto_cpu_dtype_note
 from engine.engine_config import EngineConfig
 from engine.model.embedded import model_name
+from telemetry.ports import metrics_port
 from wire.endpoints import parse_address
 
 ROLES = ("prefill", "decode", "colocated")
@@ -144,10 +145,11 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         default=f"127.0.0.1:{DEFAULT_PORTS[role]}",
         help=f"gRPC HOST:PORT to listen on (default 127.0.0.1:{DEFAULT_PORTS[role]}; port 0 picks one)",
     )
+    metrics = f"127.0.0.1:{metrics_port(role)}"
     parser.add_argument(
         "--metrics-address",
-        default="127.0.0.1:0",
-        help="HOST:PORT for Prometheus /metrics (default a free port on 127.0.0.1; 'none' disables)",
+        default=metrics,
+        help=f"HOST:PORT for Prometheus /metrics (default {metrics}; port 0 picks one; 'none' disables)",
     )
     parser.add_argument(
         "--node-id", default="", help="name in logs, stats and metrics (default ROLE-HOST-PID)"

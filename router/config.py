@@ -6,12 +6,14 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from telemetry.ports import metrics_port
 from wire.endpoints import parse_address
 
 MODES = ("disaggregated", "colocated")
 POLICIES = ("round-robin", "least-loaded", "kv-aware")
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_HTTP_ADDRESS = "127.0.0.1:8000"
+DEFAULT_METRICS_ADDRESS = f"127.0.0.1:{metrics_port('router')}"
 # The line the router prints once it serves: READY_PREFIX + "HOST:PORT mode=... metrics=..."
 READY_PREFIX = "pdkv router: serving on "
 
@@ -125,7 +127,9 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         "--address", default=DEFAULT_ADDRESS, help=f"HOST:PORT to listen on ({DEFAULT_ADDRESS})"
     )
     parser.add_argument(
-        "--metrics-address", default="127.0.0.1:0", help="HOST:PORT for /metrics ('none': off)"
+        "--metrics-address",
+        default=DEFAULT_METRICS_ADDRESS,
+        help=f"HOST:PORT for /metrics ({DEFAULT_METRICS_ADDRESS}; port 0 picks one; 'none': off)",
     )
     parser.add_argument(
         "--http-address",

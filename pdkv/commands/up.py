@@ -79,6 +79,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--cache-details", action="store_true", help="with --secure: return cached-token counts"
     )
+    parser.add_argument(
+        "--metrics-ports",
+        choices=("fixed", "any", "none"),
+        default="fixed",
+        help="each child's /metrics: fixed (router 9400, store 9401, prefill 9410+i, decode 9430+i, "
+        "colocated 9450+i; docs/metrics.md), any (free ports: another cluster on this host), none",
+    )
     parser.add_argument("--log-dir", default=None, metavar="DIR", help="keep the children's logs here")
     parser.add_argument("--startup-timeout", type=float, default=180.0, metavar="S")
     parser.add_argument(
@@ -110,6 +117,7 @@ def _up(args: argparse.Namespace) -> int:
         http_port=None if args.http_port.lower() == "none" else int(args.http_port),
         kv_connector=args.kv_connector,
         policy=args.policy,
+        metrics_ports=args.metrics_ports,
         node_args=tuple(shlex.split(args.node_args)),
         log_dir=Path(args.log_dir) if args.log_dir else None,
         startup_timeout_s=args.startup_timeout,
@@ -126,10 +134,7 @@ def _up(args: argparse.Namespace) -> int:
 
     def ready(c: Cluster) -> None:
         print(c.describe(), file=sys.stderr)
-        print(f"pdkv up: router listening on {c.router_address}", flush=True)
-        if c.http_address:
-            scheme = "https" if c.secrets else "http"
-            print(f"pdkv up: OpenAI API on {scheme}://{c.http_address}/v1", flush=True)
+        _addresses(c, sys.stdout)
         if c.secrets is not None:
             s = c.secrets
             print(
@@ -149,6 +154,16 @@ def _up(args: argparse.Namespace) -> int:
     return run_until_signal(cluster, ready)
 
 
+def _addresses(cluster: Any, out: Any) -> None:
+    """Where the router listens, its OpenAI API, and every child's /metrics."""
+    print(f"pdkv up: router listening on {cluster.router_address}", file=out, flush=True)
+    if cluster.http_address:
+        scheme = "https" if cluster.secrets is not None else "http"
+        print(f"pdkv up: OpenAI API on {scheme}://{cluster.http_address}/v1", file=out, flush=True)
+    for name, address in cluster.metrics_addresses().items():
+        print(f"pdkv up: metrics of {name} on http://{address}/metrics", file=out, flush=True)
+
+
 def _summary(t: Any) -> str:
     nodes = (
         f"{t.num_prefill} prefill + {t.num_decode} decode"
@@ -165,10 +180,7 @@ def _oneshot(cluster: Any, prompt: str, max_tokens: int, *, chat: bool) -> int:
     from engine.sampling_params import SamplingParams
     from serving.client import generate_request
 
-    print(f"pdkv up: router listening on {cluster.router_address}", file=sys.stderr, flush=True)
-    if cluster.http_address:
-        scheme = "https" if cluster.secrets is not None else "http"
-        print(f"pdkv up: OpenAI API on {scheme}://{cluster.http_address}/v1", file=sys.stderr, flush=True)
+    _addresses(cluster, sys.stderr)
     what: Any = [{"role": "user", "content": prompt}] if chat else prompt
     request = generate_request(what, SamplingParams(max_tokens=max_tokens))
 

@@ -160,6 +160,8 @@ class Cluster:
                     store_tiers,
                     "--bind",
                     f"tcp://{t.host}:0",
+                    "--metrics-address",
+                    t.metrics_address("kvstore"),
                     *(("--kv-events", f"tcp://{t.host}:0") if t.policy == "kv-aware" else ()),
                 ],
             )
@@ -180,7 +182,7 @@ class Cluster:
                 "--address",
                 f"{t.host}:0",
                 "--metrics-address",
-                f"{t.host}:0",
+                t.metrics_address(role, i),
                 "--node-id",
                 name,
                 "--kv-connector",
@@ -208,7 +210,7 @@ class Cluster:
             "--model",
             model,
             "--metrics-address",
-            f"{t.host}:0",
+            t.metrics_address("router"),
             "--http-address",
             "none" if t.http_port is None else f"{t.host}:{t.http_port}",
             "--policy",
@@ -373,6 +375,10 @@ class Cluster:
             for p in self.processes
         ]
         return "\n".join(rows)
+
+    def metrics_addresses(self) -> dict[str, str]:
+        """Where each child serves ``/metrics`` (HOST:PORT, by child name), as its ready line said."""
+        return {p.name: p.info["metrics"] for p in self.processes if p.info.get("metrics", "-") != "-"}
 
 
 def run_until_signal(cluster: Cluster, on_ready: Callable[[Cluster], None]) -> int:

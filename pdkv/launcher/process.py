@@ -29,7 +29,12 @@ PINNED_FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
     "prefill": (("--address", "address"), ("--metrics-address", "metrics")),
     "decode": (("--address", "address"), ("--metrics-address", "metrics")),
     "colocated": (("--address", "address"), ("--metrics-address", "metrics")),
-    "store": (("--bind", "address"), ("--kv-events", "kv_events:0"), ("--kv-events-replay", "kv_events:1")),
+    "store": (
+        ("--bind", "address"),
+        ("--metrics-address", "metrics"),
+        ("--kv-events", "kv_events:0"),
+        ("--kv-events-replay", "kv_events:1"),
+    ),
 }
 
 

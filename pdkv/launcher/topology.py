@@ -8,7 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from telemetry.ports import NODES_PER_KIND, metrics_port
+
 MODES = ("disaggregated", "colocated")
+# Where each child serves /metrics: "fixed" (telemetry/ports.py's documented ports, node i of a kind on
+# base + i: what `pdkv up` does), "any" (free ports: several clusters on one host, the tests), "none".
+METRICS_PORTS = ("fixed", "any", "none")
 DEFAULT_STORE = "cpu:256MiB,disk:{run_dir}/kvstore:1GiB"
 # p2p leases must end before the engine's own reclaim deadline (see connectors/p2p.py).
 P2P_LEASE_S = 30.0
@@ -44,6 +49,8 @@ class Topology:
     # The router's OpenAI-compatible HTTP API on ``host`` (0: any free port; None: off).
     http_port: int | None = 0
     kv_connector: str | None = None
+    # /metrics of every child: one of METRICS_PORTS.
+    metrics_ports: str = "any"
     # The router's node-selection policy; "kv-aware" also makes every node publish its KV events.
     policy: str = "least-loaded"
     # The router returns cached-token counts in the usage (one user on loopback: nothing to hide).
@@ -72,10 +79,24 @@ class Topology:
         for name, port in (("router", self.router_port), ("http", self.http_port)):
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name} port {port} is not a port")
+        if self.metrics_ports not in METRICS_PORTS:
+            choose = ", ".join(METRICS_PORTS)
+            raise ValueError(f"metrics_ports {self.metrics_ports!r} is unknown; choose one of {choose}")
+        if self.metrics_ports == "fixed" and max(self.num_prefill, self.num_decode) > NODES_PER_KIND:
+            raise ValueError(
+                f"fixed metrics ports leave room for {NODES_PER_KIND} nodes of a kind on one host; "
+                "use --metrics-ports any for more"
+            )
         if self.node_threads is not None and self.node_threads < 1:
             raise ValueError(f"node_threads must be at least 1, got {self.node_threads}")
         if self.startup_timeout_s <= 0:
             raise ValueError("startup_timeout_s must be positive")
+
+    def metrics_address(self, kind: str, index: int = 0) -> str:
+        """The ``--metrics-address`` of child ``index`` of ``kind`` (router, kvstore, a node role)."""
+        if self.metrics_ports == "none":
+            return "none"
+        return f"{self.host}:{metrics_port(kind, index) if self.metrics_ports == 'fixed' else 0}"
 
 
 def available_connectors() -> set[str]:

@@ -26,6 +26,7 @@ from tests.deploy.kube import (
     Container,
     Obj,
     connector_children,
+    container_port,
     containers,
     environment,
     find,
@@ -178,8 +179,8 @@ def test_ports_and_settings_agree_with_compose(
     for overlay, objs in rendered.items():
         cs = by_component(objs)
         for name, c in cs.items():
-            if c.is_pdkv:
-                assert c.option("--metrics-address") == x["metrics_listen"], c.label
+            if c.is_pdkv and name in services:
+                assert c.option("--metrics-address") == x[f"{name}_metrics"], c.label
             if name in services and c.is_pdkv:
                 env = {k: str(v) for k, v in services[name]["environment"].items()}
                 assert c.env["PDKV_CURVE_NAME"] == env["PDKV_CURVE_NAME"], c.label
@@ -212,6 +213,23 @@ def test_ports_and_settings_agree_with_compose(
     assert redis.argv == services["redis"]["command"]
     assert redis.spec["image"] == services["redis"]["image"]
     assert str(redis.spec["ports"][0]["containerPort"]) == x["redis_port"]
+
+
+def test_every_process_serves_metrics_on_its_kind_s_documented_port(rendered: dict[str, list[Obj]]) -> None:
+    """telemetry/ports.py's table: the --metrics-address, the container's metrics port and the pod's
+    prometheus.io annotations (what deploy/prometheus/kubernetes.yml scrapes) all say it."""
+    from telemetry.ports import METRICS_PORTS
+
+    for overlay, objs in rendered.items():
+        for name, c in by_component(objs).items():
+            if not c.is_pdkv:
+                continue
+            want = METRICS_PORTS[name]
+            assert c.option("--metrics-address") == f"0.0.0.0:{want}", f"{overlay} {c.label}"
+            assert container_port(c, "metrics") == want, f"{overlay} {c.label}"
+            annotations = c.workload["spec"]["template"]["metadata"]["annotations"]
+            assert annotations["prometheus.io/scrape"] == "true", f"{overlay} {c.label}"
+            assert annotations["prometheus.io/port"] == str(want), f"{overlay} {c.label}"
 
 
 def test_the_colocated_overlay_takes_the_colocated_nodes_default_port(rendered: dict[str, list[Obj]]) -> None:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 from tests.serving.helpers import pdkv_model, wait_until
@@ -39,6 +40,11 @@ def alive(pid: int) -> bool:
         return False
 
 
+def printed_metrics(lines: list[str]) -> dict[str, str]:
+    """``pdkv up: metrics of NAME on URL`` lines -> {NAME: URL}."""
+    return {l.split()[4]: l.split()[6] for l in list(lines) if l.startswith("pdkv up: metrics of ")}
+
+
 def test_pdkv_up_serves_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     up = subprocess.Popen(
         [
@@ -52,6 +58,8 @@ def test_pdkv_up_serves_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
             pdkv_model(),
             "--node-args",
             "--num-blocks 256 --device cpu",
+            "--metrics-ports",
+            "any",  # free ports: another cluster may run on this host (the default is the fixed ones)
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -71,6 +79,14 @@ def test_pdkv_up_serves_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
         )
         assert line != "exited", up.stderr.read() if up.stderr else ""
         address = line.rsplit(" ", 1)[1].strip()
+        every = {"router", "prefill-0", "decode-0"}
+        metrics = wait_until(
+            lambda: (m := printed_metrics(lines)).keys() == every and m,
+            timeout=10,
+            what="pdkv up to print every metrics address",
+        )
+        with urllib.request.urlopen(metrics["router"], timeout=10) as response:
+            assert 'model_name="' in response.read().decode()
         children = children_of(up.pid)
         assert len(children) == 3  # prefill, decode, router (no store: --kv-store none)
 

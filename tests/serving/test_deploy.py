@@ -102,6 +102,15 @@ def test_addresses_and_ports_agree(compose: dict[str, Any]) -> None:
     assert set(mounts.values()) <= set(compose["volumes"])
 
 
+def test_every_service_serves_metrics_on_its_kind_s_documented_port(compose: dict[str, Any]) -> None:
+    from telemetry.ports import METRICS_PORTS
+
+    x, s = compose["x-config"], compose["services"]
+    for name in PDKV_SERVICES:
+        assert option(s[name]["command"], "--metrics-address") == x[f"{name}_metrics"], name
+        assert x[f"{name}_metrics"] == f"0.0.0.0:{METRICS_PORTS[name]}", name
+
+
 def test_start_order_waits_for_health(compose: dict[str, Any]) -> None:
     s = compose["services"]
     for name, needs in (

@@ -266,14 +266,19 @@ def test_a_restart_listens_where_the_first_run_did() -> None:
     node.pin_addresses()
     assert node.argv == ["pdkv", "--address", "127.0.0.1:5001", "--metrics-address", "127.0.0.1:5002"]
     store = Process(
-        "kvstore", "store", ["pdkv", "--bind", "tcp://h:0", "--kv-events", "tcp://h:0"], Path("x")
+        "kvstore",
+        "store",
+        ["pdkv", "--bind", "tcp://h:0", "--metrics-address", "h:0", "--kv-events", "tcp://h:0"],
+        Path("x"),
     )
-    store.info = {"address": "tcp://h:7000", "kv_events": "tcp://h:7001,tcp://h:7002"}
+    store.info = {"address": "tcp://h:7000", "metrics": "h:7003", "kv_events": "tcp://h:7001,tcp://h:7002"}
     store.pin_addresses()
     assert store.argv == [
         "pdkv",
         "--bind",
         "tcp://h:7000",
+        "--metrics-address",
+        "h:7003",
         "--kv-events",
         "tcp://h:7001",
         "--kv-events-replay",

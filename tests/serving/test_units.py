@@ -190,6 +190,45 @@ def test_configs_validate_at_construction() -> None:
         Topology(node_threads=0)
 
 
+def test_metrics_ports_are_the_documented_ones_node_i_on_base_plus_i() -> None:
+    from telemetry.ports import METRICS_PORTS, NODES_PER_KIND, metrics_port
+
+    fixed = Topology(metrics_ports="fixed", num_prefill=2, num_decode=3)
+    assert fixed.metrics_address("router") == "127.0.0.1:9400"
+    assert fixed.metrics_address("kvstore") == "127.0.0.1:9401"
+    assert fixed.metrics_address("prefill", 1) == "127.0.0.1:9411"
+    assert fixed.metrics_address("decode", 2) == "127.0.0.1:9432"
+    assert fixed.metrics_address("colocated", 0) == "127.0.0.1:9450"
+    assert Topology().metrics_address("prefill", 1) == "127.0.0.1:0"  # any: the tests' default
+    assert Topology(metrics_ports="none").metrics_address("router") == "none"
+    # No two processes of one host share a port, however many nodes of each kind it runs.
+    ports = [
+        metrics_port(k, i) for k in METRICS_PORTS for i in range(1 if k in ("router", "kvstore") else 20)
+    ]
+    assert len(ports) == len(set(ports))
+    with pytest.raises(ValueError, match="room for 20"):
+        metrics_port("prefill", NODES_PER_KIND)
+    with pytest.raises(ValueError, match="--metrics-ports any"):
+        Topology(metrics_ports="fixed", num_decode=NODES_PER_KIND + 1)
+    with pytest.raises(ValueError, match="metrics_ports 'random' is unknown"):
+        Topology(metrics_ports="random")
+
+
+def test_the_command_line_defaults_are_the_documented_metrics_ports() -> None:
+    from pdkv.cli import build_parser
+    from telemetry.ports import METRICS_PORTS
+
+    parser = build_parser()
+    for argv, kind in (
+        (["serve-router"], "router"),
+        (["serve-prefill"], "prefill"),
+        (["serve-decode"], "decode"),
+        (["serve-colocated"], "colocated"),
+        (["kvstore", "serve", "--kv-store", "cpu:1MiB"], "kvstore"),
+    ):
+        assert parser.parse_args(argv).metrics_address == f"127.0.0.1:{METRICS_PORTS[kind]}", kind
+
+
 def test_connector_stack_follows_what_is_registered() -> None:
     both = connector_stack("prefill", "disaggregated", "cpu:1GiB", {"offload", "p2p"})
     assert '"multi"' in both and '"offload"' in both and '"p2p"' in both
