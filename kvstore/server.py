@@ -285,7 +285,7 @@ class StoreServer:
             requests.add_metric([op], float(n))
         families: list[Metric] = [
             requests,
-            gauge("pdkv_kvstore_write_queue_depth", "write-down jobs queued", stats.write_queue_depth),
+            gauge("pdkv_kvstore_write_queue_depth", "write-down jobs queued now", stats.write_queue_pending),
         ]
         dropped = CounterMetricFamily(
             "pdkv_kvstore_write_jobs_dropped", "write-down jobs dropped: queue full"

@@ -409,6 +409,8 @@ def test_metrics_parse_with_prometheus_client(
     requests = {s.labels["op"]: s.value for s in families["pdkv_kvstore_requests"].samples}
     assert requests["put"] == 1 and requests["get"] == 1
     assert families["pdkv_kvstore_tier_stored_blocks"].type == "counter"
+    # Jobs queued now (a single tier writes nothing down), not the queue's capacity.
+    assert families["pdkv_kvstore_write_queue_depth"].samples[0].value == 0
     latency = families["pdkv_kvstore_tier_op_seconds"]
     assert latency.type == "histogram"
     # The server serves a get by reading units from its tiers as stored.
