@@ -55,11 +55,15 @@ def lookup(specs: Mapping[str, MetricSpec], key: str) -> MetricSpec:
 
 
 class Counters:
-    """Monotonic counters by key declared in ``specs``.  Not thread-safe: one owner thread."""
+    """Monotonic counters by key declared in ``specs``.  Not thread-safe: one owner thread.
+
+    Every declared counter without a label starts at 0, so that ``/metrics`` exports it before its first
+    event: Prometheus' ``rate()`` misses the increment that creates a series, and a dashboard query of a
+    counter nothing has counted yet (no preemption so far) would find no series at all."""
 
     def __init__(self, specs: Mapping[str, MetricSpec]) -> None:
         self._specs = specs
-        self._values: dict[str, float] = {}
+        self._values = {n: 0.0 for n, s in specs.items() if s.kind is Kind.COUNTER and s.label is None}
 
     def add(self, key: str, n: float = 1.0) -> None:
         if key not in self._values:

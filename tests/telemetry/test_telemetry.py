@@ -48,6 +48,7 @@ def test_counters_refuse_what_their_specs_do_not_declare() -> None:
     declared = (counter("hits", "h"), counter("loads", "l", label="source"), gauge("g", "g"))
     specs = {s.name: s for s in declared}
     counters = Counters(specs)
+    assert counters.snapshot() == {"hits": 0.0}  # exported before its first event; a label's values later
     counters.add("hits")
     counters.add("loads.disk", 2)
     assert counters.snapshot() == {"hits": 1.0, "loads.disk": 2.0}
