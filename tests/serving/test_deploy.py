@@ -38,7 +38,8 @@ PDKV_SERVICES = ("kvstore", "prefill", "decode", "router")
 
 
 def test_services_and_files(compose: dict[str, Any]) -> None:
-    assert set(compose["services"]) == {"secrets", "redis", "kvstore", "prefill", "decode", "router"}
+    pdkv = {"secrets", "redis", "kvstore", "prefill", "decode", "router"}
+    assert set(compose["services"]) == pdkv | {"prometheus", "grafana"}  # monitoring: tests/deploy
     assert "x-config" in compose
     assert (ROOT / "deploy" / "Dockerfile").is_file()
     for name, service in compose["services"].items():
@@ -49,9 +50,9 @@ def test_services_and_files(compose: dict[str, Any]) -> None:
 def test_every_command_is_a_valid_pdkv_command(compose: dict[str, Any]) -> None:
     parser = build_parser()
     for name, service in compose["services"].items():
-        command = service["command"]
-        if name == "redis":
+        if name in ("redis", "prometheus", "grafana"):
             continue
+        command = service["command"]
         if name == "secrets":
             assert command[:3] == ["pdkv", "secrets", "write"] and "--keep" in command
             parser.parse_args(command[1:])
@@ -74,7 +75,7 @@ def test_every_command_is_a_valid_pdkv_command(compose: dict[str, Any]) -> None:
 
 def test_addresses_and_ports_agree(compose: dict[str, Any]) -> None:
     s = compose["services"]
-    cmd = {name: s[name]["command"] for name in s}
+    cmd = {name: s[name].get("command", []) for name in s}
     listen = {name: port_of(option(cmd[name], "--address")) for name in ("prefill", "decode", "router")}
     # The router dials the node services by name on the ports they listen on.
     for flag, target in (("--prefill", "prefill"), ("--decode", "decode")):
