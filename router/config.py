@@ -36,6 +36,9 @@ class RouterConfig:
     # The OpenAI-compatible HTTP API ("" = off) and the name clients give as "model".
     http_address: str = DEFAULT_HTTP_ADDRESS
     served_model_name: str | None = None
+    # The nodes' --max-model-len, when shorter than the model's context: requests that would not fit are
+    # refused here, naming the field (None: the model's max_position_embeddings).
+    max_model_len: int | None = None
     # Longest an HTTP request may take (the SDK sets no deadline the server can see).
     http_timeout_s: float = 600.0
     # Client calls in flight before RESOURCE_EXHAUSTED.
@@ -99,6 +102,10 @@ class RouterConfig:
             raise ValueError(f"http_timeout_s must be positive, got {self.http_timeout_s!r}")
         if not isinstance(self.max_tokens_limit, int) or self.max_tokens_limit < 0:
             raise ValueError(f"max_tokens_limit must be >= 0, got {self.max_tokens_limit!r}")
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 1
+        ):
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         if not isinstance(self.max_n, int) or self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n!r}")
         if not isinstance(self.client_max_inflight, int) or self.client_max_inflight < 0:
@@ -138,6 +145,13 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--served-model-name", default=None, help="the model's name in the HTTP API (default: from --model)"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the nodes' --max-model-len: longer requests are refused here (default: the model's context)",
     )
     parser.add_argument("--http-timeout-s", type=float, default=600.0, help="longest HTTP request")
     parser.add_argument("--mode", choices=MODES, default="disaggregated")
@@ -243,6 +257,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         metrics_address=metrics,
         http_address=http,
         served_model_name=args.served_model_name,
+        max_model_len=args.max_model_len,
         http_timeout_s=args.http_timeout_s,
         max_inflight=args.max_inflight,
         max_tokens_limit=args.max_tokens_limit,

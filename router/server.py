@@ -78,7 +78,7 @@ class RouterRuntime:
             refuse_open_wide_bind(
                 address, "the router", secured, config.insecure, "TLS (--tls-dir) and API keys"
             )
-        model = load_model(model_path(config.model), config.served_model_name)
+        model = load_model(model_path(config.model), config.served_model_name, config.max_model_len)
         decode_service = "pdkv.v1.DecodeNode"
         decode = NodePool(
             "decode" if config.mode == "disaggregated" else "colocated",

@@ -29,17 +29,21 @@ class RouterModel:
     eos_token_ids: tuple[int, ...]
 
 
-def load_model(path: Path, name: str | None = None) -> RouterModel:
+def load_model(path: Path, name: str | None = None, max_model_len: int | None = None) -> RouterModel:
     """The model at ``path`` without its weights; ``name`` is what clients call it (default: the file's
-    stem or the folder's name; the embedded model is SmolLM2-135M-Instruct)."""
+    stem or the folder's name; the embedded model is SmolLM2-135M-Instruct); ``max_model_len``: the
+    nodes' context when they were given one shorter than the model's (the engine refuses a longer one)."""
     from engine.model.embedded import model_name
 
     source = inspect_model(path)
     c = source.config
+    context = c.max_position_embeddings
+    if max_model_len is not None:
+        if max_model_len > context:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {context}"
+            )
+        context = max_model_len
     return RouterModel(
-        name or model_name(path),
-        Tokenizer.for_model(source),
-        c.vocab_size,
-        c.max_position_embeddings,
-        c.eos_token_ids,
+        name or model_name(path), Tokenizer.for_model(source), c.vocab_size, context, c.eos_token_ids
     )

@@ -154,6 +154,19 @@ def test_prompts_are_refused_naming_their_own_field(model: RouterModel) -> None:
         assert info.value.field == field and says in info.value.message
 
 
+def test_the_nodes_max_model_len_is_the_router_s_context(model: RouterModel, tmp_path: Path) -> None:
+    """--max-model-len: a request that would not fit the nodes' context is refused at the router."""
+    path = write_gguf(pdkv_tiny_model_dir(), tmp_path / "short.gguf", qtype="F32")
+    short = load_model(path, max_model_len=64)
+    assert short.context_length == 64 and model.context_length > 64
+    request = grpc_token_ids([5] * 60)
+    Admission(model).admit(request, CALLER)
+    with pytest.raises(InvalidField, match=r"\(max_model_len\) holds 64; ask for at most 4"):
+        Admission(short).admit(dataclasses.replace(request, sampling={"max_tokens": 10}), CALLER)
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        load_model(path, max_model_len=model.context_length + 1)
+
+
 def test_the_tenant_sets_the_salt_at_admission(model: RouterModel) -> None:
     from router.auth import Tenant
 
