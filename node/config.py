@@ -210,7 +210,7 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     engine.add_argument(
         "--model",
         metavar="PATH",
-        default=os.environ.get("PDKV_MODEL") or None,
+        default=None,
         help="a local GGUF file or Hugging Face folder (or $PDKV_MODEL; default: the embedded SmolLM2)",
     )
     engine.add_argument(

@@ -1,18 +1,25 @@
 """``pdkv``: one entry point, one subcommand module per capability.
 
 Each module listed in ``_SUBCOMMANDS`` exposes ``register(subparsers)``, which adds its parser(s) and
-sets ``func`` (``args -> int`` exit code) on them.  Modules are imported only to build the parser, and
-heavy imports (torch, grpc, zmq) happen inside the ``func`` that needs them.
+sets ``func`` (``args -> int`` exit code) on them, and may set ``check`` (``args -> None``, raising
+``ValueError``): the settings checked before ``func`` runs (a server's config built from its options),
+so that a bad setting fails before anything starts.  Modules are imported only to build the parser, and
+heavy imports (torch, grpc, zmq) happen inside the functions that need them.
+
+Every command also takes its options from a config file and the environment (``pdkv/settings.py``):
+``main`` applies them before it parses the command line, which overrides them.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
 from engine.model.embedded import FetchError
+from pdkv import settings
 
 _SUBCOMMANDS = (
     "pdkv.commands.model",
@@ -37,18 +44,31 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _SUBCOMMANDS:
         importlib.import_module(name).register(sub)
+    settings.install(parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    try:
+        applied = settings.apply(parser, argv, os.environ)
+    except settings.SettingsError as exc:
+        print(f"pdkv: error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     try:
+        if applied is not None:
+            applied.check(args)
+        check = getattr(args, "check", None)
+        if check is not None:
+            check(args)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
     except (ValueError, FileNotFoundError, FetchError) as exc:
-        print(f"pdkv {args.command}: error: {exc}", file=sys.stderr)
+        message = applied.explain(str(exc), args) if applied is not None else str(exc)
+        print(f"pdkv {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

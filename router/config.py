@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 
 from telemetry.ports import metrics_port
@@ -171,7 +170,7 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         metavar="PATH",
-        default=os.environ.get("PDKV_MODEL") or None,
+        default=None,
         help="the nodes' model (GGUF file or folder, or $PDKV_MODEL), for its tokenizer and template",
     )
     parser.add_argument("--max-inflight", type=int, default=256)

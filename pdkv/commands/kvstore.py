@@ -24,7 +24,7 @@ def register(subparsers: Any) -> None:
     sub = parser.add_subparsers(dest="kvstore_command", required=True, metavar="ACTION")
     serve = sub.add_parser("serve", help="serve cpu/disk (and Redis-fronting) tiers to engines over ZeroMQ")
     add_serve_arguments(serve)
-    serve.set_defaults(func=_serve)
+    serve.set_defaults(func=_serve, check=_check_serve)
     ping = sub.add_parser("ping", help="check that a store server answers")
     ping.add_argument("--connect", required=True, metavar="ENDPOINT", help="e.g. tcp://127.0.0.1:7600")
     ping.add_argument("--timeout-ms", type=int, default=1000)
@@ -35,6 +35,15 @@ def register(subparsers: Any) -> None:
         help="exit 0 when the server answers, even with a tier that cannot serve (default: exit 1 then)",
     )
     ping.set_defaults(func=_ping)
+
+
+def _check_serve(args: argparse.Namespace) -> None:
+    """The tiers and limits, as the server will read them, before it starts."""
+    from kvstore.config import StoreConfig
+
+    StoreConfig.parse(args.kv_store)
+    if args.health_interval_ms <= 0:
+        raise ValueError(f"health_interval_ms must be positive, got {args.health_interval_ms}")
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -28,14 +28,14 @@ def register(subparsers: Any) -> None:
     for role, help_text in _NODE_HELP.items():
         parser = subparsers.add_parser(f"serve-{role}", help=help_text, description=help_text)
         add_node_arguments(parser, role)
-        parser.set_defaults(func=_serve_node, role=role)
+        parser.set_defaults(func=_serve_node, check=_check_node, role=role)
     router = subparsers.add_parser(
         "serve-router",
         help="run the router: the client-facing pdkv.v1.Generation service",
         description="Tokenize, pick a prefill and a decode node, run prefill then decode, relay the stream.",
     )
     add_router_arguments(router)
-    router.set_defaults(func=_serve_router)
+    router.set_defaults(func=_serve_router, check=_check_router)
 
 
 def _logging(level: str) -> None:
@@ -43,6 +43,19 @@ def _logging(level: str) -> None:
 
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     throttle_noisy_logs()  # bad input: one line a minute per kind, not a traceback per request
+
+
+def _check_node(args: argparse.Namespace) -> None:
+    """The node's config, built as ``_serve_node`` will: a bad setting fails before the model loads."""
+    from node.config import node_config_from_args
+
+    node_config_from_args(args, args.role)
+
+
+def _check_router(args: argparse.Namespace) -> None:
+    from router.config import router_config_from_args
+
+    router_config_from_args(args)
 
 
 def _serve_node(args: argparse.Namespace) -> int:

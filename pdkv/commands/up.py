@@ -5,9 +5,13 @@
     pdkv up --mode colocated --decode 2       # two nodes each running whole requests (the baseline)
     pdkv up --oneshot "The quick brown fox"   # start, generate once through the router, stop
     pdkv up --oneshot "What is 2+2?" --chat   # the same, as a chat message (the model's template)
+    pdkv up --config cluster.toml             # [up], and each child's own tables: [router], [node], ...
 
-It waits until the router reports SERVING (every node healthy), prints where the router listens, and
-stops every child cleanly on exit.  ``pdkv generate --server ADDRESS PROMPT`` talks to it.
+It waits until the router reports SERVING (every node healthy), prints where the router listens and
+where every child serves /metrics, and stops every child cleanly on exit.  ``pdkv generate --server
+ADDRESS PROMPT`` talks to it.  With a config file (pdkv/settings.py) every child gets ``--config FILE``
+and reads its own tables; what ``pdkv up`` sets itself (addresses, the model, the connectors) a child's
+table may not set, and every child's settings are checked before anything starts (up_settings.py).
 """
 
 from __future__ import annotations
@@ -49,6 +53,25 @@ def register(subparsers: Any) -> None:
         default="8000",
         metavar="PORT",
         help="the OpenAI-compatible HTTP API's port on the router's host (0: any; 'none': off)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model's name in the HTTP API and the metrics' model_name label (router and nodes)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the context the nodes hold and the router admits (default: the model's)",
+    )
+    parser.add_argument(
+        "--api-keys-file",
+        default=None,
+        metavar="PATH",
+        help="the router's API keys (a TOML keys file, docs/security.md); --secure writes its own",
     )
     parser.add_argument(
         "--kv-connector", default=None, metavar="SPEC", help="override every node's connector stack"
@@ -95,7 +118,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--chat", action="store_true", help="with --oneshot: send PROMPT as a user message (chat template)"
     )
-    parser.set_defaults(func=_up)
+    from pdkv.commands.up_settings import check_up
+    from pdkv.settings import env_variables
+
+    # The children do not inherit pdkv up's own variables ($PDKV_PREFILL is a count here, the router's
+    # nodes there): what they meant reaches the children as flags.
+    parser.set_defaults(func=_up, check=check_up, unset_env=tuple(sorted(env_variables(parser))))
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -118,13 +146,19 @@ def _up(args: argparse.Namespace) -> int:
         kv_connector=args.kv_connector,
         policy=args.policy,
         metrics_ports=args.metrics_ports,
+        served_model_name=args.served_model_name,
+        max_model_len=args.max_model_len,
+        api_keys_file=Path(args.api_keys_file).expanduser().resolve() if args.api_keys_file else None,
+        config_file=Path(args.config).expanduser().resolve() if args.config else None,
+        unset_env=args.unset_env,
         node_args=tuple(shlex.split(args.node_args)),
         log_dir=Path(args.log_dir) if args.log_dir else None,
         startup_timeout_s=args.startup_timeout,
         secure=args.secure,
         cache_details=(args.cache_details or not args.secure) and not args.no_cache_details,
     )
-    print(f"pdkv up: starting {_summary(topology)} ...", file=sys.stderr, flush=True)
+    settings = f", settings from {topology.config_file}" if topology.config_file else ""
+    print(f"pdkv up: starting {_summary(topology)}{settings} ...", file=sys.stderr, flush=True)
     cluster = Cluster.start(topology)
     if args.oneshot is not None:
         try:

@@ -163,6 +163,7 @@ class Cluster:
                     "--metrics-address",
                     t.metrics_address("kvstore"),
                     *(("--kv-events", f"tcp://{t.host}:0") if t.policy == "kv-aware" else ()),
+                    *t.config_args(),
                 ],
             )
             self._wait_ready([store], deadline)
@@ -192,12 +193,15 @@ class Cluster:
                 *(("--kv-events", f"tcp://{t.host}:0") if t.policy == "kv-aware" else ()),
                 *(("--mtls",) if t.secure else ()),
                 *(("--threads", str(t.node_threads)) if t.node_threads is not None else ()),
+                *t.model_args(),
+                *t.config_args(),
                 *t.node_args,
             ]
             nodes.append(self._spawn(name, role, argv))
         self._wait_ready(nodes, deadline)
         decode = ",".join(p.address for p in self.decode_nodes)
         prefill = ",".join(p.address for p in self.prefill_nodes)
+        keys = self.secrets.folder / "api-keys.toml" if self.secrets else t.api_keys_file
         argv = [
             *pdkv_command(),
             "serve-router",
@@ -217,7 +221,9 @@ class Cluster:
             t.policy,
             *(("--kv-store-events", self.store_events) if self.store_events else ()),
             *(("--cache-details",) if t.cache_details and not t.secure else ()),
-            *(("--api-keys-file", str(self.secrets.folder / "api-keys.toml")) if self.secrets else ()),
+            *(("--api-keys-file", str(keys)) if keys is not None else ()),
+            *t.model_args(),
+            *t.config_args(),
             *t.router_args,
         ]
         if prefill:
@@ -252,7 +258,8 @@ class Cluster:
         return proc
 
     def _run(self, proc: Process) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = {k: v for k, v in os.environ.items() if k not in self.topology.unset_env}
+        env["PYTHONUNBUFFERED"] = "1"
         if self.secrets is not None:
             env.update(self.secrets.env(proc.name))
         proc.ready.clear()

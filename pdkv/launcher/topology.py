@@ -60,6 +60,17 @@ class Topology:
     secure: bool = False
     # Compute threads per node (``--threads``); None: each node's default, one per core.
     node_threads: int | None = None
+    # The model's name to clients and in the metrics' model_name label, and the context the nodes hold
+    # (router and nodes alike; None: the model's own).
+    served_model_name: str | None = None
+    max_model_len: int | None = None
+    # The router's API keys (a TOML keys file, router/auth.py); with ``secure`` the generated one.
+    api_keys_file: Path | None = None
+    # A config file every child reads its own tables of (pdkv/settings.py); the launcher's flags win.
+    config_file: Path | None = None
+    # Environment variables the children do not inherit: those that were the launcher's own options
+    # (pdkv up's $PDKV_PREFILL means a count, the router's an address list).
+    unset_env: tuple[str, ...] = ()
     node_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     log_dir: Path | None = None
@@ -87,10 +98,26 @@ class Topology:
                 f"fixed metrics ports leave room for {NODES_PER_KIND} nodes of a kind on one host; "
                 "use --metrics-ports any for more"
             )
+        if self.api_keys_file is not None and self.secure:
+            raise ValueError(
+                "--api-keys-file and --secure: --secure writes and uses the cluster's own API key; drop one"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len}")
         if self.node_threads is not None and self.node_threads < 1:
             raise ValueError(f"node_threads must be at least 1, got {self.node_threads}")
         if self.startup_timeout_s <= 0:
             raise ValueError("startup_timeout_s must be positive")
+
+    def config_args(self) -> tuple[str, ...]:
+        """``--config FILE`` for every child, when there is a file."""
+        return ("--config", str(self.config_file)) if self.config_file is not None else ()
+
+    def model_args(self) -> tuple[str, ...]:
+        """The router's and the nodes' shared model settings."""
+        name = ("--served-model-name", self.served_model_name) if self.served_model_name else ()
+        length = ("--max-model-len", str(self.max_model_len)) if self.max_model_len is not None else ()
+        return (*name, *length)
 
     def metrics_address(self, kind: str, index: int = 0) -> str:
         """The ``--metrics-address`` of child ``index`` of ``kind`` (router, kvstore, a node role)."""

@@ -26,6 +26,7 @@ import yaml
 
 from kvstore.config import StoreConfig
 from node.config import node_config_from_args
+from pdkv import settings
 from pdkv.cli import build_parser
 from router.config import router_config_from_args
 from wire.endpoints import parse_address
@@ -195,7 +196,7 @@ def _subparser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Arg
 
 @contextlib.contextmanager
 def environment(env: dict[str, str]) -> Iterator[None]:
-    """This process's environment as the container's (for defaults read from it, e.g. $PDKV_MODEL)."""
+    """This process's environment as the container's (for options read from it, e.g. $PDKV_MODEL)."""
     mine = {k: v for k, v in os.environ.items() if not k.startswith("PDKV_")}
     with mock.patch.dict(os.environ, {**mine, **env}, clear=True):
         yield
@@ -206,9 +207,14 @@ def parse_pdkv(
 ) -> tuple[argparse.Namespace | None, list[str]]:
     """``pdkv ARGS`` in a container with environment ``env``: the parsed arguments, or None and why.
     Every option must be spelled out in full (argparse would take an abbreviation, which the next option
-    added to the parser can break)."""
+    added to the parser can break).  The container's ``PDKV_<OPTION>`` variables set options as ``pdkv``
+    itself takes them (pdkv/settings.py): under the command line."""
     with environment(env or {}):
         parser = build_parser()
+        try:
+            settings.apply(parser, argv[1:], os.environ)
+        except settings.SettingsError as exc:
+            return None, [f"`{' '.join(argv[:3])} ...`: {exc}"]
     sub = _subparser(parser, argv[1:])
     known = {s for action in sub._actions for s in action.option_strings}
     problems = [

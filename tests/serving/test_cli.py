@@ -1,15 +1,19 @@
-"""``pdkv up`` as a user runs it: prints where the router listens, serves ``pdkv health`` and
-``pdkv generate --server``, and stops every child on SIGTERM (no orphans)."""
+"""``pdkv up`` as a user runs it: prints where the router listens and every metrics address, serves
+``pdkv health`` and ``pdkv generate --server``, stops every child on SIGTERM (no orphans), and configures
+every child from one config file."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from tests.serving.helpers import pdkv_model, wait_until
 
@@ -108,6 +112,91 @@ def test_pdkv_up_serves_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
             [*PDKV, "health", address, "--timeout", "1"], capture_output=True, text=True, timeout=60
         )
         assert down.returncode == 1 and down.stdout.startswith("UNREACHABLE")
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait(30)
+
+
+def http(
+    url: str, key: str | None = None, body: dict[str, object] | None = None
+) -> tuple[int, dict[str, Any]]:
+    """(status, JSON body) of a GET (or a POST of ``body``) to the router's OpenAI API."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_pdkv_up_configures_every_child_from_one_file(tmp_path: Path) -> None:
+    """One TOML file: pdkv up's own options ([up]), the nodes' ([node]) and the router's ([router]);
+    pdkv up passes the served name, the context and the API keys file on; a node's variable reaches
+    the nodes over [node], and pdkv up's own ($PDKV_PREFILL, a count) does not reach the router."""
+    key = "sk-config-file-0123456789"
+    keys = tmp_path / "keys.toml"
+    keys.write_text(f'[tenants.acme]\nkeys = ["{key}"]\n')
+    config = tmp_path / "cluster.toml"
+    config.write_text(
+        "[up]\n"
+        'mode = "colocated"\n'
+        'kv-store = "none"\n'
+        'router-address = "127.0.0.1:0"\n'
+        "http-port = 0\n"
+        'metrics-ports = "any"\n'
+        f'model = "{pdkv_model()}"\n'
+        'served-model-name = "smol"\n'
+        "max-model-len = 128\n"
+        f'api-keys-file = "{keys}"\n'
+        "[node]\n"
+        "num-blocks = 300\n"
+        'device = "cpu"\n'
+        "[router]\n"
+        "max-tokens-limit = 5\n"
+    )
+    env = dict(os.environ, PDKV_NUM_BLOCKS="320", PDKV_PREFILL="2")
+    up = subprocess.Popen(
+        [*PDKV, "up", "--config", str(config)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(up.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        metrics = wait_until(
+            lambda: (
+                ((m := printed_metrics(lines)).keys() == {"router", "colocated-0"} and m)
+                or (up.poll() is not None and {"exited": ""})
+            ),
+            timeout=120,
+            what="pdkv up to print every metrics address",
+        )
+        assert "exited" not in metrics, up.stderr.read() if up.stderr else ""
+        api = next(l.split()[-1].strip() for l in lines if "OpenAI API on " in l)
+        assert http(f"{api}/models")[0] == 401  # the keys file reached the router
+        status, models = http(f"{api}/models", key)
+        assert (
+            status == 200 and models["data"][0]["id"] == "smol" and models["data"][0]["max_model_len"] == 128
+        )
+        status, refused = http(
+            f"{api}/completions", key, {"model": "smol", "prompt": "Hello", "max_tokens": 10}
+        )
+        assert status == 400 and "max_tokens_limit 5" in refused["error"]["message"], refused  # [router]
+        status, done = http(f"{api}/completions", key, {"model": "smol", "prompt": "Hello", "max_tokens": 3})
+        assert status == 200 and done["usage"]["completion_tokens"] == 3
+        with urllib.request.urlopen(metrics["colocated-0"], timeout=10) as response:
+            node = response.read().decode()
+        assert 'pdkv_kv_cache_blocks{model_name="smol"} 320.0' in node  # $PDKV_NUM_BLOCKS over [node]
+        with urllib.request.urlopen(metrics["router"], timeout=10) as response:
+            assert 'model_name="smol"' in response.read().decode()
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0
     finally:
         if up.poll() is None:
             up.kill()
