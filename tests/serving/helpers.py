@@ -47,6 +47,23 @@ def node_stats(address: str, *, check_integrity: bool = True) -> node_pb2.NodeSt
         return stub.Stats(node_pb2.StatsRequest(check_integrity=check_integrity), timeout=10)
 
 
+def metric(address: str, name: str, **labels: str) -> float | None:
+    """The value of the sample ``name`` (``..._total`` for a counter) whose labels include ``labels`` in
+    the /metrics at ``address`` (HOST:PORT), or None.  Parsed, not matched as text: every node and router
+    sample carries ``model_name`` besides its own labels."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        body = response.read().decode()
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                return float(sample.value)
+    return None
+
+
 def wait_until(predicate: Callable[[], T], *, timeout: float, what: str, interval: float = 0.05) -> T:
     """Poll ``predicate`` until it returns something truthy; fail the test at the deadline."""
     deadline = time.monotonic() + timeout

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -19,6 +18,7 @@ from tests.serving.helpers import (
     NODE_ARGS,
     assert_node_idle,
     assert_usage_adds_up,
+    metric,
     node_stats,
     pdkv_model,
     start_cluster,
@@ -135,8 +135,7 @@ def test_a_decode_node_killed_mid_stream_hands_the_request_to_another(
         assert text == expected.text
         survivor = next(p for p in cluster.decode_nodes if p is not killed)
         assert_node_idle(survivor.address)
-        metrics = urllib.request.urlopen(f"http://{cluster.router.info['metrics']}/metrics", timeout=10)
-        assert b"pdkv_router_decode_resumes_total 1" in metrics.read()
+        assert metric(cluster.router.info["metrics"], "pdkv_router_decode_resumes_total") == 1
     finally:
         cluster.stop()
 
@@ -217,11 +216,10 @@ def test_pdkv_up_restarts_a_dead_child_while_a_stream_in_flight_completes() -> N
             )
             assert killed.address == address and killed.restarts == 1
             assert_node_idle(address, timeout=30)
-            metrics_url = f"http://{cluster.router.info['metrics']}/metrics"
+            router_metrics = cluster.router.info["metrics"]
 
             def router_sees_it_up() -> bool:
-                text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-                return f'pdkv_router_decode_node_up{{node="{address}"}} 1.0' in text
+                return metric(router_metrics, "pdkv_router_decode_node_up", node=address) == 1
 
             wait_until(router_sees_it_up, timeout=30, what="the router to see the restarted node up")
             out = client.generate(generate_request("Hello", SamplingParams(max_tokens=4)), timeout=30)
