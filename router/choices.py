@@ -54,7 +54,7 @@ def choice_request(request: AdmittedRequest, i: int) -> AdmittedRequest:
     find its blocks cached (unless nothing is generated: then scoring is all a choice does)."""
     params = request.params
     if params.seed is not None:
-        params = dataclasses.replace(params, seed=(params.seed + i) % 2**63)
+        params = dataclasses.replace(params, seed=(params.seed + i) % 2**64)  # gRPC seeds are uint64
     if i and params.prompt_logprobs is not None and params.max_tokens:
         params = dataclasses.replace(params, prompt_logprobs=None)
     return dataclasses.replace(request, params=params, n=1)
@@ -82,9 +82,10 @@ def fork_choices(
     def start(i: int, placement: Placement) -> None:
         threading.Thread(target=worker, args=(i, placement), name=f"choice-{i}", daemon=True).start()
 
-    start(0, first)
-    started, finished = 1, 0
+    started, finished = 0, 0  # started: threads that did start (each gives back its own slot)
     try:
+        start(0, first)
+        started = 1
         while finished < n:
             i, item = events.get()
             if item is None:
@@ -95,7 +96,7 @@ def fork_choices(
             if started == 1:  # choice 0's first event: its prompt is computed and cached
                 for j in range(1, n):
                     start(j, Placement(prefill=first.prefill, decode=first.decode))
-                started = n
+                    started += 1
             yield dataclasses.replace(item, index=i)
     finally:
         release(n - started)

@@ -105,3 +105,38 @@ def test_a_first_choice_failing_before_output_starts_no_other() -> None:
 def test_a_choice_without_a_seed_stays_unseeded() -> None:
     request = AdmittedRequest("r", [1], SamplingParams(max_tokens=1), n=2)
     assert choice_request(request, 1).params.seed is None and choice_request(request, 1).n == 1
+
+
+def test_a_grpc_seed_past_2_63_keeps_choice_0_the_request_alone() -> None:
+    seed = 2**63 + 5  # gRPC's seed is a uint64
+    request = AdmittedRequest("r", [1], SamplingParams(max_tokens=1, seed=seed), n=2)
+    assert choice_request(request, 0).params.seed == seed
+    assert choice_request(request, 1).params.seed == seed + 1
+    assert (
+        choice_request(
+            AdmittedRequest("r", [1], SamplingParams(max_tokens=1, seed=2**64 - 1), n=2), 1
+        ).params.seed
+        == 0
+    )
+
+
+def test_a_thread_that_cannot_start_leaves_no_slot_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = _Runs()
+    runs.held = 4
+    real_start = threading.Thread.start
+    calls = []
+
+    def start(self: threading.Thread) -> None:
+        calls.append(self.name)
+        if len(calls) == 3:  # choice 2's thread: the router is out of threads
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(RuntimeError):
+        list(fork_choices(_request(4), _Scope(), runs.run, runs.release))
+    for _ in range(100):
+        if runs.held == 0:
+            break
+        threading.Event().wait(0.01)
+    assert runs.held == 0
