@@ -51,6 +51,10 @@ class EngineStopped(RuntimeError):
     """The driver is stopping (or its engine failed) and takes no more requests."""
 
 
+class EngineDraining(EngineStopped):
+    """The driver is draining: it finishes what it admitted and takes nothing new (``drain``)."""
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """One request for ``EngineDriver.submit``: the arguments of ``LLMEngine.add_request``."""
@@ -147,6 +151,7 @@ class EngineDriver:
         self._lock = threading.Lock()
         self._num_admitted = 0  # unfinished requests submitted (under _lock)
         self._stopping = False
+        self._draining = False
         self._error: str | None = None
         self._after_step = after_step
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -172,6 +177,17 @@ class EngineDriver:
         """Unfinished requests submitted through this driver."""
         with self._lock:
             return self._num_admitted
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def drain(self) -> None:
+        """Take no new requests from now on (``submit`` raises ``EngineDraining``, which the gRPC edge
+        answers UNAVAILABLE: the router sends the request to another node); the admitted ones run to
+        their end, and blocks held for a remote reader stay until it pulls or releases them."""
+        with self._lock:
+            self._draining = True
 
     def stop(self, timeout: float = 10.0) -> None:
         """Refuse new requests, abort the unfinished ones (their streams end with "abort"), join the loop,
@@ -222,16 +238,18 @@ class EngineDriver:
     def call(self, fn: Callable[[LLMEngine], T], timeout: float | None = 5.0) -> T:
         """Run ``fn(engine)`` on the driver thread and return its result (or raise its exception)."""
         with self._lock:
-            self._check_accepting()
+            self._check_accepting(calls=True)  # a draining engine still answers (stats, integrity)
         future: Future[T] = Future()
         self._commands.put(_Call(fn, future))
         return future.result(timeout)
 
-    def _check_accepting(self) -> None:
+    def _check_accepting(self, *, calls: bool = False) -> None:
         if self._error is not None:
             raise EngineStopped(f"the engine failed: {self._error}")
         if self._stopping:
             raise EngineStopped("the node is shutting down")
+        if self._draining and not calls:
+            raise EngineDraining("the node is draining (a planned stop): send the request to another node")
 
     # -- the loop (driver thread) -------------------------------------------------------------------------
 

@@ -94,7 +94,10 @@ class NodeConfig:
     kv_events_bind: str = ""
     # Unfinished requests the engine takes before RESOURCE_EXHAUSTED.
     max_num_requests: int = 64
-    # Seconds in-flight RPCs get to finish when the node stops.
+    # A planned stop (SIGTERM) drains first: new calls are refused, admitted requests finish and held KV
+    # is pulled, for at most this long (serving/drain.py); then in-flight RPCs get grace_s to end.
+    drain_timeout_s: float = 30.0
+    # Seconds in-flight RPCs get to finish when the node stops (after the drain).
     grace_s: float = 5.0
     # The cluster secret that seals transfer params (serving/signing.py): a file ("" = the environment's
     # $PDKV_CLUSTER_SECRET_FILE / $PDKV_CLUSTER_SECRET, or none).
@@ -123,6 +126,8 @@ class NodeConfig:
             raise ValueError(f"max_num_requests must be a positive integer, got {self.max_num_requests!r}")
         if not self.grace_s >= 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s!r}")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0):
             raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
         if not self.node_id:
@@ -180,7 +185,16 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         default=None,
         help="compute threads (default: one per core; nodes sharing a machine should split its cores)",
     )
-    parser.add_argument("--grace-s", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, refuse new calls and wait this long at most for admitted requests to finish and "
+        "held KV to be pulled (a planned stop; keep it within the orchestrator's grace period)",
+    )
+    parser.add_argument(
+        "--grace-s", type=float, default=5.0, help="seconds in-flight calls get on shutdown, after the drain"
+    )
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument(
         "--cluster-secret-file",
@@ -263,6 +277,7 @@ def node_config_from_args(args: argparse.Namespace, role: str) -> NodeConfig:
         kv_events_bind=args.kv_events,
         max_num_requests=args.max_num_requests,
         grace_s=args.grace_s,
+        drain_timeout_s=args.drain_timeout_s,
         cluster_secret_file=args.cluster_secret_file,
         tls_dir=args.tls_dir,
         mtls=args.mtls,

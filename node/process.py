@@ -13,6 +13,11 @@ Services by role (every node also serves ``pdkv.v1.Node``: Abort, Stats)::
 Health: every registered service name and "" report SERVING once the engine runs, NOT_SERVING from the
 moment the node starts shutting down (or its engine loop dies), so routers stop sending it work before
 in-flight calls get their grace period.
+
+SIGTERM is a planned stop: the node drains (``serving/drain.py``) -- new Prefill / Decode calls are
+refused UNAVAILABLE, admitted requests finish, KV held for decode nodes is pulled or released -- for at
+most ``--drain-timeout-s``, then stops.  Its last lines say what the drain cut and the request totals a
+planned stop must leave at zero (``kv_load_failures``: prompts a decode node recomputed).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from node.config import READY_PREFIX, NodeConfig
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
 from prefill_node.servicer import PrefillNodeServicer
 from serving import convert
+from serving.drain import DRAIN_PREFIX, Drain, DrainProgress, DrainReport
 from serving.errors import CallRecorder, rpc_errors
 from serving.reflection import enable_reflection
 from serving.runtime import stop_on_signals
@@ -64,6 +70,7 @@ class NodeRuntime:
     events: KVEventPublisher | None = None
     signer: TransferSigner | None = None  # seals / checks transfer params (with a cluster secret)
     tls: TLSFolder | None = None
+    drainer: Drain | None = None  # set by build
 
     @classmethod
     def build(cls, config: NodeConfig) -> NodeRuntime:
@@ -96,6 +103,7 @@ class NodeRuntime:
         signer = TransferSigner(secret) if secret is not None else None
         node = cls(config, driver.start(), RpcCounters(), health.HealthServicer(), events, signer, tls)
         node.set_serving(False)  # the health servicer starts out SERVING; say so only once started
+        node.drainer = Drain(config.node_id, node.drain_progress, config.drain_timeout_s)
         return node
 
     @property
@@ -113,6 +121,27 @@ class NodeRuntime:
         return self.driver.call(
             lambda e: snapshot(e, check_integrity=check_integrity), timeout=STATS_TIMEOUT_S
         )
+
+    def drain_progress(self) -> DrainProgress:
+        """Admitted unfinished requests, and finished ones whose KV a reader has yet to pull or release."""
+        holds = self.driver.call(lambda e: len(e.scheduler.holds), timeout=STATS_TIMEOUT_S)
+        return DrainProgress(requests=self.driver.num_requests, holds=holds)
+
+    def drain(self) -> DrainReport:
+        """A planned stop's first half: NOT_SERVING, refuse new requests, wait for the admitted ones and
+        the holds (at most ``drain_timeout_s``).  ``stop`` is the second half."""
+        assert self.drainer is not None
+        self.set_serving(False)
+        self.driver.drain()
+        return self.drainer.run()
+
+    def totals_line(self) -> str:
+        """What the node's life cost that a planned stop must not: prompts recomputed because their KV
+        failed to load, holds that expired unread."""
+        counters = self.snapshot().stats.counters
+        keys = ("kv_load_failures", "kv_hold_expiries")
+        totals = ", ".join(f"{k} {int(counters.get(k, 0))}" for k in keys)
+        return f"{DRAIN_PREFIX}{self.config.node_id} totals: {totals}"
 
     def stop(self, server: grpc.Server | None = None, grace_s: float | None = None) -> None:
         """NOT_SERVING first, then in-flight calls get ``grace_s``, then the engine stops."""
@@ -204,6 +233,7 @@ def node_metrics(node: NodeRuntime) -> list[Metric]:
     return [
         *stats_families(s.stats, s.histograms, specs=SPECS),
         gauge("pdkv_node_requests", "unfinished requests admitted by the node", node.driver.num_requests),
+        *(node.drainer.metrics("pdkv_node") if node.drainer is not None else ()),
         *counter_families(s.connector.counters, "pdkv_connector_", "connector counter"),
         *node.calls.families("pdkv_node"),
     ]
@@ -236,6 +266,8 @@ def run_node(config: NodeConfig) -> int:
                 logger.error("engine loop died (%s); stopping the node", node.driver.error)
                 node.set_serving(False)
                 return 1
+        node.drain()
+        print(node.totals_line(), flush=True)
     finally:
         node.stop(server)
         if metrics is not None:
