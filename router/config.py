@@ -69,9 +69,15 @@ class RouterConfig:
     health_timeout_s: float = 1.0
     # Resolve node host names to every address they have (one node per replica), on every health round.
     dns_discovery: bool = False
+    # A planned stop (SIGTERM) drains first: new calls are refused UNAVAILABLE, the streams in flight
+    # finish, for at most this long (serving/drain.py); then in-flight calls get grace_s.
+    drain_timeout_s: float = 30.0
     grace_s: float = 5.0
 
     def __post_init__(self) -> None:
+        for key in ("drain_timeout_s", "grace_s"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"{key} must be >= 0, got {getattr(self, key)!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r} is unknown; choose one of {', '.join(MODES)}")
         if self.kv_store_events and len(self.kv_store_events.split(",")) != 2:
@@ -235,7 +241,16 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow a non-loopback --address/--http-address without TLS and API keys (trusted networks only)",
     )
-    parser.add_argument("--grace-s", type=float, default=5.0)
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, refuse new calls and wait this long at most for the streams in flight to finish "
+        "(a planned stop; keep it within the orchestrator's grace period)",
+    )
+    parser.add_argument(
+        "--grace-s", type=float, default=5.0, help="seconds in-flight calls get on shutdown, after the drain"
+    )
     parser.add_argument("--log-level", default="WARNING")
 
 
@@ -272,4 +287,5 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_interval_s=args.health_interval_s,
         dns_discovery=args.dns_discovery,
         grace_s=args.grace_s,
+        drain_timeout_s=args.drain_timeout_s,
     )

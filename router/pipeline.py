@@ -98,12 +98,23 @@ class Pipeline:
         names = (*REQUEST_LATENCIES, *REQUEST_LENGTHS)
         self.latency = LatencyTracker({name: Histogram(SPECS[name]) for name in names})
         self._inflight = 0
+        self._draining = False
         self._lock = threading.Lock()
 
     @property
     def inflight(self) -> int:
         """Client calls in flight."""
         return self._inflight
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def drain(self) -> None:
+        """Admit nothing from now on (UNAVAILABLE: a client retries on another router); the calls in
+        flight run to their end (``serving/drain.py``)."""
+        with self._lock:
+            self._draining = True
 
     def generate(self, request: AdmittedRequest, scope: CallScope) -> Iterator[Event]:
         """The request's deltas, then one ``Done`` -- per choice, each event carrying its choice's
@@ -142,6 +153,11 @@ class Pipeline:
 
     def _admit(self, n: int = 1) -> None:
         with self._lock:
+            if self._draining:
+                raise ServingError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "the router is draining (a planned stop): retry on another router",
+                )
             if self._inflight + n > self.max_inflight:
                 raise ServingError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -26,6 +26,7 @@ from router.policy import STORE, NodeSelector, make_selector
 from router.servicer import GenerationServicer
 from router.streams import StreamWatch
 from router.tokenizer import RouterModel, load_model, model_path
+from serving.drain import Drain, DrainProgress, DrainReport
 from serving.reflection import enable_reflection
 from serving.runtime import stop_on_signals
 from serving.signing import load_cluster_secret
@@ -63,6 +64,7 @@ class RouterRuntime:
     tls: TLSFolder | None = None
     kv_index: KVIndex | None = None
     kv_events: KVEventSubscriber | None = None
+    drainer: Drain | None = None  # set by build
 
     @classmethod
     def build(cls, config: RouterConfig) -> RouterRuntime:
@@ -119,12 +121,12 @@ class RouterRuntime:
             max_inflight=config.max_inflight,
         )
         servicer = health.HealthServicer()
-        _publish_health(servicer, pools)  # NOT_SERVING until a health round found the nodes up
+        _publish_health(servicer, pools, pipeline)  # NOT_SERVING until a health round found the nodes up
         monitor = HealthMonitor(
             pools,
             interval=config.health_interval_s,
             timeout=config.health_timeout_s,
-            on_round=lambda: _publish_health(servicer, pools),
+            on_round=lambda: _publish_health(servicer, pools, pipeline),
         )
         subscriber = None
         if index is not None:
@@ -138,7 +140,7 @@ class RouterRuntime:
 
             subscriber = KVEventSubscriber(index, publishers).start()
         streams = StreamWatch(config.stream_idle_timeout_s)
-        return cls(
+        runtime = cls(
             config,
             model,
             pools,
@@ -153,6 +155,18 @@ class RouterRuntime:
             index,
             subscriber,
         )
+        runtime.drainer = Drain(
+            "router", lambda: DrainProgress(requests=pipeline.inflight), config.drain_timeout_s
+        )
+        return runtime
+
+    def drain(self) -> DrainReport:
+        """A planned stop's first half: NOT_SERVING, admit nothing, let the streams in flight finish (at
+        most ``drain_timeout_s``)."""
+        assert self.drainer is not None
+        self.pipeline.drain()
+        self.update_health()
+        return self.drainer.run()
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -180,7 +194,7 @@ class RouterRuntime:
         )
 
     def update_health(self) -> None:
-        _publish_health(self.health, self.pools)
+        _publish_health(self.health, self.pools, self.pipeline)
 
     def metrics(self) -> list[Metric]:
         latency = self.pipeline.latency.snapshot()
@@ -227,7 +241,8 @@ class RouterRuntime:
             for node in self.kv_index.nodes():
                 blocks.add_metric([node], float(self.kv_index.num_blocks(node)))
             families += [counters, blocks]
-        return families + self.calls.families("pdkv_router")
+        drain = self.drainer.metrics("pdkv_router") if self.drainer is not None else []
+        return families + drain[:2] + self.calls.families("pdkv_router")
 
     def stop(self, server: grpc.Server | None = None, grace_s: float | None = None) -> None:
         grace = self.config.grace_s if grace_s is None else grace_s
@@ -247,9 +262,9 @@ def _all_healthy(pools: tuple[NodePool, ...]) -> bool:
     return all(pool.healthy() for pool in pools)
 
 
-def _publish_health(servicer: health.HealthServicer, pools: tuple[NodePool, ...]) -> None:
-    """SERVING when every pool has at least one healthy node."""
-    ready = _all_healthy(pools)
+def _publish_health(servicer: health.HealthServicer, pools: tuple[NodePool, ...], pipeline: Pipeline) -> None:
+    """SERVING when every pool has at least one healthy node, and the router is not draining."""
+    ready = _all_healthy(pools) and not pipeline.draining
     status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", SERVICE_NAME):
         servicer.set(name, status)
@@ -306,6 +321,7 @@ def run_router(config: RouterConfig) -> int:
     try:
         while not stop.wait(1.0):
             pass
+        runtime.drain()
     finally:
         runtime.stop(server)
         if http is not None:
