@@ -68,6 +68,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser, *, metrics: str = DEFAU
         default=2000,
         help="how often the tiers are probed for the health check (ping), off the serving loop",
     )
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, stop serving and write what the write-back queue still holds into the lower "
+        "tiers for at most this long (a planned stop; keep it within the orchestrator's grace period)",
+    )
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
 
 

@@ -26,6 +26,7 @@ import argparse
 import logging
 import signal
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -377,6 +378,8 @@ def run_server(args: argparse.Namespace) -> int:
     limits = Limits(max_blocks=args.max_blocks, max_unit_bytes=args.max_block_bytes)
     if args.health_interval_ms <= 0:
         raise SystemExit(f"--health-interval-ms must be positive, got {args.health_interval_ms}")
+    if not args.drain_timeout_s >= 0:
+        raise SystemExit(f"--drain-timeout-s must be >= 0, got {args.drain_timeout_s}")
     tune_malloc_for_tensors()
     store = TieredStore.from_config(args.kv_store)
     metrics: MetricsServer | None = None
@@ -409,7 +412,14 @@ def run_server(args: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.close()
         server.close()
-        store.close()
+        queued = store.stats().write_queue_pending
+        start = time.monotonic()
+        left = store.close(drain_timeout_s=args.drain_timeout_s)
+        print(
+            f"pdkv drain: kvstore flushed {queued - left} of {queued} write-back jobs in "
+            f"{time.monotonic() - start:.2f}s ({left} dropped at the deadline)",
+            flush=True,
+        )
     return 0
 
 

@@ -378,7 +378,10 @@ class TieredStore:
             self._writer.dropped_jobs,
         )
 
-    def close(self, drain_timeout_s: float = 5.0) -> None:
-        self._writer.close(drain_timeout_s)
+    def close(self, drain_timeout_s: float = 5.0) -> int:
+        """Write what the write-back queue holds into the lower tiers (for at most ``drain_timeout_s``),
+        then close every tier.  Returns how many jobs the deadline left unwritten."""
+        left = 0 if self._writer.close(drain_timeout_s) else self._writer.pending()
         for tier in self.tiers:
             tier.close()
+        return left
