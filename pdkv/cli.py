@@ -28,6 +28,7 @@ _SUBCOMMANDS = (
     "pdkv.commands.serve",
     "pdkv.commands.health",
     "pdkv.commands.up",
+    "pdkv.commands.restart",
     "pdkv.commands.secrets",
 )
 

@@ -109,6 +109,21 @@ def register(subparsers: Any) -> None:
         help="each child's /metrics: fixed (router 9400, store 9401, prefill 9410+i, decode 9430+i, "
         "colocated 9450+i; docs/metrics.md), any (free ports: another cluster on this host), none",
     )
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="every child's drain on SIGTERM (pdkv restart, Ctrl-C): new work goes elsewhere while the "
+        "admitted requests finish and held KV is pulled, for at most S seconds (docs/deploy.md)",
+    )
+    parser.add_argument(
+        "--grace-s",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds in-flight calls still get after the drain, before a child stops",
+    )
     parser.add_argument("--log-dir", default=None, metavar="DIR", help="keep the children's logs here")
     parser.add_argument("--startup-timeout", type=float, default=180.0, metavar="S")
     parser.add_argument(
@@ -154,6 +169,8 @@ def _up(args: argparse.Namespace) -> int:
         node_args=tuple(shlex.split(args.node_args)),
         log_dir=Path(args.log_dir) if args.log_dir else None,
         startup_timeout_s=args.startup_timeout,
+        drain_timeout_s=args.drain_timeout_s,
+        grace_s=args.grace_s,
         secure=args.secure,
         cache_details=(args.cache_details or not args.secure) and not args.no_cache_details,
     )

@@ -34,6 +34,8 @@ _NODE = {
     "tls-dir": "secure",
     "served-model-name": "served-model-name",
     "max-model-len": "max-model-len",
+    "drain-timeout-s": "drain-timeout-s",
+    "grace-s": "grace-s",
 }
 SET_BY_UP: dict[str, dict[str, str | None]] = {
     "router": {
@@ -51,6 +53,8 @@ SET_BY_UP: dict[str, dict[str, str | None]] = {
         "tls-dir": "secure",
         "served-model-name": "served-model-name",
         "max-model-len": "max-model-len",
+        "drain-timeout-s": "drain-timeout-s",
+        "grace-s": "grace-s",
     },
     "node": _NODE,
     "prefill": _NODE,
@@ -62,6 +66,7 @@ SET_BY_UP: dict[str, dict[str, str | None]] = {
         "metrics-address": "metrics-ports",
         "kv-events": "policy",
         "kv-events-replay": "policy",
+        "drain-timeout-s": "drain-timeout-s",
     },
 }
 # Where a child's command needs an address before it can be built; pdkv up gives the real ones.

@@ -34,10 +34,13 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from pdkv.launcher.control import ControlServer
 from pdkv.launcher.process import (
     Process,
     die_with_parent,
@@ -74,6 +77,7 @@ class Cluster:
         self.secrets: Secrets | None = None
         self._stopping = False
         self._lock = threading.Lock()  # supervise() and stop() from different threads
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="pdkv-up-spawn")  # see _run
 
     # -- start --------------------------------------------------------------------------------------------
 
@@ -163,6 +167,7 @@ class Cluster:
                     "--metrics-address",
                     t.metrics_address("kvstore"),
                     *(("--kv-events", f"tcp://{t.host}:0") if t.policy == "kv-aware" else ()),
+                    *t.stop_args(),
                     *t.config_args(),
                 ],
             )
@@ -194,6 +199,9 @@ class Cluster:
                 *(("--mtls",) if t.secure else ()),
                 *(("--threads", str(t.node_threads)) if t.node_threads is not None else ()),
                 *t.model_args(),
+                *t.stop_args(),
+                "--grace-s",
+                f"{t.grace_s:g}",
                 *t.config_args(),
                 *t.node_args,
             ]
@@ -223,6 +231,9 @@ class Cluster:
             *(("--cache-details",) if t.cache_details and not t.secure else ()),
             *(("--api-keys-file", str(keys)) if keys is not None else ()),
             *t.model_args(),
+            *t.stop_args(),
+            "--grace-s",
+            f"{t.grace_s:g}",
             *t.config_args(),
             *t.router_args,
         ]
@@ -258,6 +269,12 @@ class Cluster:
         return proc
 
     def _run(self, proc: Process) -> None:
+        """Start ``proc`` from the spawner thread: ``PR_SET_PDEATHSIG`` fires when the *thread* that
+        forked a child exits, so a child started from a short-lived thread (a ``pdkv restart`` request)
+        would be killed with it.  The spawner lives as long as the cluster."""
+        self._spawner.submit(self._popen, proc).result()
+
+    def _popen(self, proc: Process) -> None:
         env = {k: v for k, v in os.environ.items() if k not in self.topology.unset_env}
         env["PYTHONUNBUFFERED"] = "1"
         if self.secrets is not None:
@@ -310,7 +327,7 @@ class Cluster:
             if self._stopping:
                 return None
             for proc in self.processes:
-                if proc.alive():
+                if proc.alive() or proc.planned:
                     continue
                 if proc.restart_at is None:  # newly dead
                     code = proc.popen.poll() if proc.popen is not None else None
@@ -345,6 +362,85 @@ class Cluster:
                 return failure
         return None
 
+    # -- planned restarts ---------------------------------------------------------------------------------
+
+    def restartable(self) -> list[str]:
+        """The children ``restart`` takes, in the order ``restart("all")`` replaces them."""
+        order = {"prefill": 0, "decode": 1, "colocated": 1, "store": 2, "router": 3}
+        procs = sorted((p for p in self.processes if p.role in order), key=lambda p: order[p.role])
+        return [p.name for p in procs]
+
+    def restart(self, name: str, out: Callable[[str], None] = print) -> None:
+        """Replace child ``name`` gracefully: SIGTERM (it drains: ``serving/drain.py``), wait for its exit,
+        start it again on the same addresses, wait until it is ready -- and, for a node, until the router
+        routes to it again, so that a rolling restart never leaves a pool empty.  ``all``: every node,
+        then the store, one at a time (not the router: its clients would see refusals).  Raises
+        ``ValueError`` for an unknown name, ``RuntimeError`` when the child does not come back."""
+        if name == "all":
+            for each in self.restartable():
+                if each != "router":
+                    self.restart(each, out)
+            return
+        procs = {p.name: p for p in self.processes if p.role != "redis"}
+        proc = procs.get(name)
+        if proc is None:
+            raise ValueError(f"no child named {name!r}; choose one of {', '.join(self.restartable())} or all")
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the cluster is stopping")
+            if proc.planned:
+                raise RuntimeError(f"{name} is already being restarted")
+            proc.planned = True
+        try:
+            self._replace(proc, out)
+        finally:
+            proc.planned = False
+
+    def _replace(self, proc: Process, out: Callable[[str], None]) -> None:
+        t = self.topology
+        start = time.monotonic()
+        if proc.alive():
+            assert proc.popen is not None
+            out(f"{proc.name}: SIGTERM (drains for at most {t.drain_timeout_s:g}s)")
+            proc.popen.send_signal(signal.SIGTERM)
+            try:
+                proc.popen.wait(t.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                out(f"{proc.name}: did not exit within {t.stop_timeout_s:g}s; killing it")
+                proc.popen.kill()
+                proc.popen.wait(10)
+        code = proc.popen.poll() if proc.popen else "?"
+        out(f"{proc.name}: exited (code {code}) after {time.monotonic() - start:.1f}s")
+        proc.restart_at = None
+        proc.restarts += 1
+        self._run(proc)
+        deadline = time.monotonic() + t.startup_timeout_s
+        self._wait_one(proc, deadline)
+        if proc.role in ("prefill", "decode", "colocated"):
+            self._wait_routed(proc, deadline)
+        elif proc.role == "router":
+            self._wait_serving(proc, deadline)
+        out(f"{proc.name}: back on {proc.address} after {time.monotonic() - start:.1f}s")
+
+    def _wait_routed(self, proc: Process, deadline: float) -> None:
+        """Until the router's health rounds find ``proc`` up again (its /metrics says so; without metrics,
+        two rounds of the router's default interval after the node itself says SERVING)."""
+        wait_healthy(proc.address, timeout=max(0.1, deadline - time.monotonic()), tls=self.tls)
+        metrics = self.router.info.get("metrics", "-") if self.router is not None else "-"
+        if metrics in ("", "-"):
+            time.sleep(2.0)
+            return
+        family, label = f"pdkv_router_{proc.role}_node_up{{", f'node="{proc.address}"'
+        while time.monotonic() < deadline:
+            url = f"http://{metrics}/metrics"
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2.0) as response:
+                for line in response.read().decode().splitlines():
+                    up = line.rsplit(" ", 1)[-1] in ("1.0", "1")
+                    if line.startswith(family) and label in line and up:
+                        return
+            time.sleep(0.1)
+        raise RuntimeError(f"the router did not route to {proc.name} ({proc.address}) again in time")
+
     # -- stop ---------------------------------------------------------------------------------------------
 
     def kill(self, proc: Process, sig: int = signal.SIGKILL) -> None:
@@ -368,11 +464,12 @@ class Cluster:
             for p in group:
                 assert p.popen is not None
                 try:
-                    p.popen.wait(self.topology.grace_s + 5.0)
+                    p.popen.wait(self.topology.stop_timeout_s)
                 except subprocess.TimeoutExpired:
                     logger.warning("%s did not stop on SIGTERM; killing it", p.name)
                     p.popen.kill()
                     p.popen.wait(10)
+        self._spawner.shutdown(wait=False)
         if self._own_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
@@ -397,14 +494,23 @@ def run_until_signal(cluster: Cluster, on_ready: Callable[[Cluster], None]) -> i
         stop.set()
 
     previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    control: ControlServer | None = None
     try:
+        control = ControlServer(cluster).start()
         on_ready(cluster)
+        print(
+            f"pdkv up: control socket {control.path} (pdkv restart NAME replaces one child gracefully)",
+            file=sys.stderr,
+            flush=True,
+        )
         failure = cluster.watch(stop)
         if failure is not None:
             print(f"pdkv up: {failure}", file=sys.stderr)
             return 1
         return 0
     finally:
+        if control is not None:
+            control.close()
         cluster.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)

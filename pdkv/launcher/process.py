@@ -53,6 +53,7 @@ class Process:
     restarts: int = 0
     deaths: list[float] = field(default_factory=list)  # monotonic times, within the policy's window
     restart_at: float | None = None  # set while it is dead and waits for its restart
+    planned: bool = False  # a planned restart (Cluster.restart) owns it: supervise() leaves it alone
 
     @property
     def address(self) -> str:

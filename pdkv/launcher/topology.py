@@ -75,6 +75,8 @@ class Topology:
     router_args: tuple[str, ...] = ()
     log_dir: Path | None = None
     startup_timeout_s: float = 180.0
+    # Every child's --drain-timeout-s (a planned stop: serving/drain.py) and --grace-s (after it).
+    drain_timeout_s: float = 30.0
     grace_s: float = 5.0
     restart_policy: RestartPolicy = RestartPolicy()
 
@@ -90,6 +92,9 @@ class Topology:
         for name, port in (("router", self.router_port), ("http", self.http_port)):
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name} port {port} is not a port")
+        for key in ("drain_timeout_s", "grace_s"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"{key} must be >= 0, got {getattr(self, key)!r}")
         if self.metrics_ports not in METRICS_PORTS:
             choose = ", ".join(METRICS_PORTS)
             raise ValueError(f"metrics_ports {self.metrics_ports!r} is unknown; choose one of {choose}")
@@ -112,6 +117,15 @@ class Topology:
     def config_args(self) -> tuple[str, ...]:
         """``--config FILE`` for every child, when there is a file."""
         return ("--config", str(self.config_file)) if self.config_file is not None else ()
+
+    def stop_args(self) -> tuple[str, ...]:
+        """How long a child drains on SIGTERM and then gives in-flight calls (the store: drains only)."""
+        return ("--drain-timeout-s", f"{self.drain_timeout_s:g}")
+
+    @property
+    def stop_timeout_s(self) -> float:
+        """How long a SIGTERMed child may take before it is killed: its drain, its grace, a margin."""
+        return self.drain_timeout_s + self.grace_s + 10.0
 
     def model_args(self) -> tuple[str, ...]:
         """The router's and the nodes' shared model settings."""
