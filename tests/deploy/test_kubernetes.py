@@ -186,6 +186,7 @@ def test_ports_and_settings_agree_with_compose(
                 assert c.env["PDKV_CURVE_NAME"] == env["PDKV_CURVE_NAME"], c.label
                 for key in ("PDKV_TLS_DIR", "PDKV_CURVE_DIR", "PDKV_CLUSTER_SECRET_FILE"):
                     assert c.env.get(key, env[key]) == env[key], f"{c.label}: {key}"
+                assert c.option("--drain-timeout-s") == x["node_drain"], c.label
                 if name != "kvstore":
                     assert c.option("--grace-s") == x["node_grace"], c.label
         router = cs["router"]
@@ -341,8 +342,11 @@ def test_hardening(rendered: dict[str, list[Obj]]) -> None:
             pod = c.workload["spec"]["template"]["spec"]
             assert pod["securityContext"]["runAsUser"] == uid, c.label
             assert c.spec["image"] == "pdkv:latest", c.label
+            # SIGTERM drains, then gives in-flight calls their grace: the orchestrator waits for both.
+            drain = c.option("--drain-timeout-s")
+            assert drain is not None, f"{c.label}: no --drain-timeout-s (the default 30s is not the plan)"
             grace = float(c.option("--grace-s") or 5)
-            assert pod["terminationGracePeriodSeconds"] >= grace + 30, c.label
+            assert pod["terminationGracePeriodSeconds"] >= float(drain) + grace + 10, c.label
             assert "--insecure" not in c.argv, c.label
 
 
