@@ -15,8 +15,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
-from pdkv_proto.pdkv.v1 import node_pb2
+import grpc
+
+from engine.sampling_params import TopLogprobs
+from pdkv_proto.pdkv.v1 import node_pb2, types_pb2
 from router.admission import AdmittedRequest
+from router.events import Usage
 from serving import convert
 
 _Message = TypeVar("_Message", node_pb2.PrefillRequest, node_pb2.DecodeRequest)
@@ -62,3 +66,31 @@ def _shared(msg: _Message, request: AdmittedRequest) -> _Message:
     if request.cache_salt is not None:
         msg.cache_salt = request.cache_salt
     return msg
+
+
+def relay_prompt_sources(usage: Usage, prompt: types_pb2.PromptUsage) -> None:
+    """The node that computed the prompt says where its KV came from; the router relays it (the node
+    computes usage, once: ``serving/convert.py``'s ``prompt_usage``).  The accounting, on every path:
+
+        local_prefix + store + computed_prompt_tokens == prompt_tokens
+
+    ``remote_prefill`` is not a fourth source: those tokens were computed (or loaded) by the prefill node
+    and are counted there; it says how many of them the decode node received instead of recomputing."""
+    usage.local_prefix = prompt.local_prefix_tokens
+    usage.store = prompt.external_tokens
+    usage.computed_prompt_tokens = prompt.computed_tokens
+
+
+def prompt_scores(
+    msg: node_pb2.PrefillResponse | node_pb2.DecodeResponse,
+) -> tuple[list[float] | None, list[TopLogprobs]]:
+    """A node message's prompt scores (None: it carries none)."""
+    if not msg.HasField("prompt_logprobs"):
+        return None, []
+    return convert.prompt_logprobs(msg.prompt_logprobs)
+
+
+def rpc_code_details(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, grpc.Call):
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.UNKNOWN, str(exc)

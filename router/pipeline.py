@@ -37,12 +37,18 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.metrics import SPECS
-from engine.sampling_params import TopLogprobs
 from pdkv_proto.pdkv.v1 import node_pb2, types_pb2
 from router.admission import AdmittedRequest
 from router.choices import Placement, fork_choices
 from router.events import CallScope, Cancellation, Delta, Done, Event, Usage
-from router.node_messages import carried_tokens, decode_message, prefill_message
+from router.node_messages import (
+    carried_tokens,
+    decode_message,
+    prefill_message,
+    prompt_scores,
+    relay_prompt_sources,
+    rpc_code_details,
+)
 from router.nodes import NodeHandle, NodePool
 from router.policy import NodeSelector, RoutingInfo
 from serving import convert
@@ -93,6 +99,7 @@ class Pipeline:
         self.prefill_attempts = prefill_attempts
         self.decode_attempts = decode_attempts
         self.max_inflight = max_inflight
+
         self.resumed = 0  # requests continued on another decode node after output had reached the client
         # As the client sees them (engine/metrics.py names; exported as pdkv_router_*).
         names = (*REQUEST_LATENCIES, *REQUEST_LENGTHS)
@@ -189,8 +196,8 @@ class Pipeline:
             completion_tokens=1,
             time_to_first_token_s=time.perf_counter() - start,
         )
-        _relay_prompt_sources(usage, first.prompt)
-        scored, alternatives = _prompt_scores(first)
+        relay_prompt_sources(usage, first.prompt)
+        scored, alternatives = prompt_scores(first)
         if not first.HasField("first_token_id"):  # max_tokens 0: the prompt scored, nothing generated
             usage.completion_tokens = 0
             yield Delta([], "", [], [], prompt_logprobs=scored, prompt_top_logprobs=alternatives)
@@ -246,7 +253,7 @@ class Pipeline:
             except grpc.FutureCancelledError as exc:
                 raise ServingError(grpc.StatusCode.CANCELLED, "the client cancelled the request") from exc
             except grpc.RpcError as exc:
-                code, details = _code_details(exc)
+                code, details = rpc_code_details(exc)
                 if code not in RETRYABLE or not scope.is_active():
                     raise ServingError(code, f"prefill node {node.address}: {details}") from exc
                 if code == grpc.StatusCode.UNAVAILABLE:
@@ -333,7 +340,7 @@ class Pipeline:
                     if last.token_ids and usage.time_to_first_token_s == 0.0:
                         usage.time_to_first_token_s = time.perf_counter() - client.start
                     usage.completion_tokens += len(last.token_ids)
-                    scored, alternatives = _prompt_scores(last)
+                    scored, alternatives = prompt_scores(last)
                     if last.token_ids or text or scored is not None:
                         sent.token_ids.extend(last.token_ids)
                         sent.chars += len(text)
@@ -347,7 +354,7 @@ class Pipeline:
                             prompt_top_logprobs=alternatives,
                         )
             except grpc.RpcError as exc:
-                code, details = _code_details(exc)
+                code, details = rpc_code_details(exc)
                 if client.cancellation.cancelled or code == grpc.StatusCode.CANCELLED:
                     raise ServingError(grpc.StatusCode.CANCELLED, "the client cancelled the request") from exc
                 if code == grpc.StatusCode.UNAVAILABLE:
@@ -370,7 +377,7 @@ class Pipeline:
         """Relay a decode (or colocated) node's figures of the client's prompt: in colocated mode it
         computed the prompt; after a prefill, its external tokens are the ones it received."""
         if self.mode == "colocated":
-            _relay_prompt_sources(usage, prompt)
+            relay_prompt_sources(usage, prompt)
         else:
             usage.remote_prefill = prompt.external_tokens
 
@@ -430,35 +437,7 @@ class _Interrupted(Exception):
         self.details = details
 
 
-def _relay_prompt_sources(usage: Usage, prompt: types_pb2.PromptUsage) -> None:
-    """The node that computed the prompt says where its KV came from; the router relays it (the node
-    computes usage, once: ``serving/convert.py``'s ``prompt_usage``).  The accounting, on every path:
-
-        local_prefix + store + computed_prompt_tokens == prompt_tokens
-
-    ``remote_prefill`` is not a fourth source: those tokens were computed (or loaded) by the prefill node
-    and are counted there; it says how many of them the decode node received instead of recomputing."""
-    usage.local_prefix = prompt.local_prefix_tokens
-    usage.store = prompt.external_tokens
-    usage.computed_prompt_tokens = prompt.computed_tokens
-
-
-def _prompt_scores(
-    msg: node_pb2.PrefillResponse | node_pb2.DecodeResponse,
-) -> tuple[list[float] | None, list[TopLogprobs]]:
-    """A node message's prompt scores (None: it carries none)."""
-    if not msg.HasField("prompt_logprobs"):
-        return None, []
-    return convert.prompt_logprobs(msg.prompt_logprobs)
-
-
 def _gave_up(sent: _Sent, why: str) -> str:
     if sent.token_ids:
         return f"{why}; the output is incomplete ({len(sent.token_ids)} tokens sent), retry the request"
     return why
-
-
-def _code_details(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, grpc.Call):
-        return exc.code(), exc.details() or ""
-    return grpc.StatusCode.UNKNOWN, str(exc)

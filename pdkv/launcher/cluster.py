@@ -34,13 +34,11 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pdkv.launcher.control import ControlServer
 from pdkv.launcher.process import (
     Process,
     die_with_parent,
@@ -77,7 +75,7 @@ class Cluster:
         self.secrets: Secrets | None = None
         self._stopping = False
         self._lock = threading.Lock()  # supervise() and stop() from different threads
-        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="pdkv-up-spawn")  # see _run
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="pdkv-up-spawn")  # see launch
 
     # -- start --------------------------------------------------------------------------------------------
 
@@ -241,7 +239,7 @@ class Cluster:
             argv += ["--prefill", prefill]
         self.router = self._spawn("router", "router", argv)
         self._wait_ready([self.router], deadline)
-        self._wait_serving(self.router, deadline)
+        self.wait_serving(self.router, deadline)
 
     def _model_folder(self) -> str:
         if self.topology.model is not None:
@@ -264,11 +262,11 @@ class Cluster:
 
     def _spawn(self, name: str, role: str, argv: list[str]) -> Process:
         proc = Process(name, role, argv, self.run_dir / f"{name}.log")
-        self._run(proc)
+        self.launch(proc)
         self.processes.append(proc)
         return proc
 
-    def _run(self, proc: Process) -> None:
+    def launch(self, proc: Process) -> None:
         """Start ``proc`` from the spawner thread: ``PR_SET_PDEATHSIG`` fires when the *thread* that
         forked a child exits, so a child started from a short-lived thread (a ``pdkv restart`` request)
         would be killed with it.  The spawner lives as long as the cluster."""
@@ -294,10 +292,10 @@ class Cluster:
 
     def _wait_ready(self, procs: Sequence[Process], deadline: float) -> None:
         for proc in procs:
-            self._wait_one(proc, deadline)
+            self.wait_started(proc, deadline)
             proc.pin_addresses()
 
-    def _wait_one(self, proc: Process, deadline: float) -> None:
+    def wait_started(self, proc: Process, deadline: float) -> None:
         while not proc.ready.wait(0.05):
             if not proc.alive():
                 raise RuntimeError(
@@ -310,7 +308,7 @@ class Cluster:
                     f"({proc.log_path}):\n{proc.log_tail()}"
                 )
 
-    def _wait_serving(self, proc: Process, deadline: float) -> None:
+    def wait_serving(self, proc: Process, deadline: float) -> None:
         try:
             wait_healthy(proc.address, timeout=max(0.1, deadline - time.monotonic()), tls=self.tls)
         except TimeoutError as exc:
@@ -351,7 +349,7 @@ class Cluster:
                     proc.restart_at = None
                     proc.restarts += 1
                     logger.warning("restarting %s: %s", proc.name, " ".join(proc.argv))
-                    self._run(proc)
+                    self.launch(proc)
         return None
 
     def watch(self, stop: threading.Event, interval_s: float = 0.5) -> str | None:
@@ -362,84 +360,20 @@ class Cluster:
                 return failure
         return None
 
-    # -- planned restarts ---------------------------------------------------------------------------------
-
-    def restartable(self) -> list[str]:
-        """The children ``restart`` takes, in the order ``restart("all")`` replaces them."""
-        order = {"prefill": 0, "decode": 1, "colocated": 1, "store": 2, "router": 3}
-        procs = sorted((p for p in self.processes if p.role in order), key=lambda p: order[p.role])
-        return [p.name for p in procs]
-
-    def restart(self, name: str, out: Callable[[str], None] = print) -> None:
-        """Replace child ``name`` gracefully: SIGTERM (it drains: ``serving/drain.py``), wait for its exit,
-        start it again on the same addresses, wait until it is ready -- and, for a node, until the router
-        routes to it again, so that a rolling restart never leaves a pool empty.  ``all``: every node,
-        then the store, one at a time (not the router: its clients would see refusals).  Raises
-        ``ValueError`` for an unknown name, ``RuntimeError`` when the child does not come back."""
-        if name == "all":
-            for each in self.restartable():
-                if each != "router":
-                    self.restart(each, out)
-            return
-        procs = {p.name: p for p in self.processes if p.role != "redis"}
-        proc = procs.get(name)
-        if proc is None:
-            raise ValueError(f"no child named {name!r}; choose one of {', '.join(self.restartable())} or all")
+    @contextlib.contextmanager
+    def planned_restart(self, proc: Process) -> Iterator[None]:
+        """Marks ``proc`` as being replaced on purpose (``supervise`` leaves it alone meanwhile); raises
+        ``RuntimeError`` while the cluster stops or when another restart of it runs."""
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the cluster is stopping")
             if proc.planned:
-                raise RuntimeError(f"{name} is already being restarted")
+                raise RuntimeError(f"{proc.name} is already being restarted")
             proc.planned = True
         try:
-            self._replace(proc, out)
+            yield
         finally:
             proc.planned = False
-
-    def _replace(self, proc: Process, out: Callable[[str], None]) -> None:
-        t = self.topology
-        start = time.monotonic()
-        if proc.alive():
-            assert proc.popen is not None
-            out(f"{proc.name}: SIGTERM (drains for at most {t.drain_timeout_s:g}s)")
-            proc.popen.send_signal(signal.SIGTERM)
-            try:
-                proc.popen.wait(t.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                out(f"{proc.name}: did not exit within {t.stop_timeout_s:g}s; killing it")
-                proc.popen.kill()
-                proc.popen.wait(10)
-        code = proc.popen.poll() if proc.popen else "?"
-        out(f"{proc.name}: exited (code {code}) after {time.monotonic() - start:.1f}s")
-        proc.restart_at = None
-        proc.restarts += 1
-        self._run(proc)
-        deadline = time.monotonic() + t.startup_timeout_s
-        self._wait_one(proc, deadline)
-        if proc.role in ("prefill", "decode", "colocated"):
-            self._wait_routed(proc, deadline)
-        elif proc.role == "router":
-            self._wait_serving(proc, deadline)
-        out(f"{proc.name}: back on {proc.address} after {time.monotonic() - start:.1f}s")
-
-    def _wait_routed(self, proc: Process, deadline: float) -> None:
-        """Until the router's health rounds find ``proc`` up again (its /metrics says so; without metrics,
-        two rounds of the router's default interval after the node itself says SERVING)."""
-        wait_healthy(proc.address, timeout=max(0.1, deadline - time.monotonic()), tls=self.tls)
-        metrics = self.router.info.get("metrics", "-") if self.router is not None else "-"
-        if metrics in ("", "-"):
-            time.sleep(2.0)
-            return
-        family, label = f"pdkv_router_{proc.role}_node_up{{", f'node="{proc.address}"'
-        while time.monotonic() < deadline:
-            url = f"http://{metrics}/metrics"
-            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2.0) as response:
-                for line in response.read().decode().splitlines():
-                    up = line.rsplit(" ", 1)[-1] in ("1.0", "1")
-                    if line.startswith(family) and label in line and up:
-                        return
-            time.sleep(0.1)
-        raise RuntimeError(f"the router did not route to {proc.name} ({proc.address}) again in time")
 
     # -- stop ---------------------------------------------------------------------------------------------
 
@@ -483,34 +417,3 @@ class Cluster:
     def metrics_addresses(self) -> dict[str, str]:
         """Where each child serves ``/metrics`` (HOST:PORT, by child name), as its ready line said."""
         return {p.name: p.info["metrics"] for p in self.processes if p.info.get("metrics", "-") != "-"}
-
-
-def run_until_signal(cluster: Cluster, on_ready: Callable[[Cluster], None]) -> int:
-    """Call ``on_ready``, then supervise the children (a dead one is restarted) until SIGINT/SIGTERM, or
-    until a child keeps dying (rc 1); stop everything."""
-    stop = threading.Event()
-
-    def request_stop(signum: int, _frame: Any) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    control: ControlServer | None = None
-    try:
-        control = ControlServer(cluster).start()
-        on_ready(cluster)
-        print(
-            f"pdkv up: control socket {control.path} (pdkv restart NAME replaces one child gracefully)",
-            file=sys.stderr,
-            flush=True,
-        )
-        failure = cluster.watch(stop)
-        if failure is not None:
-            print(f"pdkv up: {failure}", file=sys.stderr)
-            return 1
-        return 0
-    finally:
-        if control is not None:
-            control.close()
-        cluster.stop()
-        for s, handler in previous.items():
-            signal.signal(s, handler)

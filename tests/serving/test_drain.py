@@ -18,7 +18,7 @@ from engine.engine_config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from pdkv.launcher import Cluster
+from pdkv.launcher import Cluster, RollingRestarts
 from pdkv.launcher.control import ControlServer, send
 from serving.client import GenerationClient, generate_request
 from serving.drain import Drain, DrainProgress
@@ -219,7 +219,7 @@ def _rolling_restart(names: list[str]) -> None:
             wait_until(lambda: load.completed() >= CLIENTS, timeout=120, what="the load to run")
             for name in names:
                 before = load.completed()
-                cluster.restart(name, progress.append)
+                RollingRestarts(cluster).restart(name, progress.append)
                 # Load went on through the restart, and goes on after it.
                 wait_until(
                     lambda b=before: load.completed() >= b + CLIENTS, timeout=120, what="more requests"
@@ -279,7 +279,7 @@ def test_a_draining_router_finishes_its_streams_and_refuses_new_calls() -> None:
 
             def restart_router() -> None:
                 try:
-                    cluster.restart("router", progress.append)
+                    RollingRestarts(cluster).restart("router", progress.append)
                 except Exception as exc:  # reported by the assertion below
                     progress.append(f"failed: {exc!r}")
 
