@@ -41,10 +41,23 @@ class PrefillChunk:
     start_position: int
     block_ids: torch.Tensor  # [cdiv(start_position + num_tokens, block_size)] int64
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _as_decodes: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def context_len(self) -> int:
         return self.start_position + self.num_tokens
+
+    def as_decodes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's rows as decode queries: (block table [n, W] -- the chunk's blocks on every row --,
+        positions [n]), built once per step."""
+        if self._as_decodes is None:
+            n = self.num_tokens
+            table = self.block_ids[None, :].expand(n, -1).contiguous()
+            positions = torch.arange(
+                self.start_position, self.context_len, dtype=torch.int64, device=self.block_ids.device
+            )
+            self._as_decodes = (table, positions)
+        return self._as_decodes
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[n, context] bool, True where query row i may see key j (built once per step and window)."""
@@ -150,11 +163,17 @@ def paged_attention(
     workspace: GatherWorkspace,
     kernel: DecodeKernel | None = None,
     prefill_kernel: PrefillKernel | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Attention of the step's queries ``q`` [T, H, D] over the cache (``k``/``v`` [T, Hkv, D] are this
     step's own keys and values, already written).  Returns [T, H, D].  With ``kernel`` (the native
     decode attention, engine/native.py) decodes read the cache in place instead of gathering it; with
-    ``prefill_kernel`` so do prefill chunks."""
+    ``prefill_kernel`` so do prefill chunks.
+
+    ``deterministic`` (needs ``kernel``): every row, decode or prefill, goes through the decode kernel,
+    which reduces each query over its keys in one order fixed by the query's position alone -- so a
+    token's attention is the same bits in any batch, any chunking, prefill or decode."""
+    assert kernel is not None or not deterministic, "deterministic attention runs on the decode kernel"
     parts = []  # in row order: decode groups, then each prefill chunk
     for dec in meta.decodes:
         rows = slice(dec.row_start, dec.row_start + dec.num)
@@ -166,7 +185,10 @@ def paged_attention(
             parts.append(_decode_attention(q[rows], kv_cache, layer, dec, scale, window, workspace))
     for chunk in meta.prefills:
         rows = slice(chunk.row_start, chunk.row_start + chunk.num_tokens)
-        if prefill_kernel is not None:
+        if deterministic and kernel is not None:
+            table, positions = chunk.as_decodes()
+            parts.append(kernel(q[rows], kv_cache, layer, table, positions, scale=scale, window=window))
+        elif prefill_kernel is not None:
             start = chunk.start_position
             parts.append(
                 prefill_kernel(q[rows], kv_cache, layer, chunk.block_ids, start, scale=scale, window=window)

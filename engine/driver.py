@@ -391,6 +391,8 @@ class EngineSnapshot:
     block_size: int
     hash_algo: str
     stats: StatsSnapshot
+    dtype: str  # the model's compute dtype ("bfloat16", "float32")
+    deterministic: bool  # batch-invariant forward passes (engine/determinism.py)
     connector: ConnectorStats
     # None when not checked; "" when the books balance; else why they do not.
     integrity_error: str | None = None
@@ -421,6 +423,8 @@ def snapshot(engine: LLMEngine, *, check_integrity: bool = False) -> EngineSnaps
         block_size=engine.namespace.block_size,
         hash_algo=engine.namespace.algo,
         stats=engine.stats(),
+        dtype=str(engine.model.dtype).removeprefix("torch."),
+        deterministic=engine.determinism.on,
         connector=engine.scheduler_connector.get_stats().merged(engine.worker_connector.get_stats()),
         integrity_error=integrity,
     )

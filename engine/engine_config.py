@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
+# What deterministic mode (engine/determinism.py) costs, measured by ``python -m bench.engine_real``
+# (docs/BENCHMARKS.md); --help prints it.
+DETERMINISTIC_COST = "Measured cost: see docs/BENCHMARKS.md."
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,9 @@ class EngineConfig:
     kv_stop_timeout_s: float = 30.0
     # Names this engine to its peers (p2p transfer parameters, store events).
     engine_id: str = "engine-0"
+    # Batch-invariant forward passes (engine/determinism.py): True requires them (an error where they
+    # cannot be served), False turns them off, None has them wherever they can be served.
+    deterministic: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -87,6 +93,8 @@ class EngineConfig:
             )
         if not isinstance(self.engine_id, str) or not self.engine_id:
             raise ValueError("engine_id must be a non-empty string")
+        if self.deterministic not in (None, True, False):
+            raise ValueError(f"deterministic must be True, False or None, got {self.deterministic!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         _ = self.scheduler_config  # validates the scheduling limits now, not at first use

@@ -20,6 +20,7 @@ from engine.connector.base import ConnectorContext, KVConnectorBase, KVConnector
 from engine.connector.null import NullConnector
 from engine.connector.params import KVTransferParams
 from engine.connector.spec import KVConnectorSpec
+from engine.determinism import enable_determinism, kv_fingerprint
 from engine.engine_config import EngineConfig
 from engine.hashing import HashNamespace
 from engine.kv_cache import KVCacheSpec
@@ -121,8 +122,21 @@ class LLMEngine:
         model_config = self.model.config
         self.max_model_len = self._max_model_len(config, model_config.max_position_embeddings)
         self.eos_token_ids = model_config.eos_token_ids
+        self.determinism = enable_determinism(
+            self.model.model,
+            requested=config.deterministic,
+            dtype=dtype,
+            device=device,
+            num_heads=model_config.num_heads,
+            num_kv_heads=model_config.num_kv_heads,
+            head_dim=model_config.head_dim,
+            max_rows=config.max_num_batched_tokens,
+        )
+        logger.info("deterministic %s", self.determinism.note)
         self.namespace = HashNamespace(
-            model_fingerprint=self.model.fingerprint, block_size=config.block_size, algo=config.hash_algo
+            model_fingerprint=kv_fingerprint(self.model.fingerprint, dtype, self.determinism.on),
+            block_size=config.block_size,
+            algo=config.hash_algo,
         )
         probe = KVCacheSpec.for_model(model_config, num_blocks=1, block_size=config.block_size, dtype=dtype)
         self.kv_spec = dataclasses.replace(probe, num_blocks=config.num_blocks_for(probe.bytes_per_block))
@@ -146,6 +160,7 @@ class LLMEngine:
             device=device,
             sampler=Sampler(config.seed),
             connector=self.worker_connector,
+            deterministic=self.determinism.on,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         # Structured outputs: constraints compiled once per engine (engine/structured.py).

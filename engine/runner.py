@@ -70,7 +70,10 @@ class ModelRunner:
         device: torch.device,
         sampler: Sampler,
         connector: KVConnectorBase | None = None,
+        deterministic: bool = False,
     ) -> None:
+        """``deterministic``: every attention row through the decode kernel (engine/determinism.py; the
+        engine has made the model's linears batch-invariant already)."""
         self.model = model
         self.device = device
         self.kv_spec = kv_spec
@@ -84,6 +87,9 @@ class ModelRunner:
         self.decode_kernel, self.prefill_kernel, self.rope_kernel = self._native_kernels(
             model, kv_spec, device, sampler
         )
+        if deterministic and self.decode_kernel is None:
+            raise ValueError("deterministic mode needs the native decode attention, which is not built here")
+        self.deterministic = deterministic
 
     @staticmethod
     def _native_kernels(
@@ -127,6 +133,7 @@ class ModelRunner:
                 self.decode_kernel,
                 self.rope_kernel,
                 self.prefill_kernel,
+                self.deterministic,
             )
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, hidden]
         except Exception as exc:

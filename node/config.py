@@ -20,7 +20,7 @@ from typing import Any
 
 from connectors.registry import KVConnectorConfig
 from engine.cpu_features import auto_cpu_dtype_note
-from engine.engine_config import EngineConfig
+from engine.engine_config import DETERMINISTIC_COST, EngineConfig
 from engine.model.embedded import model_name
 from telemetry.ports import metrics_port
 from wire.endpoints import parse_address
@@ -231,6 +231,14 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         "--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto", help=_dtype_help()
     )
     engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    engine.add_argument(
+        "--deterministic",
+        choices=("on", "off"),
+        default=None,
+        help=f"batch-invariant forward passes: a request's tokens and logprobs the same bits whatever runs "
+        f"beside it (engine/determinism.py); default on where it can be served (bfloat16 on the CPU), "
+        f"on refuses to start elsewhere. {DETERMINISTIC_COST}",
+    )
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--num-blocks", type=int, default=None)
     engine.add_argument("--kv-cache-bytes", type=int, default=None)
@@ -255,6 +263,7 @@ def node_config_from_args(args: argparse.Namespace, role: str) -> NodeConfig:
         "model": args.model,
         "dtype": args.dtype,
         "device": args.device,
+        "deterministic": None if args.deterministic is None else args.deterministic == "on",
         "block_size": args.block_size,
         "num_blocks": args.num_blocks,
         "kv_cache_bytes": args.kv_cache_bytes,

@@ -189,6 +189,8 @@ def _stats_proto(node: NodeRuntime, s: EngineSnapshot) -> node_pb2.NodeStats:
         model_fingerprint=s.model_fingerprint,
         block_size=s.block_size,
         hash_algo=s.hash_algo,
+        dtype=s.dtype,
+        deterministic=s.deterministic,
         kv_events_endpoint=node.events.endpoint if node.events is not None else "",
         kv_events_replay_endpoint=node.events.replay_endpoint if node.events is not None else "",
         kv_events_epoch=node.events.epoch if node.events is not None else "",

@@ -13,7 +13,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -65,6 +65,9 @@ class NodeHandle:
         self.control = node_pb2_grpc.NodeStub(self.channel)
         # The node's block-hash namespace (from Stats), for prefix-aware policies.
         self.namespace: HashNamespace | None = None
+        # Its compute dtype ("" until it answered) and whether it runs deterministic (from Stats).
+        self.dtype = ""
+        self.deterministic = False
         # Its measured costs and where it publishes KV events (from Stats, each health round).
         self.costs = NodeCosts()
         self.kv_events: Publisher | None = None
@@ -137,6 +140,7 @@ class NodeHandle:
                     block_size=stats.block_size,
                     algo=stats.hash_algo,
                 )
+            self.dtype, self.deterministic = stats.dtype, stats.deterministic
         except (grpc.RpcError, ValueError) as exc:
             logger.debug("no stats from %s yet: %r", self.address, exc)
             return
@@ -289,3 +293,16 @@ class HealthMonitor:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(self.timeout + 2.0)
+
+
+def numerics(nodes: Iterable[NodeHandle]) -> tuple[str, bool]:
+    """What the nodes that answered compute in: their dtypes ("bfloat16"; "bfloat16,float32" for a mixed
+    fleet; "" before any answered) and whether every one of them runs deterministic."""
+    answered = [n for n in nodes if n.dtype]
+    dtypes = ",".join(sorted({n.dtype for n in answered}))
+    return dtypes, bool(answered) and all(n.deterministic for n in answered)
+
+
+def pool_numerics(*pools: NodePool | None) -> tuple[str, bool]:
+    """``numerics`` of every node of ``pools`` (None: a pool the mode has not)."""
+    return numerics(n for pool in pools if pool is not None for n in pool.nodes())

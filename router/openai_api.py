@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse
 from router.admission import Admission, ChatPrompt, GenerationRequest
 from router.auth import Access, Caller
 from router.http_scope import HttpCallScope, IdleCutoff, pipeline_events
+from router.nodes import pool_numerics
 from router.openai_errors import ApiError
 from router.openai_requests import chat_request, check_model, completion_request
 from router.openai_responses import ResponseShape, echo_of, model_card, whole_response
@@ -101,14 +102,20 @@ def create_app(
     # nothing about the request's shape (a 401, never a detailed 400).
     authenticated = Depends(caller_of)
 
+    def numerics() -> tuple[str, bool]:
+        return pool_numerics(pipeline.prefill_pool, pipeline.decode_pool)
+
     @app.get("/v1/models")
     async def _models(caller: Caller = authenticated) -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(model, created)]}
+        return {
+            "object": "list",
+            "data": [model_card(model, created, pool_numerics(pipeline.prefill_pool, pipeline.decode_pool))],
+        }
 
     @app.get("/v1/models/{name:path}")
     async def _model(name: str, caller: Caller = authenticated) -> dict[str, Any]:
         check_model(model, name)
-        return model_card(model, created)
+        return model_card(model, created, numerics())
 
     @app.post("/tokenize")
     async def _tokenize(body: TokenizeRequest, caller: Caller = authenticated) -> dict[str, Any]:

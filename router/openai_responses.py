@@ -263,7 +263,9 @@ class Echo:
         return [None, *self._tops]
 
 
-def model_card(model: RouterModel, created: int) -> dict[str, Any]:
+def model_card(model: RouterModel, created: int, numerics: tuple[str, bool] = ("", False)) -> dict[str, Any]:
+    """``numerics``: the nodes' dtype and whether they all run deterministic (``router.nodes.numerics``)."""
+    dtype, deterministic = numerics
     return {
         "id": model.name,
         "object": "model",
@@ -271,6 +273,8 @@ def model_card(model: RouterModel, created: int) -> dict[str, Any]:
         "owned_by": "pdkv",
         "max_model_len": model.context_length,
         "context_length": model.context_length,
+        "dtype": dtype,
+        "deterministic": deterministic,
     }
 
 

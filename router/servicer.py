@@ -25,7 +25,7 @@ from router.admission import (
 )
 from router.auth import Access, Caller
 from router.events import Delta, Done, Usage, total_usage
-from router.nodes import NodePool
+from router.nodes import NodePool, numerics
 from router.pipeline import Pipeline
 from router.streams import StreamWatch
 from router.tokenizer import RouterModel
@@ -67,6 +67,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             block_size = next(
                 (n.namespace.block_size for p in self.pools for n in p.nodes() if n.namespace is not None), 0
             )
+            dtype, deterministic = numerics(n for p in self.pools for n in p.nodes())
             return generation_pb2.ModelInfo(
                 name=m.name,
                 vocab_size=m.vocab_size,
@@ -80,6 +81,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 max_n=self.admission.max_n,
                 tool_calls=self.admission.tool_format is not None,
                 tool_call_format=self.admission.tool_format or "",
+                dtype=dtype,
+                deterministic=deterministic,
             )
         raise AssertionError("unreachable: rpc_errors aborts the call")
 

@@ -75,6 +75,11 @@ VARIANTS: dict[str, Variant] = {
     "mistral_window_hd32": Variant(
         "mistral", (("hidden_size", 128), ("intermediate_size", 256), ("sliding_window", 8))
     ),
+    # deterministic mode's tests: a down projection with K = 1536 (SmolLM2's, which oneDNN blocks by
+    # the row count) and room for 2048-token chunks
+    "llama_k1536": Variant(
+        "llama", (("hidden_size", 128), ("intermediate_size", 1536), ("max_position_embeddings", 4096))
+    ),
 }
 
 

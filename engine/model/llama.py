@@ -36,6 +36,7 @@ class ForwardContext:
     decode_kernel: DecodeKernel | None = None  # native decode attention (engine/native.py), if built
     rope_kernel: RopeKernel | None = None  # native RoPE + K/V write, if built
     prefill_kernel: PrefillKernel | None = None  # native prefill attention, if built and it serves the dtype
+    deterministic: bool = False  # every attention row through decode_kernel (engine/attention.py)
 
 
 class RMSNorm(nn.Module):
@@ -120,6 +121,7 @@ class Attention(nn.Module):
             workspace=ctx.workspace,
             kernel=ctx.decode_kernel,
             prefill_kernel=ctx.prefill_kernel,
+            deterministic=ctx.deterministic,
         )  # [T, H, D]
         ctx.hooks.save_kv_layer(self.layer, ctx.kv_cache, ctx.attn)
         return self.o_proj(out.reshape(t, self.q_size))  # [T, H * D] -> [T, hidden]

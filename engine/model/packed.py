@@ -38,17 +38,57 @@ class PackedLinear(nn.Module):
         # batch_size=None: a layout good for every row count (decode batches and prefill chunks alike).
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        # With split_k: the weight as column pieces [out, k_i], packed each, and where each starts.
+        self.pieces: list[tuple[int, int, torch.Tensor]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] -> [T, out]."""
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if not self.pieces:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return split_linear(x, self.pieces, self.bias)
+
+    def split_k(self, sizes: list[int]) -> None:
+        """Compute as len(sizes) matmuls over consecutive column pieces of these sizes, each added into
+        the running sum by oneDNN's add post-op (float32 inside, one rounding per piece): where oneDNN
+        picks its K blocking by the row count, a piece small enough that it never splits gives every row
+        the same sums at any batch size (``engine/model/batch_invariance.py`` measures which).  ``[]``
+        (or one piece) undoes it."""
+        assert sum(sizes) == self.in_features if sizes else True
+        dense = self.dense_weight() if self.pieces else None
+        if len(sizes) <= 1:
+            if dense is not None:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(dense, None)
+            self.pieces = []
+            return
+        dense = dense if dense is not None else self.packed.to_dense()
+        pieces, start = [], 0
+        for size in sizes:
+            part = dense[:, start : start + size].contiguous()
+            pieces.append((start, start + size, torch.ops.mkldnn._reorder_linear_weight(part, None)))
+            start += size
+        self.pieces = pieces
+        self.packed = torch.empty(0, dtype=dense.dtype)  # the pieces hold the weight now
 
     def dense_weight(self) -> torch.Tensor:
         """The weight as a plain [out, in] tensor (a fresh copy)."""
+        if self.pieces:
+            return torch.cat([p.to_dense() for _, _, p in self.pieces], dim=1)
         return self.packed.to_dense()
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+        split = f", k_pieces={[b - a for a, b, _ in self.pieces]}" if self.pieces else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN{split}"
+
+
+def split_linear(
+    x: torch.Tensor, pieces: list[tuple[int, int, torch.Tensor]], bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x`` [T, in] times the weight held as packed column pieces (start, end, packed) -> [T, out]."""
+    (a, b, first), rest = pieces[0], pieces[1:]
+    y = torch.ops.mkldnn._linear_pointwise(x[:, a:b].contiguous(), first, bias, "none", [], "")
+    for a, b, packed in rest:
+        y = torch.ops.mkldnn._linear_pointwise.binary(x[:, a:b].contiguous(), y, packed, None, "add")
+    return y
 
 
 def pack_linears(model: nn.Module) -> int:

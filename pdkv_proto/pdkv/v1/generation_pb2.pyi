@@ -24,7 +24,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "context_length", "eos_token_ids", "block_size", "has_chat_template", "end_of_turn_token_ids", "sampling_fields", "structured_kinds", "max_n", "tool_calls", "tool_call_format")
+    __slots__ = ("name", "vocab_size", "context_length", "eos_token_ids", "block_size", "has_chat_template", "end_of_turn_token_ids", "sampling_fields", "structured_kinds", "max_n", "tool_calls", "tool_call_format", "dtype", "deterministic")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,8 @@ class ModelInfo(_message.Message):
     MAX_N_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     context_length: int
@@ -49,7 +51,9 @@ class ModelInfo(_message.Message):
     max_n: int
     tool_calls: bool
     tool_call_format: str
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., end_of_turn_token_ids: _Optional[_Iterable[int]] = ..., sampling_fields: _Optional[_Iterable[str]] = ..., structured_kinds: _Optional[_Iterable[str]] = ..., max_n: _Optional[int] = ..., tool_calls: _Optional[bool] = ..., tool_call_format: _Optional[str] = ...) -> None: ...
+    dtype: str
+    deterministic: bool
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., end_of_turn_token_ids: _Optional[_Iterable[int]] = ..., sampling_fields: _Optional[_Iterable[str]] = ..., structured_kinds: _Optional[_Iterable[str]] = ..., max_n: _Optional[int] = ..., tool_calls: _Optional[bool] = ..., tool_call_format: _Optional[str] = ..., dtype: _Optional[str] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "messages", "sampling", "cache_salt", "n")

@@ -108,7 +108,7 @@ class StatsRequest(_message.Message):
     def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("node_id", "role", "engine_id", "num_requests", "integrity_checked", "integrity_ok", "integrity_error", "kv_endpoint", "connector_stats", "model_fingerprint", "block_size", "hash_algo", "counters", "gauges", "histograms", "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_epoch")
+    __slots__ = ("node_id", "role", "engine_id", "num_requests", "integrity_checked", "integrity_ok", "integrity_error", "kv_endpoint", "connector_stats", "model_fingerprint", "block_size", "hash_algo", "counters", "gauges", "histograms", "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_epoch", "dtype", "deterministic")
     class ConnectorStatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,8 @@ class NodeStats(_message.Message):
     KV_EVENTS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     engine_id: str
@@ -173,7 +175,9 @@ class NodeStats(_message.Message):
     kv_events_endpoint: str
     kv_events_replay_endpoint: str
     kv_events_epoch: str
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., engine_id: _Optional[str] = ..., num_requests: _Optional[int] = ..., integrity_checked: _Optional[bool] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., connector_stats: _Optional[_Mapping[str, float]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algo: _Optional[str] = ..., counters: _Optional[_Mapping[str, float]] = ..., gauges: _Optional[_Mapping[str, float]] = ..., histograms: _Optional[_Mapping[str, Histogram]] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., kv_events_epoch: _Optional[str] = ...) -> None: ...
+    dtype: str
+    deterministic: bool
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., engine_id: _Optional[str] = ..., num_requests: _Optional[int] = ..., integrity_checked: _Optional[bool] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., connector_stats: _Optional[_Mapping[str, float]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algo: _Optional[str] = ..., counters: _Optional[_Mapping[str, float]] = ..., gauges: _Optional[_Mapping[str, float]] = ..., histograms: _Optional[_Mapping[str, Histogram]] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., kv_events_epoch: _Optional[str] = ..., dtype: _Optional[str] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class Histogram(_message.Message):
     __slots__ = ("bounds", "counts", "sum")

@@ -1,0 +1,88 @@
+"""Deterministic mode: the same bits for a request whatever else runs with it.
+
+With it on, each token's forward pass reduces in an order fixed by that token alone -- not by the batch
+size, the chunking, the row's place in the batch, the thread count, or whether its keys and values were
+computed here, loaded from a store tier or received from a peer:
+
+- linears: oneDNN's packed bfloat16 matmuls in K pieces measured to keep each row's sums at every row
+  count (``engine/model/batch_invariance.py``);
+- attention: every row, prefill or decode, through the native decode kernel, which sums each query over
+  its visible keys in one order (``engine/attention.py``);
+- norms, RoPE, SwiGLU, the LM head and sampling were per row already (the native kernels; the sampler's
+  seeded noise depends on the request's seed and output index only).
+
+So temperature 0 gives one answer at any load, a stream resumed on another decode node continues as the
+one that died would have, and a prefix loaded from a tier is the KV a recompute would make.  It serves
+bfloat16 on the CPU with the native kernels built; float32's linears are MKL's, whose sums depend on the
+batch (float32 is the dtype compared with transformers token for token, not bit for bit).
+
+The switch changes bits (its prefill attention and split linears round differently from the fast
+paths), so it is part of the KV's namespace with the dtype (``kv_fingerprint``): a deterministic node
+never loads a block a non-deterministic one made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.batch_invariance import make_batch_invariant
+from engine.native import DecodeKernel, native_kernels
+
+
+@dataclass(frozen=True)
+class Determinism:
+    """What an engine runs: ``on``, and ``note`` saying why (or why not) in a line."""
+
+    on: bool
+    note: str
+
+
+class DeterminismUnavailable(ValueError):
+    """``--deterministic on`` was asked for where it cannot be served."""
+
+
+def enable_determinism(
+    model: torch.nn.Module,
+    *,
+    requested: bool | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_rows: int,
+) -> Determinism:
+    """Turn deterministic mode on for ``model`` where ``requested`` (None: where it can be served) and
+    this host serves it.  Raises ``DeterminismUnavailable`` when ``requested`` is True and it cannot."""
+    if requested is False:
+        return Determinism(False, "off (--deterministic off)")
+    why = _unavailable(dtype, device, num_heads, num_kv_heads, head_dim)
+    if why is None:
+        why = make_batch_invariant(model, max_rows)
+    if why is None:
+        return Determinism(True, "on: batch-invariant linears and attention (bfloat16)")
+    if requested:
+        raise DeterminismUnavailable(f"--deterministic on cannot be served here: {why}")
+    return Determinism(False, f"off: {why}")
+
+
+def _unavailable(
+    dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int
+) -> str | None:
+    if device.type != "cpu":
+        return f"it serves the CPU, not {device.type}"
+    if dtype != torch.bfloat16:
+        return f"it serves bfloat16; this engine runs {str(dtype).removeprefix('torch.')}"
+    if not DecodeKernel.supports(dtype, num_heads, num_kv_heads, head_dim):
+        return "the native decode attention does not serve this model's heads"
+    if native_kernels() is None:
+        return "the native kernels could not be built (no C compiler?)"
+    return None
+
+
+def kv_fingerprint(model_fingerprint: str, dtype: torch.dtype, deterministic: bool) -> str:
+    """The fingerprint a ``HashNamespace`` takes: the model's, plus what makes its KV bits differ."""
+    mode = ";deterministic" if deterministic else ""
+    return f"{model_fingerprint};kv={str(dtype).removeprefix('torch.')}{mode}"

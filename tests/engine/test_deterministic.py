@@ -1,0 +1,265 @@
+"""Deterministic mode (engine/determinism.py): in bfloat16, a request's tokens *and* logprobs are the same
+bits alone or in any batch, at any chunk size and thread count, from a prefix hit or a recompute, and from
+every store tier; seeded sampling draws the same tokens.  And the switch is refused by name where it
+cannot be served, and it is part of the KV's namespace.
+
+The model has SmolLM2's down projection shape (K = 1536), which oneDNN blocks by the row count on the
+CPUs measured: the K pieces are exercised wherever this host needs them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from connectors.registry import KVConnectorConfig
+from engine.cpu_features import cpu_flags
+from engine.determinism import DeterminismUnavailable, kv_fingerprint
+from engine.llm import LLM
+from engine.model import batch_invariance
+from engine.model.batch_invariance import k_pieces
+from engine.model.packed import PackedLinear
+from engine.sampling_params import SamplingParams
+from tests.tiny_models import tiny_model_dir
+
+needs_bf16 = pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="needs a CPU with AVX512-BF16")
+
+MODEL = "llama_k1536"
+VOCAB = 320
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=3)
+SEEDED = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=1234, logprobs=True)
+
+
+def make(**options: Any) -> LLM:
+    opts: dict[str, Any] = {"dtype": "bfloat16", "block_size": 16, "num_blocks": 2048, "max_num_seqs": 64}
+    opts.update(options)
+    return LLM(tiny_model_dir(MODEL), **opts)
+
+
+def prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(length)]
+
+
+def bits(out: Any) -> tuple[Any, ...]:
+    """What must be equal: the tokens, their logprobs and the top logprobs, exactly."""
+    return (out.token_ids, out.logprobs, out.top_logprobs)
+
+
+def alone(llm: LLM, p: list[int], params: SamplingParams = GREEDY) -> tuple[Any, ...]:
+    assert llm.engine.reset_prefix_cache()
+    [out] = llm.generate([p], params)
+    return bits(out)
+
+
+def in_batch(llm: LLM, p: list[int], companions: list[list[int]], at: int, params: SamplingParams) -> Any:
+    assert llm.engine.reset_prefix_cache()
+    batch = [*companions[:at], p, *companions[at:]]
+    return bits(llm.generate(batch, params)[at])
+
+
+@pytest.fixture(scope="module")
+def det() -> LLM:
+    if "avx512_bf16" not in cpu_flags():
+        pytest.skip("needs a CPU with AVX512-BF16")
+    llm = make()
+    assert llm.engine.determinism.on, llm.engine.determinism.note
+    return llm
+
+
+@needs_bf16
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded-t0.8"])
+def test_alone_equals_every_batch(det: LLM, params: SamplingParams) -> None:
+    rng = random.Random(7)
+    probe = prompt(rng, 150)
+    expected = alone(det, probe, params)
+    assert len(expected[0]) == 12
+    for size in (2, 3, 8, 17, 33, 64):
+        companions = [prompt(rng, rng.randrange(5, 300)) for _ in range(size - 1)]
+        got = in_batch(det, probe, companions, rng.randrange(size), params)
+        assert got == expected, f"batch of {size}"
+
+
+@needs_bf16
+def test_joining_a_running_batch_mid_decode(det: LLM) -> None:
+    """The probe arrives while others decode: its prefill shares steps with their decodes."""
+    rng = random.Random(8)
+    probe = prompt(rng, 200)
+    expected = alone(det, probe)
+    assert det.engine.reset_prefix_cache()
+    engine = det.engine
+    for i in range(12):
+        engine.add_request(f"bg-{i}", prompt(rng, rng.randrange(20, 200)), SamplingParams(max_tokens=40))
+    for _ in range(5):
+        engine.step()
+    engine.add_request("probe", probe, GREEDY)
+    outputs: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "probe":
+                outputs.setdefault("probe", []).append(out)
+    [final] = det.generate([probe], GREEDY)  # the same once more, now a prefix hit
+    assert bits(final) == expected
+    assert [t for o in outputs["probe"] for t in o.new_token_ids] == expected[0]
+    assert [lp for o in outputs["probe"] for lp in o.new_logprobs] == expected[1]
+
+
+@needs_bf16
+@pytest.mark.parametrize("chunk", [16, 64, 256, 2048])
+def test_chunk_sizes(chunk: int) -> None:
+    rng = random.Random(9)
+    probe = prompt(rng, 1500)
+    reference = make(max_num_batched_tokens=2048)
+    expected = alone(reference, probe)
+    llm = make(max_num_batched_tokens=chunk, max_model_len=4096)
+    assert llm.engine.determinism.on
+    assert alone(llm, probe) == expected
+    companions = [prompt(rng, rng.randrange(100, 900)) for _ in range(5)]
+    assert in_batch(llm, probe, companions, 2, GREEDY) == expected
+
+
+@needs_bf16
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_thread_counts(threads: int) -> None:
+    rng = random.Random(10)
+    probe = prompt(rng, 300)
+    companions = [prompt(rng, rng.randrange(10, 300)) for _ in range(9)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = alone(make(), probe)
+        torch.set_num_threads(threads)
+        llm = make()
+        assert llm.engine.determinism.on
+        assert alone(llm, probe) == expected
+        assert in_batch(llm, probe, companions, 4, GREEDY) == expected
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_bf16
+def test_prefix_hit_equals_recompute(det: LLM) -> None:
+    rng = random.Random(11)
+    shared = prompt(rng, 160)  # 10 whole blocks
+    full = shared + prompt(rng, 37)
+    expected = alone(det, full)  # computed from scratch
+    assert det.engine.reset_prefix_cache()
+    det.generate([shared], GREEDY)  # its blocks now cached
+    [out] = det.generate([full], GREEDY)
+    assert out.num_cached_tokens == 160
+    assert bits(out) == expected
+
+
+def _offload(spec: str) -> KVConnectorConfig:
+    return KVConnectorConfig("offload", {"kv_store": spec, "lookup_timeout_s": 5.0})
+
+
+@needs_bf16
+@pytest.mark.parametrize("tier", ["cpu", "disk", "redis"])
+def test_loaded_from_each_tier_equals_recompute(
+    det: LLM, tier: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    rng = random.Random(12)
+    probe = prompt(rng, 170)
+    companions = [prompt(rng, rng.randrange(10, 200)) for _ in range(6)]
+    expected = alone(det, probe)
+    if tier == "cpu":
+        spec = "cpu:64MiB"
+    elif tier == "disk":
+        spec = f"disk:{tmp_path / 'kv'}:64MiB"
+    else:
+        spec = f"redis://127.0.0.1:{request.getfixturevalue('redis_server').port}/0"
+    writer = make(kv_connector=_offload(spec))
+    writer.generate([*companions[:3], probe], GREEDY)  # computed in a batch, saved to the tier
+    assert writer.engine.drain(20.0)
+    reader = make(kv_connector=_offload(spec))
+    outs = reader.generate([*companions[3:], probe], GREEDY)  # loaded, in another batch
+    assert outs[-1].num_external_tokens == 160
+    assert bits(outs[-1]) == expected
+    for llm in (writer, reader):
+        llm.engine.shutdown()
+
+
+@needs_bf16
+def test_the_switch_is_in_the_namespace_and_blocks_never_cross(det: LLM) -> None:
+    off = make(deterministic=False)
+    assert not off.engine.determinism.on
+    fp = off.engine.model.fingerprint
+    assert off.engine.namespace.model_fingerprint == kv_fingerprint(fp, torch.bfloat16, False)
+    assert det.engine.namespace.model_fingerprint == kv_fingerprint(fp, torch.bfloat16, True)
+    assert off.engine.namespace.namespace_id != det.engine.namespace.namespace_id
+    # a block a non-deterministic engine saved is never loaded by a deterministic one (same store)
+    rng = random.Random(13)
+    probe = prompt(rng, 100)
+    writer = make(deterministic=False, kv_connector=_offload("cpu:64MiB"))
+    writer.generate([probe], GREEDY)
+    assert writer.engine.drain(20.0)
+    reader = make(kv_connector=_offload("cpu:64MiB"))
+    [out] = reader.generate([probe], GREEDY)
+    assert out.num_external_tokens == 0
+    assert bits(out) == alone(det, probe)
+    for llm in (writer, reader, off):
+        llm.engine.shutdown()
+
+
+def test_float32_runs_without_it_and_refuses_it_by_name() -> None:
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", block_size=16, num_blocks=64)
+    assert not llm.engine.determinism.on
+    assert "bfloat16" in llm.engine.determinism.note
+    llm.engine.shutdown()
+    with pytest.raises(DeterminismUnavailable, match=r"--deterministic on cannot be served here.*bfloat16"):
+        LLM(tiny_model_dir("llama"), dtype="float32", block_size=16, num_blocks=64, deterministic=True)
+
+
+def test_k_pieces() -> None:
+    assert k_pieces(576, 1024) == [576]
+    assert k_pieces(1536, 1024) == [768, 768]
+    assert k_pieces(1536, 512) == [512, 512, 512]
+    assert k_pieces(1100, 512) == [384, 384, 332]
+    for k in (100, 1000, 1536, 4096, 11008):
+        for limit in batch_invariance.PIECE_LIMITS:
+            sizes = k_pieces(k, limit)
+            assert sum(sizes) == k
+            assert sizes == [k] if k <= limit else max(sizes) <= limit
+            assert all(size % 32 == 0 for size in sizes[:-1])
+
+
+@needs_bf16
+def test_split_linears_compute_the_same_product() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(1536, 200, bias=True).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    x = torch.randn(37, 1536, dtype=torch.bfloat16)
+    whole = packed(x).float()
+    packed.split_k([768, 768])
+    assert "k_pieces=[768, 768]" in repr(packed)
+    assert torch.equal(packed.dense_weight(), linear.weight.detach())
+    split = packed(x).float()
+    exact = x.float() @ linear.weight.detach().float().T + linear.bias.detach().float()
+    # one more rounding than the whole product: within a bfloat16 ulp or two of the exact sums
+    assert (split - exact).abs().max() <= 4 * (whole - exact).abs().max() + 1e-2
+    packed.split_k([])
+    assert torch.equal(packed(x).float(), whole)
+
+
+@needs_bf16
+def test_the_measurement_is_kept_per_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDKV_CACHE_DIR", str(tmp_path))
+    llm = make()
+    assert llm.engine.determinism.on
+    kept = json.loads((tmp_path / "batch_invariance.json").read_text())
+    shapes = {key.split("|")[-2] for key in kept}
+    assert {"128x256", "128x128", "128x3072", "1536x128", "128x320"} <= shapes
+    assert all(v in batch_invariance.PIECE_LIMITS for v in kept.values())
+    calls: list[Any] = []
+    monkeypatch.setattr(batch_invariance, "holds", lambda *a: calls.append(a) or True)
+    again = make()
+    assert again.engine.determinism.on and calls == []  # measured once, read back
+    for m in llm.engine.model.model.modules():
+        if isinstance(m, PackedLinear) and m.in_features == 1536:
+            limit = next(v for k, v in kept.items() if "1536x128" in k)
+            assert [b - a for a, b, _ in m.pieces] == ([] if limit >= 1536 else k_pieces(1536, limit))
