@@ -41,23 +41,10 @@ class PrefillChunk:
     start_position: int
     block_ids: torch.Tensor  # [cdiv(start_position + num_tokens, block_size)] int64
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
-    _as_decodes: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def context_len(self) -> int:
         return self.start_position + self.num_tokens
-
-    def as_decodes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chunk's rows as decode queries: (block table [n, W] -- the chunk's blocks on every row --,
-        positions [n]), built once per step."""
-        if self._as_decodes is None:
-            n = self.num_tokens
-            table = self.block_ids[None, :].expand(n, -1).contiguous()
-            positions = torch.arange(
-                self.start_position, self.context_len, dtype=torch.int64, device=self.block_ids.device
-            )
-            self._as_decodes = (table, positions)
-        return self._as_decodes
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[n, context] bool, True where query row i may see key j (built once per step and window)."""
@@ -113,10 +100,38 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [T] int64: offset of the slot within its block
     decodes: list[DecodeBatch]
     prefills: list[PrefillChunk]
+    _chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.slot_blocks.shape[0]
+
+    def as_chunks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every row of the step as ``PrefillKernel.many`` takes them, built once per step: (block table
+        [C, W], starts [C], counts [C]) -- a decode row is a chunk of one at its position."""
+        if self._chunks is None:
+            tables: list[torch.Tensor] = []
+            starts: list[torch.Tensor] = []
+            counts: list[torch.Tensor] = []
+            row = 0
+            for dec in self.decodes:
+                assert dec.row_start == row, "the step's rows run decodes, then chunks, in order"
+                tables += list(dec.block_table)
+                starts.append(dec.positions)
+                counts.append(torch.ones_like(dec.positions))
+                row += dec.num
+            for chunk in self.prefills:
+                assert chunk.row_start == row, "the step's rows run decodes, then chunks, in order"
+                tables.append(chunk.block_ids)
+                starts.append(torch.tensor([chunk.start_position], dtype=torch.int64))
+                counts.append(torch.tensor([chunk.num_tokens], dtype=torch.int64))
+                row += chunk.num_tokens
+            width = max(t.shape[0] for t in tables)
+            table = torch.zeros(len(tables), width, dtype=torch.int64)  # padding (block 0) is never read
+            for i, t in enumerate(tables):
+                table[i, : t.shape[0]] = t
+            self._chunks = (table, torch.cat(starts).to(torch.int64), torch.cat(counts).to(torch.int64))
+        return self._chunks
 
 
 class GatherWorkspace:
@@ -170,10 +185,13 @@ def paged_attention(
     decode attention, engine/native.py) decodes read the cache in place instead of gathering it; with
     ``prefill_kernel`` so do prefill chunks.
 
-    ``deterministic`` (needs ``kernel``): every row, decode or prefill, goes through the decode kernel,
-    which reduces each query over its keys in one order fixed by the query's position alone -- so a
-    token's attention is the same bits in any batch, any chunking, prefill or decode."""
-    assert kernel is not None or not deterministic, "deterministic attention runs on the decode kernel"
+    ``deterministic`` (needs ``prefill_kernel``): every row of the step, decode or prefill, goes through
+    the prefill kernel in one call, whose arithmetic for a row depends on the row's position and keys
+    alone -- so a token's attention is the same bits in any batch, any chunking, prefill or decode."""
+    if deterministic:
+        assert prefill_kernel is not None, "deterministic attention runs on the native prefill kernel"
+        table, starts, counts = meta.as_chunks()
+        return prefill_kernel.many(q, kv_cache, layer, table, starts, counts, scale=scale, window=window)
     parts = []  # in row order: decode groups, then each prefill chunk
     for dec in meta.decodes:
         rows = slice(dec.row_start, dec.row_start + dec.num)
@@ -185,10 +203,7 @@ def paged_attention(
             parts.append(_decode_attention(q[rows], kv_cache, layer, dec, scale, window, workspace))
     for chunk in meta.prefills:
         rows = slice(chunk.row_start, chunk.row_start + chunk.num_tokens)
-        if deterministic and kernel is not None:
-            table, positions = chunk.as_decodes()
-            parts.append(kernel(q[rows], kv_cache, layer, table, positions, scale=scale, window=window))
-        elif prefill_kernel is not None:
+        if prefill_kernel is not None:
             start = chunk.start_position
             parts.append(
                 prefill_kernel(q[rows], kv_cache, layer, chunk.block_ids, start, scale=scale, window=window)

@@ -6,8 +6,9 @@ computed here, loaded from a store tier or received from a peer:
 
 - linears: oneDNN's packed bfloat16 matmuls in K pieces measured to keep each row's sums at every row
   count (``engine/model/batch_invariance.py``);
-- attention: every row, prefill or decode, through the native decode kernel, which sums each query over
-  its visible keys in one order (``engine/attention.py``);
+- attention: every row of a step, prefill or decode, through the native prefill kernel in one call,
+  whose key tiles sit at absolute positions, so each query's sums run in an order fixed by its position
+  (``engine/csrc/paged_prefill.c``, ``engine/attention.py``);
 - norms, RoPE, SwiGLU, the LM head and sampling were per row already (the native kernels; the sampler's
   seeded noise depends on the request's seed and output index only).
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.model.batch_invariance import make_batch_invariant
-from engine.native import DecodeKernel, native_kernels
+from engine.native import PrefillKernel, native_kernels
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,13 @@ def _unavailable(
         return f"it serves the CPU, not {device.type}"
     if dtype != torch.bfloat16:
         return f"it serves bfloat16; this engine runs {str(dtype).removeprefix('torch.')}"
-    if not DecodeKernel.supports(dtype, num_heads, num_kv_heads, head_dim):
-        return "the native decode attention does not serve this model's heads"
-    if native_kernels() is None:
+    if not PrefillKernel.supports(dtype, num_heads, num_kv_heads, head_dim):
+        return f"the native prefill attention does not serve this model's heads (head_dim {head_dim})"
+    kernels = native_kernels()
+    if kernels is None:
         return "the native kernels could not be built (no C compiler?)"
+    if kernels.prefill is None:
+        return "the native prefill attention was not built (the compiler emitted no AVX512-BF16 code)"
     return None
 
 

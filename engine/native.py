@@ -124,6 +124,7 @@ class PrefillKernel:
     (the dtype compared with transformers token for token) keeps SDPA."""
 
     function: Any  # the ctypes function pdkv_paged_prefill
+    many_function: Any  # pdkv_paged_prefill_many
 
     @staticmethod
     def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -174,21 +175,75 @@ class PrefillKernel:
             scale,
             num_blocks,
         )
-        if failed == 1:
-            raise MemoryError("the native prefill attention could not allocate its buffers")
-        if failed == 3:
-            raise IndexError(
-                f"prefill attention: positions {start}..{start + n - 1} need blocks beyond the "
-                f"{block_ids.shape[0]} given, or a block id lies outside the cache's {num_blocks} blocks, "
-                f"or layer {layer} outside {num_layers}"
-            )
-        if failed == 2:
-            raise ValueError(
-                f"the native prefill attention does not take {num_heads} heads over {num_kv_heads} KV "
-                f"heads of {head_dim} (PrefillKernel.supports says which it does)"
-            )
-        assert failed == 0
+        _check_prefill(failed, f"positions {start}..{start + n - 1}", block_ids.shape[0], kv_cache, layer)
         return out
+
+    def many(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layer: int,
+        block_table: torch.Tensor,
+        starts: torch.Tensor,
+        counts: torch.Tensor,
+        *,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        """Many chunks in one call: ``q`` [T, H, D] holds chunk c's ``counts[c]`` rows (at positions
+        ``starts[c]`` ..) after chunk c - 1's; ``block_table[c]`` ([C, W] int64) are its sequence's
+        blocks.  A decode row is a chunk of one.  -> [T, H, D].  Each row's bits depend on its own position
+        and keys only, whatever the chunks around it (engine/csrc/paged_prefill.c)."""
+        num_blocks, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        t, num_heads, _ = q.shape
+        assert kv_cache.is_contiguous() and block_table.is_contiguous() and block_table.dtype == torch.int64
+        assert (
+            starts.is_contiguous() and counts.is_contiguous() and starts.dtype == counts.dtype == torch.int64
+        )
+        assert q.dtype == kv_cache.dtype == torch.bfloat16 and kv_cache.device.type == "cpu"
+        q = _rows_of_contiguous_heads(q)
+        out = torch.empty(t, num_heads, head_dim, dtype=q.dtype)
+        if t == 0:
+            return out
+        failed = self.many_function(
+            q.data_ptr(),
+            q.stride(0),
+            kv_cache.data_ptr(),
+            out.data_ptr(),
+            block_table.data_ptr(),
+            block_table.shape[1],
+            starts.data_ptr(),
+            counts.data_ptr(),
+            starts.shape[0],
+            num_layers,
+            layer,
+            block_size,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            window or 0,
+            scale,
+            num_blocks,
+        )
+        _check_prefill(failed, f"{starts.shape[0]} chunks", block_table.shape[1], kv_cache, layer)
+        return out
+
+
+def _check_prefill(failed: int, what: str, width: int, kv_cache: torch.Tensor, layer: int) -> None:
+    num_blocks, num_layers, _, _, num_kv_heads, head_dim = kv_cache.shape
+    if failed == 1:
+        raise MemoryError("the native prefill attention could not allocate its buffers")
+    if failed == 3:
+        raise IndexError(
+            f"prefill attention: {what} need blocks beyond the {width} given, or a block id lies outside "
+            f"the cache's {num_blocks} blocks, or layer {layer} outside {num_layers}"
+        )
+    if failed == 2:
+        raise ValueError(
+            f"the native prefill attention does not take these heads over {num_kv_heads} KV heads of "
+            f"{head_dim}, or a chunk of no rows (PrefillKernel.supports says which heads it does)"
+        )
+    assert failed == 0
 
 
 @dataclass(frozen=True)
@@ -380,6 +435,21 @@ def _load() -> NativeKernels | None:
     prefill = lib.pdkv_paged_prefill
     prefill.argtypes = [_PTR, _INT64, _PTR, _PTR, _PTR, *[_INT64] * 10, ctypes.c_float, _INT64]
     prefill.restype = ctypes.c_int
+    many = lib.pdkv_paged_prefill_many
+    many.argtypes = [
+        _PTR,
+        _INT64,
+        _PTR,
+        _PTR,
+        _PTR,
+        _INT64,
+        _PTR,
+        _PTR,
+        *[_INT64] * 8,
+        ctypes.c_float,
+        _INT64,
+    ]
+    many.restype = ctypes.c_int
     lib.pdkv_paged_prefill_built.restype = ctypes.c_int
     norm = lib.pdkv_rms_norm
     norm.argtypes = [_PTR] * 5 + [_INT64, _INT64, ctypes.c_float, _INT64]
@@ -398,7 +468,7 @@ def _load() -> NativeKernels | None:
     )
     return NativeKernels(
         DecodeKernel(decode),
-        PrefillKernel(prefill) if lib.pdkv_paged_prefill_built() else None,
+        PrefillKernel(prefill, many) if lib.pdkv_paged_prefill_built() else None,
         RMSNormKernel(norm),
         RopeKernel(rope),
         SiluMulKernel(silu),

@@ -72,7 +72,7 @@ class ModelRunner:
         connector: KVConnectorBase | None = None,
         deterministic: bool = False,
     ) -> None:
-        """``deterministic``: every attention row through the decode kernel (engine/determinism.py; the
+        """``deterministic``: every attention row through the prefill kernel (engine/determinism.py; the
         engine has made the model's linears batch-invariant already)."""
         self.model = model
         self.device = device
@@ -87,8 +87,8 @@ class ModelRunner:
         self.decode_kernel, self.prefill_kernel, self.rope_kernel = self._native_kernels(
             model, kv_spec, device, sampler
         )
-        if deterministic and self.decode_kernel is None:
-            raise ValueError("deterministic mode needs the native decode attention, which is not built here")
+        if deterministic and self.prefill_kernel is None:
+            raise ValueError("deterministic mode needs the native prefill attention, which is not built here")
         self.deterministic = deterministic
 
     @staticmethod

@@ -75,10 +75,17 @@ VARIANTS: dict[str, Variant] = {
     "mistral_window_hd32": Variant(
         "mistral", (("hidden_size", 128), ("intermediate_size", 256), ("sliding_window", 8))
     ),
-    # deterministic mode's tests: a down projection with K = 1536 (SmolLM2's, which oneDNN blocks by
-    # the row count) and room for 2048-token chunks
-    "llama_k1536": Variant(
-        "llama", (("hidden_size", 128), ("intermediate_size", 1536), ("max_position_embeddings", 4096))
+    # deterministic mode's tests: SmolLM2-135M's layer shapes (its down projection [1536 -> 576] is one
+    # oneDNN blocks by the row count), two layers, room for 2048-token chunks
+    "llama_smol_shapes": Variant(
+        "llama",
+        (
+            ("hidden_size", 576),
+            ("intermediate_size", 1536),
+            ("num_attention_heads", 9),
+            ("num_key_value_heads", 3),
+            ("max_position_embeddings", 4096),
+        ),
     ),
 }
 

@@ -1,7 +1,8 @@
 /* Prefill attention read from the paged KV cache (engine/native.py builds and loads this file with
  * paged_decode.c):
  *
- *   pdkv_paged_prefill   one prefill chunk's causal attention, bfloat16, AVX512-BF16
+ *   pdkv_paged_prefill        one prefill chunk's causal attention, bfloat16, AVX512-BF16
+ *   pdkv_paged_prefill_many   the same for many chunks (of many sequences) in one call
  *
  * A chunk is n query rows at positions start .. start + n - 1 of one sequence; its keys and values --
  * the cached prefix and the chunk's own, already written -- are positions 0 .. start + n - 1 of the
@@ -249,61 +250,125 @@ int pdkv_paged_prefill_built(void) {
 #endif
 }
 
-/* q: the chunk's queries, row i at q + i * q_stride (its num_heads heads contiguous); out: [n, num_heads,
- * head_dim] contiguous; block_ids: the sequence's blocks, num_ids of them, covering positions
- * 0 .. start + n - 1.  Returns 0; 1 when memory could not be allocated; 2 for what this build or the
- * shape cannot take (no AVX512-BF16, head_dim not a multiple of 32 or over 256, more than 16 query heads
- * per KV head); 3 for a block id, position or layer outside the table or the cache (nothing is read). */
-int pdkv_paged_prefill(const void *q, int64_t q_stride, const void *cache, void *out, const int64_t *block_ids,
-                       int64_t num_ids, int64_t start, int64_t n, int64_t num_layers, int64_t layer,
-                       int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                       int64_t window, float scale, int64_t num_blocks) {
+/* Many chunks in one call: chunk c is counts[c] query rows at positions starts[c] .. starts[c] + counts[c]
+ * - 1 of the sequence whose blocks are block_table[c * table_width ..] (table_width ids, covering those
+ * positions); its rows follow the previous chunk's in q (row i at q + i * q_stride) and in out ([rows,
+ * num_heads, head_dim] contiguous).  A decode step is counts[c] = 1 per sequence.  Each row's arithmetic
+ * depends on its own position and keys only: key tiles sit at absolute multiples of KT, and a tile a row
+ * does not see leaves its running max, sum and output untouched -- so a token's attention is the same
+ * bits computed in any chunk, alone or with others (engine/determinism.py relies on it).
+ * Returns 0; 1 when memory could not be allocated; 2 for what this build or the shape cannot take (no
+ * AVX512-BF16, head_dim not a multiple of 32 or over 256, more than 16 query heads per KV head); 3 for a
+ * block id, position or layer outside the table or the cache (nothing is read). */
+int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, void *out,
+                            const int64_t *block_table, int64_t table_width, const int64_t *starts,
+                            const int64_t *counts, int64_t num_chunks, int64_t num_layers, int64_t layer,
+                            int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t window, float scale, int64_t num_blocks) {
 #ifndef __AVX512BF16__
-    (void)q, (void)q_stride, (void)cache, (void)out, (void)block_ids, (void)num_ids, (void)start, (void)n;
-    (void)num_layers, (void)layer, (void)block_size, (void)num_heads, (void)num_kv_heads, (void)head_dim;
-    (void)window, (void)scale, (void)num_blocks;
+    (void)q, (void)q_stride, (void)cache, (void)out, (void)block_table, (void)table_width, (void)starts;
+    (void)counts, (void)num_chunks, (void)num_layers, (void)layer, (void)block_size, (void)num_heads;
+    (void)num_kv_heads, (void)head_dim, (void)window, (void)scale, (void)num_blocks;
     return 2;
 #else
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP ||
-        head_dim % 32 || head_dim <= 0 || head_dim > MAX_HEAD_DIM || block_size <= 0 || n <= 0 || start < 0)
+        head_dim % 32 || head_dim <= 0 || head_dim > MAX_HEAD_DIM || block_size <= 0 || num_chunks <= 0)
         return 2;
-    if (layer < 0 || layer >= num_layers || (start + n + block_size - 1) / block_size > num_ids) return 3;
+    if (layer < 0 || layer >= num_layers) return 3;
     const int G = (int)(num_heads / num_kv_heads);
-    Prefill a = {q, q_stride, cache, out, block_ids, start, n, num_layers, layer, block_size, num_heads,
-                 num_kv_heads, (int)head_dim, G, window, scale, 0, 0, QVECS / G, NULL, NULL};
-    a.kbase = first_visible(&a, start) / KT * KT;
-    a.ntiles = (start + n - a.kbase + KT - 1) / KT;
-    for (int64_t k = first_visible(&a, start) / block_size; k <= (start + n - 1) / block_size; k++)
-        if (block_ids[k] < 0 || block_ids[k] >= num_blocks) return 3;
-    const size_t half = (size_t)(num_kv_heads * a.ntiles) * (size_t)(head_dim / 2 * KT) * sizeof(uint32_t);
-    if (2 * half > pack_bytes || (pack_bytes > PACK_KEEP_BYTES && 8 * half < pack_bytes)) {
+    Prefill *chunks = malloc(sizeof(Prefill) * (size_t)num_chunks);
+    int64_t *pack_first = malloc(sizeof(int64_t) * (size_t)(2 * num_chunks + 2));
+    if (chunks == NULL || pack_first == NULL) {
+        free(chunks), free(pack_first);
+        return 1;
+    }
+    /* pack_first[c]: chunk c's first pack job (KV head x tile); task_first[c]: its first attend task */
+    int64_t *task_first = pack_first + num_chunks + 1;
+    size_t dwords = 0; /* of the packed keys (as many again for the values) */
+    int64_t row = 0, jobs = 0, tasks = 0;
+    int status = 0;
+    for (int64_t c = 0; c < num_chunks && status == 0; c++) {
+        const int64_t start = starts[c], n = counts[c];
+        const int64_t *ids = block_table + c * table_width;
+        if (n <= 0 || start < 0) {
+            status = 2;
+            break;
+        }
+        Prefill a = {(const uint16_t *)q + (size_t)(row * q_stride), q_stride, cache,
+                     (uint16_t *)out + (size_t)(row * num_heads * head_dim), ids, start, n, num_layers, layer,
+                     block_size, num_heads, num_kv_heads, (int)head_dim, G, window, scale, 0, 0, QVECS / G,
+                     NULL, NULL};
+        a.kbase = first_visible(&a, start) / KT * KT;
+        a.ntiles = (start + n - a.kbase + KT - 1) / KT;
+        if ((start + n + block_size - 1) / block_size > table_width) status = 3;
+        for (int64_t k = first_visible(&a, start) / block_size; status == 0 && k <= (start + n - 1) / block_size; k++)
+            if (ids[k] < 0 || ids[k] >= num_blocks) status = 3;
+        a.kpack = (uint32_t *)(uintptr_t)dwords; /* an offset until the buffer exists */
+        dwords += (size_t)(num_kv_heads * a.ntiles) * (size_t)(head_dim / 2 * KT);
+        chunks[c] = a;
+        pack_first[c] = jobs;
+        task_first[c] = tasks;
+        jobs += num_kv_heads * a.ntiles;
+        tasks += num_kv_heads * ((n + a.rows_per_task - 1) / a.rows_per_task);
+        row += n;
+    }
+    pack_first[num_chunks] = jobs;
+    task_first[num_chunks] = tasks;
+    const size_t half = dwords * sizeof(uint32_t);
+    if (status == 0 && (2 * half > pack_bytes || (pack_bytes > PACK_KEEP_BYTES && 8 * half < pack_bytes))) {
         free(pack); /* nothing in it is kept: no copy, as realloc would make */
         pack = malloc(2 * half);
         pack_bytes = pack == NULL ? 0 : 2 * half;
-        if (pack == NULL) return 1;
+        if (pack == NULL) status = 1;
     }
-    a.kpack = pack;
-    a.vpack = (uint32_t *)((char *)pack + half);
-    const int64_t tasks_per_head = (n + a.rows_per_task - 1) / a.rows_per_task;
+    if (status != 0) {
+        free(chunks), free(pack_first);
+        return status;
+    }
+    for (int64_t c = 0; c < num_chunks; c++) {
+        const size_t offset = (size_t)(uintptr_t)chunks[c].kpack;
+        chunks[c].kpack = (uint32_t *)pack + offset;
+        chunks[c].vpack = (uint32_t *)((char *)pack + half) + offset;
+    }
     int failed = 0;
 #pragma omp parallel
     {
-#pragma omp for collapse(2) schedule(static)
-        for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
-            for (int64_t t = 0; t < a.ntiles; t++) pack_tile(&a, kvh, t);
+        int64_t c = 0;
+#pragma omp for schedule(static)
+        for (int64_t job = 0; job < jobs; job++) {
+            while (pack_first[c + 1] <= job) c++;
+            while (pack_first[c] > job) c--;
+            const int64_t j = job - pack_first[c];
+            pack_tile(&chunks[c], j / chunks[c].ntiles, j % chunks[c].ntiles);
+        }
         int bad = 0;
+        c = num_chunks - 1;
         /* the last rows see the most keys: hand them out first */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = num_kv_heads * tasks_per_head - 1; task >= 0; task--) {
-            const int64_t kvh = task % num_kv_heads, r0 = (task / num_kv_heads) * a.rows_per_task;
-            const int64_t rows = n - r0 < a.rows_per_task ? n - r0 : a.rows_per_task;
-            if (!bad) bad = attend_task(&a, kvh, r0, rows);
+        for (int64_t task = tasks - 1; task >= 0; task--) {
+            while (task_first[c] > task) c--;
+            while (task_first[c + 1] <= task) c++;
+            const Prefill *a = &chunks[c];
+            const int64_t i = task - task_first[c];
+            const int64_t kvh = i % num_kv_heads, r0 = (i / num_kv_heads) * a->rows_per_task;
+            const int64_t rows = a->n - r0 < a->rows_per_task ? a->n - r0 : a->rows_per_task;
+            if (!bad) bad = attend_task(a, kvh, r0, rows);
         }
         if (bad) {
 #pragma omp atomic write
             failed = 1;
         }
     }
+    free(chunks), free(pack_first);
     return failed;
 #endif
+}
+
+/* One chunk: pdkv_paged_prefill_many of a single chunk whose blocks are block_ids (num_ids of them). */
+int pdkv_paged_prefill(const void *q, int64_t q_stride, const void *cache, void *out, const int64_t *block_ids,
+                       int64_t num_ids, int64_t start, int64_t n, int64_t num_layers, int64_t layer,
+                       int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       int64_t window, float scale, int64_t num_blocks) {
+    return pdkv_paged_prefill_many(q, q_stride, cache, out, block_ids, num_ids, &start, &n, 1, num_layers, layer,
+                                   block_size, num_heads, num_kv_heads, head_dim, window, scale, num_blocks);
 }

@@ -36,7 +36,7 @@ class ForwardContext:
     decode_kernel: DecodeKernel | None = None  # native decode attention (engine/native.py), if built
     rope_kernel: RopeKernel | None = None  # native RoPE + K/V write, if built
     prefill_kernel: PrefillKernel | None = None  # native prefill attention, if built and it serves the dtype
-    deterministic: bool = False  # every attention row through decode_kernel (engine/attention.py)
+    deterministic: bool = False  # every attention row through prefill_kernel (engine/attention.py)
 
 
 class RMSNorm(nn.Module):

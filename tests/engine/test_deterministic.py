@@ -3,12 +3,13 @@ bits alone or in any batch, at any chunk size and thread count, from a prefix hi
 every store tier; seeded sampling draws the same tokens.  And the switch is refused by name where it
 cannot be served, and it is part of the KV's namespace.
 
-The model has SmolLM2's down projection shape (K = 1536), which oneDNN blocks by the row count on the
-CPUs measured: the K pieces are exercised wherever this host needs them.
+The model has SmolLM2-135M's layer shapes (two layers): its down projection [1536 -> 576] is one oneDNN
+blocks by the row count on the CPUs measured, so the K pieces are exercised wherever this host needs them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -29,7 +30,7 @@ from tests.tiny_models import tiny_model_dir
 
 needs_bf16 = pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="needs a CPU with AVX512-BF16")
 
-MODEL = "llama_k1536"
+MODEL = "llama_smol_shapes"
 VOCAB = 320
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=3)
 SEEDED = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=1234, logprobs=True)
@@ -139,6 +140,34 @@ def test_thread_counts(threads: int) -> None:
         assert in_batch(llm, probe, companions, 4, GREEDY) == expected
     finally:
         torch.set_num_threads(before)
+
+
+@needs_bf16
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded-t0.8"])
+def test_a_resumed_stream_continues_as_the_uninterrupted_one(det: LLM, params: SamplingParams) -> None:
+    """What a decode node does when it takes over a stream whose node died: prefill the prompt and the
+    output so far in one chunk (a fresh cache, other requests beside it), then decode on."""
+    rng = random.Random(14)
+    probe = prompt(rng, 90)
+    tokens, logprobs, _ = alone(det, probe, dataclasses.replace(params, max_tokens=24))
+    for cut in (1, 5, 17):
+        assert det.engine.reset_prefix_cache()
+        rest = dataclasses.replace(params, max_tokens=24 - cut)
+        companions = [prompt(rng, rng.randrange(10, 120)) for _ in range(4)]
+        # as the router resumes it: the output so far ends the prompt (seeded draws count it)
+        engine = det.engine
+        engine.add_request("resumed", probe + tokens[:cut], rest, prior_output_token_ids=tokens[:cut])
+        for i, c in enumerate(companions):
+            engine.add_request(f"c{i}", c, GREEDY)
+        new_tokens: list[int] = []
+        new_logprobs: list[float] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == "resumed":
+                    new_tokens += out.new_token_ids
+                    new_logprobs += out.new_logprobs
+        assert new_tokens == tokens[cut:], cut
+        assert new_logprobs == logprobs[cut:], cut
 
 
 @needs_bf16
@@ -253,7 +282,7 @@ def test_the_measurement_is_kept_per_host(tmp_path: Path, monkeypatch: pytest.Mo
     assert llm.engine.determinism.on
     kept = json.loads((tmp_path / "batch_invariance.json").read_text())
     shapes = {key.split("|")[-2] for key in kept}
-    assert {"128x256", "128x128", "128x3072", "1536x128", "128x320"} <= shapes
+    assert {"576x960", "576x576", "576x3072", "1536x576", "576x320"} <= shapes
     assert all(v in batch_invariance.PIECE_LIMITS for v in kept.values())
     calls: list[Any] = []
     monkeypatch.setattr(batch_invariance, "holds", lambda *a: calls.append(a) or True)
@@ -261,5 +290,5 @@ def test_the_measurement_is_kept_per_host(tmp_path: Path, monkeypatch: pytest.Mo
     assert again.engine.determinism.on and calls == []  # measured once, read back
     for m in llm.engine.model.model.modules():
         if isinstance(m, PackedLinear) and m.in_features == 1536:
-            limit = next(v for k, v in kept.items() if "1536x128" in k)
+            limit = next(v for k, v in kept.items() if "1536x576" in k)
             assert [b - a for a, b, _ in m.pieces] == ([] if limit >= 1536 else k_pieces(1536, limit))
