@@ -15,6 +15,11 @@ the time of its own matmuls.
   thread count -- against pdkv's measured decode step at that batch (``decode_fraction_of_matmul_floor_b8``
   and ``_b32``, goal >= 0.8), the two timed in turns.  The rest of a step is attention, norms, rope,
   sampling and bookkeeping.
+- **Deterministic mode** (``engine/determinism.py``): every figure above runs with the engine's default,
+  deterministic where this CPU serves it; a second engine with ``deterministic=False`` is timed in turns
+  with it -- decode steps at batch 8 and 32 (``deterministic_decode_fraction_b8`` and ``_b32``: tokens/s
+  on over off, goal >= 0.95) and the time to first token of a 1000-token prompt
+  (``deterministic_prefill_fraction``, goal >= 0.95).
 """
 
 from __future__ import annotations
@@ -92,6 +97,34 @@ def matmul_floor(llm: LLM, batch: int) -> Callable[[], None]:
     return step
 
 
+def decode_steps_in_turns(
+    on: LLM, off: LLM, batch: int, *, steps: int, context: int = 128
+) -> tuple[float, float]:
+    """Median decode step time of each engine with ``batch`` requests, the two stepped in turns."""
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    prompts = make_prompts(batch, (context, context), 49152, seed=200 + batch)
+    for llm in (on, off):
+        engine = llm.engine
+        assert engine.reset_prefix_cache()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"det-{batch}-{i}", prompt, params)
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or (
+            engine.scheduler.waiting
+        ):
+            engine.step()
+        engine.step()
+    times: dict[int, list[float]] = {id(on): [], id(off): []}
+    for _ in range(steps):
+        for llm in (on, off):
+            t0 = time.perf_counter()
+            llm.engine.step()
+            times[id(llm)].append(time.perf_counter() - t0)
+    for llm in (on, off):
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    return statistics.median(times[id(on)]), statistics.median(times[id(off)])
+
+
 def ttft_seconds(llm: LLM, prompt: list[int], repeat: int = 3) -> float:
     """Median time to first token of ``prompt`` with a cold prefix cache."""
     times = []
@@ -101,6 +134,36 @@ def ttft_seconds(llm: LLM, prompt: list[int], repeat: int = 3) -> float:
         assert out.time_to_first_token is not None
         times.append(out.time_to_first_token)
     return statistics.median(times)
+
+
+def deterministic_cost(
+    on: LLM, gguf: Path, long_prompt: list[int], steps: int, report: Report
+) -> dict[str, float]:
+    """Deterministic mode's cost: ``on`` against an engine without it, timed in turns."""
+    off = LLM(
+        gguf,
+        dtype="bfloat16",
+        device="cpu",
+        block_size=16,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        deterministic=False,
+    )
+    generate_seconds(off, make_prompts(2, (16, 32), 49152, seed=1), 4)  # warm up
+    out: dict[str, float] = {}
+    for batch in (8, 32):
+        step_on, step_off = decode_steps_in_turns(on, off, batch, steps=max(steps, 16))
+        report.figure(f"real_bf16_deterministic_decode_step_ms_b{batch}", step_on * 1e3)
+        report.figure(f"real_bf16_nondeterministic_decode_step_ms_b{batch}", step_off * 1e3)
+        out[f"det_decode_b{batch}"] = step_off / step_on  # tokens/s on over off
+    ttft_on, ttft_off = [], []
+    for _ in range(3):
+        ttft_on.append(ttft_seconds(on, long_prompt, repeat=1))
+        ttft_off.append(ttft_seconds(off, long_prompt, repeat=1))
+    report.figure("real_bf16_nondeterministic_ttft_1000_ms", statistics.median(ttft_off) * 1e3)
+    out["det_prefill"] = statistics.median(ttft_off) / statistics.median(ttft_on)
+    off.engine.shutdown()
+    return out
 
 
 def run(
@@ -150,6 +213,10 @@ def run(
                 [long_prompt] = make_prompts(1, (1000, 1000), 49152, seed=101)
                 results["ttft_1000_bf16"] = ttft_seconds(llm, long_prompt)
                 report.figure("real_bf16_ttft_1000_ms", results["ttft_1000_bf16"] * 1e3)
+                determinism = llm.engine.determinism
+                print(f"real bf16: deterministic {determinism.note}")
+                if determinism.on:
+                    results.update(deterministic_cost(llm, gguf, long_prompt, steps, report))
             llm.engine.shutdown()
         if llamacpp and "ttft_1000_bf16" in results:
             from bench import llamacpp as lcpp
@@ -179,6 +246,13 @@ def run(
             )
     if "prefill_vs_llamacpp" in results:
         report.ratio("prefill_speedup_vs_llamacpp", results["prefill_vs_llamacpp"], "> 1")
+    for batch in (8, 32):
+        if f"det_decode_b{batch}" in results:
+            report.ratio(
+                f"deterministic_decode_fraction_b{batch}", results[f"det_decode_b{batch}"], ">= 0.95"
+            )
+    if "det_prefill" in results:
+        report.ratio("deterministic_prefill_fraction", results["det_prefill"], ">= 0.95")
     main_tag = "bf16" if "fraction_bf16_b8" in results else "fp32"
     for batch in (8, 32):
         report.ratio(

@@ -110,27 +110,21 @@ class AttentionMetadata:
         """Every row of the step as ``PrefillKernel.many`` takes them, built once per step: (block table
         [C, W], starts [C], counts [C]) -- a decode row is a chunk of one at its position."""
         if self._chunks is None:
-            tables: list[torch.Tensor] = []
-            starts: list[torch.Tensor] = []
-            counts: list[torch.Tensor] = []
-            row = 0
-            for dec in self.decodes:
-                assert dec.row_start == row, "the step's rows run decodes, then chunks, in order"
-                tables += list(dec.block_table)
-                starts.append(dec.positions)
-                counts.append(torch.ones_like(dec.positions))
-                row += dec.num
-            for chunk in self.prefills:
-                assert chunk.row_start == row, "the step's rows run decodes, then chunks, in order"
-                tables.append(chunk.block_ids)
-                starts.append(torch.tensor([chunk.start_position], dtype=torch.int64))
-                counts.append(torch.tensor([chunk.num_tokens], dtype=torch.int64))
-                row += chunk.num_tokens
-            width = max(t.shape[0] for t in tables)
-            table = torch.zeros(len(tables), width, dtype=torch.int64)  # padding (block 0) is never read
-            for i, t in enumerate(tables):
-                table[i, : t.shape[0]] = t
-            self._chunks = (table, torch.cat(starts).to(torch.int64), torch.cat(counts).to(torch.int64))
+            tables = [dec.block_table for dec in self.decodes] + [c.block_ids[None] for c in self.prefills]
+            starts = [dec.positions for dec in self.decodes]
+            starts.append(torch.tensor([c.start_position for c in self.prefills], dtype=torch.int64))
+            counts = [torch.ones(sum(dec.num for dec in self.decodes), dtype=torch.int64)]
+            counts.append(torch.tensor([c.num_tokens for c in self.prefills], dtype=torch.int64))
+            rows = [dec.row_start for dec in self.decodes] + [c.row_start for c in self.prefills]
+            sizes = [dec.num for dec in self.decodes] + [c.num_tokens for c in self.prefills]
+            assert rows == [sum(sizes[:i]) for i in range(len(sizes))], "rows: decodes, then chunks, in order"
+            width = max(t.shape[1] for t in tables)
+            table = torch.zeros(sum(t.shape[0] for t in tables), width, dtype=torch.int64)  # padding: unread
+            i = 0
+            for t in tables:
+                table[i : i + t.shape[0], : t.shape[1]] = t
+                i += t.shape[0]
+            self._chunks = (table, torch.cat(starts), torch.cat(counts))
         return self._chunks
 
 

@@ -35,7 +35,6 @@
 #define KT 32      /* keys per tile */
 #define QVECS 64   /* query vectors (rows x heads of one KV head) per task, at most */
 #define QBLOCK 8   /* query vectors per register block of the scores */
-#define MAX_PACK_DWORDS (MAX_HEAD_DIM / 2)
 /* The packed keys and values are kept for the next call (every layer of a chunk packs the same size).
  * Over this size, a call that needs less than a quarter of them gives them back, so one long prompt does
  * not hold tens of MB for the life of the process. */
@@ -53,48 +52,109 @@ typedef struct {
     float scale;
     int64_t kbase, ntiles, rows_per_task; /* key tiles start at position kbase */
     uint32_t *kpack, *vpack;              /* [num_kv_heads][ntiles][D / 2 * KT] dwords each */
+    int64_t head_stride;                  /* tiles from one KV head's packs to the next: ntiles, or 0
+                                           * for a task's private pack of its one KV head */
 } Prefill;
 
 static inline int64_t first_visible(const Prefill *a, int64_t pos) { return first_visible_key(pos, a->window); }
 
 #ifdef __AVX512BF16__
 
-/* Step 1 for one KV head and key tile: keys and values out of their blocks into the packed layouts;
- * positions outside first_visible(start) .. start + n - 1 are zeros (and masked out of every score). */
-static void pack_tile(const Prefill *a, int64_t kvh, int64_t t) {
-    const int D = a->D;
-    const int64_t bs = a->block_size, lo = first_visible(a, a->start), hi = a->start + a->n - 1;
-    const size_t tile = (size_t)(kvh * a->ntiles + t) * (size_t)(D / 2 * KT);
-    uint32_t *kp = a->kpack + tile;
-    uint16_t *vp = (uint16_t *)(a->vpack + tile);
-    for (int j = 0; j < KT; j++) {
-        const int64_t pos = a->kbase + t * KT + j;
-        uint16_t *vj = vp + (size_t)(j >> 1) * 2 * D + (j & 1); /* value dim d at vj[2 d] */
-        if (pos < lo || pos > hi) {
-            for (int p = 0; p < D / 2; p++) kp[p * KT + j] = 0;
-            for (int d = 0; d < D; d++) vj[2 * d] = 0;
-            continue;
+/* r[i] lane j <- r[j] lane i: a 16 x 16 transpose of dwords (unpacks, then 128-bit lane shuffles). */
+INLINE void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 4; i++) {
+            t[8 * h + i] = _mm512_shuffle_i32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
+            t[8 * h + 4 + i] = _mm512_shuffle_i32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
         }
-        /* token row (block, layer, kv = 0, offset) of the cache, then this KV head's part of it */
-        const size_t row = (size_t)((a->block_ids[pos / bs] * a->num_layers + a->layer) * 2 * bs + pos % bs);
-        const size_t token = (size_t)(a->num_kv_heads * D);
-        const uint16_t *k = a->cache + row * token + (size_t)kvh * D;
-        const uint16_t *v = k + (size_t)bs * token;
-        uint32_t kd[MAX_PACK_DWORDS];
-        memcpy(kd, k, sizeof(uint16_t) * (size_t)D);
-        for (int p = 0; p < D / 2; p++) kp[p * KT + j] = kd[p];
-        for (int d = 0; d < D; d++) vj[2 * d] = v[d];
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
     }
 }
 
-/* The scores of QBLOCK query vectors (rows of q, D bf16 each) against one key tile: s[i][h] holds keys
- * 16 h .. 16 h + 15, times the scale. */
-INLINE void tile_scores(const uint16_t *q, const uint32_t *kp, float scale, __m512 s[QBLOCK][2], const int D) {
-    for (int i = 0; i < QBLOCK; i++) s[i][0] = s[i][1] = _mm512_setzero_ps();
+/* Step 1 for one KV head and key tile: keys and values out of their blocks into the packed layouts;
+ * positions outside first_visible(start) .. start + n - 1 are zeros (and masked out of every score).
+ * Keys: 16 keys' rows of 16 dim pairs at a time, transposed in registers; values: two keys' rows
+ * interleaved 32 dims at a time. */
+static void pack_tile(const Prefill *a, int64_t kvh, int64_t t) {
+    const int D = a->D;
+    const int64_t bs = a->block_size, lo = first_visible(a, a->start), hi = a->start + a->n - 1;
+    const size_t tile = (size_t)(kvh * a->head_stride + t) * (size_t)(D / 2 * KT);
+    uint32_t *kp = a->kpack + tile;
+    uint16_t *vp = (uint16_t *)(a->vpack + tile);
+    const uint16_t *krow[KT], *vrow[KT]; /* NULL: not visible to the chunk */
+    const size_t token = (size_t)(a->num_kv_heads * D);
+    /* positions walk the blocks in order: one division per tile, not two per key */
+    const int64_t pos0 = a->kbase + t * KT;
+    int64_t blk = pos0 / bs, off = pos0 % bs;
+    for (int j = 0; j < KT; j++, off = off + 1 == bs ? 0 : off + 1, blk += off == 0) {
+        const int64_t pos = pos0 + j;
+        if (pos < lo || pos > hi) {
+            krow[j] = vrow[j] = NULL;
+            continue;
+        }
+        /* token row (block, layer, kv = 0, offset) of the cache, then this KV head's part of it */
+        const size_t row = (size_t)((a->block_ids[blk] * a->num_layers + a->layer) * 2 * bs + off);
+        krow[j] = a->cache + row * token + (size_t)kvh * D;
+        vrow[j] = krow[j] + (size_t)bs * token;
+    }
+    /* the next tile's rows, while this one is packed: rows of scattered blocks, which the hardware
+     * prefetchers do not follow */
+    for (int j = 0; j < KT && t + 1 < a->ntiles; j++, off = off + 1 == bs ? 0 : off + 1, blk += off == 0) {
+        const int64_t pos = pos0 + KT + j;
+        if (pos < lo || pos > hi) continue;
+        const size_t row = (size_t)((a->block_ids[blk] * a->num_layers + a->layer) * 2 * bs + off);
+        const char *k = (const char *)(a->cache + row * token + (size_t)kvh * D);
+        for (int o = 0; o < 2 * D; o += 64) {
+            _mm_prefetch(k + o, _MM_HINT_T0);
+            _mm_prefetch(k + (size_t)bs * token * 2 + o, _MM_HINT_T0);
+        }
+    }
+    for (int p0 = 0; p0 < D / 2; p0 += 16)
+        for (int j0 = 0; j0 < KT; j0 += 16) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++)
+                r[j] = krow[j0 + j] ? _mm512_loadu_si512(krow[j0 + j] + 2 * p0) : _mm512_setzero_si512();
+            transpose16(r); /* r[p] lane j: dim pair p0 + p of key j0 + j */
+            for (int p = 0; p < 16; p++) _mm512_storeu_si512(kp + (size_t)(p0 + p) * KT + j0, r[p]);
+        }
+    /* value dim d of key j at vp[(j / 2) * 2 D + 2 d + j % 2] */
+    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                            38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+    for (int j = 0; j < KT; j += 2) {
+        uint16_t *out = vp + (size_t)(j >> 1) * 2 * D;
+        for (int d0 = 0; d0 < D; d0 += 32) {
+            const __m512i x = vrow[j] ? _mm512_loadu_si512(vrow[j] + d0) : _mm512_setzero_si512();
+            const __m512i y = vrow[j + 1] ? _mm512_loadu_si512(vrow[j + 1] + d0) : _mm512_setzero_si512();
+            _mm512_storeu_si512(out + 2 * d0, _mm512_permutex2var_epi16(x, lo_idx, y));
+            _mm512_storeu_si512(out + 2 * d0 + 32, _mm512_permutex2var_epi16(x, hi_idx, y));
+        }
+    }
+}
+
+/* The scores of NV <= QBLOCK query vectors (rows of q, D bf16 each) against one key tile: s[i][h] holds
+ * keys 16 h .. 16 h + 15, times the scale.  Each vector's sums are the same whatever NV (a decode row's
+ * G vectors fill a block only partly). */
+INLINE void tile_scores(const uint16_t *q, const uint32_t *kp, float scale, __m512 s[QBLOCK][2], const int D,
+                        const int NV) {
+    for (int i = 0; i < NV; i++) s[i][0] = s[i][1] = _mm512_setzero_ps();
     for (int p = 0; p < D / 2; p++) {
         const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + p * KT);
         const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + p * KT + 16);
-        for (int i = 0; i < QBLOCK; i++) {
+        for (int i = 0; i < NV; i++) {
             int32_t pair;
             memcpy(&pair, q + (size_t)i * D + 2 * p, sizeof pair);
             const __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
@@ -103,7 +163,7 @@ INLINE void tile_scores(const uint16_t *q, const uint32_t *kp, float scale, __m5
         }
     }
     const __m512 sv = _mm512_set1_ps(scale);
-    for (int i = 0; i < QBLOCK; i++) {
+    for (int i = 0; i < NV; i++) {
         s[i][0] = _mm512_mul_ps(s[i][0], sv);
         s[i][1] = _mm512_mul_ps(s[i][1], sv);
     }
@@ -176,12 +236,19 @@ INLINE int attend_rows(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows, 
     const int64_t t0 = (first_visible(a, first_row_pos) - a->kbase) / KT, t1 = (last - a->kbase) / KT;
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int64_t t = t0; t <= t1; t++) {
-        const size_t tile = (size_t)(kvh * a->ntiles + t) * (size_t)(D / 2 * KT);
+        const size_t tile = (size_t)(kvh * a->head_stride + t) * (size_t)(D / 2 * KT);
         const __m512i k0 = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(a->kbase + t * KT)), iota);
         const __m512i k1 = _mm512_add_epi32(k0, _mm512_set1_epi32(16));
         for (int b = 0; b < nb; b++) {
             __m512 sc[QBLOCK][2];
-            tile_scores(s.q + (size_t)b * QBLOCK * D, a->kpack + tile, a->scale, sc, D);
+            const uint16_t *qb = s.q + (size_t)b * QBLOCK * D;
+            switch (nq - b * QBLOCK < QBLOCK ? nq - b * QBLOCK : QBLOCK) { /* constants, so it unrolls */
+            case 1: tile_scores(qb, a->kpack + tile, a->scale, sc, D, 1); break;
+            case 2: tile_scores(qb, a->kpack + tile, a->scale, sc, D, 2); break;
+            case 3: tile_scores(qb, a->kpack + tile, a->scale, sc, D, 3); break;
+            case 4: tile_scores(qb, a->kpack + tile, a->scale, sc, D, 4); break;
+            default: tile_scores(qb, a->kpack + tile, a->scale, sc, D, QBLOCK); break;
+            }
             for (int j = 0; j < QBLOCK; j++) {
                 const int i = b * QBLOCK + j;
                 if (i >= nq) break;
@@ -237,6 +304,9 @@ static int attend_task(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows) 
  * only read them). */
 static _Thread_local void *pack;
 static _Thread_local size_t pack_bytes;
+/* A pool thread's private pack (the tiles of one task), kept across calls. */
+static _Thread_local void *private_pack;
+static _Thread_local size_t private_pack_bytes;
 
 #endif /* __AVX512BF16__ */
 
@@ -297,18 +367,23 @@ int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, 
         Prefill a = {(const uint16_t *)q + (size_t)(row * q_stride), q_stride, cache,
                      (uint16_t *)out + (size_t)(row * num_heads * head_dim), ids, start, n, num_layers, layer,
                      block_size, num_heads, num_kv_heads, (int)head_dim, G, window, scale, 0, 0, QVECS / G,
-                     NULL, NULL};
+                     NULL, NULL, 0};
         a.kbase = first_visible(&a, start) / KT * KT;
         a.ntiles = (start + n - a.kbase + KT - 1) / KT;
+        /* A chunk of one task per KV head (a decode row, a short chunk) packs its tiles in that task,
+         * into the thread's own buffer, where they stay in cache for the attention right after; longer
+         * chunks share one pack, made first, among their tasks. */
+        const int private = n <= a.rows_per_task;
+        a.head_stride = private ? 0 : a.ntiles;
         if ((start + n + block_size - 1) / block_size > table_width) status = 3;
         for (int64_t k = first_visible(&a, start) / block_size; status == 0 && k <= (start + n - 1) / block_size; k++)
             if (ids[k] < 0 || ids[k] >= num_blocks) status = 3;
         a.kpack = (uint32_t *)(uintptr_t)dwords; /* an offset until the buffer exists */
-        dwords += (size_t)(num_kv_heads * a.ntiles) * (size_t)(head_dim / 2 * KT);
+        dwords += (size_t)(num_kv_heads * a.head_stride) * (size_t)(head_dim / 2 * KT);
         chunks[c] = a;
         pack_first[c] = jobs;
         task_first[c] = tasks;
-        jobs += num_kv_heads * a.ntiles;
+        jobs += num_kv_heads * a.head_stride;
         tasks += num_kv_heads * ((n + a.rows_per_task - 1) / a.rows_per_task);
         row += n;
     }
@@ -327,8 +402,8 @@ int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, 
     }
     for (int64_t c = 0; c < num_chunks; c++) {
         const size_t offset = (size_t)(uintptr_t)chunks[c].kpack;
-        chunks[c].kpack = (uint32_t *)pack + offset;
-        chunks[c].vpack = (uint32_t *)((char *)pack + half) + offset;
+        chunks[c].kpack = chunks[c].head_stride ? (uint32_t *)pack + offset : NULL;
+        chunks[c].vpack = chunks[c].head_stride ? (uint32_t *)((char *)pack + half) + offset : NULL;
     }
     int failed = 0;
 #pragma omp parallel
@@ -339,7 +414,7 @@ int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, 
             while (pack_first[c + 1] <= job) c++;
             while (pack_first[c] > job) c--;
             const int64_t j = job - pack_first[c];
-            pack_tile(&chunks[c], j / chunks[c].ntiles, j % chunks[c].ntiles);
+            pack_tile(&chunks[c], j / chunks[c].head_stride, j % chunks[c].head_stride);
         }
         int bad = 0;
         c = num_chunks - 1;
@@ -352,7 +427,23 @@ int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, 
             const int64_t i = task - task_first[c];
             const int64_t kvh = i % num_kv_heads, r0 = (i / num_kv_heads) * a->rows_per_task;
             const int64_t rows = a->n - r0 < a->rows_per_task ? a->n - r0 : a->rows_per_task;
-            if (!bad) bad = attend_task(a, kvh, r0, rows);
+            if (bad) continue;
+            if (a->head_stride == 0) { /* its private pack */
+                const size_t tile_dwords = (size_t)(a->D / 2 * KT);
+                uint32_t *buf = grow_scratch(&private_pack, &private_pack_bytes,
+                                             2 * sizeof(uint32_t) * tile_dwords * (size_t)a->ntiles);
+                if (buf == NULL) {
+                    bad = 1;
+                    continue;
+                }
+                Prefill own = *a;
+                own.kpack = buf;
+                own.vpack = buf + tile_dwords * (size_t)a->ntiles;
+                for (int64_t t = 0; t < a->ntiles; t++) pack_tile(&own, kvh, t);
+                bad = attend_task(&own, kvh, r0, rows);
+            } else {
+                bad = attend_task(a, kvh, r0, rows);
+            }
         }
         if (bad) {
 #pragma omp atomic write

@@ -1,19 +1,23 @@
 """Batch-invariant bfloat16 linears: every output row summed in an order fixed by the row alone.
 
-oneDNN's packed bfloat16 matmul (``engine/model/packed.py``) keeps each row's sums whatever the number
-of rows, their position in the batch and the thread count -- as long as it does not split the reduction
-dimension K into blocks, which it does for large K with a blocking chosen by the row count.  Measured on
-an AMD EPYC with AVX512-BF16 (torch 2.13's oneDNN): K <= 1024 holds at every row count 1..2048 for every
-N tried; K = 1056..4096 differs from the row computed alone at some row count (K = 1536, SmolLM2's
-down projection: from 9-15 rows on).  Other CPUs (AMX) block differently, so nothing here is assumed:
-``make_batch_invariant`` measures each of the model's linear shapes on this host -- the rows of a
-``ROW_COUNTS`` batch against the same rows computed one at a time, on the engine's thread count -- and
-splits K into the largest pieces (``PIECE_LIMITS``) that hold, computing a linear as consecutive
-matmuls added into one float32 sum (``PackedLinear.split_k``).  A shape no piece size holds for makes the
-model non-invariant, with the reason.
+oneDNN's packed bfloat16 matmul (``engine/model/packed.py``) picks its kernel and its blocking of the
+reduction dimension K by the row count.  Measured on an AMD EPYC with AVX512-BF16 (torch 2.13's oneDNN):
+with K <= 1024 every row gets the same bits at every row count 1..2048; with K = 1056..4096 (SmolLM2's
+down projection has 1536) a row computed alone differs from the same row in a batch of 9 or more -- but
+every count from 8 up agrees with every other: below 8 rows oneDNN runs another kernel.  Other CPUs (AMX)
+block differently, so nothing here is assumed: ``make_batch_invariant`` measures each of the model's
+linear shapes on this host -- the rows of a batch of each of ``ROW_COUNTS`` against the same rows computed
+one at a time, on the engine's thread count -- for each plan of ``PLANS`` in turn, and keeps the first that
+holds:
 
-The measurement takes a few seconds per new shape and is kept in ``$PDKV_CACHE_DIR/batch_invariance.json``
-keyed by CPU, torch version, thread count and shape.
+- ``min_rows``: a call with fewer rows is computed padded with zero rows to this many (8: the cost of a
+  decode step's matmuls hardly changes, they are bound by reading the weights);
+- ``piece_limit``: K split into pieces of at most this many, computed as consecutive matmuls added into
+  one float32 sum (``PackedLinear.split_k``; one more rounding per piece, a few percent slower).
+
+A shape no plan holds for makes the model non-invariant, with the reason.  The measurement takes a few
+seconds per new shape and is kept in ``$PDKV_CACHE_DIR/batch_invariance.json`` keyed by CPU, torch
+version, thread count and shape.
 """
 
 from __future__ import annotations
@@ -33,12 +37,13 @@ from engine.model.packed import PackedLinear, split_linear
 
 logger = logging.getLogger(__name__)
 
-PIECE_LIMITS = (1024, 512, 256, 128)  # the largest K piece tried first
+# (min_rows, piece_limit) in the order tried; piece_limit 0: K whole.
+PLANS = ((1, 0), (8, 0), (16, 0), (64, 0), (1, 1024), (8, 1024), (8, 512), (8, 256), (8, 128))
 ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 24, 31, 32, 33, 48, 63, 64, 65, 100, 127, 128, 129)
 ROW_COUNTS_LARGE = (255, 256, 257, 511, 512, 1000, 1024, 2048)
 PROBE_FLOPS_LARGE = 4e9  # a larger batch is measured where it costs less than this (the LM head does not)
 PIECE_ALIGN = 32  # pieces are whole multiples of this (bfloat16 pairs, oneDNN's K steps)
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 def k_pieces(k: int, limit: int) -> list[int]:
@@ -65,12 +70,23 @@ def _pack(weight: torch.Tensor, sizes: list[int]) -> list[tuple[int, int, torch.
     return pieces
 
 
-def holds(k: int, n: int, sizes: list[int], max_rows: int, threads: int) -> bool:
-    """Whether a [rows, k] x [k, n] bfloat16 matmul in ``sizes`` pieces gives each row the bits it gets
-    alone, for every count in ``ROW_COUNTS`` up to ``max_rows`` on ``threads`` threads."""
+def _run(x: torch.Tensor, pieces: list[tuple[int, int, torch.Tensor]], min_rows: int) -> torch.Tensor:
+    t = x.shape[0]
+    if t < min_rows:
+        padded = x.new_zeros(min_rows, x.shape[1])
+        padded[:t] = x
+        return split_linear(padded, pieces, None)[:t]
+    return split_linear(x, pieces, None)
+
+
+def holds(k: int, n: int, plan: tuple[int, int], max_rows: int, threads: int) -> bool:
+    """Whether a [rows, k] x [k, n] bfloat16 matmul computed by ``plan`` (min_rows, piece_limit) gives
+    each row the bits it gets alone, for every count in ``ROW_COUNTS`` up to ``max_rows`` on ``threads``
+    threads."""
+    min_rows, limit = plan
     gen = torch.Generator().manual_seed(k * 1_000_003 + n)
     weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(torch.bfloat16)
-    pieces = _pack(weight, sizes)
+    pieces = _pack(weight, k_pieces(k, limit) if limit else [k])
     counts = [c for c in ROW_COUNTS if c <= max_rows]
     if 2.0 * k * n * max_rows <= PROBE_FLOPS_LARGE:
         counts += [c for c in ROW_COUNTS_LARGE if c <= max_rows]
@@ -83,10 +99,10 @@ def holds(k: int, n: int, sizes: list[int], max_rows: int, threads: int) -> bool
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = {i: split_linear(x[i : i + 1], pieces, None) for i in probe}
+        alone = {i: _run(x[i : i + 1], pieces, min_rows) for i in probe}
         torch.set_num_threads(threads)
         for count in counts:
-            y = split_linear(x[:count], pieces, None)
+            y = _run(x[:count], pieces, min_rows)
             for i in probe:
                 if i < count and not torch.equal(y[i : i + 1], alone[i]):
                     return False
@@ -112,15 +128,18 @@ def _host_key(threads: int) -> str:
     return f"v{CACHE_VERSION}|{model}|{flags}|torch {torch.__version__}|threads {threads}"
 
 
-def _load_cache() -> dict[str, int | None]:
+Cache = dict[str, tuple[int, int] | None]
+
+
+def _load_cache() -> Cache:
     try:
         data = json.loads(_cache_path().read_text(encoding="utf-8"))
-        return {str(k): (None if v is None else int(v)) for k, v in data.items()}
-    except (OSError, ValueError, TypeError, AttributeError):
+        return {str(k): (None if v is None else (int(v[0]), int(v[1]))) for k, v in data.items()}
+    except (OSError, ValueError, TypeError, AttributeError, IndexError):
         return {}
 
 
-def _save_cache(cache: dict[str, int | None]) -> None:
+def _save_cache(cache: Cache) -> None:
     path = _cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -132,54 +151,57 @@ def _save_cache(cache: dict[str, int | None]) -> None:
         logger.info("batch-invariance measurements not kept (%s): %s", path, exc)
 
 
-def piece_limit(k: int, n: int, max_rows: int, threads: int, cache: dict[str, int | None]) -> int | None:
-    """The largest ``PIECE_LIMITS`` entry whose pieces hold for a [*, k] x [k, n] matmul on this host
-    (None: none does), measured once and kept in ``cache``."""
+def plan_for(k: int, n: int, max_rows: int, threads: int, cache: Cache) -> tuple[int, int] | None:
+    """The first of ``PLANS`` that holds for a [*, k] x [k, n] matmul on this host (None: none does),
+    measured once and kept in ``cache``."""
     key = f"{_host_key(threads)}|{k}x{n}|rows {max_rows}"
     if key in cache:
         return cache[key]
-    found: int | None = None
-    tried: list[list[int]] = []
-    for limit in PIECE_LIMITS:
-        sizes = k_pieces(k, limit)
-        if sizes in tried:
-            continue
-        tried.append(sizes)
-        if holds(k, n, sizes, max_rows, threads):
-            found = limit
+    found: tuple[int, int] | None = None
+    for min_rows, limit in PLANS:
+        if limit and k <= limit:
+            continue  # K whole: tried already
+        if holds(k, n, (min_rows, limit), max_rows, threads):
+            found = (min_rows, limit)
             break
     cache[key] = found
     return found
 
 
 def make_batch_invariant(model: nn.Module, max_rows: int) -> str | None:
-    """Split every ``PackedLinear`` of ``model`` into K pieces that keep each row's sums at every batch
-    size up to ``max_rows`` on this host.  Returns None when done, else why it cannot be (the model is
-    left as it was)."""
+    """Give every ``PackedLinear`` of ``model`` the plan that keeps each row's sums at every batch size up
+    to ``max_rows`` on this host.  Returns None when done, else why it cannot be (the model is left as it
+    was)."""
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     if not linears:
         return "its linear layers are not oneDNN-packed bfloat16 (float32, or no oneDNN bfloat16 here)"
     threads = torch.get_num_threads()
     cache = _load_cache()
     size = len(cache)
-    plan: dict[tuple[int, int], list[int]] = {}
+    plans: dict[tuple[int, int], tuple[int, int]] = {}
+    why = None
     for m in linears:
         shape = (m.in_features, m.out_features)
-        if shape in plan:
+        if shape in plans:
             continue
-        limit = piece_limit(*shape, max_rows, threads, cache)
-        if limit is None:
-            if len(cache) != size:
-                _save_cache(cache)
-            return (
+        plan = plan_for(*shape, max_rows, threads, cache)
+        if plan is None:
+            why = (
                 f"oneDNN's bfloat16 matmul [{shape[0]} -> {shape[1]}] changes a row's sums with the batch "
-                f"size on this CPU even in K pieces of {PIECE_LIMITS[-1]}"
+                f"size on this CPU under every plan tried (padding, K pieces down to {PLANS[-1][1]})"
             )
-        plan[shape] = k_pieces(shape[0], limit)
+            break
+        plans[shape] = plan
     if len(cache) != size:
         _save_cache(cache)
+    if why is not None:
+        return why
     for m in linears:
-        m.split_k(plan[(m.in_features, m.out_features)])
-    split = {f"{k}->{n}": sizes for (k, n), sizes in plan.items() if len(sizes) > 1}
-    logger.info("batch-invariant linears: K pieces %s", split or "none needed")
+        min_rows, limit = plans[(m.in_features, m.out_features)]
+        m.split_k(k_pieces(m.in_features, limit) if limit else [])
+        m.min_rows = min_rows
+    logger.info(
+        "batch-invariant linears (min rows, K piece limit): %s",
+        {f"{k}->{n}": p for (k, n), p in plans.items()},
+    )
     return None

@@ -40,9 +40,16 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
         # With split_k: the weight as column pieces [out, k_i], packed each, and where each starts.
         self.pieces: list[tuple[int, int, torch.Tensor]] = []
+        # Fewer rows than this are computed padded to it with zero rows (batch_invariance.py says why).
+        self.min_rows = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] -> [T, out]."""
+        t = x.shape[0]
+        if t < self.min_rows:
+            padded = x.new_zeros(self.min_rows, x.shape[1])
+            padded[:t] = x
+            return self.forward(padded)[:t]
         if not self.pieces:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return split_linear(x, self.pieces, self.bias)
@@ -77,7 +84,8 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         split = f", k_pieces={[b - a for a, b, _ in self.pieces]}" if self.pieces else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN{split}"
+        pad = f", min_rows={self.min_rows}" if self.min_rows > 1 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN{split}{pad}"
 
 
 def split_linear(

@@ -250,7 +250,7 @@ def test_k_pieces() -> None:
     assert k_pieces(1536, 512) == [512, 512, 512]
     assert k_pieces(1100, 512) == [384, 384, 332]
     for k in (100, 1000, 1536, 4096, 11008):
-        for limit in batch_invariance.PIECE_LIMITS:
+        for limit in {limit for _, limit in batch_invariance.PLANS if limit}:
             sizes = k_pieces(k, limit)
             assert sum(sizes) == k
             assert sizes == [k] if k <= limit else max(sizes) <= limit
@@ -283,12 +283,30 @@ def test_the_measurement_is_kept_per_host(tmp_path: Path, monkeypatch: pytest.Mo
     kept = json.loads((tmp_path / "batch_invariance.json").read_text())
     shapes = {key.split("|")[-2] for key in kept}
     assert {"576x960", "576x576", "576x3072", "1536x576", "576x320"} <= shapes
-    assert all(v in batch_invariance.PIECE_LIMITS for v in kept.values())
+    assert all(tuple(v) in batch_invariance.PLANS for v in kept.values())
     calls: list[Any] = []
     monkeypatch.setattr(batch_invariance, "holds", lambda *a: calls.append(a) or True)
     again = make()
     assert again.engine.determinism.on and calls == []  # measured once, read back
     for m in llm.engine.model.model.modules():
-        if isinstance(m, PackedLinear) and m.in_features == 1536:
-            limit = next(v for k, v in kept.items() if "1536x576" in k)
-            assert [b - a for a, b, _ in m.pieces] == ([] if limit >= 1536 else k_pieces(1536, limit))
+        if isinstance(m, PackedLinear):
+            min_rows, limit = next(v for k, v in kept.items() if f"|{m.in_features}x{m.out_features}|" in k)
+            assert m.min_rows == min_rows
+            assert [b - a for a, b, _ in m.pieces] == (k_pieces(m.in_features, limit) if limit else [])
+
+
+@needs_bf16
+def test_padding_to_min_rows_computes_the_same_rows() -> None:
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(1536, 576, bias=True).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    x = torch.randn(20, 1536, dtype=torch.bfloat16)
+    packed.min_rows = 8
+    for t in (1, 3, 7):
+        y = packed(x[:t])
+        assert y.shape == (t, 576)
+        padded = torch.zeros(8, 1536, dtype=torch.bfloat16)
+        padded[:t] = x[:t]
+        packed.min_rows = 1
+        assert torch.equal(y, packed(padded)[:t])
+        packed.min_rows = 8
