@@ -15,10 +15,10 @@ the time of its own matmuls.
   thread count -- against pdkv's measured decode step at that batch (``decode_fraction_of_matmul_floor_b8``
   and ``_b32``, goal >= 0.8), the two timed in turns.  The rest of a step is attention, norms, rope,
   sampling and bookkeeping.
-- **Deterministic mode** (``engine/determinism.py``): every figure above runs with the engine's default,
-  deterministic where this CPU serves it; a second engine with ``deterministic=False`` is timed in turns
-  with it -- decode steps at batch 8 and 32 (``deterministic_decode_fraction_b8`` and ``_b32``: tokens/s
-  on over off, goal >= 0.95) and the time to first token of a 1000-token prompt
+- **Deterministic mode** (``engine/determinism.py``): every figure above runs with ``--deterministic``
+  (default off, the engine's default); an engine with the other setting is timed in turns with the
+  bfloat16 one -- decode steps at batch 8 and 32 (``deterministic_decode_fraction_b8`` and ``_b32``:
+  tokens/s on over off, goal >= 0.95) and the time to first token of a 1000-token prompt
   (``deterministic_prefill_fraction``, goal >= 0.95).
 """
 
@@ -136,20 +136,25 @@ def ttft_seconds(llm: LLM, prompt: list[int], repeat: int = 3) -> float:
     return statistics.median(times)
 
 
-def deterministic_cost(
-    on: LLM, gguf: Path, long_prompt: list[int], steps: int, report: Report
-) -> dict[str, float]:
-    """Deterministic mode's cost: ``on`` against an engine without it, timed in turns."""
-    off = LLM(
+def real_llm(gguf: Path, dtype: str, deterministic: bool) -> LLM:
+    return LLM(
         gguf,
-        dtype="bfloat16",
+        dtype=dtype,
         device="cpu",
         block_size=16,
         max_num_seqs=64,
         max_num_batched_tokens=2048,
-        deterministic=False,
+        deterministic=deterministic,
     )
-    generate_seconds(off, make_prompts(2, (16, 32), 49152, seed=1), 4)  # warm up
+
+
+def deterministic_cost(
+    main: LLM, gguf: Path, long_prompt: list[int], steps: int, report: Report
+) -> dict[str, float]:
+    """Deterministic mode's cost: the bfloat16 engine against one with the other setting, in turns."""
+    other = real_llm(gguf, "bfloat16", not main.engine.determinism.on)
+    on, off = (main, other) if main.engine.determinism.on else (other, main)
+    generate_seconds(other, make_prompts(2, (16, 32), 49152, seed=1), 4)  # warm up
     out: dict[str, float] = {}
     for batch in (8, 32):
         step_on, step_off = decode_steps_in_turns(on, off, batch, steps=max(steps, 16))
@@ -160,14 +165,21 @@ def deterministic_cost(
     for _ in range(3):
         ttft_on.append(ttft_seconds(on, long_prompt, repeat=1))
         ttft_off.append(ttft_seconds(off, long_prompt, repeat=1))
+    report.figure("real_bf16_deterministic_ttft_1000_ms", statistics.median(ttft_on) * 1e3)
     report.figure("real_bf16_nondeterministic_ttft_1000_ms", statistics.median(ttft_off) * 1e3)
     out["det_prefill"] = statistics.median(ttft_off) / statistics.median(ttft_on)
-    off.engine.shutdown()
+    other.engine.shutdown()
     return out
 
 
 def run(
-    report: Report, *, quick: bool, dtypes: list[str], repeats: int, llamacpp: bool = False
+    report: Report,
+    *,
+    quick: bool,
+    dtypes: list[str],
+    repeats: int,
+    llamacpp: bool = False,
+    deterministic: bool = False,
 ) -> dict[str, Any]:
     if quick:
         n, lengths, new_tokens, steps = 8, (100, 300), 32, 8
@@ -182,9 +194,8 @@ def run(
         import transformers
 
         for dtype in dtypes:
-            llm = LLM(
-                gguf, dtype=dtype, device="cpu", block_size=16, max_num_seqs=64, max_num_batched_tokens=2048
-            )
+            # float32 has no deterministic mode (engine/determinism.py)
+            llm = real_llm(gguf, dtype, deterministic and dtype == "bfloat16")
             generate_seconds(llm, make_prompts(2, (16, 32), 49152, seed=1), 4)  # warm up
             hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
             run_transformers(hf, make_prompts(2, (16, 32), 49152, seed=1), 4)
@@ -213,10 +224,11 @@ def run(
                 [long_prompt] = make_prompts(1, (1000, 1000), 49152, seed=101)
                 results["ttft_1000_bf16"] = ttft_seconds(llm, long_prompt)
                 report.figure("real_bf16_ttft_1000_ms", results["ttft_1000_bf16"] * 1e3)
-                determinism = llm.engine.determinism
-                print(f"real bf16: deterministic {determinism.note}")
-                if determinism.on:
+                print(f"real bf16: deterministic {llm.engine.determinism.note}")
+                try:
                     results.update(deterministic_cost(llm, gguf, long_prompt, steps, report))
+                except ValueError as exc:  # this CPU cannot serve it
+                    print(f"real bf16: no deterministic figures: {exc}")
             llm.engine.shutdown()
         if llamacpp and "ttft_1000_bf16" in results:
             from bench import llamacpp as lcpp
@@ -272,6 +284,12 @@ def main() -> None:
     p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated (first one sets the ratios)")
     p.add_argument("--repeat", type=int, default=0, help="runs per side (default 1 with --quick, else 2)")
     p.add_argument("--llamacpp", action="store_true", help="add llama.cpp's figures (bench/llamacpp.py)")
+    p.add_argument(
+        "--deterministic",
+        choices=("on", "off"),
+        default="off",
+        help="the bfloat16 engine's mode for every figure (the other mode is timed against it)",
+    )
     args = p.parse_args()
     report = Report("engine_real")
     run(
@@ -280,6 +298,7 @@ def main() -> None:
         dtypes=args.dtypes.split(","),
         repeats=args.repeat or (1 if args.quick else 2),
         llamacpp=args.llamacpp,
+        deterministic=args.deterministic == "on",
     )
     report.emit(args.json)
 

@@ -234,10 +234,10 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     engine.add_argument(
         "--deterministic",
         choices=("on", "off"),
-        default=None,
-        help=f"batch-invariant forward passes: a request's tokens and logprobs the same bits whatever runs "
-        f"beside it (engine/determinism.py); default on where it can be served (bfloat16 on the CPU), "
-        f"on refuses to start elsewhere. {DETERMINISTIC_COST}",
+        default="off",
+        help="batch-invariant forward passes: a request's tokens and logprobs the same bits whatever runs "
+        "beside it, however it is chunked, cached, loaded or resumed (engine/determinism.py); bfloat16 on "
+        "a CPU with AVX512-BF16 (on refuses to start elsewhere). " + DETERMINISTIC_COST.replace("%", "%%"),
     )
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--num-blocks", type=int, default=None)
@@ -263,7 +263,7 @@ def node_config_from_args(args: argparse.Namespace, role: str) -> NodeConfig:
         "model": args.model,
         "dtype": args.dtype,
         "device": args.device,
-        "deterministic": None if args.deterministic is None else args.deterministic == "on",
+        "deterministic": args.deterministic == "on",
         "block_size": args.block_size,
         "num_blocks": args.num_blocks,
         "kv_cache_bytes": args.kv_cache_bytes,

@@ -35,12 +35,17 @@ _SUBCOMMANDS = (
 
 def build_parser() -> argparse.ArgumentParser:
     from engine.cpu_features import auto_cpu_dtype_note
+    from engine.engine_config import DETERMINISTIC_COST
 
     parser = argparse.ArgumentParser(
         prog="pdkv",
         description="Disaggregated LLM serving with a tiered KV cache.",
         epilog="Models: the embedded default is SmolLM2-135M-Instruct (fetched once by pdkv fetch-model); "
-        f"--model takes a GGUF file or a Hugging Face folder.  dtype {auto_cpu_dtype_note()}.",
+        f"--model takes a GGUF file or a Hugging Face folder.  dtype {auto_cpu_dtype_note()}.  "
+        "--deterministic on (serve-prefill, serve-decode, serve-node; pdkv up --node-args): a request's "
+        "bfloat16 tokens and logprobs the same bits whatever runs beside it. "
+        + DETERMINISTIC_COST.replace("%", "%%")
+        + ".",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _SUBCOMMANDS:

@@ -37,7 +37,13 @@ SEEDED = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=12
 
 
 def make(**options: Any) -> LLM:
-    opts: dict[str, Any] = {"dtype": "bfloat16", "block_size": 16, "num_blocks": 2048, "max_num_seqs": 64}
+    opts: dict[str, Any] = {
+        "dtype": "bfloat16",
+        "block_size": 16,
+        "num_blocks": 2048,
+        "max_num_seqs": 64,
+        "deterministic": True,
+    }
     opts.update(options)
     return LLM(tiny_model_dir(MODEL), **opts)
 
@@ -236,10 +242,14 @@ def test_the_switch_is_in_the_namespace_and_blocks_never_cross(det: LLM) -> None
 
 
 def test_float32_runs_without_it_and_refuses_it_by_name() -> None:
-    llm = LLM(tiny_model_dir("llama"), dtype="float32", block_size=16, num_blocks=64)
-    assert not llm.engine.determinism.on
-    assert "bfloat16" in llm.engine.determinism.note
-    llm.engine.shutdown()
+    default = LLM(tiny_model_dir("llama"), dtype="float32", block_size=16, num_blocks=64)
+    assert not default.engine.determinism.on
+    assert default.engine.determinism.note == "off (--deterministic off)"
+    default.engine.shutdown()
+    wherever = LLM(tiny_model_dir("llama"), dtype="float32", block_size=16, num_blocks=64, deterministic=None)
+    assert not wherever.engine.determinism.on
+    assert "bfloat16" in wherever.engine.determinism.note
+    wherever.engine.shutdown()
     with pytest.raises(DeterminismUnavailable, match=r"--deterministic on cannot be served here.*bfloat16"):
         LLM(tiny_model_dir("llama"), dtype="float32", block_size=16, num_blocks=64, deterministic=True)
 

@@ -1,0 +1,138 @@
+"""Deterministic bfloat16 through the whole stack (#26): concurrent streams through prefill and decode
+nodes get the bits each prompt gets alone on one local engine, and a stream whose decode node is killed
+mid-stream continues on the other node as the uninterrupted run would have -- greedy and seeded, tokens
+and logprobs.  GetModelInfo and /v1/models say what the nodes run."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import urllib.request
+from typing import Any
+
+import pytest
+
+from engine.cpu_features import cpu_flags
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from pdkv.launcher import Cluster, Process
+from pdkv_proto.pdkv.v1 import generation_pb2
+from serving.client import GenerationClient, generate_request
+from tests.serving.helpers import NODE_ARGS, assert_node_idle, node_stats, start_cluster
+from tests.tiny_models import pdkv_tiny_model_dir
+
+pytestmark = pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="needs a CPU with AVX512-BF16")
+
+BF16_ARGS = (*NODE_ARGS, "--dtype", "bfloat16", "--deterministic", "on")
+
+
+def model() -> str:
+    """head_dim 32: what the native prefill attention (deterministic mode's) takes."""
+    return str(pdkv_tiny_model_dir(hidden=128, heads=4, kv_heads=2))
+
+
+def local(prompts: list[list[int]], params: SamplingParams) -> list[Any]:
+    """Each prompt alone on one local engine, as the nodes run it."""
+    llm = LLM(model(), device="cpu", dtype="bfloat16", num_blocks=512, deterministic=True)
+    assert llm.engine.determinism.on
+    outs = [llm.generate([p], params)[0] for p in prompts]
+    llm.engine.shutdown()
+    return outs
+
+
+def collect(
+    client: GenerationClient, prompt: list[int], params: SamplingParams
+) -> tuple[list[int], list[float]]:
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for msg in client.stream(generate_request(prompt, params), timeout=120):
+        if msg.HasField("delta"):
+            tokens += msg.delta.token_ids
+            logprobs += msg.delta.logprobs
+    return tokens, logprobs
+
+
+def test_concurrent_streams_through_prefill_and_decode_nodes_equal_each_prompt_alone() -> None:
+    rng = random.Random(3)
+    prompts = [[rng.randrange(384) for _ in range(rng.randrange(20, 300))] for _ in range(8)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=True)
+    cluster = start_cluster(model=model(), num_prefill=2, num_decode=2, node_args=BF16_ARGS)
+    try:
+        results: dict[int, tuple[list[int], list[float]]] = {}
+        errors: list[BaseException] = []
+
+        def run(i: int) -> None:
+            try:
+                with GenerationClient(cluster.router_address) as client:
+                    results[i] = collect(client, prompts[i], params)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert not errors, errors
+        for i, expected in enumerate(local(prompts, params)):
+            assert results[i] == (expected.token_ids, expected.logprobs), f"prompt {i}"
+        with GenerationClient(cluster.router_address) as client:
+            info = client.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+        assert (info.dtype, info.deterministic) == ("bfloat16", True)
+        if cluster.http_address is not None:
+            with urllib.request.urlopen(f"http://{cluster.http_address}/v1/models", timeout=10) as r:
+                card = json.loads(r.read())["data"][0]
+            assert (card["dtype"], card["deterministic"]) == ("bfloat16", True)
+        for p in cluster.prefill_nodes + cluster.decode_nodes:
+            stats = node_stats(p.address, check_integrity=False)
+            assert (stats.dtype, stats.deterministic) == ("bfloat16", True)
+    finally:
+        cluster.stop()
+
+
+def serving_node(cluster: Cluster) -> Process:
+    busy = [
+        p
+        for p in cluster.decode_nodes
+        if node_stats(p.address, check_integrity=False).gauges["num_requests_running"]
+    ]
+    assert len(busy) == 1, "exactly one node should be running the request"
+    return busy[0]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=1500, ignore_eos=True, logprobs=True),
+        SamplingParams(max_tokens=1500, ignore_eos=True, logprobs=True, temperature=0.8, seed=11),
+    ],
+    ids=["greedy", "seeded-t0.8"],
+)
+def test_a_stream_resumed_after_its_decode_node_is_killed_continues_bit_for_bit(
+    params: SamplingParams,
+) -> None:
+    prompt = [random.Random(4).randrange(384) for _ in range(70)]
+    cluster = start_cluster(model=model(), num_prefill=1, num_decode=2, node_args=BF16_ARGS)
+    try:
+        with GenerationClient(cluster.router_address) as client:
+            call = client.stream(generate_request(prompt, params), timeout=180)
+            tokens: list[int] = []
+            logprobs: list[float] = []
+            killed: Process | None = None
+            for msg in call:
+                if msg.HasField("delta"):
+                    tokens += msg.delta.token_ids
+                    logprobs += msg.delta.logprobs
+                    if killed is None and len(tokens) >= 5:
+                        killed = serving_node(cluster)
+                        cluster.kill(killed)
+            assert killed is not None
+        [expected] = local([prompt], params)
+        assert len(tokens) == 1500
+        assert tokens == expected.token_ids
+        assert logprobs == expected.logprobs
+        survivor = next(p for p in cluster.decode_nodes if p is not killed)
+        assert_node_idle(survivor.address)
+    finally:
+        cluster.stop()
