@@ -317,7 +317,7 @@ def reference(parser: argparse.ArgumentParser) -> str:
         for name, action in options(leaf).items():
             unset = action.default is None or action.default is False or action.default in ("", [])
             default = "" if unset else f"`{action.default}`"
-            what = " ".join((action.help or "").split()).replace("|", "\\|")
+            what = " ".join((action.help or "").split()).replace("%%", "%").replace("|", "\\|")
             if action.choices is not None:
                 what += f" (one of {', '.join(f'`{c}`' for c in action.choices)})"
             out.append(f"| `--{name}` | `${env_name(name)}` | {default} | {what} |")
