@@ -117,14 +117,13 @@ class DecodeKernel:
 
 @dataclass(frozen=True)
 class PrefillKernel:
-    """``pdkv_paged_prefill`` of the built library (engine/csrc/paged_prefill.c): one prefill chunk's
-    causal attention over its cached prefix and itself, read from the paged cache, with AVX512-BF16 dot
-    products -- 3-4x torch's CPU flash attention on this machine kind.  bfloat16 only; it exists only
-    where gcc built AVX512-BF16 code for this CPU (``NativeKernels.prefill`` is None elsewhere); float32
-    (the dtype compared with transformers token for token) keeps SDPA."""
+    """``pdkv_paged_prefill_many`` of the built library (engine/csrc/paged_prefill.c): prefill chunks'
+    causal attention over their cached prefixes and themselves, read from the paged cache, with
+    AVX512-BF16 dot products -- 3-4x torch's CPU flash attention on this machine kind.  bfloat16 only;
+    it exists only where gcc built AVX512-BF16 code for this CPU (``NativeKernels.prefill`` is None
+    elsewhere); float32 (the dtype compared with transformers token for token) keeps SDPA."""
 
-    function: Any  # the ctypes function pdkv_paged_prefill
-    many_function: Any  # pdkv_paged_prefill_many
+    many_function: Any  # the ctypes function pdkv_paged_prefill_many
 
     @staticmethod
     def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -148,35 +147,10 @@ class PrefillKernel:
         """``q`` [n, H, D] (the chunk's queries, at positions ``start`` .. ``start + n - 1``) -> [n, H, D]:
         each attends to the keys at positions up to its own (within ``window``) of the blocks
         ``block_ids`` ([nb] int64) in ``kv_cache[:, layer]``, the chunk's own keys already written."""
-        num_blocks, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        n, num_heads, _ = q.shape
-        assert kv_cache.is_contiguous() and block_ids.is_contiguous() and block_ids.dtype == torch.int64
-        assert q.dtype == kv_cache.dtype == torch.bfloat16 and kv_cache.device.type == "cpu"
-        q = _rows_of_contiguous_heads(q)
-        out = torch.empty(n, num_heads, head_dim, dtype=q.dtype)
-        if n == 0:
-            return out
-        failed = self.function(
-            q.data_ptr(),
-            q.stride(0),
-            kv_cache.data_ptr(),
-            out.data_ptr(),
-            block_ids.data_ptr(),
-            block_ids.shape[0],
-            start,
-            n,
-            num_layers,
-            layer,
-            block_size,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            window or 0,
-            scale,
-            num_blocks,
-        )
-        _check_prefill(failed, f"positions {start}..{start + n - 1}", block_ids.shape[0], kv_cache, layer)
-        return out
+        assert block_ids.is_contiguous() and block_ids.dtype == torch.int64
+        starts = torch.tensor([start], dtype=torch.int64)
+        counts = torch.tensor([q.shape[0]], dtype=torch.int64)
+        return self.many(q, kv_cache, layer, block_ids[None], starts, counts, scale=scale, window=window)
 
     def many(
         self,
@@ -432,9 +406,6 @@ def _load() -> NativeKernels | None:
     decode = lib.pdkv_paged_decode
     decode.argtypes = _ARGTYPES
     decode.restype = ctypes.c_int
-    prefill = lib.pdkv_paged_prefill
-    prefill.argtypes = [_PTR, _INT64, _PTR, _PTR, _PTR, *[_INT64] * 10, ctypes.c_float, _INT64]
-    prefill.restype = ctypes.c_int
     many = lib.pdkv_paged_prefill_many
     many.argtypes = [
         _PTR,
@@ -468,7 +439,7 @@ def _load() -> NativeKernels | None:
     )
     return NativeKernels(
         DecodeKernel(decode),
-        PrefillKernel(prefill, many) if lib.pdkv_paged_prefill_built() else None,
+        PrefillKernel(many) if lib.pdkv_paged_prefill_built() else None,
         RMSNormKernel(norm),
         RopeKernel(rope),
         SiluMulKernel(silu),

@@ -22,6 +22,7 @@ from connectors.registry import KVConnectorConfig
 from engine.cpu_features import auto_cpu_dtype_note
 from engine.engine_config import DETERMINISTIC_COST, EngineConfig
 from engine.model.embedded import model_name
+from serving.drain import add_drain_arguments
 from telemetry.ports import metrics_port
 from wire.endpoints import parse_address
 
@@ -185,16 +186,7 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         default=None,
         help="compute threads (default: one per core; nodes sharing a machine should split its cores)",
     )
-    parser.add_argument(
-        "--drain-timeout-s",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, refuse new calls and wait this long at most for admitted requests to finish and "
-        "held KV to be pulled (a planned stop; keep it within the orchestrator's grace period)",
-    )
-    parser.add_argument(
-        "--grace-s", type=float, default=5.0, help="seconds in-flight calls get on shutdown, after the drain"
-    )
+    add_drain_arguments(parser, "admitted requests to finish and held KV to be pulled")
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument(
         "--cluster-secret-file",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from serving.drain import add_drain_arguments
 from telemetry.ports import metrics_port
 from wire.endpoints import parse_address
 
@@ -241,16 +242,7 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow a non-loopback --address/--http-address without TLS and API keys (trusted networks only)",
     )
-    parser.add_argument(
-        "--drain-timeout-s",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, refuse new calls and wait this long at most for the streams in flight to finish "
-        "(a planned stop; keep it within the orchestrator's grace period)",
-    )
-    parser.add_argument(
-        "--grace-s", type=float, default=5.0, help="seconds in-flight calls get on shutdown, after the drain"
-    )
+    add_drain_arguments(parser, "the streams in flight to finish")
     parser.add_argument("--log-level", default="WARNING")
 
 

@@ -21,6 +21,7 @@ printed at exit, so an operator (and the rolling-restart test) can see that a pl
 
 from __future__ import annotations
 
+import argparse
 import threading
 import time
 from collections.abc import Callable
@@ -144,3 +145,18 @@ class Drain:
                 float(left.holds if draining else 0),
             ),
         ]
+
+
+def add_drain_arguments(parser: argparse.ArgumentParser, waits_for: str) -> None:
+    """``--drain-timeout-s`` and ``--grace-s`` of a serving process; ``waits_for``: what its drain
+    waits for, as its help says it."""
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help=f"on SIGTERM, refuse new calls and wait this long at most for {waits_for} (a planned stop; "
+        "keep it within the orchestrator's grace period)",
+    )
+    parser.add_argument(
+        "--grace-s", type=float, default=5.0, help="seconds in-flight calls get on shutdown, after the drain"
+    )

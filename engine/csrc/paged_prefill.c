@@ -1,8 +1,8 @@
 /* Prefill attention read from the paged KV cache (engine/native.py builds and loads this file with
  * paged_decode.c):
  *
- *   pdkv_paged_prefill        one prefill chunk's causal attention, bfloat16, AVX512-BF16
- *   pdkv_paged_prefill_many   the same for many chunks (of many sequences) in one call
+ *   pdkv_paged_prefill_many   prefill chunks' causal attention (chunks of many sequences, and decode
+ *                             rows as chunks of one, in one call), bfloat16, AVX512-BF16
  *
  * A chunk is n query rows at positions start .. start + n - 1 of one sequence; its keys and values --
  * the cached prefix and the chunk's own, already written -- are positions 0 .. start + n - 1 of the
@@ -310,7 +310,7 @@ static _Thread_local size_t private_pack_bytes;
 
 #endif /* __AVX512BF16__ */
 
-/* 1 when this build has the kernel (the compiler targeted AVX512-BF16), 0 when pdkv_paged_prefill can
+/* 1 when this build has the kernel (the compiler targeted AVX512-BF16), 0 when pdkv_paged_prefill_many can
  * only refuse: the CPU's flags say what it runs, not what gcc emitted. */
 int pdkv_paged_prefill_built(void) {
 #ifdef __AVX512BF16__
@@ -453,13 +453,4 @@ int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, 
     free(chunks), free(pack_first);
     return failed;
 #endif
-}
-
-/* One chunk: pdkv_paged_prefill_many of a single chunk whose blocks are block_ids (num_ids of them). */
-int pdkv_paged_prefill(const void *q, int64_t q_stride, const void *cache, void *out, const int64_t *block_ids,
-                       int64_t num_ids, int64_t start, int64_t n, int64_t num_layers, int64_t layer,
-                       int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                       int64_t window, float scale, int64_t num_blocks) {
-    return pdkv_paged_prefill_many(q, q_stride, cache, out, block_ids, num_ids, &start, &n, 1, num_layers, layer,
-                                   block_size, num_heads, num_kv_heads, head_dim, window, scale, num_blocks);
 }

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from pdkv.launcher import Cluster, Topology
+from pdkv.launcher import Cluster, Process, Topology
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
 from tests.tiny_models import pdkv_tiny_model_dir, tiny_model_dir
 
@@ -107,3 +107,14 @@ def assert_usage_adds_up(usage: object) -> None:
     c = u.cached
     assert c.local_prefix + c.store + u.computed_prompt_tokens == u.prompt_tokens, u
     assert c.remote_prefill <= u.prompt_tokens, u
+
+
+def serving_node(cluster: Cluster) -> Process:
+    """The decode (or colocated) node running the one request in flight."""
+    busy = [
+        p
+        for p in cluster.decode_nodes
+        if node_stats(p.address, check_integrity=False).gauges["num_requests_running"]
+    ]
+    assert len(busy) == 1, "exactly one node should be running the request"
+    return busy[0]

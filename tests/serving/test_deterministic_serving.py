@@ -16,10 +16,10 @@ import pytest
 from engine.cpu_features import cpu_flags
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from pdkv.launcher import Cluster, Process
+from pdkv.launcher import Process
 from pdkv_proto.pdkv.v1 import generation_pb2
 from serving.client import GenerationClient, generate_request
-from tests.serving.helpers import NODE_ARGS, assert_node_idle, node_stats, start_cluster
+from tests.serving.helpers import NODE_ARGS, assert_node_idle, node_stats, serving_node, start_cluster
 from tests.tiny_models import pdkv_tiny_model_dir
 
 pytestmark = pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="needs a CPU with AVX512-BF16")
@@ -89,16 +89,6 @@ def test_concurrent_streams_through_prefill_and_decode_nodes_equal_each_prompt_a
             assert (stats.dtype, stats.deterministic) == ("bfloat16", True)
     finally:
         cluster.stop()
-
-
-def serving_node(cluster: Cluster) -> Process:
-    busy = [
-        p
-        for p in cluster.decode_nodes
-        if node_stats(p.address, check_integrity=False).gauges["num_requests_running"]
-    ]
-    assert len(busy) == 1, "exactly one node should be running the request"
-    return busy[0]
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from tests.serving.helpers import (
     metric,
     node_stats,
     pdkv_model,
+    serving_node,
     start_cluster,
     wait_until,
 )
@@ -78,17 +79,6 @@ def test_prefill_nodes_killed_before_they_answer() -> None:
         assert_node_idle(cluster.decode_nodes[0].address)
     finally:
         cluster.stop()
-
-
-def serving_node(cluster: Cluster) -> Process:
-    """The decode (or colocated) node running the one request in flight."""
-    busy = [
-        p
-        for p in cluster.decode_nodes
-        if node_stats(p.address, check_integrity=False).gauges["num_requests_running"]
-    ]
-    assert len(busy) == 1, "exactly one node should be running the request"
-    return busy[0]
 
 
 @pytest.mark.parametrize(
