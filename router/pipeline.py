@@ -53,7 +53,7 @@ from router.nodes import NodeHandle, NodePool
 from router.policy import NodeSelector, RoutingInfo
 from serving import convert
 from serving.calls import time_remaining
-from serving.errors import ServingError
+from serving.errors import ServingError, invalid
 from telemetry.latency import REQUEST_LATENCIES, REQUEST_LENGTHS, LatencyTracker, RequestLatency
 from telemetry.metrics import Histogram
 
@@ -165,6 +165,8 @@ class Pipeline:
                     grpc.StatusCode.UNAVAILABLE,
                     "the router is draining (a planned stop): retry on another router",
                 )
+            if n > self.max_inflight:  # never admissible: a retry would get the same answer
+                raise invalid("n", f"{n} choices take {n} slots; this router has {self.max_inflight}")
             if self._inflight + n > self.max_inflight:
                 raise ServingError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -13,7 +14,9 @@ import pytest
 from engine.sampling_params import SamplingParams
 from router.admission import AdmittedRequest
 from router.choices import Placement, choice_request, fork_choices
+from router.config import RouterConfig
 from router.events import CallScope, Delta, Done, Event, Usage
+from router.pipeline import Pipeline
 from serving.errors import ServingError
 
 NODE = object()
@@ -140,3 +143,19 @@ def test_a_thread_that_cannot_start_leaves_no_slot_held(monkeypatch: pytest.Monk
             break
         threading.Event().wait(0.01)
     assert runs.held == 0
+
+
+def test_more_choices_than_the_router_has_slots_is_refused_by_name_not_retried_for_ever() -> None:
+    """A 429 would say "retry later", and every retry would get it again."""
+    pipeline = Pipeline("colocated", None, SimpleNamespace(), lambda pool: None, max_inflight=2)  # type: ignore[arg-type]
+    with pytest.raises(ServingError) as err:
+        list(pipeline.generate(_request(3), _Scope()))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.message == "n: 3 choices take 3 slots; this router has 2"
+    assert pipeline.inflight == 0
+
+
+def test_a_router_whose_max_n_exceeds_its_max_inflight_does_not_start() -> None:
+    with pytest.raises(ValueError, match="max_n 300 exceeds max_inflight 256"):
+        RouterConfig(mode="colocated", decode_nodes=("127.0.0.1:1",), max_n=300, max_inflight=256)
+    RouterConfig(mode="colocated", decode_nodes=("127.0.0.1:1",), max_n=256, max_inflight=256)
