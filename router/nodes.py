@@ -26,11 +26,16 @@ from serving.tls import TLSFolder, channel
 
 logger = logging.getLogger(__name__)
 
+# The largest message the router takes from a node: the first carries a scored prompt's logprobs
+# (prompt_logprobs, echo), with up to 20 alternatives a token about 130 bytes a token -- over gRPC's
+# default 4 MiB from 32k tokens on.
+MAX_NODE_MESSAGE_BYTES = 256 * 1024 * 1024
 # Reconnect quickly to a node that restarts (gRPC's default backoff grows to two minutes).
 CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", MAX_NODE_MESSAGE_BYTES),
 ]
 ABORT_TIMEOUT_S = 2.0
 

@@ -69,6 +69,10 @@ class GenerationClient:
         options: Sequence[tuple[str, object]] = (),
     ) -> None:
         self.address = address
+        # a long prompt's scores (prompt_logprobs) come in one message, over gRPC's default 4 MiB from
+        # about 32k tokens on: take up to 256 MiB unless the caller says otherwise
+        if not any(key == "grpc.max_receive_message_length" for key, _ in options):
+            options = [*options, ("grpc.max_receive_message_length", 256 * 1024 * 1024)]
         self.channel = (
             grpc.secure_channel(address, credentials, options=list(options))
             if credentials is not None

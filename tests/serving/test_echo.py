@@ -15,6 +15,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pdkv.launcher import Cluster
 from pdkv_proto.pdkv.v1 import generation_pb2, generation_pb2_grpc, types_pb2
+from serving.client import GenerationClient
 from tests.gguf_models import write_gguf
 from tests.serving.helpers import NODE_ARGS, start_cluster
 from tests.tiny_models import pdkv_tiny_model_dir
@@ -130,3 +131,29 @@ def test_grpc_scores_the_prompt(cluster: Cluster, local: LLM) -> None:
     assert list(result.token_ids) == [] and len(result.prompt_logprobs.logprobs) == len(ids) - 1
     assert all(abs(g - w) < 1e-4 for g, w in zip(result.prompt_logprobs.logprobs, want[1:], strict=True))
     assert list(first.delta.prompt_logprobs.logprobs) == list(result.prompt_logprobs.logprobs)
+
+
+def test_a_long_prompts_scores_pass_gRPC_default_message_limit() -> None:
+    """36k scored tokens with 20 alternatives each: a 4.7 MB first message from the node to the router
+    (over gRPC's default 4 MiB receive limit) and from the router to the client."""
+    model = pdkv_tiny_model_dir(max_position_embeddings=40000)
+    cluster = start_cluster(
+        model=str(model),
+        mode="colocated",
+        num_decode=1,
+        node_args=("--num-blocks", "2400", "--device", "cpu", "--max-num-batched-tokens", "8192"),
+    )
+    try:
+        ids = [i % 300 + 20 for i in range(36000)]
+        request = generation_pb2.GenerateRequest(
+            token_ids=generation_pb2.TokenIds(ids=ids),
+            sampling=types_pb2.SamplingParams(max_tokens=1, prompt_logprobs=20),
+        )
+        assert request.ByteSize() > 0
+        with GenerationClient(cluster.router_address) as client:
+            result = client.stub.GenerateUnary(request, timeout=300)
+        assert result.ByteSize() > 4 * 1024 * 1024
+        assert len(result.prompt_logprobs.logprobs) == len(ids) - 1
+        assert all(len(t.token_ids) == 20 for t in result.prompt_logprobs.top_logprobs)
+    finally:
+        cluster.stop()
