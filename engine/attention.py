@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.native import DecodeKernel, PrefillKernel
+from engine.native_attention import DecodeKernel, PrefillKernel
 
 
 @dataclass(slots=True)

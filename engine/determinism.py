@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.model.batch_invariance import make_batch_invariant
-from engine.native import PrefillKernel, native_kernels
+from engine.native import native_kernels
+from engine.native_attention import PrefillKernel
 
 
 @dataclass(frozen=True)

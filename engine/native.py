@@ -29,195 +29,14 @@ from typing import Any
 import torch
 
 from engine.cpu_features import cpu_flags
+from engine.native_attention import DTYPE_FLAGS, MAX_HEAD_DIM, DecodeKernel, PrefillKernel
 from engine.native_build import build_library
 
 logger = logging.getLogger(__name__)
 
-MAX_GROUP = 16  # query heads per KV head (MAX_GROUP in the C source)
-MAX_HEAD_DIM = 256
 _INT64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _ARGTYPES: list[Any] = [_PTR, _PTR, _PTR, _PTR, _PTR] + [_INT64] * 9 + [ctypes.c_float] + [_INT64] * 3
-_DTYPES = {torch.bfloat16: 1, torch.float32: 0}  # the kernel's bf16 flag
-
-
-def _rows_of_contiguous_heads(q: torch.Tensor) -> torch.Tensor:
-    """``q`` [rows, H, D] as the attention kernels read it: rows may be strided (the engine's q is a view
-    of the rotated q and k), each row's heads may not."""
-    return q if q.stride(2) == 1 and q.stride(1) == q.shape[2] else q.contiguous()
-
-
-@dataclass(frozen=True)
-class DecodeKernel:
-    """``pdkv_paged_decode`` of the built library."""
-
-    function: Any  # the ctypes function pdkv_paged_decode
-
-    @staticmethod
-    def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-        return (
-            dtype in _DTYPES
-            and num_kv_heads > 0
-            and num_heads % num_kv_heads == 0
-            and num_heads // num_kv_heads <= MAX_GROUP
-            and 0 < head_dim <= MAX_HEAD_DIM
-        )
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        layer: int,
-        block_table: torch.Tensor,
-        positions: torch.Tensor,
-        *,
-        scale: float,
-        window: int | None,
-    ) -> torch.Tensor:
-        """``q`` [B, H, D] -> [B, H, D]: each row attends to keys 0..positions[b] (within ``window``) of
-        the blocks ``block_table[b]`` ([B, W] int64) in ``kv_cache[:, layer]``."""
-        num_blocks, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        b, num_heads, _ = q.shape
-        assert kv_cache.is_contiguous() and block_table.is_contiguous() and positions.is_contiguous()
-        assert block_table.dtype == torch.int64 and positions.dtype == torch.int64
-        assert q.dtype == kv_cache.dtype and kv_cache.device.type == "cpu"  # one dtype flag for both
-        q = _rows_of_contiguous_heads(q)
-        out = torch.empty(b, num_heads, head_dim, dtype=q.dtype)
-        failed = self.function(
-            q.data_ptr(),
-            kv_cache.data_ptr(),
-            out.data_ptr(),
-            block_table.data_ptr(),
-            positions.data_ptr(),
-            b,
-            block_table.shape[1],
-            num_layers,
-            layer,
-            block_size,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            window or 0,
-            scale,
-            _DTYPES[q.dtype],
-            q.stride(0),
-            num_blocks,
-        )
-        if failed == 1:
-            raise MemoryError("the native decode attention could not allocate its score buffer")
-        if failed == 3:
-            raise IndexError(
-                f"decode attention: a position or block id lies outside the block table [{b}, "
-                f"{block_table.shape[1]}] or the cache's {num_blocks} blocks, or layer {layer} outside "
-                f"{num_layers}"
-            )
-        assert failed == 0, "shape checked by supports()"
-        return out
-
-
-@dataclass(frozen=True)
-class PrefillKernel:
-    """``pdkv_paged_prefill_many`` of the built library (engine/csrc/paged_prefill.c): prefill chunks'
-    causal attention over their cached prefixes and themselves, read from the paged cache, with
-    AVX512-BF16 dot products -- 3-4x torch's CPU flash attention on this machine kind.  bfloat16 only;
-    it exists only where gcc built AVX512-BF16 code for this CPU (``NativeKernels.prefill`` is None
-    elsewhere); float32 (the dtype compared with transformers token for token) keeps SDPA."""
-
-    many_function: Any  # the ctypes function pdkv_paged_prefill_many
-
-    @staticmethod
-    def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-        return (
-            DecodeKernel.supports(dtype, num_heads, num_kv_heads, head_dim)
-            and dtype == torch.bfloat16
-            and head_dim % 32 == 0
-        )
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        layer: int,
-        block_ids: torch.Tensor,
-        start: int,
-        *,
-        scale: float,
-        window: int | None,
-    ) -> torch.Tensor:
-        """``q`` [n, H, D] (the chunk's queries, at positions ``start`` .. ``start + n - 1``) -> [n, H, D]:
-        each attends to the keys at positions up to its own (within ``window``) of the blocks
-        ``block_ids`` ([nb] int64) in ``kv_cache[:, layer]``, the chunk's own keys already written."""
-        assert block_ids.is_contiguous() and block_ids.dtype == torch.int64
-        starts = torch.tensor([start], dtype=torch.int64)
-        counts = torch.tensor([q.shape[0]], dtype=torch.int64)
-        return self.many(q, kv_cache, layer, block_ids[None], starts, counts, scale=scale, window=window)
-
-    def many(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        layer: int,
-        block_table: torch.Tensor,
-        starts: torch.Tensor,
-        counts: torch.Tensor,
-        *,
-        scale: float,
-        window: int | None,
-    ) -> torch.Tensor:
-        """Many chunks in one call: ``q`` [T, H, D] holds chunk c's ``counts[c]`` rows (at positions
-        ``starts[c]`` ..) after chunk c - 1's; ``block_table[c]`` ([C, W] int64) are its sequence's
-        blocks.  A decode row is a chunk of one.  -> [T, H, D].  Each row's bits depend on its own position
-        and keys only, whatever the chunks around it (engine/csrc/paged_prefill.c)."""
-        num_blocks, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        t, num_heads, _ = q.shape
-        assert kv_cache.is_contiguous() and block_table.is_contiguous() and block_table.dtype == torch.int64
-        assert (
-            starts.is_contiguous() and counts.is_contiguous() and starts.dtype == counts.dtype == torch.int64
-        )
-        assert q.dtype == kv_cache.dtype == torch.bfloat16 and kv_cache.device.type == "cpu"
-        q = _rows_of_contiguous_heads(q)
-        out = torch.empty(t, num_heads, head_dim, dtype=q.dtype)
-        if t == 0:
-            return out
-        failed = self.many_function(
-            q.data_ptr(),
-            q.stride(0),
-            kv_cache.data_ptr(),
-            out.data_ptr(),
-            block_table.data_ptr(),
-            block_table.shape[1],
-            starts.data_ptr(),
-            counts.data_ptr(),
-            starts.shape[0],
-            num_layers,
-            layer,
-            block_size,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            window or 0,
-            scale,
-            num_blocks,
-        )
-        _check_prefill(failed, f"{starts.shape[0]} chunks", block_table.shape[1], kv_cache, layer)
-        return out
-
-
-def _check_prefill(failed: int, what: str, width: int, kv_cache: torch.Tensor, layer: int) -> None:
-    num_blocks, num_layers, _, _, num_kv_heads, head_dim = kv_cache.shape
-    if failed == 1:
-        raise MemoryError("the native prefill attention could not allocate its buffers")
-    if failed == 3:
-        raise IndexError(
-            f"prefill attention: {what} need blocks beyond the {width} given, or a block id lies outside "
-            f"the cache's {num_blocks} blocks, or layer {layer} outside {num_layers}"
-        )
-    if failed == 2:
-        raise ValueError(
-            f"the native prefill attention does not take these heads over {num_kv_heads} KV heads of "
-            f"{head_dim}, or a chunk of no rows (PrefillKernel.supports says which heads it does)"
-        )
-    assert failed == 0
 
 
 @dataclass(frozen=True)
@@ -228,7 +47,7 @@ class RMSNormKernel:
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
-        return dtype in _DTYPES
+        return dtype in DTYPE_FLAGS
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``x`` [T, hidden] -> ``weight * dtype(x * rsqrt(mean(x^2) + eps))`` [T, hidden]."""
@@ -267,7 +86,7 @@ class RMSNormKernel:
             x.shape[0],
             x.shape[1],
             eps,
-            _DTYPES[x.dtype],
+            DTYPE_FLAGS[x.dtype],
         )
         if failed == 1:
             raise MemoryError("the native RMSNorm could not allocate its row buffers")
@@ -306,7 +125,7 @@ class RopeKernel:
 
     @staticmethod
     def supports(dtype: torch.dtype, head_dim: int) -> bool:
-        return dtype in _DTYPES and head_dim % 2 == 0 and 0 < head_dim <= MAX_HEAD_DIM
+        return dtype in DTYPE_FLAGS and head_dim % 2 == 0 and 0 < head_dim <= MAX_HEAD_DIM
 
     def __call__(
         self,
@@ -343,7 +162,7 @@ class RopeKernel:
             num_layers,
             layer,
             block_size,
-            _DTYPES[qkv.dtype],
+            DTYPE_FLAGS[qkv.dtype],
             num_blocks,
         )
         if failed == 3:

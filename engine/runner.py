@@ -28,7 +28,8 @@ from engine.connector.null import NullConnector
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from engine.kv_cache_manager import cdiv
 from engine.model.llama import ForwardContext, LlamaForCausalLM
-from engine.native import DecodeKernel, PrefillKernel, RopeKernel, native_kernels
+from engine.native import RopeKernel, native_kernels
+from engine.native_attention import DecodeKernel, PrefillKernel
 from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import TopLogprobs
 from engine.scheduler.output import ModelRunnerOutput, PromptScores, ScheduledRequest, SchedulerOutput

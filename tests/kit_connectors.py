@@ -232,10 +232,10 @@ class AsyncSharedDirConnector(SharedDirConnector):
 class _TokenKeyedRequest:
     """A request seen through a connector that keys blocks by their tokens alone."""
 
-    def __init__(self, request: Request, block_size: int) -> None:
+    def __init__(self, request: Request, block_size: int, seed: bytes = b"") -> None:
         self._request = request
         keys: list[bytes] = []
-        parent = b""
+        parent = seed
         tokens = request.all_token_ids
         for i in range(len(request.block_hashes)):
             block = ",".join(map(str, tokens[i * block_size : (i + 1) * block_size])).encode()
@@ -269,15 +269,15 @@ class TokenKeyedConnector(SharedDirConnector):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return super().get_num_new_matched_tokens(
-            _TokenKeyedRequest(request, self.block_size), num_computed_tokens
-        )  # type: ignore[arg-type]
+        return super().get_num_new_matched_tokens(self._keyed(request), num_computed_tokens)  # type: ignore[arg-type]
 
     def update_state_after_alloc(
         self, request: Request, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
-        keyed = _TokenKeyedRequest(request, self.block_size)
-        super().update_state_after_alloc(keyed, block_ids, num_external_tokens)  # type: ignore[arg-type]
+        super().update_state_after_alloc(self._keyed(request), block_ids, num_external_tokens)  # type: ignore[arg-type]
+
+    def _keyed(self, request: Request) -> _TokenKeyedRequest:
+        return _TokenKeyedRequest(request, self.block_size)
 
 
 class HoleBlindConnector(SharedDirConnector):
@@ -394,12 +394,20 @@ class BackgroundSaveConnector(SharedDirConnector):
             timer.start()
 
 
-class DtypelessKeyConnector(SharedDirConnector):
-    """Keys blocks by namespace and hash only: an engine with another KV dtype finds the same files."""
+class DtypelessKeyConnector(TokenKeyedConnector):
+    """Keys blocks by the model's weights fingerprint (the loader's, without the KV part the engine's
+    namespace adds), the tenant's salt and a hash of the block's tokens it computes itself: an engine
+    running the same model in another dtype finds the same files.  (A connector keyed by
+    ``namespace.namespace_id`` or by ``request.block_hashes`` cannot make this mistake: both name the
+    dtype since the namespace does.)"""
 
     def __init__(
         self, role: KVConnectorRole, context: ConnectorContext, options: Mapping[str, Any] | None = None
     ) -> None:
         super().__init__(role, context, options)
-        self.dir = Path(self.options.path) / context.namespace.namespace_id  # bug: no dtype, no geometry
+        weights = context.namespace.model_fingerprint.split(";kv=")[0]  # bug: the dtype dropped
+        self.dir = Path(self.options.path) / hashlib.sha256(weights.encode()).hexdigest()[:16]
         self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _keyed(self, request: Request) -> _TokenKeyedRequest:
+        return _TokenKeyedRequest(request, self.block_size, seed=(request.cache_salt or "").encode())

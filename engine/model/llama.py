@@ -21,7 +21,8 @@ from torch import nn
 from engine.attention import AttentionMetadata, GatherWorkspace, paged_attention, write_kv
 from engine.model.config import ModelConfig
 from engine.model.rope import RotaryEmbedding, apply_rotary
-from engine.native import DecodeKernel, NativeKernels, PrefillKernel, RMSNormKernel, RopeKernel, SiluMulKernel
+from engine.native import NativeKernels, RMSNormKernel, RopeKernel, SiluMulKernel
+from engine.native_attention import DecodeKernel, PrefillKernel
 from engine.runner_hooks import KVHooks
 
 
