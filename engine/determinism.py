@@ -4,8 +4,9 @@ With it on, each token's forward pass reduces in an order fixed by that token al
 size, the chunking, the row's place in the batch, the thread count, or whether its keys and values were
 computed here, loaded from a store tier or received from a peer:
 
-- linears: oneDNN's packed bfloat16 matmuls in K pieces measured to keep each row's sums at every row
-  count (``engine/model/batch_invariance.py``);
+- linears: oneDNN's packed bfloat16 matmuls under a plan measured on the host to keep each row's sums at
+  every row count -- small batches padded to the row count where oneDNN's kernel stops changing, or K in
+  pieces (``engine/model/batch_invariance.py``);
 - attention: every row of a step, prefill or decode, through the native prefill kernel in one call,
   whose key tiles sit at absolute positions, so each query's sums run in an order fixed by its position
   (``engine/csrc/paged_prefill.c``, ``engine/attention.py``);
@@ -17,9 +18,9 @@ one that died would have, and a prefix loaded from a tier is the KV a recompute 
 bfloat16 on the CPU with the native kernels built; float32's linears are MKL's, whose sums depend on the
 batch (float32 is the dtype compared with transformers token for token, not bit for bit).
 
-The switch changes bits (its prefill attention and split linears round differently from the fast
-paths), so it is part of the KV's namespace with the dtype (``kv_fingerprint``): a deterministic node
-never loads a block a non-deterministic one made.
+The switch changes bits (decode rows take the prefill kernel's arithmetic, and a linear's plan may
+round differently from the fast path), so it is part of the KV's namespace with the dtype
+(``kv_fingerprint``): a deterministic node never loads a block a non-deterministic one made.
 """
 
 from __future__ import annotations
