@@ -113,13 +113,18 @@ def test_a_bad_block_table_raises_instead_of_reading_outside_the_cache(kernel: n
         kernel(q, cache, cache.shape[1], pc.block_ids, 6, scale=0.25, window=None)
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
 @pytest.mark.parametrize("name", ["llama_hd32", "mistral_window_hd32"])
-def test_a_bfloat16_engine_prefills_with_the_kernel_and_matches_transformers(name: str) -> None:
-    """Chunked (7 tokens a step), with a prefix hit and a window: teacher-forced against transformers."""
+def test_a_bfloat16_engine_prefills_with_the_kernel_and_matches_transformers(
+    name: str, deterministic: bool
+) -> None:
+    """Chunked (7 tokens a step), with a prefix hit and a window: teacher-forced against transformers,
+    within bfloat16's tie rule -- with deterministic mode too (engine/determinism.py)."""
     shared = random_prompts([26], seed=3)[0]
     prompts = [*random_prompts([5, 17, 40], seed=2), [*shared, 4, 5], [*shared, 9]]
-    llm = make_llm(name, dtype="bfloat16", max_num_batched_tokens=7)
+    llm = make_llm(name, dtype="bfloat16", max_num_batched_tokens=7, deterministic=deterministic)
     assert llm.engine.runner.prefill_kernel is not None
+    assert llm.engine.determinism.on == deterministic
     outs = llm.generate(prompts[:4], GREEDY) + llm.generate(prompts[4:], GREEDY)
     assert outs[-1].num_cached_tokens == 24
     assert_teacher_forced(name, "bfloat16", prompts, outs)
