@@ -194,7 +194,7 @@ def _offload(spec: str) -> KVConnectorConfig:
 
 
 @needs_bf16
-@pytest.mark.parametrize("tier", ["cpu", "disk", "redis"])
+@pytest.mark.parametrize("tier", ["cpu", "disk", "redis", "remote"])
 def test_loaded_from_each_tier_equals_recompute(
     det: LLM, tier: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -206,8 +206,10 @@ def test_loaded_from_each_tier_equals_recompute(
         spec = "cpu:64MiB"
     elif tier == "disk":
         spec = f"disk:{tmp_path / 'kv'}:64MiB"
-    else:
+    elif tier == "redis":
         spec = f"redis://127.0.0.1:{request.getfixturevalue('redis_server').port}/0"
+    else:  # the store server (pdkv kvstore serve), its CPU tier
+        spec = f"remote:{request.getfixturevalue('store_server')('cpu:64MiB').endpoint}"
     writer = make(kv_connector=_offload(spec))
     writer.generate([*companions[:3], probe], GREEDY)  # computed in a batch, saved to the tier
     assert writer.engine.drain(20.0)
