@@ -114,11 +114,6 @@ class RouterConfig:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         if not isinstance(self.max_n, int) or self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n!r}")
-        if isinstance(self.max_inflight, int) and self.max_n > self.max_inflight:
-            raise ValueError(
-                f"max_n {self.max_n} exceeds max_inflight {self.max_inflight}: a request's n choices take n "
-                "of the router's slots, so one asking for max_n could never be admitted"
-            )
         if not isinstance(self.client_max_inflight, int) or self.client_max_inflight < 0:
             raise ValueError(f"client_max_inflight must be >= 0, got {self.client_max_inflight!r}")
         if not self.stream_idle_timeout_s > 0:

@@ -59,8 +59,13 @@ from telemetry.metrics import Histogram
 
 logger = logging.getLogger(__name__)
 
-# A node that fails with these is skipped and the next one is tried (a decode node's stream is resumed).
+# A node failing so (or cancelling a call as it stops) is skipped; a decode node's stream is resumed.
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def _node_failed(code: grpc.StatusCode, cancellation: Cancellation) -> bool:
+    """The node failed, another may serve: RETRYABLE, or a CANCELLED the router did not ask for."""
+    return code in RETRYABLE or (code == grpc.StatusCode.CANCELLED and not cancellation.cancelled)
 
 
 def _observe_latency(latency: RequestLatency, event: Event) -> None:
@@ -256,7 +261,7 @@ class Pipeline:
                 raise ServingError(grpc.StatusCode.CANCELLED, "the client cancelled the request") from exc
             except grpc.RpcError as exc:
                 code, details = rpc_code_details(exc)
-                if code not in RETRYABLE or not scope.is_active():
+                if not _node_failed(code, cancellation) or not scope.is_active():
                     raise ServingError(code, f"prefill node {node.address}: {details}") from exc
                 if code == grpc.StatusCode.UNAVAILABLE:
                     node.mark_down(details)
@@ -357,11 +362,11 @@ class Pipeline:
                         )
             except grpc.RpcError as exc:
                 code, details = rpc_code_details(exc)
-                if client.cancellation.cancelled or code == grpc.StatusCode.CANCELLED:
+                if client.cancellation.cancelled:
                     raise ServingError(grpc.StatusCode.CANCELLED, "the client cancelled the request") from exc
                 if code == grpc.StatusCode.UNAVAILABLE:
                     node.mark_down(details)
-                if code in RETRYABLE and scope.is_active():
+                if _node_failed(code, client.cancellation) and scope.is_active():
                     raise _Interrupted(code, details) from exc
                 raise ServingError(code, _gave_up(sent, f"decode node {node.address}: {details}")) from exc
         if last is None or not last.finished:

@@ -150,7 +150,8 @@ class RouterRuntime:
             RpcCounters(),
             access,
             streams,
-            Admission(model, config.max_tokens_limit, max_n=config.max_n),
+            # n choices take n of the max_inflight slots: more could never be admitted
+            Admission(model, config.max_tokens_limit, max_n=min(config.max_n, config.max_inflight)),
             tls,
             index,
             subscriber,

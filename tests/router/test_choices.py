@@ -14,7 +14,6 @@ import pytest
 from engine.sampling_params import SamplingParams
 from router.admission import AdmittedRequest
 from router.choices import Placement, choice_request, fork_choices
-from router.config import RouterConfig
 from router.events import CallScope, Delta, Done, Event, Usage
 from router.pipeline import Pipeline
 from serving.errors import ServingError
@@ -153,9 +152,3 @@ def test_more_choices_than_the_router_has_slots_is_refused_by_name_not_retried_f
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.message == "n: 3 choices take 3 slots; this router has 2"
     assert pipeline.inflight == 0
-
-
-def test_a_router_whose_max_n_exceeds_its_max_inflight_does_not_start() -> None:
-    with pytest.raises(ValueError, match="max_n 300 exceeds max_inflight 256"):
-        RouterConfig(mode="colocated", decode_nodes=("127.0.0.1:1",), max_n=300, max_inflight=256)
-    RouterConfig(mode="colocated", decode_nodes=("127.0.0.1:1",), max_n=256, max_inflight=256)
