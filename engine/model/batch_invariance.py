@@ -22,6 +22,7 @@ version, thread count and shape.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 from engine.cpu_features import cpu_flags
-from engine.model.packed import PackedLinear, split_linear
+from engine.model.packed import PackedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -61,32 +62,18 @@ def k_pieces(k: int, limit: int) -> list[int]:
     return sizes
 
 
-def _pack(weight: torch.Tensor, sizes: list[int]) -> list[tuple[int, int, torch.Tensor]]:
-    pieces, start = [], 0
-    for size in sizes:
-        part = weight[:, start : start + size].contiguous()
-        pieces.append((start, start + size, torch.ops.mkldnn._reorder_linear_weight(part, None)))
-        start += size
-    return pieces
-
-
-def _run(x: torch.Tensor, pieces: list[tuple[int, int, torch.Tensor]], min_rows: int) -> torch.Tensor:
-    t = x.shape[0]
-    if t < min_rows:
-        padded = x.new_zeros(min_rows, x.shape[1])
-        padded[:t] = x
-        return split_linear(padded, pieces, None)[:t]
-    return split_linear(x, pieces, None)
-
-
 def holds(k: int, n: int, plan: tuple[int, int], max_rows: int, threads: int) -> bool:
     """Whether a [rows, k] x [k, n] bfloat16 matmul computed by ``plan`` (min_rows, piece_limit) gives
     each row the bits it gets alone, for every count in ``ROW_COUNTS`` up to ``max_rows`` on ``threads``
     threads."""
     min_rows, limit = plan
     gen = torch.Generator().manual_seed(k * 1_000_003 + n)
-    weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(torch.bfloat16)
-    pieces = _pack(weight, k_pieces(k, limit) if limit else [k])
+    dense = nn.utils.skip_init(nn.Linear, k, n, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        dense.weight.copy_(torch.randn(n, k, generator=gen) * k**-0.5)
+    linear = PackedLinear(dense)  # the engine's own linear, under the plan tried
+    linear.split_k(k_pieces(k, limit) if limit else [])
+    linear.min_rows = min_rows
     counts = [c for c in ROW_COUNTS if c <= max_rows]
     if 2.0 * k * n * max_rows <= PROBE_FLOPS_LARGE:
         counts += [c for c in ROW_COUNTS_LARGE if c <= max_rows]
@@ -99,10 +86,10 @@ def holds(k: int, n: int, plan: tuple[int, int], max_rows: int, threads: int) ->
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = {i: _run(x[i : i + 1], pieces, min_rows) for i in probe}
+        alone = {i: linear(x[i : i + 1]) for i in probe}
         torch.set_num_threads(threads)
         for count in counts:
-            y = _run(x[:count], pieces, min_rows)
+            y = linear(x[:count])
             for i in probe:
                 if i < count and not torch.equal(y[i : i + 1], alone[i]):
                     return False
@@ -117,6 +104,7 @@ def _cache_path() -> Path:
     return cache_dir() / "batch_invariance.json"
 
 
+@functools.cache
 def _host_key(threads: int) -> str:
     model = ""
     try:
