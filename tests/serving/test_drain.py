@@ -22,7 +22,14 @@ from pdkv.launcher import Cluster, RollingRestarts
 from pdkv.launcher.control import ControlServer, send
 from serving.client import GenerationClient, generate_request
 from serving.drain import Drain, DrainProgress
-from tests.serving.helpers import assert_node_idle, metric, pdkv_model, start_cluster, wait_until
+from tests.serving.helpers import (
+    assert_node_idle,
+    metric,
+    node_stats,
+    pdkv_model,
+    start_cluster,
+    wait_until,
+)
 
 DRAIN_S = 60.0
 
@@ -198,6 +205,10 @@ class _Load:
             return len(self.outputs)
 
 
+def _running(address: str) -> float:
+    return node_stats(address, check_integrity=False).gauges["num_requests_running"]
+
+
 def _drain_lines(cluster: Cluster) -> dict[str, str]:
     return {p.name: p.log_path.read_text() for p in cluster.processes}
 
@@ -219,6 +230,10 @@ def _rolling_restart(names: list[str]) -> None:
             wait_until(lambda: load.completed() >= CLIENTS, timeout=120, what="the load to run")
             for name in names:
                 before = load.completed()
+                if name.startswith("decode"):
+                    # Stop it while it streams, so that its drain has requests to finish.
+                    node = next(p for p in cluster.decode_nodes if p.name == name)
+                    wait_until(lambda a=node.address: _running(a) >= 2, timeout=60, what=f"{name} to stream")
                 RollingRestarts(cluster).restart(name, progress.append)
                 # Load went on through the restart, and goes on after it.
                 wait_until(
@@ -248,8 +263,8 @@ def _rolling_restart(names: list[str]) -> None:
             totals = re.findall(r"totals: kv_load_failures (\d+), kv_hold_expiries (\d+)", log)
             assert totals == [("0", "0")], log[-2000:]  # no prompt recomputed, no hold left to expire
         # The decode nodes had streams to finish when they were stopped: the drain waited for them.
-        decode = [n for n in names if n.startswith("decode")]
-        assert not decode or any(re.search(r"draining: [1-9]\d* requests", logs[n]) for n in decode)
+        for name in (n for n in names if n.startswith("decode")):
+            assert re.search(r"draining: [1-9]\d* requests", logs[name]), logs[name][-2000:]
         for p in [*cluster.prefill_nodes, *cluster.decode_nodes]:
             assert_node_idle(p.address, timeout=30)  # nothing leaked on the new processes either
             assert p.restarts == (1 if p.name in names else 0)
