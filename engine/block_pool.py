@@ -167,7 +167,7 @@ class BlockPool:
         *,
         token_ids: Sequence[int] | None = None,
         block_size: int = 0,
-        lora_name: str | None = None,
+        adapter: str | None = None,
     ) -> None:
         """Register ``blocks[start:end]`` under ``block_hashes[start:end]``.
 
@@ -196,7 +196,7 @@ class BlockPool:
                     parent_block_hash=parent,
                     token_ids=tokens,
                     block_size=block_size,
-                    lora_name=lora_name,
+                    adapter=adapter,
                 )
             )
 

@@ -69,6 +69,15 @@ class EngineConfig:
     # cannot be served), None has them wherever they can be served, False (the default: what they cost,
     # DETERMINISTIC_COST, is over the budget for on by default) turns them off.
     deterministic: bool | None = False
+    # LoRA adapters (engine/lora/): served from the start as (name, PEFT folder) pairs; ``enable_lora``
+    # serves adapters without any at the start (loaded at run time).  Either makes the engine keep
+    # ``max_loras`` adapter slots (the most distinct adapters one step runs), at most ``max_cpu_loras``
+    # adapters in memory (None: max(max_loras, len(loras), 8)), of rank up to ``max_lora_rank``.
+    loras: tuple[tuple[str, str], ...] = ()
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -102,6 +111,15 @@ class EngineConfig:
             raise ValueError(f"deterministic must be True, False or None, got {self.deterministic!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        _positive_int("max_loras", self.max_loras)
+        _positive_int("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})"
+            )
+        names = [n for n, _ in self.loras]
+        if len(set(names)) != len(names):
+            raise ValueError(f"loras: an adapter name is given twice ({names})")
         _ = self.scheduler_config  # validates the scheduling limits now, not at first use
 
     @property
@@ -115,7 +133,19 @@ class EngineConfig:
             kv_load_failure_policy=self.kv_load_failure_policy,
             kv_hold_timeout_s=self.kv_hold_timeout_s,
             kv_stop_timeout_s=self.kv_stop_timeout_s,
+            max_loras=self.lora_slots,
         )
+
+    @property
+    def lora_slots(self) -> int:
+        """Adapter slots: ``max_loras`` when LoRA is on (adapters given or ``enable_lora``), else 0."""
+        return self.max_loras if self.enable_lora or self.loras else 0
+
+    @property
+    def cpu_loras(self) -> int:
+        if self.max_cpu_loras is not None:
+            return self.max_cpu_loras
+        return max(self.max_loras, len(self.loras), 8)
 
     def cache_config(self, num_blocks: int) -> CacheConfig:
         return CacheConfig(

@@ -2,13 +2,15 @@
 
 The byte-level specification is ``docs/hashing.md``; ``docs/hashing-vectors.json`` holds test vectors.
 
-    root   = H("pdkv-block-hash/v1" 0x00 algo 0x00 model_fingerprint 0x00 le_u32(block_size))
+    root   = H("pdkv-block-hash/v2" 0x00 algo 0x00 model_fingerprint 0x00 le_u32(block_size))
     hash_i = H(parent_i || le_i32(tokens of block i) || extra_keys_i)
     parent_0 = root, parent_i = hash_{i-1}
 
 ``extra_keys_i`` is empty for a plain block.  Otherwise it is a sequence of tagged fields, in tag order:
 
-    0x01 le_u32(len) utf8(lora_name)    in every block, when an adapter is set
+    0x01 le_u32(len) utf8(name) digest  in every block, when an adapter is set (``AdapterId``: its name
+                                        and the 32-byte digest of its content, so other weights under
+                                        the same name never share a block)
     0x02 le_u32(len) utf8(cache_salt)   in block 0 only, when a tenant salt is set
 
 Only whole blocks are hashed; a trailing partial block has no hash.  Nothing here depends on Python's
@@ -28,7 +30,8 @@ from wire.keys import (
     BlockHash as BlockHash,  # the type lives in the wire layer: events and store keys carry it
 )
 
-HASH_SPEC_VERSION = b"pdkv-block-hash/v1"
+HASH_SPEC_VERSION = b"pdkv-block-hash/v2"
+ADAPTER_DIGEST_SIZE = 32
 SUPPORTED_ALGOS = ("sha256", "xxh3_128")
 _MAX_TOKEN_ID = 2**31 - 1
 
@@ -63,6 +66,30 @@ def _packer(count: int) -> Callable[..., bytes]:
 def _tagged(tag: bytes, value: str) -> bytes:
     raw = value.encode("utf-8")
     return tag + struct.pack("<I", len(raw)) + raw
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterId:
+    """A LoRA adapter's identity in every cache key: its name and the SHA-256 digest of its canonical
+    config and tensors (``engine/lora/adapter.py`` computes it).  Two adapters share KV only when both
+    are equal: the same name with other weights is another adapter."""
+
+    name: str
+    digest: bytes
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("AdapterId.name must be a non-empty string")
+        if not isinstance(self.digest, bytes) or len(self.digest) != ADAPTER_DIGEST_SIZE:
+            raise ValueError(f"AdapterId.digest must be {ADAPTER_DIGEST_SIZE} bytes")
+
+    @property
+    def extra_key(self) -> bytes:
+        """Its tagged field in every block's extra keys."""
+        return _tagged(_TAG_LORA, self.name) + self.digest
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.digest.hex()[:16]}"
 
 
 @dataclass(frozen=True)
@@ -114,11 +141,11 @@ class HashNamespace:
         return self.root.hex()[:32]
 
 
-def extra_keys(block_index: int, *, cache_salt: str | None, lora_name: str | None) -> bytes:
+def extra_keys(block_index: int, *, cache_salt: str | None, adapter: AdapterId | None) -> bytes:
     """The canonical extra-key bytes of block ``block_index`` (empty for a plain block)."""
     out = b""
-    if lora_name is not None:
-        out += _tagged(_TAG_LORA, lora_name)
+    if adapter is not None:
+        out += adapter.extra_key
     if cache_salt is not None and block_index == 0:
         out += _tagged(_TAG_SALT, cache_salt)
     return out
@@ -130,7 +157,7 @@ def extend_block_hashes(
     *,
     namespace: HashNamespace,
     cache_salt: str | None = None,
-    lora_name: str | None = None,
+    adapter: AdapterId | None = None,
     offset: int = 0,
 ) -> None:
     """Append to ``hashes`` the hashes of every full block of ``token_ids`` not hashed yet.
@@ -150,7 +177,7 @@ def extend_block_hashes(
     base = offset // bs
     new = namespace.hasher
     parent: bytes = hashes[-1] if hashes else namespace.root
-    lora = _tagged(_TAG_LORA, lora_name) if lora_name is not None else b""
+    lora = adapter.extra_key if adapter is not None else b""
     first = start - base
     last = end - base
     step = 4 * bs
@@ -185,9 +212,9 @@ def hash_blocks(
     *,
     namespace: HashNamespace,
     cache_salt: str | None = None,
-    lora_name: str | None = None,
+    adapter: AdapterId | None = None,
 ) -> list[BlockHash]:
     """Hashes of every full block of ``token_ids``: the same bytes ``Request.block_hashes`` holds."""
     hashes: list[BlockHash] = []
-    extend_block_hashes(hashes, token_ids, namespace=namespace, cache_salt=cache_salt, lora_name=lora_name)
+    extend_block_hashes(hashes, token_ids, namespace=namespace, cache_salt=cache_salt, adapter=adapter)
     return hashes

@@ -209,7 +209,7 @@ class KVCacheManager:
             end,
             token_ids=request.all_token_ids if self.pool.enable_kv_events else None,
             block_size=self.block_size,
-            lora_name=request.lora_name,
+            adapter=None if request.adapter is None else str(request.adapter),
         )
         self.num_cached_blocks[rid] = end
 

@@ -43,16 +43,22 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        adapters: str | Sequence[str | None] | None = None,
     ) -> list[GenerationOutput]:
+        """``adapters``: the LoRA adapter every prompt runs under, or one per prompt (None: the base)."""
         batch = _as_batch(prompts)
         params = _per_prompt(sampling_params, len(batch))
+        names = [adapters] * len(batch) if adapters is None or isinstance(adapters, str) else list(adapters)
+        if len(names) != len(batch):
+            raise ValueError(f"adapters has {len(names)} entries for {len(batch)} prompts")
         results: dict[str, GenerationOutput] = {}
         started: dict[str, float] = {}
         order: list[str] = []
         try:
-            for prompt, p in zip(batch, params, strict=True):
+            for prompt, p, adapter in zip(batch, params, names, strict=True):
                 rid = f"llm-{next(self._ids)}"
-                request = self.engine.add_request(rid, prompt, p)
+                request = self.engine.add_request(rid, prompt, p, adapter=adapter)
                 order.append(rid)
                 started[rid] = time.perf_counter()
                 results[rid] = GenerationOutput(

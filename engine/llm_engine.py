@@ -22,9 +22,10 @@ from engine.connector.params import KVTransferParams
 from engine.connector.spec import KVConnectorSpec
 from engine.determinism import enable_determinism, kv_fingerprint
 from engine.engine_config import EngineConfig
-from engine.hashing import HashNamespace
+from engine.hashing import AdapterId, HashNamespace
 from engine.kv_cache import KVCacheSpec
 from engine.kv_cache_manager import cdiv
+from engine.lora.manager import LoRAManager
 from engine.metrics import SPECS, StatsSnapshot
 from engine.model.embedded import ensure_default_model
 from engine.model.loader import LoadedModel, inspect_model, load_model
@@ -133,6 +134,17 @@ class LLMEngine:
             max_rows=config.max_num_batched_tokens,
         )
         logger.info("deterministic %s", self.determinism.note)
+        self.lora = LoRAManager(
+            model_config,
+            max_loras=config.lora_slots,
+            max_cpu_loras=config.cpu_loras,
+            max_lora_rank=config.max_lora_rank,
+            model=self.model.model,
+            dtype=dtype,
+            device=device,
+        )
+        for name, path in config.loras:
+            self.lora.add(name, path)
         self.namespace = HashNamespace(
             model_fingerprint=kv_fingerprint(self.model.fingerprint, dtype, self.determinism.on),
             block_size=config.block_size,
@@ -161,7 +173,9 @@ class LLMEngine:
             sampler=Sampler(config.seed),
             connector=self.worker_connector,
             deterministic=self.determinism.on,
+            lora=self.lora,
         )
+        self.lora.in_use = self._adapters_in_use
         self.output_processor = OutputProcessor(self.tokenizer)
         # Structured outputs: constraints compiled once per engine (engine/structured.py).
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), model_config.vocab_size, self.eos_token_ids)
@@ -192,6 +206,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         kv_transfer_params: KVTransferParams | None = None,
         prior_output_token_ids: Sequence[int] = (),
+        adapter: str | None = None,
     ) -> Request:
         """Validate and queue one request.  Raises ValueError (naming the field) for bad input.
 
@@ -199,7 +214,9 @@ class LLMEngine:
         (a prefill node's first token).  They must end the prompt; ``sampling_params.max_tokens`` counts
         only the tokens still to sample.  Their text comes out with this request's first output, and stop
         strings see it, so the text continues exactly as on one engine; seeded sampling counts them too, so
-        a seeded request draws what one engine would have drawn.
+        a seeded request draws what one engine would have drawn.  ``adapter``: the name of a LoRA adapter
+        this engine serves (``UnknownAdapter`` otherwise); the request runs under it, and its KV is keyed
+        by the adapter's content.
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -208,6 +225,7 @@ class LLMEngine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        adapter_id = None if adapter is None else self.lora.resolve(adapter)
         token_ids = self._prompt_token_ids(prompt)
         prior = list(prior_output_token_ids)
         if prior and (len(prior) >= len(token_ids) or token_ids[-len(prior) :] != prior):
@@ -226,6 +244,7 @@ class LLMEngine:
             namespace=self.namespace,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
             cache_salt=cache_salt,
+            adapter=adapter_id,
             priority=priority,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             kv_transfer_params=kv_transfer_params,
@@ -263,6 +282,9 @@ class LLMEngine:
                 f"num_blocks {self.kv_spec.num_blocks}"
             )
         return token_ids
+
+    def _adapters_in_use(self) -> set[AdapterId]:
+        return {r.adapter for r in self.scheduler.requests.values() if r.adapter is not None}
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort in any state.  Returns the request's final output, or None if it is unknown/finished."""

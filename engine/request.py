@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import NewType
 
 from engine.connector.params import KVTransferParams
-from engine.hashing import BlockHash, HashNamespace, extend_block_hashes
+from engine.hashing import AdapterId, BlockHash, HashNamespace, extend_block_hashes
 from engine.sampling_params import SamplingParams, TopLogprobs
 from engine.structured import Matcher
 
@@ -90,6 +90,7 @@ class Request:
 
     __slots__ = (
         "_namespace",
+        "adapter",
         "admitted_time",
         "arrival_time",
         "block_hashes",
@@ -98,7 +99,6 @@ class Request:
         "error",
         "finished_kv_transfer_params",
         "kv_transfer_params",
-        "lora_name",
         "matcher",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -128,7 +128,7 @@ class Request:
         namespace: HashNamespace,
         eos_token_id: int | None = None,
         cache_salt: str | None = None,
-        lora_name: str | None = None,
+        adapter: AdapterId | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
         kv_transfer_params: KVTransferParams | None = None,
@@ -148,7 +148,7 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.cache_salt = cache_salt
-        self.lora_name = lora_name
+        self.adapter = adapter  # the LoRA adapter it runs under (None: the base model)
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.admitted_time: float | None = None  # when first admitted (blocks allocated), by the scheduler
@@ -177,7 +177,7 @@ class Request:
             self.prompt_token_ids,
             namespace=namespace,
             cache_salt=cache_salt,
-            lora_name=lora_name,
+            adapter=adapter,
         )
 
     # -- tokens -------------------------------------------------------------------------------------------
@@ -241,7 +241,7 @@ class Request:
                 self.token_ids_slice(offset, self.num_tokens),
                 namespace=self._namespace,
                 cache_salt=self.cache_salt,
-                lora_name=self.lora_name,
+                adapter=self.adapter,
                 offset=offset,
             )
 

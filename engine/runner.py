@@ -25,8 +25,10 @@ import torch
 from engine.attention import DECODE_GROUP_SIZE, AttentionMetadata, DecodeBatch, GatherWorkspace, PrefillChunk
 from engine.connector.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
 from engine.connector.null import NullConnector
+from engine.hashing import AdapterId
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from engine.kv_cache_manager import cdiv
+from engine.lora.manager import LoRAManager
 from engine.model.llama import ForwardContext, LlamaForCausalLM
 from engine.native import RopeKernel, native_kernels
 from engine.native_attention import DecodeKernel, PrefillKernel
@@ -60,6 +62,8 @@ class StepInputs:
     sampling: list[ScheduledRequest]  # the R requests that sample, in sample_rows order
     # Requests scoring their prompt (prompt_targets), with the flat row of their chunk's first token.
     scoring: list[tuple[ScheduledRequest, int]]
+    # The rows' LoRA adapters as runs (adapter or None, rows), in row order; empty when none has one.
+    adapter_rows: list[tuple[AdapterId | None, int]]
 
 
 class ModelRunner:
@@ -72,6 +76,7 @@ class ModelRunner:
         sampler: Sampler,
         connector: KVConnectorBase | None = None,
         deterministic: bool = False,
+        lora: LoRAManager | None = None,
     ) -> None:
         """``deterministic``: every attention row through the prefill kernel (engine/determinism.py; the
         engine has made the model's linears batch-invariant already)."""
@@ -91,6 +96,7 @@ class ModelRunner:
         if deterministic and self.prefill_kernel is None:
             raise ValueError("deterministic mode needs the native prefill attention, which is not built here")
         self.deterministic = deterministic
+        self.lora = lora  # sets each step's adapter slots and rows (engine/lora/manager.py)
 
     @staticmethod
     def _native_kernels(
@@ -136,6 +142,8 @@ class ModelRunner:
                 self.prefill_kernel,
                 self.deterministic,
             )
+            if self.lora is not None:
+                self.lora.begin_step(inputs.adapter_rows)
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, hidden]
         except Exception as exc:
             # The connector's report (finished sends, load errors) must still reach the scheduler, or
@@ -254,7 +262,12 @@ class ModelRunner:
             decodes=decode_groups,
             prefills=chunks,
         )
-        return StepInputs(self._tensor(ids), pos, attn, self._tensor(sample_rows), sampling, scoring)
+        adapters: list[tuple[AdapterId | None, int]] = []
+        if any(sr.adapter is not None for sr in scheduled):
+            adapters = [(sr.adapter, 1) for sr in decodes] + [(sr.adapter, sr.num_tokens) for sr in prefills]
+        return StepInputs(
+            self._tensor(ids), pos, attn, self._tensor(sample_rows), sampling, scoring, adapters
+        )
 
     def _decode_batch(
         self, row_start: int, decodes: Sequence[ScheduledRequest], positions: list[int]

@@ -9,9 +9,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.hashing import HASH_SPEC_VERSION, HashNamespace, hash_blocks
+import hashlib
 
-CASES = [
+from engine.hashing import HASH_SPEC_VERSION, AdapterId, HashNamespace, hash_blocks
+
+
+def _digest(text: str) -> str:
+    """A stand-in adapter content digest (hex of 32 bytes)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+CASES: list[dict[str, object]] = [
     {
         "name": "two blocks, plain",
         "algo": "sha256",
@@ -19,7 +27,7 @@ CASES = [
         "block_size": 4,
         "tokens": [1, 2, 3, 4, 5, 6, 7, 8, 9],
         "cache_salt": None,
-        "lora_name": None,
+        "adapter": None,
     },
     {
         "name": "tenant salt enters block 0 only",
@@ -28,16 +36,16 @@ CASES = [
         "block_size": 4,
         "tokens": [1, 2, 3, 4, 5, 6, 7, 8],
         "cache_salt": "tenant-a",
-        "lora_name": None,
+        "adapter": None,
     },
     {
-        "name": "adapter name in every block",
+        "name": "adapter name and digest in every block",
         "algo": "sha256",
         "fingerprint": "llama-test",
         "block_size": 4,
         "tokens": [1, 2, 3, 4, 5, 6, 7, 8],
         "cache_salt": None,
-        "lora_name": "sql-adapter",
+        "adapter": {"name": "sql-adapter", "digest": _digest("sql-adapter weights")},
     },
     {
         "name": "salt and adapter, non-ASCII",
@@ -46,7 +54,7 @@ CASES = [
         "block_size": 2,
         "tokens": [0, 2147483647, 65535, 128000, 5, 6],
         "cache_salt": "tenant-é",
-        "lora_name": "lora-β",
+        "adapter": {"name": "lora-β", "digest": _digest("lora-β weights")},
     },
     {
         "name": "block size 16",
@@ -55,7 +63,7 @@ CASES = [
         "block_size": 16,
         "tokens": list(range(1000, 1040)),
         "cache_salt": None,
-        "lora_name": None,
+        "adapter": None,
     },
     {
         "name": "xxh3-128",
@@ -64,7 +72,7 @@ CASES = [
         "block_size": 4,
         "tokens": [1, 2, 3, 4, 5, 6, 7, 8],
         "cache_salt": "t",
-        "lora_name": "a",
+        "adapter": {"name": "a", "digest": _digest("a")},
     },
     {
         "name": "no full block",
@@ -73,9 +81,16 @@ CASES = [
         "block_size": 4,
         "tokens": [1, 2, 3],
         "cache_salt": None,
-        "lora_name": None,
+        "adapter": None,
     },
 ]
+
+
+def _adapter(spec: object) -> AdapterId | None:
+    if spec is None:
+        return None
+    assert isinstance(spec, dict)
+    return AdapterId(spec["name"], bytes.fromhex(spec["digest"]))
 
 
 def main() -> None:
@@ -86,8 +101,8 @@ def main() -> None:
             case["tokens"],
             namespace=ns,
             cache_salt=case["cache_salt"],  # type: ignore[arg-type]
-            lora_name=case["lora_name"],
-        )  # type: ignore[arg-type]
+            adapter=_adapter(case["adapter"]),
+        )
         out.append({**case, "root": ns.root.hex(), "block_hashes": [h.hex() for h in hashes]})
     doc = {"spec": HASH_SPEC_VERSION.decode(), "see": "docs/hashing.md", "vectors": out}
     path = Path(__file__).resolve().parent.parent / "docs" / "hashing-vectors.json"

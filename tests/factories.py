@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.hashing import HashNamespace
+from engine.hashing import AdapterId, HashNamespace
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
@@ -20,7 +20,7 @@ def make_request(
     max_tokens: int = 4,
     namespace: HashNamespace = NS4,
     cache_salt: str | None = None,
-    lora_name: str | None = None,
+    adapter: AdapterId | None = None,
     priority: int = 0,
     arrival_time: float | None = None,
     **params: object,
@@ -31,7 +31,7 @@ def make_request(
         SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]
         namespace=namespace,
         cache_salt=cache_salt,
-        lora_name=lora_name,
+        adapter=adapter,
         priority=priority,
         arrival_time=arrival_time,
     )

@@ -19,7 +19,7 @@ class BlockStored:
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
-    lora_name: str | None = None
+    adapter: str | None = None  # the adapter (name@digest) the blocks were computed under
     medium: str = "local"
 
 

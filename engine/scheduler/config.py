@@ -47,6 +47,9 @@ class SchedulerConfig:
     kv_hold_timeout_s: float = 120.0
     # ... or after this long, should it never confirm (a connector bug, logged as an error).
     kv_stop_timeout_s: float = 30.0
+    # The most distinct LoRA adapters one step runs (the engine's adapter slots): a request whose adapter
+    # would be one too many waits; it never runs on the base model.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
@@ -65,5 +68,7 @@ class SchedulerConfig:
         for name in ("kv_hold_timeout_s", "kv_stop_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0 (0: no adapters), got {self.max_loras}")
         if self.max_passed_over < 0:
             raise ValueError(f"max_passed_over must be >= 0, got {self.max_passed_over}")

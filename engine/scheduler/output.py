@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.connector.types import KVConnectorMetadata, KVConnectorOutput
-from engine.hashing import BlockHash
+from engine.hashing import AdapterId, BlockHash
 from engine.request import Request, RequestId, TokenHistory
 from engine.sampling_params import SamplingParams, TopLogprobs
 from engine.structured import Matcher
@@ -47,6 +47,8 @@ class ScheduledRequest:
     # has one (rows start_position.. in order; the prompt's last position has none): the runner scores
     # them.  None otherwise.
     prompt_targets: list[int] | None = None
+    # The LoRA adapter the request runs under (None: the base model): the runner applies its slot.
+    adapter: AdapterId | None = None
 
     @classmethod
     def of(cls, request: Request, start: int, end: int, block_ids: list[int]) -> ScheduledRequest:
@@ -67,6 +69,7 @@ class ScheduledRequest:
             history=request.token_history() if params.processes_logits else None,
             matcher=request.matcher,
             prompt_targets=targets,
+            adapter=request.adapter,
         )
 
     @property

@@ -213,6 +213,8 @@ class Scheduler:
         for request in self.waiting.candidates():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if not self._adapter_fits(request):
+                continue  # the step runs max_loras other adapters: it waits, never runs on the base model
             if request.status == RequestStatus.WAITING_LOADED:
                 # Back from an async load: it already holds its blocks (up to num_computed_tokens, which is
                 # 0 if the first loaded block failed; the connector is not asked again for the same blocks).
@@ -268,13 +270,14 @@ class Scheduler:
             budget -= num_new
         self.waiting.passed_over(admitted)
 
-    def _release_parked(self, request: Request, out: SchedulerOutput) -> bool:
-        """Free the blocks of another request parked after its async load; False if there is none.
+    def _adapter_fits(self, request: Request) -> bool:
+        held = {r.adapter for r in self.running if r.adapter is not None}
+        return request.adapter is None or request.adapter in held or len(held) < self.config.max_loras
 
-        Called only when nothing runs, loads or is held, so every other block owner is a waiting request
-        back from an async load.  Two of those can fill the pool so that neither fits; the most recently
-        allocated one lets go, like a preemption (its loaded blocks stay in the prefix cache until reused).
-        """
+    def _release_parked(self, request: Request, out: SchedulerOutput) -> bool:
+        """Free the blocks of another request parked after its async load; False if there is none.  Called
+        only when nothing runs, loads or is held: two parked requests can fill the pool so that neither
+        fits; the most recently allocated lets go, like a preemption (its blocks stay cached)."""
         parked = [rid for rid in self.kv.block_owners() if rid != request.request_id]
         if not parked:
             return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from engine.hashing import AdapterId
 from engine.kv_cache_manager import KVCacheManager
 from tests.factories import make_request
 from wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -124,7 +125,7 @@ def test_salt_and_adapter_separate_caches() -> None:
     kv = make_manager()
     admit(kv, make_request("plain", range(9)))
     assert kv.get_computed_blocks(make_request("salted", range(9), cache_salt="tenant-a")).num_tokens == 0
-    assert kv.get_computed_blocks(make_request("lora", range(9), lora_name="adapter")).num_tokens == 0
+    assert kv.get_computed_blocks(make_request("lora", range(9), adapter=AdapterId("adapter", bytes(32)))).num_tokens == 0
     admit(kv, make_request("salted-1", range(9), cache_salt="tenant-a"))
     assert kv.get_computed_blocks(make_request("salted-2", range(9), cache_salt="tenant-a")).num_tokens == 8
     assert kv.get_computed_blocks(make_request("salted-b", range(9), cache_salt="tenant-b")).num_tokens == 0

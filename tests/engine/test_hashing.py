@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from engine.hashing import HashNamespace, hash_blocks
+from engine.hashing import AdapterId, HashNamespace, hash_blocks
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -26,7 +26,7 @@ def reference_hashes(case: dict) -> tuple[str, list[str]]:  # type: ignore[type-
     h = {"sha256": lambda b: hashlib.sha256(b).digest(), "xxh3_128": xxhash.xxh3_128_digest}[case["algo"]]
     bs = case["block_size"]
     root = h(
-        b"pdkv-block-hash/v1\x00"
+        b"pdkv-block-hash/v2\x00"
         + case["algo"].encode()
         + b"\x00"
         + case["fingerprint"].encode("utf-8")
@@ -42,13 +42,20 @@ def reference_hashes(case: dict) -> tuple[str, list[str]]:  # type: ignore[type-
     tokens = case["tokens"]
     for i in range(len(tokens) // bs):
         data = parent + b"".join(t.to_bytes(4, "little", signed=True) for t in tokens[i * bs : (i + 1) * bs])
-        if case["lora_name"] is not None:
-            data += field(1, case["lora_name"])
+        if case["adapter"] is not None:
+            data += field(1, case["adapter"]["name"]) + bytes.fromhex(case["adapter"]["digest"])
         if case["cache_salt"] is not None and i == 0:
             data += field(2, case["cache_salt"])
         parent = h(data)
         out.append(parent.hex())
     return root.hex(), out
+
+
+def _adapter(spec: dict | None) -> AdapterId | None:  # type: ignore[type-arg]
+    return None if spec is None else AdapterId(spec["name"], bytes.fromhex(spec["digest"]))
+
+
+A = AdapterId("adapter", bytes(range(32)))
 
 
 @pytest.mark.parametrize("case", VECTORS["vectors"], ids=lambda c: c["name"])
@@ -58,17 +65,18 @@ def test_vectors_match_the_spec_and_the_implementation(case: dict) -> None:  # t
     assert expected == case["block_hashes"]
     ns = HashNamespace(case["fingerprint"], case["block_size"], case["algo"])
     got = hash_blocks(
-        case["tokens"], namespace=ns, cache_salt=case["cache_salt"], lora_name=case["lora_name"]
+        case["tokens"], namespace=ns, cache_salt=case["cache_salt"], adapter=_adapter(case["adapter"])
     )
     assert [g.hex() for g in got] == expected
 
 
 _SUBPROCESS = """
 import sys
-from engine.hashing import HashNamespace, hash_blocks
+from engine.hashing import AdapterId, HashNamespace, hash_blocks
 ns = HashNamespace("model-x", 16)
 hs = hash_blocks(list(range(5000)), namespace=ns, cache_salt="tenant")
-hs += hash_blocks(list(range(300)), namespace=HashNamespace("model-x", 16, "xxh3_128"), lora_name="l")
+hs += hash_blocks(list(range(300)), namespace=HashNamespace("model-x", 16, "xxh3_128"),
+                  adapter=AdapterId("l", bytes(32)))
 sys.stdout.write("".join(h.hex() for h in hs))
 """
 
@@ -92,14 +100,14 @@ def test_identical_bytes_across_processes_with_different_hash_seeds() -> None:
 
 def test_request_block_hashes_after_generation_equal_hash_blocks_over_all_tokens() -> None:
     ns = HashNamespace("model-x", 4)
-    for salt, lora in [(None, None), ("tenant", None), (None, "adapter"), ("tenant", "adapter")]:
+    for salt, lora in [(None, None), ("tenant", None), (None, A), ("tenant", A)]:
         req = Request(
-            "r", list(range(7)), SamplingParams(max_tokens=50), namespace=ns, cache_salt=salt, lora_name=lora
+            "r", list(range(7)), SamplingParams(max_tokens=50), namespace=ns, cache_salt=salt, adapter=lora
         )
         for t in range(100, 130):
             req.append_output_token_ids(t)
         req.append_output_token_ids([1, 2, 3, 4, 5])
-        expected = hash_blocks(req.all_token_ids, namespace=ns, cache_salt=salt, lora_name=lora)
+        expected = hash_blocks(req.all_token_ids, namespace=ns, cache_salt=salt, adapter=lora)
         assert req.block_hashes == expected
         assert len(req.block_hashes) == 42 // 4
 
@@ -111,7 +119,10 @@ def test_every_namespace_field_changes_every_hash() -> None:
         hash_blocks(tokens, namespace=HashNamespace("m2", 4)),
         hash_blocks(tokens, namespace=HashNamespace("m", 4, "xxh3_128")),
         hash_blocks(tokens + [0] * 0, namespace=HashNamespace("m", 4), cache_salt="s"),
-        hash_blocks(tokens, namespace=HashNamespace("m", 4), lora_name="a"),
+        hash_blocks(tokens, namespace=HashNamespace("m", 4), adapter=A),
+        # The same name over other weights, and a name equal to a tenant's salt, are other blocks.
+        hash_blocks(tokens, namespace=HashNamespace("m", 4), adapter=AdapterId("adapter", bytes(32))),
+        hash_blocks(tokens, namespace=HashNamespace("m", 4), adapter=AdapterId("s", bytes(32))),
     ]
     for other in others:
         assert not set(base) & set(other)

@@ -1,0 +1,212 @@
+"""The engine's adapters: which names are served, which are in memory, which sit in the step's slots.
+
+- ``add(name, path)`` loads and checks a PEFT folder (``engine/lora/adapter.py``) and serves it under
+  ``name``; loading other weights under a served name replaces it for new requests (a new ``AdapterId``:
+  its KV is never the old one's), while requests already admitted finish on the weights they started
+  with.  ``remove(name)`` stops serving it the same way.
+- ``resolve(name)`` is what a request is admitted with: the served ``AdapterId``, or ``UnknownAdapter``.
+- Memory: at most ``max_cpu_loras`` adapters' tensors are kept (least recently used first out, never one
+  an unfinished request uses); an evicted one is read again from its folder when next needed, and
+  refused if its content changed meanwhile (the digest says so).
+- Slots: ``begin_step`` puts each adapter of the step in one of ``max_loras`` slots (the scheduler admits
+  at most that many distinct adapters per step), reusing the least recently used slot no row of the step
+  needs, and sets the per-row mask the ``LoRALinear`` modules read.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.hashing import AdapterId
+from engine.lora.adapter import AdapterError, LoRAAdapter, check_name, load_adapter
+from engine.lora.layers import LoRALinear, LoRAState, wrap_model
+from engine.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class UnknownAdapter(KeyError):
+    """A request names an adapter this engine does not serve (404 / NOT_FOUND at the front ends)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown adapter"
+
+
+@dataclass(frozen=True)
+class ServedAdapter:
+    """What ``adapters()`` reports of one served name."""
+
+    id: AdapterId
+    path: Path
+    max_rank: int
+    modules: tuple[str, ...]
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        max_loras: int,
+        max_cpu_loras: int,
+        max_lora_rank: int,
+        model: torch.nn.Module | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ) -> None:
+        """``max_loras`` 0 serves no adapter (and wraps nothing: no step pays for LoRA)."""
+        if max_loras < 0 or max_lora_rank <= 0:
+            raise ValueError("max_loras must be >= 0 and max_lora_rank positive")
+        if max_loras and max_cpu_loras < max_loras:
+            raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be at least max_loras ({max_loras})")
+        self.config = config
+        self.max_loras = max_loras
+        self.max_cpu_loras = max_cpu_loras
+        self.max_lora_rank = max_lora_rank
+        self.state = LoRAState()
+        self._where: dict[tuple[int, str], tuple[LoRALinear, int]] = {}
+        self._device = device if device is not None else torch.device("cpu")
+        self._dtype = dtype
+        if max_loras and model is not None:
+            self.state, self._where = wrap_model(
+                model, num_slots=max_loras, max_rank=max_lora_rank, dtype=dtype, device=self._device
+            )
+        self._served: dict[str, tuple[AdapterId, Path]] = {}
+        self._loaded: OrderedDict[AdapterId, LoRAAdapter] = OrderedDict()  # LRU: oldest first
+        self._paths: dict[AdapterId, Path] = {}
+        self._slots: list[AdapterId | None] = [None] * max_loras
+        self._slot_step = [0] * max_loras
+        self._step = 0
+        self._lock = threading.Lock()  # add/remove come from other threads than the step loop
+        self.in_use: Callable[[], set[AdapterId]] = set
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_loras > 0
+
+    # -- what is served -----------------------------------------------------------------------------------
+
+    def add(self, name: str, path: str | Path) -> AdapterId:
+        """Serve the adapter in folder ``path`` as ``name``; raises ``AdapterError`` (naming the field)."""
+        if not self.enabled:
+            raise AdapterError("LoRA is not enabled on this engine (max_loras is 0)")
+        check_name(name)
+        adapter = load_adapter(name, path, self.config, max_rank=self.max_lora_rank)
+        with self._lock:
+            old = self._served.get(name)
+            self._served[name] = (adapter.id, adapter.path)
+            self._paths[adapter.id] = adapter.path
+            self._keep(adapter)
+        if old is not None and old[0] != adapter.id:
+            logger.info("adapter %s: replaced %s by %s (new requests only)", name, old[0], adapter.id)
+        logger.info("adapter %s served from %s (max rank %d)", adapter.id, path, adapter.max_rank)
+        return adapter.id
+
+    def remove(self, name: str) -> AdapterId:
+        """Stop serving ``name``: new requests are refused, admitted ones finish.  ``UnknownAdapter``."""
+        with self._lock:
+            entry = self._served.pop(name, None)
+        if entry is None:
+            raise UnknownAdapter(f"adapter {name!r} is not loaded")
+        return entry[0]
+
+    def resolve(self, name: str) -> AdapterId:
+        with self._lock:
+            entry = self._served.get(name)
+        if entry is None:
+            if not self.enabled:
+                raise UnknownAdapter(f"adapter {name!r}: this engine serves no adapters (LoRA is off)")
+            raise UnknownAdapter(f"adapter {name!r} is not loaded; loaded: {sorted(self._served) or 'none'}")
+        return entry[0]
+
+    def adapters(self) -> list[ServedAdapter]:
+        with self._lock:
+            served = sorted(self._served.items())
+            loaded = {a.id: a for a in self._loaded.values()}
+        out = []
+        for _, (aid, path) in served:
+            a = loaded.get(aid)
+            modules = tuple(sorted(a.modules())) if a is not None else ()
+            out.append(ServedAdapter(aid, path, a.max_rank if a is not None else 0, modules))
+        return out
+
+    # -- memory -------------------------------------------------------------------------------------------
+
+    def _keep(self, adapter: LoRAAdapter) -> None:
+        """Hold ``adapter`` in memory, evicting the least recently used ones beyond ``max_cpu_loras``."""
+        self._loaded[adapter.id] = adapter
+        self._loaded.move_to_end(adapter.id)
+        if len(self._loaded) <= self.max_cpu_loras:
+            return
+        busy = self.in_use() | {a for a in self._slots if a is not None}
+        for aid in list(self._loaded):
+            if len(self._loaded) <= self.max_cpu_loras:
+                break
+            if aid not in busy and aid != adapter.id:
+                del self._loaded[aid]
+
+    def _get(self, aid: AdapterId) -> LoRAAdapter:
+        with self._lock:
+            adapter = self._loaded.get(aid)
+            if adapter is not None:
+                self._loaded.move_to_end(aid)
+                return adapter
+            path = self._paths[aid]
+        again = load_adapter(aid.name, path, self.config, max_rank=self.max_lora_rank)
+        if again.id != aid:
+            raise AdapterError(
+                f"adapter {aid.name}: its files in {path} changed since it was loaded; load it again"
+            )
+        with self._lock:
+            self._keep(again)
+        return again
+
+    # -- the step -----------------------------------------------------------------------------------------
+
+    def begin_step(self, rows: Sequence[tuple[AdapterId | None, int]]) -> None:
+        """``rows``: the step's flat rows as runs of (adapter or None, count), in row order."""
+        self.state.clear()
+        wanted = {a for a, _ in rows if a is not None}
+        if not wanted:
+            return
+        assert len(wanted) <= self.max_loras, "the scheduler admitted more adapters than slots"
+        self._step += 1
+        slot_of: dict[AdapterId, int] = {}
+        for aid in wanted:
+            if aid in self._slots:
+                slot_of[aid] = self._slots.index(aid)
+        for aid in sorted(wanted - set(slot_of), key=str):
+            free = [s for s in range(self.max_loras) if self._slots[s] not in wanted]
+            slot = min(free, key=lambda s: (self._slots[s] is not None, self._slot_step[s], s))
+            self._load_slot(slot, self._get(aid))
+            slot_of[aid] = slot
+        for slot in slot_of.values():
+            self._slot_step[slot] = self._step
+        k = max(slot_of.values()) + 1
+        column: list[int] = []  # per row: its slot + 1 (0: no adapter)
+        for adapter, n in rows:
+            column += [0 if adapter is None else slot_of[adapter] + 1] * n
+        index = torch.tensor(column, dtype=torch.int64).view(-1, 1)
+        mask = torch.zeros(len(column), k + 1, dtype=self._dtype).scatter_(1, index, 1.0)
+        self.state.k = k
+        self.state.used = sum(1 << s for s in slot_of.values())
+        self.state.mask = mask[:, 1:].contiguous().to(self._device)
+
+    def end_step(self) -> None:
+        self.state.clear()
+
+    def _load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        per_module: dict[LoRALinear, list] = {}  # type: ignore[type-arg]
+        for (layer, module), (wrapped, part) in self._where.items():
+            deltas = per_module.setdefault(wrapped, [None] * len(wrapped.parts))
+            deltas[part] = adapter.deltas.get((layer, module))
+        for wrapped, deltas in per_module.items():
+            wrapped.set_slot(slot, deltas)
+        self._slots[slot] = adapter.id
