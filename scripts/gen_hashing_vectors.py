@@ -6,10 +6,9 @@ tests/engine/test_hashing.py checks the file against an independent implementati
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
-
-import hashlib
 
 from engine.hashing import HASH_SPEC_VERSION, AdapterId, HashNamespace, hash_blocks
 

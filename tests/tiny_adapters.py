@@ -23,7 +23,12 @@ ADAPTERS: dict[str, dict[str, Any]] = {
         "lora_alpha": 16,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     },
-    "rslora": {"r": 8, "lora_alpha": 4, "use_rslora": True, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+    "rslora": {
+        "r": 8,
+        "lora_alpha": 4,
+        "use_rslora": True,
+        "target_modules": ["q_proj", "v_proj", "down_proj"],
+    },
     "attn_only": {"r": 8, "lora_alpha": 16, "target_modules": r".*\.self_attn\.(q|k|v|o)_proj"},
     "all_linear": {"r": 8, "lora_alpha": 8, "target_modules": "all-linear"},
     "patterns": {

@@ -4,7 +4,9 @@
   ``name``; loading other weights under a served name replaces it for new requests (a new ``AdapterId``:
   its KV is never the old one's), while requests already admitted finish on the weights they started
   with.  ``remove(name)`` stops serving it the same way.
-- ``resolve(name)`` is what a request is admitted with: the served ``AdapterId``, or ``UnknownAdapter``.
+- ``resolve(name)`` is what a request is admitted with: the served ``AdapterId``, or ``UnknownAdapter``;
+  its tensors are in memory from then on (read again if they were evicted: ``AdapterError`` if they
+  changed), so a step never waits for a file or fails on one.
 - Memory: at most ``max_cpu_loras`` adapters' tensors are kept (least recently used first out, never one
   an unfinished request uses); an evicted one is read again from its folder when next needed, and
   refused if its content changed meanwhile (the digest says so).
@@ -124,6 +126,7 @@ class LoRAManager:
             if not self.enabled:
                 raise UnknownAdapter(f"adapter {name!r}: this engine serves no adapters (LoRA is off)")
             raise UnknownAdapter(f"adapter {name!r} is not loaded; loaded: {sorted(self._served) or 'none'}")
+        self._get(entry[0])  # in memory from now until its requests finish (read again if evicted)
         return entry[0]
 
     def adapters(self) -> list[ServedAdapter]:

@@ -125,7 +125,12 @@ def test_salt_and_adapter_separate_caches() -> None:
     kv = make_manager()
     admit(kv, make_request("plain", range(9)))
     assert kv.get_computed_blocks(make_request("salted", range(9), cache_salt="tenant-a")).num_tokens == 0
-    assert kv.get_computed_blocks(make_request("lora", range(9), adapter=AdapterId("adapter", bytes(32)))).num_tokens == 0
+    assert (
+        kv.get_computed_blocks(
+            make_request("lora", range(9), adapter=AdapterId("adapter", bytes(32)))
+        ).num_tokens
+        == 0
+    )
     admit(kv, make_request("salted-1", range(9), cache_salt="tenant-a"))
     assert kv.get_computed_blocks(make_request("salted-2", range(9), cache_salt="tenant-a")).num_tokens == 8
     assert kv.get_computed_blocks(make_request("salted-b", range(9), cache_salt="tenant-b")).num_tokens == 0

@@ -1,0 +1,197 @@
+"""LoRA in the engine: greedy parity with transformers + peft on adapters peft writes, mixed batches,
+prefix-cache isolation by adapter content, and every refusal of a folder that cannot be served."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.lora.adapter import AdapterError
+from engine.lora.manager import UnknownAdapter
+from engine.outputs import GenerationOutput
+from tests.tiny_adapters import ADAPTERS, peft_adapter_dir, peft_greedy
+from tests.tiny_models import Reference, random_prompts, tiny_model_dir
+
+BASE = "llama"
+NEW = 10
+PROMPTS = random_prompts([6, 19, 35], seed=2)  # no near-tie in the references of any adapter here
+GREEDY = SamplingParams(max_tokens=NEW, logprobs=True)
+MIN_MARGIN = 1e-3
+
+
+def make_llm(loras: dict[str, Path], **options: object) -> LLM:
+    opts: dict[str, object] = {"dtype": "float32", "device": "cpu", "block_size": 4, "num_blocks": 256}
+    opts.update(options)
+    return LLM(tiny_model_dir(BASE), loras=tuple((n, str(p)) for n, p in loras.items()), **opts)
+
+
+def assert_equal(outs: list[GenerationOutput], refs: list[Reference]) -> None:
+    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+        assert ref.min_margin > MIN_MARGIN, f"prompt {i}: the reference has a near-tie"
+        assert out.token_ids == ref.token_ids, f"prompt {i} diverged from peft"
+        assert out.logprobs is not None
+        for a, b in zip(out.logprobs, ref.logprobs, strict=True):
+            assert math.isclose(a, b, abs_tol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTERS))
+def test_greedy_output_under_an_adapter_equals_peft(name: str) -> None:
+    adapter = peft_adapter_dir(BASE, name)
+    llm = make_llm({name: adapter})
+    refs = peft_greedy(BASE, adapter, PROMPTS, NEW)
+    assert_equal(llm.generate(PROMPTS, GREEDY, adapters=name), refs)
+    # The adapter really changes the output (else parity would prove nothing).
+    assert [r.token_ids for r in refs] != [r.token_ids for r in peft_greedy(BASE, None, PROMPTS, NEW)]
+    llm.engine.scheduler.check_integrity()
+
+
+def test_a_mixed_batch_equals_each_request_alone_and_fewer_slots_than_adapters_wait() -> None:
+    a, b = peft_adapter_dir(BASE, "r16"), peft_adapter_dir(BASE, "attn_only")
+    refs = {
+        None: peft_greedy(BASE, None, PROMPTS, NEW),
+        "A": peft_greedy(BASE, a, PROMPTS, NEW),
+        "B": peft_greedy(BASE, b, PROMPTS, NEW),
+    }
+    order: list[str | None] = [None, "A", "B", "A", "B", None]
+    prompts = [PROMPTS[i % 3] for i in range(len(order))]
+    for max_loras in (2, 1):  # with one slot, B's requests wait until A's are done
+        llm = make_llm({"A": a, "B": b}, max_loras=max_loras)
+        outs = llm.generate(prompts, GREEDY, adapters=order)
+        assert_equal(outs, [refs[name][i % 3] for i, name in enumerate(order)])
+        llm.engine.scheduler.check_integrity()
+
+
+def test_chunked_prefill_and_prefix_hits_under_an_adapter() -> None:
+    a = peft_adapter_dir(BASE, "all_linear")
+    llm = make_llm({"A": a}, max_num_batched_tokens=8)  # 35 tokens: five chunks
+    shared = PROMPTS[2]
+    [first] = llm.generate([shared], GREEDY, adapters="A")
+    [again] = llm.generate([shared], GREEDY, adapters="A")
+    assert again.num_cached_tokens == 32  # every whole block but the one holding the last token
+    assert_equal([first, again], peft_greedy(BASE, a, [shared, shared], NEW))
+
+
+def test_an_adapters_kv_is_never_another_adapters_or_the_base_models() -> None:
+    a, b = peft_adapter_dir(BASE, "r16"), peft_adapter_dir(BASE, "r16", seed=1)
+    llm = make_llm({"A": a, "B": b, "tenant": a})
+    prompt = PROMPTS[2]
+    [warm] = llm.generate([prompt], GREEDY, adapters="A")
+    assert warm.num_cached_tokens == 0
+    for other in (None, "B"):
+        [out] = llm.generate([prompt], GREEDY, adapters=other)
+        assert out.num_cached_tokens == 0, other
+    # An adapter named like a tenant's salt is not that tenant (another tag in the hash).
+    out = llm.engine.add_request("salted", prompt, GREEDY, cache_salt="A")
+    assert out.block_hashes[0] != llm.engine.add_request("named", prompt, GREEDY, adapter="A").block_hashes[0]
+    for rid in ("salted", "named"):
+        llm.engine.abort_request(rid)
+    # Other weights loaded under the same name: a new identity, so the old KV is never hit.
+    old = llm.engine.lora.resolve("A")
+    new = llm.engine.lora.add("A", b)
+    assert new != old and new.name == old.name
+    [reloaded] = llm.generate([prompt], GREEDY, adapters="A")
+    assert reloaded.num_cached_tokens == 0
+    assert_equal([reloaded], peft_greedy(BASE, b, [prompt], NEW))
+    # The same weights under another folder are the same adapter: the digest is of the content.
+    copy = Path(shutil.copytree(a, a.parent / "copy-of-r16", dirs_exist_ok=True))
+    assert llm.engine.lora.add("C", copy).digest == old.digest
+
+
+def test_an_unknown_adapter_is_refused_and_an_unloaded_one_lets_its_requests_finish() -> None:
+    a = peft_adapter_dir(BASE, "r4")
+    llm = make_llm({"A": a})
+    with pytest.raises(UnknownAdapter, match="'nope' is not loaded"):
+        llm.engine.add_request("x", PROMPTS[0], GREEDY, adapter="nope")
+    running = llm.engine.add_request("running", PROMPTS[1], GREEDY, adapter="A")
+    tokens = [t for out in llm.engine.step() for t in out.new_token_ids]
+    llm.engine.lora.remove("A")
+    with pytest.raises(UnknownAdapter):
+        llm.engine.add_request("late", PROMPTS[0], GREEDY, adapter="A")
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            tokens += out.new_token_ids
+    assert tokens == peft_greedy(BASE, a, [PROMPTS[1]], NEW)[0].token_ids
+    assert running.is_finished
+    plain = make_llm({})
+    with pytest.raises(UnknownAdapter, match="serves no adapters"):
+        plain.engine.add_request("x", PROMPTS[0], GREEDY, adapter="A")
+
+
+def test_adapters_beyond_max_cpu_loras_are_read_again_and_refused_if_changed(tmp_path: Path) -> None:
+    names = ["r4", "attn_only", "patterns"]
+    folders = {n: Path(shutil.copytree(peft_adapter_dir(BASE, n), tmp_path / n)) for n in names}
+    llm = make_llm(folders, max_loras=1, max_cpu_loras=1)
+    for n in names:
+        [out] = llm.generate([PROMPTS[0]], GREEDY, adapters=n)
+        assert out.token_ids == peft_greedy(BASE, folders[n], [PROMPTS[0]], NEW)[0].token_ids
+    shutil.copy(peft_adapter_dir(BASE, "r4", seed=3) / "adapter_model.safetensors", folders["r4"])
+    with pytest.raises(AdapterError, match="changed since it was loaded"):
+        llm.generate([PROMPTS[0]], GREEDY, adapters="r4")
+
+
+# ---- refusals ------------------------------------------------------------------------------------------
+
+
+def _edited(tmp_path: Path, **config: object) -> Path:
+    folder = Path(shutil.copytree(peft_adapter_dir(BASE, "r4"), tmp_path / "edited", dirs_exist_ok=True))
+    raw = json.loads((folder / "adapter_config.json").read_text())
+    raw.update(config)
+    (folder / "adapter_config.json").write_text(json.dumps(raw))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({"use_dora": True}, "use_dora"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"bias": "all"}, "bias"),
+        ({"peft_type": "IA3"}, "peft_type 'IA3' is not served"),
+        ({"target_modules": ["q_proj", "lm_head"]}, "target_modules includes 'lm_head'"),
+        ({"r": 0}, "r must be a positive integer"),
+        ({"rank_pattern": {"q_proj": 8}}, "has shape"),
+    ],
+)
+def test_an_adapter_that_cannot_be_served_is_refused_naming_the_field(
+    tmp_path: Path, config: dict[str, object], field: str
+) -> None:
+    match = field if " " in field else f"{field}="
+    with pytest.raises(AdapterError, match=match):
+        make_llm({"bad": _edited(tmp_path, **config)})
+    # Loaded at run time, the same refusal: nothing is served under the name.
+    llm = make_llm({}, enable_lora=True)
+    with pytest.raises(AdapterError, match=match):
+        llm.engine.lora.add("bad", _edited(tmp_path, **config))
+    with pytest.raises(UnknownAdapter):
+        llm.engine.lora.resolve("bad")
+
+
+def test_rank_above_the_limit_wrong_shapes_and_bad_files_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(AdapterError, match="max_lora_rank 8"):
+        make_llm({"big": peft_adapter_dir(BASE, "r16")}, max_lora_rank=8)
+    other_model = peft_adapter_dir("llama_hd32", "r4")
+    with pytest.raises(AdapterError, match="made for another model"):
+        make_llm({"other": other_model})
+    folder = _edited(tmp_path)
+    weights = folder / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    dropped = sorted(tensors)[0]
+    save_file({k: v for k, v in tensors.items() if k != dropped}, str(weights))
+    with pytest.raises(AdapterError, match="is missing"):
+        make_llm({"dropped": folder})
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(AdapterError, match="truncated"):
+        make_llm({"cut": folder})
+    weights.unlink()
+    with pytest.raises(AdapterError, match="adapter_model.safetensors is missing"):
+        make_llm({"gone": folder})
+    with pytest.raises(AdapterError, match="does not exist"):
+        make_llm({"nowhere": tmp_path / "nowhere"})
+    with pytest.raises(AdapterError, match="printable"):
+        make_llm({"a name": peft_adapter_dir(BASE, "r4")})
