@@ -189,7 +189,7 @@ def test_rank_above_the_limit_wrong_shapes_and_bad_files_are_refused(tmp_path: P
     with pytest.raises(AdapterError, match="truncated"):
         make_llm({"cut": folder})
     weights.unlink()
-    with pytest.raises(AdapterError, match="adapter_model.safetensors is missing"):
+    with pytest.raises(AdapterError, match=r"adapter_model\.safetensors is missing"):
         make_llm({"gone": folder})
     with pytest.raises(AdapterError, match="does not exist"):
         make_llm({"nowhere": tmp_path / "nowhere"})
