@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import grpc
@@ -13,6 +14,7 @@ from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
 from serving import convert
 from serving.calls import EngineCall
 from serving.errors import CallRecorder, rpc_errors
+from serving.lora import adapter_ref
 from serving.signing import TransferSigner
 
 
@@ -48,6 +50,8 @@ class DecodeNodeServicer(node_pb2_grpc.DecodeNodeServicer):
                 convert.transfer_params(params),
                 list(request.resume_output_token_ids),
             )
+            name, digest = adapter_ref(request)
+            engine_request = dataclasses.replace(engine_request, adapter=name, adapter_digest=digest)
             carried = len(engine_request.prior_output_token_ids)
             for out in EngineCall(self.driver, engine_request, context).outputs():
                 yield _response(rid, out, carried)

@@ -65,6 +65,9 @@ class EngineRequest:
     cache_salt: str | None = None
     kv_transfer_params: KVTransferParams | None = None
     prior_output_token_ids: tuple[int, ...] = ()
+    # The LoRA adapter by name, and the digest the caller expects it to have (None: any).
+    adapter: str | None = None
+    adapter_digest: bytes | None = None
 
 
 class RequestStream:
@@ -328,6 +331,8 @@ class EngineDriver:
                 cache_salt=r.cache_salt,
                 kv_transfer_params=r.kv_transfer_params,
                 prior_output_token_ids=r.prior_output_token_ids,
+                adapter=r.adapter,
+                adapter_digest=r.adapter_digest,
             )
         except Exception as exc:
             self._release_slot()

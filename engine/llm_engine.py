@@ -207,6 +207,7 @@ class LLMEngine:
         kv_transfer_params: KVTransferParams | None = None,
         prior_output_token_ids: Sequence[int] = (),
         adapter: str | None = None,
+        adapter_digest: bytes | None = None,
     ) -> Request:
         """Validate and queue one request.  Raises ValueError (naming the field) for bad input.
 
@@ -216,7 +217,8 @@ class LLMEngine:
         strings see it, so the text continues exactly as on one engine; seeded sampling counts them too, so
         a seeded request draws what one engine would have drawn.  ``adapter``: the name of a LoRA adapter
         this engine serves (``UnknownAdapter`` otherwise); the request runs under it, and its KV is keyed
-        by the adapter's content.
+        by the adapter's content; with ``adapter_digest``, only if it is that content (a prefill and a
+        decode node must run the same weights under a name).
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -225,7 +227,7 @@ class LLMEngine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        adapter_id = None if adapter is None else self.lora.resolve(adapter)
+        adapter_id = None if adapter is None else self.lora.resolve(adapter, adapter_digest)
         token_ids = self._prompt_token_ids(prompt)
         prior = list(prior_output_token_ids)
         if prior and (len(prior) >= len(token_ids) or token_ids[-len(prior) :] != prior):

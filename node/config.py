@@ -23,6 +23,7 @@ from engine.cpu_features import auto_cpu_dtype_note
 from engine.engine_config import DETERMINISTIC_COST, EngineConfig
 from engine.model.embedded import model_name
 from serving.drain import add_drain_arguments
+from serving.lora_flags import add_lora_arguments, lora_engine_options
 from telemetry.ports import metrics_port
 from wire.endpoints import parse_address
 
@@ -112,6 +113,8 @@ class NodeConfig:
     # torch's intra-op threads for this process (the matmuls and the native kernels); None: torch's
     # default, one per core.  Nodes sharing a machine should split its cores (Topology.node_threads).
     threads: int | None = None
+    # Take LoadAdapter / UnloadAdapter calls (serving/lora.py): off by default.
+    runtime_lora: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -246,6 +249,7 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         "asked back after this long; keep it above the connector's own lease",
     )
     engine.add_argument("--engine-id", default="", help="this engine's name to its peers (default: node id)")
+    add_lora_arguments(parser.add_argument_group("LoRA adapters (docs/lora.md)"))
 
 
 def node_config_from_args(args: argparse.Namespace, role: str) -> NodeConfig:
@@ -267,6 +271,7 @@ def node_config_from_args(args: argparse.Namespace, role: str) -> NodeConfig:
         "enable_kv_events": bool(args.kv_events),
         "kv_connector": parse_connector_spec(args.kv_connector),
         "engine_id": args.engine_id or node_id,
+        **lora_engine_options(args),
     }
     return NodeConfig(
         role=role,
@@ -284,4 +289,5 @@ def node_config_from_args(args: argparse.Namespace, role: str) -> NodeConfig:
         mtls=args.mtls,
         insecure=args.insecure,
         threads=args.threads,
+        runtime_lora=args.allow_runtime_lora,
     )

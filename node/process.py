@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
@@ -35,9 +36,10 @@ from engine.driver import EngineDriver, EngineSnapshot, snapshot
 from engine.llm_engine import LLMEngine
 from engine.metrics import SPECS
 from node.config import READY_PREFIX, NodeConfig
-from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
+from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc, types_pb2
 from prefill_node.servicer import PrefillNodeServicer
 from serving import convert
+from serving import lora as lora_rpc
 from serving.drain import DRAIN_PREFIX, Drain, DrainProgress, DrainReport
 from serving.errors import CallRecorder, rpc_errors
 from serving.reflection import enable_reflection
@@ -173,6 +175,18 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             return _stats_proto(self.node, snap)
         raise AssertionError("unreachable: rpc_errors aborts the call")
 
+    def LoadAdapter(self, request: types_pb2.LoadAdapterRequest, context: grpc.ServicerContext) -> Any:
+        with rpc_errors(context, self.calls, "LoadAdapter"):
+            lora, allowed = self.node.driver.engine.lora, self.node.config.runtime_lora
+            return lora_rpc.load_adapter(lora, allowed, request.name, request.path)
+        raise AssertionError("unreachable: rpc_errors aborts the call")
+
+    def UnloadAdapter(self, request: types_pb2.UnloadAdapterRequest, context: grpc.ServicerContext) -> Any:
+        with rpc_errors(context, self.calls, "UnloadAdapter"):
+            lora_rpc.unload_adapter(self.node.driver.engine.lora, self.node.config.runtime_lora, request.name)
+            return types_pb2.UnloadAdapterResponse()
+        raise AssertionError("unreachable: rpc_errors aborts the call")
+
 
 def _stats_proto(node: NodeRuntime, s: EngineSnapshot) -> node_pb2.NodeStats:
     """The snapshot as the RPC carries it: counters and gauges by their declared keys, unchanged."""
@@ -191,6 +205,9 @@ def _stats_proto(node: NodeRuntime, s: EngineSnapshot) -> node_pb2.NodeStats:
         hash_algo=s.hash_algo,
         dtype=s.dtype,
         deterministic=s.deterministic,
+        adapters=[lora_rpc.adapter_info(a) for a in node.driver.engine.lora.adapters()],
+        runtime_lora=node.config.runtime_lora,
+        max_lora_rank=node.driver.engine.lora.max_lora_rank,
         kv_events_endpoint=node.events.endpoint if node.events is not None else "",
         kv_events_replay_endpoint=node.events.replay_endpoint if node.events is not None else "",
         kv_events_epoch=node.events.epoch if node.events is not None else "",

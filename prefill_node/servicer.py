@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 
 from engine.connector.params import encode_transfer_params
@@ -11,6 +13,7 @@ from prefill_node.prefill import PrefillResult, prefill_request, prefill_result
 from serving import convert
 from serving.calls import EngineCall
 from serving.errors import CallRecorder, rpc_errors
+from serving.lora import adapter_ref
 from serving.signing import TransferSigner
 
 
@@ -34,7 +37,10 @@ class PrefillNodeServicer(node_pb2_grpc.PrefillNodeServicer):
             prompt = convert.token_ids(request.prompt_token_ids, "prompt_token_ids")
             salt = convert.cache_salt(request)
             max_len = self.driver.engine.max_model_len
-            call = EngineCall(self.driver, prefill_request(rid, prompt, params, salt, max_len), context)
+            name, digest = adapter_ref(request)
+            engine_request = prefill_request(rid, prompt, params, salt, max_len)
+            engine_request = dataclasses.replace(engine_request, adapter=name, adapter_digest=digest)
+            call = EngineCall(self.driver, engine_request, context)
             final = list(call.outputs())[-1]
             result = prefill_result(final, params, max_len)
             if result.ends_here and final.kv_transfer_params is not None:

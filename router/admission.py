@@ -31,8 +31,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.chat_template import ChatTemplateError
+from engine.hashing import AdapterId
 from engine.sampling_params import SamplingParams
 from engine.structured import GrammarCompiler, GrammarError, StructuredOutput
+from router.adapters import RouterAdapters
 from router.auth import Caller
 from router.tokenizer import RouterModel
 from router.tool_calls import (
@@ -129,6 +131,8 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = True  # the OpenAI API's stream_options.include_usage; gRPC always has usage
     n: int = 1  # choices: the prompt is prefilled once, each choice samples on with its own seed
+    adapter: str | None = None  # a LoRA adapter by name (None: the base model)
+    adapter_field: str = "adapter"  # how the front end names it (OpenAI: "model")
 
 
 @dataclass(frozen=True)
@@ -141,14 +145,24 @@ class AdmittedRequest:
     cache_salt: str | None = None
     n: int = 1  # choices (the pipeline forks them after one prefill: router/choices.py)
     tools: ToolParser | None = None  # how the reply's tool calls are read (None: the reply is text)
+    adapter: AdapterId | None = None  # the LoRA adapter, as the nodes serve it (name and digest)
 
 
 class Admission:
     """Admits requests for ``model`` on a router whose ``max_tokens_limit`` (0: none) caps max_tokens."""
 
-    def __init__(self, model: RouterModel, max_tokens_limit: int = 0, *, max_n: int = 16) -> None:
-        """``max_n``: the most choices (``n``) one request may ask for."""
+    def __init__(
+        self,
+        model: RouterModel,
+        max_tokens_limit: int = 0,
+        *,
+        max_n: int = 16,
+        adapters: RouterAdapters | None = None,
+    ) -> None:
+        """``max_n``: the most choices (``n``) one request may ask for.  ``adapters``: the nodes' LoRA
+        adapters (None: no adapter is served)."""
         self.model = model
+        self.adapters = adapters
         self.max_tokens_limit = max_tokens_limit
         self.max_n = max_n
         # A constraint that does not compile is refused here, before any node call (engine/structured.py).
@@ -162,6 +176,7 @@ class Admission:
         unknown = set(request.sampling) - SAMPLING_FIELDS
         assert not unknown, f"a front end passed sampling fields SamplingParams lacks: {sorted(unknown)}"
         names = request.fields
+        adapter = None if request.adapter is None else self._adapter(request.adapter, request.adapter_field)
         if not 1 <= request.n <= self.max_n:
             raise InvalidField(
                 names.n, f"{request.n} choices asked; this server serves 1 to {self.max_n} (its max_n)"
@@ -198,7 +213,16 @@ class Admission:
         if plan is not None and plan.calls_allowed:
             parser = ToolParser(plan.format, frozenset(plan.schemas), plan.parallel)
         salt = caller.salt(request.cache_salt)
-        return AdmittedRequest(request.request_id, token_ids, params, salt, n=request.n, tools=parser)
+        return AdmittedRequest(
+            request.request_id, token_ids, params, salt, n=request.n, tools=parser, adapter=adapter
+        )
+
+    def _adapter(self, name: str, field_name: str) -> AdapterId:
+        if self.adapters is None:
+            raise ServingError(
+                grpc.StatusCode.NOT_FOUND, f"{field_name}: {name!r}: this server serves no adapters"
+            )
+        return self.adapters.resolve(name, field_name)
 
     def chat_tokens(
         self, prompt: ChatPrompt, names: FieldNames, *, add_generation_prompt: bool = True

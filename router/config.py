@@ -47,6 +47,9 @@ class RouterConfig:
     max_tokens_limit: int = 0
     # Most choices one request may ask for (OpenAI's ``n``): each is a sequence decoded in the batch.
     max_n: int = 16
+    # Take LoadAdapter / UnloadAdapter (and the HTTP /v1/load_lora_adapter, /v1/unload_lora_adapter): the
+    # router has every node load the folder (router/adapters.py).  Off by default.
+    allow_runtime_lora: bool = False
     # API keys (router/auth.py): a TOML keys file; "" = $PDKV_API_KEYS_FILE / $PDKV_API_KEYS, or open.
     api_keys_file: str = ""
     # Calls in flight of one tenant (open: one connection) before RESOURCE_EXHAUSTED; 0 = max_inflight/2.
@@ -243,6 +246,12 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         help="allow a non-loopback --address/--http-address without TLS and API keys (trusted networks only)",
     )
     add_drain_arguments(parser, "the streams in flight to finish")
+    parser.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        help="take adapter load/unload calls (gRPC LoadAdapter, HTTP /v1/load_lora_adapter) and have every "
+        "node load the folder; the nodes need --allow-runtime-lora too.  Off by default",
+    )
     parser.add_argument("--log-level", default="WARNING")
 
 
@@ -280,4 +289,5 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         dns_discovery=args.dns_discovery,
         grace_s=args.grace_s,
         drain_timeout_s=args.drain_timeout_s,
+        allow_runtime_lora=args.allow_runtime_lora,
     )

@@ -65,6 +65,8 @@ def _shared(msg: _Message, request: AdmittedRequest) -> _Message:
     msg.sampling.CopyFrom(convert.sampling_params_proto(request.params))
     if request.cache_salt is not None:
         msg.cache_salt = request.cache_salt
+    if request.adapter is not None:
+        msg.adapter.name, msg.adapter.digest = request.adapter.name, request.adapter.digest
     return msg
 
 

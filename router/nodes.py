@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.hashing import HashNamespace
-from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc
+from engine.hashing import AdapterId, HashNamespace
+from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc, types_pb2
 from router.kv_index import Publisher
 from serving.health import SERVING, check
 from serving.tls import TLSFolder, channel
@@ -73,6 +73,12 @@ class NodeHandle:
         # Its compute dtype ("" until it answered) and whether it runs deterministic (from Stats).
         self.dtype = ""
         self.deterministic = False
+        # Its LoRA adapters by name (from Stats, or at once after the router loaded one), which of them
+        # sit in a slot now, and what each is.
+        self.adapters: dict[str, AdapterId] = {}
+        self.resident_adapters: set[AdapterId] = set()
+        self.adapter_infos: dict[AdapterId, types_pb2.AdapterInfo] = {}
+        self.max_lora_rank = 0
         # Its measured costs and where it publishes KV events (from Stats, each health round).
         self.costs = NodeCosts()
         self.kv_events: Publisher | None = None
@@ -146,6 +152,10 @@ class NodeHandle:
                     algo=stats.hash_algo,
                 )
             self.dtype, self.deterministic = stats.dtype, stats.deterministic
+            infos = {AdapterId(a.name, a.digest): a for a in stats.adapters}
+            self.adapters = {aid.name: aid for aid in infos}
+            self.resident_adapters = {aid for aid, a in infos.items() if a.resident}
+            self.adapter_infos, self.max_lora_rank = infos, stats.max_lora_rank
         except (grpc.RpcError, ValueError) as exc:
             logger.debug("no stats from %s yet: %r", self.address, exc)
             return
@@ -158,6 +168,15 @@ class NodeHandle:
         )
         self.costs = measure_costs(self.costs, self._last_stats, stats)
         self._last_stats = stats
+
+    def note_adapter(self, info: types_pb2.AdapterInfo) -> None:
+        """The node loaded ``info`` (the router's call): route to it before the next health round."""
+        aid = AdapterId(info.name, info.digest)
+        self.adapters = {**self.adapters, info.name: aid}
+        self.adapter_infos = {**self.adapter_infos, aid: info}
+
+    def forget_adapter(self, name: str) -> None:
+        self.adapters = {k: v for k, v in self.adapters.items() if k != name}
 
     def close(self) -> None:
         self.channel.close()

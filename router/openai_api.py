@@ -34,6 +34,7 @@ from router.auth import Access, Caller
 from router.http_scope import HttpCallScope, IdleCutoff, pipeline_events
 from router.nodes import pool_numerics
 from router.openai_errors import ApiError
+from router.openai_lora import adapter_cards, add_lora_routes
 from router.openai_requests import chat_request, check_model, completion_request
 from router.openai_responses import ResponseShape, echo_of, model_card, whole_response
 from router.openai_schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -109,13 +110,19 @@ def create_app(
     async def _models(caller: Caller = authenticated) -> dict[str, Any]:
         return {
             "object": "list",
-            "data": [model_card(model, created, pool_numerics(pipeline.prefill_pool, pipeline.decode_pool))],
+            "data": [
+                model_card(model, created, numerics()),
+                *adapter_cards(model, admission.adapters, created),
+            ],
         }
 
     @app.get("/v1/models/{name:path}")
     async def _model(name: str, caller: Caller = authenticated) -> dict[str, Any]:
-        check_model(model, name)
-        return model_card(model, created, numerics())
+        if check_model(model, name, admission.adapters) is None:
+            return model_card(model, created, numerics())
+        return next(c for c in adapter_cards(model, admission.adapters, created) if c["id"] == name)
+
+    add_lora_routes(app, admission.adapters, authenticated)
 
     @app.post("/tokenize")
     async def _tokenize(body: TokenizeRequest, caller: Caller = authenticated) -> dict[str, Any]:
@@ -131,11 +138,12 @@ def create_app(
 
     @app.post("/v1/chat/completions", response_model=None)
     async def _chat(body: ChatCompletionRequest, http: Request, caller: Caller = authenticated) -> Any:
-        return await _respond(http, chat_request(body, model), caller)
+        return await _respond(http, chat_request(body, model, admission.adapters), caller)
 
     @app.post("/v1/completions", response_model=None)
     async def _completions(body: CompletionRequest, http: Request, caller: Caller = authenticated) -> Any:
-        return await _respond(http, completion_request(body, model), caller, echo=body.echo)
+        asked = completion_request(body, model, admission.adapters)
+        return await _respond(http, asked, caller, echo=body.echo)
 
     async def _respond(http: Request, asked: GenerationRequest, caller: Caller, echo: bool = False) -> Any:
         """Admit the neutral request (the one path both front ends take), run it, answer as OpenAI does."""

@@ -13,6 +13,7 @@ import dataclasses
 import uuid
 from typing import Any
 
+from router.adapters import RouterAdapters
 from router.admission import (
     ChatPrompt,
     ChatTurn,
@@ -39,16 +40,21 @@ FIELDS = FieldNames(
 )
 
 
-def check_model(model: RouterModel, name: str) -> None:
-    """404 unless ``name`` is the model this router serves."""
-    if name != model.name:
-        raise ApiError(
-            404,
-            f"model {name!r} is not served here; this server serves {model.name!r} (GET /v1/models)",
-            kind="not_found_error",
-            param="model",
-            code="model_not_found",
-        )
+def check_model(model: RouterModel, name: str, adapters: RouterAdapters | None = None) -> str | None:
+    """The LoRA adapter ``name`` selects (None: the base model, by its name); 404 for any other."""
+    if name == model.name:
+        return None
+    served = adapters.served() if adapters is not None else {}
+    if name in served:
+        return name
+    listed = ", ".join(repr(n) for n in [model.name, *served])
+    raise ApiError(
+        404,
+        f"model {name!r} is not served here; this server serves {listed} (GET /v1/models)",
+        kind="not_found_error",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def _refuse_unserved(body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -60,9 +66,11 @@ def _refuse_unserved(body: ChatCompletionRequest | CompletionRequest) -> None:
         raise ApiError.invalid(name, f"{why} (got {getattr(body, name)!r})")
 
 
-def chat_request(body: ChatCompletionRequest, model: RouterModel) -> GenerationRequest:
+def chat_request(
+    body: ChatCompletionRequest, model: RouterModel, adapters: RouterAdapters | None = None
+) -> GenerationRequest:
     """A chat completion body as the neutral request (admission checks the rest)."""
-    check_model(model, body.model)
+    adapter = check_model(model, body.model, adapters)
     _refuse_unserved(body)
     if body.top_logprobs and not body.logprobs:
         raise ApiError.invalid("top_logprobs", "needs logprobs: true (as OpenAI requires)")
@@ -72,7 +80,7 @@ def chat_request(body: ChatCompletionRequest, model: RouterModel) -> GenerationR
         tool_choice=tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls is not False,
     )
-    return _neutral(body, "chatcmpl", prompt)
+    return _neutral(body, "chatcmpl", prompt, adapter)
 
 
 def chat_turns(messages: list[ChatMessage]) -> tuple[ChatTurn, ...]:
@@ -90,9 +98,11 @@ def chat_turns(messages: list[ChatMessage]) -> tuple[ChatTurn, ...]:
     )
 
 
-def completion_request(body: CompletionRequest, model: RouterModel) -> GenerationRequest:
+def completion_request(
+    body: CompletionRequest, model: RouterModel, adapters: RouterAdapters | None = None
+) -> GenerationRequest:
     """A completion body as the neutral request (admission checks the rest)."""
-    check_model(model, body.model)
+    adapter = check_model(model, body.model, adapters)
     _refuse_unserved(body)
     prompt: Any = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -102,7 +112,7 @@ def completion_request(body: CompletionRequest, model: RouterModel) -> Generatio
             )
         prompt = prompt[0]
     neutral = TextPrompt(prompt) if isinstance(prompt, str) else TokenPrompt(tuple(prompt))
-    request = _neutral(body, "cmpl", neutral)
+    request = _neutral(body, "cmpl", neutral, adapter)
     if not body.echo:
         return request
     # echo: the prompt comes back before the completion, scored when logprobs asks for it (the prompt's
@@ -129,7 +139,9 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest) -> tuple[dict[str
     return {**options, "structured": structured}, dataclasses.replace(FIELDS, structured=where)
 
 
-def _neutral(body: ChatCompletionRequest | CompletionRequest, kind: str, prompt: Prompt) -> GenerationRequest:
+def _neutral(
+    body: ChatCompletionRequest | CompletionRequest, kind: str, prompt: Prompt, adapter: str | None
+) -> GenerationRequest:
     sampling, fields = _sampling(body)
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         sampling["max_tokens"] = body.max_completion_tokens  # the newer name wins
@@ -144,6 +156,8 @@ def _neutral(body: ChatCompletionRequest | CompletionRequest, kind: str, prompt:
         stream=body.stream,
         n=body.n,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        adapter=adapter,
+        adapter_field="model",
     )
 
 

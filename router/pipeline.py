@@ -38,6 +38,7 @@ import grpc
 
 from engine.metrics import SPECS
 from pdkv_proto.pdkv.v1 import node_pb2, types_pb2
+from router.adapters import no_node_serves, prefer_resident, serves
 from router.admission import AdmittedRequest
 from router.choices import Placement, fork_choices
 from router.events import CallScope, Cancellation, Delta, Done, Event, Usage
@@ -396,21 +397,21 @@ class Pipeline:
         errors: Sequence[str] = (),
         prefer: NodeHandle | None = None,
     ) -> NodeHandle:
-        """A healthy node of ``pool`` not yet tried: ``prefer`` where it is one, else the policy's."""
-        candidates = pool.healthy(exclude=tried)
+        """A healthy untried node of ``pool`` serving the request's adapter: ``prefer`` where it is one,
+        else the policy's (those with the adapter in a slot first)."""
+        healthy = pool.healthy(exclude=tried)
+        candidates = [n for n in healthy if serves(n, request.adapter)]
         if prefer is not None and prefer in candidates:
             return prefer
+        if healthy and not candidates and request.adapter is not None:
+            raise no_node_serves(pool.kind, request.adapter)
         if not candidates:
             detail = f"; tried {'; '.join(errors)}" if errors else ""
             down = ", ".join(f"{n.address} ({n.last_error})" for n in pool.nodes() if not n.healthy)
-            raise ServingError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"no healthy {pool.kind} node{detail}"
-                + (f"; down: {down}" if down else "")
-                + "; retry later",
-            )
-        info = RoutingInfo(request.request_id, request.prompt_token_ids, request.cache_salt)
-        return self._selectors[id(pool)].choose(candidates, info)
+            why = f"no healthy {pool.kind} node{detail}" + (f"; down: {down}" if down else "")
+            raise ServingError(grpc.StatusCode.UNAVAILABLE, why + "; retry later")
+        info = RoutingInfo(request.request_id, request.prompt_token_ids, request.cache_salt, request.adapter)
+        return self._selectors[id(pool)].choose(prefer_resident(candidates, request.adapter), info)
 
 
 @dataclass
@@ -440,8 +441,7 @@ class _Interrupted(Exception):
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
-        self.code = code
-        self.details = details
+        self.code, self.details = code, details
 
 
 def _gave_up(sent: _Sent, why: str) -> str:

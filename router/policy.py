@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.hashing import BlockHash, HashNamespace, hash_blocks
+from engine.hashing import AdapterId, BlockHash, HashNamespace, hash_blocks
 from router.kv_index import KVIndex
 from router.nodes import NodeHandle
 
@@ -28,10 +28,14 @@ class RoutingInfo:
     request_id: str
     prompt_token_ids: Sequence[int]
     cache_salt: str | None = None
+    adapter: AdapterId | None = None
 
     def block_hashes(self, namespace: HashNamespace) -> list[BlockHash]:
-        """The prompt's full-block hashes in ``namespace`` (a node's, from its Stats)."""
-        return hash_blocks(self.prompt_token_ids, namespace=namespace, cache_salt=self.cache_salt)
+        """The prompt's full-block hashes in ``namespace`` (a node's, from its Stats): an adapter's
+        blocks match only that adapter's (its name and digest are in every hash)."""
+        return hash_blocks(
+            self.prompt_token_ids, namespace=namespace, cache_salt=self.cache_salt, adapter=self.adapter
+        )
 
 
 class NodeSelector(Protocol):

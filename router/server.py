@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from engine.metrics import SPECS, StatsSnapshot
 from engine.tokenizer import Tokenizer
 from pdkv_proto.pdkv.v1 import generation_pb2_grpc
+from router.adapters import RouterAdapters
 from router.admission import Admission
 from router.auth import Access, load_access
 from router.config import READY_PREFIX, RouterConfig
@@ -151,7 +152,12 @@ class RouterRuntime:
             access,
             streams,
             # n choices take n of the max_inflight slots: more could never be admitted
-            Admission(model, config.max_tokens_limit, max_n=min(config.max_n, config.max_inflight)),
+            Admission(
+                model,
+                config.max_tokens_limit,
+                max_n=min(config.max_n, config.max_inflight),
+                adapters=RouterAdapters(pools, allow_runtime=config.allow_runtime_lora),
+            ),
             tls,
             index,
             subscriber,

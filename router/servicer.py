@@ -6,12 +6,14 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import grpc
 
 from engine import structured
 from engine.tokenizer import Tokenizer
 from pdkv_proto.pdkv.v1 import generation_pb2, generation_pb2_grpc, types_pb2
+from router.adapters import RouterAdapters
 from router.admission import (
     Admission,
     AdmittedRequest,
@@ -32,7 +34,7 @@ from router.tokenizer import RouterModel
 from router.tool_calls import ToolCall, ToolChoice, ToolFields, ToolSpec
 from router.tool_parser import ToolParser
 from serving import convert
-from serving.errors import CallRecorder, invalid, rpc_errors
+from serving.errors import CallRecorder, ServingError, invalid, rpc_errors
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -68,6 +70,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 (n.namespace.block_size for p in self.pools for n in p.nodes() if n.namespace is not None), 0
             )
             dtype, deterministic = numerics(n for p in self.pools for n in p.nodes())
+            adapters = self.admission.adapters
             return generation_pb2.ModelInfo(
                 name=m.name,
                 vocab_size=m.vocab_size,
@@ -83,8 +86,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 tool_call_format=self.admission.tool_format or "",
                 dtype=dtype,
                 deterministic=deterministic,
+                adapters=adapters.info() if adapters is not None else [],
+                max_lora_rank=max((n.max_lora_rank for p in self.pools for n in p.nodes()), default=0),
             )
         raise AssertionError("unreachable: rpc_errors aborts the call")
+
+    def LoadAdapter(self, request: types_pb2.LoadAdapterRequest, context: grpc.ServicerContext) -> Any:
+        with rpc_errors(context, self.calls, "LoadAdapter"):
+            self._caller(context)
+            return self._adapters().load(request.name, request.path)
+        raise AssertionError("unreachable: rpc_errors aborts the call")
+
+    def UnloadAdapter(self, request: types_pb2.UnloadAdapterRequest, context: grpc.ServicerContext) -> Any:
+        with rpc_errors(context, self.calls, "UnloadAdapter"):
+            self._caller(context)
+            self._adapters().unload(request.name)
+            return types_pb2.UnloadAdapterResponse()
+        raise AssertionError("unreachable: rpc_errors aborts the call")
+
+    def _adapters(self) -> RouterAdapters:
+        if self.admission.adapters is None:
+            raise ServingError(grpc.StatusCode.FAILED_PRECONDITION, "this router serves no adapters")
+        return self.admission.adapters
 
     def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext
@@ -223,6 +246,7 @@ def generation_request(request: generation_pb2.GenerateRequest) -> GenerationReq
         sampling=convert.sampling_options(request.sampling),
         cache_salt=convert.cache_salt(request),
         n=request.n or 1,
+        adapter=(request.adapter or None) if request.HasField("adapter") else None,
     )
 
 

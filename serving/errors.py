@@ -13,6 +13,7 @@ from typing import NoReturn, Protocol
 import grpc
 
 from engine.driver import EngineOverloaded, EngineStopped
+from engine.lora.manager import UnknownAdapter
 
 
 class ServingError(Exception):
@@ -36,6 +37,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, EngineStopped):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, UnknownAdapter):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, TimeoutError):

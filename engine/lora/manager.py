@@ -49,6 +49,7 @@ class ServedAdapter:
     path: Path
     max_rank: int
     modules: tuple[str, ...]
+    resident: bool  # in a slot now
 
 
 class LoRAManager:
@@ -83,6 +84,7 @@ class LoRAManager:
         self._served: dict[str, tuple[AdapterId, Path]] = {}
         self._loaded: OrderedDict[AdapterId, LoRAAdapter] = OrderedDict()  # LRU: oldest first
         self._paths: dict[AdapterId, Path] = {}
+        self._shape: dict[AdapterId, tuple[int, tuple[str, ...]]] = {}  # max rank, modules
         self._slots: list[AdapterId | None] = [None] * max_loras
         self._slot_step = [0] * max_loras
         self._step = 0
@@ -105,6 +107,7 @@ class LoRAManager:
             old = self._served.get(name)
             self._served[name] = (adapter.id, adapter.path)
             self._paths[adapter.id] = adapter.path
+            self._shape[adapter.id] = (adapter.max_rank, tuple(sorted(adapter.modules())))
             self._keep(adapter)
         if old is not None and old[0] != adapter.id:
             logger.info("adapter %s: replaced %s by %s (new requests only)", name, old[0], adapter.id)
@@ -119,26 +122,29 @@ class LoRAManager:
             raise UnknownAdapter(f"adapter {name!r} is not loaded")
         return entry[0]
 
-    def resolve(self, name: str) -> AdapterId:
+    def resolve(self, name: str, digest: bytes | None = None) -> AdapterId:
+        """The served identity of ``name`` (with ``digest``: only if it has that content)."""
         with self._lock:
             entry = self._served.get(name)
         if entry is None:
             if not self.enabled:
                 raise UnknownAdapter(f"adapter {name!r}: this engine serves no adapters (LoRA is off)")
             raise UnknownAdapter(f"adapter {name!r} is not loaded; loaded: {sorted(self._served) or 'none'}")
+        if digest is not None and digest != entry[0].digest:
+            raise UnknownAdapter(
+                f"adapter {name!r} here is {entry[0]}, not the {digest.hex()[:16]} the request was "
+                "admitted with: load the same files on every node"
+            )
         self._get(entry[0])  # in memory from now until its requests finish (read again if evicted)
         return entry[0]
 
     def adapters(self) -> list[ServedAdapter]:
         with self._lock:
             served = sorted(self._served.items())
-            loaded = {a.id: a for a in self._loaded.values()}
-        out = []
-        for _, (aid, path) in served:
-            a = loaded.get(aid)
-            modules = tuple(sorted(a.modules())) if a is not None else ()
-            out.append(ServedAdapter(aid, path, a.max_rank if a is not None else 0, modules))
-        return out
+            slots = set(self._slots)
+        return [
+            ServedAdapter(aid, path, *self._shape[aid], resident=aid in slots) for _, (aid, path) in served
+        ]
 
     # -- memory -------------------------------------------------------------------------------------------
 

@@ -124,6 +124,9 @@ def register(subparsers: Any) -> None:
         metavar="S",
         help="seconds in-flight calls still get after the drain, before a child stops",
     )
+    from serving.lora_flags import add_lora_arguments
+
+    add_lora_arguments(parser, engine=False)
     parser.add_argument("--log-dir", default=None, metavar="DIR", help="keep the children's logs here")
     parser.add_argument("--startup-timeout", type=float, default=180.0, metavar="S")
     parser.add_argument(
@@ -173,6 +176,8 @@ def _up(args: argparse.Namespace) -> int:
         grace_s=args.grace_s,
         secure=args.secure,
         cache_details=(args.cache_details or not args.secure) and not args.no_cache_details,
+        loras=tuple(args.lora),
+        allow_runtime_lora=args.allow_runtime_lora,
     )
     settings = f", settings from {topology.config_file}" if topology.config_file else ""
     print(f"pdkv up: starting {_summary(topology)}{settings} ...", file=sys.stderr, flush=True)

@@ -79,6 +79,10 @@ class Topology:
     drain_timeout_s: float = 30.0
     grace_s: float = 5.0
     restart_policy: RestartPolicy = RestartPolicy()
+    # LoRA adapters every node serves from the start (name, PEFT folder), and whether the router and
+    # the nodes take run-time loads (docs/lora.md).
+    loras: tuple[tuple[str, str], ...] = ()
+    allow_runtime_lora: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -117,6 +121,16 @@ class Topology:
     def config_args(self) -> tuple[str, ...]:
         """``--config FILE`` for every child, when there is a file."""
         return ("--config", str(self.config_file)) if self.config_file is not None else ()
+
+    def lora_args(self, role: str) -> tuple[str, ...]:
+        """The LoRA flags of a child: the adapters (nodes) and the run-time switch (nodes and router)."""
+        runtime = ("--allow-runtime-lora",) if self.allow_runtime_lora else ()
+        if role == "router":
+            return runtime
+        return (
+            *(f"--lora={name}={Path(path).expanduser().resolve()}" for name, path in self.loras),
+            *runtime,
+        )
 
     def stop_args(self) -> tuple[str, ...]:
         """How long a child drains on SIGTERM and then gives in-flight calls (the store: drains only)."""

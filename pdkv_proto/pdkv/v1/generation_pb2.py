@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdkv_proto.pdkv.v1 import types_pb2 as pdkv_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdkv/v1/generation.proto\x12\x07pdkv.v1\x1a\x13pdkv/v1/types.proto\"\x15\n\x13GetModelInfoRequest\"\xc0\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x1d\n\x15\x65nd_of_turn_token_ids\x18\x07 \x03(\r\x12\x17\n\x0fsampling_fields\x18\x08 \x03(\t\x12\x18\n\x10structured_kinds\x18\t \x03(\t\x12\r\n\x05max_n\x18\n \x01(\r\x12\x12\n\ntool_calls\x18\x0b \x01(\x08\x12\x18\n\x10tool_call_format\x18\x0c \x01(\t\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x15\n\rdeterministic\x18\x0e \x01(\x08\"\xf0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x11.pdkv.v1.TokenIdsH\x00\x12)\n\x08messages\x18\x06 \x01(\x0b\x32\x15.pdkv.v1.ChatMessagesH\x00\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.pdkv.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x05 \x01(\tH\x01\x88\x01\x01\x12\t\n\x01n\x18\x07 \x01(\rB\x08\n\x06promptB\r\n\x0b_cache_salt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb8\x01\n\x0c\x43hatMessages\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.pdkv.v1.ChatMessage\x12\x1c\n\x05tools\x18\x02 \x03(\x0b\x32\r.pdkv.v1.Tool\x12(\n\x0btool_choice\x18\x03 \x01(\x0b\x32\x13.pdkv.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"\x9b\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12%\n\ntool_calls\x18\x04 \x03(\x0b\x32\x11.pdkv.v1.ToolCall\x12\x19\n\x0ctool_call_id\x18\x05 \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05_nameB\x0f\n\r_tool_call_id\"M\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"S\n\nToolChoice\x12\'\n\x04mode\x18\x01 \x01(\x0e\x32\x17.pdkv.v1.ToolChoiceModeH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x89\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x13.pdkv.v1.TokenDeltaH\x00\x12#\n\x04\x64one\x18\x03 \x01(\x0b\x32\x13.pdkv.v1.CompletionH\x00\x12\r\n\x05index\x18\x04 \x01(\rB\x07\n\x05\x65vent\"\x9d\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12*\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x14.pdkv.v1.TopLogprobs\x12\x30\n\x0fprompt_logprobs\x18\x05 \x01(\x0b\x32\x17.pdkv.v1.PromptLogprobs\"\xe1\x01\n\nCompletion\x12,\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x15.pdkv.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x02 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x03 \x01(\tH\x00\x12\x1d\n\x05usage\x18\x04 \x01(\x0b\x32\x0e.pdkv.v1.Usage\x12%\n\ntool_calls\x18\x05 \x03(\x0b\x32\x11.pdkv.v1.ToolCall\x12\x14\n\x07\x63ontent\x18\x06 \x01(\tH\x01\x88\x01\x01\x42\r\n\x0bstop_reasonB\n\n\x08_content\"\xb5\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12%\n\x06\x63\x61\x63hed\x18\x03 \x01(\x0b\x32\x15.pdkv.v1.CachedTokens\x12\x1e\n\x16\x63omputed_prompt_tokens\x18\x04 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x01\x12\x14\n\x0ctotal_time_s\x18\x06 \x01(\x01\"K\n\x0c\x43\x61\x63hedTokens\x12\x14\n\x0clocal_prefix\x18\x01 \x01(\r\x12\r\n\x05store\x18\x02 \x01(\r\x12\x16\n\x0eremote_prefill\x18\x03 \x01(\r\"\xfa\x01\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12!\n\x04\x64one\x18\x05 \x01(\x0b\x32\x13.pdkv.v1.Completion\x12*\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x14.pdkv.v1.TopLogprobs\x12 \n\x07\x63hoices\x18\x07 \x03(\x0b\x32\x0f.pdkv.v1.Choice\x12\x30\n\x0fprompt_logprobs\x18\x08 \x01(\x0b\x32\x17.pdkv.v1.PromptLogprobs\"\xcb\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12*\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x14.pdkv.v1.TopLogprobs\x12!\n\x04\x64one\x18\x06 \x01(\x0b\x32\x13.pdkv.v1.Completion\x12\x30\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x17.pdkv.v1.PromptLogprobs*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x32\xd5\x01\n\nGeneration\x12\x41\n\x08Generate\x12\x18.pdkv.v1.GenerateRequest\x1a\x19.pdkv.v1.GenerateResponse0\x01\x12\x42\n\rGenerateUnary\x12\x18.pdkv.v1.GenerateRequest\x1a\x17.pdkv.v1.GenerateResult\x12@\n\x0cGetModelInfo\x12\x1c.pdkv.v1.GetModelInfoRequest\x1a\x12.pdkv.v1.ModelInfoBD\n\nio.pdkv.v1P\x01Z*github.com/pdkv/pdkv/gen/go/pdkv/v1;pdkvv1\xaa\x02\x07Pdkv.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdkv/v1/generation.proto\x12\x07pdkv.v1\x1a\x13pdkv/v1/types.proto\"\x15\n\x13GetModelInfoRequest\"\xff\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x1d\n\x15\x65nd_of_turn_token_ids\x18\x07 \x03(\r\x12\x17\n\x0fsampling_fields\x18\x08 \x03(\t\x12\x18\n\x10structured_kinds\x18\t \x03(\t\x12\r\n\x05max_n\x18\n \x01(\r\x12\x12\n\ntool_calls\x18\x0b \x01(\x08\x12\x18\n\x10tool_call_format\x18\x0c \x01(\t\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x15\n\rdeterministic\x18\x0e \x01(\x08\x12&\n\x08\x61\x64\x61pters\x18\x0f \x03(\x0b\x32\x14.pdkv.v1.AdapterInfo\x12\x15\n\rmax_lora_rank\x18\x10 \x01(\r\"\x92\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x11.pdkv.v1.TokenIdsH\x00\x12)\n\x08messages\x18\x06 \x01(\x0b\x32\x15.pdkv.v1.ChatMessagesH\x00\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.pdkv.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x05 \x01(\tH\x01\x88\x01\x01\x12\t\n\x01n\x18\x07 \x01(\r\x12\x14\n\x07\x61\x64\x61pter\x18\x08 \x01(\tH\x02\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_cache_saltB\n\n\x08_adapter\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb8\x01\n\x0c\x43hatMessages\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.pdkv.v1.ChatMessage\x12\x1c\n\x05tools\x18\x02 \x03(\x0b\x32\r.pdkv.v1.Tool\x12(\n\x0btool_choice\x18\x03 \x01(\x0b\x32\x13.pdkv.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"\x9b\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12%\n\ntool_calls\x18\x04 \x03(\x0b\x32\x11.pdkv.v1.ToolCall\x12\x19\n\x0ctool_call_id\x18\x05 \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05_nameB\x0f\n\r_tool_call_id\"M\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"S\n\nToolChoice\x12\'\n\x04mode\x18\x01 \x01(\x0e\x32\x17.pdkv.v1.ToolChoiceModeH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x89\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x13.pdkv.v1.TokenDeltaH\x00\x12#\n\x04\x64one\x18\x03 \x01(\x0b\x32\x13.pdkv.v1.CompletionH\x00\x12\r\n\x05index\x18\x04 \x01(\rB\x07\n\x05\x65vent\"\x9d\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12*\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x14.pdkv.v1.TopLogprobs\x12\x30\n\x0fprompt_logprobs\x18\x05 \x01(\x0b\x32\x17.pdkv.v1.PromptLogprobs\"\xe1\x01\n\nCompletion\x12,\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x15.pdkv.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x02 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x03 \x01(\tH\x00\x12\x1d\n\x05usage\x18\x04 \x01(\x0b\x32\x0e.pdkv.v1.Usage\x12%\n\ntool_calls\x18\x05 \x03(\x0b\x32\x11.pdkv.v1.ToolCall\x12\x14\n\x07\x63ontent\x18\x06 \x01(\tH\x01\x88\x01\x01\x42\r\n\x0bstop_reasonB\n\n\x08_content\"\xb5\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12%\n\x06\x63\x61\x63hed\x18\x03 \x01(\x0b\x32\x15.pdkv.v1.CachedTokens\x12\x1e\n\x16\x63omputed_prompt_tokens\x18\x04 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x01\x12\x14\n\x0ctotal_time_s\x18\x06 \x01(\x01\"K\n\x0c\x43\x61\x63hedTokens\x12\x14\n\x0clocal_prefix\x18\x01 \x01(\r\x12\r\n\x05store\x18\x02 \x01(\r\x12\x16\n\x0eremote_prefill\x18\x03 \x01(\r\"\xfa\x01\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12!\n\x04\x64one\x18\x05 \x01(\x0b\x32\x13.pdkv.v1.Completion\x12*\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x14.pdkv.v1.TopLogprobs\x12 \n\x07\x63hoices\x18\x07 \x03(\x0b\x32\x0f.pdkv.v1.Choice\x12\x30\n\x0fprompt_logprobs\x18\x08 \x01(\x0b\x32\x17.pdkv.v1.PromptLogprobs\"\xcb\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12*\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x14.pdkv.v1.TopLogprobs\x12!\n\x04\x64one\x18\x06 \x01(\x0b\x32\x13.pdkv.v1.Completion\x12\x30\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x17.pdkv.v1.PromptLogprobs*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x32\xe7\x02\n\nGeneration\x12\x41\n\x08Generate\x12\x18.pdkv.v1.GenerateRequest\x1a\x19.pdkv.v1.GenerateResponse0\x01\x12\x42\n\rGenerateUnary\x12\x18.pdkv.v1.GenerateRequest\x1a\x17.pdkv.v1.GenerateResult\x12@\n\x0cGetModelInfo\x12\x1c.pdkv.v1.GetModelInfoRequest\x1a\x12.pdkv.v1.ModelInfo\x12@\n\x0bLoadAdapter\x12\x1b.pdkv.v1.LoadAdapterRequest\x1a\x14.pdkv.v1.AdapterInfo\x12N\n\rUnloadAdapter\x12\x1d.pdkv.v1.UnloadAdapterRequest\x1a\x1e.pdkv.v1.UnloadAdapterResponseBD\n\nio.pdkv.v1P\x01Z*github.com/pdkv/pdkv/gen/go/pdkv/v1;pdkvv1\xaa\x02\x07Pdkv.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,40 +33,40 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdkv_proto.pdkv.v1.generati
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\nio.pdkv.v1P\001Z*github.com/pdkv/pdkv/gen/go/pdkv/v1;pdkvv1\252\002\007Pdkv.V1'
-  _globals['_TOOLCHOICEMODE']._serialized_start=2487
-  _globals['_TOOLCHOICEMODE']._serialized_end=2622
+  _globals['_TOOLCHOICEMODE']._serialized_start=2584
+  _globals['_TOOLCHOICEMODE']._serialized_end=2719
   _globals['_GETMODELINFOREQUEST']._serialized_start=58
   _globals['_GETMODELINFOREQUEST']._serialized_end=79
   _globals['_MODELINFO']._serialized_start=82
-  _globals['_MODELINFO']._serialized_end=402
-  _globals['_GENERATEREQUEST']._serialized_start=405
-  _globals['_GENERATEREQUEST']._serialized_end=645
-  _globals['_TOKENIDS']._serialized_start=647
-  _globals['_TOKENIDS']._serialized_end=670
-  _globals['_CHATMESSAGES']._serialized_start=673
-  _globals['_CHATMESSAGES']._serialized_end=857
-  _globals['_CHATMESSAGE']._serialized_start=860
-  _globals['_CHATMESSAGE']._serialized_end=1015
-  _globals['_TOOL']._serialized_start=1017
-  _globals['_TOOL']._serialized_end=1094
-  _globals['_TOOLCHOICE']._serialized_start=1096
-  _globals['_TOOLCHOICE']._serialized_end=1179
-  _globals['_TOOLCALL']._serialized_start=1181
-  _globals['_TOOLCALL']._serialized_end=1236
-  _globals['_GENERATERESPONSE']._serialized_start=1239
-  _globals['_GENERATERESPONSE']._serialized_end=1376
-  _globals['_TOKENDELTA']._serialized_start=1379
-  _globals['_TOKENDELTA']._serialized_end=1536
-  _globals['_COMPLETION']._serialized_start=1539
-  _globals['_COMPLETION']._serialized_end=1764
-  _globals['_USAGE']._serialized_start=1767
-  _globals['_USAGE']._serialized_end=1948
-  _globals['_CACHEDTOKENS']._serialized_start=1950
-  _globals['_CACHEDTOKENS']._serialized_end=2025
-  _globals['_GENERATERESULT']._serialized_start=2028
-  _globals['_GENERATERESULT']._serialized_end=2278
-  _globals['_CHOICE']._serialized_start=2281
-  _globals['_CHOICE']._serialized_end=2484
-  _globals['_GENERATION']._serialized_start=2625
-  _globals['_GENERATION']._serialized_end=2838
+  _globals['_MODELINFO']._serialized_end=465
+  _globals['_GENERATEREQUEST']._serialized_start=468
+  _globals['_GENERATEREQUEST']._serialized_end=742
+  _globals['_TOKENIDS']._serialized_start=744
+  _globals['_TOKENIDS']._serialized_end=767
+  _globals['_CHATMESSAGES']._serialized_start=770
+  _globals['_CHATMESSAGES']._serialized_end=954
+  _globals['_CHATMESSAGE']._serialized_start=957
+  _globals['_CHATMESSAGE']._serialized_end=1112
+  _globals['_TOOL']._serialized_start=1114
+  _globals['_TOOL']._serialized_end=1191
+  _globals['_TOOLCHOICE']._serialized_start=1193
+  _globals['_TOOLCHOICE']._serialized_end=1276
+  _globals['_TOOLCALL']._serialized_start=1278
+  _globals['_TOOLCALL']._serialized_end=1333
+  _globals['_GENERATERESPONSE']._serialized_start=1336
+  _globals['_GENERATERESPONSE']._serialized_end=1473
+  _globals['_TOKENDELTA']._serialized_start=1476
+  _globals['_TOKENDELTA']._serialized_end=1633
+  _globals['_COMPLETION']._serialized_start=1636
+  _globals['_COMPLETION']._serialized_end=1861
+  _globals['_USAGE']._serialized_start=1864
+  _globals['_USAGE']._serialized_end=2045
+  _globals['_CACHEDTOKENS']._serialized_start=2047
+  _globals['_CACHEDTOKENS']._serialized_end=2122
+  _globals['_GENERATERESULT']._serialized_start=2125
+  _globals['_GENERATERESULT']._serialized_end=2375
+  _globals['_CHOICE']._serialized_start=2378
+  _globals['_CHOICE']._serialized_end=2581
+  _globals['_GENERATION']._serialized_start=2722
+  _globals['_GENERATION']._serialized_end=3081
 # @@protoc_insertion_point(module_scope)

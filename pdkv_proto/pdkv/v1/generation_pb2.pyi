@@ -24,7 +24,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "context_length", "eos_token_ids", "block_size", "has_chat_template", "end_of_turn_token_ids", "sampling_fields", "structured_kinds", "max_n", "tool_calls", "tool_call_format", "dtype", "deterministic")
+    __slots__ = ("name", "vocab_size", "context_length", "eos_token_ids", "block_size", "has_chat_template", "end_of_turn_token_ids", "sampling_fields", "structured_kinds", "max_n", "tool_calls", "tool_call_format", "dtype", "deterministic", "adapters", "max_lora_rank")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,8 @@ class ModelInfo(_message.Message):
     TOOL_CALL_FORMAT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     context_length: int
@@ -53,10 +55,12 @@ class ModelInfo(_message.Message):
     tool_call_format: str
     dtype: str
     deterministic: bool
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., end_of_turn_token_ids: _Optional[_Iterable[int]] = ..., sampling_fields: _Optional[_Iterable[str]] = ..., structured_kinds: _Optional[_Iterable[str]] = ..., max_n: _Optional[int] = ..., tool_calls: _Optional[bool] = ..., tool_call_format: _Optional[str] = ..., dtype: _Optional[str] = ..., deterministic: _Optional[bool] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[_types_pb2.AdapterInfo]
+    max_lora_rank: int
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., end_of_turn_token_ids: _Optional[_Iterable[int]] = ..., sampling_fields: _Optional[_Iterable[str]] = ..., structured_kinds: _Optional[_Iterable[str]] = ..., max_n: _Optional[int] = ..., tool_calls: _Optional[bool] = ..., tool_call_format: _Optional[str] = ..., dtype: _Optional[str] = ..., deterministic: _Optional[bool] = ..., adapters: _Optional[_Iterable[_Union[_types_pb2.AdapterInfo, _Mapping]]] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "messages", "sampling", "cache_salt", "n")
+    __slots__ = ("request_id", "text", "token_ids", "messages", "sampling", "cache_salt", "n", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +68,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -71,7 +76,8 @@ class GenerateRequest(_message.Message):
     sampling: _types_pb2.SamplingParams
     cache_salt: str
     n: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., n: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from pdkv_proto.pdkv.v1 import generation_pb2 as pdkv_dot_v1_dot_generation__pb2
+from pdkv_proto.pdkv.v1 import types_pb2 as pdkv_dot_v1_dot_types__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -49,6 +50,16 @@ class GenerationStub:
                 request_serializer=pdkv_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=pdkv_dot_v1_dot_generation__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/pdkv.v1.Generation/LoadAdapter',
+                request_serializer=pdkv_dot_v1_dot_types__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=pdkv_dot_v1_dot_types__pb2.AdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/pdkv.v1.Generation/UnloadAdapter',
+                request_serializer=pdkv_dot_v1_dot_types__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=pdkv_dot_v1_dot_types__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -79,6 +90,21 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Load (or replace) a LoRA adapter on every node that may serve it, prefill and decode; and unload
+        one.  Off unless the router runs with --allow-runtime-lora (FAILED_PRECONDITION), and behind the
+        router's API keys like every call.  INVALID_ARGUMENT: what the adapter has that cannot be served.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +122,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=pdkv_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=pdkv_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=pdkv_dot_v1_dot_types__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=pdkv_dot_v1_dot_types__pb2.AdapterInfo.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=pdkv_dot_v1_dot_types__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=pdkv_dot_v1_dot_types__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +215,60 @@ class Generation:
             '/pdkv.v1.Generation/GetModelInfo',
             pdkv_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
             pdkv_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdkv.v1.Generation/LoadAdapter',
+            pdkv_dot_v1_dot_types__pb2.LoadAdapterRequest.SerializeToString,
+            pdkv_dot_v1_dot_types__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdkv.v1.Generation/UnloadAdapter',
+            pdkv_dot_v1_dot_types__pb2.UnloadAdapterRequest.SerializeToString,
+            pdkv_dot_v1_dot_types__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,17 +7,27 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AdapterRef(_message.Message):
+    __slots__ = ("name", "digest")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    digest: bytes
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[bytes] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _types_pb2.SamplingParams
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    adapter: AdapterRef
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprob", "finished", "finish_reason", "stop_token_id", "stop_string", "text", "prompt", "kv_transfer_params", "first_top_logprobs", "prompt_logprobs")
@@ -48,7 +58,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., text: _Optional[str] = ..., prompt: _Optional[_Union[_types_pb2.PromptUsage, _Mapping]] = ..., kv_transfer_params: _Optional[bytes] = ..., first_top_logprobs: _Optional[_Union[_types_pb2.TopLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_types_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "first_token_id", "kv_transfer_params", "resume_output_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "first_token_id", "kv_transfer_params", "resume_output_token_ids", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +66,7 @@ class DecodeRequest(_message.Message):
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     RESUME_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _types_pb2.SamplingParams
@@ -63,7 +74,8 @@ class DecodeRequest(_message.Message):
     first_token_id: int
     kv_transfer_params: bytes
     resume_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., first_token_id: _Optional[int] = ..., kv_transfer_params: _Optional[bytes] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    adapter: AdapterRef
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., first_token_id: _Optional[int] = ..., kv_transfer_params: _Optional[bytes] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "stop_token_id", "stop_string", "prompt", "top_logprobs", "prompt_logprobs")
@@ -108,7 +120,7 @@ class StatsRequest(_message.Message):
     def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("node_id", "role", "engine_id", "num_requests", "integrity_checked", "integrity_ok", "integrity_error", "kv_endpoint", "connector_stats", "model_fingerprint", "block_size", "hash_algo", "counters", "gauges", "histograms", "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_epoch", "dtype", "deterministic")
+    __slots__ = ("node_id", "role", "engine_id", "num_requests", "integrity_checked", "integrity_ok", "integrity_error", "kv_endpoint", "connector_stats", "model_fingerprint", "block_size", "hash_algo", "counters", "gauges", "histograms", "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_epoch", "dtype", "deterministic", "adapters", "runtime_lora", "max_lora_rank")
     class ConnectorStatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +169,9 @@ class NodeStats(_message.Message):
     KV_EVENTS_EPOCH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_LORA_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     engine_id: str
@@ -177,7 +192,10 @@ class NodeStats(_message.Message):
     kv_events_epoch: str
     dtype: str
     deterministic: bool
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., engine_id: _Optional[str] = ..., num_requests: _Optional[int] = ..., integrity_checked: _Optional[bool] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., connector_stats: _Optional[_Mapping[str, float]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algo: _Optional[str] = ..., counters: _Optional[_Mapping[str, float]] = ..., gauges: _Optional[_Mapping[str, float]] = ..., histograms: _Optional[_Mapping[str, Histogram]] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., kv_events_epoch: _Optional[str] = ..., dtype: _Optional[str] = ..., deterministic: _Optional[bool] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[_types_pb2.AdapterInfo]
+    runtime_lora: bool
+    max_lora_rank: int
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., engine_id: _Optional[str] = ..., num_requests: _Optional[int] = ..., integrity_checked: _Optional[bool] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., connector_stats: _Optional[_Mapping[str, float]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algo: _Optional[str] = ..., counters: _Optional[_Mapping[str, float]] = ..., gauges: _Optional[_Mapping[str, float]] = ..., histograms: _Optional[_Mapping[str, Histogram]] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., kv_events_epoch: _Optional[str] = ..., dtype: _Optional[str] = ..., deterministic: _Optional[bool] = ..., adapters: _Optional[_Iterable[_Union[_types_pb2.AdapterInfo, _Mapping]]] = ..., runtime_lora: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
 
 class Histogram(_message.Message):
     __slots__ = ("bounds", "counts", "sum")

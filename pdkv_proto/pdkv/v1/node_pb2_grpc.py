@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from pdkv_proto.pdkv.v1 import node_pb2 as pdkv_dot_v1_dot_node__pb2
+from pdkv_proto.pdkv.v1 import types_pb2 as pdkv_dot_v1_dot_types__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -193,6 +194,16 @@ class NodeStub:
                 request_serializer=pdkv_dot_v1_dot_node__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdkv_dot_v1_dot_node__pb2.NodeStats.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/pdkv.v1.Node/LoadAdapter',
+                request_serializer=pdkv_dot_v1_dot_types__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=pdkv_dot_v1_dot_types__pb2.AdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/pdkv.v1.Node/UnloadAdapter',
+                request_serializer=pdkv_dot_v1_dot_types__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=pdkv_dot_v1_dot_types__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -212,6 +223,20 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Serve a LoRA adapter from a folder on the node (or other weights under a served name), and stop
+        serving one; FAILED_PRECONDITION unless the node runs with --allow-runtime-lora.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -224,6 +249,16 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pdkv_dot_v1_dot_node__pb2.StatsRequest.FromString,
                     response_serializer=pdkv_dot_v1_dot_node__pb2.NodeStats.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=pdkv_dot_v1_dot_types__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=pdkv_dot_v1_dot_types__pb2.AdapterInfo.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=pdkv_dot_v1_dot_types__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=pdkv_dot_v1_dot_types__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -280,6 +315,60 @@ class Node:
             '/pdkv.v1.Node/Stats',
             pdkv_dot_v1_dot_node__pb2.StatsRequest.SerializeToString,
             pdkv_dot_v1_dot_node__pb2.NodeStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdkv.v1.Node/LoadAdapter',
+            pdkv_dot_v1_dot_types__pb2.LoadAdapterRequest.SerializeToString,
+            pdkv_dot_v1_dot_types__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdkv.v1.Node/UnloadAdapter',
+            pdkv_dot_v1_dot_types__pb2.UnloadAdapterRequest.SerializeToString,
+            pdkv_dot_v1_dot_types__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

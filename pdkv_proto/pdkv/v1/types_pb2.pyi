@@ -114,3 +114,35 @@ class PromptUsage(_message.Message):
     external_tokens: int
     computed_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., local_prefix_tokens: _Optional[int] = ..., external_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("name", "digest", "max_rank", "modules", "resident")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_RANK_FIELD_NUMBER: _ClassVar[int]
+    MODULES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    digest: bytes
+    max_rank: int
+    modules: _containers.RepeatedScalarFieldContainer[str]
+    resident: bool
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[bytes] = ..., max_rank: _Optional[int] = ..., modules: _Optional[_Iterable[str]] = ..., resident: _Optional[bool] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

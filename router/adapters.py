@@ -1,0 +1,151 @@
+"""The router's LoRA adapters: which the nodes serve, which nodes may run a request, and run-time loads.
+
+Each health round reads every node's adapters (``NodeStats.adapters``: name, digest, resident).  A
+request names an adapter; ``resolve`` turns the name into the identity the nodes serve it under (the
+digest most nodes have, should a reload be half done), or NOT_FOUND.  Only nodes serving that exact
+identity are candidates (``serves``), resident ones first (``prefer_resident``): the prefill and the
+decode node of a request always run the same weights, and the request carries the digest
+(``AdapterRef``) so that a node with other weights under the name refuses it rather than mixing KV.
+
+``load`` / ``unload`` (behind ``--allow-runtime-lora``) call every node of every pool, prefill and
+decode alike: an adapter is served where all of them can run it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from engine.hashing import AdapterId
+from pdkv_proto.pdkv.v1 import types_pb2
+from router.nodes import NodeHandle, NodePool
+from serving.errors import ServingError
+
+logger = logging.getLogger(__name__)
+ADMIN_TIMEOUT_S = 60.0
+
+
+def serves(node: NodeHandle, adapter: AdapterId | None) -> bool:
+    return adapter is None or node.adapters.get(adapter.name) == adapter
+
+
+def prefer_resident(nodes: Sequence[NodeHandle], adapter: AdapterId | None) -> list[NodeHandle]:
+    """The nodes that have ``adapter`` in a slot now, when there are any; else all of them."""
+    if adapter is None:
+        return list(nodes)
+    resident = [n for n in nodes if adapter in n.resident_adapters]
+    return resident or list(nodes)
+
+
+def no_node_serves(kind: str, adapter: AdapterId) -> ServingError:
+    return ServingError(
+        grpc.StatusCode.UNAVAILABLE,
+        f"no healthy {kind} node serves adapter {adapter}; retry later",
+    )
+
+
+class RouterAdapters:
+    """``pools``: every pool of the router; ``allow_runtime``: take load / unload calls."""
+
+    def __init__(self, pools: Sequence[NodePool], *, allow_runtime: bool = False) -> None:
+        self.pools = tuple(pools)
+        self.allow_runtime = allow_runtime
+
+    def _nodes(self) -> list[NodeHandle]:
+        return [n for pool in self.pools for n in pool.nodes()]
+
+    def served(self) -> dict[str, AdapterId]:
+        """Each adapter name some healthy node serves, as the identity most of them have."""
+        votes: dict[str, Counter[AdapterId]] = {}
+        for node in self._nodes():
+            if node.healthy:
+                for name, aid in node.adapters.items():
+                    votes.setdefault(name, Counter())[aid] += 1
+        return {name: max(c, key=lambda a: (c[a], a.digest)) for name, c in sorted(votes.items())}
+
+    def info(self) -> list[types_pb2.AdapterInfo]:
+        """What ``GetModelInfo`` and ``/v1/models`` list: the served adapters (by their identity)."""
+        shapes: dict[AdapterId, types_pb2.AdapterInfo] = {}
+        for node in self._nodes():
+            shapes.update(node.adapter_infos)
+        out = []
+        for aid in self.served().values():
+            known = shapes.get(aid)
+            info = types_pb2.AdapterInfo(name=aid.name, digest=aid.digest)
+            if known is not None:
+                info.max_rank, info.modules[:] = known.max_rank, list(known.modules)
+            out.append(info)
+        return out
+
+    def resolve(self, name: str, field: str = "adapter") -> AdapterId:
+        """The identity requests for ``name`` run under; NOT_FOUND when no healthy node serves it."""
+        found = self.served().get(name)
+        if found is None:
+            names = ", ".join(self.served()) or "none"
+            raise ServingError(
+                grpc.StatusCode.NOT_FOUND, f"{field}: adapter {name!r} is not served here (served: {names})"
+            )
+        return found
+
+    # -- run-time loads -----------------------------------------------------------------------------------
+
+    def load(self, name: str, path: str) -> types_pb2.AdapterInfo:
+        """Load ``path`` as ``name`` on every node; the first node's refusal (which names the field) is
+        the answer when any refuses.  Nodes that loaded it keep it (a retry replaces it everywhere)."""
+        self._check_allowed()
+        msg = types_pb2.LoadAdapterRequest(name=name, path=path)
+        answers = self._fan_out(lambda n: n.control.LoadAdapter(msg, timeout=ADMIN_TIMEOUT_S))
+        infos = [a for a in answers if isinstance(a, types_pb2.AdapterInfo)]
+        self._raise_first_error(answers, f"load of adapter {name!r}")
+        digests = {i.digest for i in infos}
+        if len(digests) != 1:
+            raise ServingError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"adapter {name!r}: the nodes read different files at {path!r} (digests differ); give every "
+                "node the same folder",
+            )
+        for node, info in zip(self._nodes(), answers, strict=True):
+            if isinstance(info, types_pb2.AdapterInfo):
+                node.note_adapter(info)
+        return infos[0]
+
+    def unload(self, name: str) -> None:
+        self._check_allowed()
+        msg = types_pb2.UnloadAdapterRequest(name=name)
+        answers = self._fan_out(lambda n: n.control.UnloadAdapter(msg, timeout=ADMIN_TIMEOUT_S))
+        gone = [a for a in answers if not isinstance(a, Exception)]
+        for node in self._nodes():
+            node.forget_adapter(name)
+        if not gone:
+            self._raise_first_error(answers, f"unload of adapter {name!r}")
+
+    def _fan_out(self, call: object) -> list[object]:
+        nodes = self._nodes()
+        if not nodes:
+            raise ServingError(grpc.StatusCode.UNAVAILABLE, "the router has no nodes")
+
+        def one(node: NodeHandle) -> object:
+            try:
+                return call(node)  # type: ignore[operator]
+            except grpc.RpcError as exc:
+                return exc
+
+        with ThreadPoolExecutor(max_workers=min(16, len(nodes))) as pool:
+            return list(pool.map(one, nodes))
+
+    def _raise_first_error(self, answers: Iterable[object], what: str) -> None:
+        for node, answer in zip(self._nodes(), answers, strict=True):
+            if isinstance(answer, grpc.RpcError) and isinstance(answer, grpc.Call):
+                code = answer.code()
+                raise ServingError(code, f"{what} on {node.address}: {answer.details()}")
+
+    def _check_allowed(self) -> None:
+        if not self.allow_runtime:
+            raise ServingError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "runtime adapter loading is off: start the router (pdkv up) with --allow-runtime-lora",
+            )

@@ -1,0 +1,100 @@
+"""LoRA adapters on the OpenAI-compatible API, with vLLM's shapes.
+
+    GET  /v1/models                 the base model, then each adapter as a model whose ``parent`` is it
+    POST /v1/load_lora_adapter      {"lora_name": ..., "lora_path": ...}   every node loads the folder
+    POST /v1/unload_lora_adapter    {"lora_name": ...}                     every node stops serving it
+
+A request selects an adapter by naming it in ``model``.  The load and unload calls are refused (400,
+as vLLM answers) unless the router runs with ``--allow-runtime-lora``; like every call they need an API
+key where keys are required.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.adapters import RouterAdapters
+from router.openai_errors import ApiError
+from router.tokenizer import RouterModel
+from serving.errors import ServingError
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1)
+    # vLLM's extra field: loading the same name again replaces it (pdkv always does).
+    load_inplace: bool = True
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_int_id: int | None = None  # vLLM's; names suffice here
+
+
+def adapter_cards(model: RouterModel, adapters: RouterAdapters | None, created: int) -> list[dict[str, Any]]:
+    """Each served adapter as ``/v1/models`` lists it (vLLM: ``parent`` and ``root``)."""
+    if adapters is None:
+        return []
+    return [
+        {
+            "id": a.name,
+            "object": "model",
+            "created": created,
+            "owned_by": "pdkv",
+            "root": a.name,
+            "parent": model.name,
+            "max_model_len": model.context_length,
+            "lora_digest": a.digest.hex(),
+            "lora_max_rank": a.max_rank,
+            "lora_modules": list(a.modules),
+        }
+        for a in adapters.info()
+    ]
+
+
+def add_lora_routes(app: Any, adapters: RouterAdapters | None, authenticated: Any) -> None:
+    @app.post("/v1/load_lora_adapter")
+    async def _load(body: LoadLoraAdapterRequest, caller: Any = authenticated) -> dict[str, Any]:
+        target = _require(adapters)
+        try:
+            info = await asyncio.to_thread(target.load, body.lora_name, body.lora_path)
+        except ServingError as exc:
+            raise _refusal(exc) from None
+        return {
+            "object": "lora_adapter",
+            "lora_name": info.name,
+            "lora_digest": info.digest.hex(),
+            "message": f"Success: LoRA adapter '{info.name}' added successfully.",
+        }
+
+    @app.post("/v1/unload_lora_adapter")
+    async def _unload(body: UnloadLoraAdapterRequest, caller: Any = authenticated) -> dict[str, Any]:
+        target = _require(adapters)
+        try:
+            await asyncio.to_thread(target.unload, body.lora_name)
+        except ServingError as exc:
+            raise _refusal(exc) from None
+        return {
+            "object": "lora_adapter",
+            "lora_name": body.lora_name,
+            "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+        }
+
+
+def _require(adapters: RouterAdapters | None) -> RouterAdapters:
+    if adapters is None:
+        raise ApiError(400, "this server serves no adapters", kind="invalid_request_error")
+    return adapters
+
+
+def _refusal(exc: ServingError) -> ApiError:
+    """A refused load names the field (a 400); an unknown name is a 404; a switched-off switch a 400."""
+    error = ApiError.from_serving(exc)
+    if error.status in (500, 412) or exc.code.name == "FAILED_PRECONDITION":
+        return ApiError(400, exc.message, kind="invalid_request_error", param="lora_path", code=error.code)
+    return error
