@@ -93,8 +93,13 @@ def _require(adapters: RouterAdapters | None) -> RouterAdapters:
 
 
 def _refusal(exc: ServingError) -> ApiError:
-    """A refused load names the field (a 400); an unknown name is a 404; a switched-off switch a 400."""
-    error = ApiError.from_serving(exc)
-    if error.status in (500, 412) or exc.code.name == "FAILED_PRECONDITION":
-        return ApiError(400, exc.message, kind="invalid_request_error", param="lora_path", code=error.code)
-    return error
+    """An unknown name is a 404; a folder the nodes refuse a 400 naming ``lora_path`` (the message says
+    which field of it); the switch off a 400; anything else as its status maps."""
+    code = exc.code.name
+    if code == "NOT_FOUND":
+        return ApiError(404, exc.message, kind="not_found_error", param="lora_name", code="lora_not_found")
+    if code == "INVALID_ARGUMENT":
+        return ApiError(400, exc.message, kind="invalid_request_error", param="lora_path")
+    if code == "FAILED_PRECONDITION":
+        return ApiError(400, exc.message, kind="invalid_request_error")
+    return ApiError.from_serving(exc)

@@ -38,8 +38,10 @@ def generate_request(
     *,
     request_id: str = "",
     cache_salt: str | None = None,
+    adapter: str | None = None,
 ) -> generation_pb2.GenerateRequest:
-    """``prompt``: raw text, token ids, or chat messages (``{"role": ..., "content": ...}`` dicts)."""
+    """``prompt``: raw text, token ids, or chat messages (``{"role": ..., "content": ...}`` dicts);
+    ``adapter``: a LoRA adapter the server serves, by name (None: the base model)."""
     msg = generation_pb2.GenerateRequest(
         request_id=request_id, sampling=convert.sampling_params_proto(params or SamplingParams())
     )
@@ -53,6 +55,8 @@ def generate_request(
         msg.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
     if cache_salt is not None:
         msg.cache_salt = cache_salt
+    if adapter is not None:
+        msg.adapter = adapter
     return msg
 
 
