@@ -1,0 +1,147 @@
+"""Multi-LoRA on the embedded model: decode and prefill with adapters mixed in the batch, against the
+base model at the same batch, in the same run.
+
+    python -m bench.lora [--quick] [--json PATH] [--batch 32] [--tokens 48] [--rank 16]
+
+Adapters of rank ``--rank`` on all seven modules (q/k/v/o/gate/up/down), random weights written as PEFT
+folders.  Two engines in one process: the base model with LoRA off (the baseline), and one with LoRA on
+(8 slots, 8 adapters).  Each round runs every case once, in turns, on fresh prompts; the best round of
+each counts.
+
+    lora_base_only_fraction   LoRA on, no adapter in the batch / base      (target >= 0.98)
+    lora_1_fraction           every request under one adapter / base       (target >= 0.9)
+    lora_4_fraction           4 adapters mixed in the batch / base         (target >= 0.8)
+    lora_8_fraction           8 adapters mixed in the batch / base         (target >= 0.75)
+    lora_prefill_4_fraction   prefill tokens/s, 4 adapters mixed / base    (target >= 0.85)
+
+Decode tokens/s: tokens after each request's first over the wall time after the batch's last first token.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import Report, parser
+
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapter(folder: Path, config: Any, rank: int, seed: int) -> Path:
+    """A PEFT-format adapter of ``rank`` on every module of every layer, small random weights."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    h, i = config.hidden_size, config.intermediate_size
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
+    shapes |= {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    tensors = {}
+    for layer in range(config.num_layers):
+        for m in MODULES:
+            out, inp = shapes[m]
+            parent = "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{parent}.{m}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=g) * 0.02
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.02
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(MODULES)}
+    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def decode_rate(llm: Any, prompts: list[list[int]], params: Any, adapters: list[str | None]) -> float:
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, adapters=adapters)
+    elapsed = time.perf_counter() - start
+    first = max(o.time_to_first_token or 0.0 for o in outs)
+    tokens = sum(len(o.token_ids) for o in outs)
+    return (tokens - len(outs)) / max(elapsed - first, 1e-9)
+
+
+def prefill_rate(llm: Any, prompts: list[list[int]], params: Any, adapters: list[str | None]) -> float:
+    start = time.perf_counter()
+    llm.generate(prompts, params, adapters=adapters)
+    return sum(len(p) for p in prompts) / (time.perf_counter() - start)
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
+def main() -> None:
+    p = parser(__doc__ or "")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    if args.quick:
+        args.tokens, args.rounds = 16, 2
+
+    from engine import LLM, SamplingParams
+
+    base = LLM(None, num_blocks=4096, max_num_seqs=64)
+    config = base.engine.model.config
+    tmp = Path(tempfile.mkdtemp(prefix="pdkv-bench-lora-"))
+    names: list[str | None] = [f"a{i}" for i in range(8)]
+    loras = tuple((f"a{i}", str(write_adapter(tmp / f"a{i}", config, args.rank, i))) for i in range(8))
+    lora = LLM(None, num_blocks=4096, max_num_seqs=64, loras=loras, max_loras=8, max_lora_rank=args.rank)
+    vocab, batch = config.vocab_size, args.batch
+    rng = random.Random(0)
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
+
+    decode = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    mixes: dict[str, list[str | None]] = {
+        "base_only": [None] * batch,
+        "1": [names[0]] * batch,
+        "4": [names[i % 4] for i in range(batch)],
+        "8": [names[i % 8] for i in range(batch)],
+    }
+    best: dict[str, float] = {}
+
+    def keep(key: str, rate: float) -> None:
+        best[key] = max(best.get(key, 0.0), rate)
+
+    for _ in range(args.rounds):
+        keep("base", decode_rate(base, prompts(batch, 64), decode, [None] * batch))
+        for key, mix in mixes.items():
+            keep(key, decode_rate(lora, prompts(batch, 64), decode, mix))
+        # Prefill: 4 prompts of 512 tokens, one step of 2048 tokens, under 4 adapters against the base.
+        keep("prefill_base", prefill_rate(base, prompts(4, 512), one, [None] * 4))
+        keep("prefill_4", prefill_rate(lora, prompts(4, 512), one, names[:4]))
+
+    report = Report("bench.lora")
+    print(f"cpu: {_cpu()}, torch threads {torch.get_num_threads()}, dtype {lora.engine.kv_spec.dtype}")
+    report.figure("base_decode_tok_s", best["base"])
+    for key in mixes:
+        report.figure(f"lora_{key}_decode_tok_s", best[key])
+    report.figure("base_prefill_tok_s", best["prefill_base"])
+    report.figure("lora_prefill_4_tok_s", best["prefill_4"])
+    targets = {"base_only": ">= 0.98", "1": ">= 0.9", "4": ">= 0.8", "8": ">= 0.75"}
+    for key, target in targets.items():
+        report.ratio(f"lora_{key}_fraction", best[key] / best["base"], target)
+    report.ratio("lora_prefill_4_fraction", best["prefill_4"] / best["prefill_base"], ">= 0.85")
+    report.emit(args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The router's side of LoRA: the kv-aware index matches an adapter's blocks only for that adapter, a
+name resolves to the identity most nodes serve, and only nodes serving that identity are candidates."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from engine.hashing import AdapterId
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from router.adapters import RouterAdapters, prefer_resident, serves
+from router.kv_index import KVIndex
+from router.nodes import NodeHandle, NodePool
+from router.policy import RoutingInfo
+from serving.errors import ServingError
+from tests.tiny_adapters import peft_adapter_dir
+from tests.tiny_models import random_prompts, tiny_model_dir
+from wire.kv_events import EventBatch
+
+PROMPT = random_prompts([35], seed=2)[0]
+
+
+def test_the_kv_index_matches_an_adapters_blocks_only_for_that_adapter() -> None:
+    a, b = peft_adapter_dir("llama", "r16"), peft_adapter_dir("llama", "attn_only")
+    llm = LLM(
+        tiny_model_dir("llama"),
+        dtype="float32",
+        block_size=4,
+        num_blocks=64,
+        enable_kv_events=True,
+        loras=(("A", str(a)), ("B", str(b))),
+    )
+    llm.generate([PROMPT], SamplingParams(max_tokens=2), adapters="A")
+    events = tuple(llm.engine.take_kv_events())
+    index = KVIndex()
+    batch = EventBatch("node", "epoch", 1, time.time(), events)
+    assert index.expects("node", batch) is None and index.apply("node", batch)
+    ns = llm.engine.namespace
+    lora = llm.engine.lora
+    blocks = (len(PROMPT) + 2 - 1) // 4
+    a_id, b_id = lora.resolve("A"), lora.resolve("B")
+    assert index.prefix_blocks("node", RoutingInfo("r", PROMPT, adapter=a_id).block_hashes(ns)) >= blocks - 1
+    for other in (None, b_id, AdapterId("A", bytes(32))):  # B, the base, other weights named A
+        assert index.prefix_blocks("node", RoutingInfo("r", PROMPT, adapter=other).block_hashes(ns)) == 0
+    assert index.prefix_blocks("node", RoutingInfo("r", PROMPT, cache_salt="A").block_hashes(ns)) == 0
+
+
+def _node(address: str, adapters: dict[str, bytes], resident: tuple[str, ...] = ()) -> NodeHandle:
+    node = NodeHandle(address, "pdkv.v1.DecodeNode")
+    node.adapters = {n: AdapterId(n, d) for n, d in adapters.items()}
+    node.resident_adapters = {node.adapters[n] for n in resident}
+    node.mark_up()
+    return node
+
+
+def test_a_name_resolves_to_the_identity_most_nodes_serve_and_only_they_are_candidates() -> None:
+    old, new = bytes(32), bytes([1] * 32)
+    nodes = [
+        _node("127.0.0.1:1", {"A": new}),
+        _node("127.0.0.1:2", {"A": new}, resident=("A",)),
+        _node("127.0.0.1:3", {"A": old, "B": old}),
+    ]
+    pool = NodePool("decode", [], "pdkv.v1.DecodeNode")
+    pool._nodes = {n.address: n for n in nodes}
+    adapters = RouterAdapters([pool])
+    try:
+        assert adapters.resolve("A") == AdapterId("A", new)  # a reload half done: the majority's
+        assert adapters.resolve("B") == AdapterId("B", old)
+        with pytest.raises(ServingError) as refused:
+            adapters.resolve("C", "model")
+        assert refused.value.code == grpc.StatusCode.NOT_FOUND
+        assert "model: adapter 'C' is not served here (served: A, B)" in refused.value.message
+        a = adapters.resolve("A")
+        candidates = [n for n in nodes if serves(n, a)]
+        assert [n.address for n in candidates] == ["127.0.0.1:1", "127.0.0.1:2"]
+        assert [n.address for n in prefer_resident(candidates, a)] == ["127.0.0.1:2"]
+        assert prefer_resident(candidates, None) == candidates
+        assert all(serves(n, None) for n in nodes)
+        with pytest.raises(ServingError, match="allow-runtime-lora"):
+            adapters.load("D", "/nowhere")
+    finally:
+        for n in nodes:
+            n.close()
