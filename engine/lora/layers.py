@@ -24,17 +24,23 @@ from torch import nn
 
 from engine.lora.adapter import ModuleDelta
 
+# Up to this many rows (decode steps), a fused module's B parts are one matmul over a block-diagonal B
+# (more FLOPs, fewer calls); above, one matmul per part (prefill chunks: the FLOPs count).
+FUSED_B_ROWS = 128
+
 
 @dataclass(slots=True)
 class LoRAState:
-    """The step's adapters: slots ``0..k-1`` in use, ``used`` their bit set, ``mask`` [T, k]."""
+    """The step's adapters: slots ``lo..hi-1`` hold them (``used``: their bit set); ``mask`` [T, hi-lo]
+    keeps each row's own slot -- None when every row runs the same adapter (nothing to mask)."""
 
-    k: int = 0
+    lo: int = 0
+    hi: int = 0
     used: int = 0
     mask: torch.Tensor | None = None
 
     def clear(self) -> None:
-        self.k, self.used, self.mask = 0, 0, None
+        self.lo, self.hi, self.used, self.mask = 0, 0, 0, None
 
 
 class LoRALinear(nn.Module):
@@ -59,6 +65,13 @@ class LoRALinear(nn.Module):
         self.state = state
         self.a = torch.zeros(num_slots, len(parts), max_rank, in_features, dtype=dtype, device=device)
         self.b = [torch.zeros(num_slots, max_rank, size, dtype=dtype, device=device) for _, size in parts]
+        # The same B as one block-diagonal matrix per slot: [S, P*R, out] (the parts' own columns only).
+        out = sum(size for _, size in parts)
+        self.b_full = (
+            self.b[0]
+            if len(parts) == 1
+            else torch.zeros(num_slots, len(parts) * max_rank, out, dtype=dtype, device=device)
+        )
         self.slot_bits = 0  # bit s: slot s holds a delta for this module
 
     def set_slot(self, slot: int, deltas: list[ModuleDelta | None]) -> None:
@@ -66,14 +79,19 @@ class LoRALinear(nn.Module):
         self.a[slot].zero_()
         for b in self.b:
             b[slot].zero_()
+        self.b_full[slot].zero_()
         bit = 1 << slot
         self.slot_bits &= ~bit
+        r, start = self.rank, 0
         for p, d in enumerate(deltas):
-            if d is None:
-                continue
-            self.a[slot, p, : d.rank].copy_(d.a)
-            self.b[p][slot, : d.rank].copy_((d.b.float() * d.scaling).t())
-            self.slot_bits |= bit
+            size = self.parts[p][1]
+            if d is not None:
+                self.a[slot, p, : d.rank].copy_(d.a)
+                self.b[p][slot, : d.rank].copy_((d.b.float() * d.scaling).t())
+                if len(self.parts) > 1:
+                    self.b_full[slot, p * r : (p + 1) * r, start : start + size].copy_(self.b[p][slot])
+                self.slot_bits |= bit
+            start += size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] -> [T, out]."""
@@ -81,14 +99,19 @@ class LoRALinear(nn.Module):
         st = self.state
         if not st.used & self.slot_bits:
             return y
-        assert st.mask is not None
-        t, k, r, num_parts = x.shape[0], st.k, self.rank, len(self.parts)
-        u = F.linear(x, self.a[:k].view(k * num_parts * r, -1))  # [T, k*P*R]
-        u = u.view(t, k, num_parts, r).mul_(st.mask.view(t, k, 1, 1))
+        t, lo, hi, r, num_parts = x.shape[0], st.lo, st.hi, self.rank, len(self.parts)
+        k = hi - lo
+        u = F.linear(x, self.a[lo:hi].view(k * num_parts * r, -1))  # [T, k*P*R]
+        if st.mask is not None:
+            u = u.view(t, k, num_parts * r).mul_(st.mask.view(t, k, 1))
+        if num_parts == 1 or t <= FUSED_B_ROWS:
+            return y.addmm_(u.view(t, k * num_parts * r), self.b_full[lo:hi].view(k * num_parts * r, -1))
+        u4 = u.view(t, k, num_parts, r)
         start = 0
         for p, (_, size) in enumerate(self.parts):
-            up = u[:, :, p].reshape(t, k * r)
-            y[:, start : start + size] += up @ self.b[p][:k].view(k * r, size)
+            y[:, start : start + size].addmm_(
+                u4[:, :, p].reshape(t, k * r), self.b[p][lo:hi].view(k * r, size)
+            )
             start += size
         return y
 

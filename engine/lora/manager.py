@@ -198,14 +198,16 @@ class LoRAManager:
             slot_of[aid] = slot
         for slot in slot_of.values():
             self._slot_step[slot] = self._step
-        k = max(slot_of.values()) + 1
-        column: list[int] = []  # per row: its slot + 1 (0: no adapter)
-        for adapter, n in rows:
-            column += [0 if adapter is None else slot_of[adapter] + 1] * n
-        index = torch.tensor(column, dtype=torch.int64).view(-1, 1)
-        mask = torch.zeros(len(column), k + 1, dtype=self._dtype).scatter_(1, index, 1.0)
-        self.state.k = k
+        lo, hi = min(slot_of.values()), max(slot_of.values()) + 1
+        self.state.lo, self.state.hi = lo, hi
         self.state.used = sum(1 << s for s in slot_of.values())
+        if len(rows) == 1 or all(a == rows[0][0] for a, _ in rows):
+            return  # every row runs the same adapter: nothing to mask
+        column: list[int] = []  # per row: its slot's column + 1 (0: no adapter)
+        for adapter, n in rows:
+            column += [0 if adapter is None else slot_of[adapter] - lo + 1] * n
+        index = torch.tensor(column, dtype=torch.int64).view(-1, 1)
+        mask = torch.zeros(len(column), hi - lo + 1, dtype=self._dtype).scatter_(1, index, 1.0)
         self.state.mask = mask[:, 1:].contiguous().to(self._device)
 
     def end_step(self) -> None:

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.lora.adapter import AdapterError
+from engine.lora.layers import FUSED_B_ROWS
 from engine.lora.manager import UnknownAdapter
 from engine.outputs import GenerationOutput
 from tests.tiny_adapters import ADAPTERS, peft_adapter_dir, peft_greedy
@@ -65,6 +66,20 @@ def test_a_mixed_batch_equals_each_request_alone_and_fewer_slots_than_adapters_w
         outs = llm.generate(prompts, GREEDY, adapters=order)
         assert_equal(outs, [refs[name][i % 3] for i, name in enumerate(order)])
         llm.engine.scheduler.check_integrity()
+
+
+def test_long_prefill_chunks_mixed_with_other_adapters_equal_peft() -> None:
+    """Chunks of more than FUSED_B_ROWS rows take the per-part path; mixed, they are masked too."""
+    a, b = peft_adapter_dir(BASE, "r16"), peft_adapter_dir(BASE, "patterns")
+    assert FUSED_B_ROWS < 150
+    long = random_prompts([150, 170], seed=3)
+    llm = make_llm({"A": a, "B": b})
+    outs = llm.generate([*long, PROMPTS[0]], GREEDY, adapters=["A", "B", None])
+    refs = [*peft_greedy(BASE, a, long[:1], NEW), *peft_greedy(BASE, b, long[1:], NEW)]
+    assert_equal(outs, [*refs, *peft_greedy(BASE, None, PROMPTS[:1], NEW)])
+    fresh = random_prompts([160], seed=5)
+    alone = llm.generate(fresh, GREEDY, adapters="A")  # a long chunk of one adapter: no mask
+    assert_equal(alone, peft_greedy(BASE, a, fresh, NEW))
 
 
 def test_chunked_prefill_and_prefix_hits_under_an_adapter() -> None:
