@@ -8,12 +8,16 @@ decode node of a request always run the same weights, and the request carries th
 (``AdapterRef``) so that a node with other weights under the name refuses it rather than mixing KV.
 
 ``load`` / ``unload`` (behind ``--allow-runtime-lora``) call every node of every pool, prefill and
-decode alike: an adapter is served where all of them can run it.
+decode alike: an adapter is served where all of them can run it.  A node that comes back without an
+adapter loaded that way (it restarted) is asked to load it again after the next health round.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +31,7 @@ from serving.errors import ServingError
 
 logger = logging.getLogger(__name__)
 ADMIN_TIMEOUT_S = 60.0
+RETRY_S = 30.0  # a node that refused to load an adapter again is asked again after this long
 
 
 def serves(node: NodeHandle, adapter: AdapterId | None) -> bool:
@@ -54,6 +59,12 @@ class RouterAdapters:
     def __init__(self, pools: Sequence[NodePool], *, allow_runtime: bool = False) -> None:
         self.pools = tuple(pools)
         self.allow_runtime = allow_runtime
+        # What was loaded through the router (name -> path, digest): a node that comes back without it
+        # (restarted: it serves only its --lora adapters) loads it again (``reconcile``).
+        self._runtime: dict[str, tuple[str, bytes]] = {}
+        # (node, name) -> when it may be asked again (in flight: never; after a refusal: a while later)
+        self._pending: dict[tuple[str, str], float] = {}
+        self._lock = threading.Lock()
 
     def _nodes(self) -> list[NodeHandle]:
         return [n for pool in self.pools for n in pool.nodes()]
@@ -111,17 +122,51 @@ class RouterAdapters:
         for node, info in zip(self._nodes(), answers, strict=True):
             if isinstance(info, types_pb2.AdapterInfo):
                 node.note_adapter(info)
+        with self._lock:
+            self._runtime[name] = (path, infos[0].digest)
         return infos[0]
 
     def unload(self, name: str) -> None:
         self._check_allowed()
         msg = types_pb2.UnloadAdapterRequest(name=name)
+        with self._lock:
+            self._runtime.pop(name, None)
         answers = self._fan_out(lambda n: n.control.UnloadAdapter(msg, timeout=ADMIN_TIMEOUT_S))
         gone = [a for a in answers if not isinstance(a, Exception)]
         for node in self._nodes():
             node.forget_adapter(name)
         if not gone:
             self._raise_first_error(answers, f"unload of adapter {name!r}")
+
+    def reconcile(self) -> None:
+        """After a health round: each healthy node lacking an adapter loaded through the router (it
+        restarted) is asked to load it again, in the background."""
+        with self._lock:
+            runtime = dict(self._runtime)
+        for node in self._nodes():
+            for name, (path, digest) in runtime.items():
+                have = node.adapters.get(name)
+                key = (node.address, name)
+                if not node.healthy or (have is not None and have.digest == digest):
+                    continue
+                with self._lock:
+                    if self._pending.get(key, 0.0) > time.monotonic():
+                        continue
+                    self._pending[key] = math.inf
+                logger.info("adapter %s: loading it again on %s (back without it)", name, node.address)
+                msg = types_pb2.LoadAdapterRequest(name=name, path=path)
+                future = node.control.LoadAdapter.future(msg, timeout=ADMIN_TIMEOUT_S)
+                future.add_done_callback(lambda f, n=node, k=key: self._reloaded(f, n, k))
+
+    def _reloaded(self, future: grpc.Future, node: NodeHandle, key: tuple[str, str]) -> None:
+        try:
+            node.note_adapter(future.result())
+            with self._lock:
+                self._pending.pop(key, None)
+        except grpc.RpcError as exc:
+            logger.warning("adapter %s: %s did not load it again: %s", key[1], node.address, exc)
+            with self._lock:
+                self._pending[key] = time.monotonic() + RETRY_S
 
     def _fan_out(self, call: object) -> list[object]:
         nodes = self._nodes()

@@ -123,11 +123,14 @@ class RouterRuntime:
         )
         servicer = health.HealthServicer()
         _publish_health(servicer, pools, pipeline)  # NOT_SERVING until a health round found the nodes up
+        adapters = RouterAdapters(pools, allow_runtime=config.allow_runtime_lora)
+
+        def after_round() -> None:
+            _publish_health(servicer, pools, pipeline)
+            adapters.reconcile()
+
         monitor = HealthMonitor(
-            pools,
-            interval=config.health_interval_s,
-            timeout=config.health_timeout_s,
-            on_round=lambda: _publish_health(servicer, pools, pipeline),
+            pools, interval=config.health_interval_s, timeout=config.health_timeout_s, on_round=after_round
         )
         subscriber = None
         if index is not None:
@@ -156,7 +159,7 @@ class RouterRuntime:
                 model,
                 config.max_tokens_limit,
                 max_n=min(config.max_n, config.max_inflight),
-                adapters=RouterAdapters(pools, allow_runtime=config.allow_runtime_lora),
+                adapters=adapters,
             ),
             tls,
             index,

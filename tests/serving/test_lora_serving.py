@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from pdkv.launcher import Cluster, Process
+from pdkv.launcher import Cluster, Process, RollingRestarts
 from pdkv_proto.pdkv.v1 import generation_pb2, node_pb2, node_pb2_grpc, types_pb2
 from serving.client import Completion, GenerationClient, generate_request
 from tests.serving.helpers import (
@@ -142,6 +142,11 @@ def test_adapters_load_and_unload_at_run_time_on_every_node() -> None:
                 assert [a.name for a in _stats(node).adapters] == ["C"]
             expected = peft_greedy(BASE, Path(folder), [PROMPT], NEW)[0].token_ids
             assert _run(client, "C").token_ids == expected
+            # A node restarted (it serves only its --lora adapters) is given C again by the router.
+            RollingRestarts(cluster).restart("decode-0", lambda line: None)
+            decode = cluster.decode_nodes[0]
+            wait_until(lambda: [a.name for a in _stats(decode).adapters] == ["C"], timeout=30, what="C back")
+            wait_until(lambda: _run(client, "C").token_ids == expected, timeout=30, what="C served again")
             # A folder the engine cannot serve: 400 naming why, and nothing is served under the name.
             bad = httpx.post(
                 f"http://{cluster.http_address}/v1/load_lora_adapter",
