@@ -192,6 +192,38 @@ class ArgmaxKernel:
 
 
 @dataclass(frozen=True)
+class LoRAKernel:
+    """``pdkv_lora_bf16`` of the built library (``engine/csrc/lora.c``): a mixed batch's LoRA deltas
+    segmented by adapter in one call per module.  bfloat16 with AVX512-BF16 only."""
+
+    function: Any  # the ctypes function pdkv_lora_bf16
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        rows: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        part_start: torch.Tensor,
+    ) -> None:
+        """``y`` [T, out] += each row's adapter delta: ``rows`` [T] int64 slots (-1: none), ``a`` [S, P,
+        R, in], ``b`` [S, R/2, out, 2] (the parts' columns side by side, bounds in ``part_start`` [P + 1];
+        ranks in pairs)."""
+        assert x.dtype == y.dtype == a.dtype == b.dtype == torch.bfloat16
+        assert x.is_contiguous() and y.is_contiguous() and rows.dtype == torch.int64
+        num_slots, parts, rank, width = a.shape
+        assert b.dim() == 4 and b.shape[-1] == 2 and b.shape[1] * 2 == rank
+        failed = self.function(
+            x.data_ptr(), y.data_ptr(), rows.data_ptr(), a.data_ptr(), b.data_ptr(),
+            x.shape[0], width, y.shape[1], parts, part_start.data_ptr(), rank, num_slots,
+        )  # fmt: skip
+        if failed == 3:
+            raise MemoryError("the native LoRA kernel could not allocate its row lists")
+        assert failed == 0, f"pdkv_lora_bf16 refused the shapes ({failed})"
+
+
+@dataclass(frozen=True)
 class NativeKernels:
     decode: DecodeKernel
     prefill: PrefillKernel | None  # None where the build has no AVX512-BF16 code (an older compiler)
@@ -199,6 +231,7 @@ class NativeKernels:
     rope: RopeKernel
     silu_mul: SiluMulKernel
     argmax: ArgmaxKernel
+    lora: LoRAKernel | None = None  # None where the build has no AVX512-BF16 code
 
 
 _lock = threading.Lock()
@@ -253,6 +286,10 @@ def _load() -> NativeKernels | None:
     argmax = lib.pdkv_argmax_f32
     argmax.argtypes = [_PTR, _PTR, _INT64, _INT64]
     argmax.restype = ctypes.c_int
+    lora = lib.pdkv_lora_bf16
+    lora.argtypes = [_PTR] * 5 + [_INT64] * 4 + [_PTR, _INT64, _INT64]
+    lora.restype = ctypes.c_int
+    lib.pdkv_lora_built.restype = ctypes.c_int
     logger.info(
         "native kernels (decode and prefill attention, RMSNorm, RoPE + K/V write, SiLU-mul, argmax): %s", path
     )
@@ -263,4 +300,5 @@ def _load() -> NativeKernels | None:
         RopeKernel(rope),
         SiluMulKernel(silu),
         ArgmaxKernel(argmax),
+        LoRAKernel(lora) if lib.pdkv_lora_built() else None,
     )

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.lora.adapter import ModuleDelta
+from engine.native import LoRAKernel
 
 # Up to this many rows (decode steps), a fused module's B parts are one matmul over a block-diagonal B
 # (more FLOPs, fewer calls); above, one matmul per part (prefill chunks: the FLOPs count).
@@ -31,20 +32,26 @@ FUSED_B_ROWS = 128
 
 @dataclass(slots=True)
 class LoRAState:
-    """The step's adapters: slots ``lo..hi-1`` hold them (``used``: their bit set); ``mask`` [T, hi-lo]
-    keeps each row's own slot -- None when every row runs the same adapter (nothing to mask)."""
+    """The step's adapters: slots ``lo..hi-1`` hold them (``used``: their bit set).  Torch path:
+    ``mask`` [T, hi-lo] keeps each row's own slot (None when every row runs the same adapter).  Native
+    path (``kernel`` set): ``rows`` [T] int64, each row's slot or -1."""
 
     lo: int = 0
     hi: int = 0
     used: int = 0
     mask: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    kernel: LoRAKernel | None = None
 
     def clear(self) -> None:
-        self.lo, self.hi, self.used, self.mask = 0, 0, 0, None
+        self.lo, self.hi, self.used, self.mask, self.rows = 0, 0, 0, None, None
 
 
 class LoRALinear(nn.Module):
-    """``base`` (out = sum of ``parts``' sizes) plus the slots' deltas, one per part (q, k, v fused: 3)."""
+    """``base`` (out = sum of ``parts``' sizes) plus the slots' deltas, one per part (q, k, v fused: 3).
+
+    ``a`` [S, P, R, in]; ``b`` [S, R, out], the parts' up projections side by side (scaling folded in);
+    for the torch path's decode steps also ``b_full`` [S, P*R, out], the same block-diagonal."""
 
     def __init__(
         self,
@@ -57,41 +64,50 @@ class LoRALinear(nn.Module):
         state: LoRAState,
         dtype: torch.dtype,
         device: torch.device,
+        native: bool = False,
     ) -> None:
         super().__init__()
         self.base = base
         self.parts = parts  # (HF module name, output size) in output order
         self.rank = max_rank
         self.state = state
+        starts = [0]
+        for _, size in parts:
+            starts.append(starts[-1] + size)
+        self.part_start = torch.tensor(starts, dtype=torch.int64)
         self.a = torch.zeros(num_slots, len(parts), max_rank, in_features, dtype=dtype, device=device)
-        self.b = [torch.zeros(num_slots, max_rank, size, dtype=dtype, device=device) for _, size in parts]
-        # The same B as one block-diagonal matrix per slot: [S, P*R, out] (the parts' own columns only).
-        out = sum(size for _, size in parts)
-        self.b_full = (
-            self.b[0]
-            if len(parts) == 1
-            else torch.zeros(num_slots, len(parts) * max_rank, out, dtype=dtype, device=device)
-        )
+        self.b = torch.zeros(num_slots, max_rank, starts[-1], dtype=dtype, device=device)
+        self.b_full: torch.Tensor | None = None
+        # The native kernel's B: ranks in pairs, [S, R/2, out, 2] (csrc/lora.c)
+        self.b2 = torch.zeros(num_slots, max_rank // 2, starts[-1], 2, dtype=dtype) if native else None
+        if len(parts) == 1:
+            self.b_full = self.b
+        elif not native:
+            self.b_full = torch.zeros(
+                num_slots, len(parts) * max_rank, starts[-1], dtype=dtype, device=device
+            )
         self.slot_bits = 0  # bit s: slot s holds a delta for this module
 
     def set_slot(self, slot: int, deltas: list[ModuleDelta | None]) -> None:
         """Put one adapter's deltas (one per part, None where it does not target it) in ``slot``."""
         self.a[slot].zero_()
-        for b in self.b:
-            b[slot].zero_()
-        self.b_full[slot].zero_()
+        self.b[slot].zero_()
+        if self.b_full is not None:
+            self.b_full[slot].zero_()
         bit = 1 << slot
         self.slot_bits &= ~bit
-        r, start = self.rank, 0
+        r = self.rank
         for p, d in enumerate(deltas):
-            size = self.parts[p][1]
+            start, end = int(self.part_start[p]), int(self.part_start[p + 1])
             if d is not None:
                 self.a[slot, p, : d.rank].copy_(d.a)
-                self.b[p][slot, : d.rank].copy_((d.b.float() * d.scaling).t())
-                if len(self.parts) > 1:
-                    self.b_full[slot, p * r : (p + 1) * r, start : start + size].copy_(self.b[p][slot])
+                self.b[slot, : d.rank, start:end].copy_((d.b.float() * d.scaling).t())
+                if self.b_full is not None and len(self.parts) > 1:
+                    self.b_full[slot, p * r : (p + 1) * r, start:end].copy_(self.b[slot, :, start:end])
                 self.slot_bits |= bit
-            start += size
+        if self.b2 is not None:
+            pairs = self.b[slot].view(r // 2, 2, -1).transpose(1, 2)
+            self.b2[slot].copy_(pairs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] -> [T, out]."""
@@ -99,20 +115,24 @@ class LoRALinear(nn.Module):
         st = self.state
         if not st.used & self.slot_bits:
             return y
+        if st.kernel is not None:
+            assert st.rows is not None
+            y = y.contiguous()
+            assert self.b2 is not None
+            st.kernel(x.contiguous(), y, st.rows, self.a, self.b2, self.part_start)
+            return y
         t, lo, hi, r, num_parts = x.shape[0], st.lo, st.hi, self.rank, len(self.parts)
         k = hi - lo
         u = F.linear(x, self.a[lo:hi].view(k * num_parts * r, -1))  # [T, k*P*R]
         if st.mask is not None:
             u = u.view(t, k, num_parts * r).mul_(st.mask.view(t, k, 1))
-        if num_parts == 1 or t <= FUSED_B_ROWS:
+        if self.b_full is not None and (num_parts == 1 or t <= FUSED_B_ROWS):
             return y.addmm_(u.view(t, k * num_parts * r), self.b_full[lo:hi].view(k * num_parts * r, -1))
         u4 = u.view(t, k, num_parts, r)
-        start = 0
-        for p, (_, size) in enumerate(self.parts):
-            y[:, start : start + size].addmm_(
-                u4[:, :, p].reshape(t, k * r), self.b[p][lo:hi].view(k * r, size)
-            )
-            start += size
+        for p in range(num_parts):
+            start, end = int(self.part_start[p]), int(self.part_start[p + 1])
+            b = self.b[lo:hi, :, start:end].reshape(k * r, end - start)
+            y[:, start:end].addmm_(u4[:, :, p].reshape(t, k * r), b)
         return y
 
     def extra_repr(self) -> str:
@@ -121,16 +141,23 @@ class LoRALinear(nn.Module):
 
 
 def wrap_model(
-    model: nn.Module, *, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device
+    model: nn.Module,
+    *,
+    num_slots: int,
+    max_rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernel: LoRAKernel | None = None,
 ) -> tuple[LoRAState, dict[tuple[int, str], tuple[LoRALinear, int]]]:
     """Wrap every layer's q/k/v, o, gate/up and down linear; returns the shared state and, per (layer,
-    HF module name), its wrapper and part index."""
+    HF module name), its wrapper and part index.  ``kernel``: the native segmented kernel, used for
+    every step (bfloat16 on a CPU with AVX512-BF16)."""
     from engine.model.llama import LlamaForCausalLM
 
     assert isinstance(model, LlamaForCausalLM)
     c = model.config
     q, kv, i_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-    state = LoRAState()
+    state = LoRAState(kernel=kernel)
     where: dict[tuple[int, str], tuple[LoRALinear, int]] = {}
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -150,6 +177,7 @@ def wrap_model(
                 state=state,
                 dtype=dtype,
                 device=device,
+                native=kernel is not None,
             )
             setattr(parent, attr, wrapped)
             for p, (name, _) in enumerate(parts):

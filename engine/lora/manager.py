@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -30,8 +31,21 @@ from engine.hashing import AdapterId
 from engine.lora.adapter import AdapterError, LoRAAdapter, check_name, load_adapter
 from engine.lora.layers import LoRALinear, LoRAState, wrap_model
 from engine.model.config import ModelConfig
+from engine.native import LoRAKernel, native_kernels
 
 logger = logging.getLogger(__name__)
+
+
+def _native_kernel(dtype: torch.dtype, device: torch.device, max_rank: int) -> LoRAKernel | None:
+    """The segmented kernel (engine/csrc/lora.c) where it serves: bfloat16 on this CPU, an even rank
+    limit up to 64;
+    ``PDKV_LORA_NATIVE=0`` keeps the torch path (the tests and the bench compare both)."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or max_rank > 64 or max_rank % 2:
+        return None
+    if os.environ.get("PDKV_LORA_NATIVE", "1") == "0":
+        return None
+    kernels = native_kernels()
+    return kernels.lora if kernels is not None else None
 
 
 class UnknownAdapter(KeyError):
@@ -79,7 +93,12 @@ class LoRAManager:
         self._dtype = dtype
         if max_loras and model is not None:
             self.state, self._where = wrap_model(
-                model, num_slots=max_loras, max_rank=max_lora_rank, dtype=dtype, device=self._device
+                model,
+                num_slots=max_loras,
+                max_rank=max_lora_rank,
+                dtype=dtype,
+                device=self._device,
+                kernel=_native_kernel(dtype, self._device, max_lora_rank),
             )
         self._served: dict[str, tuple[AdapterId, Path]] = {}
         self._loaded: OrderedDict[AdapterId, LoRAAdapter] = OrderedDict()  # LRU: oldest first
@@ -201,6 +220,12 @@ class LoRAManager:
         lo, hi = min(slot_of.values()), max(slot_of.values()) + 1
         self.state.lo, self.state.hi = lo, hi
         self.state.used = sum(1 << s for s in slot_of.values())
+        if self.state.kernel is not None:
+            each: list[int] = []
+            for adapter, n in rows:
+                each += [-1 if adapter is None else slot_of[adapter]] * n
+            self.state.rows = torch.tensor(each, dtype=torch.int64)
+            return
         if len(rows) == 1 or all(a == rows[0][0] for a, _ in rows):
             return  # every row runs the same adapter: nothing to mask
         column: list[int] = []  # per row: its slot's column + 1 (0: no adapter)
