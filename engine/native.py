@@ -23,6 +23,7 @@ import logging
 import os
 import subprocess
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,29 +199,37 @@ class LoRAKernel:
 
     function: Any  # the ctypes function pdkv_lora_bf16
 
-    def __call__(
-        self,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        rows: torch.Tensor,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        part_start: torch.Tensor,
-    ) -> None:
-        """``y`` [T, out] += each row's adapter delta: ``rows`` [T] int64 slots (-1: none), ``a`` [S, P,
-        R, in], ``b`` [S, R/2, out, 2] (the parts' columns side by side, bounds in ``part_start`` [P + 1];
-        ranks in pairs)."""
-        assert x.dtype == y.dtype == a.dtype == b.dtype == torch.bfloat16
-        assert x.is_contiguous() and y.is_contiguous() and rows.dtype == torch.int64
-        num_slots, parts, rank, width = a.shape
-        assert b.dim() == 4 and b.shape[-1] == 2 and b.shape[1] * 2 == rank
-        failed = self.function(
-            x.data_ptr(), y.data_ptr(), rows.data_ptr(), a.data_ptr(), b.data_ptr(),
-            x.shape[0], width, y.shape[1], parts, part_start.data_ptr(), rank, num_slots,
-        )  # fmt: skip
-        if failed == 3:
-            raise MemoryError("the native LoRA kernel could not allocate its row lists")
-        assert failed == 0, f"pdkv_lora_bf16 refused the shapes ({failed})"
+    def bind(self, a: torch.Tensor, b: torch.Tensor, part_start: torch.Tensor) -> Callable[..., None]:
+        """One module's call, its weights' pointers and shapes fixed (they never move):
+        ``call(x, y, rows)`` adds to ``y`` [T, out] each row's adapter delta; ``rows`` [T] int64 slots
+        (-1: none); ``a`` [S, in/2, P*R, 2] (input dims in pairs), ``b`` [S, R/2, out, 2] (ranks in
+        pairs; the parts' columns side by side, bounds in ``part_start`` [P + 1]): csrc/lora.c's
+        layouts.  Per call only the rows move, so it costs a ctypes call and no more."""
+        assert a.dtype == b.dtype == torch.bfloat16 and a.is_contiguous() and b.is_contiguous()
+        num_slots, half, pr, _ = a.shape
+        rank = b.shape[1] * 2
+        parts, width = pr // rank, half * 2
+        assert a.shape[-1] == b.shape[-1] == 2 and parts * rank == pr and part_start.numel() == parts + 1
+        fixed = (a.data_ptr(), b.data_ptr())
+        out, starts = b.shape[2], part_start.data_ptr()
+        function = self.function
+
+        def call(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> None:
+            assert x.dtype == y.dtype == torch.bfloat16 and x.shape[1] == width and y.shape[1] == out
+            assert x.is_contiguous() and y.is_contiguous() and rows.dtype == torch.int64
+            failed = function(
+                x.data_ptr(), y.data_ptr(), rows.data_ptr(), *fixed,
+                x.shape[0], width, out, parts, starts, rank, num_slots,
+            )  # fmt: skip
+            _check_lora(failed)
+
+        return call
+
+
+def _check_lora(failed: int) -> None:
+    if failed == 3:
+        raise MemoryError("the native LoRA kernel could not allocate its row lists")
+    assert failed == 0, f"pdkv_lora_bf16 refused the shapes ({failed})"
 
 
 @dataclass(frozen=True)

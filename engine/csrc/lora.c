@@ -6,13 +6,14 @@
  *   x [T, in]             the module's input rows
  *   y [T, out]            its output (the base linear's), updated in place
  *   slot [T] int64        each row's adapter slot, -1 for none
- *   a [S, P, R, in]       per slot, per fused part (q, k, v: P = 3), the rank-R down projection
+ *   a [S, in/2, P*R, 2]   per slot, the fused parts' (q, k, v: P = 3) rank-R down projections, rows
+ *                         p * R + r, in pairs of input dims (in even): the layout vdpbf16ps reads
  *   b [S, R/2, out, 2]    per slot, the up projections of the parts side by side (the columns
  *                         part_start[p] .. part_start[p + 1] - 1 belong to part p, scaling folded in),
  *                         ranks in pairs (R even): the layout vdpbf16ps reads
  *
  * Rows are grouped by slot (a counting sort), then cut into tiles of up to TILE rows of one slot; each
- * tile is one task: u[j, p, r] = <x[t_j], a[s, p, r]> (vdpbf16ps, float32 sums), then for each 16
+ * tile is one task: u[j, p, r] = <x[t_j], a[s, p, r]> (vdpbf16ps, float32 sums, 16 ranks in the lanes), then for each 16
  * columns of each part sum_r u[j, p, r] * b[s, r, cols] is added to y (rounded once; u rounded to bfloat16
 first, as the torch path's matmul output is).  A tile reads its
  * adapter's A and B once for all its rows.  No work for rows without an adapter, none for slots the
@@ -28,7 +29,7 @@ first, as the torch path's matmul output is).  A tile reads its
 #include <omp.h>
 #include "simd.h"
 
-#define TILE 4
+#define TILE 8
 #define MAX_RANK 64
 #define MAX_PARTS 4
 
@@ -41,26 +42,26 @@ int pdkv_lora_built(void) {
 }
 
 #ifdef __AVX512BF16__
-/* u[j][p * rank + r] for the tile's rows: dot products of bfloat16 rows, float32 sums. */
-INLINE void shrink(const uint16_t *x, const int64_t *rows, int n, const uint16_t *a, int64_t in,
+/* u[j][q] = <x[t_j], a[q]> for the tile's rows and the pr = P * R rows q of A, A in pairs of input
+ * dims (a2[i / 2][q][i % 2]): 16 q at a time in the lanes, each step one broadcast pair of x times 16
+ * pairs of A (vdpbf16ps, float32 sums) -- no horizontal sums. */
+INLINE void shrink(const uint16_t *x, const int64_t *rows, int n, const uint16_t *a2, int64_t in,
                    int64_t pr, float u[TILE][MAX_PARTS * MAX_RANK]) {
-    for (int64_t q = 0; q < pr; q++) {
-        const uint16_t *arow = a + q * in;
+    const int64_t half = in / 2;
+    for (int64_t q0 = 0; q0 < pr; q0 += 16) {
+        const int64_t left = pr - q0;
+        const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
         __m512 acc[TILE];
         for (int j = 0; j < TILE; j++) acc[j] = _mm512_setzero_ps();
-        int64_t i = 0;
-        for (; i + 32 <= in; i += 32) {
-            const __m512bh av = (__m512bh)_mm512_loadu_si512(arow + i);
+        for (int64_t ip = 0; ip < half; ip++) {
+            const __m512bh av = (__m512bh)_mm512_maskz_loadu_epi32(m, a2 + (ip * pr + q0) * 2);
             for (int j = 0; j < n; j++) {
-                const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + rows[j] * in + i);
-                acc[j] = _mm512_dpbf16_ps(acc[j], xv, av);
+                int32_t xp;
+                memcpy(&xp, x + rows[j] * in + 2 * ip, sizeof xp);
+                acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(xp), av);
             }
         }
-        for (int j = 0; j < n; j++) {
-            float s = _mm512_reduce_add_ps(acc[j]);
-            for (int64_t k = i; k < in; k++) s += bf16_to_f32(x[rows[j] * in + k]) * bf16_to_f32(arow[k]);
-            u[j][q] = s;
-        }
+        for (int j = 0; j < n; j++) _mm512_mask_storeu_ps(&u[j][q0], m, acc[j]);
     }
 }
 
@@ -106,7 +107,8 @@ int pdkv_lora_bf16(const void *x_, void *y_, const int64_t *slot, const void *a_
     (void)part_start; (void)rank; (void)num_slots;
     return 1;
 #else
-    if (rank <= 0 || rank > MAX_RANK || rank % 2 || parts <= 0 || parts > MAX_PARTS || num_slots <= 0)
+    if (rank <= 0 || rank > MAX_RANK || rank % 2 || parts <= 0 || parts > MAX_PARTS || num_slots <= 0 ||
+        in % 2)
         return 2;
     const uint16_t *x = (const uint16_t *)x_;
     uint16_t *y = (uint16_t *)y_;

@@ -16,6 +16,7 @@ The q/k/v delta is added before RoPE and the K/V write, so the cached K/V are th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,16 @@ class LoRALinear(nn.Module):
         self.b_full: torch.Tensor | None = None
         # The native kernel's B: ranks in pairs, [S, R/2, out, 2] (csrc/lora.c)
         self.b2 = torch.zeros(num_slots, max_rank // 2, starts[-1], 2, dtype=dtype) if native else None
+        # ... and its A: input dims in pairs, [S, in/2, P*R, 2]
+        self.a2 = (
+            torch.zeros(num_slots, in_features // 2, len(parts) * max_rank, 2, dtype=dtype)
+            if native
+            else None
+        )
+        self._native: Callable[..., None] | None = None
+        if native and state.kernel is not None:
+            assert self.a2 is not None and self.b2 is not None
+            self._native = state.kernel.bind(self.a2, self.b2, self.part_start)
         if len(parts) == 1:
             self.b_full = self.b
         elif not native:
@@ -105,9 +116,10 @@ class LoRALinear(nn.Module):
                 if self.b_full is not None and len(self.parts) > 1:
                     self.b_full[slot, p * r : (p + 1) * r, start:end].copy_(self.b[slot, :, start:end])
                 self.slot_bits |= bit
-        if self.b2 is not None:
-            pairs = self.b[slot].view(r // 2, 2, -1).transpose(1, 2)
-            self.b2[slot].copy_(pairs)
+        if self.b2 is not None and self.a2 is not None:
+            self.b2[slot].copy_(self.b[slot].view(r // 2, 2, -1).transpose(1, 2))
+            rows = self.a[slot].reshape(len(self.parts) * r, -1)  # [P*R, in]
+            self.a2[slot].copy_(rows.view(rows.shape[0], -1, 2).transpose(0, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] -> [T, out]."""
@@ -115,11 +127,10 @@ class LoRALinear(nn.Module):
         st = self.state
         if not st.used & self.slot_bits:
             return y
-        if st.kernel is not None:
+        if self._native is not None:
             assert st.rows is not None
             y = y.contiguous()
-            assert self.b2 is not None
-            st.kernel(x.contiguous(), y, st.rows, self.a, self.b2, self.part_start)
+            self._native(x.contiguous(), y, st.rows)
             return y
         t, lo, hi, r, num_parts = x.shape[0], st.lo, st.hi, self.rank, len(self.parts)
         k = hi - lo

@@ -36,11 +36,16 @@ from engine.native import LoRAKernel, native_kernels
 logger = logging.getLogger(__name__)
 
 
-def _native_kernel(dtype: torch.dtype, device: torch.device, max_rank: int) -> LoRAKernel | None:
+def _native_kernel(
+    dtype: torch.dtype, device: torch.device, max_rank: int, config: ModelConfig
+) -> LoRAKernel | None:
     """The segmented kernel (engine/csrc/lora.c) where it serves: bfloat16 on this CPU, an even rank
     limit up to 64;
     ``PDKV_LORA_NATIVE=0`` keeps the torch path (the tests and the bench compare both)."""
+    widths = (config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim)
     if device.type != "cpu" or dtype != torch.bfloat16 or max_rank > 64 or max_rank % 2:
+        return None
+    if any(w % 2 for w in widths):
         return None
     if os.environ.get("PDKV_LORA_NATIVE", "1") == "0":
         return None
@@ -98,7 +103,7 @@ class LoRAManager:
                 max_rank=max_lora_rank,
                 dtype=dtype,
                 device=self._device,
-                kernel=_native_kernel(dtype, self._device, max_lora_rank),
+                kernel=_native_kernel(dtype, self._device, max_lora_rank, config),
             )
         self._served: dict[str, tuple[AdapterId, Path]] = {}
         self._loaded: OrderedDict[AdapterId, LoRAAdapter] = OrderedDict()  # LRU: oldest first
