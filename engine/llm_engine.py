@@ -142,6 +142,7 @@ class LLMEngine:
             model=self.model.model,
             dtype=dtype,
             device=device,
+            deterministic=self.determinism.on,
         )
         for name, path in config.loras:
             self.lora.add(name, path)

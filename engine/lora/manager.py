@@ -82,8 +82,11 @@ class LoRAManager:
         model: torch.nn.Module | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
+        deterministic: bool = False,
     ) -> None:
-        """``max_loras`` 0 serves no adapter (and wraps nothing: no step pays for LoRA)."""
+        """``max_loras`` 0 serves no adapter (and wraps nothing: no step pays for LoRA).  ``deterministic``:
+        the deltas must be batch-invariant too -- the native kernel's are (each row alone), the torch
+        path's masked matmuls are not, so without the kernel this is refused."""
         if max_loras < 0 or max_lora_rank <= 0:
             raise ValueError("max_loras must be >= 0 and max_lora_rank positive")
         if max_loras and max_cpu_loras < max_loras:
@@ -105,6 +108,12 @@ class LoRAManager:
                 device=self._device,
                 kernel=_native_kernel(dtype, self._device, max_lora_rank, config),
             )
+            if deterministic and self.state.kernel is None:
+                raise ValueError(
+                    "deterministic mode with LoRA adapters needs the native LoRA kernel (bfloat16 on a CPU "
+                    "with AVX512-BF16, an even --max-lora-rank up to 64): its deltas are the same bits in "
+                    "any batch; turn one of the two off"
+                )
         self._served: dict[str, tuple[AdapterId, Path]] = {}
         self._loaded: OrderedDict[AdapterId, LoRAAdapter] = OrderedDict()  # LRU: oldest first
         self._paths: dict[AdapterId, Path] = {}

@@ -114,3 +114,14 @@ def test_in_deterministic_mode_a_request_under_an_adapter_is_the_same_bits_in_an
         llm.engine.reset_prefix_cache()
         assert (alone.token_ids, alone.logprobs) == (out.token_ids, out.logprobs), adapter
     assert mixed[0].token_ids != llm.generate([prompts[0]], params)[0].token_ids  # A changes the output
+
+
+def test_deterministic_mode_refuses_adapters_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDKV_LORA_NATIVE", "0")
+    with pytest.raises(
+        ValueError, match="deterministic mode with LoRA adapters needs the native LoRA kernel"
+    ):
+        LLM(
+            tiny_model_dir("llama_smol_shapes"), dtype="bfloat16", block_size=16, num_blocks=64,
+            deterministic=True, enable_lora=True,
+        )  # fmt: skip
