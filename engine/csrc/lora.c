@@ -97,6 +97,24 @@ INLINE void expand(uint16_t *y, const int64_t *rows, int n, const uint16_t *b2, 
         }
     }
 }
+
+/* One tile: n rows of slot s. */
+INLINE void lora_tile(const uint16_t *x, uint16_t *y, const int64_t *rows, const int n, const uint16_t *a,
+                      const uint16_t *b, int64_t s, int64_t in, int64_t out, int64_t parts,
+                      const int64_t *part_start, int64_t rank) {
+    const int64_t pr = parts * rank;
+    float u[TILE][MAX_PARTS * MAX_RANK];
+    shrink(x, rows, n, a + s * pr * in, in, pr, u);
+    const uint16_t *bs = b + s * rank * out;
+    for (int64_t p = 0; p < parts; p++) {
+        uint32_t up[TILE][MAX_RANK / 2];
+        for (int j = 0; j < n; j++)
+            for (int64_t q = 0; q < rank / 2; q++)
+                up[j][q] = (uint32_t)f32_to_bf16(u[j][p * rank + 2 * q]) |
+                           ((uint32_t)f32_to_bf16(u[j][p * rank + 2 * q + 1]) << 16);
+        expand(y, rows, n, bs, out, rank / 2, part_start[p], part_start[p + 1], up);
+    }
+}
 #endif
 
 int pdkv_lora_bf16(const void *x_, void *y_, const int64_t *slot, const void *a_, const void *b_,
@@ -148,17 +166,14 @@ int pdkv_lora_bf16(const void *x_, void *y_, const int64_t *slot, const void *a_
         const int64_t s = slot[order[i]];
         int64_t end = start[s + 1];
         const int n = (int)(end - i < TILE ? end - i : TILE);
-        float u[TILE][MAX_PARTS * MAX_RANK];
-        shrink(x, order + i, n, a + s * pr * in, in, pr, u);
-        const uint16_t *bs = b + s * rank * out;
-        for (int64_t p = 0; p < parts; p++) {
-            uint32_t up[TILE][MAX_RANK / 2];
-            for (int j = 0; j < n; j++)
-                for (int64_t q = 0; q < rank / 2; q++)
-                    up[j][q] = (uint32_t)f32_to_bf16(u[j][p * rank + 2 * q]) |
-                               ((uint32_t)f32_to_bf16(u[j][p * rank + 2 * q + 1]) << 16);
-            expand(y, order + i, n, bs, out, rank / 2, part_start[p], part_start[p + 1], up);
-        }
+        /* n as a constant where it can be (a full tile, half of one): the row loops unroll and the
+         * accumulators stay in registers */
+        if (n == TILE)
+            lora_tile(x, y, order + i, TILE, a, b, s, in, out, parts, part_start, rank);
+        else if (n == TILE / 2)
+            lora_tile(x, y, order + i, TILE / 2, a, b, s, in, out, parts, part_start, rank);
+        else
+            lora_tile(x, y, order + i, n, a, b, s, in, out, parts, part_start, rank);
     }
     free(order);
     free(start);
