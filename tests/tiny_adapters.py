@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tests.tiny_models import Reference, _session_dir, hf_model, tiny_model_dir
+from tests.tiny_models import Reference, _session_dir, greedy_reference, hf_model, tiny_model_dir
 
 ADAPTERS: dict[str, dict[str, Any]] = {
     "r4": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
@@ -82,24 +82,4 @@ def peft_greedy(
 ) -> list[Reference]:
     """Greedy outputs of transformers (+ peft with ``adapter``), one prompt at a time, in float32."""
     model = hf_model(base) if adapter is None else peft_model(base, adapter)
-    out = []
-    for prompt in prompts:
-        ids = torch.tensor([list(prompt)])
-        with torch.inference_mode():
-            gen = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=0,
-                pad_token_id=0,
-                eos_token_id=None,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        tokens = gen.sequences[0, len(prompt) :].tolist()
-        logits = torch.stack(gen.logits, dim=1)[0].float()
-        logprobs = logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
-        top2 = logits.topk(2, dim=-1).values
-        out.append(Reference(tokens, logprobs, float((top2[:, 0] - top2[:, 1]).min())))
-    return out
+    return [greedy_reference(model, prompt, max_new_tokens) for prompt in prompts]

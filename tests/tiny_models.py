@@ -176,7 +176,11 @@ def hf_greedy(name: str, prompts: Sequence[Sequence[int]], max_new_tokens: int) 
 
 @functools.cache
 def _hf_greedy_one(name: str, prompt: tuple[int, ...], max_new_tokens: int) -> Reference:
-    model = hf_model(name)
+    return greedy_reference(hf_model(name), prompt, max_new_tokens)
+
+
+def greedy_reference(model: Any, prompt: Sequence[int], max_new_tokens: int) -> Reference:
+    """``model``'s (transformers, or peft over it) greedy ``generate`` of one unpadded prompt."""
     input_ids = torch.tensor([list(prompt)])
     with torch.inference_mode():
         out = model.generate(
