@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
 
 from engine.hashing import AdapterId, HashNamespace
 from engine.request import Request
@@ -75,3 +78,16 @@ def run_to_completion(scheduler: Scheduler, *, token: int = 7, max_steps: int = 
         steps += 1
         assert steps < max_steps, "scheduler made no progress"
     return steps
+
+
+def store_tier_spec(tier: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    """The ``offload`` connector's ``kv_store`` for one tier: cpu, disk (under ``tmp_path``), redis (the
+    ``redis_server`` fixture) or remote (a ``store_server`` with a CPU tier)."""
+    if tier == "cpu":
+        return "cpu:64MiB"
+    if tier == "disk":
+        return f"disk:{tmp_path / 'kv'}:64MiB"
+    if tier == "redis":
+        return f"redis://127.0.0.1:{request.getfixturevalue('redis_server').port}/0"
+    assert tier == "remote", tier
+    return f"remote:{request.getfixturevalue('store_server')('cpu:64MiB').endpoint}"

@@ -14,6 +14,7 @@ from engine.engine_config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from tests.factories import store_tier_spec
 from tests.p2p_harness import assert_idle, run_until, stats, tokens
 from tests.tiny_adapters import peft_adapter_dir, peft_greedy
 from tests.tiny_models import random_prompts, tiny_model_dir
@@ -48,14 +49,7 @@ def run(llm: LLM, adapter: str | None) -> tuple[list[int], int]:
 def test_each_tier_serves_an_adapters_blocks_to_that_adapter_only(
     tier: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    if tier == "cpu":
-        spec = "cpu:64MiB"
-    elif tier == "disk":
-        spec = f"disk:{tmp_path / 'kv'}:64MiB"
-    elif tier == "redis":
-        spec = f"redis://127.0.0.1:{request.getfixturevalue('redis_server').port}/0"
-    else:
-        spec = f"remote:{request.getfixturevalue('store_server')('cpu:64MiB').endpoint}"
+    spec = store_tier_spec(tier, tmp_path, request)
     a, b = peft_adapter_dir(BASE, "r16"), peft_adapter_dir(BASE, "attn_only")
     other_a = peft_adapter_dir(BASE, "r16", seed=7)
     want = {name: peft_greedy(BASE, path, [PROMPT], 10)[0].token_ids for name, path in (("A", a), ("B", b))}

@@ -26,6 +26,7 @@ from engine.model import batch_invariance
 from engine.model.batch_invariance import k_pieces
 from engine.model.packed import PackedLinear
 from engine.sampling_params import SamplingParams
+from tests.factories import store_tier_spec
 from tests.tiny_models import tiny_model_dir
 
 needs_bf16 = pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="needs a CPU with AVX512-BF16")
@@ -202,14 +203,7 @@ def test_loaded_from_each_tier_equals_recompute(
     probe = prompt(rng, 170)
     companions = [prompt(rng, rng.randrange(10, 200)) for _ in range(6)]
     expected = alone(det, probe)
-    if tier == "cpu":
-        spec = "cpu:64MiB"
-    elif tier == "disk":
-        spec = f"disk:{tmp_path / 'kv'}:64MiB"
-    elif tier == "redis":
-        spec = f"redis://127.0.0.1:{request.getfixturevalue('redis_server').port}/0"
-    else:  # the store server (pdkv kvstore serve), its CPU tier
-        spec = f"remote:{request.getfixturevalue('store_server')('cpu:64MiB').endpoint}"
+    spec = store_tier_spec(tier, tmp_path, request)
     writer = make(kv_connector=_offload(spec))
     writer.generate([*companions[:3], probe], GREEDY)  # computed in a batch, saved to the tier
     assert writer.engine.drain(20.0)
