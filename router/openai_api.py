@@ -2,7 +2,8 @@
 
     POST /v1/chat/completions   messages -> the model's chat template -> the pipeline
     POST /v1/completions        prompt (text, or token ids) -> the pipeline
-    GET  /v1/models             the served model and its context length
+    GET  /v1/models             the served model and its context length, and its LoRA adapters
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter    run-time adapters (router/openai_lora.py)
     GET  /health                200 only while every pool (prefill and decode) has a healthy node
 
 The same pipeline as gRPC, behind FastAPI + uvicorn.  Each handler only converts: the body
