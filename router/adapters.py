@@ -19,7 +19,7 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -27,7 +27,7 @@ import grpc
 from engine.hashing import AdapterId
 from pdkv_proto.pdkv.v1 import types_pb2
 from router.nodes import NodeHandle, NodePool
-from serving.errors import ServingError
+from serving.errors import ServingError, status_for
 
 logger = logging.getLogger(__name__)
 ADMIN_TIMEOUT_S = 60.0
@@ -94,13 +94,13 @@ class RouterAdapters:
 
     def resolve(self, name: str, field: str = "adapter") -> AdapterId:
         """The identity requests for ``name`` run under; NOT_FOUND when no healthy node serves it."""
-        found = self.served().get(name)
-        if found is None:
-            names = ", ".join(self.served()) or "none"
+        served = self.served()
+        if name not in served:
+            names = ", ".join(served) or "none"
             raise ServingError(
                 grpc.StatusCode.NOT_FOUND, f"{field}: adapter {name!r} is not served here (served: {names})"
             )
-        return found
+        return served[name]
 
     # -- run-time loads -----------------------------------------------------------------------------------
 
@@ -110,8 +110,8 @@ class RouterAdapters:
         self._check_allowed()
         msg = types_pb2.LoadAdapterRequest(name=name, path=path)
         answers = self._fan_out(lambda n: n.control.LoadAdapter(msg, timeout=ADMIN_TIMEOUT_S))
-        infos = [a for a in answers if isinstance(a, types_pb2.AdapterInfo)]
-        self._raise_first_error(answers, f"load of adapter {name!r}")
+        _raise_first_error(answers, f"load of adapter {name!r}")
+        infos = [info for _, info in answers if isinstance(info, types_pb2.AdapterInfo)]
         digests = {i.digest for i in infos}
         if len(digests) != 1:
             raise ServingError(
@@ -119,9 +119,9 @@ class RouterAdapters:
                 f"adapter {name!r}: the nodes read different files at {path!r} (digests differ); give every "
                 "node the same folder",
             )
-        for node, info in zip(self._nodes(), answers, strict=True):
-            if isinstance(info, types_pb2.AdapterInfo):
-                node.note_adapter(info)
+        for node, info in answers:
+            assert isinstance(info, types_pb2.AdapterInfo)
+            node.note_adapter(info)
         with self._lock:
             self._runtime[name] = (path, infos[0].digest)
         return infos[0]
@@ -132,11 +132,10 @@ class RouterAdapters:
         with self._lock:
             self._runtime.pop(name, None)
         answers = self._fan_out(lambda n: n.control.UnloadAdapter(msg, timeout=ADMIN_TIMEOUT_S))
-        gone = [a for a in answers if not isinstance(a, Exception)]
-        for node in self._nodes():
+        for node, _ in answers:
             node.forget_adapter(name)
-        if not gone:
-            self._raise_first_error(answers, f"unload of adapter {name!r}")
+        if all(isinstance(answer, Exception) for _, answer in answers):
+            _raise_first_error(answers, f"unload of adapter {name!r}")
 
     def reconcile(self) -> None:
         """After a health round: each healthy node lacking an adapter loaded through the router (it
@@ -168,25 +167,20 @@ class RouterAdapters:
             with self._lock:
                 self._pending[key] = time.monotonic() + RETRY_S
 
-    def _fan_out(self, call: object) -> list[object]:
+    def _fan_out(self, call: Callable[[NodeHandle], object]) -> list[tuple[NodeHandle, object]]:
+        """``call`` on every node at once: each node with its answer, or the ``grpc.RpcError`` it got."""
         nodes = self._nodes()
         if not nodes:
             raise ServingError(grpc.StatusCode.UNAVAILABLE, "the router has no nodes")
 
         def one(node: NodeHandle) -> object:
             try:
-                return call(node)  # type: ignore[operator]
+                return call(node)
             except grpc.RpcError as exc:
                 return exc
 
         with ThreadPoolExecutor(max_workers=min(16, len(nodes))) as pool:
-            return list(pool.map(one, nodes))
-
-    def _raise_first_error(self, answers: Iterable[object], what: str) -> None:
-        for node, answer in zip(self._nodes(), answers, strict=True):
-            if isinstance(answer, grpc.RpcError) and isinstance(answer, grpc.Call):
-                code = answer.code()
-                raise ServingError(code, f"{what} on {node.address}: {answer.details()}")
+            return list(zip(nodes, pool.map(one, nodes), strict=True))
 
     def _check_allowed(self) -> None:
         if not self.allow_runtime:
@@ -194,3 +188,12 @@ class RouterAdapters:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "runtime adapter loading is off: start the router (pdkv up) with --allow-runtime-lora",
             )
+
+
+def _raise_first_error(answers: Iterable[tuple[NodeHandle, object]], what: str) -> None:
+    """The first node's failure among ``answers`` as a ``ServingError`` with its status (a refusal
+    names the field), if any failed."""
+    for node, answer in answers:
+        if isinstance(answer, grpc.RpcError):
+            code, message = status_for(answer)
+            raise ServingError(code, f"{what} on {node.address}: {message}")
