@@ -108,10 +108,8 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, *, max_rank: 
     deltas: dict[tuple[int, str], ModuleDelta] = {}
     for layer, module in targets:
         key = module_path(layer, module)
-        r = int(rank_pattern[_pattern_key(rank_pattern, key)]) if _has_key(rank_pattern, key) else rank
-        a_alpha = alpha
-        if _has_key(alpha_pattern, key):
-            a_alpha = float(alpha_pattern[_pattern_key(alpha_pattern, key)])
+        r = int(_pattern_value(rank_pattern, key, rank))
+        a_alpha = float(_pattern_value(alpha_pattern, key, alpha))
         if r > max_rank:
             raise AdapterError(
                 f"{folder / CONFIG_FILE}: r (rank_pattern) of {key} is {r}, above the engine's "
@@ -193,13 +191,10 @@ def _matches(spec: str | list[str], key: str, *, all_linear: bool = False) -> bo
     return key in spec or any(key.endswith(f".{t}") for t in spec)
 
 
-def _pattern_key(pattern: dict[str, Any], key: str) -> str:
-    """PEFT's rule for rank_pattern / alpha_pattern: the first key that matches the module's name."""
-    return next(k for k in pattern if re.match(rf"(.*\.)?({k})$", key))
-
-
-def _has_key(pattern: dict[str, Any], key: str) -> bool:
-    return any(re.match(rf"(.*\.)?({k})$", key) for k in pattern)
+def _pattern_value(pattern: dict[str, Any], key: str, default: float) -> float:
+    """PEFT's rule for rank_pattern / alpha_pattern: the value of the first key that matches the module's
+    name, else ``default``."""
+    return next((v for k, v in pattern.items() if re.match(rf"(.*\.)?({k})$", key)), default)
 
 
 def _read_tensors(file: Path) -> dict[str, torch.Tensor]:

@@ -1,17 +1,23 @@
-"""LoRA deltas in mixed batches: every resident adapter's weights stacked per module, masked per row.
+"""LoRA deltas in mixed batches: each wrapped linear adds its rows' adapters' ``B (A x)``.
 
 Each of q/k/v, o, gate/up and down is wrapped by a ``LoRALinear``: the base linear (plain or packed)
-plus, per adapter *slot*, A [R, in] and B [R, out] (R = ``max_lora_rank``; a smaller rank is zero-padded,
-the scaling folded into B).  For a step whose rows use slots ``0..k-1``
+plus, per adapter *slot*, A [R, in] and B [R, out] per fused part (R = ``max_lora_rank``; a smaller rank
+is zero-padded, the scaling folded into B).  A step with no adapter skips it all, and a module no adapter
+of the step targets skips it too.  Otherwise one of two paths (docs/lora.md):
 
-    u = x @ A[:k].T              [T, k*P*R]   one matmul for every adapter of the step (P: fused parts)
-    u *= mask                    [T, k]       row t keeps only its own slot's columns (others exactly 0)
-    y[:, part] += u_part @ B[:k] [T, out]     one matmul per fused part
+- native (bfloat16 with AVX512-BF16, ``engine/csrc/lora.c``): one call per module, the rows grouped by
+  slot -- no work for other slots' columns, and each row computed alone (its bits independent of the
+  batch);
+- torch (any device and dtype), for the step's slots ``lo..hi-1`` (k of them)::
 
-so the work per layer does not grow with the number of adapters in the batch, only with ``k * R``; a
-step with no adapter skips it all, and a module no active adapter targets skips it too.  The same torch
-code runs on CUDA.  ``LoRAState`` is what the runner sets before each forward (``LoRAManager.begin_step``).
-The q/k/v delta is added before RoPE and the K/V write, so the cached K/V are the adapter's.
+    u = x @ A[lo:hi].T           [T, k*P*R]   one matmul for every adapter of the step (P: fused parts)
+    u *= mask                    [T, k]       row t keeps only its own slot's columns (others exactly 0);
+                                              skipped when every row runs the same adapter
+    y += u @ B[lo:hi]            [T, out]     one matmul (decode: B block-diagonal over the fused parts;
+                                              prefill chunks: one per part, fewer FLOPs)
+
+``LoRAState`` is what the runner sets before each forward (``LoRAManager.begin_step``).  The q/k/v delta is
+added before RoPE and the K/V write, so the cached K/V are the adapter's.
 """
 
 from __future__ import annotations
@@ -75,7 +81,8 @@ class LoRALinear(nn.Module):
         starts = [0]
         for _, size in parts:
             starts.append(starts[-1] + size)
-        self.part_start = torch.tensor(starts, dtype=torch.int64)
+        self.starts = starts  # where each part's columns begin, and the end
+        self.part_start = torch.tensor(starts, dtype=torch.int64)  # the same, for the native kernel
         self.a = torch.zeros(num_slots, len(parts), max_rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, max_rank, starts[-1], dtype=dtype, device=device)
         self.b_full: torch.Tensor | None = None
@@ -109,7 +116,7 @@ class LoRALinear(nn.Module):
         self.slot_bits &= ~bit
         r = self.rank
         for p, d in enumerate(deltas):
-            start, end = int(self.part_start[p]), int(self.part_start[p + 1])
+            start, end = self.starts[p], self.starts[p + 1]
             if d is not None:
                 self.a[slot, p, : d.rank].copy_(d.a)
                 self.b[slot, : d.rank, start:end].copy_((d.b.float() * d.scaling).t())
@@ -141,7 +148,7 @@ class LoRALinear(nn.Module):
             return y.addmm_(u.view(t, k * num_parts * r), self.b_full[lo:hi].view(k * num_parts * r, -1))
         u4 = u.view(t, k, num_parts, r)
         for p in range(num_parts):
-            start, end = int(self.part_start[p]), int(self.part_start[p + 1])
+            start, end = self.starts[p], self.starts[p + 1]
             b = self.b[lo:hi, :, start:end].reshape(k * r, end - start)
             y[:, start:end].addmm_(u4[:, :, p].reshape(t, k * r), b)
         return y

@@ -12,7 +12,8 @@
   refused if its content changed meanwhile (the digest says so).
 - Slots: ``begin_step`` puts each adapter of the step in one of ``max_loras`` slots (the scheduler admits
   at most that many distinct adapters per step), reusing the least recently used slot no row of the step
-  needs, and sets the per-row mask the ``LoRALinear`` modules read.
+  needs, and sets what the ``LoRALinear`` modules read: each row's slot (the native kernel) or the
+  per-row mask (the torch path).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 from engine.hashing import AdapterId
-from engine.lora.adapter import AdapterError, LoRAAdapter, check_name, load_adapter
+from engine.lora.adapter import AdapterError, LoRAAdapter, load_adapter
 from engine.lora.layers import LoRALinear, LoRAState, wrap_model
 from engine.model.config import ModelConfig
 from engine.native import LoRAKernel, native_kernels
@@ -40,8 +41,7 @@ def _native_kernel(
     dtype: torch.dtype, device: torch.device, max_rank: int, config: ModelConfig
 ) -> LoRAKernel | None:
     """The segmented kernel (engine/csrc/lora.c) where it serves: bfloat16 on this CPU, an even rank
-    limit up to 64;
-    ``PDKV_LORA_NATIVE=0`` keeps the torch path (the tests and the bench compare both)."""
+    limit up to 64, even layer widths; ``PDKV_LORA_NATIVE=0`` keeps the torch path."""
     widths = (config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim)
     if device.type != "cpu" or dtype != torch.bfloat16 or max_rank > 64 or max_rank % 2:
         return None
@@ -114,10 +114,10 @@ class LoRAManager:
                     "with AVX512-BF16, an even --max-lora-rank up to 64): its deltas are the same bits in "
                     "any batch; turn one of the two off"
                 )
-        self._served: dict[str, tuple[AdapterId, Path]] = {}
+        self._served: dict[str, AdapterId] = {}
+        # every adapter ever loaded, served or not (requests may still run on it): folder, rank, modules
+        self._known: dict[AdapterId, tuple[Path, int, tuple[str, ...]]] = {}
         self._loaded: OrderedDict[AdapterId, LoRAAdapter] = OrderedDict()  # LRU: oldest first
-        self._paths: dict[AdapterId, Path] = {}
-        self._shape: dict[AdapterId, tuple[int, tuple[str, ...]]] = {}  # max rank, modules
         self._slots: list[AdapterId | None] = [None] * max_loras
         self._slot_step = [0] * max_loras
         self._step = 0
@@ -134,50 +134,46 @@ class LoRAManager:
         """Serve the adapter in folder ``path`` as ``name``; raises ``AdapterError`` (naming the field)."""
         if not self.enabled:
             raise AdapterError("LoRA is not enabled on this engine (max_loras is 0)")
-        check_name(name)
         adapter = load_adapter(name, path, self.config, max_rank=self.max_lora_rank)
         with self._lock:
             old = self._served.get(name)
-            self._served[name] = (adapter.id, adapter.path)
-            self._paths[adapter.id] = adapter.path
-            self._shape[adapter.id] = (adapter.max_rank, tuple(sorted(adapter.modules())))
+            self._served[name] = adapter.id
+            self._known[adapter.id] = (adapter.path, adapter.max_rank, tuple(sorted(adapter.modules())))
             self._keep(adapter)
-        if old is not None and old[0] != adapter.id:
-            logger.info("adapter %s: replaced %s by %s (new requests only)", name, old[0], adapter.id)
+        if old is not None and old != adapter.id:
+            logger.info("adapter %s: replaced %s by %s (new requests only)", name, old, adapter.id)
         logger.info("adapter %s served from %s (max rank %d)", adapter.id, path, adapter.max_rank)
         return adapter.id
 
     def remove(self, name: str) -> AdapterId:
         """Stop serving ``name``: new requests are refused, admitted ones finish.  ``UnknownAdapter``."""
         with self._lock:
-            entry = self._served.pop(name, None)
-        if entry is None:
+            served = self._served.pop(name, None)
+        if served is None:
             raise UnknownAdapter(f"adapter {name!r} is not loaded")
-        return entry[0]
+        return served
 
     def resolve(self, name: str, digest: bytes | None = None) -> AdapterId:
         """The served identity of ``name`` (with ``digest``: only if it has that content)."""
         with self._lock:
-            entry = self._served.get(name)
-        if entry is None:
+            served = self._served.get(name)
+        if served is None:
             if not self.enabled:
                 raise UnknownAdapter(f"adapter {name!r}: this engine serves no adapters (LoRA is off)")
             raise UnknownAdapter(f"adapter {name!r} is not loaded; loaded: {sorted(self._served) or 'none'}")
-        if digest is not None and digest != entry[0].digest:
+        if digest is not None and digest != served.digest:
             raise UnknownAdapter(
-                f"adapter {name!r} here is {entry[0]}, not the {digest.hex()[:16]} the request was "
+                f"adapter {name!r} here is {served}, not the {digest.hex()[:16]} the request was "
                 "admitted with: load the same files on every node"
             )
-        self._get(entry[0])  # in memory from now until its requests finish (read again if evicted)
-        return entry[0]
+        self._get(served)  # in memory from now until its requests finish (read again if evicted)
+        return served
 
     def adapters(self) -> list[ServedAdapter]:
         with self._lock:
-            served = sorted(self._served.items())
+            served = [aid for _, aid in sorted(self._served.items())]
             slots = set(self._slots)
-        return [
-            ServedAdapter(aid, path, *self._shape[aid], resident=aid in slots) for _, (aid, path) in served
-        ]
+        return [ServedAdapter(aid, *self._known[aid], resident=aid in slots) for aid in served]
 
     # -- memory -------------------------------------------------------------------------------------------
 
@@ -200,7 +196,7 @@ class LoRAManager:
             if adapter is not None:
                 self._loaded.move_to_end(aid)
                 return adapter
-            path = self._paths[aid]
+            path = self._known[aid][0]
         again = load_adapter(aid.name, path, self.config, max_rank=self.max_lora_rank)
         if again.id != aid:
             raise AdapterError(
@@ -234,23 +230,18 @@ class LoRAManager:
         lo, hi = min(slot_of.values()), max(slot_of.values()) + 1
         self.state.lo, self.state.hi = lo, hi
         self.state.used = sum(1 << s for s in slot_of.values())
-        if self.state.kernel is not None:
-            each: list[int] = []
-            for adapter, n in rows:
-                each += [-1 if adapter is None else slot_of[adapter]] * n
-            self.state.rows = torch.tensor(each, dtype=torch.int64)
-            return
-        if len(rows) == 1 or all(a == rows[0][0] for a, _ in rows):
-            return  # every row runs the same adapter: nothing to mask
-        column: list[int] = []  # per row: its slot's column + 1 (0: no adapter)
+        each: list[int] = []  # per row: its slot, -1 for none
         for adapter, n in rows:
-            column += [0 if adapter is None else slot_of[adapter] - lo + 1] * n
-        index = torch.tensor(column, dtype=torch.int64).view(-1, 1)
-        mask = torch.zeros(len(column), hi - lo + 1, dtype=self._dtype).scatter_(1, index, 1.0)
-        self.state.mask = mask[:, 1:].contiguous().to(self._device)
-
-    def end_step(self) -> None:
-        self.state.clear()
+            each += [-1 if adapter is None else slot_of[adapter]] * n
+        slots = torch.tensor(each, dtype=torch.int64)
+        if self.state.kernel is not None:
+            self.state.rows = slots
+        elif not all(a == rows[0][0] for a, _ in rows):  # one adapter on every row: nothing to mask
+            # each row's column of the slots lo..hi-1, shifted by one so that column 0 takes the rows
+            # without an adapter (and is dropped)
+            index = torch.where(slots < 0, 0, slots - lo + 1).view(-1, 1)
+            mask = torch.zeros(len(each), hi - lo + 1, dtype=self._dtype).scatter_(1, index, 1.0)
+            self.state.mask = mask[:, 1:].contiguous().to(self._device)
 
     def _load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         per_module: dict[LoRALinear, list] = {}  # type: ignore[type-arg]
