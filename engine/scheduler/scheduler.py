@@ -29,7 +29,6 @@ module decides what they mean for each request.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 
@@ -52,8 +51,6 @@ from engine.scheduler.prompt_sources import PromptSources
 from engine.scheduler.request_queue import make_queue
 from engine.scheduler.stopping import stop_status
 from telemetry.metrics import Counters
-
-logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -271,8 +268,10 @@ class Scheduler:
         self.waiting.passed_over(admitted)
 
     def _adapter_fits(self, request: Request) -> bool:
+        if request.adapter is None:  # the common case: no set of the running requests' adapters built
+            return True
         held = {r.adapter for r in self.running if r.adapter is not None}
-        return request.adapter is None or request.adapter in held or len(held) < self.config.max_loras
+        return request.adapter in held or len(held) < self.config.max_loras
 
     def _release_parked(self, request: Request, out: SchedulerOutput) -> bool:
         """Free the blocks of another request parked after its async load; False if there is none.  Called
