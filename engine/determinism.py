@@ -88,7 +88,11 @@ def _unavailable(
     return None
 
 
-def kv_fingerprint(model_fingerprint: str, dtype: torch.dtype, deterministic: bool) -> str:
-    """The fingerprint a ``HashNamespace`` takes: the model's, plus what makes its KV bits differ."""
+def kv_fingerprint(
+    model_fingerprint: str, dtype: torch.dtype, deterministic: bool, *, quantized: bool = False
+) -> str:
+    """The fingerprint a ``HashNamespace`` takes: the model's, plus what makes its KV bits differ -- the
+    dtype, the mode, and whether the weights run quantized (engine/model/quantized.py)."""
     mode = ";deterministic" if deterministic else ""
-    return f"{model_fingerprint};kv={str(dtype).removeprefix('torch.')}{mode}"
+    weights = ";weights=quantized" if quantized else ""
+    return f"{model_fingerprint};kv={str(dtype).removeprefix('torch.')}{mode}{weights}"

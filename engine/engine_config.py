@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# How a GGUF file's quantized matrices run (engine/model/quantized.py): as the file ships them, or
+# dequantized at load to bfloat16 / float32.
+WEIGHT_FORMATS = ("auto", "quantized", "bf16", "float32")
+_WEIGHT_DTYPES = {"bf16": "bfloat16", "float32": "float32"}
 DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
 # What deterministic mode (engine/determinism.py) costs, measured by ``python -m bench.engine_real``
 # (docs/BENCHMARKS.md); --help prints it.
@@ -36,12 +40,17 @@ class EngineConfig:
     stored in float32 runs in float32 (its weights are not rounded); any other runs in bfloat16 where the
     CPU has AVX512_BF16 or AMX (``engine/cpu_features.py``), else in float32.
     ``device="auto"``: CUDA when present, else the CPU.
+    ``weights``: how a GGUF file's Q8_0/Q4_0/Q4_1 matrices run (``engine/model/quantized.py``):
+    ``quantized`` as the file ships them (native kernels, AVX512-VNNI), ``bf16`` / ``float32``
+    dequantized at load (and that dtype); ``auto`` is quantized where it can be served unless the dtype
+    is explicitly float32 (the reference path).
     ``max_model_len``: the longest request (prompt + output); defaults to the model's
     ``max_position_embeddings`` and may not exceed it.
     """
 
     model: str | Path | None = None
     dtype: str = "auto"
+    weights: str = "auto"
     device: str = "auto"
     block_size: int = 16
     num_blocks: int | None = None
@@ -82,6 +91,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"weights {self.weights!r} is not supported; choose one of {', '.join(WEIGHT_FORMATS)}"
+            )
+        wanted = _WEIGHT_DTYPES.get(self.weights)
+        if wanted is not None and self.dtype not in ("auto", wanted):
+            raise ValueError(f"weights {self.weights!r} computes in {wanted}, but dtype is {self.dtype!r}")
         if not isinstance(self.device, str) or not (
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
         ):
@@ -183,6 +199,8 @@ class EngineConfig:
 
         if self.dtype != "auto":
             return getattr(torch, self.dtype)  # type: ignore[no-any-return]
+        if self.weights in _WEIGHT_DTYPES:
+            return getattr(torch, _WEIGHT_DTYPES[self.weights])  # type: ignore[no-any-return]
         if device.type == "cpu":
             if checkpoint_dtype == "float32" or not fast_bf16_flags():
                 return torch.float32
@@ -197,6 +215,8 @@ class EngineConfig:
 
         if self.dtype != "auto":
             return f"--dtype {self.dtype}"
+        if self.weights in _WEIGHT_DTYPES:
+            return f"--weights {self.weights}"
         return auto_cpu_dtype_note() if device.type == "cpu" else "auto on CUDA"
 
 

@@ -28,7 +28,9 @@ from engine.kv_cache_manager import cdiv
 from engine.lora.manager import LoRAManager
 from engine.metrics import SPECS, StatsSnapshot
 from engine.model.embedded import ensure_default_model
+from engine.model.gguf import GGUFModel
 from engine.model.loader import LoadedModel, inspect_model, load_model
+from engine.model.quantized import choose_weights
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
@@ -119,7 +121,10 @@ class LLMEngine:
         self.tokenizer = Tokenizer.for_model(source)
         dtype = config.torch_dtype(device, source.config.checkpoint_dtype)
         logger.info("model %s: %s on %s (%s)", source.path, dtype, device, config.dtype_reason(device))
-        self.model: LoadedModel = load_model(source, dtype=dtype, device=device)
+        types = source.tensor_types if isinstance(source, GGUFModel) else {}
+        quant_kernel, weights_note = choose_weights(config.weights, config.dtype, types, device, dtype)
+        logger.info("weights: %s", weights_note)
+        self.model: LoadedModel = load_model(source, dtype=dtype, device=device, quant_kernel=quant_kernel)
         model_config = self.model.config
         self.max_model_len = self._max_model_len(config, model_config.max_position_embeddings)
         self.eos_token_ids = model_config.eos_token_ids
@@ -147,7 +152,9 @@ class LLMEngine:
         for name, path in config.loras:
             self.lora.add(name, path)
         self.namespace = HashNamespace(
-            model_fingerprint=kv_fingerprint(self.model.fingerprint, dtype, self.determinism.on),
+            model_fingerprint=kv_fingerprint(
+                self.model.fingerprint, dtype, self.determinism.on, quantized=self.model.quantized
+            ),
             block_size=config.block_size,
             algo=config.hash_algo,
         )

@@ -233,6 +233,58 @@ def _check_lora(failed: int) -> None:
 
 
 @dataclass(frozen=True)
+class QuantKernel:
+    """``engine/csrc/quant.c`` of the built library: linears over packed GGUF blocks (Q8_0, Q4_0, Q4_1;
+    ``engine/model/quantized.py`` packs them), their rows as dense floats, and the read-bandwidth probe.
+    Needs AVX512-VNNI; None in ``NativeKernels`` without it."""
+
+    linear_fn: Any  # pdkv_qlinear
+    rows_fn: Any  # pdkv_qdequant_rows
+    bandwidth_fn: Any  # pdkv_read_bandwidth
+
+    @staticmethod
+    def supports(dtype: torch.dtype) -> bool:
+        return dtype in (torch.bfloat16, torch.float32)
+
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, out: torch.Tensor, col: int = 0
+    ) -> None:
+        """``out[:, col : col + n] = x @ w.T`` for ``x`` [T, k] and ``w`` [n, k] packed in format ``fmt``."""
+        assert x.dim() == 2 and x.is_contiguous() and out.is_contiguous() and out.shape[0] == x.shape[0]
+        assert x.dtype in (torch.bfloat16, torch.float32) and out.dtype in (torch.bfloat16, torch.float32)
+        assert col >= 0 and col + n <= out.shape[1]
+        failed = self.linear_fn(
+            x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], packed.data_ptr(), fmt, n,
+            out.data_ptr() + col * out.element_size(), out.shape[1], out.dtype == torch.bfloat16,
+        )  # fmt: skip
+        _check_quant(failed, "pdkv_qlinear")
+
+    def rows(
+        self, packed: torch.Tensor, fmt: int, n: int, k: int, ids: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Rows ``ids`` of the packed [n, k] weight as dense [len(ids), k] in ``dtype`` (bf16 or f32)."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), k, dtype=dtype)
+        failed = self.rows_fn(
+            packed.data_ptr(), fmt, n, k, ids.data_ptr(), ids.numel(), out.data_ptr(), dtype == torch.bfloat16
+        )
+        if failed == 2:
+            raise IndexError(f"a row id outside 0..{n - 1} (or a shape the packed weight does not have)")
+        _check_quant(failed, "pdkv_qdequant_rows")
+        return out
+
+    def read_bandwidth(self, buffer: torch.Tensor) -> int:
+        """Read ``buffer`` once on every thread's share (the caller times it); a checksum."""
+        return int(self.bandwidth_fn(buffer.data_ptr(), buffer.numel() * buffer.element_size()))
+
+
+def _check_quant(failed: int, name: str) -> None:
+    if failed == 3:
+        raise MemoryError(f"{name} could not allocate its activation buffers")
+    assert failed == 0, f"{name} refused the call ({failed})"
+
+
+@dataclass(frozen=True)
 class NativeKernels:
     decode: DecodeKernel
     prefill: PrefillKernel | None  # None where the build has no AVX512-BF16 code (an older compiler)
@@ -241,6 +293,7 @@ class NativeKernels:
     silu_mul: SiluMulKernel
     argmax: ArgmaxKernel
     lora: LoRAKernel | None = None  # None where the build has no AVX512-BF16 code
+    quant: QuantKernel | None = None  # None where the build has no AVX512-VNNI code
 
 
 _lock = threading.Lock()
@@ -299,6 +352,16 @@ def _load() -> NativeKernels | None:
     lora.argtypes = [_PTR] * 5 + [_INT64] * 4 + [_PTR, _INT64, _INT64]
     lora.restype = ctypes.c_int
     lib.pdkv_lora_built.restype = ctypes.c_int
+    qlinear = lib.pdkv_qlinear
+    qlinear.argtypes = [_PTR, _INT64, _INT64, _INT64, _PTR, _INT64, _INT64, _PTR, _INT64, _INT64]
+    qlinear.restype = ctypes.c_int
+    qrows = lib.pdkv_qdequant_rows
+    qrows.argtypes = [_PTR, _INT64, _INT64, _INT64, _PTR, _INT64, _PTR, _INT64]
+    qrows.restype = ctypes.c_int
+    bandwidth = lib.pdkv_read_bandwidth
+    bandwidth.argtypes = [_PTR, _INT64]
+    bandwidth.restype = _INT64
+    lib.pdkv_quant_built.restype = ctypes.c_int
     logger.info(
         "native kernels (decode and prefill attention, RMSNorm, RoPE + K/V write, SiLU-mul, argmax): %s", path
     )
@@ -310,4 +373,5 @@ def _load() -> NativeKernels | None:
         SiluMulKernel(silu),
         ArgmaxKernel(argmax),
         LoRAKernel(lora) if lib.pdkv_lora_built() else None,
+        QuantKernel(qlinear, qrows, bandwidth) if lib.pdkv_quant_built() else None,
     )

@@ -109,6 +109,18 @@ class GGUFModel:
 
     def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor in ``dtype``) for every tensor of the file, dequantized on the fly."""
+        import torch
+
+        for name, tensor in self.weights_or_blocks(dtype, frozenset()):
+            assert isinstance(tensor, torch.Tensor)
+            yield name, tensor
+
+    def weights_or_blocks(
+        self, dtype: torch.dtype, raw_types: frozenset[str]
+    ) -> Iterator[tuple[str, torch.Tensor | RawBlocks]]:
+        """(Hugging Face name, tensor in ``dtype``) for every tensor of the file, dequantized on the fly --
+        except the matrices of ``raw_types`` (GGUF type names), which come as the file stores them
+        (``RawBlocks``, for engine/model/quantized.py to pack)."""
         import numpy as np
         import torch
         from gguf import quants
@@ -117,6 +129,15 @@ class GGUFModel:
         for t in self._reader.tensors:
             name = _hf_name(t.name)
             assert name is not None  # inspect_gguf refused unknown tensors
+            if t.tensor_type.name in raw_types and len(t.shape) == 2:
+                data = t.data  # [rows, bytes per row], a view of the memory map
+                if self.architecture == "llama" and name.endswith("q_proj.weight"):
+                    data = _unpermute(data, c.num_heads)  # whole rows move: blocks stay intact
+                elif self.architecture == "llama" and name.endswith("k_proj.weight"):
+                    data = _unpermute(data, c.num_kv_heads)
+                rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists dimensions innermost first
+                yield name, RawBlocks(name, t.tensor_type.name, rows, cols, np.ascontiguousarray(data))
+                continue
             array = quants.dequantize(t.data, t.tensor_type)  # float32, numpy order [out, in]
             array = np.ascontiguousarray(array, dtype=np.float32)
             if not array.flags.writeable:  # an F32 tensor is a view of the read-only memory map
@@ -126,6 +147,25 @@ class GGUFModel:
             elif self.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
                 array = _unpermute(array, c.num_kv_heads)
             yield name, torch.from_numpy(array).to(dtype)
+
+
+@dataclass(frozen=True)
+class RawBlocks:
+    """One GGUF matrix as the file stores it: ``data`` [rows, bytes per row] of ``qtype`` blocks."""
+
+    name: str  # the Hugging Face name
+    qtype: str
+    rows: int
+    cols: int
+    data: Any  # numpy uint8, rows already in Hugging Face order (q/k unpermuted)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        import numpy as np
+        import torch
+        from gguf import GGMLQuantizationType, quants
+
+        array = quants.dequantize(self.data, GGMLQuantizationType[self.qtype])
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(dtype)
 
 
 def is_gguf_path(path: str | Path) -> bool:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine.model.llama import LlamaForCausalLM
+    from engine.native import QuantKernel
 
 INDEX_FILE = "model.safetensors.index.json"
 # make-model and the tests' random checkpoints carry this key in config.json (see is_random).
@@ -91,6 +92,7 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     device: torch.device
+    quantized: bool = False  # some matrices run packed (engine/model/quantized.py)
 
 
 def inspect_model(path: str | Path) -> ModelSource:
@@ -160,15 +162,44 @@ def _weight_files(folder: Path) -> tuple[Path, ...]:
     raise FileNotFoundError(f"model folder {str(folder)!r} has no *.safetensors weights")
 
 
-def load_model(path: str | Path | ModelSource, *, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """Build the model for ``path`` on ``device`` in ``dtype`` and fill every parameter from its files."""
+def load_model(
+    path: str | Path | ModelSource,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant_kernel: QuantKernel | None = None,
+) -> LoadedModel:
+    """Build the model for ``path`` on ``device`` in ``dtype`` and fill every parameter from its files.
+
+    With ``quant_kernel`` a GGUF file's Q8_0/Q4_0/Q4_1 matrices stay packed (engine/model/quantized.py)."""
+    from engine.model.gguf import RawBlocks
     from engine.model.llama import LlamaForCausalLM
     from engine.model.packed import can_pack, pack_linears
+    from engine.model.quantized import KERNEL_TYPES, quantize_model
 
     source = path if isinstance(path, ModelFolder | GGUFModel) else inspect_model(path)
     model = LlamaForCausalLM(source.config, dtype=dtype, device=device)
     expected = model.expected_weight_names()
-    loaded, unknown = model.load_weights(source.weights(dtype))
+    raw: dict[str, RawBlocks] = {}
+    if quant_kernel is not None and isinstance(source, GGUFModel):
+        stream: Iterator[tuple[str, Any]] = source.weights_or_blocks(dtype, frozenset(KERNEL_TYPES))
+    else:
+        stream = source.weights(dtype)
+
+    def dense() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in stream:
+            if isinstance(tensor, RawBlocks):
+                raw[name] = tensor
+            else:
+                yield name, tensor
+
+    loaded, unknown = model.load_weights(dense())
+    if raw:
+        assert quant_kernel is not None
+        consumed, rest = quantize_model(model, raw, quant_kernel, dtype)
+        more, unknown_more = model.load_weights(rest)
+        loaded |= consumed | more
+        unknown |= unknown_more
     what = (
         f"GGUF file {str(source.path)!r}"
         if isinstance(source, GGUFModel)
@@ -184,7 +215,9 @@ def load_model(path: str | Path | ModelSource, *, dtype: torch.dtype, device: to
     model.eval()
     if can_pack(dtype, device):
         pack_linears(model)  # bfloat16 on the CPU: oneDNN's blocked weights, reordered once (packed.py)
-    return LoadedModel(model, source.config, source.fingerprint, source.path, dtype, device)
+    return LoadedModel(
+        model, source.config, source.fingerprint, source.path, dtype, device, quantized=bool(raw)
+    )
 
 
 def _few(names: set[str], limit: int = 5) -> str:

@@ -1,0 +1,308 @@
+/* Linears over GGUF's quantized block formats (Q8_0, Q4_0, Q4_1), run as the file ships them.
+ *
+ *   pdkv_qlinear        out[m, n] = sum_k x[m, k] w[n, k]      (w packed, x and out bfloat16 or float32)
+ *   pdkv_qdequant_rows  rows of w as dense floats (embedding lookups, tests, the torch fallback)
+ *   pdkv_read_bandwidth the machine's read bandwidth probe (a sum over a buffer)
+ *
+ * The packed layout (engine/model/quantized.py writes it from the file's blocks, once, at load).  Output
+ * rows go in groups of 16 (the 16 lanes of a vector), the inputs in GGUF's blocks of 32; per group g and
+ * block b, contiguous, g-major (a thread streams its groups front to back):
+ *
+ *   Q4 (Q4_0, Q4_1)  256 bytes of quants, then 16 float16 scales d, then 16 float16 mins m (320 bytes):
+ *                    byte [c][r][i] (c < 4, r < 16, i < 4) holds row r's quant of input 4c + i in its low
+ *                    nibble and of input 16 + 4c + i in its high one -- GGUF's own byte qs[4c + i] of the
+ *                    row's block, so repacking is a transpose.  w = q d + m (Q4_0: m = -8 d, exact).
+ *   Q8 (Q8_0)        512 bytes, byte [c][r][i] (c < 8) = row r's quant of input 4c + i, plus 128 (so
+ *                    unsigned), then d and m as above (m = -128 d, exact): w = q d + m again.
+ *
+ * Activations are quantized per row and block of 32 as llama.cpp quantizes them for its Q8 dot products:
+ * a = da * qa with da = max|a| / 127, qa = round(a / da) in int8.  Then a block's contribution to one
+ * output is  d (da sum q qa) + m (da sum qa)  -- the integer sum by AVX512-VNNI's vpdpbusd (unsigned
+ * weight bytes times signed activation bytes, four at a time), 16 output rows in the lanes, each
+ * activation dword broadcast: no horizontal sums.  Each output is summed over the blocks in order by one
+ * thread, whatever the number of rows or threads: a row's result depends on that row alone (the
+ * engine's determinism rule, engine/determinism.py).
+ *
+ * Returns 0; 1 when this build lacks AVX512-VNNI/BW (the caller keeps its dense path); 2 for a shape or
+ * format it does not serve; 3 when memory for the activation buffers runs out.
+ */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+#include "simd.h"
+
+#define FMT_Q8 0
+#define FMT_Q4 1
+#define GROUP 16
+#define QBLOCK 32
+#define MT 8        /* activation rows per tile: the unpacked weights are reused across them */
+#define MCHUNK 64   /* activation rows per pass over the weights: their int8 copy stays in L2 */
+#define PARALLEL_MIN_WORK 32768
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PDKV_QUANT_BUILT 1
+#else
+#define PDKV_QUANT_BUILT 0
+#endif
+
+int pdkv_quant_built(void) { return PDKV_QUANT_BUILT; }
+
+/* Bytes of one (group, block) tile of the packed layout. */
+static int64_t tile_bytes(int64_t fmt) { return fmt == FMT_Q4 ? 320 : 576; }
+static int64_t quant_bytes(int64_t fmt) { return fmt == FMT_Q4 ? 256 : 512; }
+
+int64_t pdkv_qpacked_bytes(int64_t fmt, int64_t n, int64_t k) {
+    if ((fmt != FMT_Q4 && fmt != FMT_Q8) || n <= 0 || k <= 0 || k % QBLOCK) return -1;
+    return ((n + GROUP - 1) / GROUP) * (k / QBLOCK) * tile_bytes(fmt);
+}
+
+static float half_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            exp = 113;
+            while (!(man & 0x400u)) {
+                man <<= 1;
+                exp--;
+            }
+            bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* One packed row r's weights as floats: out[k]. */
+static void dequant_row(const uint8_t *packed, int64_t fmt, int64_t k, int64_t r, float *out) {
+    const int64_t blocks = k / QBLOCK, tb = tile_bytes(fmt), qb = quant_bytes(fmt);
+    const int64_t g = r / GROUP, lane = r % GROUP;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *t = packed + (g * blocks + b) * tb;
+        uint16_t dh, mh;
+        memcpy(&dh, t + qb + 2 * lane, 2);
+        memcpy(&mh, t + qb + 32 + 2 * lane, 2);
+        const float d = half_to_f32(dh), m = half_to_f32(mh);
+        float *o = out + b * QBLOCK;
+        if (fmt == FMT_Q4) {
+            for (int c = 0; c < 4; c++)
+                for (int i = 0; i < 4; i++) {
+                    const uint8_t byte = t[(c * GROUP + lane) * 4 + i];
+                    o[4 * c + i] = (float)(byte & 0xf) * d + m;
+                    o[16 + 4 * c + i] = (float)(byte >> 4) * d + m;
+                }
+        } else {
+            for (int c = 0; c < 8; c++)
+                for (int i = 0; i < 4; i++) o[4 * c + i] = (float)t[(c * GROUP + lane) * 4 + i] * d + m;
+        }
+    }
+}
+
+static void store_row(const float *src, void *dst, int64_t n, int64_t out_bf16) {
+    if (out_bf16) {
+        uint16_t *o = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) o[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+/* out[j, :] = row ids[j] of w, as bfloat16 (out_bf16) or float32. */
+int pdkv_qdequant_rows(const void *packed, int64_t fmt, int64_t n, int64_t k, const int64_t *ids,
+                       int64_t count, void *out, int64_t out_bf16) {
+    if (pdkv_qpacked_bytes(fmt, n, k) < 0) return 2;
+    for (int64_t j = 0; j < count; j++)
+        if (ids[j] < 0 || ids[j] >= n) return 2;
+    int failed = 0;
+#pragma omp parallel if (count * k >= 65536)
+    {
+        float *row = (float *)malloc((size_t)k * sizeof(float));
+        if (row == NULL) {
+#pragma omp atomic write
+            failed = 3;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < count; j++) {
+                dequant_row((const uint8_t *)packed, fmt, k, ids[j], row);
+                store_row(row, (char *)out + j * k * (out_bf16 ? 2 : 4), k, out_bf16);
+            }
+        }
+        free(row);
+    }
+    return failed;
+}
+
+/* A checksum over `bytes` bytes read once by every thread's share: the caller times it. */
+int64_t pdkv_read_bandwidth(const void *buf, int64_t bytes) {
+    const int64_t words = bytes / 8;
+    const uint64_t *p = (const uint64_t *)buf;
+    uint64_t total = 0;
+#pragma omp parallel for schedule(static) reduction(^ : total)
+    for (int64_t i = 0; i < words; i += 8) {
+        uint64_t x = 0;
+        const int64_t end = i + 8 < words ? i + 8 : words;
+        for (int64_t j = i; j < end; j++) x ^= p[j];
+        total ^= x;
+    }
+    return (int64_t)total;
+}
+
+#if PDKV_QUANT_BUILT
+/* 16 floats from 16 bfloat16 (as bits) and back, rounded to nearest even (as torch). */
+INLINE __m512 bf16_load16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+INLINE __m256i bf16_round16(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000)); /* NaN stays NaN */
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+/* Row x (k values, bfloat16 or float32) quantized per block of 32: qa[k] int8, da[k/32] and
+ * sa[k/32] = da * sum(qa) floats. */
+static void quantize_row(const void *x, int64_t in_bf16, int64_t k, int8_t *qa, float *da, float *sa) {
+    for (int64_t b = 0; b < k / QBLOCK; b++) {
+        __m512 v0, v1;
+        if (in_bf16) {
+            const uint16_t *p = (const uint16_t *)x + b * QBLOCK;
+            v0 = bf16_load16(p);
+            v1 = bf16_load16(p + 16);
+        } else {
+            const float *p = (const float *)x + b * QBLOCK;
+            v0 = _mm512_loadu_ps(p);
+            v1 = _mm512_loadu_ps(p + 16);
+        }
+        const __m512 a = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
+        const float amax = _mm512_reduce_max_ps(a);
+        const float d = amax / 127.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        /* round to nearest even (the default rounding mode of the conversion) */
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)(qa + b * QBLOCK), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(qa + b * QBLOCK + 16), _mm512_cvtsepi32_epi8(q1));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        da[b] = d;
+        sa[b] = d * (float)sum;
+    }
+}
+
+/* The 8 vectors of unsigned weight bytes of one tile: W[c] lanes r = row r's inputs 4c .. 4c + 3. */
+INLINE void load_weights(const uint8_t *t, int64_t fmt, __m512i w[8]) {
+    if (fmt == FMT_Q4) {
+        const __m512i low = _mm512_set1_epi8(0x0f);
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_loadu_si512(t + 64 * c);
+            w[c] = _mm512_and_si512(v, low);
+            w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+    } else {
+        for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512(t + 64 * c);
+    }
+}
+
+/* Rows m0 .. m0 + nrows - 1 (nrows <= MT) of one group: acc[j] over every block, stored to out. */
+INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int8_t *qa, const float *da,
+                       const float *sa, int64_t k, int nrows, void *out, int64_t ldo, int64_t col,
+                       int64_t ncols, int64_t out_bf16) {
+    __m512 acc[MT];
+    for (int j = 0; j < MT; j++) acc[j] = _mm512_setzero_ps();
+    const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *t = wg + b * tb;
+        __m512i w[8];
+        load_weights(t, fmt, w);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + qb)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + qb + 32)));
+        for (int j = 0; j < nrows; j++) {
+            const int32_t *a = (const int32_t *)(qa + j * k + b * QBLOCK);
+            __m512i s = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c++) s = _mm512_dpbusd_epi32(s, w[c], _mm512_set1_epi32(a[c]));
+            const float dj = da[j * (k / QBLOCK) + b], sj = sa[j * (k / QBLOCK) + b];
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dj)), acc[j]);
+            acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(sj), acc[j]);
+        }
+    }
+    const __mmask16 mask = ncols >= GROUP ? (__mmask16)0xffff : (__mmask16)((1u << ncols) - 1u);
+    for (int j = 0; j < nrows; j++) {
+        if (out_bf16) {
+            uint16_t *o = (uint16_t *)out + j * ldo + col;
+            _mm256_mask_storeu_epi16(o, mask, bf16_round16(acc[j]));
+        } else {
+            float *o = (float *)out + j * ldo + col;
+            _mm512_mask_storeu_ps(o, mask, acc[j]);
+        }
+    }
+}
+#endif
+
+/* out[m, col0 + n] (row stride ldo elements) = sum_k x[m, k] w[n, k] for m < rows, n < n_out; x [rows, k]
+ * contiguous.  in_bf16 / out_bf16: bfloat16 (else float32) input / output. */
+int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const void *packed, int64_t fmt,
+                 int64_t n_out, void *out, int64_t ldo, int64_t out_bf16) {
+#if !PDKV_QUANT_BUILT
+    (void)x; (void)in_bf16; (void)rows; (void)k; (void)packed; (void)fmt; (void)n_out; (void)out; (void)ldo;
+    (void)out_bf16;
+    return 1;
+#else
+    if (pdkv_qpacked_bytes(fmt, n_out, k) < 0 || rows < 0 || ldo < n_out) return 2;
+    if (rows == 0) return 0;
+    const int64_t blocks = k / QBLOCK, groups = (n_out + GROUP - 1) / GROUP, tb = tile_bytes(fmt);
+    int8_t *qa = (int8_t *)malloc((size_t)(rows * k));
+    float *da = (float *)malloc((size_t)(rows * blocks) * sizeof(float));
+    float *sa = (float *)malloc((size_t)(rows * blocks) * sizeof(float));
+    if (qa == NULL || da == NULL || sa == NULL) {
+        free(qa); free(da); free(sa);
+        return 3;
+    }
+    const int64_t esize = in_bf16 ? 2 : 4, osize = out_bf16 ? 2 : 4;
+    const int parallel = rows * n_out * k >= PARALLEL_MIN_WORK;
+#pragma omp parallel if (parallel)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            quantize_row((const char *)x + r * k * esize, in_bf16, k, qa + r * k, da + r * blocks,
+                         sa + r * blocks);
+        for (int64_t m0 = 0; m0 < rows; m0 += MCHUNK) {
+            const int64_t m1 = m0 + MCHUNK < rows ? m0 + MCHUNK : rows;
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < groups; g++) {
+                const uint8_t *wg = (const uint8_t *)packed + g * blocks * tb;
+                const int64_t col = g * GROUP;
+                const int64_t ncols = n_out - col < GROUP ? n_out - col : GROUP;
+                for (int64_t j = m0; j < m1; j += MT) {
+                    const int n = (int)(m1 - j < MT ? m1 - j : MT);
+                    char *o = (char *)out + j * ldo * osize;
+                    const int64_t qoff = j * k, soff = j * blocks;
+                    if (n == MT)
+                        group_tile(wg, fmt, blocks, qa + qoff, da + soff, sa + soff, k, MT, o, ldo, col, ncols,
+                                   out_bf16);
+                    else if (n == 1)
+                        group_tile(wg, fmt, blocks, qa + qoff, da + soff, sa + soff, k, 1, o, ldo, col, ncols,
+                                   out_bf16);
+                    else
+                        group_tile(wg, fmt, blocks, qa + qoff, da + soff, sa + soff, k, n, o, ldo, col, ncols,
+                                   out_bf16);
+                }
+            }
+        }
+    }
+    free(qa);
+    free(da);
+    free(sa);
+    return 0;
+#endif
+}

@@ -1,0 +1,279 @@
+"""GGUF's quantized matrices kept quantized: packed once at load, run by ``engine/csrc/quant.c``.
+
+A Q8_0, Q4_0 or Q4_1 matrix of a GGUF file is not dequantized (270 MB of bfloat16 for the built-in
+model's 98 MB file): its blocks are repacked into the kernel's layout (``quant.c``'s header; per 16 output
+rows and 32 inputs the same bytes the file holds, so the weights stay 1.0x the file) and the linear runs
+on them -- the activations quantized per row and block of 32 to int8, AVX512-VNNI integer dot products,
+float32 sums per block, every row's reduction order its own (batch-invariant).  The tied embedding is
+read row by row from the same packed bytes its LM head multiplies.
+
+Which weights a model runs is ``EngineConfig.weights`` (``--weights``): ``quantized`` (this), ``bf16`` or
+``float32`` (dequantized at load, torch's and oneDNN's matmuls: the reference).  ``auto`` picks
+``quantized`` where the file has such matrices, the device is the CPU and the kernels were built
+(AVX512-VNNI), else the dense path in the engine's dtype.  The KV a node computes depends on it, so the
+format is part of the KV fingerprint (``engine/determinism.kv_fingerprint``): nodes on quantized and on
+dequantized weights of one file never exchange blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.model.gguf import RawBlocks
+
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaForCausalLM
+    from engine.native import QuantKernel
+
+FMT_Q8, FMT_Q4 = 0, 1  # quant.c's two layouts
+# GGUF type name -> (quant.c layout, bytes of one GGUF block of 32)
+KERNEL_TYPES = {"Q8_0": (FMT_Q8, 34), "Q4_0": (FMT_Q4, 18), "Q4_1": (FMT_Q4, 20)}
+GROUP, QBLOCK = 16, 32
+
+
+class PackError(ValueError):
+    """A matrix the kernels cannot hold as it is (the message says why); it is dequantized instead."""
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A [rows, cols] matrix in quant.c's packed layout."""
+
+    qtype: str  # the GGUF type it came from
+    fmt: int
+    rows: int
+    cols: int
+    packed: torch.Tensor  # uint8
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+
+def pack(raws: list[RawBlocks]) -> QuantWeight:
+    """The row-wise concatenation of ``raws`` (one GGUF type, one width) packed for quant.c."""
+    qtype, cols = raws[0].qtype, raws[0].cols
+    if any(r.qtype != qtype or r.cols != cols for r in raws):
+        raise PackError("parts of different types or widths are packed separately")
+    if qtype not in KERNEL_TYPES:
+        raise PackError(f"no kernel for {qtype}")
+    fmt, block_bytes = KERNEL_TYPES[qtype]
+    if cols % QBLOCK:
+        raise PackError(f"{cols} columns is not a whole number of blocks of {QBLOCK}")
+    data = np.concatenate([r.data for r in raws]) if len(raws) > 1 else raws[0].data
+    rows, nb = data.shape[0], cols // QBLOCK
+    if data.shape[1] != nb * block_bytes:
+        raise PackError(f"{data.shape[1]} bytes per row, expected {nb * block_bytes} for {qtype}")
+    padded = -(-rows // GROUP) * GROUP
+    blocks = np.zeros((padded, nb, block_bytes), dtype=np.uint8)  # zero rows pad the last group
+    blocks[:rows] = data.reshape(rows, nb, block_bytes)
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]  # [padded, nb]
+    if qtype == "Q4_1":
+        m, qs = blocks[:, :, 2:4].copy().view(np.float16)[..., 0], blocks[:, :, 4:20]
+    elif qtype == "Q4_0":
+        m, qs = d * np.float16(-8), blocks[:, :, 2:18]
+    else:  # Q8_0: signed bytes stored with 128 added (the kernel's unsigned operand)
+        m, qs = d * np.float16(-128), blocks[:, :, 2:34] ^ np.uint8(0x80)
+    with np.errstate(over="ignore"):
+        if not np.all(np.isfinite(m)):
+            raise PackError("a block scale too large for its offset in float16")
+    chunks = qs.shape[2] // 4  # 4 (Q4) or 8 (Q8) runs of 4 bytes per row and block
+    groups = padded // GROUP
+    # [g, r, b, c, 4] -> [g, b, c, r, 4]: per (group, block) the chunk-major bytes quant.c reads
+    q = qs.reshape(groups, GROUP, nb, chunks, 4).transpose(0, 2, 3, 1, 4).reshape(groups, nb, chunks * 64)
+    dm = np.stack([d, m], axis=-1).reshape(groups, GROUP, nb, 2).transpose(0, 2, 3, 1)  # [g, b, 2, r]
+    tile = np.concatenate([q, np.ascontiguousarray(dm).view(np.uint8).reshape(groups, nb, 64)], axis=2)
+    packed = torch.from_numpy(np.ascontiguousarray(tile).reshape(-1))
+    return QuantWeight(qtype, fmt, rows, cols, packed)
+
+
+class QuantLinear(nn.Module):
+    """A linear layer (no training) over packed weights: one part per run of equal GGUF types."""
+
+    def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None, kernel: QuantKernel) -> None:
+        super().__init__()
+        self.in_features = parts[0].cols
+        self.out_features = sum(p.rows for p in parts)
+        starts = np.cumsum([0] + [p.rows for p in parts[:-1]])
+        self.parts = [(int(s), p) for s, p in zip(starts, parts, strict=True)]
+        self.bias = bias  # a plain attribute: to_empty/to never touch these tensors
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, in] -> [T, out], in ``x``'s dtype."""
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        for start, w in self.parts:
+            self.kernel.linear(x, w.packed, w.fmt, w.rows, out, start)
+        return out if self.bias is None else out + self.bias
+
+    def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as a plain [out, in] tensor (tests, the bench's matmul floor)."""
+        return torch.cat([dequantize(self.kernel, w, dtype) for _, w in self.parts])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for _, w in self.parts)
+
+    def extra_repr(self) -> str:
+        kinds = "+".join(f"{w.qtype}[{w.rows}]" for _, w in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, quantized={kinds}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings looked up row by row from a packed matrix (the tied LM head's own bytes)."""
+
+    def __init__(self, weight: QuantWeight, kernel: QuantKernel, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight_q = weight
+        self.kernel = kernel
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.weight_q
+        return self.kernel.rows(w.packed, w.fmt, w.rows, w.cols, ids.reshape(-1), self.dtype)
+
+    def extra_repr(self) -> str:
+        w = self.weight_q
+        return f"{w.rows}, {w.cols}, quantized={w.qtype}"
+
+
+def choose_weights(
+    choice: str, dtype_choice: str, tensor_types: Mapping[str, int], device: torch.device, dtype: torch.dtype
+) -> tuple[QuantKernel | None, str]:
+    """``EngineConfig.weights`` resolved for a model whose tensors have ``tensor_types`` (GGUF type name
+    -> count; empty for a safetensors folder): (the kernel that runs packed weights, None: dense; a
+    phrase for the log).  ``quantized`` refuses, naming why, where it cannot be served; ``auto`` falls
+    back."""
+    from engine.native import native_kernels
+
+    if choice in ("bf16", "float32"):
+        return None, f"--weights {choice}: dequantized at load"
+    kinds = sorted(set(tensor_types) & set(KERNEL_TYPES))
+    kernel = None
+    if not kinds:
+        why = "the model has no Q8_0, Q4_0 or Q4_1 matrices"
+    elif device.type != "cpu":
+        why = "the quantized kernels run on the CPU"
+    elif dtype not in (torch.bfloat16, torch.float32):
+        why = f"they compute in bfloat16 or float32, not {str(dtype).removeprefix('torch.')}"
+    else:
+        kernels = native_kernels()
+        kernel = None if kernels is None else kernels.quant
+        why = (
+            "the native kernels could not be built (no C compiler?)"
+            if kernels is None
+            else "this CPU or compiler has no AVX512-VNNI code"
+        )
+    if choice == "quantized":
+        if kernel is None:
+            raise ValueError(f"weights 'quantized' cannot be served: {why}")
+        return kernel, f"--weights quantized ({', '.join(kinds)} as the file ships them)"
+    if dtype_choice == "float32":
+        return None, "auto: --dtype float32 runs the weights dequantized (the reference path)"
+    if kernel is None:
+        return None, f"auto: dequantized ({why})"
+    return kernel, f"auto: quantized ({', '.join(kinds)} as the file ships them)"
+
+
+def dequantize(kernel: QuantKernel, w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return kernel.rows(w.packed, w.fmt, w.rows, w.cols, torch.arange(w.rows), dtype)
+
+
+# Our fused modules: (module path under a layer, the Hugging Face shards in order)
+_FUSED = (
+    ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("self_attn.o_proj", ("self_attn.o_proj",)),
+    ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+    ("mlp.down_proj", ("mlp.down_proj",)),
+)
+
+
+def quantize_model(
+    model: LlamaForCausalLM, raw: Mapping[str, RawBlocks], kernel: QuantKernel, dtype: torch.dtype
+) -> tuple[set[str], list[tuple[str, torch.Tensor]]]:
+    """Replace every linear (and the embedding) whose file matrices are all in ``raw`` by its packed form.
+
+    Returns (the Hugging Face names consumed, the (name, dense tensor) pairs still to load: matrices that
+    could not be packed, or whose fused module has a shard the kernels do not run)."""
+    consumed: set[str] = set()
+    dense: list[tuple[str, torch.Tensor]] = []
+
+    def parts_of(names: Iterable[str]) -> list[QuantWeight] | None:
+        shards = [raw.get(n) for n in names]
+        if any(s is None for s in shards):
+            return None
+        runs: list[list[RawBlocks]] = []
+        for s in shards:
+            assert s is not None
+            if runs and runs[-1][0].qtype == s.qtype:
+                runs[-1].append(s)
+            else:
+                runs.append([s])
+        try:
+            return [pack(run) for run in runs]
+        except PackError:
+            return None
+
+    for i, layer in enumerate(model.layers):
+        for path, shards in _FUSED:
+            names = [f"model.layers.{i}.{s}.weight" for s in shards]
+            parts = parts_of(names)
+            if parts is None:
+                continue
+            parent_path, attr = path.rsplit(".", 1)
+            parent = layer.get_submodule(parent_path)
+            old = getattr(parent, attr)
+            bias = None if old.bias is None else old.bias.detach().clone()
+            setattr(parent, attr, QuantLinear(parts, bias, kernel))
+            consumed.update(names)
+    embed = raw.get("model.embed_tokens.weight")
+    if embed is not None:
+        try:
+            w = pack([embed])
+        except PackError:
+            w = None
+        if w is not None:
+            model.embed_tokens = QuantEmbedding(w, kernel, dtype)  # type: ignore[assignment]
+            consumed.add(embed.name)
+            if model.config.tie_word_embeddings:
+                model.lm_head = QuantLinear([w], None, kernel)  # type: ignore[assignment]
+    head = raw.get("lm_head.weight")
+    if head is not None:
+        parts = parts_of([head.name])
+        if parts is not None:
+            model.lm_head = QuantLinear(parts, None, kernel)  # type: ignore[assignment]
+            consumed.add(head.name)
+    for name, r in raw.items():
+        if name not in consumed:
+            dense.append((name, r.dense(dtype)))
+    return consumed, dense
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every weight the model holds: parameters, buffers and packed matrices, each storage once."""
+    seen: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> None:
+        if t.device.type != "meta" and t.numel():
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    for t in (*model.parameters(), *model.buffers()):
+        add(t)
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            for _, w in m.parts:
+                add(w.packed)
+            if m.bias is not None:
+                add(m.bias)
+        elif isinstance(m, QuantEmbedding):
+            add(m.weight_q.packed)
+        elif hasattr(m, "packed") and isinstance(m.packed, torch.Tensor):  # PackedLinear (oneDNN)
+            seen[id(m.packed)] = m.packed.numel() * m.packed.element_size()
+    return sum(seen.values())
