@@ -39,6 +39,7 @@ from engine import LLM, SamplingParams
 from engine.model.convert_gguf import convert_gguf
 from engine.model.embedded import ensure_default_model
 from engine.model.packed import linear_weights
+from engine.model.quantized import QuantLinear
 
 
 def make_prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
@@ -84,8 +85,22 @@ def step_and_floor_seconds(llm: LLM, batch: int, *, steps: int, context: int = 1
 
 
 def matmul_floor(llm: LLM, batch: int) -> Callable[[], None]:
-    """One decode step's linear layers alone: every weight matrix of the model times [batch, in]."""
-    weights = linear_weights(llm.engine.model.model)  # dense copies where the engine packed them
+    """One decode step's linear layers alone: every weight matrix of the model times [batch, in] --
+    ``F.linear`` on dense weights, the engine's own packed linears where its weights run quantized."""
+    model = llm.engine.model.model
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if quantized:
+        xs = {
+            m.in_features: torch.randn(batch, m.in_features, dtype=llm.engine.model.dtype) for m in quantized
+        }
+
+        @torch.inference_mode()
+        def quantized_step() -> None:
+            for m in quantized:
+                m(xs[m.in_features])
+
+        return quantized_step
+    weights = linear_weights(model)  # dense copies where the engine packed them
     dtype = weights[0].dtype
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
 

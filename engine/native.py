@@ -278,6 +278,15 @@ class QuantKernel:
         return int(self.bandwidth_fn(buffer.data_ptr(), buffer.numel() * buffer.element_size()))
 
 
+@dataclass(frozen=True)
+class DecodeLayerKernel:
+    """``engine/csrc/decode_layer.c``: a quantized model's decoder layer in one call (driven by
+    ``engine/model/fused_decode.py``, which mirrors its structs)."""
+
+    layer_fn: Any  # pdkv_decode_layer
+    scratch_fn: Any  # pdkv_decode_scratch_bytes
+
+
 def _check_quant(failed: int, name: str) -> None:
     if failed == 3:
         raise MemoryError(f"{name} could not allocate its activation buffers")
@@ -294,6 +303,7 @@ class NativeKernels:
     argmax: ArgmaxKernel
     lora: LoRAKernel | None = None  # None where the build has no AVX512-BF16 code
     quant: QuantKernel | None = None  # None where the build has no AVX512-VNNI code
+    decode_layer: DecodeLayerKernel | None = None  # with quant
 
 
 _lock = threading.Lock()
@@ -362,6 +372,13 @@ def _load() -> NativeKernels | None:
     bandwidth.argtypes = [_PTR, _INT64]
     bandwidth.restype = _INT64
     lib.pdkv_quant_built.restype = ctypes.c_int
+    layer = lib.pdkv_decode_layer
+    layer.argtypes = [_PTR] * 7
+    layer.restype = ctypes.c_int
+    scratch = lib.pdkv_decode_scratch_bytes
+    scratch.argtypes = [_PTR, _INT64]
+    scratch.restype = _INT64
+    quant = lib.pdkv_quant_built()
     logger.info(
         "native kernels (decode and prefill attention, RMSNorm, RoPE + K/V write, SiLU-mul, argmax): %s", path
     )
@@ -373,5 +390,6 @@ def _load() -> NativeKernels | None:
         SiluMulKernel(silu),
         ArgmaxKernel(argmax),
         LoRAKernel(lora) if lib.pdkv_lora_built() else None,
-        QuantKernel(qlinear, qrows, bandwidth) if lib.pdkv_quant_built() else None,
+        QuantKernel(qlinear, qrows, bandwidth) if quant else None,
+        DecodeLayerKernel(layer, scratch) if quant else None,
     )

@@ -15,7 +15,13 @@ from engine.cpu_features import cpu_flags
 from engine.model.embedded import cache_dir
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_decode.c", CSRC / "paged_prefill.c", CSRC / "lora.c", CSRC / "quant.c")
+SOURCES = (
+    CSRC / "paged_decode.c",
+    CSRC / "paged_prefill.c",
+    CSRC / "lora.c",
+    CSRC / "quant.c",
+    CSRC / "decode_layer.c",
+)
 HEADERS = (CSRC / "simd.h",)
 FLAGS = (
     "-O3",

@@ -29,6 +29,7 @@ from engine.hashing import AdapterId
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from engine.kv_cache_manager import cdiv
 from engine.lora.manager import LoRAManager
+from engine.model.fused_decode import FusedDecode
 from engine.model.llama import ForwardContext, LlamaForCausalLM
 from engine.native import RopeKernel, native_kernels
 from engine.native_attention import DecodeKernel, PrefillKernel
@@ -108,6 +109,9 @@ class ModelRunner:
         c = model.config
         kernels = native_kernels() if device.type == "cpu" else None
         model.use_native(kernels, kv_spec.dtype)  # None without a compiler: the torch ops
+        layer_kernel = kernels.decode_layer if kernels is not None else None
+        serves = layer_kernel is not None and FusedDecode.serves(model, kv_spec.dtype)
+        model.fused_decode = FusedDecode(model, layer_kernel) if serves and layer_kernel else None
         sampler.argmax = kernels.argmax if kernels is not None else None
         if kernels is None:
             return None, None, None

@@ -11,7 +11,7 @@ tensors into the fused parameters.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +38,10 @@ class ForwardContext:
     rope_kernel: RopeKernel | None = None  # native RoPE + K/V write, if built
     prefill_kernel: PrefillKernel | None = None  # native prefill attention, if built and it serves the dtype
     deterministic: bool = False  # every attention row through prefill_kernel (engine/attention.py)
+
+
+# (embeddings, cos, sin, context) -> hidden states, or None for a step it does not serve
+FusedDecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor | None]
 
 
 class RMSNorm(nn.Module):
@@ -197,6 +201,11 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, device)
+        # Set by the runner where the weights run quantized (engine/model/fused_decode.py): decode steps
+        # one native call per layer; it returns None for a step it does not serve.
+        self.fused_decode: (
+            Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor | None] | None
+        ) = None
 
     def use_native(self, kernels: NativeKernels | None, dtype: torch.dtype) -> None:
         """Compute every RMSNorm and SwiGLU activation with ``kernels`` (engine/native.py) where they
@@ -213,6 +222,10 @@ class LlamaForCausalLM(nn.Module):
         """``input_ids``, ``positions`` [T] -> hidden states [T, hidden] (before the final norm)."""
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [T, 1, D/2] each
+        if self.fused_decode is not None:
+            out = self.fused_decode(h, cos, sin, ctx)  # one native call per layer, where it serves
+            if out is not None:
+                return out
         delta: torch.Tensor | None = None
         for layer in self.layers:
             h, delta = layer(h, delta, cos, sin, ctx)

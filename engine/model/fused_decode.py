@@ -1,0 +1,163 @@
+"""Decode steps of a quantized model one native call per layer (``engine/csrc/decode_layer.c``).
+
+A batch-1 decode step of the built-in model reads its 96 MB of packed weights in about 4 ms; calling
+the ~10 kernels of each of 30 layers from Python (wrappers, tensors, ctypes) cost as much again.
+``FusedDecode`` hands each layer to ``pdkv_decode_layer``, which calls the same kernels in the same order
+with the same roundings -- the per-op path's bits (a test compares the two) -- and the connector's layer
+hooks still run between layers.
+
+It serves a step whose rows are all decodes in one group, in bfloat16 with every native kernel the
+per-op path would use, where every layer's four linears are ``QuantLinear`` of one part without bias
+(no LoRA wrapper, no Qwen2 biases) and the step is not deterministic (that mode's attention is another
+kernel); any other step takes the per-op path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.model.quantized import QuantLinear
+
+if TYPE_CHECKING:
+    from engine.model.llama import ForwardContext, LlamaForCausalLM
+    from engine.native import DecodeLayerKernel
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("norm1", _P), ("norm2", _P), ("wqkv", _P), ("wo", _P), ("wgu", _P), ("wd", _P),
+        ("fqkv", _I), ("fo", _I), ("fgu", _I), ("fd", _I), ("layer", _I), ("window", _I),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+    ]  # fmt: skip
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [
+        (n, _I)
+        for n in ("hidden", "heads", "kv_heads", "head_dim", "inter", "num_layers", "block_size", "bf16")
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("rows", _I), ("table_width", _I), ("num_blocks", _I), ("cos", _P), ("sin", _P), ("kv_cache", _P),
+        ("slot_blocks", _P), ("slot_offsets", _P), ("block_table", _P), ("positions", _P), ("scratch", _P),
+    ]  # fmt: skip
+
+
+class FusedDecode:
+    """The layers of ``model`` as ``pdkv_decode_layer`` structs, built once (the weights never move)."""
+
+    def __init__(self, model: LlamaForCausalLM, kernel: DecodeLayerKernel) -> None:
+        c = model.config
+        self.layer_fn = kernel.layer_fn
+        self.scratch_fn = kernel.scratch_fn
+        self.shape = _Shape(
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.num_layers, 0, 1
+        )  # block_size: the cache's, per step
+        self.layers = []
+        for i, layer in enumerate(_layers(model)):
+            attn, mlp = _parts(layer)
+            w = [_only_part(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            self.layers.append(
+                _Layer(
+                    layer.input_layernorm.weight.data_ptr(),
+                    layer.post_attention_layernorm.weight.data_ptr(),
+                    *(p.packed.data_ptr() for p in w),
+                    *(p.fmt for p in w),
+                    i,
+                    attn.window or 0,
+                    layer.input_layernorm.eps,
+                    attn.scale,
+                )
+            )
+        self.scratch = torch.empty(0, dtype=torch.uint8)
+
+    @staticmethod
+    def serves(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
+        """Whether every layer has what the fused call computes (see the module's docstring)."""
+        if dtype != torch.bfloat16:
+            return False
+        for layer in _layers(model):
+            attn, mlp = _parts(layer)
+            if layer.input_layernorm.kernel is None or mlp.kernel is None:
+                return False
+            if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
+                return False
+            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                if not isinstance(m, QuantLinear) or len(m.parts) != 1 or m.bias is not None:
+                    return False
+        return True
+
+    @staticmethod
+    def step_fits(ctx: ForwardContext) -> bool:
+        """Whether this step's rows are what the fused call serves: decodes only, one group, the native
+        decode attention and RoPE, not deterministic."""
+        a = ctx.attn
+        return (
+            not a.prefills
+            and len(a.decodes) == 1
+            and not ctx.deterministic
+            and ctx.decode_kernel is not None
+            and ctx.rope_kernel is not None
+        )
+
+    def __call__(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor | None:
+        """The layers over the step's embeddings ``h`` [T, hidden] -> hidden states (before the final
+        norm); None for a step this does not serve (``step_fits``)."""
+        if not self.step_fits(ctx):
+            return None
+        t = h.shape[0]
+        dec = ctx.attn.decodes[0]
+        need = int(self.scratch_fn(ctypes.byref(self.shape), t))
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(need, dtype=torch.uint8)
+        kv = ctx.kv_cache
+        self.shape.block_size = kv.shape[3]
+        assert kv.is_contiguous() and dec.block_table.is_contiguous() and dec.positions.is_contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        step = _Step(
+            t, dec.block_table.shape[1], kv.shape[0], cos.data_ptr(), sin.data_ptr(), kv.data_ptr(),
+            ctx.attn.slot_blocks.data_ptr(), ctx.attn.slot_offsets.data_ptr(), dec.block_table.data_ptr(),
+            dec.positions.data_ptr(), self.scratch.data_ptr(),
+        )  # fmt: skip
+        byref = ctypes.byref
+        shape, step_ref, fn, hooks = byref(self.shape), byref(step), self.layer_fn, ctx.hooks
+        # two (h, delta) pairs in turns: a layer reads one and writes the other
+        h = h.contiguous()
+        bufs = [torch.empty_like(h) for _ in range(4)]
+        delta: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            hooks.wait_for_layer_load(i)
+            h_out, d_out = bufs[2 * (i % 2)], bufs[2 * (i % 2) + 1]
+            d_in = None if delta is None else delta.data_ptr()
+            failed = fn(
+                ctypes.byref(layer), shape, step_ref, h.data_ptr(), d_in, h_out.data_ptr(), d_out.data_ptr()
+            )
+            if failed:
+                raise RuntimeError(f"pdkv_decode_layer failed in layer {i} ({failed})")
+            hooks.save_kv_layer(i, kv, ctx.attn)
+            h, delta = h_out, d_out
+        return h if delta is None else h + delta
+
+
+def _layers(model: LlamaForCausalLM) -> list[Any]:
+    return list(model.layers)
+
+
+def _parts(layer: Any) -> tuple[Any, Any]:
+    """A decoder layer's attention and MLP modules."""
+    return layer.self_attn, layer.mlp
+
+
+def _only_part(m: Any) -> Any:
+    assert isinstance(m, QuantLinear) and len(m.parts) == 1
+    return m.parts[0][1]
