@@ -1,7 +1,7 @@
 """The pdkv engine on the embedded real model (SmolLM2-135M-Instruct) against transformers and against
 the time of its own matmuls.
 
-    python -m bench.engine_real [--quick] [--json PATH] [--dtypes bfloat16,float32]
+    python -m bench.engine_real [--quick] [--json PATH] [--dtypes bfloat16,float32] [--llamacpp]
 
 ``python -m bench.engine`` runs this after its 4-layer figures; it can also run alone.
 
@@ -15,6 +15,16 @@ the time of its own matmuls.
   thread count -- against pdkv's measured decode step at that batch (``decode_fraction_of_matmul_floor_b8``
   and ``_b32``, goal >= 0.8), the two timed in turns.  The rest of a step is attention, norms, rope,
   sampling and bookkeeping.
+- **Quantized weights** (``--weights quantized``, engine/model/quantized.py; ``--no-quantized`` skips):
+  the file as it ships (Q4_1 matrices, a Q8_0 embedding) -- decode tokens/s at batch 1, 8 and 32 and the
+  1000-token TTFT; ``decode_fraction_of_bandwidth_b1`` (the packed bytes one batch-1 step reads over its
+  time, against the machine's read bandwidth measured in the same run: a sum over 512 MB, quant.c's
+  ``pdkv_read_bandwidth``, goal >= 0.8) and ``weights_resident_over_file`` (bytes of every weight the
+  engine holds over the GGUF file's size, goal <= 1.3).
+- **llama.cpp** (``--llamacpp``, bench/llamacpp.py; same prompts, same 2 threads): on a BF16 GGUF of the
+  weights against pdkv bfloat16 (``speedup_vs_llamacpp_b1/_b8/_b32``, ``prefill_speedup_vs_llamacpp``),
+  and on the **shipped Q4_1 file** against pdkv quantized (``speedup_vs_llamacpp_q41_b1`` >= 1.0,
+  ``_b8`` >= 1.5, ``_b32`` >= 2.0, ``prefill_speedup_vs_llamacpp_q41`` >= 2.0).
 - **Deterministic mode** (``engine/determinism.py``): every figure above runs with ``--deterministic``
   (default off, the engine's default); an engine with the other setting is timed in turns with the
   bfloat16 one -- decode steps at batch 8 and 32 (``deterministic_decode_fraction_b8`` and ``_b32``:
@@ -39,7 +49,8 @@ from engine import LLM, SamplingParams
 from engine.model.convert_gguf import convert_gguf
 from engine.model.embedded import ensure_default_model
 from engine.model.packed import linear_weights
-from engine.model.quantized import QuantLinear
+from engine.model.quantized import QuantLinear, weight_bytes
+from engine.native import QuantKernel
 
 
 def make_prompts(n: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
@@ -151,10 +162,13 @@ def ttft_seconds(llm: LLM, prompt: list[int], repeat: int = 3) -> float:
     return statistics.median(times)
 
 
-def real_llm(gguf: Path, dtype: str, deterministic: bool) -> LLM:
+def real_llm(gguf: Path, dtype: str, deterministic: bool, weights: str | None = None) -> LLM:
+    """The engine on the real model; ``weights`` None: the file dequantized to ``dtype`` (the dense path)."""
+    dense = {"bfloat16": "bf16", "float32": "float32"}
     return LLM(
         gguf,
         dtype=dtype,
+        weights=weights or dense[dtype],
         device="cpu",
         block_size=16,
         max_num_seqs=64,
@@ -187,6 +201,67 @@ def deterministic_cost(
     return out
 
 
+def read_bandwidth(kernel: QuantKernel, repeat: int = 7, size: int = 512 * 1024**2) -> float:
+    """The machine's read bandwidth in bytes/s: the median of ``repeat`` reads of a buffer far larger than
+    the caches, on the engine's threads (quant.c's ``pdkv_read_bandwidth``)."""
+    buffer = torch.ones(size // 8, dtype=torch.int64)
+    kernel.read_bandwidth(buffer)  # pages in
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        kernel.read_bandwidth(buffer)
+        times.append(time.perf_counter() - t0)
+    return size / statistics.median(times)
+
+
+def quantized_figures(gguf: Path, steps: int, long_prompt: list[int], report: Report) -> dict[str, float]:
+    """pdkv on the file as it ships (``--weights quantized``): decode at batch 1/8/32, the 1000-token
+    TTFT, the batch-1 step against the machine's read bandwidth, and the weights held against the file."""
+    llm = real_llm(gguf, "bfloat16", False, weights="quantized")
+    model = llm.engine.model.model
+    quant = next(m for m in model.modules() if isinstance(m, QuantLinear)).kernel
+    generate_seconds(llm, make_prompts(2, (16, 32), 49152, seed=1), 4)  # warm up
+    out: dict[str, float] = {}
+    for batch in (1, 8, 32):
+        step_s, floor_s = step_and_floor_seconds(llm, batch, steps=max(steps, 16))
+        report.figure(f"real_q_decode_step_ms_b{batch}", step_s * 1e3)
+        report.figure(f"real_q_matmul_floor_ms_b{batch}", floor_s * 1e3)
+        report.figure(f"real_q_decode_tokens_per_s_b{batch}", batch / step_s)
+        out[f"tokens_per_s_q_b{batch}"] = batch / step_s
+        if batch == 1:
+            bandwidth = read_bandwidth(quant)
+            out["step_q_b1"] = step_s
+    out["ttft_1000_q"] = ttft_seconds(llm, long_prompt)
+    report.figure("real_q_ttft_1000_ms", out["ttft_1000_q"] * 1e3)
+    held = weight_bytes(model)
+    streamed = streamed_bytes(model)
+    file_size = gguf.stat().st_size
+    report.figure("read_bandwidth_gb_per_s", bandwidth / 1e9)
+    report.figure("real_q_weight_bytes_read_per_step_mb", streamed / 1e6)
+    report.figure("real_q_weights_resident_mb", held / 1e6)
+    report.figure("gguf_file_mb", file_size / 1e6)
+    out["bandwidth_fraction_b1"] = streamed / out["step_q_b1"] / bandwidth
+    out["resident_over_file"] = held / file_size
+    print(
+        f"real quantized: batch-1 step {out['step_q_b1'] * 1e3:.2f} ms reads {streamed / 1e6:.1f} MB "
+        f"({streamed / out['step_q_b1'] / 1e9:.1f} GB/s; the machine reads {bandwidth / 1e9:.1f} GB/s); "
+        f"weights held {held / 1e6:.1f} MB for a {file_size / 1e6:.1f} MB file"
+    )
+    llm.engine.shutdown()
+    return out
+
+
+def streamed_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every linear's packed matrix once (the tied embedding is
+    the LM head's matrix) -- the norms' few KB aside."""
+    seen: dict[int, int] = {}
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            for _, w in m.parts:
+                seen[w.packed.data_ptr()] = w.nbytes
+    return sum(seen.values())
+
+
 def run(
     report: Report,
     *,
@@ -195,6 +270,7 @@ def run(
     repeats: int,
     llamacpp: bool = False,
     deterministic: bool = False,
+    quantized: bool = True,
 ) -> dict[str, Any]:
     if quick:
         n, lengths, new_tokens, steps = 8, (100, 300), 32, 8
@@ -245,34 +321,50 @@ def run(
                 except ValueError as exc:  # this CPU cannot serve it
                     print(f"real bf16: no deterministic figures: {exc}")
             llm.engine.shutdown()
-        if llamacpp and "ttft_1000_bf16" in results:
+        if quantized:
+            [long_prompt] = make_prompts(1, (1000, 1000), 49152, seed=101)
+            results.update(quantized_figures(gguf, steps, long_prompt, report))
+        if llamacpp:
             from bench import llamacpp as lcpp
 
-            bf16 = lcpp.write_bf16_gguf(gguf, Path(tmp) / "smollm2-bf16.gguf")
-            theirs: dict[str, float] = lcpp.measure(
-                bf16,
-                steps=steps,
-                prompts_for=lambda b, n=lcpp.CONTEXT: make_prompts(b, (n, n), 49152, seed=100 + b),
-            )
-            for key, value in theirs.items():
-                report.figure(key, value)
-            for batch in (1, 8, 32):
-                mine = results[f"tokens_per_s_bf16_b{batch}"]
-                results[f"vs_llamacpp_b{batch}"] = mine / theirs[f"llamacpp_decode_tokens_per_s_b{batch}"]
-            results["prefill_vs_llamacpp"] = theirs["llamacpp_ttft_1000_ms"] / 1e3 / results["ttft_1000_bf16"]
+            def prompts_for(b: int, n: int = lcpp.CONTEXT) -> list[list[int]]:
+                return make_prompts(b, (n, n), 49152, seed=100 + b)
+
+            runs = []
+            if "ttft_1000_bf16" in results:  # pdkv bf16 against llama.cpp on a BF16 GGUF of the weights
+                runs.append(("", "bf16", lcpp.write_bf16_gguf(gguf, Path(tmp) / "smollm2-bf16.gguf")))
+            if "ttft_1000_q" in results:  # pdkv quantized against llama.cpp on the shipped Q4_1 file
+                runs.append(("_q41", "q", gguf))
+            for suffix, mine_tag, path in runs:
+                theirs: dict[str, float] = lcpp.measure(path, steps=steps, prompts_for=prompts_for)
+                for key, value in theirs.items():
+                    report.figure(key.replace("llamacpp_", f"llamacpp{suffix}_"), value)
+                for batch in (1, 8, 32):
+                    mine = results[f"tokens_per_s_{mine_tag}_b{batch}"]
+                    results[f"vs_llamacpp{suffix}_b{batch}"] = (
+                        mine / theirs[f"llamacpp_decode_tokens_per_s_b{batch}"]
+                    )
+                results[f"prefill_vs_llamacpp{suffix}"] = (
+                    theirs["llamacpp_ttft_1000_ms"] / 1e3 / results[f"ttft_1000_{mine_tag}"]
+                )
     if "speedup_bf16" in results:
         report.ratio("speedup_vs_transformers_real", results["speedup_bf16"], ">= 2.5")
     if "speedup_fp32" in results:
         report.ratio("speedup_vs_transformers_real_fp32", results["speedup_fp32"])
     for batch in (1, 8, 32):
         if f"vs_llamacpp_b{batch}" in results:
-            report.ratio(
-                f"speedup_vs_llamacpp_b{batch}",
-                results[f"vs_llamacpp_b{batch}"],
-                "> 1" if batch > 1 else None,
-            )
+            report.ratio(f"speedup_vs_llamacpp_b{batch}", results[f"vs_llamacpp_b{batch}"], ">= 1")
     if "prefill_vs_llamacpp" in results:
         report.ratio("prefill_speedup_vs_llamacpp", results["prefill_vs_llamacpp"], "> 1")
+    q41_goals = {1: ">= 1.0", 8: ">= 1.5", 32: ">= 2.0"}
+    for batch, goal in q41_goals.items():
+        if f"vs_llamacpp_q41_b{batch}" in results:
+            report.ratio(f"speedup_vs_llamacpp_q41_b{batch}", results[f"vs_llamacpp_q41_b{batch}"], goal)
+    if "prefill_vs_llamacpp_q41" in results:
+        report.ratio("prefill_speedup_vs_llamacpp_q41", results["prefill_vs_llamacpp_q41"], ">= 2.0")
+    if "bandwidth_fraction_b1" in results:
+        report.ratio("decode_fraction_of_bandwidth_b1", results["bandwidth_fraction_b1"], ">= 0.8")
+        report.ratio("weights_resident_over_file", results["resident_over_file"], "<= 1.3")
     for batch in (8, 32):
         if f"det_decode_b{batch}" in results:
             report.ratio(
@@ -300,6 +392,9 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=0, help="runs per side (default 1 with --quick, else 2)")
     p.add_argument("--llamacpp", action="store_true", help="add llama.cpp's figures (bench/llamacpp.py)")
     p.add_argument(
+        "--no-quantized", action="store_true", help="skip the quantized-weights figures (--weights quantized)"
+    )
+    p.add_argument(
         "--deterministic",
         choices=("on", "off"),
         default="off",
@@ -314,6 +409,7 @@ def main() -> None:
         repeats=args.repeat or (1 if args.quick else 2),
         llamacpp=args.llamacpp,
         deterministic=args.deterministic == "on",
+        quantized=not args.no_quantized,
     )
     report.emit(args.json)
 

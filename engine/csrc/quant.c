@@ -9,19 +9,20 @@
  * block b, contiguous, g-major (a thread streams its groups front to back):
  *
  *   Q4 (Q4_0, Q4_1)  256 bytes of quants, then 16 float16 scales d, then 16 float16 mins m (320 bytes):
- *                    byte [c][r][i] (c < 4, r < 16, i < 4) holds row r's quant of input 4c + i in its low
- *                    nibble and of input 16 + 4c + i in its high one -- GGUF's own byte qs[4c + i] of the
+ *                    byte [s][r][j] (s < 8, r < 16, j < 2) holds row r's quant of input 2s + j in its low
+ *                    nibble and of input 16 + 2s + j in its high one -- GGUF's own byte qs[2s + j] of the
  *                    row's block, so repacking is a transpose.  w = q d + m (Q4_0: m = -8 d, exact).
- *   Q8 (Q8_0)        512 bytes, byte [c][r][i] (c < 8) = row r's quant of input 4c + i, plus 128 (so
- *                    unsigned), then d and m as above (m = -128 d, exact): w = q d + m again.
+ *   Q8 (Q8_0)        512 bytes, byte [p][r][j] (p < 16) = row r's signed quant of input 2p + j, then d
+ *                    and m as above (m = 0): w = q d + m again.
  *
- * Activations are quantized per row and block of 32 as llama.cpp quantizes them for its Q8 dot products:
- * a = da * qa with da = max|a| / 127, qa = round(a / da) in int8.  Then a block's contribution to one
- * output is  d (da sum q qa) + m (da sum qa)  -- the integer sum by AVX512-VNNI's vpdpbusd (unsigned
- * weight bytes times signed activation bytes, four at a time), 16 output rows in the lanes, each
- * activation dword broadcast: no horizontal sums.  Each output is summed over the blocks in order by one
- * thread, whatever the number of rows or threads: a row's result depends on that row alone (the
- * engine's determinism rule, engine/determinism.py).
+ * Activations are quantized per row and block of 32 to int16: a = da * qa with da = max|a| / 32767 (an
+ * error of at most 1/65534 of the block's largest value: 256x finer than llama.cpp's int8 activations,
+ * which move greedy picks at logit margins of 0.1-0.4 on SmolLM2), then a block's contribution to one
+ * output is  d (da sum q qa) + m (da sum qa)  -- the integer sum exact, by AVX512-VNNI's vpdpwssd (pairs of
+ * int16 products into int32 lanes), 16 output rows in the lanes, each activation pair broadcast: no
+ * horizontal sums.  Each output is summed over the blocks in order by one thread, whatever the number
+ * of rows or threads: a row's result depends on that row alone (the engine's determinism rule,
+ * engine/determinism.py).
  *
  * Returns 0; 1 when this build lacks AVX512-VNNI/BW (the caller keeps its dense path); 2 for a shape or
  * format it does not serve; 3 when memory for the activation buffers runs out.
@@ -39,8 +40,11 @@
 #define GROUP 16
 #define QBLOCK 32
 #define MT 8        /* activation rows per tile: the unpacked weights are reused across them */
-#define MCHUNK 64   /* activation rows per pass over the weights: their int8 copy stays in L2 */
+#define MCHUNK 64   /* activation rows per pass over the weights: their int16 copy stays in L2 */
 #define PARALLEL_MIN_WORK 32768
+#ifndef PREFETCH
+#define PREFETCH 1024 /* bytes ahead of the tile being read: the weights stream from memory */
+#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PDKV_QUANT_BUILT 1
@@ -83,7 +87,7 @@ static float half_to_f32(uint16_t h) {
     return f;
 }
 
-/* One packed row r's weights as floats: out[k]. */
+/* One packed row r's weights as floats: out[k] (the layout in the header). */
 static void dequant_row(const uint8_t *packed, int64_t fmt, int64_t k, int64_t r, float *out) {
     const int64_t blocks = k / QBLOCK, tb = tile_bytes(fmt), qb = quant_bytes(fmt);
     const int64_t g = r / GROUP, lane = r % GROUP;
@@ -95,15 +99,15 @@ static void dequant_row(const uint8_t *packed, int64_t fmt, int64_t k, int64_t r
         const float d = half_to_f32(dh), m = half_to_f32(mh);
         float *o = out + b * QBLOCK;
         if (fmt == FMT_Q4) {
-            for (int c = 0; c < 4; c++)
-                for (int i = 0; i < 4; i++) {
-                    const uint8_t byte = t[(c * GROUP + lane) * 4 + i];
-                    o[4 * c + i] = (float)(byte & 0xf) * d + m;
-                    o[16 + 4 * c + i] = (float)(byte >> 4) * d + m;
+            for (int p = 0; p < 8; p++)
+                for (int j = 0; j < 2; j++) {
+                    const uint8_t byte = t[(p * GROUP + lane) * 2 + j];
+                    o[2 * p + j] = (float)(byte & 0xf) * d + m;
+                    o[16 + 2 * p + j] = (float)(byte >> 4) * d + m;
                 }
         } else {
-            for (int c = 0; c < 8; c++)
-                for (int i = 0; i < 4; i++) o[4 * c + i] = (float)t[(c * GROUP + lane) * 4 + i] * d + m;
+            for (int p = 0; p < 16; p++)
+                for (int j = 0; j < 2; j++) o[2 * p + j] = (float)(int8_t)t[(p * GROUP + lane) * 2 + j] * d + m;
         }
     }
 }
@@ -171,9 +175,9 @@ INLINE __m256i bf16_round16(__m512 x) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
-/* Row x (k values, bfloat16 or float32) quantized per block of 32: qa[k] int8, da[k/32] and
+/* Row x (k values, bfloat16 or float32) quantized per block of 32: qa[k] int16, da[k/32] and
  * sa[k/32] = da * sum(qa) floats. */
-static void quantize_row(const void *x, int64_t in_bf16, int64_t k, int8_t *qa, float *da, float *sa) {
+static void quantize_row(const void *x, int64_t in_bf16, int64_t k, int16_t *qa, float *da, float *sa) {
     for (int64_t b = 0; b < k / QBLOCK; b++) {
         __m512 v0, v1;
         if (in_bf16) {
@@ -187,35 +191,35 @@ static void quantize_row(const void *x, int64_t in_bf16, int64_t k, int8_t *qa, 
         }
         const __m512 a = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
         const float amax = _mm512_reduce_max_ps(a);
-        const float d = amax / 127.0f;
+        const float d = amax / 32767.0f;
         const float id = d > 0.0f ? 1.0f / d : 0.0f;
-        /* round to nearest even (the default rounding mode of the conversion) */
+        /* round to nearest even (the default rounding mode of the conversion); saturated to int16 */
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
         const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
-        _mm_storeu_si128((__m128i *)(qa + b * QBLOCK), _mm512_cvtsepi32_epi8(q0));
-        _mm_storeu_si128((__m128i *)(qa + b * QBLOCK + 16), _mm512_cvtsepi32_epi8(q1));
+        _mm256_storeu_si256((__m256i *)(qa + b * QBLOCK), _mm512_cvtsepi32_epi16(q0));
+        _mm256_storeu_si256((__m256i *)(qa + b * QBLOCK + 16), _mm512_cvtsepi32_epi16(q1));
         const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
         da[b] = d;
         sa[b] = d * (float)sum;
     }
 }
 
-/* The 8 vectors of unsigned weight bytes of one tile: W[c] lanes r = row r's inputs 4c .. 4c + 3. */
-INLINE void load_weights(const uint8_t *t, int64_t fmt, __m512i w[8]) {
+/* The 16 vectors of int16 weight pairs of one tile: w[p] lane r = row r's quants of inputs 2p, 2p + 1. */
+INLINE void load_weights(const uint8_t *t, int64_t fmt, __m512i w[16]) {
     if (fmt == FMT_Q4) {
-        const __m512i low = _mm512_set1_epi8(0x0f);
-        for (int c = 0; c < 4; c++) {
-            const __m512i v = _mm512_loadu_si512(t + 64 * c);
-            w[c] = _mm512_and_si512(v, low);
-            w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const __m512i low = _mm512_set1_epi16(0x0f);
+        for (int s = 0; s < 8; s++) {
+            const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(t + 32 * s)));
+            w[s] = _mm512_and_si512(v, low);
+            w[s + 8] = _mm512_srli_epi16(v, 4);
         }
     } else {
-        for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512(t + 64 * c);
+        for (int p = 0; p < 16; p++) w[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(t + 32 * p)));
     }
 }
 
 /* Rows m0 .. m0 + nrows - 1 (nrows <= MT) of one group: acc[j] over every block, stored to out. */
-INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int8_t *qa, const float *da,
+INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int16_t *qa, const float *da,
                        const float *sa, int64_t k, int nrows, void *out, int64_t ldo, int64_t col,
                        int64_t ncols, int64_t out_bf16) {
     __m512 acc[MT];
@@ -223,14 +227,15 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int
     const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *t = wg + b * tb;
-        __m512i w[8];
+        for (int64_t line = 0; line < tb; line += 64) _mm_prefetch((const char *)t + PREFETCH + line, _MM_HINT_T0);
+        __m512i w[16];
         load_weights(t, fmt, w);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + qb)));
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + qb + 32)));
         for (int j = 0; j < nrows; j++) {
             const int32_t *a = (const int32_t *)(qa + j * k + b * QBLOCK);
             __m512i s = _mm512_setzero_si512();
-            for (int c = 0; c < 8; c++) s = _mm512_dpbusd_epi32(s, w[c], _mm512_set1_epi32(a[c]));
+            for (int p = 0; p < 16; p++) s = _mm512_dpwssd_epi32(s, w[p], _mm512_set1_epi32(a[p]));
             const float dj = da[j * (k / QBLOCK) + b], sj = sa[j * (k / QBLOCK) + b];
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dj)), acc[j]);
             acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(sj), acc[j]);
@@ -261,7 +266,7 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
     if (pdkv_qpacked_bytes(fmt, n_out, k) < 0 || rows < 0 || ldo < n_out) return 2;
     if (rows == 0) return 0;
     const int64_t blocks = k / QBLOCK, groups = (n_out + GROUP - 1) / GROUP, tb = tile_bytes(fmt);
-    int8_t *qa = (int8_t *)malloc((size_t)(rows * k));
+    int16_t *qa = (int16_t *)malloc((size_t)(rows * k) * sizeof(int16_t));
     float *da = (float *)malloc((size_t)(rows * blocks) * sizeof(float));
     float *sa = (float *)malloc((size_t)(rows * blocks) * sizeof(float));
     if (qa == NULL || da == NULL || sa == NULL) {

@@ -3,9 +3,10 @@
 A Q8_0, Q4_0 or Q4_1 matrix of a GGUF file is not dequantized (270 MB of bfloat16 for the built-in
 model's 98 MB file): its blocks are repacked into the kernel's layout (``quant.c``'s header; per 16 output
 rows and 32 inputs the same bytes the file holds, so the weights stay 1.0x the file) and the linear runs
-on them -- the activations quantized per row and block of 32 to int8, AVX512-VNNI integer dot products,
-float32 sums per block, every row's reduction order its own (batch-invariant).  The tied embedding is
-read row by row from the same packed bytes its LM head multiplies.
+on them -- the activations quantized per row and block of 32 to int16 (1/65534 of the block's largest
+value: llama.cpp's int8 activations moved greedy picks at logit margins up to 0.4), AVX512-VNNI integer
+dot products, float32 sums per block, every row's reduction order its own (batch-invariant).  The tied
+embedding is read row by row from the same packed bytes its LM head multiplies.
 
 Which weights a model runs is ``EngineConfig.weights`` (``--weights``): ``quantized`` (this), ``bf16`` or
 ``float32`` (dequantized at load, torch's and oneDNN's matmuls: the reference).  ``auto`` picks
@@ -78,15 +79,15 @@ def pack(raws: list[RawBlocks]) -> QuantWeight:
         m, qs = blocks[:, :, 2:4].copy().view(np.float16)[..., 0], blocks[:, :, 4:20]
     elif qtype == "Q4_0":
         m, qs = d * np.float16(-8), blocks[:, :, 2:18]
-    else:  # Q8_0: signed bytes stored with 128 added (the kernel's unsigned operand)
-        m, qs = d * np.float16(-128), blocks[:, :, 2:34] ^ np.uint8(0x80)
+    else:  # Q8_0: the signed bytes as they are, no offset
+        m, qs = np.zeros_like(d), blocks[:, :, 2:34]
     with np.errstate(over="ignore"):
         if not np.all(np.isfinite(m)):
             raise PackError("a block scale too large for its offset in float16")
-    chunks = qs.shape[2] // 4  # 4 (Q4) or 8 (Q8) runs of 4 bytes per row and block
+    pairs = qs.shape[2] // 2  # 8 (Q4) or 16 (Q8) runs of 2 bytes per row and block
     groups = padded // GROUP
-    # [g, r, b, c, 4] -> [g, b, c, r, 4]: per (group, block) the chunk-major bytes quant.c reads
-    q = qs.reshape(groups, GROUP, nb, chunks, 4).transpose(0, 2, 3, 1, 4).reshape(groups, nb, chunks * 64)
+    # [g, r, b, p, 2] -> [g, b, p, r, 2]: per (group, block) the pair-major bytes quant.c reads
+    q = qs.reshape(groups, GROUP, nb, pairs, 2).transpose(0, 2, 3, 1, 4).reshape(groups, nb, pairs * 32)
     dm = np.stack([d, m], axis=-1).reshape(groups, GROUP, nb, 2).transpose(0, 2, 3, 1)  # [g, b, 2, r]
     tile = np.concatenate([q, np.ascontiguousarray(dm).view(np.uint8).reshape(groups, nb, 64)], axis=2)
     packed = torch.from_numpy(np.ascontiguousarray(tile).reshape(-1))

@@ -1,0 +1,401 @@
+"""Quantized weights (engine/model/quantized.py, engine/csrc/quant.c, engine/csrc/decode_layer.c): each
+kernel against dequantize-then-matmul on random blocks of every format, odd shapes and tails; greedy
+output against transformers on the same weights dequantized; the fused decode layer against the per-op
+path bit for bit; every path (prefix hit, each tier, P/D) giving the local tokens; the KV of quantized and
+dequantized weights kept apart; the weights' choice, its refusals and its fallback; bad files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from connectors.registry import KVConnectorConfig
+from engine.connector.params import RemoteDecode, RemotePrefill
+from engine.engine_config import EngineConfig
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.model.gguf import GGUFError, RawBlocks
+from engine.model.packed import PackedLinear
+from engine.model.quantized import (
+    KERNEL_TYPES,
+    QuantEmbedding,
+    QuantLinear,
+    dequantize,
+    pack,
+    weight_bytes,
+)
+from engine.native import QuantKernel, native_kernels
+from engine.sampling_params import SamplingParams
+from tests.factories import store_tier_spec
+from tests.gguf_models import write_gguf
+from tests.p2p_harness import assert_idle, run_until, tokens
+from tests.tiny_models import pdkv_tiny_model_dir
+
+FORMATS = tuple(KERNEL_TYPES)  # Q8_0, Q4_0, Q4_1
+SHAPES = [(1, 32, 1), (17, 32, 3), (37, 96, 1), (48, 608, 9), (130, 256, 70), (16, 64, 8)]  # (n, k, rows)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [100, 200, 300, 50, 60], [42] * 17, list(range(30, 70))]
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def kernel() -> QuantKernel:
+    kernels = native_kernels()
+    if kernels is None or kernels.quant is None:
+        pytest.skip("this CPU or compiler has no AVX512-VNNI code: the quantized kernels are not built")
+    return kernels.quant
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int) -> RawBlocks:
+    from gguf import GGMLQuantizationType, quants
+
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    w[0, : min(k, 32)] = 0.0  # an all-zero block: scale 0
+    return RawBlocks("w", qtype, n, k, quants.quantize(w, GGMLQuantizationType[qtype]))
+
+
+def activation_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per output, the most that quantizing each row's blocks of 32 to int8 (step max|x| / 127, error at
+    most half a step) can move it: sum over blocks of step / 2 * sum |w| -> [rows, n]."""
+    rows, k = x.shape
+    step = x.double().abs().reshape(rows, k // 32, 32).amax(-1) / 127  # [rows, blocks]
+    wsum = w.double().abs().reshape(w.shape[0], k // 32, 32).sum(-1)  # [n, blocks]
+    return (step / 2) @ wsum.T
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize(("n", "k", "rows"), SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_is_dequantize_then_matmul_within_the_activation_rounding(
+    kernel: QuantKernel, qtype: str, n: int, k: int, rows: int, dtype: torch.dtype
+) -> None:
+    raw = random_blocks(qtype, n, k, seed=n * 1000 + k)
+    linear = QuantLinear([pack([raw])], None, kernel)
+    w = raw.dense(torch.float64)  # the gguf package's reference dequantizer
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    y = linear(x)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    ref = x.double() @ w.T
+    out_rounding = ref.abs() * (2.0**-8 if dtype == torch.bfloat16 else 1e-6)
+    err = (y.double() - ref).abs()
+    assert torch.all(err <= activation_bound(x, w) * 1.001 + out_rounding + 1e-5), float(err.max())
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_rows_dequantize_exactly_as_the_reference_does(kernel: QuantKernel, qtype: str) -> None:
+    raw = random_blocks(qtype, 37, 96, seed=3)  # 37 rows: the last group padded
+    packed = pack([raw])
+    assert torch.equal(dequantize(kernel, packed), raw.dense(torch.float32))
+    ids = torch.tensor([36, 0, 17, 17])
+    rows = kernel.rows(packed.packed, packed.fmt, packed.rows, packed.cols, ids, torch.bfloat16)
+    assert torch.equal(rows, raw.dense(torch.float32)[ids].to(torch.bfloat16))
+    with pytest.raises(IndexError, match=r"outside 0\.\.36"):
+        kernel.rows(packed.packed, packed.fmt, packed.rows, packed.cols, torch.tensor([37]), torch.float32)
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_row_gets_the_same_bits_alone_and_in_any_batch(
+    kernel: QuantKernel, qtype: str, dtype: torch.dtype
+) -> None:
+    linear = QuantLinear([pack([random_blocks(qtype, 200, 576, seed=5)])], None, kernel)
+    x = torch.randn(70, 576, generator=torch.Generator().manual_seed(1)).to(dtype)
+    whole = linear(x)
+    for count in (1, 2, 7, 8, 9, 33, 64, 65):
+        assert torch.equal(linear(x[:count]), whole[:count])
+    for i in (0, 8, 63, 69):
+        assert torch.equal(linear(x[i : i + 1]), whole[i : i + 1])
+
+
+def test_parts_of_different_types_fill_their_own_columns(kernel: QuantKernel) -> None:
+    a, b = random_blocks("Q4_1", 40, 64, seed=1), random_blocks("Q8_0", 24, 64, seed=2)
+    split = QuantLinear([pack([a]), pack([b])], None, kernel)
+    x = torch.randn(3, 64)
+    assert torch.equal(split(x), torch.cat([QuantLinear([pack([r])], None, kernel)(x) for r in (a, b)], 1))
+    with pytest.raises(ValueError, match="different types"):
+        pack([a, b])
+
+
+# -- the engine on quantized files ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def folder() -> Path:
+    return pdkv_tiny_model_dir(init_std=0.2)  # spread-out logits: no near-ties in greedy picks
+
+
+@pytest.fixture(scope="module")
+def files(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("qgguf")
+    return {q: write_gguf(folder, root / f"tiny-{q}.gguf", qtype=q) for q in FORMATS}
+
+
+def _llm(path: Path, dtype: str = "bfloat16", weights: str = "quantized", **kw: Any) -> LLM:
+    return LLM(path, dtype=dtype, weights=weights, device="cpu", block_size=BS, num_blocks=64, **kw)
+
+
+def _hf_logits(path: Path, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """transformers on the file (its own reader, weights dequantized to float32): each sequence's logits."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    with torch.inference_mode():
+        return [model(torch.tensor([s])).logits[0].float() for s in sequences]
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_greedy_output_matches_transformers_or_parts_only_at_a_near_tie(
+    kernel: QuantKernel, qtype: str, files: dict[str, Path]
+) -> None:
+    """The quantized math in float32 activations: greedy tokens equal transformers' (float32, the same
+    weights dequantized) on every prompt, or differ first at a step where transformers' top two logits
+    lie within 0.05; the chosen tokens' log-probabilities within 0.01 (measured: under 0.002)."""
+    dtype = "float32"
+    llm = _llm(files[qtype], dtype)
+    assert llm.engine.model.quantized
+    params = SamplingParams(max_tokens=12, logprobs=1)
+    outs = llm.generate(PROMPTS, params)
+    logits = _hf_logits(files[qtype], [p + o.token_ids for p, o in zip(PROMPTS, outs, strict=True)])
+    worst = 0.0
+    for prompt, out, lg in zip(PROMPTS, outs, logits, strict=True):
+        steps = lg[len(prompt) - 1 : len(prompt) - 1 + len(out.token_ids)]  # the logits each token came from
+        theirs = steps.argmax(-1).tolist()
+        if theirs != out.token_ids:
+            first = next(i for i, (a, b) in enumerate(zip(theirs, out.token_ids, strict=True)) if a != b)
+            top2 = steps[first].topk(2).values
+            gap = float(top2[0] - top2[1])
+            assert gap < 0.05, f"{qtype} {dtype}: step {first} differs with transformers' margin {gap:.3f}"
+            steps = steps[:first]  # after a near-tie the sequences part: compare what came before
+        ours = torch.tensor(out.logprobs)  # the chosen tokens' log-probabilities
+        ref = steps.log_softmax(-1).gather(1, torch.tensor(out.token_ids[: len(steps)])[:, None])[:, 0]
+        worst = max(worst, float((ours[: len(ref)] - ref).abs().max()))
+    print(f"{qtype} {dtype}: chosen-token log-probability max |diff| {worst:.4f}")
+    assert worst < 0.01, worst
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_the_fused_decode_layer_is_the_per_op_path_bit_for_bit(
+    kernel: QuantKernel, qtype: str, files: dict[str, Path]
+) -> None:
+    llm = _llm(files[qtype])
+    model = llm.engine.model.model
+    fused = model.fused_decode
+    assert fused is not None, "a bfloat16 model on quantized weights decodes one call per layer"
+    calls = []
+
+    def counted(*args: Any) -> torch.Tensor | None:
+        out = fused(*args)
+        calls.append(out is not None)
+        return out
+
+    params = SamplingParams(max_tokens=10, logprobs=1, ignore_eos=True)
+    model.fused_decode = counted
+    with_fused = llm.generate(PROMPTS, params)
+    assert any(calls), "decode steps took the fused call"
+    model.fused_decode = None
+    assert llm.engine.reset_prefix_cache()  # the same steps again: prefills as they were
+    per_op = llm.generate(PROMPTS, params)
+    for a, b in zip(with_fused, per_op, strict=True):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+def test_every_path_gives_the_local_tokens(
+    kernel: QuantKernel, files: dict[str, Path], tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Local, a prefix hit, a load from each store tier: the same tokens from quantized weights."""
+    path = files["Q4_1"]
+    prompt, params = PROMPTS[3], SamplingParams(max_tokens=10)
+    local = _llm(path)
+    [want] = local.generate([prompt], params)
+    [hit] = local.generate([prompt], params)
+    assert hit.token_ids == want.token_ids and hit.num_cached_tokens > 0
+    local.engine.shutdown()
+    for tier in ("cpu", "disk"):
+        spec = store_tier_spec(tier, tmp_path / tier, request)
+        connector = KVConnectorConfig("offload", {"kv_store": spec, "lookup_timeout_s": 5.0})
+        writer = _llm(path, kv_connector=connector)
+        [first] = writer.generate([prompt], params)
+        assert writer.engine.drain(10.0)
+        if tier == "disk":
+            writer.engine.shutdown()
+            writer = _llm(path, kv_connector=connector)  # a fresh engine: only the disk has the blocks
+        else:
+            assert writer.engine.reset_prefix_cache()  # the device cache empty: the CPU tier has them
+        [loaded] = writer.generate([prompt], params)
+        assert first.token_ids == loaded.token_ids == want.token_ids, tier
+        assert loaded.num_external_tokens > 0, tier
+        writer.engine.shutdown()
+
+
+def _p2p_engine(path: Path, engine_id: str, weights: str) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=path,
+            dtype="bfloat16",
+            weights=weights,
+            block_size=BS,
+            num_blocks=64,
+            engine_id=engine_id,
+            kv_connector=KVConnectorConfig("p2p", {"recv_timeout_s": 2.0}),
+        )
+    )
+
+
+@pytest.mark.parametrize("consumer_weights", ["quantized", "bf16"])
+def test_p2p_hands_kv_over_between_quantized_nodes_only(
+    kernel: QuantKernel, consumer_weights: str, files: dict[str, Path]
+) -> None:
+    """Prefill on quantized weights, decode elsewhere: a quantized decode node pulls the blocks and
+    continues with the local tokens; one on the same file dequantized refuses them (another KV
+    fingerprint) and computes its own."""
+    path = files["Q4_1"]
+    prompt = PROMPTS[3]
+    [local] = _llm(path, weights=consumer_weights).generate([prompt], SamplingParams(max_tokens=10))
+    producer = _p2p_engine(path, "producer", "quantized")
+    consumer = _p2p_engine(path, "consumer", consumer_weights)
+    try:
+        producer.add_request("r", prompt, SamplingParams(max_tokens=1), kv_transfer_params=RemoteDecode())
+        final = run_until([producer], lambda: producer.scheduler.get_request("r") is None)["r"][-1]
+        assert isinstance(final.kv_transfer_params, RemotePrefill)
+        first = final.new_token_ids[0]
+        consumer.add_request(
+            "r",
+            [*prompt, first],
+            SamplingParams(max_tokens=9),
+            kv_transfer_params=final.kv_transfer_params,
+            prior_output_token_ids=(first,),
+        )
+        outs = run_until(
+            [consumer, producer], lambda: not consumer.has_pending_work() and not producer.has_pending_work()
+        )["r"]
+        if consumer_weights == "quantized":
+            assert [first, *tokens(outs)] == local.token_ids
+            assert outs[-1].num_external_tokens > 0
+        else:
+            assert outs[-1].num_external_tokens == 0
+        assert_idle(producer)
+        assert_idle(consumer)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def test_a_store_written_from_dequantized_weights_gives_quantized_nodes_no_hits(
+    kernel: QuantKernel, files: dict[str, Path], tmp_path: Path
+) -> None:
+    connector = KVConnectorConfig("offload", {"kv_store": f"disk:{tmp_path / 'kv'}:64MiB"})
+    path, prompt, params = files["Q8_0"], PROMPTS[3], SamplingParams(max_tokens=4)
+    dense = _llm(path, weights="bf16", kv_connector=connector)
+    dense.generate([prompt], params)
+    assert dense.engine.drain(10.0)
+    dense_ns = dense.engine.namespace.model_fingerprint
+    dense.engine.shutdown()
+    quantized = _llm(path, kv_connector=connector)
+    assert quantized.engine.namespace.model_fingerprint == f"{dense_ns};weights=quantized"
+    [out] = quantized.generate([prompt], params)
+    assert out.num_external_tokens == 0
+    quantized.engine.shutdown()
+
+
+def test_the_weights_stay_as_the_file_ships_them(kernel: QuantKernel, files: dict[str, Path]) -> None:
+    """No dense copy of a quantized matrix: every linear packed, the embedding read from the LM head's
+    own bytes, and the packed bytes those of the file's blocks (16-row groups padded)."""
+    from gguf import GGUFReader
+
+    path = files["Q4_1"]
+    model = _llm(path).engine.model.model
+    assert not any(isinstance(m, torch.nn.Linear | PackedLinear) for m in model.modules())
+    assert isinstance(model.embed_tokens, QuantEmbedding)
+    assert isinstance(model.lm_head, QuantLinear)
+    tied = model.lm_head.parts[0][1].packed is model.embed_tokens.weight_q.packed
+    assert tied == model.config.tie_word_embeddings
+    file_blocks = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors if t.tensor_type.name == "Q4_1")
+    packed = sum(m.nbytes for m in model.modules() if isinstance(m, QuantLinear))
+    packed += 0 if tied else model.embed_tokens.weight_q.nbytes
+    assert packed == file_blocks  # the tiny model's row counts are whole groups
+    assert weight_bytes(model) < 1.3 * path.stat().st_size
+
+
+# -- the choice, its refusals and its fallback ----------------------------------------------------------
+
+
+def test_auto_runs_quantized_in_bfloat16_and_dequantized_in_explicit_float32(
+    kernel: QuantKernel, files: dict[str, Path]
+) -> None:
+    assert LLM(files["Q4_0"], device="cpu", dtype="bfloat16", num_blocks=16).engine.model.quantized
+    assert not LLM(files["Q4_0"], device="cpu", dtype="float32", num_blocks=16).engine.model.quantized
+
+
+def test_quantized_is_refused_by_name_where_it_cannot_be_served(
+    files: dict[str, Path], folder: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError, match="weights 'quantized' cannot be served: the model has no Q8_0"):
+        LLM(folder, weights="quantized", device="cpu")
+    f16 = write_gguf(folder, tmp_path / "f16.gguf", qtype="F16")
+    with pytest.raises(ValueError, match="has no Q8_0, Q4_0 or Q4_1 matrices"):
+        LLM(f16, weights="quantized", device="cpu")
+    with pytest.raises(ValueError, match="weights 'bf16' computes in bfloat16, but dtype is 'float32'"):
+        LLM(files["Q8_0"], weights="bf16", dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match="weights 'int3' is not supported; choose one of auto, quantized"):
+        LLM(files["Q8_0"], weights="int3", device="cpu")
+    monkeypatch.setenv("PDKV_NATIVE", "0")
+    with pytest.raises(ValueError, match="native kernels could not be built"):
+        LLM(files["Q8_0"], weights="quantized", device="cpu")
+
+
+def test_without_the_kernels_auto_falls_back_to_the_dequantized_weights(
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    params = SamplingParams(max_tokens=8)
+    monkeypatch.setenv("PDKV_NATIVE", "0")  # no native kernels at all: the torch paths throughout
+    dense = [o.token_ids for o in _llm(files["Q4_1"], weights="bf16").generate(PROMPTS, params)]
+    llm = _llm(files["Q4_1"], weights="auto")
+    assert not llm.engine.model.quantized
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == dense
+
+
+def test_a_file_with_a_type_without_kernel_runs_that_matrix_dequantized(
+    kernel: QuantKernel, folder: Path, tmp_path: Path
+) -> None:
+    """Q5_0 has no kernel: its matrices are dequantized; the file runs, equal to --weights bf16."""
+    path = write_gguf(folder, tmp_path / "q5.gguf", qtype="Q5_0")
+    params = SamplingParams(max_tokens=8)
+    auto = _llm(path, weights="auto")
+    assert not auto.engine.model.quantized
+    dense = _llm(path, weights="bf16")
+    assert [o.token_ids for o in auto.generate(PROMPTS, params)] == [
+        o.token_ids for o in dense.generate(PROMPTS, params)
+    ]
+
+
+# -- bad files ------------------------------------------------------------------------------------------
+
+
+def test_a_file_cut_inside_a_block_is_refused(files: dict[str, Path], tmp_path: Path) -> None:
+    data = files["Q4_1"].read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[: len(data) - 7])  # the last tensor loses part of its last block
+    with pytest.raises(GGUFError, match="truncated"):
+        LLM(path, weights="quantized", device="cpu")
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K", "IQ4_NL"])
+def test_a_type_without_a_reader_is_refused_by_name(qtype: str, tmp_path: Path) -> None:
+    import gguf
+    from gguf import GGMLQuantizationType
+
+    path = tmp_path / "k-quant.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    kind = GGMLQuantizationType[qtype]
+    w.add_tensor("token_embd.weight", np.zeros((4, gguf.GGML_QUANT_SIZES[kind][1]), np.uint8), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFError, match=f"has type {qtype}, which pdkv does not dequantize"):
+        LLM(path, weights="quantized", device="cpu")
