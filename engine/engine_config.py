@@ -21,6 +21,12 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # How a GGUF file's quantized matrices run (engine/model/quantized.py): as the file ships them, or
 # dequantized at load to bfloat16 / float32.
 WEIGHT_FORMATS = ("auto", "quantized", "bf16", "float32")
+WEIGHTS_HELP = (
+    "how a GGUF file's Q8_0/Q4_0/Q4_1 matrices run: quantized (as the file ships them, native AVX512-VNNI "
+    "kernels: 1.0x the file's memory, 2x llama.cpp's batch-1 decode on the built-in model), bf16 or "
+    "float32 (dequantized at load; that dtype); auto: quantized where the CPU, the file and the build "
+    "allow it, unless --dtype float32 asks for the reference path (docs/quantized.md)"
+)
 _WEIGHT_DTYPES = {"bf16": "bfloat16", "float32": "float32"}
 DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
 # What deterministic mode (engine/determinism.py) costs, measured by ``python -m bench.engine_real``

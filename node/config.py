@@ -20,7 +20,7 @@ from typing import Any
 
 from connectors.registry import KVConnectorConfig
 from engine.cpu_features import auto_cpu_dtype_note
-from engine.engine_config import DETERMINISTIC_COST, EngineConfig
+from engine.engine_config import DETERMINISTIC_COST, WEIGHT_FORMATS, WEIGHTS_HELP, EngineConfig
 from engine.model.embedded import model_name
 from serving.drain import add_drain_arguments
 from serving.lora_flags import add_lora_arguments, lora_engine_options
@@ -225,6 +225,9 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     engine.add_argument(
         "--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto", help=_dtype_help()
     )
+    engine.add_argument(
+        "--weights", choices=WEIGHT_FORMATS, default="auto", help=WEIGHTS_HELP.replace("%", "%%")
+    )
     engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     engine.add_argument(
         "--deterministic",
@@ -258,6 +261,7 @@ def node_config_from_args(args: argparse.Namespace, role: str) -> NodeConfig:
     options: dict[str, Any] = {
         "model": args.model,
         "dtype": args.dtype,
+        "weights": args.weights,
         "device": args.device,
         "deterministic": args.deterministic == "on",
         "block_size": args.block_size,

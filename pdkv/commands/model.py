@@ -90,9 +90,14 @@ def register(subparsers: Any) -> None:
     )
     remote.add_argument("--cache-salt", default=None, help="isolate prefix-cache entries (tenant)")
     remote.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    from engine.engine_config import WEIGHT_FORMATS, WEIGHTS_HELP
+
     engine = gen.add_argument_group("engine (local generation)")
     engine.add_argument(
         "--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto", help=dtype_help()
+    )
+    engine.add_argument(
+        "--weights", choices=WEIGHT_FORMATS, default="auto", help=WEIGHTS_HELP.replace("%", "%%")
     )
     engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     engine.add_argument("--block-size", type=int, default=16)
@@ -215,6 +220,7 @@ def _generate_local(args: argparse.Namespace) -> int:
         EngineConfig(
             model=args.model,
             dtype=args.dtype,
+            weights=args.weights,
             device=args.device,
             block_size=args.block_size,
             num_blocks=args.num_blocks,
