@@ -31,6 +31,7 @@ from engine.model.embedded import ensure_default_model
 from engine.model.gguf import GGUFModel
 from engine.model.loader import LoadedModel, inspect_model, load_model
 from engine.model.quantized import choose_weights
+from engine.native import native_kernels
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
@@ -122,9 +123,13 @@ class LLMEngine:
         dtype = config.torch_dtype(device, source.config.checkpoint_dtype)
         logger.info("model %s: %s on %s (%s)", source.path, dtype, device, config.dtype_reason(device))
         types = source.tensor_types if isinstance(source, GGUFModel) else {}
-        quant_kernel, weights_note = choose_weights(config.weights, config.dtype, types, device, dtype)
+        kernels = native_kernels() if device.type == "cpu" else None
+        kernel = kernels.quant if kernels is not None else None
+        quantized, weights_note = choose_weights(config.weights, config.dtype, types, device, dtype, kernel)
         logger.info("weights: %s", weights_note)
-        self.model: LoadedModel = load_model(source, dtype=dtype, device=device, quant_kernel=quant_kernel)
+        self.model: LoadedModel = load_model(
+            source, dtype=dtype, device=device, kernel=kernel, quantized=quantized
+        )
         model_config = self.model.config
         self.max_model_len = self._max_model_len(config, model_config.max_position_embeddings)
         self.eos_token_ids = model_config.eos_token_ids

@@ -4,8 +4,10 @@
 header), RMSNorm (with the residual add before it) in one call instead of nine torch ops, RoPE with the
 step's K/V written into the cache in one call instead of ten, SwiGLU's ``silu(gate) * up``, and greedy
 sampling's argmax over the logits.  ``engine/csrc/paged_prefill.c`` holds the prefill attention
-(bfloat16, AVX512-BF16), also read from the paged cache.  Both files (and their shared ``simd.h``) are
-compiled into one library once per source version, compiler flags and CPU into
+(bfloat16, AVX512-BF16), also read from the paged cache.  ``lora.c`` applies a mixed batch's LoRA
+deltas; ``quant.c`` and ``bf16_linear.c`` run linears over packed weights (GGUF's quantized blocks, or
+dense bfloat16) and ``decode_layer.c`` a whole decoder layer of a decode step.  All of them (and their
+shared ``simd.h``) are compiled into one library once per source version, compiler flags and CPU into
 ``$PDKV_CACHE_DIR/native/<digest>/libpdkv_native.so`` -- about a second with gcc -- and reused by every
 later process.  Without a compiler, or if the build fails,
 ``native_kernels()`` returns None once, logs why, and the model keeps its torch paths (gather + SDPA;
@@ -235,12 +237,14 @@ def _check_lora(failed: int) -> None:
 @dataclass(frozen=True)
 class QuantKernel:
     """``engine/csrc/quant.c`` of the built library: linears over packed GGUF blocks (Q8_0, Q4_0, Q4_1;
-    ``engine/model/quantized.py`` packs them), their rows as dense floats, and the read-bandwidth probe.
-    Needs AVX512-VNNI; None in ``NativeKernels`` without it."""
+    ``engine/model/quantized.py`` packs them) and over packed dense bfloat16 weights
+    (``engine/csrc/bf16_linear.c``), their rows as dense floats, and the read-bandwidth probe.  Needs
+    AVX512-VNNI; None in ``NativeKernels`` without it."""
 
     linear_fn: Any  # pdkv_qlinear
     rows_fn: Any  # pdkv_qdequant_rows
     bandwidth_fn: Any  # pdkv_read_bandwidth
+    bf16: bool = False  # the build has bf16_linear.c's AVX512-BF16 code: dense bfloat16 weights too
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -372,6 +376,7 @@ def _load() -> NativeKernels | None:
     bandwidth.argtypes = [_PTR, _INT64]
     bandwidth.restype = _INT64
     lib.pdkv_quant_built.restype = ctypes.c_int
+    lib.pdkv_bf16_built.restype = ctypes.c_int
     layer = lib.pdkv_decode_layer
     layer.argtypes = [_PTR] * 7
     layer.restype = ctypes.c_int
@@ -390,6 +395,6 @@ def _load() -> NativeKernels | None:
         SiluMulKernel(silu),
         ArgmaxKernel(argmax),
         LoRAKernel(lora) if lib.pdkv_lora_built() else None,
-        QuantKernel(qlinear, qrows, bandwidth) if quant else None,
+        QuantKernel(qlinear, qrows, bandwidth, bool(lib.pdkv_bf16_built())) if quant else None,
         DecodeLayerKernel(layer, scratch) if quant else None,
     )

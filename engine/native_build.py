@@ -20,6 +20,7 @@ SOURCES = (
     CSRC / "paged_prefill.c",
     CSRC / "lora.c",
     CSRC / "quant.c",
+    CSRC / "bf16_linear.c",
     CSRC / "decode_layer.c",
 )
 HEADERS = (CSRC / "simd.h",)

@@ -4,6 +4,9 @@
  *   pdkv_qdequant_rows  rows of w as dense floats (embedding lookups, tests, the torch fallback)
  *   pdkv_read_bandwidth the machine's read bandwidth probe (a sum over a buffer)
  *
+ * Format 2 (FMT_BF16) is dense bfloat16, handed to bf16_linear.c: one entry point for every packed
+ * linear, so decode_layer.c runs a layer whatever its weights' format.
+ *
  * The packed layout (engine/model/quantized.py writes it from the file's blocks, once, at load).  Output
  * rows go in groups of 16 (the 16 lanes of a vector), the inputs in GGUF's blocks of 32; per group g and
  * block b, contiguous, g-major (a thread streams its groups front to back):
@@ -37,6 +40,7 @@
 
 #define FMT_Q8 0
 #define FMT_Q4 1
+#define FMT_BF16 2 /* dense bfloat16 weights: bf16_linear.c's layout and kernel */
 #define GROUP 16
 #define QBLOCK 32
 #define MT 8        /* activation rows per tile: the unpacked weights are reused across them */
@@ -58,7 +62,12 @@ int pdkv_quant_built(void) { return PDKV_QUANT_BUILT; }
 static int64_t tile_bytes(int64_t fmt) { return fmt == FMT_Q4 ? 320 : 576; }
 static int64_t quant_bytes(int64_t fmt) { return fmt == FMT_Q4 ? 256 : 512; }
 
+int pdkv_bf16_linear(const void *x, int64_t rows, int64_t k, const void *packed, int64_t n, void *out,
+                     int64_t ldo, int64_t col0);
+int pdkv_bf16_rows(const void *packed, int64_t n, int64_t k, const int64_t *ids, int64_t count, void *out);
+
 int64_t pdkv_qpacked_bytes(int64_t fmt, int64_t n, int64_t k) {
+    if (fmt == FMT_BF16) return (n > 0 && k > 0 && k % 2 == 0) ? ((n + GROUP - 1) / GROUP) * GROUP * k * 2 : -1;
     if ((fmt != FMT_Q4 && fmt != FMT_Q8) || n <= 0 || k <= 0 || k % QBLOCK) return -1;
     return ((n + GROUP - 1) / GROUP) * (k / QBLOCK) * tile_bytes(fmt);
 }
@@ -127,6 +136,10 @@ int pdkv_qdequant_rows(const void *packed, int64_t fmt, int64_t n, int64_t k, co
     if (pdkv_qpacked_bytes(fmt, n, k) < 0) return 2;
     for (int64_t j = 0; j < count; j++)
         if (ids[j] < 0 || ids[j] >= n) return 2;
+    if (fmt == FMT_BF16) {
+        if (!out_bf16) return 2;
+        return pdkv_bf16_rows(packed, n, k, ids, count, out);
+    }
     int failed = 0;
 #pragma omp parallel if (count * k >= 65536)
     {
@@ -318,6 +331,10 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
 #else
     if (pdkv_qpacked_bytes(fmt, n_out, k) < 0 || rows < 0 || ldo < n_out) return 2;
     if (rows == 0) return 0;
+    if (fmt == FMT_BF16) {
+        if (!in_bf16 || !out_bf16) return 2;
+        return pdkv_bf16_linear(x, rows, k, packed, n_out, out, ldo, 0);
+    }
     const int64_t blocks = k / QBLOCK, groups = (n_out + GROUP - 1) / GROUP, tb = tile_bytes(fmt);
     int16_t *qa = (int16_t *)malloc((size_t)(rows * k) * sizeof(int16_t));
     float *da = (float *)malloc((size_t)(rows * blocks) * sizeof(float));

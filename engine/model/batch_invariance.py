@@ -160,9 +160,11 @@ def make_batch_invariant(model: nn.Module, max_rows: int) -> str | None:
     """Give every ``PackedLinear`` of ``model`` the plan that keeps each row's sums at every batch size up
     to ``max_rows`` on this host.  Returns None when done, else why it cannot be (the model is left as it
     was)."""
+    if any(isinstance(m, nn.Linear) for m in model.modules()):
+        return "its linear layers are not packed bfloat16 (float32, or no oneDNN bfloat16 here)"
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     if not linears:
-        return "its linear layers are not oneDNN-packed bfloat16 (float32, or no oneDNN bfloat16 here)"
+        return None  # the native packed linears (engine/model/quantized.py): batch-invariant as built
     threads = torch.get_num_threads()
     cache = _load_cache()
     size = len(cache)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
     from engine.native import QuantKernel
 
 INDEX_FILE = "model.safetensors.index.json"
+# "onednn" keeps bfloat16 linears on oneDNN's packed matmuls (engine/model/packed.py) where the native
+# bfloat16 kernel (engine/csrc/bf16_linear.c) would run them.
+BF16_LINEARS_ENV = "PDKV_BF16_LINEARS"
 # make-model and the tests' random checkpoints carry this key in config.json (see is_random).
 RANDOM_MODEL_KEY = "pdkv_random_model"
 
@@ -167,21 +171,27 @@ def load_model(
     *,
     dtype: torch.dtype,
     device: torch.device,
-    quant_kernel: QuantKernel | None = None,
+    kernel: QuantKernel | None = None,
+    quantized: bool = False,
 ) -> LoadedModel:
     """Build the model for ``path`` on ``device`` in ``dtype`` and fill every parameter from its files.
 
-    With ``quant_kernel`` a GGUF file's Q8_0/Q4_0/Q4_1 matrices stay packed (engine/model/quantized.py)."""
+    ``kernel``: the native linears (engine/native.py; None: torch's and oneDNN's).  With ``quantized`` a
+    GGUF file's Q8_0/Q4_0/Q4_1 matrices stay packed (engine/model/quantized.py); the other bfloat16
+    linears are packed for the native bfloat16 kernel where the build has it, else for oneDNN."""
+    import torch
+
     from engine.model.gguf import RawBlocks
     from engine.model.llama import LlamaForCausalLM
     from engine.model.packed import can_pack, pack_linears
-    from engine.model.quantized import KERNEL_TYPES, quantize_model
+    from engine.model.quantized import KERNEL_TYPES, native_bf16_linears, quantize_model
 
     source = path if isinstance(path, ModelFolder | GGUFModel) else inspect_model(path)
     model = LlamaForCausalLM(source.config, dtype=dtype, device=device)
     expected = model.expected_weight_names()
     raw: dict[str, RawBlocks] = {}
-    if quant_kernel is not None and isinstance(source, GGUFModel):
+    if quantized:
+        assert kernel is not None and isinstance(source, GGUFModel)
         stream: Iterator[tuple[str, Any]] = source.weights_or_blocks(dtype, frozenset(KERNEL_TYPES))
     else:
         stream = source.weights(dtype)
@@ -195,8 +205,8 @@ def load_model(
 
     loaded, unknown = model.load_weights(dense())
     if raw:
-        assert quant_kernel is not None
-        consumed, rest = quantize_model(model, raw, quant_kernel, dtype)
+        assert kernel is not None
+        consumed, rest = quantize_model(model, raw, kernel, dtype)
         more, unknown_more = model.load_weights(rest)
         loaded |= consumed | more
         unknown |= unknown_more
@@ -213,7 +223,10 @@ def load_model(
     if unknown:
         raise ValueError(f"{what} has weights a {source.config.architecture} does not use: {_few(unknown)}")
     model.eval()
-    if can_pack(dtype, device):
+    native_bf16 = kernel is not None and kernel.bf16 and os.environ.get(BF16_LINEARS_ENV) != "onednn"
+    if dtype == torch.bfloat16 and device.type == "cpu" and kernel is not None and native_bf16:
+        native_bf16_linears(model, kernel)  # bf16_linear.c: batch-invariant, 3x oneDNN at batch 1
+    elif can_pack(dtype, device):
         pack_linears(model)  # bfloat16 on the CPU: oneDNN's blocked weights, reordered once (packed.py)
     return LoadedModel(
         model, source.config, source.fingerprint, source.path, dtype, device, quantized=bool(raw)

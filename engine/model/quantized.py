@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from engine.model.llama import LlamaForCausalLM
     from engine.native import QuantKernel
 
-FMT_Q8, FMT_Q4 = 0, 1  # quant.c's two layouts
+FMT_Q8, FMT_Q4, FMT_BF16 = 0, 1, 2  # quant.c's two layouts; bf16_linear.c's
 # GGUF type name -> (quant.c layout, bytes of one GGUF block of 32)
 KERNEL_TYPES = {"Q8_0": (FMT_Q8, 34), "Q4_0": (FMT_Q4, 18), "Q4_1": (FMT_Q4, 20)}
 GROUP, QBLOCK = 16, 32
@@ -94,8 +94,38 @@ def pack(raws: list[RawBlocks]) -> QuantWeight:
     return QuantWeight(qtype, fmt, rows, cols, packed)
 
 
+def pack_bf16(weight: torch.Tensor) -> QuantWeight:
+    """A dense [rows, cols] matrix (cols even) as bfloat16 in bf16_linear.c's layout: per 16 rows, per
+    pair of inputs, the 16 rows' two values side by side."""
+    rows, cols = weight.shape
+    if cols % 2:
+        raise PackError(f"{cols} columns: the bfloat16 kernel takes inputs in pairs")
+    groups = -(-rows // GROUP)
+    padded = torch.zeros(groups * GROUP, cols, dtype=torch.bfloat16)
+    padded[:rows] = weight
+    packed = padded.view(groups, GROUP, cols // 2, 2).permute(0, 2, 1, 3).contiguous().view(torch.uint8)
+    return QuantWeight("BF16", FMT_BF16, rows, cols, packed.reshape(-1))
+
+
+def native_bf16_linears(model: nn.Module, kernel: QuantKernel) -> int:
+    """Replace every ``nn.Linear`` under ``model`` (bfloat16) by a ``QuantLinear`` over its weight packed
+    for bf16_linear.c; returns how many.  Each row's sums then run in one fixed order at any batch size:
+    the linears are batch-invariant by construction (engine/determinism.py needs no per-host plan)."""
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear) and child.in_features % 2 == 0
+    ]
+    for parent, name, child in targets:
+        bias = None if child.bias is None else child.bias.detach()
+        setattr(parent, name, QuantLinear([pack_bf16(child.weight.detach())], bias, kernel))
+    return len(targets)
+
+
 class QuantLinear(nn.Module):
-    """A linear layer (no training) over packed weights: one part per run of equal GGUF types."""
+    """A linear layer (no training) over packed weights -- GGUF's quantized blocks or dense bfloat16 --
+    run by the native kernels: one part per run of equal formats."""
 
     def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None, kernel: QuantKernel) -> None:
         super().__init__()
@@ -146,41 +176,39 @@ class QuantEmbedding(nn.Module):
 
 
 def choose_weights(
-    choice: str, dtype_choice: str, tensor_types: Mapping[str, int], device: torch.device, dtype: torch.dtype
-) -> tuple[QuantKernel | None, str]:
+    choice: str,
+    dtype_choice: str,
+    tensor_types: Mapping[str, int],
+    device: torch.device,
+    dtype: torch.dtype,
+    kernel: QuantKernel | None,
+) -> tuple[bool, str]:
     """``EngineConfig.weights`` resolved for a model whose tensors have ``tensor_types`` (GGUF type name
-    -> count; empty for a safetensors folder): (the kernel that runs packed weights, None: dense; a
-    phrase for the log).  ``quantized`` refuses, naming why, where it cannot be served; ``auto`` falls
-    back."""
-    from engine.native import native_kernels
-
+    -> count; empty for a safetensors folder), with ``kernel`` the native linears (None: not built, or
+    ``PDKV_NATIVE=0``): (whether the file's quantized matrices stay packed; a phrase for the log).
+    ``quantized`` refuses, naming why, where it cannot be served; ``auto`` falls back."""
     if choice in ("bf16", "float32"):
-        return None, f"--weights {choice}: dequantized at load"
+        return False, f"--weights {choice}: dequantized at load"
     kinds = sorted(set(tensor_types) & set(KERNEL_TYPES))
-    kernel = None
     if not kinds:
         why = "the model has no Q8_0, Q4_0 or Q4_1 matrices"
     elif device.type != "cpu":
         why = "the quantized kernels run on the CPU"
     elif dtype not in (torch.bfloat16, torch.float32):
         why = f"they compute in bfloat16 or float32, not {str(dtype).removeprefix('torch.')}"
+    elif kernel is None:
+        why = "the native kernels are not built here (no C compiler, no AVX512-VNNI, or PDKV_NATIVE=0)"
     else:
-        kernels = native_kernels()
-        kernel = None if kernels is None else kernels.quant
-        why = (
-            "the native kernels could not be built (no C compiler?)"
-            if kernels is None
-            else "this CPU or compiler has no AVX512-VNNI code"
-        )
+        why = ""
     if choice == "quantized":
-        if kernel is None:
+        if why:
             raise ValueError(f"weights 'quantized' cannot be served: {why}")
-        return kernel, f"--weights quantized ({', '.join(kinds)} as the file ships them)"
+        return True, f"--weights quantized ({', '.join(kinds)} as the file ships them)"
     if dtype_choice == "float32":
-        return None, "auto: --dtype float32 runs the weights dequantized (the reference path)"
-    if kernel is None:
-        return None, f"auto: dequantized ({why})"
-    return kernel, f"auto: quantized ({', '.join(kinds)} as the file ships them)"
+        return False, "auto: --dtype float32 runs the weights dequantized (the reference path)"
+    if why:
+        return False, f"auto: dequantized ({why})"
+    return True, f"auto: quantized ({', '.join(kinds)} as the file ships them)"
 
 
 def dequantize(kernel: QuantKernel, w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -283,7 +283,9 @@ def test_split_linears_compute_the_same_product() -> None:
 
 @needs_bf16
 def test_the_measurement_is_kept_per_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN's linears (not the native bfloat16 kernel, batch-invariant as built) get a measured plan."""
     monkeypatch.setenv("PDKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PDKV_BF16_LINEARS", "onednn")
     llm = make()
     assert llm.engine.determinism.on
     kept = json.loads((tmp_path / "batch_invariance.json").read_text())

@@ -40,11 +40,26 @@ def test_pack_linears_replaces_every_linear_and_keeps_the_weights() -> None:
         assert torch.equal(w, dense)
 
 
-def test_a_bfloat16_engine_packs_its_linears_and_a_float32_one_does_not() -> None:
+def test_a_bfloat16_engine_packs_its_linears_and_a_float32_one_does_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """bfloat16: packed for the native kernel where it is built (engine/csrc/bf16_linear.c), for oneDNN
+    with PDKV_BF16_LINEARS=onednn or without it; float32 keeps nn.Linear (MKL, the reference sums)."""
     from engine import LLM
+    from engine.model.quantized import QuantLinear
+    from engine.native import native_kernels
     from tests.tiny_models import tiny_model_dir
 
-    for dtype, packed in (("bfloat16", True), ("float32", False)):
+    kernels = native_kernels()
+    native = kernels is not None and kernels.quant is not None and kernels.quant.bf16
+    for env, dtype, kind in (
+        (None, "bfloat16", QuantLinear if native else PackedLinear),
+        ("onednn", "bfloat16", PackedLinear),
+        (None, "float32", nn.Linear),
+    ):
+        if env:
+            monkeypatch.setenv("PDKV_BF16_LINEARS", env)
         llm = LLM(tiny_model_dir("llama"), dtype=dtype, device="cpu", block_size=4, num_blocks=64)
-        kinds = {type(m) for m in llm.engine.model.model.modules()}
-        assert (PackedLinear in kinds) is packed and (nn.Linear in kinds) is not packed
+        kinds = {type(m) for m in llm.engine.model.model.modules()} & {PackedLinear, QuantLinear, nn.Linear}
+        assert kinds == {kind}, (env, dtype, kinds)
+        monkeypatch.delenv("PDKV_BF16_LINEARS", raising=False)

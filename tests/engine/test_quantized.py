@@ -26,6 +26,7 @@ from engine.model.quantized import (
     QuantLinear,
     dequantize,
     pack,
+    pack_bf16,
     weight_bytes,
 )
 from engine.native import QuantKernel, native_kernels
@@ -110,6 +111,38 @@ def test_each_row_gets_the_same_bits_alone_and_in_any_batch(
         assert torch.equal(linear(x[i : i + 1]), whole[i : i + 1])
 
 
+@pytest.mark.parametrize(("n", "k"), [(1, 2), (37, 64), (200, 576), (16, 1538), (70, 96)])
+def test_the_bf16_kernel_sums_within_float32_rounding_and_rounds_once(
+    kernel: QuantKernel, n: int, k: int
+) -> None:
+    if not kernel.bf16:
+        pytest.skip("this build has no AVX512-BF16 code")
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    linear = QuantLinear([pack_bf16(w)], None, kernel)
+    assert torch.equal(linear.dense_weight(torch.bfloat16), w)
+    for rows in (1, 2, 5, 6, 7, 61, 130):
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        exact = x.double() @ w.double().T
+        y = linear(x).double()
+        # one bfloat16 rounding of the float32 sum, and float32's own rounding along the k products
+        bound = exact.abs() * 2.0**-8 + (x.double().abs() @ w.double().abs().T) * k * 2.0**-24
+        assert torch.all((y - exact).abs() <= bound), rows
+
+
+def test_the_bf16_kernel_gives_each_row_the_same_bits_in_any_batch(kernel: QuantKernel) -> None:
+    if not kernel.bf16:
+        pytest.skip("this build has no AVX512-BF16 code")
+    g = torch.Generator().manual_seed(9)
+    linear = QuantLinear([pack_bf16(torch.randn(200, 576, generator=g).to(torch.bfloat16))], None, kernel)
+    x = torch.randn(130, 576, generator=g).to(torch.bfloat16)
+    whole = linear(x)
+    for count in (1, 2, 5, 6, 7, 12, 59, 60, 61, 129):
+        assert torch.equal(linear(x[:count]), whole[:count]), count
+    for i in (0, 5, 6, 60, 129):
+        assert torch.equal(linear(x[i : i + 1]), whole[i : i + 1]), i
+
+
 def test_parts_of_different_types_fill_their_own_columns(kernel: QuantKernel) -> None:
     a, b = random_blocks("Q4_1", 40, 64, seed=1), random_blocks("Q8_0", 24, 64, seed=2)
     split = QuantLinear([pack([a]), pack([b])], None, kernel)
@@ -178,11 +211,14 @@ def test_greedy_output_matches_transformers_or_parts_only_at_a_near_tie(
     assert worst < 0.01, worst
 
 
-@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("qtype", [*FORMATS, "bf16 folder"])
 def test_the_fused_decode_layer_is_the_per_op_path_bit_for_bit(
-    kernel: QuantKernel, qtype: str, files: dict[str, Path]
+    kernel: QuantKernel, qtype: str, files: dict[str, Path], folder: Path
 ) -> None:
-    llm = _llm(files[qtype])
+    """Quantized weights, and a safetensors folder's bfloat16 weights on the native bfloat16 kernel."""
+    if qtype == "bf16 folder" and not kernel.bf16:
+        pytest.skip("this build has no AVX512-BF16 code")
+    llm = _llm(folder, weights="auto") if qtype == "bf16 folder" else _llm(files[qtype])
     model = llm.engine.model.model
     fused = model.fused_decode
     assert fused is not None, "a bfloat16 model on quantized weights decodes one call per layer"
@@ -344,7 +380,7 @@ def test_quantized_is_refused_by_name_where_it_cannot_be_served(
     with pytest.raises(ValueError, match="weights 'int3' is not supported; choose one of auto, quantized"):
         LLM(files["Q8_0"], weights="int3", device="cpu")
     monkeypatch.setenv("PDKV_NATIVE", "0")
-    with pytest.raises(ValueError, match="native kernels could not be built"):
+    with pytest.raises(ValueError, match="the native kernels are not built here"):
         LLM(files["Q8_0"], weights="quantized", device="cpu")
 
 

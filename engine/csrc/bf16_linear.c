@@ -1,0 +1,123 @@
+/* bfloat16 linears over weights packed for AVX512-BF16's vdpbf16ps, every row summed in one fixed order.
+ *
+ *   pdkv_bf16_linear   out[m, col0 + n] = sum_k x[m, k] w[n, k]     (x, w, out bfloat16; float32 sums)
+ *   pdkv_bf16_rows     rows of w as dense bfloat16 (tests, the bench's floor)
+ *
+ * Layout (engine/model/quantized.py's pack_bf16 writes it): output rows in groups of 16 (the lanes of a
+ * vector); per group, for each pair of inputs p (k even), 64 bytes: row r's w[r, 2p] and w[r, 2p + 1].
+ * One vdpbf16ps adds two inputs' products to 16 outputs: the activation pair broadcast, no horizontal sums.
+ *
+ * Each output accumulates its pairs in input order in one float32 lane, whatever the number of rows, the
+ * tile a row lands in or the threads: a row's result depends on that row alone (batch-invariant, the
+ * engine's determinism rule).  A tile is up to GT groups x RT rows of accumulators, all independent, so
+ * the adds' latency overlaps: 4 groups x 1 row at batch 1, 4 groups x 6 rows beyond.
+ *
+ * Returns 0; 1 without AVX512-BF16 in this build; 2 for a shape it does not serve.
+ */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#include "simd.h"
+
+#define G16 16
+#define BF_PREFETCH 1024
+
+int pdkv_bf16_built(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int pdkv_bf16_rows(const void *packed, int64_t n, int64_t k, const int64_t *ids, int64_t count, void *out) {
+    if (n <= 0 || k <= 0 || k % 2) return 2;
+    const uint16_t *w = (const uint16_t *)packed;
+    uint16_t *o = (uint16_t *)out;
+    for (int64_t j = 0; j < count; j++) {
+        const int64_t r = ids[j];
+        if (r < 0 || r >= n) return 2;
+        const uint16_t *g = w + (r / G16) * k * G16;
+        for (int64_t i = 0; i < k; i++) o[j * k + i] = g[((i / 2) * G16 + r % G16) * 2 + i % 2];
+    }
+    return 0;
+}
+
+#ifdef __AVX512BF16__
+/* GT groups from g0 times RT rows of x: every output's pairs in input order, then stored.  Inlined with
+ * constant GT, RT, ng and nr for whole tiles (unrolled, accumulators in registers), else with the tails'
+ * counts; the arithmetic per output is the same either way. */
+INLINE void tile(const uint16_t *w, int64_t g0, int64_t k, const uint16_t *x, const int GT, const int RT,
+                 const int ng, const int nr, uint16_t *out, int64_t ldo, int64_t col0, int64_t n) {
+    __m512 acc[4][6];
+    for (int gi = 0; gi < GT; gi++)
+        for (int j = 0; j < RT; j++) acc[gi][j] = _mm512_setzero_ps();
+    const int64_t half = k / 2;
+    const uint16_t *wg[4];
+    const int32_t *xr[6]; /* each row's inputs as pairs: one dword broadcast per pair and row */
+    for (int gi = 0; gi < GT; gi++) wg[gi] = w + (g0 + (gi < ng ? gi : 0)) * k * G16;
+    for (int j = 0; j < RT; j++) xr[j] = (const int32_t *)(x + (j < nr ? j : 0) * k);
+    for (int64_t p = 0; p < half; p++) {
+        __m512bh xv[6];
+        for (int j = 0; j < RT; j++) xv[j] = (__m512bh)_mm512_set1_epi32(xr[j][p]);
+        for (int gi = 0; gi < GT; gi++) {
+            _mm_prefetch((const char *)(wg[gi] + p * 2 * G16) + BF_PREFETCH, _MM_HINT_T0);
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(wg[gi] + p * 2 * G16);
+            for (int j = 0; j < RT; j++) acc[gi][j] = _mm512_dpbf16_ps(acc[gi][j], wv, xv[j]);
+        }
+    }
+    for (int gi = 0; gi < ng; gi++) {
+        const int64_t c = (g0 + gi) * G16;
+        const int64_t nc = n - c < G16 ? n - c : G16;
+        const __mmask16 mask = nc >= G16 ? (__mmask16)0xffff : (__mmask16)((1u << nc) - 1u);
+        for (int j = 0; j < nr; j++)
+            _mm256_mask_storeu_epi16(out + j * ldo + col0 + c, mask, to_bf16x16(acc[gi][j]));
+    }
+}
+#endif
+
+int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed, int64_t n, void *out_,
+                     int64_t ldo, int64_t col0) {
+#ifndef __AVX512BF16__
+    (void)x_; (void)rows; (void)k; (void)packed; (void)n; (void)out_; (void)ldo; (void)col0;
+    return 1;
+#else
+    if (n <= 0 || k <= 0 || k % 2 || rows < 0 || ldo < col0 + n) return 2;
+    const uint16_t *x = (const uint16_t *)x_, *w = (const uint16_t *)packed;
+    uint16_t *out = (uint16_t *)out_;
+    const int64_t groups = (n + G16 - 1) / G16;
+    /* every thread an even share of the groups (tiles of 4 would leave 576 rows' 36 groups split 5:4) */
+#pragma omp parallel if (rows * n * k >= 32768)
+    {
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
+        if (rows == 1) {
+            for (int64_t g = g0; g < g1; g += 4) {
+                const int ng = (int)(g1 - g < 4 ? g1 - g : 4);
+                if (ng == 4)
+                    tile(w, g, k, x, 4, 1, 4, 1, out, ldo, col0, n);
+                else
+                    tile(w, g, k, x, 4, 1, ng, 1, out, ldo, col0, n);
+            }
+        } else {
+            /* rows in chunks of 60: their activations stay in L2 while the share of groups streams past */
+            for (int64_t m0 = 0; m0 < rows; m0 += 60) {
+                const int64_t m1 = m0 + 60 < rows ? m0 + 60 : rows;
+                for (int64_t g = g0; g < g1; g += 4) {
+                    const int ng = (int)(g1 - g < 4 ? g1 - g : 4);
+                    for (int64_t r = m0; r < m1; r += 6) {
+                        const int nr = (int)(m1 - r < 6 ? m1 - r : 6);
+                        if (ng == 4 && nr == 6)
+                            tile(w, g, k, x + r * k, 4, 6, 4, 6, out + r * ldo, ldo, col0, n);
+                        else
+                            tile(w, g, k, x + r * k, 4, 6, ng, nr, out + r * ldo, ldo, col0, n);
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+#endif
+}
