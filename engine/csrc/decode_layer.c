@@ -1,4 +1,5 @@
-/* One decoder layer of a decode step in one call, for models whose linears run quantized (quant.c).
+/* One decoder layer of a decode step in one call, for models whose linears run packed (quant.c: GGUF's
+ * quantized blocks, or dense bfloat16 through bf16_linear.c).
  *
  *   pdkv_decode_layer   the same kernels, in the same order, with the same roundings as the layer's
  *                       per-op path (engine/model/llama.py's DecoderLayer.forward with every native

@@ -1,6 +1,7 @@
-"""Decode steps of a quantized model one native call per layer (``engine/csrc/decode_layer.c``).
+"""Decode steps one native call per layer (``engine/csrc/decode_layer.c``) where every linear is packed
+for the native kernels (GGUF's quantized blocks or dense bfloat16, ``engine/model/quantized.py``).
 
-A batch-1 decode step of the built-in model reads its 96 MB of packed weights in about 4 ms; calling
+A batch-1 decode step of the built-in model reads its 96 MB of quantized weights in about 4 ms; calling
 the ~10 kernels of each of 30 layers from Python (wrappers, tensors, ctypes) cost as much again.
 ``FusedDecode`` hands each layer to ``pdkv_decode_layer``, which calls the same kernels in the same order
 with the same roundings -- the per-op path's bits (a test compares the two) -- and the connector's layer
