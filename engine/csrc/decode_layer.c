@@ -26,6 +26,11 @@ int pdkv_rope_write_kv(const void *qkv, const void *cos, const void *sin, void *
                        const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t rows, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t num_layers, int64_t layer,
                        int64_t block_size, int64_t bf16, int64_t num_blocks);
+int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, void *out,
+                            const int64_t *block_table, int64_t table_width, const int64_t *starts,
+                            const int64_t *counts, int64_t num_chunks, int64_t num_layers, int64_t layer,
+                            int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t window, float scale, int64_t num_blocks);
 int pdkv_paged_decode(const void *q, const void *cache, void *out, const int64_t *block_table,
                       const int64_t *positions, int64_t num_seqs, int64_t table_width, int64_t num_layers,
                       int64_t layer, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
@@ -46,13 +51,17 @@ struct pdkv_shape {
     int64_t hidden, heads, kv_heads, head_dim, inter, num_layers, block_size, bf16;
 };
 
-/* Per step. */
+/* Per step.  Attention: with chunks == 0 every row is a decode (block_table [T, W], positions [T]:
+ * pdkv_paged_decode); else the rows are `chunks` chunks (block_table [C, W], positions = their starts
+ * [C], counts [C]: pdkv_paged_prefill_many, deterministic mode's kernel for every row). */
 struct pdkv_step {
     int64_t rows, table_width, num_blocks;
     const void *cos, *sin;                    /* [T, 1, D/2] */
     void *kv_cache;
     const int64_t *slot_blocks, *slot_offsets; /* [T] */
-    const int64_t *block_table, *positions;   /* [T, W], [T] */
+    const int64_t *block_table, *positions;
+    const int64_t *counts;
+    int64_t chunks;
     void *scratch;                            /* pdkv_decode_scratch_bytes(shape, rows) bytes */
 };
 
@@ -92,9 +101,15 @@ int pdkv_decode_layer(const struct pdkv_layer *L, const struct pdkv_shape *s, co
     rc = pdkv_rope_write_kv(qkv, st->cos, st->sin, qk, st->kv_cache, st->slot_blocks, st->slot_offsets, t,
                             s->heads, s->kv_heads, hd, s->num_layers, L->layer, s->block_size, bf, st->num_blocks);
     if (rc) return rc;
-    rc = pdkv_paged_decode(qk, st->kv_cache, attn, st->block_table, st->positions, t, st->table_width,
-                           s->num_layers, L->layer, s->block_size, s->heads, s->kv_heads, hd, L->window,
-                           L->scale, bf, nq + nkv, st->num_blocks);
+    if (st->chunks > 0)
+        rc = pdkv_paged_prefill_many(qk, nq + nkv, st->kv_cache, attn, st->block_table, st->table_width,
+                                     st->positions, st->counts, st->chunks, s->num_layers, L->layer,
+                                     s->block_size, s->heads, s->kv_heads, hd, L->window, L->scale,
+                                     st->num_blocks);
+    else
+        rc = pdkv_paged_decode(qk, st->kv_cache, attn, st->block_table, st->positions, t, st->table_width,
+                               s->num_layers, L->layer, s->block_size, s->heads, s->kv_heads, hd, L->window,
+                               L->scale, bf, nq + nkv, st->num_blocks);
     if (rc) return rc;
     if ((rc = pdkv_qlinear(attn, bf, t, nq, L->wo, L->fo, s->hidden, o, s->hidden, bf))) return rc;
     if ((rc = pdkv_rms_norm(h1, o, h_out, L->norm2, x, t, s->hidden, L->eps, bf))) return rc;

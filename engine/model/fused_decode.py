@@ -7,10 +7,10 @@ the ~10 kernels of each of 30 layers from Python (wrappers, tensors, ctypes) cos
 with the same roundings -- the per-op path's bits (a test compares the two) -- and the connector's layer
 hooks still run between layers.
 
-It serves a step whose rows are all decodes in one group, in bfloat16 with every native kernel the
-per-op path would use, where every layer's four linears are ``QuantLinear`` of one part without bias
-(no LoRA wrapper, no Qwen2 biases) and the step is not deterministic (that mode's attention is another
-kernel); any other step takes the per-op path.
+It serves a decode-only step (any number of rows), or in deterministic mode every step (all rows'
+attention is the native prefill kernel's then, in both paths), in bfloat16 with every native kernel the
+per-op path would use, where every layer's four linears are ``QuantLinear`` of one part without bias (no
+LoRA wrapper, no Qwen2 biases); any other step takes the per-op path.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ class _Shape(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [
         ("rows", _I), ("table_width", _I), ("num_blocks", _I), ("cos", _P), ("sin", _P), ("kv_cache", _P),
-        ("slot_blocks", _P), ("slot_offsets", _P), ("block_table", _P), ("positions", _P), ("scratch", _P),
+        ("slot_blocks", _P), ("slot_offsets", _P), ("block_table", _P), ("positions", _P), ("counts", _P),
+        ("chunks", _I), ("scratch", _P),
     ]  # fmt: skip
 
 
@@ -98,16 +99,15 @@ class FusedDecode:
 
     @staticmethod
     def step_fits(ctx: ForwardContext) -> bool:
-        """Whether this step's rows are what the fused call serves: decodes only, one group, the native
-        decode attention and RoPE, not deterministic."""
+        """Whether the fused call computes this step as the per-op path would: a decode-only step with
+        the native decode attention, or in deterministic mode any step (every row's attention is the
+        native prefill kernel's in both); RoPE native."""
         a = ctx.attn
-        return (
-            not a.prefills
-            and len(a.decodes) == 1
-            and not ctx.deterministic
-            and ctx.decode_kernel is not None
-            and ctx.rope_kernel is not None
-        )
+        if ctx.rope_kernel is None:
+            return False
+        if ctx.deterministic:
+            return ctx.prefill_kernel is not None
+        return not a.prefills and bool(a.decodes) and ctx.decode_kernel is not None
 
     def __call__(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
@@ -117,18 +117,23 @@ class FusedDecode:
         if not self.step_fits(ctx):
             return None
         t = h.shape[0]
-        dec = ctx.attn.decodes[0]
+        if ctx.deterministic:
+            table, starts, counts = ctx.attn.as_chunks()
+            chunks, counts_ptr = starts.shape[0], counts.data_ptr()
+        else:
+            table, starts = ctx.attn.decode_rows()
+            chunks, counts_ptr = 0, 0
         need = int(self.scratch_fn(ctypes.byref(self.shape), t))
         if self.scratch.numel() < need:
             self.scratch = torch.empty(need, dtype=torch.uint8)
         kv = ctx.kv_cache
         self.shape.block_size = kv.shape[3]
-        assert kv.is_contiguous() and dec.block_table.is_contiguous() and dec.positions.is_contiguous()
+        assert kv.is_contiguous() and table.is_contiguous() and starts.is_contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
         step = _Step(
-            t, dec.block_table.shape[1], kv.shape[0], cos.data_ptr(), sin.data_ptr(), kv.data_ptr(),
-            ctx.attn.slot_blocks.data_ptr(), ctx.attn.slot_offsets.data_ptr(), dec.block_table.data_ptr(),
-            dec.positions.data_ptr(), self.scratch.data_ptr(),
+            t, table.shape[1], kv.shape[0], cos.data_ptr(), sin.data_ptr(), kv.data_ptr(),
+            ctx.attn.slot_blocks.data_ptr(), ctx.attn.slot_offsets.data_ptr(), table.data_ptr(),
+            starts.data_ptr(), counts_ptr, chunks, self.scratch.data_ptr(),
         )  # fmt: skip
         byref = ctypes.byref
         shape, step_ref, fn, hooks = byref(self.shape), byref(step), self.layer_fn, ctx.hooks

@@ -211,14 +211,24 @@ def test_greedy_output_matches_transformers_or_parts_only_at_a_near_tie(
     assert worst < 0.01, worst
 
 
-@pytest.mark.parametrize("qtype", [*FORMATS, "bf16 folder"])
+@pytest.mark.parametrize(
+    ("qtype", "deterministic"),
+    [*((q, False) for q in FORMATS), ("bf16 folder", False), ("Q4_1", True), ("bf16 folder", True)],
+)
 def test_the_fused_decode_layer_is_the_per_op_path_bit_for_bit(
-    kernel: QuantKernel, qtype: str, files: dict[str, Path], folder: Path
+    kernel: QuantKernel, qtype: str, deterministic: bool, files: dict[str, Path], folder: Path, tmp_path: Path
 ) -> None:
-    """Quantized weights, and a safetensors folder's bfloat16 weights on the native bfloat16 kernel."""
+    """Quantized weights, and a safetensors folder's bfloat16 weights on the native bfloat16 kernel;
+    decode steps of one group and of several (12 requests: groups of 8), and in deterministic mode every
+    step, prefill chunks included."""
     if qtype == "bf16 folder" and not kernel.bf16:
         pytest.skip("this build has no AVX512-BF16 code")
-    llm = _llm(folder, weights="auto") if qtype == "bf16 folder" else _llm(files[qtype])
+    if deterministic:  # the native prefill attention (deterministic mode's) takes head_dim 64, not 16
+        folder = pdkv_tiny_model_dir(init_std=0.2, hidden=128, heads=2, kv_heads=1)
+        files = {"Q4_1": write_gguf(folder, tmp_path / "hd64.gguf", qtype="Q4_1")}
+    path, weights = (folder, "auto") if qtype == "bf16 folder" else (files[qtype], "quantized")
+    llm = _llm(path, weights=weights, deterministic=deterministic, max_num_batched_tokens=64)
+    prompts = [*PROMPTS, *([p[::-1] for p in PROMPTS] * 2)]  # 12: two decode groups
     model = llm.engine.model.model
     fused = model.fused_decode
     assert fused is not None, "a bfloat16 model on quantized weights decodes one call per layer"
@@ -231,11 +241,13 @@ def test_the_fused_decode_layer_is_the_per_op_path_bit_for_bit(
 
     params = SamplingParams(max_tokens=10, logprobs=1, ignore_eos=True)
     model.fused_decode = counted
-    with_fused = llm.generate(PROMPTS, params)
-    assert any(calls), "decode steps took the fused call"
+    with_fused = llm.generate(prompts, params)
+    assert sum(calls) >= 9, "decode steps took the fused call"
+    if deterministic:
+        assert all(calls), "in deterministic mode every step does"
     model.fused_decode = None
     assert llm.engine.reset_prefix_cache()  # the same steps again: prefills as they were
-    per_op = llm.generate(PROMPTS, params)
+    per_op = llm.generate(prompts, params)
     for a, b in zip(with_fused, per_op, strict=True):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
