@@ -26,6 +26,9 @@ int pdkv_rope_write_kv(const void *qkv, const void *cos, const void *sin, void *
                        const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t rows, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t num_layers, int64_t layer,
                        int64_t block_size, int64_t bf16, int64_t num_blocks);
+int pdkv_lora_bf16(const void *x_, void *y_, const int64_t *slot, const void *a_, const void *b_,
+                   int64_t rows, int64_t in, int64_t out, int64_t parts, const int64_t *part_start,
+                   int64_t rank, int64_t num_slots);
 int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, void *out,
                             const int64_t *block_table, int64_t table_width, const int64_t *starts,
                             const int64_t *counts, int64_t num_chunks, int64_t num_layers, int64_t layer,
@@ -37,6 +40,13 @@ int pdkv_paged_decode(const void *q, const void *cache, void *out, const int64_t
                       int64_t head_dim, int64_t window, float scale, int64_t bf16, int64_t q_stride,
                       int64_t num_blocks);
 
+/* One linear's LoRA slots (engine/lora/layers.py's native layouts, csrc/lora.c). */
+struct pdkv_lora_mod {
+    const void *a, *b;
+    const int64_t *part_start;
+    int64_t parts, rank, num_slots;
+};
+
 /* Per layer, fixed at load (engine/model/fused_decode.py mirrors these structs with ctypes). */
 struct pdkv_layer {
     const void *norm1, *norm2;                /* RMSNorm weights [hidden] */
@@ -44,6 +54,7 @@ struct pdkv_layer {
     int64_t fqkv, fo, fgu, fd;                /* their quant.c formats */
     int64_t layer, window;                    /* window 0: none */
     float eps, scale;
+    const struct pdkv_lora_mod *lora;         /* [4]: q/k/v, o, gate/up, down; NULL without LoRA */
 };
 
 /* The model's shapes. */
@@ -63,7 +74,19 @@ struct pdkv_step {
     const int64_t *counts;
     int64_t chunks;
     void *scratch;                            /* pdkv_decode_scratch_bytes(shape, rows) bytes */
+    const int64_t *lora_rows;                 /* [T] each row's adapter slot (-1: none); NULL: none */
+    const int64_t *lora_on;                   /* [layers * 4]: whether a module has a delta this step */
 };
+
+/* The LoRA delta of module m of layer L added to y where this step has one (LoRALinear.forward's
+ * native path: after the base linear, before anything reads y). */
+static int add_lora(const struct pdkv_layer *L, const struct pdkv_step *st, int m, const void *x, void *y,
+                    int64_t in, int64_t out) {
+    if (st->lora_rows == NULL || L->lora == NULL || !st->lora_on[L->layer * 4 + m]) return 0;
+    const struct pdkv_lora_mod *mod = &L->lora[m];
+    return pdkv_lora_bf16(x, y, st->lora_rows, mod->a, mod->b, st->rows, in, out, mod->parts, mod->part_start,
+                          mod->rank, mod->num_slots);
+}
 
 int64_t pdkv_decode_scratch_bytes(const struct pdkv_shape *s, int64_t rows) {
     const int64_t es = s->bf16 ? 2 : 4;
@@ -98,6 +121,7 @@ int pdkv_decode_layer(const struct pdkv_layer *L, const struct pdkv_shape *s, co
     }
     if (rc) return rc;
     if ((rc = pdkv_qlinear(x, bf, t, s->hidden, L->wqkv, L->fqkv, nqkv, qkv, nqkv, bf))) return rc;
+    if ((rc = add_lora(L, st, 0, x, qkv, s->hidden, nqkv))) return rc;
     rc = pdkv_rope_write_kv(qkv, st->cos, st->sin, qk, st->kv_cache, st->slot_blocks, st->slot_offsets, t,
                             s->heads, s->kv_heads, hd, s->num_layers, L->layer, s->block_size, bf, st->num_blocks);
     if (rc) return rc;
@@ -112,8 +136,11 @@ int pdkv_decode_layer(const struct pdkv_layer *L, const struct pdkv_shape *s, co
                                L->scale, bf, nq + nkv, st->num_blocks);
     if (rc) return rc;
     if ((rc = pdkv_qlinear(attn, bf, t, nq, L->wo, L->fo, s->hidden, o, s->hidden, bf))) return rc;
+    if ((rc = add_lora(L, st, 1, attn, o, nq, s->hidden))) return rc;
     if ((rc = pdkv_rms_norm(h1, o, h_out, L->norm2, x, t, s->hidden, L->eps, bf))) return rc;
     if ((rc = pdkv_qlinear(x, bf, t, s->hidden, L->wgu, L->fgu, 2 * s->inter, gu, 2 * s->inter, bf))) return rc;
+    if ((rc = add_lora(L, st, 2, x, gu, s->hidden, 2 * s->inter))) return rc;
     if ((rc = pdkv_silu_mul(gu, act, t, s->inter, bf))) return rc;
-    return pdkv_qlinear(act, bf, t, s->inter, L->wd, L->fd, s->hidden, delta_out, s->hidden, bf);
+    if ((rc = pdkv_qlinear(act, bf, t, s->inter, L->wd, L->fd, s->hidden, delta_out, s->hidden, bf))) return rc;
+    return add_lora(L, st, 3, act, delta_out, s->inter, s->hidden);
 }

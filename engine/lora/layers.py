@@ -128,6 +128,11 @@ class LoRALinear(nn.Module):
             rows = self.a[slot].reshape(len(self.parts) * r, -1)  # [P*R, in]
             self.a2[slot].copy_(rows.view(rows.shape[0], -1, 2).transpose(0, 1))
 
+    @property
+    def on_native_kernel(self) -> bool:
+        """Whether its deltas run on csrc/lora.c (``a2``, ``b2``, ``part_start`` its layouts)."""
+        return self._native is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] -> [T, out]."""
         y = self.base(x)

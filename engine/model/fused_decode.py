@@ -10,7 +10,8 @@ hooks still run between layers.
 It serves a decode-only step (any number of rows), or in deterministic mode every step (all rows'
 attention is the native prefill kernel's then, in both paths), in bfloat16 with every native kernel the
 per-op path would use, where every layer's four linears are ``QuantLinear`` of one part without bias (no
-LoRA wrapper, no Qwen2 biases); any other step takes the per-op path.
+Qwen2 biases) -- under LoRA wrappers on the native LoRA kernel, whose deltas the call adds where the step
+has adapters (csrc/lora.c, as LoRALinear.forward does); any other step takes the per-op path.
 """
 
 from __future__ import annotations
@@ -30,11 +31,15 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
 
+class _LoRAModule(ctypes.Structure):
+    _fields_ = [("a", _P), ("b", _P), ("part_start", _P), ("parts", _I), ("rank", _I), ("num_slots", _I)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [
         ("norm1", _P), ("norm2", _P), ("wqkv", _P), ("wo", _P), ("wgu", _P), ("wd", _P),
         ("fqkv", _I), ("fo", _I), ("fgu", _I), ("fd", _I), ("layer", _I), ("window", _I),
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("lora", ctypes.POINTER(_LoRAModule)),
     ]  # fmt: skip
 
 
@@ -49,7 +54,7 @@ class _Step(ctypes.Structure):
     _fields_ = [
         ("rows", _I), ("table_width", _I), ("num_blocks", _I), ("cos", _P), ("sin", _P), ("kv_cache", _P),
         ("slot_blocks", _P), ("slot_offsets", _P), ("block_table", _P), ("positions", _P), ("counts", _P),
-        ("chunks", _I), ("scratch", _P),
+        ("chunks", _I), ("scratch", _P), ("lora_rows", _P), ("lora_on", _P),
     ]  # fmt: skip
 
 
@@ -64,9 +69,17 @@ class FusedDecode:
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.num_layers, 0, 1
         )  # block_size: the cache's, per step
         self.layers = []
+        self.wrappers: list[Any] = []  # the LoRA wrappers, 4 per layer in the C order (none without LoRA)
+        self._lora_structs = []  # kept alive: the layer structs point into them
         for i, layer in enumerate(_layers(model)):
             attn, mlp = _parts(layer)
-            w = [_only_part(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            mods = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            wrapped = [m for m in mods if _lora_wrapper(m) is not None]
+            self.wrappers += wrapped
+            lora = (_LoRAModule * 4)(*map(_lora_module, mods)) if wrapped else None
+            if lora is not None:
+                self._lora_structs.append(lora)
+            w = [_only_part(_base(m)) for m in mods]
             self.layers.append(
                 _Layer(
                     layer.input_layernorm.weight.data_ptr(),
@@ -77,6 +90,7 @@ class FusedDecode:
                     attn.window or 0,
                     layer.input_layernorm.eps,
                     attn.scale,
+                    lora,
                 )
             )
         self.scratch = torch.empty(0, dtype=torch.uint8)
@@ -92,8 +106,13 @@ class FusedDecode:
                 return False
             if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
                 return False
-            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                if not isinstance(m, QuantLinear) or len(m.parts) != 1 or m.bias is not None:
+            mods = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            wrapped = [_is_wrapper(m) for m in mods]
+            if any(wrapped) and not all(_lora_wrapper(m) is not None for m in mods):
+                return False  # LoRA on the torch path, or on some of the linears only
+            for m in mods:
+                base = _base(m)
+                if not isinstance(base, QuantLinear) or len(base.parts) != 1 or base.bias is not None:
                     return False
         return True
 
@@ -130,10 +149,18 @@ class FusedDecode:
         self.shape.block_size = kv.shape[3]
         assert kv.is_contiguous() and table.is_contiguous() and starts.is_contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
+        lora_rows = lora_on = None
+        state = self.wrappers[0].state if self.wrappers else None
+        if state is not None and state.used:  # this step's adapters: each module's delta where it has one
+            assert state.rows is not None and state.rows.is_contiguous()
+            lora_rows = state.rows
+            lora_on = torch.tensor([bool(state.used & w.slot_bits) for w in self.wrappers], dtype=torch.int64)
+        rows_ptr = None if lora_rows is None else lora_rows.data_ptr()
+        on_ptr = None if lora_on is None else lora_on.data_ptr()
         step = _Step(
             t, table.shape[1], kv.shape[0], cos.data_ptr(), sin.data_ptr(), kv.data_ptr(),
             ctx.attn.slot_blocks.data_ptr(), ctx.attn.slot_offsets.data_ptr(), table.data_ptr(),
-            starts.data_ptr(), counts_ptr, chunks, self.scratch.data_ptr(),
+            starts.data_ptr(), counts_ptr, chunks, self.scratch.data_ptr(), rows_ptr, on_ptr,
         )  # fmt: skip
         byref = ctypes.byref
         shape, step_ref, fn, hooks = byref(self.shape), byref(step), self.layer_fn, ctx.hooks
@@ -162,6 +189,27 @@ def _layers(model: LlamaForCausalLM) -> list[Any]:
 def _parts(layer: Any) -> tuple[Any, Any]:
     """A decoder layer's attention and MLP modules."""
     return layer.self_attn, layer.mlp
+
+
+def _is_wrapper(m: Any) -> bool:
+    """A LoRA wrapper (engine/lora/layers.LoRALinear: ``base``, ``a2``/``b2``, ``state``; not imported
+    here, which would circle back to the model)."""
+    return hasattr(m, "base") and hasattr(m, "state")
+
+
+def _lora_wrapper(m: Any) -> Any:
+    """``m`` where it is a LoRA wrapper on the native LoRA kernel, else None (a wrapper on the torch path
+    too: the fused call cannot reproduce that one)."""
+    return m if _is_wrapper(m) and m.on_native_kernel else None
+
+
+def _lora_module(m: Any) -> _LoRAModule:
+    a, b = m.a2, m.b2
+    return _LoRAModule(a.data_ptr(), b.data_ptr(), m.part_start.data_ptr(), len(m.parts), m.rank, a.shape[0])
+
+
+def _base(m: Any) -> Any:
+    return m.base if _is_wrapper(m) else m
 
 
 def _only_part(m: Any) -> Any:

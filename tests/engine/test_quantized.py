@@ -252,6 +252,43 @@ def test_the_fused_decode_layer_is_the_per_op_path_bit_for_bit(
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
+def test_the_fused_decode_layer_adds_lora_deltas_as_the_per_op_path_does(kernel: QuantKernel) -> None:
+    """bfloat16 with two adapters on the native LoRA kernel: steps with adapter rows, without, and mixed
+    take the fused call and give the per-op path's bits."""
+    from tests.tiny_adapters import peft_adapter_dir
+    from tests.tiny_models import tiny_model_dir
+
+    if not kernel.bf16:
+        pytest.skip("this build has no AVX512-BF16 code")
+    a, b = peft_adapter_dir("llama", "r16"), peft_adapter_dir("llama", "attn_only")
+    llm = LLM(
+        tiny_model_dir("llama"), dtype="bfloat16", device="cpu", block_size=BS, num_blocks=128,
+        loras=(("A", str(a)), ("B", str(b))),
+    )  # fmt: skip
+    model = llm.engine.model.model
+    fused = model.fused_decode
+    assert fused is not None, "LoRA wrappers on the native kernel keep the fused call"
+    calls: list[bool] = []
+
+    def counted(*args: Any) -> torch.Tensor | None:
+        out = fused(*args)
+        calls.append(out is not None)
+        return out
+
+    prompts = [p[:12] for p in PROMPTS] * 2
+    adapters = ["A", None, "B", "A", None, None, "B", "B"]
+    params = SamplingParams(max_tokens=8, logprobs=1, ignore_eos=True)
+    runs = []
+    for use in (counted, None):
+        model.fused_decode = use
+        assert llm.engine.reset_prefix_cache()
+        runs.append(llm.generate(prompts, params, adapters=adapters) + llm.generate(prompts, params))
+    assert sum(calls) >= 14
+    for x, y in zip(*runs, strict=True):
+        assert x.token_ids == y.token_ids and x.logprobs == y.logprobs
+    assert runs[0][0].token_ids != runs[0][8].token_ids or runs[0][2].token_ids != runs[0][10].token_ids
+
+
 def test_every_path_gives_the_local_tokens(
     kernel: QuantKernel, files: dict[str, Path], tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
