@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from engine.model.gguf import RawBlocks
+from engine.model.packed import PackedLinear
 
 if TYPE_CHECKING:
     from engine.model.llama import LlamaForCausalLM
@@ -303,6 +304,9 @@ def weight_bytes(model: nn.Module) -> int:
                 add(m.bias)
         elif isinstance(m, QuantEmbedding):
             add(m.weight_q.packed)
-        elif hasattr(m, "packed") and isinstance(m.packed, torch.Tensor):  # PackedLinear (oneDNN)
-            seen[id(m.packed)] = m.packed.numel() * m.packed.element_size()
+        elif isinstance(m, PackedLinear):  # oneDNN's opaque blocked tensors: counted by their elements
+            for t in (m.packed, *(piece for _, _, piece in m.pieces)):
+                seen[id(t)] = t.numel() * t.element_size()
+            if m.bias is not None:
+                add(m.bias)
     return sum(seen.values())
