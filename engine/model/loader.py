@@ -184,7 +184,7 @@ def load_model(
     from engine.model.gguf import RawBlocks
     from engine.model.llama import LlamaForCausalLM
     from engine.model.packed import can_pack, pack_linears
-    from engine.model.quantized import KERNEL_TYPES, native_bf16_linears, quantize_model
+    from engine.model.quantized import KERNEL_TYPES, gather_packed, native_bf16_linears, quantize_model
 
     source = path if isinstance(path, ModelFolder | GGUFModel) else inspect_model(path)
     model = LlamaForCausalLM(source.config, dtype=dtype, device=device)
@@ -228,6 +228,8 @@ def load_model(
         native_bf16_linears(model, kernel)  # bf16_linear.c: batch-invariant, 3x oneDNN at batch 1
     elif can_pack(dtype, device):
         pack_linears(model)  # bfloat16 on the CPU: oneDNN's blocked weights, reordered once (packed.py)
+    if kernel is not None:
+        gather_packed(model)  # one region, huge pages where the host gives them (4-9% off a decode step)
     return LoadedModel(
         model, source.config, source.fingerprint, source.path, dtype, device, quantized=bool(raw)
     )

@@ -18,6 +18,7 @@ dequantized weights of one file never exchange blocks.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -284,6 +285,46 @@ def quantize_model(
         if name not in consumed:
             dense.append((name, r.dense(dtype)))
     return consumed, dense
+
+
+ARENA_ALIGN = 4096
+
+
+def gather_packed(model: nn.Module) -> int:
+    """Move every packed matrix of ``model`` into one buffer, in the order the forward reads them, that
+    the kernel is asked to back with 2 MB pages (``MADV_HUGEPAGE``; transparent huge pages are opt-in
+    on most hosts): a decode step then streams one region instead of ~120 separate allocations, with
+    1/512th of the TLB misses.  Returns the buffer's size (0: nothing packed)."""
+    import mmap
+
+    weights: dict[int, QuantWeight] = {}  # by the packed tensor's id: a tied head shares the embedding's
+    for m in model.modules():
+        parts = [w for _, w in m.parts] if isinstance(m, QuantLinear) else []
+        parts += [m.weight_q] if isinstance(m, QuantEmbedding) else []
+        for w in parts:
+            weights.setdefault(id(w.packed), w)
+    if not weights:
+        return 0
+    offsets, size = {}, 0
+    for key, w in weights.items():
+        offsets[key] = size
+        size += -(-w.nbytes // ARENA_ALIGN) * ARENA_ALIGN
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    arena = torch.frombuffer(buf, dtype=torch.uint8)
+    moved: dict[int, QuantWeight] = {}
+    for key, w in weights.items():
+        view = arena[offsets[key] : offsets[key] + w.nbytes]
+        view.copy_(w.packed)
+        moved[key] = dataclasses.replace(w, packed=view)
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.parts = [(start, moved[id(w.packed)]) for start, w in m.parts]
+        elif isinstance(m, QuantEmbedding):
+            m.weight_q = moved[id(m.weight_q.packed)]
+    model._packed_arena = buf  # type: ignore[assignment]  # the views keep it alive; this names it
+    return size
 
 
 def weight_bytes(model: nn.Module) -> int:
