@@ -69,13 +69,13 @@ class FusedDecode:
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.num_layers, 0, 1
         )  # block_size: the cache's, per step
         self.layers = []
-        self.wrappers: list[Any] = []  # the LoRA wrappers, 4 per layer in the C order (none without LoRA)
+        self.wrappers: list[Any] = []  # the LoRA wrappers, 4 per layer in the C order, None where none
         self._lora_structs = []  # kept alive: the layer structs point into them
         for i, layer in enumerate(_layers(model)):
             attn, mlp = _parts(layer)
             mods = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
             wrapped = [m for m in mods if _lora_wrapper(m) is not None]
-            self.wrappers += wrapped
+            self.wrappers += wrapped if wrapped else [None] * 4
             lora = (_LoRAModule * 4)(*map(_lora_module, mods)) if wrapped else None
             if lora is not None:
                 self._lora_structs.append(lora)
@@ -150,11 +150,12 @@ class FusedDecode:
         assert kv.is_contiguous() and table.is_contiguous() and starts.is_contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
         lora_rows = lora_on = None
-        state = self.wrappers[0].state if self.wrappers else None
+        state = next((w.state for w in self.wrappers if w is not None), None)
         if state is not None and state.used:  # this step's adapters: each module's delta where it has one
             assert state.rows is not None and state.rows.is_contiguous()
             lora_rows = state.rows
-            lora_on = torch.tensor([bool(state.used & w.slot_bits) for w in self.wrappers], dtype=torch.int64)
+            on = [w is not None and bool(state.used & w.slot_bits) for w in self.wrappers]
+            lora_on = torch.tensor(on, dtype=torch.int64)
         rows_ptr = None if lora_rows is None else lora_rows.data_ptr()
         on_ptr = None if lora_on is None else lora_on.data_ptr()
         step = _Step(
