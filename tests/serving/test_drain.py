@@ -153,6 +153,9 @@ def test_pdkv_restart_finds_the_one_running_launcher(
 
 CLIENTS = 16
 PARAMS = SamplingParams(max_tokens=96, ignore_eos=True)
+# Streams started just before a decode node is stopped: long enough that SIGTERM finds them running
+# however long the busy host takes to deliver it (96-token streams had all ended by then in some runs).
+LONG_PARAMS = SamplingParams(max_tokens=768, ignore_eos=True)
 
 
 def _prompt(client: int, turn: int) -> str:
@@ -167,7 +170,9 @@ class _Load:
         self.cluster = cluster
         self.stop = threading.Event()
         self.outputs: list[tuple[str, list[int]]] = []
+        self.long_outputs: list[tuple[str, list[int]]] = []
         self.failures: list[str] = []
+        self._long: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._threads = [
             threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(CLIENTS)
@@ -180,25 +185,35 @@ class _Load:
 
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
-        for t in self._threads:
+        for t in [*self._threads, *self._long]:
             t.join(120)
 
+    def long_streams(self, n: int) -> None:
+        """``n`` more clients, one ``LONG_PARAMS`` stream each (the router spreads them over the nodes)."""
+        for _ in range(n):
+            prompt = f"A long stream {len(self._long)} keeps a decode node busy while it drains. " * 2
+            t = threading.Thread(target=self._one, args=(prompt, LONG_PARAMS, self.long_outputs), daemon=True)
+            self._long.append(t)
+            t.start()
+
     def _client(self, i: int) -> None:
+        turn = 0
+        while not self.stop.is_set():
+            self._one(_prompt(i, turn), PARAMS, self.outputs)
+            turn += 1
+
+    def _one(self, prompt: str, params: SamplingParams, into: list[tuple[str, list[int]]]) -> None:
         with GenerationClient(self.cluster.router_address) as client:
-            turn = 0
-            while not self.stop.is_set():
-                prompt = _prompt(i, turn)
-                turn += 1
-                try:
-                    token_ids: list[int] = []
-                    for msg in client.stream(generate_request(prompt, PARAMS), timeout=120):
-                        if msg.HasField("delta"):
-                            token_ids += msg.delta.token_ids
-                    with self._lock:
-                        self.outputs.append((prompt, token_ids))
-                except grpc.RpcError as exc:
-                    with self._lock:
-                        self.failures.append(f"{exc.code().name}: {exc.details()}")
+            try:
+                token_ids: list[int] = []
+                for msg in client.stream(generate_request(prompt, params), timeout=120):
+                    if msg.HasField("delta"):
+                        token_ids += msg.delta.token_ids
+                with self._lock:
+                    into.append((prompt, token_ids))
+            except grpc.RpcError as exc:
+                with self._lock:
+                    self.failures.append(f"{exc.code().name}: {exc.details()}")
 
     def completed(self) -> int:
         with self._lock:
@@ -232,6 +247,7 @@ def _rolling_restart(names: list[str]) -> None:
                 before = load.completed()
                 if name.startswith("decode"):
                     # Stop it while it streams, so that its drain has requests to finish.
+                    load.long_streams(4)
                     node = next(p for p in cluster.decode_nodes if p.name == name)
                     wait_until(lambda a=node.address: _running(a) >= 2, timeout=60, what=f"{name} to stream")
                 RollingRestarts(cluster).restart(name, progress.append)
@@ -248,6 +264,8 @@ def _rolling_restart(names: list[str]) -> None:
             expected[prompt] = llm.generate([prompt], PARAMS)[0].token_ids
         wrong = [p for p, ids in load.outputs if ids != expected[p]]
         assert wrong == [], f"{len(wrong)} outputs differ from the local engine's"
+        long_wrong = [p for p, ids in load.long_outputs if ids != llm.generate([p], LONG_PARAMS)[0].token_ids]
+        assert len(load.long_outputs) == 8 and long_wrong == [], long_wrong
         router = cluster.router
         assert router is not None
         assert metric(router.info["metrics"], "pdkv_router_decode_resumes_total") == 0
