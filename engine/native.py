@@ -284,7 +284,7 @@ class QuantKernel:
 
 @dataclass(frozen=True)
 class DecodeLayerKernel:
-    """``engine/csrc/decode_layer.c``: a quantized model's decoder layer in one call (driven by
+    """``engine/csrc/decode_layer.c``: a decoder layer over packed linears in one call (driven by
     ``engine/model/fused_decode.py``, which mirrors its structs)."""
 
     layer_fn: Any  # pdkv_decode_layer

@@ -110,8 +110,9 @@ class ModelRunner:
         kernels = native_kernels() if device.type == "cpu" else None
         model.use_native(kernels, kv_spec.dtype)  # None without a compiler: the torch ops
         layer_kernel = kernels.decode_layer if kernels is not None else None
-        serves = layer_kernel is not None and FusedDecode.serves(model, kv_spec.dtype)
-        model.fused_decode = FusedDecode(model, layer_kernel) if serves and layer_kernel else None
+        model.fused_decode = None
+        if layer_kernel is not None and FusedDecode.serves(model, kv_spec.dtype):
+            model.fused_decode = FusedDecode(model, layer_kernel)
         sampler.argmax = kernels.argmax if kernels is not None else None
         if kernels is None:
             return None, None, None

@@ -201,11 +201,9 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, device)
-        # Set by the runner where the weights run quantized (engine/model/fused_decode.py): decode steps
+        # Set by the runner where every linear runs packed (engine/model/fused_decode.py): decode steps
         # one native call per layer; it returns None for a step it does not serve.
-        self.fused_decode: (
-            Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor | None] | None
-        ) = None
+        self.fused_decode: FusedDecodeFn | None = None
 
     def use_native(self, kernels: NativeKernels | None, dtype: torch.dtype) -> None:
         """Compute every RMSNorm and SwiGLU activation with ``kernels`` (engine/native.py) where they

@@ -223,8 +223,14 @@ def load_model(
     if unknown:
         raise ValueError(f"{what} has weights a {source.config.architecture} does not use: {_few(unknown)}")
     model.eval()
-    native_bf16 = kernel is not None and kernel.bf16 and os.environ.get(BF16_LINEARS_ENV) != "onednn"
-    if dtype == torch.bfloat16 and device.type == "cpu" and kernel is not None and native_bf16:
+    onednn_wanted = os.environ.get(BF16_LINEARS_ENV) == "onednn"
+    if (
+        dtype == torch.bfloat16
+        and device.type == "cpu"
+        and kernel is not None
+        and kernel.bf16
+        and not onednn_wanted
+    ):
         native_bf16_linears(model, kernel)  # bf16_linear.c: batch-invariant, 3x oneDNN at batch 1
     elif can_pack(dtype, device):
         pack_linears(model)  # bfloat16 on the CPU: oneDNN's blocked weights, reordered once (packed.py)

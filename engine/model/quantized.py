@@ -29,10 +29,10 @@ from torch import nn
 
 from engine.model.gguf import RawBlocks
 from engine.model.packed import PackedLinear
+from engine.native import QuantKernel
 
 if TYPE_CHECKING:
     from engine.model.llama import LlamaForCausalLM
-    from engine.native import QuantKernel
 
 FMT_Q8, FMT_Q4, FMT_BF16 = 0, 1, 2  # quant.c's two layouts; bf16_linear.c's
 # GGUF type name -> (quant.c layout, bytes of one GGUF block of 32)
@@ -196,7 +196,7 @@ def choose_weights(
         why = "the model has no Q8_0, Q4_0 or Q4_1 matrices"
     elif device.type != "cpu":
         why = "the quantized kernels run on the CPU"
-    elif dtype not in (torch.bfloat16, torch.float32):
+    elif not QuantKernel.supports(dtype):
         why = f"they compute in bfloat16 or float32, not {str(dtype).removeprefix('torch.')}"
     elif kernel is None:
         why = "the native kernels are not built here (no C compiler, no AVX512-VNNI, or PDKV_NATIVE=0)"
