@@ -175,10 +175,8 @@ int64_t pdkv_read_bandwidth(const void *buf, int64_t bytes) {
 }
 
 #if PDKV_QUANT_BUILT
-/* 16 floats from 16 bfloat16 (as bits) and back, rounded to nearest even (as torch). */
-INLINE __m512 bf16_load16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
+/* 16 floats rounded to bfloat16, nearest even (as torch) -- simd.h's to_bf16x16 without AVX512-BF16,
+ * which a CPU with VNNI may lack. */
 INLINE __m256i bf16_round16(__m512 x) {
     __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -195,8 +193,8 @@ static void quantize_row(const void *x, int64_t in_bf16, int64_t k, int16_t *qa,
         __m512 v0, v1;
         if (in_bf16) {
             const uint16_t *p = (const uint16_t *)x + b * QBLOCK;
-            v0 = bf16_load16(p);
-            v1 = bf16_load16(p + 16);
+            v0 = from_bf16x16(_mm256_loadu_si256((const __m256i *)p));
+            v1 = from_bf16x16(_mm256_loadu_si256((const __m256i *)(p + 16)));
         } else {
             const float *p = (const float *)x + b * QBLOCK;
             v0 = _mm512_loadu_ps(p);

@@ -67,12 +67,16 @@ static inline __m512 exp512(__m512 x) {
 }
 #endif
 
-#ifdef __AVX512BF16__
-/* 16 floats rounded to bfloat16 (nearest even, as torch), as the bits and as floats again. */
-INLINE __m256i to_bf16x16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+#ifdef __AVX512F__
+/* 16 bfloat16 (as bits) widened to floats: exact, and plain AVX-512 (no AVX512-BF16 needed). */
 INLINE __m512 from_bf16x16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+#endif
+
+#ifdef __AVX512BF16__
+/* 16 floats rounded to bfloat16 (nearest even, as torch), as the bits and as floats again. */
+INLINE __m256i to_bf16x16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 INLINE __m512 round_bf16x16(__m512 x) { return from_bf16x16(to_bf16x16(x)); }
 #endif
 
