@@ -49,7 +49,7 @@ from engine import LLM, SamplingParams
 from engine.model.convert_gguf import convert_gguf
 from engine.model.embedded import ensure_default_model
 from engine.model.packed import linear_weights
-from engine.model.quantized import QuantLinear, weight_bytes
+from engine.model.quantized import QuantLinear, packed_weights, weight_bytes
 from engine.native import QuantKernel
 
 
@@ -255,13 +255,8 @@ def quantized_figures(gguf: Path, steps: int, long_prompt: list[int], report: Re
 
 def streamed_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights one decode step reads: every linear's packed matrix once (the tied embedding is
-    the LM head's matrix) -- the norms' few KB aside."""
-    seen: dict[int, int] = {}
-    for m in model.modules():
-        if isinstance(m, QuantLinear):
-            for _, w in m.parts:
-                seen[w.packed.data_ptr()] = w.nbytes
-    return sum(seen.values())
+    the LM head's matrix; an untied one is only looked up) -- the norms' few KB aside."""
+    return sum(w.nbytes for w in packed_weights(model, lookups=False))
 
 
 def run(

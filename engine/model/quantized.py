@@ -290,6 +290,18 @@ def quantize_model(
 ARENA_ALIGN = 4096
 
 
+def packed_weights(model: nn.Module, *, lookups: bool = True) -> list[QuantWeight]:
+    """Every packed matrix of ``model`` once, in module order: the linears' parts and (with ``lookups``)
+    the embeddings read row by row; a tied LM head and its embedding are one matrix."""
+    weights: dict[int, QuantWeight] = {}  # by the packed tensor's id
+    for m in model.modules():
+        parts = [w for _, w in m.parts] if isinstance(m, QuantLinear) else []
+        parts += [m.weight_q] if lookups and isinstance(m, QuantEmbedding) else []
+        for w in parts:
+            weights.setdefault(id(w.packed), w)
+    return list(weights.values())
+
+
 def gather_packed(model: nn.Module) -> int:
     """Move every packed matrix of ``model`` into one buffer, in the order the forward reads them, that
     the kernel is asked to back with 2 MB pages (``MADV_HUGEPAGE``; transparent huge pages are opt-in
@@ -297,27 +309,23 @@ def gather_packed(model: nn.Module) -> int:
     1/512th of the TLB misses.  Returns the buffer's size (0: nothing packed)."""
     import mmap
 
-    weights: dict[int, QuantWeight] = {}  # by the packed tensor's id: a tied head shares the embedding's
-    for m in model.modules():
-        parts = [w for _, w in m.parts] if isinstance(m, QuantLinear) else []
-        parts += [m.weight_q] if isinstance(m, QuantEmbedding) else []
-        for w in parts:
-            weights.setdefault(id(w.packed), w)
+    weights = packed_weights(model)
     if not weights:
         return 0
     offsets, size = {}, 0
-    for key, w in weights.items():
-        offsets[key] = size
+    for w in weights:
+        offsets[id(w.packed)] = size
         size += -(-w.nbytes // ARENA_ALIGN) * ARENA_ALIGN
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE)
     arena = torch.frombuffer(buf, dtype=torch.uint8)
     moved: dict[int, QuantWeight] = {}
-    for key, w in weights.items():
-        view = arena[offsets[key] : offsets[key] + w.nbytes]
+    for w in weights:
+        start = offsets[id(w.packed)]
+        view = arena[start : start + w.nbytes]
         view.copy_(w.packed)
-        moved[key] = dataclasses.replace(w, packed=view)
+        moved[id(w.packed)] = dataclasses.replace(w, packed=view)
     for m in model.modules():
         if isinstance(m, QuantLinear):
             m.parts = [(start, moved[id(w.packed)]) for start, w in m.parts]
@@ -335,16 +343,11 @@ def weight_bytes(model: nn.Module) -> int:
         if t.device.type != "meta" and t.numel():
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
 
-    for t in (*model.parameters(), *model.buffers()):
+    for t in (*model.parameters(), *model.buffers(), *(w.packed for w in packed_weights(model))):
         add(t)
     for m in model.modules():
-        if isinstance(m, QuantLinear):
-            for _, w in m.parts:
-                add(w.packed)
-            if m.bias is not None:
-                add(m.bias)
-        elif isinstance(m, QuantEmbedding):
-            add(m.weight_q.packed)
+        if isinstance(m, QuantLinear) and m.bias is not None:
+            add(m.bias)
         elif isinstance(m, PackedLinear):  # oneDNN's opaque blocked tensors: counted by their elements
             for t in (m.packed, *(piece for _, _, piece in m.pieces)):
                 seen[id(t)] = t.numel() * t.element_size()
