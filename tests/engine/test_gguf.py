@@ -22,7 +22,6 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from pdkv.cli import main
 from tests.gguf_models import write_gguf
-from tests.tiny_models import pdkv_tiny_model_dir
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [100, 200, 300, 50, 60], [42] * 17]
 GREEDY = SamplingParams(max_tokens=8)
@@ -35,17 +34,6 @@ TRICKY = [
     "don't won't I'm we'll",
     "",
 ]
-
-
-@pytest.fixture(scope="module")
-def folder() -> Path:
-    return pdkv_tiny_model_dir(init_std=0.2)  # spread-out logits: no near-ties in greedy picks
-
-
-@pytest.fixture(scope="module")
-def files(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("gguf")
-    return {q: write_gguf(folder, root / f"tiny-{q}.gguf", qtype=q) for q in SUPPORTED_TENSOR_TYPES}
 
 
 def _llm(path: Path, dtype: str = "float32") -> LLM:

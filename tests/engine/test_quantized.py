@@ -155,17 +155,6 @@ def test_parts_of_different_types_fill_their_own_columns(kernel: QuantKernel) ->
 # -- the engine on quantized files ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def folder() -> Path:
-    return pdkv_tiny_model_dir(init_std=0.2)  # spread-out logits: no near-ties in greedy picks
-
-
-@pytest.fixture(scope="module")
-def files(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("qgguf")
-    return {q: write_gguf(folder, root / f"tiny-{q}.gguf", qtype=q) for q in FORMATS}
-
-
 def _llm(path: Path, dtype: str = "bfloat16", weights: str = "quantized", **kw: Any) -> LLM:
     return LLM(path, dtype=dtype, weights=weights, device="cpu", block_size=BS, num_blocks=64, **kw)
 
