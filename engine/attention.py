@@ -101,29 +101,10 @@ class AttentionMetadata:
     decodes: list[DecodeBatch]
     prefills: list[PrefillChunk]
     _chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    _decode_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.slot_blocks.shape[0]
-
-    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row of a decode-only step as one ``DecodeKernel`` call takes them, built once per step:
-        (block table [T, W] -- the groups' tables padded to the widest, padding unread -- and positions
-        [T])."""
-        if self._decode_rows is None:
-            assert not self.prefills, "decode rows only"
-            if len(self.decodes) == 1:
-                self._decode_rows = (self.decodes[0].block_table, self.decodes[0].positions)
-            else:
-                width = max(dec.block_table.shape[1] for dec in self.decodes)
-                table = torch.zeros(self.num_tokens, width, dtype=torch.int64)
-                for dec in self.decodes:
-                    table[dec.row_start : dec.row_start + dec.num, : dec.block_table.shape[1]] = (
-                        dec.block_table
-                    )
-                self._decode_rows = (table, torch.cat([dec.positions for dec in self.decodes]))
-        return self._decode_rows
 
     def as_chunks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every row of the step as ``PrefillKernel.many`` takes them, built once per step: (block table

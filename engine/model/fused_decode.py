@@ -136,12 +136,10 @@ class FusedDecode:
         if not self.step_fits(ctx):
             return None
         t = h.shape[0]
-        if ctx.deterministic:
-            table, starts, counts = ctx.attn.as_chunks()
-            chunks, counts_ptr = starts.shape[0], counts.data_ptr()
-        else:
-            table, starts = ctx.attn.decode_rows()
-            chunks, counts_ptr = 0, 0
+        # every row as a chunk (a decode row: a chunk of one at its position), the tables padded to the
+        # widest: the prefill kernel's arguments, and for a decode-only step the decode kernel's too
+        table, starts, counts = ctx.attn.as_chunks()
+        chunks, counts_ptr = (starts.shape[0], counts.data_ptr()) if ctx.deterministic else (0, 0)
         need = int(self.scratch_fn(ctypes.byref(self.shape), t))
         if self.scratch.numel() < need:
             self.scratch = torch.empty(need, dtype=torch.uint8)
