@@ -51,13 +51,10 @@ the answer is in, never before), through the same code.
 from __future__ import annotations
 
 import itertools
-import json
-import random
 import statistics
 import tempfile
 import threading
 import time
-import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,12 +68,10 @@ from engine.model.embedded import ensure_default_model
 from engine.model.make_model import TinyLlamaSpec, make_model
 from engine.sampling_params import SamplingParams
 from pdkv.launcher import Cluster, Topology
+from planner.trace import DEFAULT_TRACE, Scale, TraceError, ceiling, read_trace
+from planner.workload import TraceRequest, as_arrivals, qa_workload, scale_trace
 from serving.client import Completion, GenerationClient, generate_request
 
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "conversation_trace.jsonl"
-)
-TRACE_BLOCK_TOKENS = 512
 SPEC = TinyLlamaSpec(layers=4, hidden=256, heads=8, kv_heads=4, vocab=512, max_position_embeddings=16384)
 BLOCK_SIZE = 16
 
@@ -139,184 +134,6 @@ def prepare_model(name: str, folder: Path) -> Path:
         return make_model(folder, SPEC)
     # The GGUF converted once to a bf16 folder: the four nodes load it in half the time.
     return convert_gguf(ensure_default_model(progress=True), folder, dtype="bfloat16")
-
-
-class TraceError(ValueError):
-    """A trace line that is not what the format says; the text names the line."""
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    arrival_s: float  # scaled
-    prompt: list[int]
-    max_tokens: int
-    block_ids: tuple[int, ...]
-    # The request that must have finished before this one is sent (its index in the replay): a QA
-    # user's previous round, whose answer this one's prompt holds.  None: sent at its arrival time.
-    after: int | None = None
-
-
-@dataclass(frozen=True)
-class Scale:
-    tokens_per_block: int
-    time_scale: float
-    max_output: int
-    max_input: int = 1 << 30
-
-    def describe(self, trace: bool = True) -> str:
-        if not trace:  # the QA workload: no trace blocks, times or lengths to scale
-            return f"{self.tokens_per_block}-token question blocks, outputs of {self.max_output} tokens"
-        return (
-            f"{self.tokens_per_block} tokens per 512-token block, time x{self.time_scale:g}, "
-            f"inputs capped at {self.max_input} tokens, outputs at {self.max_output}"
-        )
-
-
-def conversation_key(hash_ids: list[int], line: int) -> str:
-    """What groups a conversation's turns: its first two block ids.  Every turn of a conversation repeats
-    the history before it, so its turns share their leading ids; the first alone is not enough in the
-    Mooncake trace, whose every request starts with the same block (id 0, a shared system prompt).  A
-    request of under two blocks cannot be told apart from others that share its one block: it is a
-    conversation of its own (its line)."""
-    if len(hash_ids) < 2:
-        return f"line {line}"
-    return f"{hash_ids[0]},{hash_ids[1]}"
-
-
-def sampled(hash_ids: list[int], line: int, fraction: float) -> bool:
-    """Whether a request's conversation is in a ``fraction`` sample of the conversations: the same
-    answer for every turn of one conversation, and in every run (a CRC of the key, not Python's hash)."""
-    if fraction >= 1.0:
-        return True
-    return zlib.crc32(conversation_key(hash_ids, line).encode()) / 2**32 < fraction
-
-
-def read_trace(path: Path, start: int, count: int, sample: float = 1.0) -> list[dict[str, Any]]:
-    """``count`` requests from line ``start`` on: with ``sample`` below 1, only those of a deterministic
-    sample of the conversations (``sampled``), so a replay spans more of the trace at the same rate and
-    keeps each sampled conversation's every turn.  Every line read is checked; a bad one stops with its
-    number."""
-    rows: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if number <= start:
-                continue
-            if len(rows) == count:
-                break
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise TraceError(f"{path}:{number}: a line must be a JSON object")
-            for key, kind in (("timestamp", (int, float)), ("input_length", int), ("output_length", int)):
-                if not isinstance(row.get(key), kind) or isinstance(row.get(key), bool) or row[key] < 0:
-                    raise TraceError(
-                        f"{path}:{number}: field {key!r} is missing or not a non-negative number"
-                    )
-            ids = row.get("hash_ids")
-            if not isinstance(ids, list) or not all(
-                isinstance(i, int) and not isinstance(i, bool) for i in ids
-            ):
-                raise TraceError(f"{path}:{number}: field 'hash_ids' is missing or not a list of ints")
-            if sampled(ids, number, sample):
-                row["line"] = number
-                rows.append(row)
-    return rows
-
-
-def token_ids(rng: random.Random, n: int, vocab: int, low: int) -> list[int]:
-    """``n`` ids of ordinary tokens: ids below ``low`` (the special tokens) avoided."""
-    return [low + rng.randrange(vocab - low) for _ in range(n)]
-
-
-def block_tokens(block_id: int, n: int, vocab: int, low: int = 2) -> list[int]:
-    """The tokens that stand for one trace block: the same id, the same tokens."""
-    return token_ids(random.Random(block_id * 1_000_003 + 17), n, vocab, low)
-
-
-def scale_trace(rows: list[dict[str, Any]], scale: Scale, vocab: int, low: int = 2) -> list[TraceRequest]:
-    t0 = rows[0]["timestamp"] if rows else 0
-    out: list[TraceRequest] = []
-    for row in rows:
-        scaled = round(row["input_length"] * scale.tokens_per_block / TRACE_BLOCK_TOKENS)
-        n = max(1, min(scale.max_input, scaled))
-        ids = tuple(row["hash_ids"])
-        tokens: list[int] = []
-        for block_id in ids:
-            tokens += block_tokens(block_id, scale.tokens_per_block, vocab, low)
-            if len(tokens) >= n:
-                break
-        if len(tokens) < n:  # the ids cover less than the input: the rest is unique to the request
-            tokens += block_tokens(-len(out) - 1, n - len(tokens), vocab, low)
-        out.append(
-            TraceRequest(
-                (row["timestamp"] - t0) / 1000.0 * scale.time_scale,
-                tokens[:n],
-                max(1, min(row["output_length"], scale.max_output)),
-                ids,
-            )
-        )
-    return out
-
-
-def ceiling(requests: list[TraceRequest], tokens_per_block: int) -> float:
-    """The window's infinite-cache prompt hit rate: whole leading blocks seen before, never the last
-    token."""
-    seen: set[tuple[int, ...]] = set()
-    hit = total = 0
-    for r in requests:
-        n = len(r.prompt)
-        blocks = n // tokens_per_block
-        ids = r.block_ids[:blocks]
-        k = 0
-        while k < len(ids) and ids[: k + 1] in seen:
-            k += 1
-        hit += min(k * tokens_per_block, n - 1)
-        total += n
-        for j in range(1, len(ids) + 1):
-            seen.add(ids[:j])
-    return hit / total if total else 0.0
-
-
-def qa_workload(
-    users: int, rounds: int, scale: Scale, vocab: int, gap_s: float, low: int = 2
-) -> list[TraceRequest]:
-    """Multi-round QA: a shared system prompt; user u's round k asks its history plus a new question,
-    at the round's slot in the schedule or once the user's previous answer is in, whichever is later
-    (``after``): as LMCache's users, no one asks again before being answered."""
-    rng = random.Random(7)
-
-    def tokens(n: int) -> list[int]:
-        return token_ids(rng, n, vocab, low)
-
-    system = tokens(8 * scale.tokens_per_block)
-    out: list[TraceRequest] = []
-    histories = {u: list(system) for u in range(users)}
-    last: dict[int, int] = {}  # user -> the index of its latest round
-    tpb = scale.tokens_per_block
-    for k in range(rounds):
-        order = list(range(users))
-        rng.shuffle(order)  # users answer at their own pace: no fixed order a round-robin could align with
-        for slot, u in enumerate(order):
-            prompt = histories[u] + tokens(2 * scale.tokens_per_block)
-            answer = tokens(scale.max_output)
-            histories[u] = prompt + answer
-            arrival = (k * users + slot) * gap_s
-            after = last.get(u)
-            last[u] = len(out)
-            out.append(TraceRequest(arrival, prompt, scale.max_output, _chain_ids(prompt, tpb), after))
-    return out
-
-
-def _chain_ids(prompt: list[int], block: int) -> tuple[int, ...]:
-    """Prefix block ids of a prompt, as the trace's are: equal ids, equal prefixes up to that block."""
-    ids: list[int] = []
-    parent = 0
-    for k in range(len(prompt) // block):
-        parent = hash((parent, tuple(prompt[k * block : (k + 1) * block])))
-        ids.append(parent)
-    return tuple(ids)
 
 
 @dataclass
@@ -609,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     r.figure("window_requests", len(requests))
     r.figure("window_prompt_tokens", sum(len(q.prompt) for q in requests))
     r.figure("window_span_s", requests[-1].arrival_s if requests else 0.0)
-    ceil = ceiling(requests, scale.tokens_per_block)
+    ceil = ceiling(as_arrivals(requests, scale.tokens_per_block), scale.tokens_per_block)
     r.figure("ceiling_hit_rate", ceil)
     r.figure("tokens_per_block", scale.tokens_per_block)
     if not qa:
