@@ -13,8 +13,9 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -182,10 +183,31 @@ class NodeHandle:
         self.channel.close()
 
 
-def measure_costs(costs: NodeCosts, before: node_pb2.NodeStats | None, now: node_pb2.NodeStats) -> NodeCosts:
+class HistogramSum(Protocol):
+    @property
+    def sum(self) -> float: ...
+
+
+class CostFigures(Protocol):
+    """What ``measure_costs`` reads of a node's ``NodeStats`` (a simulated node has the same)."""
+
+    @property
+    def counters(self) -> Mapping[str, float]: ...
+
+    @property
+    def gauges(self) -> Mapping[str, float]: ...
+
+    @property
+    def histograms(self) -> Mapping[str, HistogramSum]: ...
+
+
+def measure_costs(
+    costs: NodeCosts, before: CostFigures | None, now: CostFigures, at: float | None = None
+) -> NodeCosts:
     """``costs`` updated with what the node did between two Stats: prefill seconds per computed token,
     store-load seconds per loaded token (the ``offload`` connector's load histogram over the prompt
-    tokens it loaded), and the prefill work it has queued now."""
+    tokens it loaded), and the prefill work it has queued now (as of ``at``, default now on the
+    monotonic clock)."""
     prefill, load = costs.prefill_s_per_token, costs.load_s_per_token
     if before is not None:
         c, b = now.counters, before.counters
@@ -201,7 +223,8 @@ def measure_costs(costs: NodeCosts, before: node_pb2.NodeStats | None, now: node
                 else 0.0
             )
             load = _smooth(load, (now.histograms["kv_load_seconds.offload"].sum - old) / loaded)
-    return NodeCosts(prefill, load, now.gauges["prefill_tokens_queued"], time.monotonic())
+    measured_at = time.monotonic() if at is None else at
+    return NodeCosts(prefill, load, now.gauges["prefill_tokens_queued"], measured_at)
 
 
 def _log_abort_failure(address: str, request_id: str, future: grpc.Future) -> None:

@@ -14,11 +14,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from engine.hashing import AdapterId, BlockHash, HashNamespace, hash_blocks
 from router.kv_index import KVIndex
-from router.nodes import NodeHandle
+from router.nodes import NodeCosts
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,28 @@ class RoutingInfo:
         )
 
 
+class RoutedNode(Protocol):
+    """What a policy reads of a node: a ``NodeHandle`` in the router, a simulated node in
+    ``planner/sim`` (which routes with these very classes)."""
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def inflight(self) -> int: ...
+
+    @property
+    def costs(self) -> NodeCosts: ...
+
+    @property
+    def namespace(self) -> HashNamespace | None: ...
+
+
+N = TypeVar("N", bound=RoutedNode)
+
+
 class NodeSelector(Protocol):
-    def choose(self, nodes: Sequence[NodeHandle], info: RoutingInfo) -> NodeHandle:
+    def choose(self, nodes: Sequence[N], info: RoutingInfo) -> N:
         """One of ``nodes`` (never empty) for the request."""
         ...
 
@@ -51,7 +71,7 @@ class RoundRobin:
         self._counter = itertools.count()
         self._lock = threading.Lock()
 
-    def choose(self, nodes: Sequence[NodeHandle], info: RoutingInfo) -> NodeHandle:
+    def choose(self, nodes: Sequence[N], info: RoutingInfo) -> N:
         ordered = sorted(nodes, key=lambda n: n.address)
         with self._lock:
             i = next(self._counter)
@@ -64,7 +84,7 @@ class LeastLoaded:
     def __init__(self) -> None:
         self._tiebreak = RoundRobin()
 
-    def choose(self, nodes: Sequence[NodeHandle], info: RoutingInfo) -> NodeHandle:
+    def choose(self, nodes: Sequence[N], info: RoutingInfo) -> N:
         least = min(n.inflight for n in nodes)
         return self._tiebreak.choose([n for n in nodes if n.inflight == least], info)
 
@@ -73,7 +93,7 @@ class LeastLoaded:
 class Estimate:
     """A node's predicted time to first token for one request, and what it is made of."""
 
-    node: NodeHandle
+    node: RoutedNode
     seconds: float
     local_tokens: int  # prompt tokens the node holds (its KV events say)
     store_tokens: int  # prompt tokens past those it would load from the shared store
@@ -124,7 +144,8 @@ class KVAware:
             entries.popleft()
         return sum(tokens for done, tokens in entries if done > now)
 
-    def estimates(self, nodes: Sequence[NodeHandle], info: RoutingInfo) -> list[Estimate]:
+    def estimates(self, nodes: Sequence[RoutedNode], info: RoutingInfo) -> list[Estimate]:
+        """One estimate a node, in the order of ``nodes``."""
         measured = sorted(n.costs.prefill_s_per_token for n in nodes if n.costs.prefill_s_per_token)
         typical = measured[len(measured) // 2] if measured else DEFAULT_PREFILL_S_PER_TOKEN
         hashes_by_ns: dict[HashNamespace, list[BlockHash]] = {}
@@ -161,10 +182,14 @@ class KVAware:
             out.append(Estimate(node, seconds, local, store, compute, queued))
         return out
 
-    def choose(self, nodes: Sequence[NodeHandle], info: RoutingInfo) -> NodeHandle:
+    def choose(self, nodes: Sequence[N], info: RoutingInfo) -> N:
         estimates = self.estimates(nodes, info)
         best = min(e.seconds for e in estimates)
-        close = [e.node for e in estimates if e.seconds <= best * (1 + self.tie_ratio) + 1e-9]
+        close = [
+            n
+            for n, e in zip(nodes, estimates, strict=True)
+            if e.seconds <= best * (1 + self.tie_ratio) + 1e-9
+        ]
         chosen = close[0] if len(close) == 1 else self._tiebreak.choose(close, info)
         estimate = next(e for e in estimates if e.node is chosen)
         if logger.isEnabledFor(logging.DEBUG):
@@ -186,7 +211,12 @@ class KVAware:
         return chosen
 
 
-def make_selector(policy: str, index: KVIndex | None = None) -> NodeSelector:
+POLICIES = ("round-robin", "least-loaded", "kv-aware")
+
+
+def make_selector(
+    policy: str, index: KVIndex | None = None, *, clock: Callable[[], float] = time.monotonic
+) -> NodeSelector:
     if policy == "round-robin":
         return RoundRobin()
     if policy == "least-loaded":
@@ -194,5 +224,20 @@ def make_selector(policy: str, index: KVIndex | None = None) -> NodeSelector:
     if policy == "kv-aware":
         if index is None:
             raise ValueError("policy 'kv-aware' needs the router's KV index")
-        return KVAware(index)
-    raise ValueError(f"policy {policy!r} is unknown; choose round-robin, least-loaded or kv-aware")
+        return KVAware(index, clock=clock)
+    raise ValueError(f"policy {policy!r} is unknown; choose {', '.join(POLICIES)}")
+
+
+def pool_selector(
+    policy: str,
+    index: KVIndex | None,
+    *,
+    computes_prompt: bool,
+    clock: Callable[[], float] = time.monotonic,
+) -> NodeSelector:
+    """The selector of one pool under ``policy``: kv-aware routes the pool that computes the prompt
+    (prefill, or colocated) by the index of KV events; the decode nodes of a disaggregated request,
+    which receive the prompt's KV whatever they hold, stay least-loaded."""
+    if policy == "kv-aware" and not computes_prompt:
+        return LeastLoaded()
+    return make_selector(policy, index, clock=clock)

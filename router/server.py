@@ -23,7 +23,7 @@ from router.config import READY_PREFIX, RouterConfig
 from router.kv_index import KVEventSubscriber, KVIndex, Publisher
 from router.nodes import HealthMonitor, NodePool
 from router.pipeline import Pipeline
-from router.policy import STORE, NodeSelector, make_selector
+from router.policy import STORE, NodeSelector, pool_selector
 from router.servicer import GenerationServicer
 from router.streams import StreamWatch
 from router.tokenizer import RouterModel, load_model, model_path
@@ -108,9 +108,7 @@ class RouterRuntime:
         routed = prefill if prefill is not None else decode
 
         def new_selector(pool: NodePool) -> NodeSelector:
-            if index is not None and pool is routed:
-                return make_selector("kv-aware", index)
-            return make_selector("least-loaded" if index is not None else config.policy)
+            return pool_selector(config.policy, index, computes_prompt=pool is routed)
 
         pipeline = Pipeline(
             mode=config.mode,
