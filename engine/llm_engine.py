@@ -194,6 +194,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), model_config.vocab_size, self.eos_token_ids)
         self.counters = Counters(SPECS)  # the engine's own; the scheduler keeps its counters
         self.timer = RequestTimer()
+        # Called with every step the runner executed and its seconds (``pdkv profile`` times steps).
+        self.step_observer: Callable[[SchedulerOutput, float], None] | None = None
 
     @staticmethod
     def _max_model_len(config: EngineConfig, max_positions: int) -> int:
@@ -374,6 +376,8 @@ class LLMEngine:
 
     def _count_step(self, step: SchedulerOutput, seconds: float) -> None:
         """The runner's time, and the share of it prefill chunks took (what a router's cost model uses)."""
+        if self.step_observer is not None:
+            self.step_observer(step, seconds)
         self.counters.add("engine_step_seconds", seconds)
         total = step.total_num_scheduled_tokens
         prefill = sum(sr.num_tokens for sr in step.scheduled if sr.num_tokens > 1)

@@ -215,6 +215,11 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         action="store_true",
         help="allow a non-loopback --address without TLS (only on a network you trust)",
     )
+    add_engine_arguments(parser)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's options: a node's, and ``pdkv profile``'s (which times the engine a node would run)."""
     engine = parser.add_argument_group("engine")
     engine.add_argument(
         "--model",
@@ -255,31 +260,39 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     add_lora_arguments(parser.add_argument_group("LoRA adapters (docs/lora.md)"))
 
 
+def engine_config_from_args(args: argparse.Namespace, **more: Any) -> EngineConfig:
+    """The ``EngineConfig`` of ``add_engine_arguments``' options, and ``more``."""
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        weights=args.weights,
+        device=args.device,
+        deterministic=args.deterministic == "on",
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_bytes=args.kv_cache_bytes,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        kv_hold_timeout_s=args.kv_hold_timeout_s,
+        **lora_engine_options(args),
+        **more,
+    )
+
+
 def node_config_from_args(args: argparse.Namespace, role: str) -> NodeConfig:
     metrics = "" if str(args.metrics_address).lower() in ("", "none", "off") else args.metrics_address
     node_id = args.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
-    options: dict[str, Any] = {
-        "model": args.model,
-        "dtype": args.dtype,
-        "weights": args.weights,
-        "device": args.device,
-        "deterministic": args.deterministic == "on",
-        "block_size": args.block_size,
-        "num_blocks": args.num_blocks,
-        "kv_cache_bytes": args.kv_cache_bytes,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_model_len": args.max_model_len,
-        "seed": args.seed,
-        "kv_hold_timeout_s": args.kv_hold_timeout_s,
-        "enable_kv_events": bool(args.kv_events),
-        "kv_connector": parse_connector_spec(args.kv_connector),
-        "engine_id": args.engine_id or node_id,
-        **lora_engine_options(args),
-    }
+    engine = engine_config_from_args(
+        args,
+        enable_kv_events=bool(args.kv_events),
+        kv_connector=parse_connector_spec(args.kv_connector),
+        engine_id=args.engine_id or node_id,
+    )
     return NodeConfig(
         role=role,
-        engine=EngineConfig(**options),
+        engine=engine,
         address=args.address,
         metrics_address=metrics,
         node_id=node_id,

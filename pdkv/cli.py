@@ -30,6 +30,7 @@ _SUBCOMMANDS = (
     "pdkv.commands.up",
     "pdkv.commands.restart",
     "pdkv.commands.secrets",
+    "pdkv.commands.planning",
 )
 
 

@@ -12,7 +12,7 @@ shopt -s nullglob
 want=$(cat pyproject.toml examples/*/pyproject.toml | sha256sum | cut -c1-64)
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ] || ! (cd / && "$OLDPWD/.venv/bin/python" -c 'import engine, pdkv') 2>/dev/null; then
     .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q -e '.[test]'
+    .venv/bin/python -m pip install -q -e '.[test,bench]'
     for plugin in examples/*/; do
         [ -f "$plugin/pyproject.toml" ] && .venv/bin/python -m pip install -q -e "$plugin"
     done

@@ -32,7 +32,8 @@ from router.policy import POLICIES, STORE, NodeSelector, RoutingInfo, pool_selec
 from wire.keys import BlockHash
 from wire.kv_events import BlockRemoved, BlockStored, EventBatch, KVCacheEvent
 
-ARRIVE, STEP_END, LAND, HEALTH = range(4)
+ARRIVE, STEP_END, LAND, HEALTH, WATCH = range(5)
+WATCH_S = 1.0  # how often the simulation looks for a request waiting past ``give_up_s``
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,11 @@ class ClusterSpec:
     block_tokens: int = 512  # a cache block in the simulation (the trace's blocks, scaled)
     node_kv_tokens: int | None = None  # default: the profile's KV cache (num_blocks x block_size)
     health_interval_s: float = 0.5  # the router's default
+    # Stop once a request has waited this long for its first token: the cluster is overloaded, and
+    # simulating the rest of its queue says nothing more (the result is marked ``overloaded``).
+    give_up_s: float | None = None
+    # Every prompt block computed anywhere is a hit everywhere, free (the infinite-cache ceiling's work).
+    oracle: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -125,15 +131,17 @@ class Simulation:
         self._queue: list[tuple[float, int, int, Any]] = []
         self._seq = 0
 
-        def node(name: str) -> SimNode:
-            return SimNode(name, profile, spec.block_tokens, node_blocks, namespace, self.store)
+        oracle: set[int] | None = set() if spec.oracle else None
+
+        def node(name: str, store: StoreSim | None) -> SimNode:
+            return SimNode(name, profile, spec.block_tokens, node_blocks, namespace, store, oracle)
 
         if spec.colocated:
-            self.routed = [node(f"node-{i:03d}") for i in range(spec.colocated)]
+            self.routed = [node(f"node-{i:03d}", self.store) for i in range(spec.colocated)]
             self.decoders: list[SimNode] = []
-        else:
-            self.routed = [node(f"prefill-{i:03d}") for i in range(spec.prefill)]
-            self.decoders = [node(f"decode-{i:03d}") for i in range(spec.decode)]
+        else:  # a decode node takes its prompt KV from the prefill node only (no store)
+            self.routed = [node(f"prefill-{i:03d}", self.store) for i in range(spec.prefill)]
+            self.decoders = [node(f"decode-{i:03d}", None) for i in range(spec.decode)]
         self.all_nodes = self.routed + self.decoders
         clock = self._clock
         self.route: NodeSelector = pool_selector(spec.policy, self.index, computes_prompt=True, clock=clock)
@@ -157,7 +165,10 @@ class Simulation:
         self._pending = len(self.arrivals) - refused
         if self.index is not None:
             self._push(0.0, HEALTH, None)
-        while self._queue and self._pending:
+        if spec.give_up_s is not None:
+            self._push(WATCH_S, WATCH, None)
+        self.overloaded = False
+        while self._queue and self._pending and not self.overloaded:
             t, _, kind, what = heapq.heappop(self._queue)
             self.now = t
             if kind == ARRIVE:
@@ -168,8 +179,10 @@ class Simulation:
                     self._step_end(sim_node)
             elif kind == LAND:
                 self._land(what)
-            else:
+            elif kind == HEALTH:
                 self._health()
+            else:
+                self._watch()
         done = [r for r in self.records if r.finish_s >= 0]
         start = min((r.sent_s for r in done), default=0.0)
         span = max((r.finish_s for r in done), default=0.0) - start
@@ -178,6 +191,7 @@ class Simulation:
             self.records,
             itl,
             refused,
+            self.overloaded,
             span,
             sum(n.busy_s for n in self.all_nodes),
             len(self.all_nodes),
@@ -265,6 +279,17 @@ class Simulation:
             self._kick(node)
         elif node.version != version:
             self._push(node.busy_until, STEP_END, (node, node.version))
+
+    def _watch(self) -> None:
+        """Give up on an overloaded cluster: a request has waited ``give_up_s`` without a token."""
+        assert self.spec.give_up_s is not None
+        limit = self.now - self.spec.give_up_s
+        for node in self.routed:
+            jobs = ([node.waiting[0]] if node.waiting else []) + node.running[:1]
+            if any(j.first and j.record.first_token_s < 0 and j.record.sent_s < limit for j in jobs):
+                self.overloaded = True
+                return
+        self._push(self.now + WATCH_S, WATCH, None)
 
     def _health(self) -> None:
         """A health round: every routed node's costs from its counters (the router's own code)."""

@@ -79,6 +79,7 @@ class SimNode:
         num_blocks: int,
         namespace: HashNamespace,
         store: StoreSim | None,
+        oracle: set[int] | None = None,
     ) -> None:
         self.address = address
         self.namespace: HashNamespace | None = namespace
@@ -91,6 +92,7 @@ class SimNode:
         self.max_seqs = profile.engine.max_num_seqs
         self.cache = NodeCache(num_blocks)
         self.store = store
+        self.oracle = oracle  # every block computed anywhere: free hits (ClusterSpec.oracle)
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
         self.loading: list[Job] = []
@@ -236,6 +238,8 @@ class SimNode:
             job.blocks += max(0, need)
             return chunk, 0.0
         usable = min(len(job.keys), (job.known - 1) // self.bs)
+        if self.oracle is not None and not job.pulled:
+            return self._admit_oracle(job, usable, budget)
         local = self.cache.prefix(job.keys, usable)
         served: list[int] = []
         if self.store is not None and not job.pulled:
@@ -277,6 +281,23 @@ class SimNode:
             self.load_seconds += load_s
         job.computed = hit
         return chunk, load_s
+
+    def _admit_oracle(self, job: Job, usable: int, budget: int) -> tuple[int, float] | None:
+        """Every block computed anywhere before is a hit, in blocks of the request's own."""
+        assert self.oracle is not None
+        hits = 0
+        while hits < usable and job.keys[hits] in self.oracle:
+            hits += 1
+        hit = hits * self.bs
+        chunk = min(job.known - hit, budget)
+        need = -(-(hit + chunk) // self.bs)
+        if not self.cache.allocate(need):
+            return None
+        job.blocks = need
+        if job.first:
+            job.record.local_tokens += hit
+        job.computed = hit
+        return chunk, 0.0
 
     def _hold(self, hits: tuple[int, ...], need: int) -> bool:
         """The hit blocks pinned first (an allocation must not evict them), then ``need`` new ones; on
@@ -345,6 +366,9 @@ class SimNode:
     def _cache_new_blocks(self, job: Job) -> None:
         """The prompt's full blocks computed so far are cached (and saved to the store)."""
         n = min(len(job.keys), job.computed // self.bs)
+        if self.oracle is not None:
+            self.oracle.update(job.keys[:n])
+            return
         start = len(job.keyed)
         if n <= start or job.keyed != list(job.keys[:start]):
             return
