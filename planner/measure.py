@@ -1,10 +1,11 @@
 """``pdkv profile``: a node's costs measured on the real engine and model, on this machine.
 
 - **Steps**: the engine (the node's own ``EngineConfig``) runs a grid of prompts -- new tokens after
-  cached ones -- and of decode batches at several contexts; every step the runner executes is timed
-  (``LLMEngine.step_observer``) with what it computed, and ``StepCost`` is fitted to all of them (least
-  squares on relative error, every coefficient kept >= 0).  The grid runs ``repeat`` times after a
-  warm-up; the spread is the step times' median relative deviation between repeats.
+  cached ones -- and of decode batches at several contexts; every step is timed whole (``step()``:
+  scheduling, forward, outputs) with what it computed (``LLMEngine.step_observer``), and ``StepCost``
+  is fitted to all of them (least squares on relative error, every coefficient kept >= 0).  The grid
+  runs ``repeat`` times after a warm-up; the spread is the step times' median relative deviation
+  between repeats.
 - **Loads**: per store tier, an engine with the ``offload`` connector on that tier computes prompts
   (saved), forgets its local cache, and runs them again: the connector's load time
   (``kv_load_seconds.offload``) over the tokens it loaded, at several lengths.
@@ -142,7 +143,14 @@ class _Runner:
                 f"profile-{self._ids}", list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True)
             )
         while self.engine.has_unfinished_requests():
+            # A step costs the node all of ``step()`` -- scheduling, the forward, the outputs -- not only
+            # the runner's part the observer is told: the sample gets the whole time.
+            before = len(self.samples)
+            started = time.perf_counter()
             self.engine.step()
+            elapsed = time.perf_counter() - started
+            if len(self.samples) == before + 1:
+                self.samples[-1] = dataclasses.replace(self.samples[-1], seconds=elapsed)
         self.engine.drain()
 
     def prefill(self, new: int, cached: int) -> None:

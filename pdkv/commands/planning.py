@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-
-# A cluster on which a request waits this many times the TTFT target is overloaded: its run stops there.
+# A cluster whose queued prompts would take its nodes this many times the TTFT target is overloaded:
+# its run stops there.
 GIVE_UP_FACTOR = 5.0
 
 

@@ -14,15 +14,14 @@ from dataclasses import dataclass, field
 class NodeCache:
     """A node's KV blocks: ``capacity`` in all; those in use (``refs`` by key, ``anon`` without one),
     the cached ones nobody uses (``lru``, least recently used first, evicted first), the rest free --
-    the engine's block pool, at block granularity.  ``stored`` and ``removed`` collect the keys whose
-    caching changed since the caller last took them (its KV events)."""
+    the engine's block pool, at block granularity.  ``events`` records, in order, the keys that became
+    cached (True) or were evicted (False) since the caller last took them (its KV events)."""
 
     capacity: int
     lru: OrderedDict[int, None] = field(default_factory=OrderedDict)
     refs: dict[int, int] = field(default_factory=dict)
     anon: int = 0
-    stored: list[int] = field(default_factory=list)
-    removed: list[int] = field(default_factory=list)
+    events: list[tuple[bool, int]] = field(default_factory=list)
     evictions: int = 0
     _unique: int = -1
 
@@ -63,7 +62,7 @@ class NodeCache:
             key, _ = self.lru.popitem(last=False)
             self.evictions += 1
             if key >= 0:
-                self.removed.append(key)
+                self.events.append((False, key))
         self.anon += n
         return True
 
@@ -74,29 +73,29 @@ class NodeCache:
             return False
         self.anon -= 1
         self.refs[key] = 1
-        self.stored.append(key)
+        self.events.append((True, key))
         return True
 
     def release(self, keys: Sequence[int], full_own: int, own: int) -> None:
-        """A request lets go of its blocks: those with ``keys`` stay cached (most recently used last),
-        ``full_own`` of its own full ones stay cached too (no one can hit them, yet they take room, as
-        the engine's do), the rest of its ``own`` blocks are free."""
-        for key in keys:
+        """A request lets go of its blocks, in the engine's order (``KVCacheManager.free``: the chain's
+        end first, so tails are evicted before their prefixes): ``full_own`` of its own full blocks --
+        nobody can hit them (generated tokens), yet they take room -- then those with ``keys`` (in
+        prefix order), which stay cached; the rest of its ``own`` blocks are free."""
+        self.anon -= own
+        for _ in range(full_own):
+            self.lru[self._unique] = None
+            self._unique -= 1
+        for key in reversed(keys):
             count = self.refs[key] - 1
             if count:
                 self.refs[key] = count
             else:
                 del self.refs[key]
                 self.lru[key] = None
-        self.anon -= own
-        for _ in range(full_own):
-            self.lru[self._unique] = None
-            self._unique -= 1
 
-    def take_events(self) -> tuple[list[int], list[int]]:
-        stored, removed = self.stored, self.removed
-        self.stored, self.removed = [], []
-        return stored, removed
+    def take_events(self) -> list[tuple[bool, int]]:
+        events, self.events = self.events, []
+        return events
 
 
 @dataclass

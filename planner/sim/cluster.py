@@ -130,6 +130,7 @@ class Simulation:
         self.now = 0.0
         self._queue: list[tuple[float, int, int, Any]] = []
         self._seq = 0
+        self._live = 0  # events in the queue that are not the periodic health and watch rounds
 
         oracle: set[int] | None = set() if spec.oracle else None
 
@@ -171,6 +172,10 @@ class Simulation:
         while self._queue and self._pending and not self.overloaded:
             t, _, kind, what = heapq.heappop(self._queue)
             self.now = t
+            if kind in (ARRIVE, STEP_END, LAND):
+                self._live -= 1
+            elif not self._live:  # only the periodic rounds are left: requests no event will move
+                break
             if kind == ARRIVE:
                 self._arrive(what)
             elif kind == STEP_END:
@@ -184,6 +189,7 @@ class Simulation:
             else:
                 self._watch()
         done = [r for r in self.records if r.finish_s >= 0]
+        stuck = bool(self._pending) and not self.overloaded
         start = min((r.sent_s for r in done), default=0.0)
         span = max((r.finish_s for r in done), default=0.0) - start
         itl = [gap for n in self.all_nodes for gap in n.itl]
@@ -192,6 +198,7 @@ class Simulation:
             itl,
             refused,
             self.overloaded,
+            stuck,
             span,
             sum(n.busy_s for n in self.all_nodes),
             len(self.all_nodes),
@@ -204,6 +211,8 @@ class Simulation:
         return self.now
 
     def _push(self, t: float, kind: int, what: Any) -> None:
+        if kind in (ARRIVE, STEP_END, LAND):
+            self._live += 1
         self._seq += 1
         heapq.heappush(self._queue, (t, self._seq, kind, what))
 
@@ -281,14 +290,13 @@ class Simulation:
             self._push(node.busy_until, STEP_END, (node, node.version))
 
     def _watch(self) -> None:
-        """Give up on an overloaded cluster: a request has waited ``give_up_s`` without a token."""
+        """Give up on an overloaded cluster: the prompt tokens its nodes have queued would take them
+        ``give_up_s`` to compute, shared out evenly (one long prompt ahead of a request is not that)."""
         assert self.spec.give_up_s is not None
-        limit = self.now - self.spec.give_up_s
-        for node in self.routed:
-            jobs = ([node.waiting[0]] if node.waiting else []) + node.running[:1]
-            if any(j.first and j.record.first_token_s < 0 and j.record.sent_s < limit for j in jobs):
-                self.overloaded = True
-                return
+        backlog = sum(node.queued_prefill_tokens() for node in self.routed)
+        if backlog * self.profile.step.prefill_token_s / len(self.routed) > self.spec.give_up_s:
+            self.overloaded = True
+            return
         self._push(self.now + WATCH_S, WATCH, None)
 
     def _health(self) -> None:
@@ -306,17 +314,12 @@ class Simulation:
     def _publish(self, node: SimNode) -> None:
         """The node's (and the store's) KV events since the last batch, applied to the index as the
         router's subscriber applies a batch it received."""
-        stored, removed = node.cache.take_events()
+        events = node.cache.take_events()
         store_events = self.store.take_events() if self.store is not None else []
         if self.index is None:
             return
-        events: list[KVCacheEvent] = []
-        if stored:
-            events.append(BlockStored([block_hash(k) for k in stored], None, [], 0))
-        if removed:
-            events.append(BlockRemoved([block_hash(k) for k in removed]))
         if events:
-            self._apply(node.address, events)
+            self._apply(node.address, in_order(events))
         for s, r, medium in store_events:
             batch: list[KVCacheEvent] = []
             if s:
@@ -332,6 +335,18 @@ class Simulation:
         batch = EventBatch(address, "sim", pub.seq, self.now, tuple(events))
         if self.index.expects(address, batch) is None:
             self.index.apply(address, batch)
+
+
+def in_order(events: list[tuple[bool, int]]) -> list[KVCacheEvent]:
+    """(stored?, key) events as KV events, runs of one kind each, in the order they happened."""
+    out: list[KVCacheEvent] = []
+    run: list[BlockHash] = []
+    for i, (stored, key) in enumerate(events):
+        run.append(block_hash(key))
+        if i + 1 == len(events) or events[i + 1][0] != stored:
+            out.append(BlockStored(run, None, [], 0) if stored else BlockRemoved(run))
+            run = []
+    return out
 
 
 def simulate(profile: Profile, spec: ClusterSpec, arrivals: Sequence[Arrival]) -> SimResult:

@@ -58,6 +58,8 @@ class Job:
     loading_until: float = -1.0
     last_token_s: float = 0.0
     source: tuple[SimNode, Job] | None = None  # where a decode job pulls from (released once it landed)
+    cached_upto: int = 0  # prompt blocks already cached (or found taken by another request's copy)
+    recorded: bool = False  # where its prompt came from is counted (at its first admission only)
 
     @property
     def known(self) -> int:
@@ -103,6 +105,7 @@ class SimNode:
         self.step_jobs: list[tuple[Job, int]] = []
         self.stretch: tuple[float, float, int] | None = None
         self.version = 0  # bumps when the step in flight is cut short: older end events are stale
+        self._retry = False
         self.itl: list[tuple[float, int]] = []  # (gap, how many tokens had it)
         self.landings: list[float] = []  # when pulls started since the caller last looked will land
         # Engine counters a router's cost model reads (``router.nodes.measure_costs``).
@@ -153,6 +156,20 @@ class SimNode:
     def start_step(self, now: float) -> float | None:
         """Schedule the next step at ``now``; its end time, or None (nothing to do: idle)."""
         self._admit_loaded(now)
+        for _ in range(len(self.running) + len(self.waiting) + 1):
+            end = self._try_step(now)
+            if end is not None:
+                return end
+            # Nothing could run.  A step that only preempted tries again with the blocks it freed; a
+            # node with nothing running whose queue head cannot fit frees the newest request parked
+            # with blocks (a landed pull), which computes its prompt later (``_release_parked``).
+            if not self._retry or not (self.waiting or self.running):
+                break
+        self.busy_until = -1.0
+        return None
+
+    def _try_step(self, now: float) -> float | None:
+        self._retry = False
         if not self.running and not self.waiting:
             self.busy_until = -1.0
             return None
@@ -206,7 +223,7 @@ class SimNode:
             else:
                 chunks.append((chunk, job.computed))
         if not scheduled:  # waiting for blocks, or for pulls: a release or a landing wakes the node
-            self.busy_until = -1.0
+            self._retry = preempted or (not self.running and self._release_parked())
             return None
         seconds = self.cost.seconds(chunks, rows, context) + extra_s
         prefill = sum(c for c, _ in chunks)
@@ -218,6 +235,14 @@ class SimNode:
         self.step_start = now
         self.busy_until = now + seconds
         return self.busy_until
+
+    def _release_parked(self) -> bool:
+        """The engine's ``_release_parked``: the newest waiting request holding blocks gives them back."""
+        for job in reversed(self.waiting):
+            if job.blocks:
+                self._free(job)
+                return True
+        return False
 
     def _admit_loaded(self, now: float) -> None:
         """Jobs whose pull landed go to the front of the queue, their blocks filled."""
@@ -251,6 +276,7 @@ class SimNode:
             if not self._hold(job.keys[:local], need):
                 return None
             job.keyed = list(job.keys[:local])
+            job.cached_upto = local
             job.blocks = local + need
             job.record.remote_tokens += max(0, job.pulled - local * self.bs)
             job.loading_until = now + self.profile.transfer_seconds(max(0, job.pulled - local * self.bs))
@@ -262,10 +288,12 @@ class SimNode:
         if not self._hold(job.keys[:local], need):
             return None
         job.keyed = list(job.keys[:local])
+        job.cached_upto = local + loaded
         job.blocks = local + need
-        if job.first:
-            job.record.local_tokens += local * self.bs
-            job.record.store_tokens += loaded * self.bs
+        if job.first and not job.recorded:
+            job.record.local_tokens = local * self.bs
+            job.record.store_tokens = loaded * self.bs
+            job.recorded = True
         load_s = 0.0
         if loaded and self.store is not None:
             start = local
@@ -294,8 +322,10 @@ class SimNode:
         if not self.cache.allocate(need):
             return None
         job.blocks = need
-        if job.first:
-            job.record.local_tokens += hit
+        job.cached_upto = hits
+        if job.first and not job.recorded:
+            job.record.local_tokens = hit
+            job.recorded = True
         job.computed = hit
         return chunk, 0.0
 
@@ -311,7 +341,6 @@ class SimNode:
     def _preempt(self, job: Job) -> None:
         self.running.remove(job)
         self._free(job)
-        job.computed = 0
         job.record.preemptions += 1
         self.waiting.appendleft(job)
 
@@ -321,6 +350,8 @@ class SimNode:
         self.cache.release(job.keyed, max(0, min(own, full - len(job.keyed))), own)
         job.keyed = []
         job.blocks = 0
+        job.computed = 0
+        job.cached_upto = 0
 
     def end_step(self, now: float) -> list[Job]:
         """The step in flight ended at ``now``: tokens advance; the jobs that finished."""
@@ -364,22 +395,21 @@ class SimNode:
         return finished
 
     def _cache_new_blocks(self, job: Job) -> None:
-        """The prompt's full blocks computed so far are cached (and saved to the store)."""
+        """The prompt's full blocks computed since the last step are cached -- each unless another
+        request cached the same block first (the engine keeps that copy the request's own) -- and
+        saved to the store (the offload connector saves every new full block)."""
         n = min(len(job.keys), job.computed // self.bs)
+        if n <= job.cached_upto:
+            return
+        new = job.keys[job.cached_upto : n]
+        job.cached_upto = n
         if self.oracle is not None:
-            self.oracle.update(job.keys[:n])
+            self.oracle.update(new)
             return
-        start = len(job.keyed)
-        if n <= start or job.keyed != list(job.keys[:start]):
-            return
-        new = []
-        for key in job.keys[start:n]:
+        for key in new:
             if self.cache.cache(key):
                 job.keyed.append(key)
-                new.append(key)
-            else:
-                break  # another request cached it: this one's copy stays its own
-        if new and self.store is not None:
+        if self.store is not None:
             self.store.put(new)
 
     def release(self, job: Job) -> None:

@@ -39,7 +39,8 @@ class SimResult:
     records: list[Record]
     itl: list[tuple[float, int]]  # every node's token gaps: (seconds, how many tokens had it)
     refused: int  # requests no node could ever hold (prompt and output over a node's KV cache)
-    overloaded: bool  # stopped early: a request waited past the spec's give_up_s
+    overloaded: bool  # stopped early: the queued prompts would take the nodes the spec's give_up_s
+    stuck: bool  # requests left that no event would ever move (a model bug, or a cache too small)
     span_s: float  # first arrival to last finish
     busy_s: float  # node-seconds spent stepping, over every node
     nodes: int
@@ -72,6 +73,7 @@ class SimResult:
             f"{prefix}requests": float(len(done)),
             f"{prefix}refused": float(self.refused),
             f"{prefix}overloaded": float(self.overloaded),
+            f"{prefix}stuck": float(self.stuck),
             f"{prefix}hit_local": sum(r.local_tokens for r in done) / prompt,
             f"{prefix}hit_store": sum(r.store_tokens for r in done) / prompt,
             f"{prefix}hit_remote_prefill": sum(r.remote_tokens for r in done) / prompt,
@@ -93,7 +95,7 @@ class SimResult:
 
     def meets(self, slo_ttft_p90_s: float, slo_itl_p90_s: float) -> bool:
         """The targets hold: TTFT p90 and ITL p90 within them, and every request served."""
-        if self.overloaded or self.refused or len(self.done) < len(self.records):
+        if self.overloaded or self.stuck or self.refused or len(self.done) < len(self.records):
             return False
         f = self.figures()
         return f["ttft_p90_ms"] <= slo_ttft_p90_s * 1e3 and not f["itl_p90_ms"] > slo_itl_p90_s * 1e3

@@ -152,3 +152,37 @@ def test_a_bad_profile_is_named_by_its_field(tmp_path: Path) -> None:
         Profile.load(path)
     with pytest.raises(ProfileError, match="no load cost for tier 'disk'"):
         PROFILE.load_seconds("disk", 10)
+
+
+def test_a_decode_node_full_of_landed_pulls_frees_one_and_finishes_every_request() -> None:
+    # One 4-block decode node: two pulls of 2 blocks each fill it, and each needs a third block to
+    # decode.  The engine's _release_parked frees the newest (it computes its prompt later); without it
+    # both would wait forever.
+    arrivals = requests((0.0, 32, 10, [500, 600]), (0.0, 32, 10, [501, 601]))
+    for policy in ("round-robin", "kv-aware"):
+        spec = ClusterSpec(
+            policy=policy, prefill=2, decode=1, block_tokens=BS, node_kv_tokens=64, give_up_s=1.0
+        )
+        result = simulate(PROFILE, spec, arrivals)
+        assert len(result.done) == 2 and not result.stuck and not result.overloaded
+
+
+def test_freed_blocks_are_evicted_tail_first_so_a_prefix_survives() -> None:
+    # An 8-block cache: A's 4 blocks cached, B's 5 evict one of them -- A's last, as the engine frees
+    # a chain end first -- and A's repeat still hits its first 3 blocks.
+    arrivals = requests(
+        (0.0, 64, 1, [1, 2, 3, 4]), (1.0, 80, 1, [7, 8, 9, 10, 11]), (2.0, 64, 1, [1, 2, 3, 4])
+    )
+    result = simulate(PROFILE, ClusterSpec(colocated=1, block_tokens=BS, node_kv_tokens=128), arrivals)
+    assert result.records[2].local_tokens == 48
+
+
+def test_a_block_another_request_cached_first_does_not_stop_the_rest_being_cached() -> None:
+    shared = list(range(190))
+    arrivals = requests(
+        (0.0, 4000, 1, list(range(250))),
+        (0.001, 3200, 1, [*shared, *range(1000, 1010)]),  # computed beside A: its first 190 collide
+        (100.0, 3200, 1, [*shared, *range(1000, 1010)]),
+    )
+    result = simulate(PROFILE, ClusterSpec(colocated=1, block_tokens=BS, node_kv_tokens=16384), arrivals)
+    assert result.records[2].local_tokens == (3200 - 1) // BS * BS
