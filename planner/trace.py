@@ -41,9 +41,13 @@ class Scale:
     def describe(self, trace: bool = True) -> str:
         if not trace:  # the QA workload: no trace blocks, times or lengths to scale
             return f"{self.tokens_per_block}-token question blocks, outputs of {self.max_output} tokens"
+
+        def cap(n: int) -> str:
+            return "uncapped" if n >= 1 << 30 else f"capped at {n}"
+
         return (
             f"{self.tokens_per_block} tokens per 512-token block, time x{self.time_scale:g}, "
-            f"inputs capped at {self.max_input} tokens, outputs at {self.max_output}"
+            f"inputs {cap(self.max_input)} tokens, outputs {cap(self.max_output)}"
         )
 
     def input_tokens(self, row: dict[str, Any]) -> int:

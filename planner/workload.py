@@ -59,12 +59,12 @@ def scale_trace(rows: list[dict[str, Any]], scale: Scale, vocab: int, low: int =
 
 
 def qa_workload(
-    users: int, rounds: int, scale: Scale, vocab: int, gap_s: float, low: int = 2
+    users: int, rounds: int, scale: Scale, vocab: int, gap_s: float, low: int = 2, seed: int = 7
 ) -> list[TraceRequest]:
     """Multi-round QA: a shared system prompt; user u's round k asks its history plus a new question,
     at the round's slot in the schedule or once the user's previous answer is in, whichever is later
     (``after``): as LMCache's users, no one asks again before being answered."""
-    rng = random.Random(7)
+    rng = random.Random(seed)
 
     def tokens(n: int) -> list[int]:
         return token_ids(rng, n, vocab, low)

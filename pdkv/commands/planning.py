@@ -67,10 +67,13 @@ def register(subparsers: Any) -> None:
     plan.add_argument("--rate", type=float, default=1.0, help="the trace this many times as fast")
     plan.add_argument("--tokens-per-block", type=int, default=512, help="tokens a trace block stands for")
     plan.add_argument("--max-input", type=int, default=None, help="input cap (default: the model's length)")
-    plan.add_argument("--max-output", type=int, default=1 << 30, help="output cap")
+    plan.add_argument(
+        "--max-output", type=int, default=None, help="output cap (--workload qa: each answer; default 16)"
+    )
     plan.add_argument("--qa-users", type=int, default=32, help="--workload qa: users")
     plan.add_argument("--qa-rounds", type=int, default=12, help="--workload qa: rounds a user")
     plan.add_argument("--qa-gap-ms", type=float, default=250.0, help="--workload qa: ms between requests")
+    plan.add_argument("--seed", type=int, default=7, help="--workload qa: its questions and order")
     plan.add_argument("--node-kv-tokens", type=int, default=None, help="KV tokens a node (default: profile)")
     plan.add_argument("--json", type=Path, default=None, help="also write the figures here")
     plan.set_defaults(func=_plan)
@@ -168,12 +171,15 @@ def _workload(args: argparse.Namespace, profile: Any) -> tuple[list[Any], float,
     from planner.workload import as_arrivals, qa_workload
 
     cap = args.max_input or profile.engine.max_model_len
-    scale = Scale(args.tokens_per_block, 1.0, args.max_output, cap)
+    outputs = args.max_output or (16 if args.workload == "qa" else 1 << 30)
+    if min(cap, outputs, args.tokens_per_block) < 1:
+        raise ValueError("--max-input, --max-output and --tokens-per-block must be at least 1")
+    scale = Scale(args.tokens_per_block, 1.0, outputs, cap)
     if args.workload == "qa":
         gap = args.qa_gap_ms / 1e3
-        reqs = qa_workload(args.qa_users, args.qa_rounds, scale, 50000, gap)
+        reqs = qa_workload(args.qa_users, args.qa_rounds, scale, 50000, gap, seed=args.seed)
         out = as_arrivals(reqs, args.tokens_per_block)
-        what = f"multi-round QA, {args.qa_users} users x {args.qa_rounds} rounds"
+        what = f"multi-round QA, {args.qa_users} users x {args.qa_rounds} rounds, seed {args.seed}"
     else:
         if args.trace is None:
             raise ValueError("--trace FILE is required (or --workload qa)")

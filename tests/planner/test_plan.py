@@ -163,3 +163,26 @@ def test_pdkv_profile_quick_writes_a_profile_plan_can_read(tmp_path: Path) -> No
     assert set(profile.loads) == {"cpu"} and profile.loads["cpu"].samples >= 2
     assert profile.step.samples > 10 and profile.step.prefill_token_s > 0
     assert profile.p2p.per > 0 and profile.machine["threads"] == 1
+
+
+def test_pdkv_plan_on_the_qa_workload_is_the_same_for_a_seed(tmp_path: Path) -> None:
+    from pdkv.cli import main
+
+    profile = tmp_path / "profile.json"
+    PROFILE.save(profile)
+
+    def plan(seed: int) -> dict:  # type: ignore[type-arg]
+        out = tmp_path / f"plan-{seed}.json"
+        code = main(
+            ["plan", "--workload", "qa", "--qa-users", "4", "--qa-rounds", "3", "--qa-gap-ms", "100",
+             "--tokens-per-block", "16", "--profile", str(profile), "--slo-ttft-p90", "0.5",
+             "--slo-itl-p90", "1", "--shape", "both", "--seed", str(seed), "--json", str(out)]
+        )  # fmt: skip
+        assert code == 0
+        return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+    first = plan(3)
+    assert first == plan(3)
+    assert first["workload"].endswith("seed 3") and first["ceiling"] > 0.5  # histories repeat
+    assert first["shapes"]["colocated"]["chosen"]["hit_local"] > 0
+    assert "chosen" in first["shapes"]["pd"]
