@@ -199,14 +199,15 @@ def plot(profile: Profile, work: list[Arrival], colocated: ClusterSpec, center: 
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     factors = [center * 2 ** (k / 2) for k in range(-4, 5)]
+    trace_rate = len(work) / (work[-1].arrival_s - work[0].arrival_s)  # requests/s offered at x1
     for policy in ("round-robin", "least-loaded", "kv-aware"):
         spec = dataclasses.replace(colocated, policy=policy, give_up_s=None)
         points = []
         for f in factors:
             result = simulate(profile, spec, at_rate(work, f))
-            points.append((len(work) / result.span_s, result.figures()["ttft_p90_ms"] / 1e3))
+            points.append((trace_rate * f, result.figures()["ttft_p90_ms"] / 1e3))
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)
-    ax.set_xlabel("request rate (requests/s)")
+    ax.set_xlabel(f"offered request rate (requests/s; the trace's own is {trace_rate:.2f})")
     ax.set_ylabel("TTFT p90 (s)")
     ax.set_yscale("log")
     ax.set_title(f"conversation trace, 16 colocated nodes ({profile.machine.get('cpu', '?')}, 1 thread each)")

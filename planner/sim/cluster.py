@@ -23,7 +23,8 @@ from typing import Any
 from engine.hashing import HashNamespace
 from planner.profile import Profile
 from planner.sim.cache import StoreSim
-from planner.sim.node import Job, Record, SimNode
+from planner.sim.job import Job, Record
+from planner.sim.node import SimNode
 from planner.sim.results import SimResult
 from planner.trace import Arrival
 from router.kv_index import KVIndex

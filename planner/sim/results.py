@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.sim.node import Record
+from planner.sim.job import Record
 
 QUANTILES = (0.5, 0.9, 0.99)
 
