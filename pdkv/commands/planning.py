@@ -218,7 +218,14 @@ def _table(outcomes: list[Any], targets: Any, ceil: float) -> None:
         ("ITL p50 / p90 / p99 (ms)", "itl", 1.0),
         ("e2e p50 / p90 / p99 (s)", "e2e", 1e-3),
     ]
-    figures = [(o.spec.describe(), o.result.figures(), o.result) for o in outcomes]
+    figures = [
+        (
+            o.spec.describe() + (" (overloaded: cut short)" if o.result.overloaded else ""),
+            o.result.figures(),
+            o.result,
+        )
+        for o in outcomes
+    ]
     width = max(len(name) for name, _, _ in figures) + 2
     print("    " + " " * 34 + "".join(name.ljust(width) for name, _, _ in figures))
     for label, key, unit in rows:
@@ -227,11 +234,8 @@ def _table(outcomes: list[Any], targets: Any, ceil: float) -> None:
             for _, f, _ in figures
         ]
         print(f"    {label:<34}" + "".join(cells))
-    hits = [
-        f"{f['hit_local']:.1%} local, {f['hit_store']:.1%} store (ceiling {ceil:.1%})".ljust(width)
-        for _, f, _ in figures
-    ]
-    print(f"    {'prompt tokens hit':<34}" + "".join(hits))
+    hits = [f"{f['hit_local']:.1%} local, {f['hit_store']:.1%} store".ljust(width) for _, f, _ in figures]
+    print(f"    {f'prompt tokens hit (ceiling {ceil:.1%})':<34}" + "".join(hits))
     good = [
         f"{r.goodput(targets.ttft_p90_s, targets.itl_p90_s):.3g} req/s".ljust(width) for _, _, r in figures
     ]
