@@ -228,10 +228,16 @@ class Simulation:
 
     def _submit(self, node: SimNode, job: Job) -> None:
         node.inflight += 1
+        node.waiting.append(job)
+        self._wake(node)
+
+    def _wake(self, node: SimNode) -> None:
+        """Something changed on ``node``: an idle one steps now; a decode stretch in flight is cut at its
+        next step boundary, and its end event moves there."""
         version = node.version
-        if node.submit(job, self.now):
+        if node.wake(self.now):
             self._kick(node)
-        elif node.version != version:  # a decode stretch was cut short at its next step boundary
+        elif node.version != version:
             self._push(node.busy_until, STEP_END, (node, node.version))
 
     def _kick(self, node: SimNode) -> None:
@@ -284,11 +290,7 @@ class Simulation:
                 job.source = None
                 source.release(held)
                 self._kick(source)
-        version = node.version
-        if node.wake(self.now):
-            self._kick(node)
-        elif node.version != version:
-            self._push(node.busy_until, STEP_END, (node, node.version))
+        self._wake(node)
 
     def _watch(self) -> None:
         """Give up on an overloaded cluster: the prompt tokens its nodes have queued would take them

@@ -94,11 +94,6 @@ class SimNode:
                 total += max(0, job.prompt - job.computed)
         return float(total)
 
-    def submit(self, job: Job, now: float) -> bool:
-        """A job arrives; True when the node must step now (it was idle)."""
-        self.waiting.append(job)
-        return self.wake(now)
-
     def wake(self, now: float) -> bool:
         """Something changed: True when an idle node must step now; a decode stretch in flight is cut at
         its next step boundary (its end event moves: the caller reschedules ``busy_until``)."""
