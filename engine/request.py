@@ -188,10 +188,18 @@ class Request:
         self.prompt_logprobs[at] = logprobs
         self.prompt_top_logprobs[at] = tops
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether this request still owes its prompt's scores (``prompt_logprobs``): until its first
+        output token, which carries them -- a request preempted or resumed after it needs none again."""
+        return self.sampling_params.prompt_logprobs is not None and not (
+            self.num_output_tokens or self.num_prior_output_tokens
+        )
+
     def finished_prompt_scores(self) -> tuple[list[float | None] | None, list[TopLogprobs] | None]:
         """The whole prompt's scores, when this request scores its prompt and samples for the first time
         (its prompt is computed); else (None, None)."""
-        if self.sampling_params.prompt_logprobs is None or self.num_output_tokens:
+        if not self.scores_prompt:
             return None, None
         return list(self.prompt_logprobs), list(self.prompt_top_logprobs)
 

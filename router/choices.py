@@ -39,10 +39,21 @@ if TYPE_CHECKING:
 
 @dataclass
 class Placement:
-    """The nodes one request went to (set by the pipeline as it chooses them), or should go to first."""
+    """The nodes one request went to (set by the pipeline as it chooses them), or should go to first.
+
+    A later choice follows ``leader`` (choice 0's placement) for a node it has not been given: in
+    disaggregated mode choice 0 picks its decode node only after its first token is out, when the later
+    choices have already started, so they read it when they get there."""
 
     prefill: NodeHandle | None = None
     decode: NodeHandle | None = None
+    leader: Placement | None = None
+
+    def preferred_prefill(self) -> NodeHandle | None:
+        return self.prefill or (self.leader.prefill if self.leader else None)
+
+    def preferred_decode(self) -> NodeHandle | None:
+        return self.decode or (self.leader.decode if self.leader else None)
 
 
 RunChoice = Callable[["AdmittedRequest", CallScope, Placement], Iterator[Event]]
@@ -51,7 +62,7 @@ RunChoice = Callable[["AdmittedRequest", CallScope, Placement], Iterator[Event]]
 def choice_request(request: AdmittedRequest, i: int) -> AdmittedRequest:
     """Choice ``i`` of ``request``: one sequence, seeded ``seed + i`` where the client set a seed.  The
     prompt's scores (prompt_logprobs) are the first choice's: the others do not score it again, and so
-    find its blocks cached (unless nothing is generated: then scoring is all a choice does)."""
+    find its blocks cached."""
     params = request.params
     if params.seed is not None:
         params = dataclasses.replace(params, seed=(params.seed + i) % 2**64)  # gRPC seeds are uint64
@@ -95,8 +106,20 @@ def fork_choices(
                 raise item
             if started == 1:  # choice 0's first event: its prompt is computed and cached
                 for j in range(1, n):
-                    start(j, Placement(prefill=first.prefill, decode=first.decode))
+                    start(j, Placement(leader=first))
                     started += 1
             yield dataclasses.replace(item, index=i)
     finally:
         release(n - started)
+
+
+def repeat_choice(
+    request: AdmittedRequest, scope: CallScope, run: RunChoice, release: Callable[[int], None]
+) -> Iterator[Event]:
+    """``n`` choices that generate nothing (``max_tokens`` 0: echo's prompt scores, all the choices'
+    output): they are all the same, so the prompt is scored once and each event is sent under every
+    index; the other choices' slots are given back at once."""
+    release(request.n - 1)
+    for event in run(choice_request(request, 0), scope, Placement()):
+        for i in range(request.n):
+            yield dataclasses.replace(event, index=i)

@@ -55,7 +55,7 @@ class ScheduledRequest:
         """``request``'s tokens ``[start, end)`` this step, into its ``block_ids``."""
         params = request.sampling_params
         targets = None
-        if params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
+        if request.scores_prompt and start < request.num_prompt_tokens - 1:
             targets = request.token_ids_slice(start + 1, min(end, request.num_prompt_tokens - 1) + 1)
         return cls(
             request_id=request.request_id,

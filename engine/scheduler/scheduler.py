@@ -216,7 +216,7 @@ class Scheduler:
                 # Back from an async load: it already holds its blocks (up to num_computed_tokens, which is
                 # 0 if the first loaded block failed; the connector is not asked again for the same blocks).
                 hit, num_external, load_async = NO_HIT, 0, False
-            elif request.sampling_params.prompt_logprobs is not None:
+            elif request.scores_prompt:
                 # Scoring the prompt needs every position's logits: a hit (local or loaded) has none.
                 hit, num_external, load_async = NO_HIT, 0, False
             else:

@@ -125,6 +125,27 @@ def test_preemption_takes_the_most_recently_admitted_and_resumes_with_prefix_hit
     assert s.kv.num_free_blocks == 6
 
 
+def test_a_scoring_request_preempted_after_its_first_token_takes_its_prefix_hits() -> None:
+    """Its prompt's scores went out with its first token: resumed, it has nothing left to score, so its
+    cached prompt blocks are hits like any request's (before, it recomputed the whole prompt)."""
+    s = make_scheduler(num_blocks=6, max_num_batched_tokens=64)
+    s.add_request(make_request("a", range(8), max_tokens=8))
+    s.add_request(make_request("b", range(100, 108), max_tokens=8, prompt_logprobs=1))
+    so = s.schedule()
+    assert so.scheduled[1].prompt_targets == list(range(101, 108))
+    while not so.preempted_request_ids:
+        s.update_from_output(so, fake_output(so))
+        so = s.schedule()
+    assert so.preempted_request_ids == ["b"]
+    while s.get_request("a") is not None:
+        s.update_from_output(so, fake_output(so))
+        so = s.schedule()
+    assert so.new_request_ids == ["b"]
+    assert so.scheduled[0].start_position == 8 and so.scheduled[0].prompt_targets is None
+    s.update_from_output(so, fake_output(so))
+    run_to_completion(s)
+
+
 def test_a_request_larger_than_the_whole_cache_fails_with_an_error() -> None:
     s = make_scheduler(num_blocks=2)
     s.add_request(make_request("huge", range(20)))

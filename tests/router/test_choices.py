@@ -13,12 +13,13 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from router.admission import AdmittedRequest
-from router.choices import Placement, choice_request, fork_choices
+from router.choices import Placement, choice_request, fork_choices, repeat_choice
 from router.events import CallScope, Delta, Done, Event, Usage
 from router.pipeline import Pipeline
 from serving.errors import ServingError
 
 NODE = object()
+DECODE_NODE = object()
 
 
 class _Scope:
@@ -41,6 +42,7 @@ class _Runs:
         self.seeds: dict[int, int | None] = {}
         self.placements: dict[int, tuple[object, object]] = {}
         self.first_sent = threading.Event()
+        self.first_decoding = threading.Event()
         self.held = 0  # slots taken and not given back
         self.started_before_first: list[int] = []
 
@@ -48,16 +50,25 @@ class _Runs:
         with self.lock:
             i = len(self.seeds)
             self.seeds[i] = request.params.seed
-            self.placements[i] = (placement.prefill, placement.decode)
             if i and not self.first_sent.is_set():
                 self.started_before_first.append(i)
         try:
+            # As the disaggregated pipeline does: the prefill node is chosen, the first token goes out,
+            # and only then is the decode node chosen.
+            prefill = placement.preferred_prefill()
             if i == 0:
-                placement.prefill = placement.decode = NODE  # type: ignore[assignment]
+                placement.prefill = NODE  # type: ignore[assignment]
                 self.first_sent.set()
             if request.params.seed is not None and request.params.seed - 10 in self.fail:
                 raise ServingError(grpc.StatusCode.UNAVAILABLE, "node gone")
             yield Delta([1], "a", [])
+            if i == 0:
+                placement.decode = DECODE_NODE  # type: ignore[assignment]
+                self.first_decoding.set()
+            else:
+                self.first_decoding.wait(5)
+            with self.lock:
+                self.placements[i] = (prefill, placement.preferred_decode())
             yield Done("length", None, Usage(prompt_tokens=4, completion_tokens=1))
         finally:
             with self.lock:
@@ -79,8 +90,10 @@ def test_choices_follow_the_first_and_are_seeded_seed_plus_i() -> None:
     assert sorted(e.index for e in events if isinstance(e, Done)) == [0, 1, 2]
     assert sorted(runs.seeds.values()) == [10, 11, 12]
     assert runs.started_before_first == []
-    assert runs.placements[0] == (None, None)
-    assert all(runs.placements[i] == (NODE, NODE) for i in (1, 2))
+    assert runs.placements[0] == (None, DECODE_NODE)
+    # The later choices started when choice 0 had its prefill node but no decode node yet: they still
+    # reach its decode node, whose cache will hold the prompt.
+    assert all(runs.placements[i] == (NODE, DECODE_NODE) for i in (1, 2))
     assert runs.held == 0
 
 
@@ -102,6 +115,18 @@ def test_a_first_choice_failing_before_output_starts_no_other() -> None:
     with pytest.raises(ServingError):
         list(fork_choices(_request(4), _Scope(), runs.run, runs.release))
     assert list(runs.seeds) == [0] and runs.held == 0
+
+
+def test_choices_that_generate_nothing_score_the_prompt_once() -> None:
+    """echo with max_tokens 0 and n > 1: every choice is the prompt's scores; one run serves them all."""
+    runs = _Runs()
+    runs.held = 3
+    request = AdmittedRequest("r", [1, 2, 3], SamplingParams(max_tokens=0, prompt_logprobs=1, seed=10), n=3)
+    events = list(repeat_choice(request, _Scope(), runs.run, runs.release))
+    assert list(runs.seeds.values()) == [10]  # one run, choice 0's
+    assert [e.index for e in events] == [0, 1, 2, 0, 1, 2]
+    assert [type(e) for e in events] == [Delta] * 3 + [Done] * 3
+    assert runs.held == 0  # the two unused slots given back at once, choice 0's when it ended
 
 
 def test_a_choice_without_a_seed_stays_unseeded() -> None:

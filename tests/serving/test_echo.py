@@ -79,6 +79,21 @@ def test_loglikelihood_request_as_lm_eval_sends_it(client: openai.OpenAI, local:
         assert r.usage.prompt_tokens == len(ids)
 
 
+def test_n_choices_of_a_scoring_request_are_the_prompt_scores_each(client: openai.OpenAI, local: LLM) -> None:
+    """echo, max_tokens 0, n 3 (the prompt is scored once: tests/router/test_choices.py)."""
+    ids, want, _ = _scores(local, 1)
+    r = client.completions.create(
+        model="tiny-chat", prompt=PROMPT, echo=True, max_tokens=0, logprobs=1, temperature=0, n=3
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    for choice in r.choices:
+        assert choice.text == PROMPT and choice.logprobs is not None
+        got = choice.logprobs.token_logprobs
+        assert got is not None and got[0] is None
+        assert all(g is not None and abs(g - w) < 1e-4 for g, w in zip(got[1:], want[1:], strict=True))
+    assert r.usage is not None and r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+
+
 def test_echo_with_a_completion_whole_and_streamed(client: openai.OpenAI, local: LLM) -> None:
     ids = local.tokenizer.encode(PROMPT)
     completion = local.generate([ids], SamplingParams(max_tokens=5, ignore_eos=True))[0]
