@@ -49,10 +49,10 @@ class Placement:
     decode: NodeHandle | None = None
     leader: Placement | None = None
 
-    def preferred_prefill(self) -> NodeHandle | None:
+    def prefill_hint(self) -> NodeHandle | None:
         return self.prefill or (self.leader.prefill if self.leader else None)
 
-    def preferred_decode(self) -> NodeHandle | None:
+    def decode_hint(self) -> NodeHandle | None:
         return self.decode or (self.leader.decode if self.leader else None)
 
 
@@ -69,6 +69,15 @@ def choice_request(request: AdmittedRequest, i: int) -> AdmittedRequest:
     if i and params.prompt_logprobs is not None and params.max_tokens:
         params = dataclasses.replace(params, prompt_logprobs=None)
     return dataclasses.replace(request, params=params, n=1)
+
+
+def run_choices(
+    request: AdmittedRequest, scope: CallScope, run: RunChoice, release: Callable[[int], None]
+) -> Iterator[Event]:
+    """Every choice's events, each with its ``index``: ``repeat_choice`` when nothing is generated, else
+    ``fork_choices``."""
+    choices = repeat_choice if request.params.max_tokens == 0 else fork_choices
+    return choices(request, scope, run, release)
 
 
 def fork_choices(

@@ -40,7 +40,7 @@ from engine.metrics import SPECS
 from pdkv_proto.pdkv.v1 import node_pb2, types_pb2
 from router.adapters import no_node_serves, prefer_resident, serves
 from router.admission import AdmittedRequest
-from router.choices import Placement, fork_choices, repeat_choice
+from router.choices import Placement, run_choices
 from router.events import CallScope, Cancellation, Delta, Done, Event, Usage
 from router.node_messages import (
     carried_tokens,
@@ -136,8 +136,7 @@ class Pipeline:
         included).  Every choice counts against ``max_inflight``: each is a sequence in a batch."""
         self._admit(request.n)
         if request.n > 1:
-            choices = repeat_choice if request.params.max_tokens == 0 else fork_choices
-            yield from choices(request, scope, self._run_choice, self._release)
+            yield from run_choices(request, scope, self._run_choice, self._release)
             return
         try:
             yield from self._run(request, scope, Placement())
@@ -251,7 +250,7 @@ class Pipeline:
         tried: list[NodeHandle] = []
         errors: list[str] = []
         for _ in range(self.prefill_attempts):
-            node = self._choose(self.prefill_pool, request, tried, errors, placement.preferred_prefill())
+            node = self._choose(self.prefill_pool, request, tried, errors, placement.prefill_hint())
             placement.prefill = node
             tried.append(node)
             future = node.prefill.Prefill.future(msg, timeout=time_remaining(scope))
@@ -296,8 +295,7 @@ class Pipeline:
         errors: list[str] = []
         while True:
             try:
-                prefer = client.placement.preferred_decode()
-                node = self._choose(self.decode_pool, request, tried, errors, prefer)
+                node = self._choose(self.decode_pool, request, tried, errors, client.placement.decode_hint())
                 client.placement.decode = node
             except ServingError as exc:
                 if not errors:

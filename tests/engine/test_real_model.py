@@ -20,6 +20,7 @@ import torch
 from connectors.registry import KVConnectorConfig
 from engine.llm import LLM
 from engine.model.embedded import ensure_default_model
+from engine.native import native_kernels
 from engine.sampling_params import SamplingParams
 from pdkv.launcher import Cluster
 from serving.client import GenerationClient, generate_request
@@ -164,6 +165,9 @@ def test_quantized_weights_equal_transformers_or_part_only_at_a_near_tie(kind: s
     against transformers on the same weights dequantized to float32: every prompt's greedy tokens equal,
     or the first difference at a step where transformers' top two logits lie within 0.05; the chosen
     tokens' log-probabilities within 0.01 up to there.  In bfloat16 the chat answer stays the same."""
+    kernels = native_kernels()
+    if kernels is None or kernels.quant is None:  # an AVX2-only host: --weights quantized is refused
+        pytest.skip("this CPU or compiler has no AVX512-VNNI code: the quantized kernels are not built")
     quantized = LLM(model_path(), dtype="float32", weights="quantized", device="cpu", num_blocks=256)
     assert quantized.engine.model.quantized
     prompts = [raw_ids(t) for t in RAW] if kind == "raw" else [chat_ids(q) for q in QUESTIONS]

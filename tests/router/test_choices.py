@@ -55,7 +55,7 @@ class _Runs:
         try:
             # As the disaggregated pipeline does: the prefill node is chosen, the first token goes out,
             # and only then is the decode node chosen.
-            prefill = placement.preferred_prefill()
+            prefill = placement.prefill_hint()
             if i == 0:
                 placement.prefill = NODE  # type: ignore[assignment]
                 self.first_sent.set()
@@ -68,7 +68,7 @@ class _Runs:
             else:
                 self.first_decoding.wait(5)
             with self.lock:
-                self.placements[i] = (prefill, placement.preferred_decode())
+                self.placements[i] = (prefill, placement.decode_hint())
             yield Done("length", None, Usage(prompt_tokens=4, completion_tokens=1))
         finally:
             with self.lock:
