@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from bench.common import Report, parser, random_prompts, run_transformers
 from engine import LLM, SamplingParams
+from engine.cpu_features import fast_bf16_flags
 from engine.model.convert_gguf import convert_gguf
 from engine.model.embedded import ensure_default_model
 from engine.model.packed import linear_weights
@@ -216,8 +217,12 @@ def bandwidth_probe(kernel: QuantKernel) -> tuple[Callable[[], object], int]:
 
 def quantized_figures(gguf: Path, steps: int, long_prompt: list[int], report: Report) -> dict[str, float]:
     """pdkv on the file as it ships (``--weights quantized``): decode at batch 1/8/32, the 1000-token
-    TTFT, the batch-1 step against the machine's read bandwidth, and the weights held against the file."""
-    llm = real_llm(gguf, "bfloat16", False, weights="quantized")
+    TTFT, the batch-1 step against the machine's read bandwidth, and the weights held against the file.
+    The activations in the dtype ``--dtype auto`` gives on this CPU: bfloat16 where it is fast
+    (AVX512-BF16, AMX), else float32 (an AVX2 host)."""
+    dtype = "bfloat16" if fast_bf16_flags() else "float32"
+    report.figure("real_q_activations_bits", 16 if dtype == "bfloat16" else 32)
+    llm = real_llm(gguf, dtype, False, weights="quantized")
     model = llm.engine.model.model
     quant = next(m for m in model.modules() if isinstance(m, QuantLinear)).kernel
     generate_seconds(llm, make_prompts(2, (16, 32), 49152, seed=1), 4)  # warm up

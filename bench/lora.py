@@ -5,9 +5,10 @@ base model at the same batch, in the same run.
 
 Adapters of rank ``--rank`` on all seven modules (q/k/v/o/gate/up/down), random weights written as PEFT
 folders.  Two engines in one process: the base model with LoRA off (the baseline), and one with LoRA on
-(8 slots, 8 adapters).  Each round runs every case right next to a baseline run (which goes first
-alternates), on fresh prompts; a ratio is the median over the rounds of case / its baseline, a figure the
-median rate.
+(8 slots, 8 adapters).  Each round decodes every case at the same time as a baseline batch, one step of
+each engine in turn, on fresh prompts: the round's ratio is the median over its step pairs of the base
+step's time over the case step's; prefill runs the case right next to a baseline run (which goes first
+alternates).  A ratio is the median over the rounds, a figure the median rate.
 
     lora_base_only_fraction   LoRA on, no adapter in the batch / base      (target >= 0.98)
     lora_1_fraction           every request under one adapter / base       (target >= 0.9)
@@ -16,7 +17,8 @@ median rate.
     lora_prefill_4_fraction   prefill tokens/s, 4 adapters mixed / base    (target >= 0.85)
 
 Decode tokens/s: the batch size over the median time of a decode step (every request past its first
-token).
+token).  (Until 2026-12-04 decode cases too ran right after or before a whole baseline run: its pairs
+scattered by 5-15% on a shared VM.)
 """
 
 from __future__ import annotations
@@ -62,22 +64,37 @@ def write_adapter(folder: Path, config: Any, rank: int, seed: int) -> Path:
     return folder
 
 
-def decode_rate(llm: Any, prompts: list[list[int]], params: Any, adapters: list[str | None]) -> float:
-    """Tokens/s of the batch's decode steps: the batch size over the median step time (a step that a
-    neighbour's load slowed does not move a median), once every request has its first token."""
-    engine = llm.engine
-    ids = [f"d{next(_ids)}" for _ in prompts]
-    for rid, prompt, adapter in zip(ids, prompts, adapters, strict=True):
-        engine.add_request(rid, prompt, params, adapter=adapter)
-    started: set[str] = set()
-    while len(started) < len(ids):
-        started |= {o.request_id for o in engine.step() if o.new_token_ids}
-    steps = []
-    while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - t0)
-    return len(prompts) / statistics.median(steps[:-1] or steps)
+def paired_decode(
+    base: Any, case: Any, batch: int, prompts: Any, params: Any, adapters: list[str | None], first: int
+) -> tuple[float, float, float]:
+    """The base engine and the case's decode a batch each at the same time, one step of each in turn
+    (``first`` says which steps first; it swaps every step): (base tokens/s, case tokens/s, the median
+    over the step pairs of base step time / case step time).  Pairing single steps (~50 ms apart) cancels
+    the drifts of a shared VM, which move whole runs by 5-10%; a rate is the batch over the median step
+    (a step that a neighbour's load slowed does not move a median).  Timed once every request of both
+    batches has its first token."""
+    engines = (base.engine, case.engine)
+    mixes: tuple[list[str | None], list[str | None]] = ([None] * batch, adapters)
+    for engine, mix in zip(engines, mixes, strict=True):
+        ids = [f"d{next(_ids)}" for _ in range(batch)]
+        for rid, prompt, adapter in zip(ids, prompts(batch, 64), mix, strict=True):
+            engine.add_request(rid, prompt, params, adapter=adapter)
+        started: set[str] = set()
+        while len(started) < batch:
+            started |= {o.request_id for o in engine.step() if o.new_token_ids}
+    times: tuple[list[float], list[float]] = ([], [])
+    step = first
+    while all(e.has_unfinished_requests() for e in engines):
+        for which in (step % 2, 1 - step % 2):
+            t0 = time.perf_counter()
+            engines[which].step()
+            times[which].append(time.perf_counter() - t0)
+        step += 1
+    for engine in engines:  # the last steps (a request or two finishing) are not timed
+        while engine.has_unfinished_requests():
+            engine.step()
+    ratio = statistics.median(b / c for b, c in zip(times[0], times[1], strict=True))
+    return batch / statistics.median(times[0]), batch / statistics.median(times[1]), ratio
 
 
 def prefill_rate(llm: Any, prompts: list[list[int]], params: Any, adapters: list[str | None]) -> float:
@@ -145,12 +162,10 @@ def main() -> None:
 
     for r in range(args.rounds):
         for key, mix in mixes.items():
-            pair(
-                key,
-                r,
-                lambda: decode_rate(base, prompts(batch, 64), decode, [None] * batch),
-                lambda m=mix: decode_rate(lora, prompts(batch, 64), decode, m),  # type: ignore[misc]
-            )
+            base_rate, case_rate, ratio = paired_decode(base, lora, batch, prompts, decode, mix, r)
+            rates.setdefault(key, []).append(case_rate)
+            rates.setdefault(f"base_for_{key}", []).append(base_rate)
+            ratios.setdefault(key, []).append(ratio)
         # Prefill: 4 prompts of 512 tokens, one step of 2048 tokens, under 4 adapters against the base.
         pair(
             "prefill_4",

@@ -22,10 +22,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # dequantized at load to bfloat16 / float32.
 WEIGHT_FORMATS = ("auto", "quantized", "bf16", "float32")
 WEIGHTS_HELP = (
-    "how a GGUF file's Q8_0/Q4_0/Q4_1 matrices run: quantized (as the file ships them, native AVX512-VNNI "
-    "kernels: 1.0x the file's memory, 2x llama.cpp's batch-1 decode on the built-in model), bf16 or "
-    "float32 (dequantized at load; that dtype); auto: quantized where the CPU, the file and the build "
-    "allow it, unless --dtype float32 asks for the reference path (docs/quantized.md)"
+    "how a GGUF file's Q8_0/Q4_0/Q4_1 matrices run: quantized (as the file ships them, native "
+    "AVX512-VNNI or AVX2 kernels: 1.0x the file's memory, 2x llama.cpp's batch-1 decode on the "
+    "built-in model), bf16 or float32 (dequantized at load; that dtype); auto: quantized where the "
+    "CPU, the file and the build allow it, unless --dtype float32 asks for the reference path "
+    "(docs/quantized.md)"
 )
 _WEIGHT_DTYPES = {"bf16": "bfloat16", "float32": "float32"}
 DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
@@ -47,7 +48,7 @@ class EngineConfig:
     CPU has AVX512_BF16 or AMX (``engine/cpu_features.py``), else in float32.
     ``device="auto"``: CUDA when present, else the CPU.
     ``weights``: how a GGUF file's Q8_0/Q4_0/Q4_1 matrices run (``engine/model/quantized.py``):
-    ``quantized`` as the file ships them (native kernels, AVX512-VNNI), ``bf16`` / ``float32``
+    ``quantized`` as the file ships them (native kernels, AVX512-VNNI or AVX2), ``bf16`` / ``float32``
     dequantized at load (and that dtype); ``auto`` is quantized where it can be served unless the dtype
     is explicitly float32 (the reference path).
     ``max_model_len``: the longest request (prompt + output); defaults to the model's

@@ -100,22 +100,31 @@ class RMSNormKernel:
 class SiluMulKernel:
     """``pdkv_silu_mul`` of the built library: SwiGLU's ``silu(gate) * up`` in one call.
 
-    bfloat16 only, and only where the vector path was built (AVX512-BF16): its scalar loop calls
-    ``expf`` per element, slower than torch's vectorized SiLU."""
+    bfloat16 where the vector path was built (AVX512-BF16): its scalar loop calls ``expf`` per element,
+    slower than torch's vectorized SiLU.  float32 (AVX-512 or AVX2 + FMA vector paths) only for a model
+    whose linears all run packed (``packed``: the quantized weights, compared with transformers within a
+    tolerance, whose decode steps the fused layer serves with this kernel): its exponential may differ
+    from torch's in the last bit, and a dense float32 model is the reference path, torch's SiLU."""
 
     function: Any  # the ctypes function pdkv_silu_mul
 
     @staticmethod
-    def supports(dtype: torch.dtype) -> bool:
-        return dtype == torch.bfloat16 and "avx512_bf16" in cpu_flags()
+    def supports(dtype: torch.dtype, packed: bool = False) -> bool:
+        flags = cpu_flags()
+        if dtype == torch.float32:
+            return packed and ("avx512f" in flags or {"avx2", "fma"} <= flags)
+        return dtype == torch.bfloat16 and "avx512_bf16" in flags
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2 I] (gate, then up) -> [T, I]."""
-        assert gate_up.dim() == 2 and gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu"
+        assert gate_up.dim() == 2 and gate_up.device.type == "cpu"
+        assert gate_up.dtype in (torch.bfloat16, torch.float32)
         gate_up = gate_up.contiguous()
         t, two_i = gate_up.shape
         out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
-        failed = self.function(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, 1)
+        failed = self.function(
+            gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, gate_up.dtype == torch.bfloat16
+        )
         assert failed == 0, "shape checked by supports()"
         return out
 
@@ -239,7 +248,8 @@ class QuantKernel:
     """``engine/csrc/quant.c`` of the built library: linears over packed GGUF blocks (Q8_0, Q4_0, Q4_1;
     ``engine/model/quantized.py`` packs them) and over packed dense bfloat16 weights
     (``engine/csrc/bf16_linear.c``), their rows as dense floats, and the read-bandwidth probe.  Needs
-    AVX512-VNNI; None in ``NativeKernels`` without it."""
+    AVX512-VNNI, or AVX2 + FMA + F16C (the same sums, the same bits); None in ``NativeKernels`` without
+    either."""
 
     linear_fn: Any  # pdkv_qlinear
     rows_fn: Any  # pdkv_qdequant_rows
@@ -306,7 +316,7 @@ class NativeKernels:
     silu_mul: SiluMulKernel
     argmax: ArgmaxKernel
     lora: LoRAKernel | None = None  # None where the build has no AVX512-BF16 code
-    quant: QuantKernel | None = None  # None where the build has no AVX512-VNNI code
+    quant: QuantKernel | None = None  # None where the build has neither AVX512-VNNI nor AVX2 code
     decode_layer: DecodeLayerKernel | None = None  # with quant
 
 

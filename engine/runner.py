@@ -108,11 +108,12 @@ class ModelRunner:
         greedy sampler's own, set here."""
         c = model.config
         kernels = native_kernels() if device.type == "cpu" else None
-        model.use_native(kernels, kv_spec.dtype)  # None without a compiler: the torch ops
+        # None without a compiler: the torch ops
+        model.use_native(kernels, kv_spec.dtype, packed=FusedDecode.packed(model))
         layer_kernel = kernels.decode_layer if kernels is not None else None
         model.fused_decode = None
         if layer_kernel is not None and FusedDecode.serves(model, kv_spec.dtype):
-            model.fused_decode = FusedDecode(model, layer_kernel)
+            model.fused_decode = FusedDecode(model, layer_kernel, kv_spec.dtype)
         sampler.argmax = kernels.argmax if kernels is not None else None
         if kernels is None:
             return None, None, None

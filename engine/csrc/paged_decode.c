@@ -553,6 +553,29 @@ int pdkv_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, i
             _mm256_storeu_si256((__m256i *)((uint16_t *)o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sf, up)));
         }
 #endif
+        /* float32 (the fused decode layer on packed weights): silu(x) * up with the same exponential */
+#ifdef __AVX512F__
+        for (; !bf16 && i + 16 <= inter; i += 16) {
+            const __m512 x = _mm512_loadu_ps((const float *)g + i), up = _mm512_loadu_ps((const float *)u + i);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+            const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+            const __m512 one = _mm512_set1_ps(1.0f);
+            __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, e));
+            sig = _mm512_mask_mul_ps(sig, neg, sig, e);
+            _mm512_storeu_ps((float *)o + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), up));
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (; !bf16 && i + 8 <= inter; i += 8) {
+            const __m256 x = _mm256_loadu_ps((const float *)g + i), up = _mm256_loadu_ps((const float *)u + i);
+            const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), ax));
+            const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+            const __m256 one = _mm256_set1_ps(1.0f);
+            __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, e));
+            sig = _mm256_blendv_ps(sig, _mm256_mul_ps(sig, e), neg);
+            _mm256_storeu_ps((float *)o + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), up));
+        }
+#endif
         for (; i < inter; i++) {
             if (bf16) {
                 const float x = bf16_to_f32(((const uint16_t *)g)[i]);

@@ -27,7 +27,10 @@
  * of rows or threads: a row's result depends on that row alone (the engine's determinism rule,
  * engine/determinism.py).
  *
- * Returns 0; 1 when this build lacks AVX512-VNNI/BW (the caller keeps its dense path); 2 for a shape or
+ * Without AVX512-VNNI, a CPU with AVX2 (+ FMA, F16C) runs quant_avx2.h's kernels: the same sums in two
+ * halves of 8 lanes (vpmaddwd + vpaddd for vpdpwssd), the same bits.
+ *
+ * Returns 0; 1 when this build has neither (the caller keeps its dense path); 2 for a shape or
  * format it does not serve; 3 when memory for the activation buffers runs out.
  */
 
@@ -51,7 +54,9 @@
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define PDKV_QUANT_BUILT 1
+#define PDKV_QUANT_BUILT 1 /* the AVX-512 kernels below */
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PDKV_QUANT_BUILT 2 /* quant_avx2.h's: the same arithmetic, the same bits */
 #else
 #define PDKV_QUANT_BUILT 0
 #endif
@@ -174,7 +179,7 @@ int64_t pdkv_read_bandwidth(const void *buf, int64_t bytes) {
     return (int64_t)total;
 }
 
-#if PDKV_QUANT_BUILT
+#if PDKV_QUANT_BUILT == 1
 /* 16 floats rounded to bfloat16, nearest even (as torch) -- simd.h's to_bf16x16 without AVX512-BF16,
  * which a CPU with VNNI may lack. */
 INLINE __m256i bf16_round16(__m512 x) {
@@ -316,6 +321,8 @@ INLINE void store_tile(const __m512 *acc, int nrows, void *out, int64_t ldo, int
         }
     }
 }
+#elif PDKV_QUANT_BUILT == 2
+#include "quant_avx2.h"
 #endif
 
 /* out[m, col0 + n] (row stride ldo elements) = sum_k x[m, k] w[n, k] for m < rows, n < n_out; x [rows, k]

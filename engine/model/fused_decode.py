@@ -8,10 +8,11 @@ with the same roundings -- the per-op path's bits (a test compares the two) -- a
 hooks still run between layers.
 
 It serves a decode-only step (any number of rows), or in deterministic mode every step (all rows'
-attention is the native prefill kernel's then, in both paths), in bfloat16 with every native kernel the
-per-op path would use, where every layer's four linears are ``QuantLinear`` of one part without bias (no
-Qwen2 biases) -- under LoRA wrappers on the native LoRA kernel, whose deltas the call adds where the step
-has adapters (csrc/lora.c, as LoRALinear.forward does); any other step takes the per-op path.
+attention is the native prefill kernel's then, in both paths), in bfloat16 or float32 (quantized weights
+on an AVX2 host, where float32 is ``--dtype auto``'s) with every native kernel the per-op path would use,
+where every layer's four linears are ``QuantLinear`` of one part without bias (no Qwen2 biases) -- under
+LoRA wrappers on the native LoRA kernel, whose deltas the call adds where the step has adapters
+(csrc/lora.c, as LoRALinear.forward does); any other step takes the per-op path.
 """
 
 from __future__ import annotations
@@ -61,12 +62,19 @@ class _Step(ctypes.Structure):
 class FusedDecode:
     """The layers of ``model`` as ``pdkv_decode_layer`` structs, built once (the weights never move)."""
 
-    def __init__(self, model: LlamaForCausalLM, kernel: DecodeLayerKernel) -> None:
+    def __init__(self, model: LlamaForCausalLM, kernel: DecodeLayerKernel, dtype: torch.dtype) -> None:
         c = model.config
         self.layer_fn = kernel.layer_fn
         self.scratch_fn = kernel.scratch_fn
         self.shape = _Shape(
-            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.num_layers, 0, 1
+            c.hidden_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.intermediate_size,
+            c.num_layers,
+            0,
+            dtype == torch.bfloat16,
         )  # block_size: the cache's, per step
         self.layers = []
         self.wrappers: list[Any] = []  # the LoRA wrappers, 4 per layer in the C order, None where none
@@ -96,9 +104,19 @@ class FusedDecode:
         self.scratch = torch.empty(0, dtype=torch.uint8)
 
     @staticmethod
+    def packed(model: LlamaForCausalLM) -> bool:
+        """Whether every layer's four linears run packed (``QuantLinear``, under a LoRA wrapper or not)."""
+        return all(
+            isinstance(_base(m), QuantLinear)
+            for layer in _layers(model)
+            for attn, mlp in (_parts(layer),)
+            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        )
+
+    @staticmethod
     def serves(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
         """Whether every layer has what the fused call computes (see the module's docstring)."""
-        if dtype != torch.bfloat16:
+        if dtype not in (torch.bfloat16, torch.float32):
             return False
         for layer in _layers(model):
             attn, mlp = _parts(layer)

@@ -205,11 +205,12 @@ class LlamaForCausalLM(nn.Module):
         # one native call per layer; it returns None for a step it does not serve.
         self.fused_decode: FusedDecodeFn | None = None
 
-    def use_native(self, kernels: NativeKernels | None, dtype: torch.dtype) -> None:
+    def use_native(self, kernels: NativeKernels | None, dtype: torch.dtype, packed: bool = False) -> None:
         """Compute every RMSNorm and SwiGLU activation with ``kernels`` (engine/native.py) where they
-        serve ``dtype``, the model's; the torch ops otherwise (and with None)."""
+        serve ``dtype``, the model's (``packed``: every linear runs packed, which the float32 SiLU kernel
+        needs); the torch ops otherwise (and with None)."""
         norm = kernels.rms_norm if kernels is not None and RMSNormKernel.supports(dtype) else None
-        silu = kernels.silu_mul if kernels is not None and SiluMulKernel.supports(dtype) else None
+        silu = kernels.silu_mul if kernels is not None and SiluMulKernel.supports(dtype, packed) else None
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.kernel = norm

@@ -4,16 +4,17 @@ A Q8_0, Q4_0 or Q4_1 matrix of a GGUF file is not dequantized (270 MB of bfloat1
 model's 98 MB file): its blocks are repacked into the kernel's layout (``quant.c``'s header; per 16 output
 rows and 32 inputs the same bytes the file holds, so the weights stay 1.0x the file) and the linear runs
 on them -- the activations quantized per row and block of 32 to int16 (1/65534 of the block's largest
-value: llama.cpp's int8 activations moved greedy picks at logit margins up to 0.4), AVX512-VNNI integer
-dot products, float32 sums per block, every row's reduction order its own (batch-invariant).  The tied
-embedding is read row by row from the same packed bytes its LM head multiplies.
+value: llama.cpp's int8 activations moved greedy picks at logit margins up to 0.4), exact integer dot
+products (AVX512-VNNI, or AVX2 with the same sums), float32 sums per block, every row's reduction order
+its own (batch-invariant).  The tied embedding is read row by row from the same packed bytes its LM
+head multiplies.
 
 Which weights a model runs is ``EngineConfig.weights`` (``--weights``): ``quantized`` (this), ``bf16`` or
 ``float32`` (dequantized at load, torch's and oneDNN's matmuls: the reference).  ``auto`` picks
 ``quantized`` where the file has such matrices, the device is the CPU and the kernels were built
-(AVX512-VNNI), else the dense path in the engine's dtype.  The KV a node computes depends on it, so the
-format is part of the KV fingerprint (``engine/determinism.kv_fingerprint``): nodes on quantized and on
-dequantized weights of one file never exchange blocks.
+(AVX512-VNNI, or AVX2 + FMA + F16C), else the dense path in the engine's dtype.  The KV a node computes
+depends on it, so the format is part of the KV fingerprint (``engine/determinism.kv_fingerprint``):
+nodes on quantized and on dequantized weights of one file never exchange blocks.
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ def choose_weights(
     elif not QuantKernel.supports(dtype):
         why = f"they compute in bfloat16 or float32, not {str(dtype).removeprefix('torch.')}"
     elif kernel is None:
-        why = "the native kernels are not built here (no C compiler, no AVX512-VNNI, or PDKV_NATIVE=0)"
+        why = "the native kernels are not built here (no C compiler, no AVX2 or AVX512-VNNI, PDKV_NATIVE=0)"
     else:
         why = ""
     if choice == "quantized":

@@ -29,7 +29,7 @@ from engine.model.quantized import (
     pack_bf16,
     weight_bytes,
 )
-from engine.native import QuantKernel, native_kernels
+from engine.native import QuantKernel, SiluMulKernel, native_kernels
 from engine.sampling_params import SamplingParams
 from tests.factories import store_tier_spec
 from tests.gguf_models import write_gguf
@@ -46,7 +46,7 @@ BS = 4
 def kernel() -> QuantKernel:
     kernels = native_kernels()
     if kernels is None or kernels.quant is None:
-        pytest.skip("this CPU or compiler has no AVX512-VNNI code: the quantized kernels are not built")
+        pytest.skip("this CPU or compiler has neither AVX512-VNNI nor AVX2 code: no quantized kernels")
     return kernels.quant
 
 
@@ -155,6 +155,11 @@ def test_parts_of_different_types_fill_their_own_columns(kernel: QuantKernel) ->
 # -- the engine on quantized files ----------------------------------------------------------------------
 
 
+def _deterministic_here() -> bool:
+    kernels = native_kernels()
+    return kernels is not None and kernels.prefill is not None
+
+
 def _llm(path: Path, dtype: str = "bfloat16", weights: str = "quantized", **kw: Any) -> LLM:
     return LLM(path, dtype=dtype, weights=weights, device="cpu", block_size=BS, num_blocks=64, **kw)
 
@@ -201,26 +206,43 @@ def test_greedy_output_matches_transformers_or_parts_only_at_a_near_tie(
 
 
 @pytest.mark.parametrize(
-    ("qtype", "deterministic"),
-    [*((q, False) for q in FORMATS), ("bf16 folder", False), ("Q4_1", True), ("bf16 folder", True)],
+    ("qtype", "deterministic", "dtype"),
+    [
+        *((q, False, "bfloat16") for q in FORMATS),
+        ("bf16 folder", False, "bfloat16"),
+        ("Q4_1", True, "bfloat16"),
+        ("bf16 folder", True, "bfloat16"),
+        *((q, False, "float32") for q in FORMATS),
+    ],
 )
 def test_the_fused_decode_layer_is_the_per_op_path_bit_for_bit(
-    kernel: QuantKernel, qtype: str, deterministic: bool, files: dict[str, Path], folder: Path, tmp_path: Path
+    kernel: QuantKernel,
+    qtype: str,
+    deterministic: bool,
+    dtype: str,
+    files: dict[str, Path],
+    folder: Path,
+    tmp_path: Path,
 ) -> None:
     """Quantized weights, and a safetensors folder's bfloat16 weights on the native bfloat16 kernel;
     decode steps of one group and of several (12 requests: groups of 8), and in deterministic mode every
-    step, prefill chunks included."""
+    step, prefill chunks included.  float32 activations on quantized weights too (an AVX2 host's
+    ``--dtype auto``): the per-op path then takes the native float32 SiLU as the fused call does."""
     if qtype == "bf16 folder" and not kernel.bf16:
         pytest.skip("this build has no AVX512-BF16 code")
+    if dtype == "bfloat16" and not SiluMulKernel.supports(torch.bfloat16):
+        pytest.skip("the bfloat16 SiLU kernel needs AVX512-BF16: the per-op path has torch's, no fused call")
+    if deterministic and not _deterministic_here():
+        pytest.skip("deterministic mode needs the native prefill attention (AVX512-BF16)")
     if deterministic:  # the native prefill attention (deterministic mode's) takes head_dim 64, not 16
         folder = pdkv_tiny_model_dir(init_std=0.2, hidden=128, heads=2, kv_heads=1)
         files = {"Q4_1": write_gguf(folder, tmp_path / "hd64.gguf", qtype="Q4_1")}
     path, weights = (folder, "auto") if qtype == "bf16 folder" else (files[qtype], "quantized")
-    llm = _llm(path, weights=weights, deterministic=deterministic, max_num_batched_tokens=64)
+    llm = _llm(path, dtype, weights=weights, deterministic=deterministic, max_num_batched_tokens=64)
     prompts = [*PROMPTS, *([p[::-1] for p in PROMPTS] * 2)]  # 12: two decode groups
     model = llm.engine.model.model
     fused = model.fused_decode
-    assert fused is not None, "a bfloat16 model on quantized weights decodes one call per layer"
+    assert fused is not None, f"a {dtype} model on packed weights decodes one call per layer"
     calls = []
 
     def counted(*args: Any) -> torch.Tensor | None:

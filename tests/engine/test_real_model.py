@@ -166,8 +166,8 @@ def test_quantized_weights_equal_transformers_or_part_only_at_a_near_tie(kind: s
     or the first difference at a step where transformers' top two logits lie within 0.05; the chosen
     tokens' log-probabilities within 0.01 up to there.  In bfloat16 the chat answer stays the same."""
     kernels = native_kernels()
-    if kernels is None or kernels.quant is None:  # an AVX2-only host: --weights quantized is refused
-        pytest.skip("this CPU or compiler has no AVX512-VNNI code: the quantized kernels are not built")
+    if kernels is None or kernels.quant is None:  # no AVX2: --weights quantized is refused
+        pytest.skip("this CPU or compiler has neither AVX512-VNNI nor AVX2 code: no quantized kernels")
     quantized = LLM(model_path(), dtype="float32", weights="quantized", device="cpu", num_blocks=256)
     assert quantized.engine.model.quantized
     prompts = [raw_ids(t) for t in RAW] if kind == "raw" else [chat_ids(q) for q in QUESTIONS]

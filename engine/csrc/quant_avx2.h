@@ -1,0 +1,199 @@
+/* quant.c's kernels for CPUs with AVX2 (+ FMA, F16C) and no AVX512-VNNI: the same packed layout, the
+ * same int16 activations and the same arithmetic, so the same bits as the AVX-512 kernels.
+ *
+ * A group's 16 output rows are two halves of 8 lanes (rows 0-7, 8-15).  Where AVX512-VNNI's vpdpwssd adds
+ * a lane's two int16 products into its int32, AVX2's vpmaddwd makes the same pair sum and vpaddd adds it:
+ * the integer sums are exact either way (quants are at most 8 bits, activations 16: no pair overflows),
+ * and the float operations per lane -- the block's scale, then its min term, fused multiply-adds in block
+ * order -- are the AVX-512 kernels' own.  Only included by quant.c, after its helpers. */
+#ifndef PDKV_QUANT_AVX2_H
+#define PDKV_QUANT_AVX2_H
+
+#include <immintrin.h>
+
+/* 8 bfloat16 (as bits) widened to floats: exact. */
+INLINE __m256 from_bf16x8(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* 8 floats rounded to bfloat16 bits (nearest even, NaN stays NaN: quant.c's bf16_round16), as int32. */
+INLINE __m256i bf16_bits8(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+    return _mm256_srli_epi32(r, 16);
+}
+
+/* Two vectors of 8 int32 as 16 int16 in order (signed saturation, as _mm512_cvtsepi32_epi16). */
+INLINE __m256i pack16(__m256i lo, __m256i hi) {
+    return _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xd8);
+}
+
+INLINE int32_t hsum8(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+INLINE float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_shuffle_ps(m, m, 0x4e));
+    m = _mm_max_ps(m, _mm_shuffle_ps(m, m, 0xb1));
+    return _mm_cvtss_f32(m);
+}
+
+/* quant.c's quantize_row: row x's blocks of 32 to int16 qa, their steps da and da * sum(qa) in sa. */
+static void quantize_row(const void *x, int64_t in_bf16, int64_t k, int16_t *qa, float *da, float *sa) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < k / QBLOCK; b++) {
+        __m256 v[4];
+        for (int i = 0; i < 4; i++) {
+            if (in_bf16) {
+                v[i] = from_bf16x8(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + b * QBLOCK + 8 * i)));
+            } else {
+                v[i] = _mm256_loadu_ps((const float *)x + b * QBLOCK + 8 * i);
+            }
+        }
+        const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                       _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        const float amax = hmax8(a);
+        const float d = amax / 32767.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        __m256i q[4];
+        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+        _mm256_storeu_si256((__m256i *)(qa + b * QBLOCK), pack16(q[0], q[1]));
+        _mm256_storeu_si256((__m256i *)(qa + b * QBLOCK + 16), pack16(q[2], q[3]));
+        const int32_t sum = hsum8(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+        da[b] = d;
+        sa[b] = d * (float)sum;
+    }
+}
+
+/* Half h (rows 8h .. 8h + 7) of a tile's 16 vectors of int16 weight pairs (quant.c's load_weights). */
+INLINE void load_weights_half(const uint8_t *t, int64_t fmt, int h, __m256i w[16]) {
+    if (fmt == FMT_Q4) {
+        const __m256i low = _mm256_set1_epi16(0x0f);
+        for (int s = 0; s < 8; s++) {
+            const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(t + 32 * s + 16 * h)));
+            w[s] = _mm256_and_si256(v, low);
+            w[s + 8] = _mm256_srli_epi16(v, 4);
+        }
+    } else {
+        for (int p = 0; p < 16; p++)
+            w[p] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(t + 32 * p + 16 * h)));
+    }
+}
+
+/* acc[j][h] (16 columns from col, ncols of them real) into rows 0 .. nrows - 1 of out. */
+INLINE void store_tile2(__m256 acc[][2], int nrows, void *out, int64_t ldo, int64_t col, int64_t ncols,
+                        int64_t out_bf16) {
+    for (int j = 0; j < nrows; j++) {
+        if (out_bf16) {
+            uint16_t *o = (uint16_t *)out + j * ldo + col;
+            const __m256i bits = _mm256_permute4x64_epi64(
+                _mm256_packus_epi32(bf16_bits8(acc[j][0]), bf16_bits8(acc[j][1])), 0xd8);
+            if (ncols >= GROUP) {
+                _mm256_storeu_si256((__m256i *)o, bits);
+            } else {
+                uint16_t tmp[GROUP];
+                _mm256_storeu_si256((__m256i *)tmp, bits);
+                memcpy(o, tmp, (size_t)ncols * sizeof(uint16_t));
+            }
+        } else {
+            float *o = (float *)out + j * ldo + col;
+            if (ncols >= GROUP) {
+                _mm256_storeu_ps(o, acc[j][0]);
+                _mm256_storeu_ps(o + 8, acc[j][1]);
+            } else {
+                float tmp[GROUP];
+                _mm256_storeu_ps(tmp, acc[j][0]);
+                _mm256_storeu_ps(tmp + 8, acc[j][1]);
+                memcpy(o, tmp, (size_t)ncols * sizeof(float));
+            }
+        }
+    }
+}
+
+/* The block's scale term then its min term, per lane as the AVX-512 kernels do them. */
+INLINE __m256 add_block(__m256 acc, __m256i s, __m256 d, __m256 m, float dj, float sj) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(dj)), acc);
+    return _mm256_fmadd_ps(m, _mm256_set1_ps(sj), acc);
+}
+
+/* quant.c's group_tile: rows m0 .. m0 + nrows - 1 (nrows <= MT) of one group over every block. */
+INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int16_t *qa, const float *da,
+                       const float *sa, int64_t k, int nrows, void *out, int64_t ldo, int64_t col,
+                       int64_t ncols, int64_t out_bf16) {
+    __m256 acc[MT][2];
+    for (int j = 0; j < MT; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *t = wg + b * tb;
+        for (int64_t line = 0; line < tb; line += 64) _mm_prefetch((const char *)t + PREFETCH + line, _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
+            __m256i w[16];
+            load_weights_half(t, fmt, h, w);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + qb + 16 * h)));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + qb + 32 + 16 * h)));
+            for (int j = 0; j < nrows; j++) {
+                const int32_t *a = (const int32_t *)(qa + j * k + b * QBLOCK);
+                __m256i s0 = _mm256_setzero_si256(), s1 = s0;
+                for (int p = 0; p < 16; p += 2) {
+                    s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(w[p], _mm256_set1_epi32(a[p])));
+                    s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(w[p + 1], _mm256_set1_epi32(a[p + 1])));
+                }
+                acc[j][h] = add_block(acc[j][h], _mm256_add_epi32(s0, s1), d, m, da[j * (k / QBLOCK) + b],
+                                      sa[j * (k / QBLOCK) + b]);
+            }
+        }
+    }
+    store_tile2(acc, nrows, out, ldo, col, ncols, out_bf16);
+}
+
+/* quant.c's group_row1: one activation row of one group, streamed without holding the tile. */
+INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, const int16_t *qa, const float *da,
+                       const float *sa, void *out, int64_t col, int64_t ncols, int64_t out_bf16) {
+    __m256 acc[1][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}};
+    const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt);
+    const __m256i low = _mm256_set1_epi16(0x0f);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *t = wg + b * tb;
+        for (int64_t line = 0; line < tb; line += 64) _mm_prefetch((const char *)t + PREFETCH + line, _MM_HINT_T0);
+        const int32_t *a = (const int32_t *)(qa + b * QBLOCK);
+        for (int h = 0; h < 2; h++) {
+            __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+            if (fmt == FMT_Q4) {
+                for (int g = 0; g < 8; g += 2) {
+                    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(t + 32 * g + 16 * h)));
+                    const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(t + 32 * g + 32 + 16 * h)));
+                    s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_and_si256(v, low), _mm256_set1_epi32(a[g])));
+                    s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_srli_epi16(v, 4), _mm256_set1_epi32(a[g + 8])));
+                    s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(_mm256_and_si256(u, low), _mm256_set1_epi32(a[g + 1])));
+                    s3 = _mm256_add_epi32(s3, _mm256_madd_epi16(_mm256_srli_epi16(u, 4), _mm256_set1_epi32(a[g + 9])));
+                }
+            } else {
+                for (int p = 0; p < 16; p += 4) {
+                    const uint8_t *tp = t + 32 * p + 16 * h;
+                    s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)tp)),
+                                                                _mm256_set1_epi32(a[p])));
+                    s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(tp + 32))),
+                                                                _mm256_set1_epi32(a[p + 1])));
+                    s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(tp + 64))),
+                                                                _mm256_set1_epi32(a[p + 2])));
+                    s3 = _mm256_add_epi32(s3, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(tp + 96))),
+                                                                _mm256_set1_epi32(a[p + 3])));
+                }
+            }
+            const __m256i s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + qb + 16 * h)));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + qb + 32 + 16 * h)));
+            acc[0][h] = add_block(acc[0][h], s, d, m, da[b], sa[b]);
+        }
+    }
+    store_tile2(acc, 1, out, 0, col, ncols, out_bf16);
+}
+
+#endif
