@@ -3,6 +3,7 @@ on), prefill nodes killed before they answer and while they compute."""
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutput
 from pdkv.launcher import Cluster, Process, RestartPolicy, Topology
 from serving.client import GenerationClient, generate_request
 from tests.serving.helpers import (
@@ -31,6 +33,7 @@ LONG = SamplingParams(max_tokens=3000, ignore_eos=True)
 # still running when the client, which may read seconds behind the node, has its first tokens (the tiny
 # model decodes 300 tokens in well under a second; a 300-token stream once finished before the kill).
 STREAM_TOKENS = 2000
+LETTERS = StructuredOutput("regex", "[a-z ]{1,6000}")
 PROMPT = "A prompt of a few blocks, so that the prefill node holds KV for the decode node. " * 3
 
 
@@ -89,7 +92,17 @@ def test_prefill_nodes_killed_before_they_answer() -> None:
             "colocated",
             SamplingParams(max_tokens=STREAM_TOKENS, ignore_eos=True, temperature=1.0, top_k=40, seed=5),
         ),
+        # Under a constraint: the resumed node's matcher advances over the tokens already sent first.
+        (
+            "disaggregated",
+            SamplingParams(
+                max_tokens=STREAM_TOKENS,
+                ignore_eos=True,
+                structured=StructuredOutput("regex", "[a-z ]{1,6000}"),
+            ),
+        ),
     ],
+    ids=["disaggregated", "colocated-seeded", "disaggregated-regex"],
 )
 def test_a_decode_node_killed_mid_stream_hands_the_request_to_another(
     mode: str, params: SamplingParams
@@ -123,6 +136,8 @@ def test_a_decode_node_killed_mid_stream_hands_the_request_to_another(
         expected = LLM(pdkv_model(), device="cpu", num_blocks=512).generate([PROMPT], params)[0]
         assert token_ids == expected.token_ids
         assert text == expected.text
+        if params.structured is not None:
+            assert re.fullmatch(LETTERS.spec, text), text[:200]
         survivor = next(p for p in cluster.decode_nodes if p is not killed)
         assert_node_idle(survivor.address)
         assert metric(cluster.router.info["metrics"], "pdkv_router_decode_resumes_total") == 1
