@@ -286,6 +286,10 @@ def run(
         total_new = n * new_tokens
         import transformers
 
+        if quantized:  # first: after transformers and the dense engines, its steps in this process
+            # ran at half the speed of a fresh one (an AVX2 EPYC, 2026-12-04: 22 against 12 ms at batch 1)
+            [long_prompt] = make_prompts(1, (1000, 1000), 49152, seed=101)
+            results.update(quantized_figures(gguf, steps, long_prompt, report))
         for dtype in dtypes:
             # float32 has no deterministic mode (engine/determinism.py)
             llm = real_llm(gguf, dtype, deterministic and dtype == "bfloat16")
@@ -323,9 +327,6 @@ def run(
                 except ValueError as exc:  # this CPU cannot serve it
                     print(f"real bf16: no deterministic figures: {exc}")
             llm.engine.shutdown()
-        if quantized:
-            [long_prompt] = make_prompts(1, (1000, 1000), 49152, seed=101)
-            results.update(quantized_figures(gguf, steps, long_prompt, report))
         if llamacpp:
             from bench import llamacpp as lcpp
 
