@@ -12,7 +12,8 @@ attention is the native prefill kernel's then, in both paths), in bfloat16 or fl
 on an AVX2 host, where float32 is ``--dtype auto``'s) with every native kernel the per-op path would use,
 where every layer's four linears are ``QuantLinear`` of one part without bias (no Qwen2 biases) -- under
 LoRA wrappers on the native LoRA kernel, whose deltas the call adds where the step has adapters
-(csrc/lora.c, as LoRALinear.forward does); any other step takes the per-op path.
+(csrc/lora.c, as LoRALinear.forward does), or on the torch path (no AVX512-BF16), whose steps without
+adapter rows it serves (the wrappers add nothing then); any other step takes the per-op path.
 """
 
 from __future__ import annotations
@@ -79,12 +80,16 @@ class FusedDecode:
         self.layers = []
         self.wrappers: list[Any] = []  # the LoRA wrappers, 4 per layer in the C order, None where none
         self._lora_structs = []  # kept alive: the layer structs point into them
+        # LoRA wrappers on the torch path: the call serves only the steps without adapter rows (theirs add
+        # nothing then), a step with adapters takes the per-op path.
+        self.lora_native = True
         for i, layer in enumerate(_layers(model)):
             attn, mlp = _parts(layer)
             mods = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-            wrapped = [m for m in mods if _lora_wrapper(m) is not None]
-            self.wrappers += wrapped if wrapped else [None] * 4
-            lora = (_LoRAModule * 4)(*map(_lora_module, mods)) if wrapped else None
+            self.wrappers += [m if _is_wrapper(m) else None for m in mods]
+            native = all(_lora_wrapper(m) is not None for m in mods)
+            self.lora_native &= native or not any(_is_wrapper(m) for m in mods)
+            lora = (_LoRAModule * 4)(*map(_lora_module, mods)) if native else None
             if lora is not None:
                 self._lora_structs.append(lora)
             w = [_only_part(_base(m)) for m in mods]
@@ -125,9 +130,9 @@ class FusedDecode:
             if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
                 return False
             mods = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            wrapped = [_is_wrapper(m) for m in mods]
-            if any(wrapped) and not all(_lora_wrapper(m) is not None for m in mods):
-                return False  # LoRA on the torch path, or on some of the linears only
+            native = [_lora_wrapper(m) is not None for m in mods]
+            if any(native) and not all(native):
+                return False  # the native LoRA kernel on some of the linears only
             for m in mods:
                 base = _base(m)
                 if not isinstance(base, QuantLinear) or len(base.parts) != 1 or base.bias is not None:
@@ -168,6 +173,8 @@ class FusedDecode:
         lora_rows = lora_on = None
         state = next((w.state for w in self.wrappers if w is not None), None)
         if state is not None and state.used:  # this step's adapters: each module's delta where it has one
+            if not self.lora_native:
+                return None  # the torch path's deltas: the per-op path computes this step
             assert state.rows is not None and state.rows.is_contiguous()
             lora_rows = state.rows
             on = [w is not None and bool(state.used & w.slot_bits) for w in self.wrappers]
