@@ -95,11 +95,7 @@ def test_prefill_nodes_killed_before_they_answer() -> None:
         # Under a constraint: the resumed node's matcher advances over the tokens already sent first.
         (
             "disaggregated",
-            SamplingParams(
-                max_tokens=STREAM_TOKENS,
-                ignore_eos=True,
-                structured=StructuredOutput("regex", "[a-z ]{1,6000}"),
-            ),
+            SamplingParams(max_tokens=STREAM_TOKENS, ignore_eos=True, structured=LETTERS),
         ),
     ],
     ids=["disaggregated", "colocated-seeded", "disaggregated-regex"],
