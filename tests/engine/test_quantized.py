@@ -6,6 +6,7 @@ dequantized weights kept apart; the weights' choice, its refusals and its fallba
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +165,30 @@ def _llm(path: Path, dtype: str = "bfloat16", weights: str = "quantized", **kw: 
     return LLM(path, dtype=dtype, weights=weights, device="cpu", block_size=BS, num_blocks=64, **kw)
 
 
+def _fused_then_per_op(llm: LLM, run: Callable[[], list[Any]], why: str) -> tuple[list[bool], list[Any]]:
+    """``run()`` with the model's fused decode call counted, then again on the per-op path (the prefix
+    cache reset before each: both compute the same steps); asserts the two give the same tokens and
+    log-probabilities.  Returns whether each fused call served its step, and the first run's outputs."""
+    model = llm.engine.model.model
+    fused = model.fused_decode
+    assert fused is not None, why
+    calls: list[bool] = []
+
+    def counted(*args: Any) -> torch.Tensor | None:
+        out = fused(*args)
+        calls.append(out is not None)
+        return out
+
+    runs = []
+    for use in (counted, None):
+        model.fused_decode = use
+        assert llm.engine.reset_prefix_cache()
+        runs.append(run())
+    for x, y in zip(*runs, strict=True):
+        assert x.token_ids == y.token_ids and x.logprobs == y.logprobs
+    return calls, runs[0]
+
+
 def _hf_logits(path: Path, sequences: list[list[int]]) -> list[torch.Tensor]:
     """transformers on the file (its own reader, weights dequantized to float32): each sequence's logits."""
     import transformers
@@ -240,27 +265,15 @@ def test_the_fused_decode_layer_is_the_per_op_path_bit_for_bit(
     path, weights = (folder, "auto") if qtype == "bf16 folder" else (files[qtype], "quantized")
     llm = _llm(path, dtype, weights=weights, deterministic=deterministic, max_num_batched_tokens=64)
     prompts = [*PROMPTS, *([p[::-1] for p in PROMPTS] * 2)]  # 12: two decode groups
-    model = llm.engine.model.model
-    fused = model.fused_decode
-    assert fused is not None, f"a {dtype} model on packed weights decodes one call per layer"
-    calls = []
-
-    def counted(*args: Any) -> torch.Tensor | None:
-        out = fused(*args)
-        calls.append(out is not None)
-        return out
-
     params = SamplingParams(max_tokens=10, logprobs=1, ignore_eos=True)
-    model.fused_decode = counted
-    with_fused = llm.generate(prompts, params)
+    calls, _ = _fused_then_per_op(
+        llm,
+        lambda: llm.generate(prompts, params),
+        f"a {dtype} model on packed weights decodes one call per layer",
+    )
     assert sum(calls) >= 9, "decode steps took the fused call"
     if deterministic:
         assert all(calls), "in deterministic mode every step does"
-    model.fused_decode = None
-    assert llm.engine.reset_prefix_cache()  # the same steps again: prefills as they were
-    per_op = llm.generate(prompts, params)
-    for a, b in zip(with_fused, per_op, strict=True):
-        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
 def test_the_fused_decode_layer_adds_lora_deltas_as_the_per_op_path_does(kernel: QuantKernel) -> None:
@@ -276,28 +289,16 @@ def test_the_fused_decode_layer_adds_lora_deltas_as_the_per_op_path_does(kernel:
         tiny_model_dir("llama"), dtype="bfloat16", device="cpu", block_size=BS, num_blocks=128,
         loras=(("A", str(a)), ("B", str(b))),
     )  # fmt: skip
-    model = llm.engine.model.model
-    fused = model.fused_decode
-    assert fused is not None, "LoRA wrappers on the native kernel keep the fused call"
-    calls: list[bool] = []
-
-    def counted(*args: Any) -> torch.Tensor | None:
-        out = fused(*args)
-        calls.append(out is not None)
-        return out
-
     prompts = [p[:12] for p in PROMPTS] * 2
     adapters = ["A", None, "B", "A", None, None, "B", "B"]
     params = SamplingParams(max_tokens=8, logprobs=1, ignore_eos=True)
-    runs = []
-    for use in (counted, None):
-        model.fused_decode = use
-        assert llm.engine.reset_prefix_cache()
-        runs.append(llm.generate(prompts, params, adapters=adapters) + llm.generate(prompts, params))
+    calls, outs = _fused_then_per_op(
+        llm,
+        lambda: llm.generate(prompts, params, adapters=adapters) + llm.generate(prompts, params),
+        "LoRA wrappers on the native kernel keep the fused call",
+    )
     assert sum(calls) >= 14
-    for x, y in zip(*runs, strict=True):
-        assert x.token_ids == y.token_ids and x.logprobs == y.logprobs
-    assert runs[0][0].token_ids != runs[0][8].token_ids or runs[0][2].token_ids != runs[0][10].token_ids
+    assert outs[0].token_ids != outs[8].token_ids or outs[2].token_ids != outs[10].token_ids
 
 
 def test_lora_on_the_torch_path_keeps_the_fused_call_for_steps_without_adapters(
@@ -314,29 +315,16 @@ def test_lora_on_the_torch_path_keeps_the_fused_call_for_steps_without_adapters(
     gguf = write_gguf(pdkv_tiny_model_dir(), tmp_path / "tiny-q4.gguf", qtype="Q4_1")
     a, b = peft_adapter_dir("llama", "attn_only"), peft_adapter_dir("llama", "attn_only", seed=1)
     llm = _llm(gguf, "float32", loras=(("A", str(a)), ("B", str(b))))
-    model = llm.engine.model.model
-    fused = model.fused_decode
-    assert fused is not None, "a LoRA engine on the torch path keeps the fused call"
-    calls: list[bool] = []
-
-    def counted(*args: Any) -> torch.Tensor | None:
-        out = fused(*args)
-        calls.append(out is not None)
-        return out
-
     prompts = [p[:12] for p in PROMPTS] * 2
     params = SamplingParams(max_tokens=8, logprobs=1, ignore_eos=True)
-    runs = []
-    for use in (counted, None):
-        model.fused_decode = use
-        assert llm.engine.reset_prefix_cache()
-        runs.append(llm.generate(prompts, params) + llm.generate(prompts, params, adapters=["A", None] * 4))
-    served = calls.count(True)
-    assert served >= 7, "the base-only decode steps took the fused call"
+    calls, outs = _fused_then_per_op(
+        llm,
+        lambda: llm.generate(prompts, params) + llm.generate(prompts, params, adapters=["A", None] * 4),
+        "a LoRA engine on the torch path keeps the fused call",
+    )
+    assert calls.count(True) >= 7, "the base-only decode steps took the fused call"
     assert calls.count(False) >= 7, "the steps with adapter rows did not"
-    for x, y in zip(*runs, strict=True):
-        assert x.token_ids == y.token_ids and x.logprobs == y.logprobs
-    assert runs[0][0].token_ids != runs[0][8].token_ids  # adapter A changed request 0's output
+    assert outs[0].token_ids != outs[8].token_ids  # adapter A changed request 0's output
 
 
 def test_every_path_gives_the_local_tokens(
