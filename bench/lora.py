@@ -150,22 +150,22 @@ def main() -> None:
     rates: dict[str, list[float]] = {}
     ratios: dict[str, list[float]] = {}
 
+    def record(key: str, base_rate: float, case_rate: float, ratio: float) -> None:
+        rates.setdefault(key, []).append(case_rate)
+        rates.setdefault(f"base_for_{key}", []).append(base_rate)
+        ratios.setdefault(key, []).append(ratio)
+
     def pair(key: str, first: int, baseline: Any, case: Any) -> None:
         """One case and its baseline back to back (in turns which goes first): their ratio cancels the
         machine's slow drifts, which on a shared VM move a rate by 5-10% from minute to minute."""
         got: dict[str, float] = {}
         for name, run in (("base", baseline), (key, case))[:: 1 if first % 2 == 0 else -1]:
             got[name] = run()
-        rates.setdefault(key, []).append(got[key])
-        rates.setdefault(f"base_for_{key}", []).append(got["base"])
-        ratios.setdefault(key, []).append(got[key] / got["base"])
+        record(key, got["base"], got[key], got[key] / got["base"])
 
     for r in range(args.rounds):
         for key, mix in mixes.items():
-            base_rate, case_rate, ratio = paired_decode(base, lora, batch, prompts, decode, mix, r)
-            rates.setdefault(key, []).append(case_rate)
-            rates.setdefault(f"base_for_{key}", []).append(base_rate)
-            ratios.setdefault(key, []).append(ratio)
+            record(key, *paired_decode(base, lora, batch, prompts, decode, mix, r))
         # Prefill: 4 prompts of 512 tokens, one step of 2048 tokens, under 4 adapters against the base.
         pair(
             "prefill_4",
