@@ -525,6 +525,27 @@ int pdkv_rms_norm(const void *x, const void *delta, void *h_out, const void *wei
     return failed;
 }
 
+#ifdef __AVX512F__
+/* x * sigmoid(x): exp(-|x|) from the polynomial (its range is x <= 0), then 1 / (1 + exp(-x)) either
+ * way -- x >= 0: x / (1 + e);  x < 0: x * e / (1 + e)  (= x / (1 + 1/e)). */
+INLINE __m512 silu16(__m512 x) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+    const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, e));
+    return _mm512_mul_ps(x, _mm512_mask_mul_ps(sig, neg, sig, e));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* silu16 on 8 lanes. */
+INLINE __m256 silu8(__m256 x) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)));
+    const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    return _mm256_mul_ps(x, _mm256_blendv_ps(sig, _mm256_mul_ps(sig, e), neg));
+}
+#endif
+
 /* SwiGLU's activation: gate_up [rows, 2 * inter] (gate, then up) -> out [rows, inter] with
  *     out = dtype(silu(gate)) * up,   silu(x) = x / (1 + exp(-x))
  * rounded where torch rounds (after the SiLU, after the product).  exp is the polynomial above for
@@ -541,14 +562,7 @@ int pdkv_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, i
 #ifdef __AVX512BF16__
         for (; bf16 && i + 16 <= inter; i += 16) {
             const __m512 x = load16(g, (size_t)i, 1), up = load16(u, (size_t)i, 1);
-            /* exp(-|x|) from the polynomial (its range is x <= 0), then 1 / (1 + exp(-x)) either way */
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-            const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-            const __m512 one = _mm512_set1_ps(1.0f);
-            /* x >= 0: x / (1 + e);  x < 0: x * e / (1 + e)  (= x / (1 + 1/e)) */
-            __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, e));
-            sig = _mm512_mask_mul_ps(sig, neg, sig, e);
-            const __m256bh s = _mm512_cvtneps_pbh(_mm512_mul_ps(x, sig));
+            const __m256bh s = _mm512_cvtneps_pbh(silu16(x));
             const __m512 sf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)s), 16));
             _mm256_storeu_si256((__m256i *)((uint16_t *)o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sf, up)));
         }
@@ -557,23 +571,12 @@ int pdkv_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, i
 #ifdef __AVX512F__
         for (; !bf16 && i + 16 <= inter; i += 16) {
             const __m512 x = _mm512_loadu_ps((const float *)g + i), up = _mm512_loadu_ps((const float *)u + i);
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-            const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-            const __m512 one = _mm512_set1_ps(1.0f);
-            __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, e));
-            sig = _mm512_mask_mul_ps(sig, neg, sig, e);
-            _mm512_storeu_ps((float *)o + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), up));
+            _mm512_storeu_ps((float *)o + i, _mm512_mul_ps(silu16(x), up));
         }
 #elif defined(__AVX2__) && defined(__FMA__)
         for (; !bf16 && i + 8 <= inter; i += 8) {
             const __m256 x = _mm256_loadu_ps((const float *)g + i), up = _mm256_loadu_ps((const float *)u + i);
-            const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
-            const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), ax));
-            const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
-            const __m256 one = _mm256_set1_ps(1.0f);
-            __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, e));
-            sig = _mm256_blendv_ps(sig, _mm256_mul_ps(sig, e), neg);
-            _mm256_storeu_ps((float *)o + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), up));
+            _mm256_storeu_ps((float *)o + i, _mm256_mul_ps(silu8(x), up));
         }
 #endif
         for (; i < inter; i++) {
