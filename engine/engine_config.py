@@ -33,9 +33,9 @@ DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
 # What deterministic mode (engine/determinism.py) costs, measured by ``python -m bench.engine_real``
 # (docs/BENCHMARKS.md); --help prints it.
 DETERMINISTIC_COST = (
-    "Off by default: on SmolLM2-135M (AMD EPYC, AVX512-BF16, 2 cores) it cost 13% of decode tokens/s at "
-    "batch 8, 15% at batch 32 and 4% of a 1000-token prefill (bench.engine_real, 2026-12-04; the budget "
-    "for on by default is 5%)"
+    "Off by default: on SmolLM2-135M (AMD EPYC, AVX512-BF16, 2 cores) it cost 6% of decode tokens/s at "
+    "batch 8, 8-9% at batch 32 and nothing of a 1000-token prefill (bench.engine_real, 2026-12-04; the "
+    "budget for on by default is 5%)"
 )
 
 
