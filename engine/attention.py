@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.native_attention import DecodeKernel, PrefillKernel
+from engine.native_attention import KV_PAIRED, DecodeKernel, PrefillKernel
 
 
 @dataclass(slots=True)
@@ -152,11 +152,43 @@ class GatherWorkspace:
 
 
 def write_kv(
-    kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    kv_cache: torch.Tensor,
+    layer: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    *,
+    paired: bool = False,
 ) -> None:
-    """Store the step's keys and values ``[T, Hkv, D]`` into their slots of ``kv_cache[:, layer]``."""
-    kv_cache[meta.slot_blocks, layer, 0, meta.slot_offsets] = k
-    kv_cache[meta.slot_blocks, layer, 1, meta.slot_offsets] = v
+    """Store the step's keys and values ``[T, Hkv, D]`` into their slots of ``kv_cache[:, layer]``; with
+    ``paired``, in deterministic mode's order inside each block (``paired_views``)."""
+    if not paired:
+        kv_cache[meta.slot_blocks, layer, 0, meta.slot_offsets] = k
+        kv_cache[meta.slot_blocks, layer, 1, meta.slot_offsets] = v
+        return
+    keys, values = paired_views(kv_cache, layer)
+    blocks, offsets = meta.slot_blocks, meta.slot_offsets
+    keys[blocks, :, :, offsets] = k.contiguous().view(torch.int32)  # [T, Hkv, D/2] pairs
+    values[blocks, :, offsets // 2, :, offsets % 2] = v
+
+
+def paired_views(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_cache[:, layer]``'s key and value slabs seen in the paired order (engine/native_attention.py's
+    ``KV_PAIRED``): keys ``[num_blocks, Hkv, D/2, block_size]`` int32 (each a pair of bfloat16 dims),
+    values ``[num_blocks, Hkv, block_size/2, D, 2]`` (element [.., j // 2, d, j % 2] is position j's dim
+    d).  Views of the same bytes as the canonical ``[block_size, Hkv, D]`` slabs."""
+    num_blocks, num_layers, _, bs, hkv, d = kv_cache.shape
+    assert kv_cache.is_contiguous() and kv_cache.dtype == torch.bfloat16 and bs % 2 == 0 and d % 2 == 0
+    slab = bs * hkv * d  # elements of one block's K (or V) slab of one layer
+    block = num_layers * 2 * slab
+    pairs = kv_cache.view(torch.int32)
+    keys = pairs.as_strided(
+        (num_blocks, hkv, d // 2, bs), (block // 2, d // 2 * bs, bs, 1), layer * 2 * slab // 2
+    )
+    values = kv_cache.as_strided(
+        (num_blocks, hkv, bs // 2, d, 2), (block, bs // 2 * d * 2, d * 2, 2, 1), (layer * 2 + 1) * slab
+    )
+    return keys, values
 
 
 def paged_attention(
@@ -181,11 +213,14 @@ def paged_attention(
 
     ``deterministic`` (needs ``prefill_kernel``): every row of the step, decode or prefill, goes through
     the prefill kernel in one call, whose arithmetic for a row depends on the row's position and keys
-    alone -- so a token's attention is the same bits in any batch, any chunking, prefill or decode."""
+    alone -- so a token's attention is the same bits in any batch, any chunking, prefill or decode; the
+    cache holds keys and values in the paired order then (``write_kv``)."""
     if deterministic:
         assert prefill_kernel is not None, "deterministic attention runs on the native prefill kernel"
         table, starts, counts = meta.as_chunks()
-        return prefill_kernel.many(q, kv_cache, layer, table, starts, counts, scale=scale, window=window)
+        return prefill_kernel.many(
+            q, kv_cache, layer, table, starts, counts, scale=scale, window=window, kv_order=KV_PAIRED
+        )
     parts = []  # in row order: decode groups, then each prefill chunk
     for dec in meta.decodes:
         rows = slice(dec.row_start, dec.row_start + dec.num)

@@ -9,7 +9,9 @@ computed here, loaded from a store tier or received from a peer:
   pieces (``engine/model/batch_invariance.py``);
 - attention: every row of a step, prefill or decode, through the native prefill kernel in one call,
   whose key tiles sit at absolute positions, so each query's sums run in an order fixed by its position
-  (``engine/csrc/paged_prefill.c``, ``engine/attention.py``);
+  (``engine/csrc/paged_prefill.c``, ``engine/attention.py``).  The cache holds keys and values in the
+  kernel's own pairs inside each block (``KV_PAIRED``, engine/native_attention.py), so a decode row's
+  tiles are copies of its blocks, not transposes of them, every step;
 - norms, RoPE, SwiGLU, the LM head and sampling were per row already (the native kernels; the sampler's
   seeded noise depends on the request's seed and output index only).
 
@@ -19,8 +21,9 @@ bfloat16 on the CPU with the native kernels built; float32's linears are MKL's, 
 batch (float32 is the dtype compared with transformers token for token, not bit for bit).
 
 The switch changes bits (decode rows take the prefill kernel's arithmetic, and a linear's plan may
-round differently from the fast path), so it is part of the KV's namespace with the dtype
-(``kv_fingerprint``): a deterministic node never loads a block a non-deterministic one made.
+round differently from the fast path) and the order of the bytes inside a block, so it is part of the
+KV's namespace with the dtype (``kv_fingerprint``): a deterministic node never loads a block a
+non-deterministic one made, nor sends one to it (a p2p pull checks the namespace too).
 """
 
 from __future__ import annotations
@@ -56,12 +59,15 @@ def enable_determinism(
     num_kv_heads: int,
     head_dim: int,
     max_rows: int,
+    block_size: int,
 ) -> Determinism:
     """Turn deterministic mode on for ``model`` where ``requested`` (None: where it can be served) and
     this host serves it.  Raises ``DeterminismUnavailable`` when ``requested`` is True and it cannot."""
     if requested is False:
         return Determinism(False, "off (--deterministic off)")
     why = _unavailable(dtype, device, num_heads, num_kv_heads, head_dim)
+    if why is None and block_size % 2:
+        why = f"the cache's paired order needs an even block size, not {block_size}"
     if why is None:
         why = make_batch_invariant(model, max_rows)
     if why is None:

@@ -142,6 +142,7 @@ class LLMEngine:
             num_kv_heads=model_config.num_kv_heads,
             head_dim=model_config.head_dim,
             max_rows=config.max_num_batched_tokens,
+            block_size=config.block_size,
         )
         logger.info("deterministic %s", self.determinism.note)
         self.lora = LoRAManager(

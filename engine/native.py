@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from engine.cpu_features import cpu_flags
-from engine.native_attention import DTYPE_FLAGS, MAX_HEAD_DIM, DecodeKernel, PrefillKernel
+from engine.native_attention import DTYPE_FLAGS, KV_CANONICAL, MAX_HEAD_DIM, DecodeKernel, PrefillKernel
 from engine.native_build import build_library
 
 logger = logging.getLogger(__name__)
@@ -149,10 +149,12 @@ class RopeKernel:
         slot_blocks: torch.Tensor,
         slot_offsets: torch.Tensor,
         num_heads: int,
+        kv_order: int = KV_CANONICAL,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``qkv`` [T, (H + 2 Hkv) * D], ``cos``/``sin`` [T, 1, D/2] -> (rotated queries and keys
         [T, H + Hkv, D], values [T, Hkv, D], a view of ``qkv``); the rotated keys and the values are
-        written into their slots of ``kv_cache[:, layer]`` on the way."""
+        written into their slots of ``kv_cache[:, layer]`` on the way, in ``kv_order``
+        (engine/attention.py)."""
         num_blocks, num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         t = qkv.shape[0]
         assert kv_cache.is_contiguous() and qkv.is_contiguous() and qkv.dtype == kv_cache.dtype
@@ -176,6 +178,7 @@ class RopeKernel:
             block_size,
             DTYPE_FLAGS[qkv.dtype],
             num_blocks,
+            kv_order,
         )
         if failed == 3:
             raise IndexError(
@@ -357,6 +360,7 @@ def _load() -> NativeKernels | None:
         *[_INT64] * 8,
         ctypes.c_float,
         _INT64,
+        _INT64,
     ]
     many.restype = ctypes.c_int
     lib.pdkv_paged_prefill_built.restype = ctypes.c_int
@@ -364,7 +368,7 @@ def _load() -> NativeKernels | None:
     norm.argtypes = [_PTR] * 5 + [_INT64, _INT64, ctypes.c_float, _INT64]
     norm.restype = ctypes.c_int
     rope = lib.pdkv_rope_write_kv
-    rope.argtypes = [_PTR] * 7 + [_INT64] * 9
+    rope.argtypes = [_PTR] * 7 + [_INT64] * 10
     rope.restype = ctypes.c_int
     silu = lib.pdkv_silu_mul
     silu.argtypes = [_PTR, _PTR, _INT64, _INT64, _INT64]

@@ -12,6 +12,13 @@ import torch
 MAX_GROUP = 16  # query heads per KV head (MAX_GROUP in the C source)
 MAX_HEAD_DIM = 256
 DTYPE_FLAGS = {torch.bfloat16: 1, torch.float32: 0}  # the kernels' bf16 flag
+# The order of keys and values inside a block of the paged cache (engine/csrc/simd.h): canonical, the
+# tensor's [position][kv head][dim]; paired, deterministic mode's (bfloat16, block_size even), the
+# layout the prefill kernel's dot products take -- keys as pairs of dims by position, values as pairs of
+# positions by dim -- so that its tiles are copies instead of transposes.  engine/attention.py's
+# write_kv gives the same map in torch.
+KV_CANONICAL = 0
+KV_PAIRED = 1
 
 
 def _rows_of_contiguous_heads(q: torch.Tensor) -> torch.Tensor:
@@ -136,6 +143,7 @@ class PrefillKernel:
         *,
         scale: float,
         window: int | None,
+        kv_order: int = KV_CANONICAL,
     ) -> torch.Tensor:
         """Many chunks in one call: ``q`` [T, H, D] holds chunk c's ``counts[c]`` rows (at positions
         ``starts[c]`` ..) after chunk c - 1's; ``block_table[c]`` ([C, W] int64) are its sequence's
@@ -171,6 +179,7 @@ class PrefillKernel:
             window or 0,
             scale,
             num_blocks,
+            kv_order,
         )
         _check_prefill(failed, f"{starts.shape[0]} chunks", block_table.shape[1], kv_cache, layer)
         return out

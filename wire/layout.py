@@ -5,10 +5,14 @@ head_dim]``, so one engine block ``kv_cache[block_id]`` is a C-contiguous buffer
 
     payload = [num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]  of ``dtype``
 
-and ``payload_nbytes = num_layers * 2 * block_size * num_kv_heads * head_dim * itemsize``.  Two engines may
-exchange a block only if their layouts are equal; the codec writes the layout into every block header and
-refuses a block whose layout differs.  Dtypes are named the way torch prints them, without ``torch.``; the
-one-byte code is part of the on-disk/on-wire format (``docs/kvstore.md``) and never changes meaning.
+and ``payload_nbytes = num_layers * 2 * block_size * num_kv_heads * head_dim * itemsize``.  (An engine in
+deterministic mode orders the elements inside each [block_size, kv_heads, head_dim] slab as its attention
+kernel reads them -- engine/native_attention.py's ``KV_PAIRED`` -- same size; its blocks live in their
+own namespace, which every store lookup and p2p pull checks, so they never meet a canonical engine.)
+Two engines may exchange a block only if their layouts are equal; the codec writes the layout into
+every block header and refuses a block whose layout differs.  Dtypes are named the way torch prints
+them, without ``torch.``; the one-byte code is part of the on-disk/on-wire format (``docs/kvstore.md``)
+and never changes meaning.
 """
 
 from __future__ import annotations

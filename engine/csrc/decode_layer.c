@@ -25,7 +25,7 @@ int pdkv_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, i
 int pdkv_rope_write_kv(const void *qkv, const void *cos, const void *sin, void *qk, void *cache,
                        const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t rows, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t num_layers, int64_t layer,
-                       int64_t block_size, int64_t bf16, int64_t num_blocks);
+                       int64_t block_size, int64_t bf16, int64_t num_blocks, int64_t kv_order);
 int pdkv_lora_bf16(const void *x_, void *y_, const int64_t *slot, const void *a_, const void *b_,
                    int64_t rows, int64_t in, int64_t out, int64_t parts, const int64_t *part_start,
                    int64_t rank, int64_t num_slots);
@@ -33,7 +33,7 @@ int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, 
                             const int64_t *block_table, int64_t table_width, const int64_t *starts,
                             const int64_t *counts, int64_t num_chunks, int64_t num_layers, int64_t layer,
                             int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t window, float scale, int64_t num_blocks);
+                            int64_t window, float scale, int64_t num_blocks, int64_t kv_order);
 int pdkv_paged_decode(const void *q, const void *cache, void *out, const int64_t *block_table,
                       const int64_t *positions, int64_t num_seqs, int64_t table_width, int64_t num_layers,
                       int64_t layer, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
@@ -60,6 +60,7 @@ struct pdkv_layer {
 /* The model's shapes. */
 struct pdkv_shape {
     int64_t hidden, heads, kv_heads, head_dim, inter, num_layers, block_size, bf16;
+    int64_t kv_order; /* the cache's order inside a block (simd.h): KV_PAIRED in deterministic mode */
 };
 
 /* Per step.  Attention: with chunks == 0 every row is a decode (block_table [T, W], positions [T]:
@@ -123,13 +124,16 @@ int pdkv_decode_layer(const struct pdkv_layer *L, const struct pdkv_shape *s, co
     if ((rc = pdkv_qlinear(x, bf, t, s->hidden, L->wqkv, L->fqkv, nqkv, qkv, nqkv, bf))) return rc;
     if ((rc = add_lora(L, st, 0, x, qkv, s->hidden, nqkv))) return rc;
     rc = pdkv_rope_write_kv(qkv, st->cos, st->sin, qk, st->kv_cache, st->slot_blocks, st->slot_offsets, t,
-                            s->heads, s->kv_heads, hd, s->num_layers, L->layer, s->block_size, bf, st->num_blocks);
+                            s->heads, s->kv_heads, hd, s->num_layers, L->layer, s->block_size, bf, st->num_blocks,
+                            s->kv_order);
     if (rc) return rc;
     if (st->chunks > 0)
         rc = pdkv_paged_prefill_many(qk, nq + nkv, st->kv_cache, attn, st->block_table, st->table_width,
                                      st->positions, st->counts, st->chunks, s->num_layers, L->layer,
                                      s->block_size, s->heads, s->kv_heads, hd, L->window, L->scale,
-                                     st->num_blocks);
+                                     st->num_blocks, s->kv_order);
+    else if (s->kv_order != 0)
+        rc = 2; /* the decode kernel reads the canonical order only */
     else
         rc = pdkv_paged_decode(qk, st->kv_cache, attn, st->block_table, st->positions, t, st->table_width,
                                s->num_layers, L->layer, s->block_size, s->heads, s->kv_heads, hd, L->window,

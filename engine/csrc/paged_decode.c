@@ -603,8 +603,9 @@ int pdkv_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, i
 int pdkv_rope_write_kv(const void *qkv, const void *cos, const void *sin, void *qk, void *cache,
                        const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t rows, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t num_layers, int64_t layer,
-                       int64_t block_size, int64_t bf16, int64_t num_blocks) {
+                       int64_t block_size, int64_t bf16, int64_t num_blocks, int64_t kv_order) {
     if (head_dim <= 0 || head_dim % 2 || head_dim > MAX_HEAD_DIM) return 2;
+    if (kv_order != KV_CANONICAL && (kv_order != KV_PAIRED || !bf16 || block_size % 2)) return 2;
     if (layer < 0 || layer >= num_layers) return 3; /* 3: a slot outside the cache; nothing written */
     for (int64_t t = 0; t < rows; t++)
         if (slot_blocks[t] < 0 || slot_blocks[t] >= num_blocks || slot_offsets[t] < 0 || slot_offsets[t] >= block_size)
@@ -651,10 +652,17 @@ int pdkv_rope_write_kv(const void *qkv, const void *cos, const void *sin, void *
                     o[i + half] = e + f;
                 }
             }
-            if (h >= num_heads) /* a key: into its slot */
+            if (h >= num_heads && kv_order == KV_CANONICAL) /* a key: into its slot */
                 memcpy(k_slot + (size_t)((h - num_heads) * D) * elem, (const char *)qk + o0 * elem, (size_t)D * elem);
         }
-        memcpy(v_slot, (const char *)qkv + (at + (size_t)(heads * D)) * elem, token); /* the values */
+        const char *values = (const char *)qkv + (at + (size_t)(heads * D)) * elem;
+        if (kv_order == KV_CANONICAL) {
+            memcpy(v_slot, values, token);
+        } else { /* simd.h's paired order: the block's slabs of this layer, position slot_offsets[t] */
+            const size_t slab = (size_t)((slot_blocks[t] * num_layers + layer) * 2 * block_size * num_kv_heads * D);
+            write_paired(cache, slab, (const uint16_t *)qk + (size_t)(t * heads + num_heads) * D,
+                         (const uint16_t *)values, slot_offsets[t], block_size, num_kv_heads, D);
+        }
     }
     return 0;
 }

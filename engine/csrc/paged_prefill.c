@@ -22,7 +22,10 @@
  *          o   = o exp(m - m') + p . v      p rounded to bfloat16, as torch's flash kernel does
  *      then out = o / l, rounded to bfloat16.
  *
- * Cache layout as in paged_decode.c: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
+ * Cache layout as in paged_decode.c: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim],
+ * the order inside a block canonical or -- deterministic mode's -- paired (simd.h), which keeps keys and
+ * values in step 1's layouts: packing a tile is then a copy, and a chunk that packs its own tiles (a
+ * decode row) reads every whole tile from its blocks in place, packing only the last, partial one.
  */
 
 #include <math.h>
@@ -56,6 +59,8 @@ typedef struct {
                                            * for a task's private pack of its one KV head */
     int64_t task_heads;                   /* KV heads per attend task: 1, or all of them for a chunk
                                            * whose task packs its own tiles (a decode row in a batch) */
+    int64_t kv_order;                     /* the cache's order inside a block (simd.h) */
+    int64_t own_pack;                     /* 1: its tasks pack their own tiles (a short chunk) */
 } Prefill;
 
 static inline int64_t first_visible(const Prefill *a, int64_t pos) { return first_visible_key(pos, a->window); }
@@ -86,11 +91,64 @@ INLINE void transpose16(__m512i r[16]) {
     }
 }
 
+/* pack_tile for a cache in the paired order (simd.h's KV_PAIRED): the tile's keys and values are
+ * already pairs in the layouts step 1 makes, so packing is copying -- runs of positions within a block
+ * (16 at a time where block_size is a multiple of 16) -- and zeroing what the chunk does not see. */
+static void pack_tile_paired(const Prefill *a, int64_t kvh, int64_t t) {
+    const int D = a->D;
+    const int64_t bs = a->block_size, lo = first_visible(a, a->start), hi = a->start + a->n - 1;
+    const size_t tile = (size_t)(kvh * a->head_stride + t) * (size_t)(D / 2 * KT);
+    uint32_t *kp = a->kpack + tile;
+    uint16_t *vp = (uint16_t *)(a->vpack + tile);
+    const size_t token = (size_t)(a->num_kv_heads * D), slab = (size_t)bs * token;
+    const int64_t pos0 = a->kbase + t * KT;
+    uint32_t vis = 0; /* bit j: key j of the tile is visible to the chunk */
+    for (int j = 0; j < KT; j++) vis |= (uint32_t)(pos0 + j >= lo && pos0 + j <= hi) << j;
+#define SLAB(pos) (a->cache + (size_t)((a->block_ids[(pos) / bs] * a->num_layers + a->layer) * 2) * slab)
+    /* keys: pair p of key j at kp[p KT + j]; in the block, at (kvh D/2 + p) bs + offset */
+    if (bs % 16 == 0) {
+        for (int j0 = 0; j0 < KT; j0 += 16) {
+            const __mmask16 m = (__mmask16)(vis >> j0);
+            const uint32_t *src = m ? (const uint32_t *)SLAB(pos0 + j0) + (size_t)(kvh * (D / 2)) * bs +
+                                          (pos0 + j0) % bs
+                                    : NULL;
+            for (int p = 0; p < D / 2; p++)
+                _mm512_storeu_si512(kp + (size_t)p * KT + j0,
+                                    m ? _mm512_maskz_loadu_epi32(m, src + (size_t)p * bs) : _mm512_setzero_si512());
+        }
+    } else {
+        for (int j = 0; j < KT; j++) {
+            const uint32_t *src =
+                vis >> j & 1 ? (const uint32_t *)SLAB(pos0 + j) + (size_t)(kvh * (D / 2)) * bs + (pos0 + j) % bs : NULL;
+            for (int p = 0; p < D / 2; p++) kp[(size_t)p * KT + j] = src ? src[(size_t)p * bs] : 0;
+        }
+    }
+    /* values: keys j, j + 1 (j even: one block, an even offset) are 2 D contiguous elements in both */
+    for (int j = 0; j < KT; j += 2) {
+        uint16_t *out = vp + (size_t)(j >> 1) * 2 * D;
+        const unsigned two = vis >> j & 3u;
+        if (two == 0) {
+            memset(out, 0, sizeof(uint16_t) * 2 * (size_t)D);
+            continue;
+        }
+        const int64_t off = (pos0 + j) % bs;
+        const uint16_t *src = SLAB(pos0 + j) + slab + (size_t)((kvh * (bs / 2) + off / 2) * D) * 2;
+        const __mmask32 m = two == 3 ? 0xffffffffu : two == 1 ? 0x55555555u : 0xaaaaaaaau;
+        for (int e = 0; e < 2 * D; e += 32)
+            _mm512_storeu_si512(out + e, _mm512_maskz_loadu_epi16(m, src + e));
+    }
+#undef SLAB
+}
+
 /* Step 1 for one KV head and key tile: keys and values out of their blocks into the packed layouts;
  * positions outside first_visible(start) .. start + n - 1 are zeros (and masked out of every score).
  * Keys: 16 keys' rows of 16 dim pairs at a time, transposed in registers; values: two keys' rows
  * interleaved 32 dims at a time. */
 static void pack_tile(const Prefill *a, int64_t kvh, int64_t t) {
+    if (a->kv_order == KV_PAIRED) {
+        pack_tile_paired(a, kvh, t);
+        return;
+    }
     const int D = a->D;
     const int64_t bs = a->block_size, lo = first_visible(a, a->start), hi = a->start + a->n - 1;
     const size_t tile = (size_t)(kvh * a->head_stride + t) * (size_t)(D / 2 * KT);
@@ -147,15 +205,23 @@ static void pack_tile(const Prefill *a, int64_t kvh, int64_t t) {
     }
 }
 
+/* Where one tile's keys and values are read: its pack, or (a full tile of a cache in the paired order)
+ * the cache itself.  Keys 16 h .. 16 h + 15: pair p at k[h][p kstride]; values of keys 2 j, 2 j + 1 (j
+ * < 8 in each half) at v[h][j D] -- the pack's layouts, which the paired order keeps inside a block. */
+typedef struct {
+    const uint32_t *k[2], *v[2];
+    int64_t kstride;
+} TileSrc;
+
 /* The scores of NV <= QBLOCK query vectors (rows of q, D bf16 each) against one key tile: s[i][h] holds
  * keys 16 h .. 16 h + 15, times the scale.  Each vector's sums are the same whatever NV (a decode row's
  * G vectors fill a block only partly). */
-INLINE void tile_scores(const uint16_t *q, const uint32_t *kp, float scale, __m512 s[QBLOCK][2], const int D,
+INLINE void tile_scores(const uint16_t *q, const TileSrc *src, float scale, __m512 s[QBLOCK][2], const int D,
                         const int NV) {
     for (int i = 0; i < NV; i++) s[i][0] = s[i][1] = _mm512_setzero_ps();
     for (int p = 0; p < D / 2; p++) {
-        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + p * KT);
-        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + p * KT + 16);
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(src->k[0] + (size_t)p * src->kstride);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(src->k[1] + (size_t)p * src->kstride);
         for (int i = 0; i < NV; i++) {
             int32_t pair;
             memcpy(&pair, q + (size_t)i * D + 2 * p, sizeof pair);
@@ -172,7 +238,7 @@ INLINE void tile_scores(const uint16_t *q, const uint32_t *kp, float scale, __m5
 }
 
 /* o[i] = o[i] * corr[i] + sum_k p[i][k] v[k] for QB query vectors (QB * D / 16 = 16 accumulators). */
-INLINE void tile_values(float *o, const uint16_t *p, const uint32_t *vp, const float *corr, const int D,
+INLINE void tile_values(float *o, const uint16_t *p, const TileSrc *src, const float *corr, const int D,
                         const int QB) {
     const int C = D / 16;
     __m512 acc[16];
@@ -181,7 +247,8 @@ INLINE void tile_values(float *o, const uint16_t *p, const uint32_t *vp, const f
             acc[i * C + c] = _mm512_mul_ps(_mm512_loadu_ps(o + (size_t)i * D + 16 * c), _mm512_set1_ps(corr[i]));
     for (int kp = 0; kp < KT / 2; kp++) {
         for (int c = 0; c < C; c++) {
-            const __m512bh v = (__m512bh)_mm512_loadu_si512(vp + (size_t)kp * D + 16 * c);
+            const __m512bh v =
+                (__m512bh)_mm512_loadu_si512(src->v[kp >> 3] + (size_t)(kp & 7) * D + 16 * c);
             for (int i = 0; i < QB; i++) {
                 int32_t pair;
                 memcpy(&pair, p + (size_t)i * KT + 2 * kp, sizeof pair);
@@ -191,6 +258,38 @@ INLINE void tile_values(float *o, const uint16_t *p, const uint32_t *vp, const f
     }
     for (int i = 0; i < QB; i++)
         for (int c = 0; c < C; c++) _mm512_storeu_ps(o + (size_t)i * D + 16 * c, acc[i * C + c]);
+}
+
+/* Whether key tile t is read from the cache in place (filling *src): a chunk that packs its own tiles (a
+ * decode row, a short chunk) over a cache in the paired order, whose blocks hold 16-position runs
+ * (block_size a multiple of 16), every key of the tile visible to the chunk -- its pack would be a
+ * copy.  Only the last tile of a decode row, partly beyond its position, is packed then. */
+INLINE int direct_tile(const Prefill *a, int64_t kvh, int64_t t, TileSrc *src) {
+    const int64_t bs = a->block_size, pos0 = a->kbase + t * KT;
+    if (a->kv_order != KV_PAIRED || !a->own_pack || bs % 16 ||
+        pos0 < first_visible(a, a->start) || pos0 + KT - 1 > a->start + a->n - 1)
+        return 0;
+    const size_t slab = (size_t)(bs * a->num_kv_heads * a->D);
+    for (int h = 0; h < 2; h++) {
+        const int64_t pos = pos0 + 16 * h, off = pos % bs;
+        const uint16_t *k = a->cache + (size_t)((a->block_ids[pos / bs] * a->num_layers + a->layer) * 2) * slab;
+        src->k[h] = (const uint32_t *)k + (size_t)(kvh * (a->D / 2)) * bs + off;
+        src->v[h] = (const uint32_t *)(k + slab) + (size_t)((kvh * (bs / 2) + off / 2) * a->D);
+    }
+    src->kstride = bs;
+    return 1;
+}
+
+/* The cache lines of tile t where it is read in place (direct_tile), prefetched while tile t - 1 is
+ * computed: the blocks lie anywhere in the cache, which the hardware prefetchers do not follow. */
+INLINE void prefetch_direct(const Prefill *a, int64_t kvh, int64_t t) {
+    TileSrc src;
+    if (!direct_tile(a, kvh, t, &src)) return;
+    for (int h = 0; h < 2; h++)
+        for (int p = 0; p < a->D / 2; p++) {
+            _mm_prefetch((const char *)(src.k[h] + (size_t)p * src.kstride), _MM_HINT_T0);
+            _mm_prefetch((const char *)(src.v[h] + (size_t)p * 16), _MM_HINT_T0); /* 8 D dwords a half */
+        }
 }
 
 /* Task scratch: the query vectors (copied, zero-padded to whole blocks), their float32 outputs, running
@@ -238,18 +337,24 @@ INLINE int attend_rows(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows, 
     const int64_t t0 = (first_visible(a, first_row_pos) - a->kbase) / KT, t1 = (last - a->kbase) / KT;
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int64_t t = t0; t <= t1; t++) {
-        const size_t tile = (size_t)(kvh * a->head_stride + t) * (size_t)(D / 2 * KT);
+        TileSrc src;
+        if (!direct_tile(a, kvh, t, &src)) {
+            const size_t tile = (size_t)(kvh * a->head_stride + t) * (size_t)(D / 2 * KT);
+            src = (TileSrc){{a->kpack + tile, a->kpack + tile + 16}, {a->vpack + tile, a->vpack + tile + 8 * D}, KT};
+        }
+        if (t == t0 && t + 1 <= t1) prefetch_direct(a, kvh, t + 1);
+        if (t + 2 <= t1) prefetch_direct(a, kvh, t + 2);
         const __m512i k0 = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(a->kbase + t * KT)), iota);
         const __m512i k1 = _mm512_add_epi32(k0, _mm512_set1_epi32(16));
         for (int b = 0; b < nb; b++) {
             __m512 sc[QBLOCK][2];
             const uint16_t *qb = s.q + (size_t)b * QBLOCK * D;
             switch (nq - b * QBLOCK < QBLOCK ? nq - b * QBLOCK : QBLOCK) { /* constants, so it unrolls */
-            case 1: tile_scores(qb, a->kpack + tile, a->scale, sc, D, 1); break;
-            case 2: tile_scores(qb, a->kpack + tile, a->scale, sc, D, 2); break;
-            case 3: tile_scores(qb, a->kpack + tile, a->scale, sc, D, 3); break;
-            case 4: tile_scores(qb, a->kpack + tile, a->scale, sc, D, 4); break;
-            default: tile_scores(qb, a->kpack + tile, a->scale, sc, D, QBLOCK); break;
+            case 1: tile_scores(qb, &src, a->scale, sc, D, 1); break;
+            case 2: tile_scores(qb, &src, a->scale, sc, D, 2); break;
+            case 3: tile_scores(qb, &src, a->scale, sc, D, 3); break;
+            case 4: tile_scores(qb, &src, a->scale, sc, D, 4); break;
+            default: tile_scores(qb, &src, a->scale, sc, D, QBLOCK); break;
             }
             for (int j = 0; j < QBLOCK; j++) {
                 const int i = b * QBLOCK + j;
@@ -279,15 +384,14 @@ INLINE int attend_rows(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows, 
             }
         }
         const int QB = 256 / D; /* query vectors per block of the values: 16 accumulators */
-        const uint32_t *vp = a->vpack + tile;
         int i = 0;
-        for (; i + QB <= nq; i += QB) tile_values(s.o + (size_t)i * D, s.p + (size_t)i * KT, vp, s.corr + i, D, QB);
+        for (; i + QB <= nq; i += QB) tile_values(s.o + (size_t)i * D, s.p + (size_t)i * KT, &src, s.corr + i, D, QB);
         for (int r; i < nq; i += r) { /* the rest, up to 3 vectors a pass (a decode row's G): constants */
             r = nq - i < 3 ? nq - i : 3;
             r = r < QB ? r : QB; /* r * D / 16 accumulators: at most 16 */
-            if (r == 3) tile_values(s.o + (size_t)i * D, s.p + (size_t)i * KT, vp, s.corr + i, D, 3);
-            else if (r == 2) tile_values(s.o + (size_t)i * D, s.p + (size_t)i * KT, vp, s.corr + i, D, 2);
-            else tile_values(s.o + (size_t)i * D, s.p + (size_t)i * KT, vp, s.corr + i, D, 1);
+            if (r == 3) tile_values(s.o + (size_t)i * D, s.p + (size_t)i * KT, &src, s.corr + i, D, 3);
+            else if (r == 2) tile_values(s.o + (size_t)i * D, s.p + (size_t)i * KT, &src, s.corr + i, D, 2);
+            else tile_values(s.o + (size_t)i * D, s.p + (size_t)i * KT, &src, s.corr + i, D, 1);
         }
     }
     for (int i = 0; i < nq; i++) {
@@ -342,15 +446,16 @@ int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, 
                             const int64_t *block_table, int64_t table_width, const int64_t *starts,
                             const int64_t *counts, int64_t num_chunks, int64_t num_layers, int64_t layer,
                             int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t window, float scale, int64_t num_blocks) {
+                            int64_t window, float scale, int64_t num_blocks, int64_t kv_order) {
 #ifndef __AVX512BF16__
     (void)q, (void)q_stride, (void)cache, (void)out, (void)block_table, (void)table_width, (void)starts;
     (void)counts, (void)num_chunks, (void)num_layers, (void)layer, (void)block_size, (void)num_heads;
-    (void)num_kv_heads, (void)head_dim, (void)window, (void)scale, (void)num_blocks;
+    (void)num_kv_heads, (void)head_dim, (void)window, (void)scale, (void)num_blocks, (void)kv_order;
     return 2;
 #else
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP ||
-        head_dim % 32 || head_dim <= 0 || head_dim > MAX_HEAD_DIM || block_size <= 0 || num_chunks <= 0)
+        head_dim % 32 || head_dim <= 0 || head_dim > MAX_HEAD_DIM || block_size <= 0 || num_chunks <= 0 ||
+        (kv_order != KV_CANONICAL && (kv_order != KV_PAIRED || block_size % 2)))
         return 2;
     if (layer < 0 || layer >= num_layers) return 3;
     const int G = (int)(num_heads / num_kv_heads);
@@ -375,7 +480,7 @@ int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, 
         Prefill a = {(const uint16_t *)q + (size_t)(row * q_stride), q_stride, cache,
                      (uint16_t *)out + (size_t)(row * num_heads * head_dim), ids, start, n, num_layers, layer,
                      block_size, num_heads, num_kv_heads, (int)head_dim, G, window, scale, 0, 0, QVECS / G,
-                     NULL, NULL, 0, 1};
+                     NULL, NULL, 0, 1, kv_order, 0};
         a.kbase = first_visible(&a, start) / KT * KT;
         a.ntiles = (start + n - a.kbase + KT - 1) / KT;
         /* A chunk of one task per KV head (a decode row, a short chunk) packs its tiles in that task,
@@ -383,6 +488,7 @@ int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, 
          * chunks share one pack, made first, among their tasks. */
         const int private = n <= a.rows_per_task;
         a.head_stride = private ? 0 : a.ntiles;
+        a.own_pack = private;
         /* Among many such chunks (a decode batch), one task packs and attends every KV head of its
          * rows: it reads each key's and value's row of the cache whole, one stream, where a task per
          * head would read a third of each row, three strided streams (+12% a batch-32 step). */
@@ -455,7 +561,10 @@ int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, 
                 own.vpack = buf + tile_dwords * tiles;
                 own.head_stride = a->task_heads > 1 ? a->ntiles : 0;
                 for (int64_t t = 0; t < a->ntiles; t++)
-                    for (int64_t h = kvh; h < kvh + a->task_heads; h++) pack_tile(&own, h, t);
+                    for (int64_t h = kvh; h < kvh + a->task_heads; h++) {
+                        TileSrc in_place;
+                        if (!direct_tile(&own, h, t, &in_place)) pack_tile(&own, h, t);
+                    }
                 for (int64_t h = kvh; h < kvh + a->task_heads && !bad; h++) bad = attend_task(&own, h, r0, rows);
             } else {
                 bad = attend_task(a, kvh, r0, rows);

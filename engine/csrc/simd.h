@@ -15,6 +15,36 @@
 #define MAX_GROUP 16 /* query heads per KV head; engine/native.py checks both limits */
 #define MAX_HEAD_DIM 256
 
+/* The order of the keys and values inside one block's slabs of the paged cache ([num_blocks,
+ * num_layers, 2, block_size, num_kv_heads, head_dim], one slab per block, layer and K or V):
+ *   KV_CANONICAL  [position][kv head][dim], the layout of the tensor's shape (every kernel reads it);
+ *   KV_PAIRED     bfloat16 only, deterministic mode's (engine/determinism.py): the layout
+ *                 paged_prefill.c's dot products take, so that its tiles are copies, not transposes --
+ *                 keys as pairs of dims by position, element (j, h, d) at ((h D/2 + d/2) bs + j) 2 + d % 2;
+ *                 values as pairs of positions by dim, element (j, h, d) at ((h bs/2 + j/2) D + d) 2 + j % 2
+ *                 (block_size even).  The bytes per block are the same; engine/attention.py's write_kv and
+ *                 tests/engine/test_native_prefill.py give the same map in torch. */
+#define KV_CANONICAL 0
+#define KV_PAIRED 1
+
+/* One position's keys k and values v ([kv heads][D] bfloat16 each) into slot j of the paired slabs that
+ * start slab elements into the cache (the block's K slab; its V slab follows, bs * Hkv * D on). */
+static inline void write_paired(void *cache, size_t slab, const uint16_t *k, const uint16_t *v, int64_t j,
+                                int64_t bs, int64_t num_kv_heads, int64_t D) {
+    uint32_t *kp = (uint32_t *)((uint16_t *)cache + slab);
+    uint16_t *vp = (uint16_t *)cache + slab + (size_t)(bs * num_kv_heads * D);
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+        const uint16_t *kh = k + h * D, *vh = v + h * D;
+        for (int64_t p = 0; p < D / 2; p++) {
+            uint32_t pair;
+            memcpy(&pair, kh + 2 * p, sizeof pair);
+            kp[(h * (D / 2) + p) * bs + j] = pair;
+        }
+        uint16_t *vo = vp + ((h * (bs / 2) + j / 2) * D) * 2 + j % 2;
+        for (int64_t d = 0; d < D; d++) vo[2 * d] = vh[d];
+    }
+}
+
 /* The first key a query at position pos sees: keys max(0, pos - window + 1) .. pos (window 0: none). */
 static inline int64_t first_visible_key(int64_t pos, int64_t window) {
     return (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;

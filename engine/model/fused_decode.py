@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.model.quantized import QuantLinear
+from engine.native_attention import KV_CANONICAL, KV_PAIRED
 
 if TYPE_CHECKING:
     from engine.model.llama import ForwardContext, LlamaForCausalLM
@@ -48,8 +49,10 @@ class _Layer(ctypes.Structure):
 class _Shape(ctypes.Structure):
     _fields_ = [
         (n, _I)
-        for n in ("hidden", "heads", "kv_heads", "head_dim", "inter", "num_layers", "block_size", "bf16")
-    ]
+        for n in (
+            "hidden", "heads", "kv_heads", "head_dim", "inter", "num_layers", "block_size", "bf16", "kv_order"
+        )
+    ]  # fmt: skip
 
 
 class _Step(ctypes.Structure):
@@ -76,7 +79,8 @@ class FusedDecode:
             c.num_layers,
             0,
             dtype == torch.bfloat16,
-        )  # block_size: the cache's, per step
+            KV_CANONICAL,
+        )  # block_size and kv_order: the cache's, per step
         self.layers = []
         self.wrappers: list[Any] = []  # the LoRA wrappers, 4 per layer in the C order, None where none
         self._lora_structs = []  # kept alive: the layer structs point into them
@@ -168,6 +172,7 @@ class FusedDecode:
             self.scratch = torch.empty(need, dtype=torch.uint8)
         kv = ctx.kv_cache
         self.shape.block_size = kv.shape[3]
+        self.shape.kv_order = KV_PAIRED if ctx.deterministic else KV_CANONICAL
         assert kv.is_contiguous() and table.is_contiguous() and starts.is_contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
         lora_rows = lora_on = None

@@ -22,7 +22,7 @@ from engine.attention import AttentionMetadata, GatherWorkspace, paged_attention
 from engine.model.config import ModelConfig
 from engine.model.rope import RotaryEmbedding, apply_rotary
 from engine.native import NativeKernels, RMSNormKernel, RopeKernel, SiluMulKernel
-from engine.native_attention import DecodeKernel, PrefillKernel
+from engine.native_attention import KV_CANONICAL, KV_PAIRED, DecodeKernel, PrefillKernel
 from engine.runner_hooks import KVHooks
 
 
@@ -106,13 +106,14 @@ class Attention(nn.Module):
                 ctx.attn.slot_blocks,
                 ctx.attn.slot_offsets,
                 self.num_heads,
+                KV_PAIRED if ctx.deterministic else KV_CANONICAL,
             )  # [T, H + Hkv, D] rotated; [T, Hkv, D]; K and V already in their slots
         else:
             # Queries and keys rotate in one call: [T, (H + Hkv) * D] -> [T, H + Hkv, D].
             qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
             v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
             ctx.hooks.wait_for_layer_load(self.layer)
-            write_kv(ctx.kv_cache, self.layer, qk[:, self.num_heads :], v, ctx.attn)
+            write_kv(ctx.kv_cache, self.layer, qk[:, self.num_heads :], v, ctx.attn, paired=ctx.deterministic)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         out = paged_attention(
             q,

@@ -189,6 +189,51 @@ def test_the_rope_kernel_equals_the_torch_ops(
     assert torch.equal(cache_b, cache_a), "the same K/V in the same slots, nothing else touched"
 
 
+def to_paired(cache: torch.Tensor) -> torch.Tensor:
+    """A canonical cache ``[nb, L, 2, bs, Hkv, D]`` rewritten in deterministic mode's paired order
+    (engine/csrc/simd.h): per block and layer, keys as pairs of dims by position -- element (j, h, d) at
+    ((h D/2 + d // 2) bs + j) 2 + d % 2 -- and values as pairs of positions by dim -- at
+    ((h bs/2 + j // 2) D + d) 2 + j % 2.  Written from the definition, apart from the engine's views."""
+    nb, layers, _, bs, hkv, d = cache.shape
+    out = torch.empty_like(cache)
+    flat = out.view(nb, layers, 2, bs * hkv * d)
+    keys = cache[:, :, 0].reshape(nb, layers, bs, hkv, d // 2, 2)  # [.., j, h, d // 2, d % 2]
+    flat[:, :, 0] = keys.permute(0, 1, 3, 4, 2, 5).reshape(nb, layers, -1)  # [.., h, d // 2, j, d % 2]
+    values = cache[:, :, 1].reshape(nb, layers, bs // 2, 2, hkv, d)  # [.., j // 2, j % 2, h, d]
+    flat[:, :, 1] = values.permute(0, 1, 4, 2, 5, 3).reshape(nb, layers, -1)  # [.., h, j // 2, d, j % 2]
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,rows", [(9, 3, 64, 16, 37), (4, 2, 32, 4, 300)])
+def test_the_paired_order_is_written_alike_by_the_rope_kernel_and_by_torch(
+    heads: int, kv_heads: int, head_dim: int, block_size: int, rows: int
+) -> None:
+    """Deterministic mode's cache order: the native K/V write and ``write_kv(paired=True)`` put the same
+    bytes where the order's definition (``to_paired`` of the canonical write) says, nothing else."""
+    from engine.attention import AttentionMetadata, write_kv
+    from engine.native_attention import KV_PAIRED
+
+    kernels = native.native_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(rows)
+    layers, layer, num_blocks = 3, 2, rows // block_size + 10
+    canonical = torch.randn(num_blocks, layers, 2, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen).bfloat16()
+    cos = torch.ones(rows, 1, head_dim // 2, dtype=torch.bfloat16)  # no rotation: the write is the point
+    sin = torch.zeros(rows, 1, head_dim // 2, dtype=torch.bfloat16)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:rows]
+    meta = AttentionMetadata(slots // block_size, slots % block_size, [], [])
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
+    native_paired, torch_paired = to_paired(canonical), to_paired(canonical)
+    write_kv(canonical, layer, k, v, meta)
+    write_kv(torch_paired, layer, k, v, meta, paired=True)
+    kernels.rope(qkv, cos, sin, native_paired, layer, meta.slot_blocks, meta.slot_offsets, heads, KV_PAIRED)
+    want = to_paired(canonical)
+    assert torch.equal(torch_paired.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(native_paired.view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_residual_add_and_norm_in_one_call(dtype: torch.dtype) -> None:
     from engine.model.llama import RMSNorm

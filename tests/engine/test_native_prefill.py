@@ -93,6 +93,45 @@ def test_the_kernel_matches_the_torch_path(
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+PAIRED_SHAPES = [*SHAPES, (9, 3, 64, 32), (4, 2, 64, 6)]
+
+
+@pytest.mark.parametrize("shape", PAIRED_SHAPES, ids=["h{}kv{}d{}bs{}".format(*s) for s in PAIRED_SHAPES])
+def test_the_paired_order_gives_the_canonical_orders_bits(kernel: native.PrefillKernel, shape: tuple) -> None:
+    """Deterministic mode's cache order (keys and values as the kernel's tiles take them: copies, not
+    transposes) changes where the bytes sit, not one bit of the attention: prefill chunks and a decode
+    batch (a chunk of one per sequence, enough of them for one task per row), windows, blocks shuffled,
+    blocks outside the tables NaN."""
+    from engine.native_attention import KV_PAIRED
+    from tests.engine.test_native_attention import to_paired
+
+    heads, kv_heads, head_dim, block_size = shape
+    gen = torch.Generator().manual_seed(block_size * 7 + head_dim)
+    layers, seqs, longest = 2, 12, 200
+    width = -(-longest // block_size) + 1
+    num_blocks = seqs * width + 8
+    cache = torch.full((num_blocks, layers, 2, block_size, kv_heads, head_dim), float("nan"))
+    tables = torch.randperm(num_blocks, generator=gen)[: seqs * width].view(seqs, width)
+    used = tables.flatten()
+    cache[used] = torch.randn(used.shape[0], layers, 2, block_size, kv_heads, head_dim, generator=gen)
+    cache = cache.bfloat16()
+    paired = to_paired(cache)
+    cases = [  # (starts, counts): a decode batch; prefill chunks, first and later, with a decode row
+        (torch.randint(0, longest, (seqs,), generator=gen), torch.ones(seqs, dtype=torch.int64)),
+        (torch.tensor([0, 37, 150, 199]), torch.tensor([64, 50, 40, 1])),
+    ]
+    for starts, counts in cases:
+        table = tables[: starts.shape[0]].contiguous()
+        q = torch.randn(int(counts.sum()), heads + kv_heads, head_dim, generator=gen).bfloat16()[:, :heads]
+        for window in (None, 8, 40):
+            for layer in range(layers):
+                args = (layer, table, starts, counts)
+                want = kernel.many(q, cache, *args, scale=head_dim**-0.5, window=window)
+                got = kernel.many(q, paired, *args, scale=head_dim**-0.5, window=window, kv_order=KV_PAIRED)
+                assert torch.isfinite(want).all()
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_strided_queries_are_read_in_place(kernel: native.PrefillKernel) -> None:
     q, cache, pc = _case(9, 3, 64, 16, 20, 45)
     assert not q.is_contiguous()
