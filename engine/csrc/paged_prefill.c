@@ -214,12 +214,16 @@ typedef struct {
 } TileSrc;
 
 /* The scores of NV <= QBLOCK query vectors (rows of q, D bf16 each) against one key tile: s[i][h] holds
- * keys 16 h .. 16 h + 15, times the scale.  Each vector's sums are the same whatever NV (a decode row's
+ * keys 16 h .. 16 h + 15, times the scale; with pf, the next tile's keys prefetched on the way.  Each vector's sums are the same whatever NV (a decode row's
  * G vectors fill a block only partly). */
-INLINE void tile_scores(const uint16_t *q, const TileSrc *src, float scale, __m512 s[QBLOCK][2], const int D,
-                        const int NV) {
+INLINE void tile_scores(const uint16_t *q, const TileSrc *src, const TileSrc *pf, float scale,
+                        __m512 s[QBLOCK][2], const int D, const int NV) {
     for (int i = 0; i < NV; i++) s[i][0] = s[i][1] = _mm512_setzero_ps();
     for (int p = 0; p < D / 2; p++) {
+        if (pf) { /* the next tile's keys, a line of each half per pair of dims */
+            _mm_prefetch((const char *)(pf->k[0] + (size_t)p * pf->kstride), _MM_HINT_T0);
+            _mm_prefetch((const char *)(pf->k[1] + (size_t)p * pf->kstride), _MM_HINT_T0);
+        }
         const __m512bh k0 = (__m512bh)_mm512_loadu_si512(src->k[0] + (size_t)p * src->kstride);
         const __m512bh k1 = (__m512bh)_mm512_loadu_si512(src->k[1] + (size_t)p * src->kstride);
         for (int i = 0; i < NV; i++) {
@@ -237,9 +241,10 @@ INLINE void tile_scores(const uint16_t *q, const TileSrc *src, float scale, __m5
     }
 }
 
-/* o[i] = o[i] * corr[i] + sum_k p[i][k] v[k] for QB query vectors (QB * D / 16 = 16 accumulators). */
-INLINE void tile_values(float *o, const uint16_t *p, const TileSrc *src, const float *corr, const int D,
-                        const int QB) {
+/* o[i] = o[i] * corr[i] + sum_k p[i][k] v[k] for QB query vectors (QB * D / 16 = 16 accumulators); with
+ * pf, the next tile's values prefetched on the way, a line per load. */
+INLINE void tile_values(float *o, const uint16_t *p, const TileSrc *src, const TileSrc *pf, const float *corr,
+                        const int D, const int QB) {
     const int C = D / 16;
     __m512 acc[16];
     for (int i = 0; i < QB; i++)
@@ -247,6 +252,7 @@ INLINE void tile_values(float *o, const uint16_t *p, const TileSrc *src, const f
             acc[i * C + c] = _mm512_mul_ps(_mm512_loadu_ps(o + (size_t)i * D + 16 * c), _mm512_set1_ps(corr[i]));
     for (int kp = 0; kp < KT / 2; kp++) {
         for (int c = 0; c < C; c++) {
+            if (pf) _mm_prefetch((const char *)(pf->v[kp >> 3] + (size_t)(kp & 7) * D + 16 * c), _MM_HINT_T0);
             const __m512bh v =
                 (__m512bh)_mm512_loadu_si512(src->v[kp >> 3] + (size_t)(kp & 7) * D + 16 * c);
             for (int i = 0; i < QB; i++) {
@@ -278,18 +284,6 @@ INLINE int direct_tile(const Prefill *a, int64_t kvh, int64_t t, TileSrc *src) {
     }
     src->kstride = bs;
     return 1;
-}
-
-/* The cache lines of tile t where it is read in place (direct_tile), prefetched while tile t - 1 is
- * computed: the blocks lie anywhere in the cache, which the hardware prefetchers do not follow. */
-INLINE void prefetch_direct(const Prefill *a, int64_t kvh, int64_t t) {
-    TileSrc src;
-    if (!direct_tile(a, kvh, t, &src)) return;
-    for (int h = 0; h < 2; h++)
-        for (int p = 0; p < a->D / 2; p++) {
-            _mm_prefetch((const char *)(src.k[h] + (size_t)p * src.kstride), _MM_HINT_T0);
-            _mm_prefetch((const char *)(src.v[h] + (size_t)p * 16), _MM_HINT_T0); /* 8 D dwords a half */
-        }
 }
 
 /* Task scratch: the query vectors (copied, zero-padded to whole blocks), their float32 outputs, running
@@ -342,19 +336,21 @@ INLINE int attend_rows(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows, 
             const size_t tile = (size_t)(kvh * a->head_stride + t) * (size_t)(D / 2 * KT);
             src = (TileSrc){{a->kpack + tile, a->kpack + tile + 16}, {a->vpack + tile, a->vpack + tile + 8 * D}, KT};
         }
-        if (t == t0 && t + 1 <= t1) prefetch_direct(a, kvh, t + 1);
-        if (t + 2 <= t1) prefetch_direct(a, kvh, t + 2);
+        /* the next tile, where it too is read in place: its lines prefetched as this one's are read
+         * (its blocks lie anywhere in the cache, which the hardware prefetchers do not follow) */
+        TileSrc next_src;
+        const TileSrc *pf = t < t1 && direct_tile(a, kvh, t + 1, &next_src) ? &next_src : NULL;
         const __m512i k0 = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(a->kbase + t * KT)), iota);
         const __m512i k1 = _mm512_add_epi32(k0, _mm512_set1_epi32(16));
         for (int b = 0; b < nb; b++) {
             __m512 sc[QBLOCK][2];
             const uint16_t *qb = s.q + (size_t)b * QBLOCK * D;
             switch (nq - b * QBLOCK < QBLOCK ? nq - b * QBLOCK : QBLOCK) { /* constants, so it unrolls */
-            case 1: tile_scores(qb, &src, a->scale, sc, D, 1); break;
-            case 2: tile_scores(qb, &src, a->scale, sc, D, 2); break;
-            case 3: tile_scores(qb, &src, a->scale, sc, D, 3); break;
-            case 4: tile_scores(qb, &src, a->scale, sc, D, 4); break;
-            default: tile_scores(qb, &src, a->scale, sc, D, QBLOCK); break;
+            case 1: tile_scores(qb, &src, b ? NULL : pf, a->scale, sc, D, 1); break;
+            case 2: tile_scores(qb, &src, b ? NULL : pf, a->scale, sc, D, 2); break;
+            case 3: tile_scores(qb, &src, b ? NULL : pf, a->scale, sc, D, 3); break;
+            case 4: tile_scores(qb, &src, b ? NULL : pf, a->scale, sc, D, 4); break;
+            default: tile_scores(qb, &src, b ? NULL : pf, a->scale, sc, D, QBLOCK); break;
             }
             for (int j = 0; j < QBLOCK; j++) {
                 const int i = b * QBLOCK + j;
@@ -384,15 +380,17 @@ INLINE int attend_rows(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows, 
             }
         }
         const int QB = 256 / D; /* query vectors per block of the values: 16 accumulators */
-        int i = 0;
-        for (; i + QB <= nq; i += QB) tile_values(s.o + (size_t)i * D, s.p + (size_t)i * KT, &src, s.corr + i, D, QB);
+        int i = 0; /* the first pass over the values prefetches the next tile's */
+#define VALUES(n) tile_values(s.o + (size_t)i * D, s.p + (size_t)i * KT, &src, i ? NULL : pf, s.corr + i, D, n)
+        for (; i + QB <= nq; i += QB) VALUES(QB);
         for (int r; i < nq; i += r) { /* the rest, up to 3 vectors a pass (a decode row's G): constants */
             r = nq - i < 3 ? nq - i : 3;
             r = r < QB ? r : QB; /* r * D / 16 accumulators: at most 16 */
-            if (r == 3) tile_values(s.o + (size_t)i * D, s.p + (size_t)i * KT, &src, s.corr + i, D, 3);
-            else if (r == 2) tile_values(s.o + (size_t)i * D, s.p + (size_t)i * KT, &src, s.corr + i, D, 2);
-            else tile_values(s.o + (size_t)i * D, s.p + (size_t)i * KT, &src, s.corr + i, D, 1);
+            if (r == 3) VALUES(3);
+            else if (r == 2) VALUES(2);
+            else VALUES(1);
         }
+#undef VALUES
     }
     for (int i = 0; i < nq; i++) {
         uint16_t *out = a->out + (size_t)((r0 + i / G) * a->num_heads + kvh * G + i % G) * D;
