@@ -214,8 +214,8 @@ typedef struct {
 } TileSrc;
 
 /* The scores of NV <= QBLOCK query vectors (rows of q, D bf16 each) against one key tile: s[i][h] holds
- * keys 16 h .. 16 h + 15, times the scale; with pf, the next tile's keys prefetched on the way.  Each vector's sums are the same whatever NV (a decode row's
- * G vectors fill a block only partly). */
+ * keys 16 h .. 16 h + 15, times the scale; with pf, the next tile's keys prefetched on the way.  Each
+ * vector's sums are the same whatever NV (a decode row's G vectors fill a block only partly). */
 INLINE void tile_scores(const uint16_t *q, const TileSrc *src, const TileSrc *pf, float scale,
                         __m512 s[QBLOCK][2], const int D, const int NV) {
     for (int i = 0; i < NV; i++) s[i][0] = s[i][1] = _mm512_setzero_ps();
