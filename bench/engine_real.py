@@ -26,10 +26,10 @@ the time of its own matmuls.
   and on the **shipped Q4_1 file** against pdkv quantized (``speedup_vs_llamacpp_q41_b1`` >= 1.0,
   ``_b8`` >= 1.5, ``_b32`` >= 2.0, ``prefill_speedup_vs_llamacpp_q41`` >= 2.0).
 - **Deterministic mode** (``engine/determinism.py``): every figure above runs with ``--deterministic``
-  (default off, the engine's default); an engine with the other setting is timed in turns with the
-  bfloat16 one -- decode steps at batch 8 and 32 (``deterministic_decode_fraction_b8`` and ``_b32``:
-  tokens/s on over off, goal >= 0.95) and the time to first token of a 1000-token prompt
-  (``deterministic_prefill_fraction``, goal >= 0.95).
+  (default auto, the engine's default: on where the CPU serves it); an engine with the other setting
+  is timed in turns with the bfloat16 one -- decode steps at batch 8 and 32
+  (``deterministic_decode_fraction_b8`` and ``_b32``: tokens/s on over off, goal >= 0.95) and the time
+  to first token of a 1000-token prompt (``deterministic_prefill_fraction``, goal >= 0.95).
 """
 
 from __future__ import annotations
@@ -165,8 +165,9 @@ def ttft_seconds(llm: LLM, prompt: list[int], repeat: int = 3) -> float:
     return statistics.median(times)
 
 
-def real_llm(gguf: Path, dtype: str, deterministic: bool, weights: str | None = None) -> LLM:
-    """The engine on the real model; ``weights`` None: the file dequantized to ``dtype`` (the dense path)."""
+def real_llm(gguf: Path, dtype: str, deterministic: bool | None, weights: str | None = None) -> LLM:
+    """The engine on the real model; ``weights`` None: the file dequantized to ``dtype`` (the dense path);
+    ``deterministic`` None: where this CPU serves it (the engine's default)."""
     dense = {"bfloat16": "bf16", "float32": "float32"}
     return LLM(
         gguf,
@@ -222,7 +223,7 @@ def quantized_figures(gguf: Path, steps: int, long_prompt: list[int], report: Re
     (AVX512-BF16, AMX), else float32 (an AVX2 host)."""
     dtype = "bfloat16" if fast_bf16_flags() else "float32"
     report.figure("real_q_activations_bits", 16 if dtype == "bfloat16" else 32)
-    llm = real_llm(gguf, dtype, False, weights="quantized")
+    llm = real_llm(gguf, dtype, None, weights="quantized")  # the engine's default mode
     model = llm.engine.model.model
     quant = next(m for m in model.modules() if isinstance(m, QuantLinear)).kernel
     generate_seconds(llm, make_prompts(2, (16, 32), 49152, seed=1), 4)  # warm up
@@ -271,7 +272,7 @@ def run(
     dtypes: list[str],
     repeats: int,
     llamacpp: bool = False,
-    deterministic: bool = False,
+    deterministic: bool | None = None,
     quantized: bool = True,
 ) -> dict[str, Any]:
     if quick:
@@ -292,7 +293,7 @@ def run(
             results.update(quantized_figures(gguf, steps, long_prompt, report))
         for dtype in dtypes:
             # float32 has no deterministic mode (engine/determinism.py)
-            llm = real_llm(gguf, dtype, deterministic and dtype == "bfloat16")
+            llm = real_llm(gguf, dtype, deterministic if dtype == "bfloat16" else False)
             generate_seconds(llm, make_prompts(2, (16, 32), 49152, seed=1), 4)  # warm up
             hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
             run_transformers(hf, make_prompts(2, (16, 32), 49152, seed=1), 4)
@@ -399,9 +400,10 @@ def main() -> None:
     )
     p.add_argument(
         "--deterministic",
-        choices=("on", "off"),
-        default="off",
-        help="the bfloat16 engine's mode for every figure (the other mode is timed against it)",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the bfloat16 engine's mode for every figure (the other mode is timed against it); auto: "
+        "the engine's default, on where this CPU serves it",
     )
     args = p.parse_args()
     report = Report("engine_real")
@@ -411,7 +413,7 @@ def main() -> None:
         dtypes=args.dtypes.split(","),
         repeats=args.repeat or (1 if args.quick else 2),
         llamacpp=args.llamacpp,
-        deterministic=args.deterministic == "on",
+        deterministic={"on": True, "off": False}.get(args.deterministic),
         quantized=not args.no_quantized,
     )
     report.emit(args.json)

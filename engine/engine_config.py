@@ -33,9 +33,9 @@ DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
 # What deterministic mode (engine/determinism.py) costs, measured by ``python -m bench.engine_real``
 # (docs/BENCHMARKS.md); --help prints it.
 DETERMINISTIC_COST = (
-    "Off by default: on SmolLM2-135M (AMD EPYC, AVX512-BF16, 2 cores) it cost 6% of decode tokens/s at "
-    "batch 8, 8-9% at batch 32 and nothing of a 1000-token prefill (bench.engine_real, 2026-12-04; the "
-    "budget for on by default is 5%)"
+    "On by default where served: on SmolLM2-135M (AMD EPYC, AVX512-BF16, 2 cores) it costs 2% of decode "
+    "tokens/s at batch 8, 2-3% at batch 32 and nothing of a 1000-token prefill (bench.engine_real, "
+    "2026-12-04; the budget for on by default is 5%)"
 )
 
 
@@ -82,9 +82,9 @@ class EngineConfig:
     # Names this engine to its peers (p2p transfer parameters, store events).
     engine_id: str = "engine-0"
     # Batch-invariant forward passes (engine/determinism.py): True requires them (an error where they
-    # cannot be served), None has them wherever they can be served, False (the default: what they cost,
-    # DETERMINISTIC_COST, is over the budget for on by default) turns them off.
-    deterministic: bool | None = False
+    # cannot be served), None (the default: what they cost, DETERMINISTIC_COST, is within the budget for
+    # on by default) has them wherever they can be served, False turns them off.
+    deterministic: bool | None = None
     # LoRA adapters (engine/lora/): served from the start as (name, PEFT folder) pairs; ``enable_lora``
     # serves adapters without any at the start (loaded at run time).  Either makes the engine keep
     # ``max_loras`` adapter slots (the most distinct adapters one step runs), at most ``max_cpu_loras``

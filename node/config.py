@@ -236,11 +236,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     engine.add_argument(
         "--deterministic",
-        choices=("on", "off"),
-        default="off",
+        choices=("auto", "on", "off"),
+        default="auto",
         help="batch-invariant forward passes: a request's tokens and logprobs the same bits whatever runs "
-        "beside it, however it is chunked, cached, loaded or resumed (engine/determinism.py); bfloat16 on "
-        "a CPU with AVX512-BF16 (on refuses to start elsewhere). " + DETERMINISTIC_COST.replace("%", "%%"),
+        "beside it, however it is chunked, cached, loaded or resumed (engine/determinism.py); served in "
+        "bfloat16 on a CPU with AVX512-BF16 (on refuses to start elsewhere; auto: on where served, else "
+        "off). " + DETERMINISTIC_COST.replace("%", "%%"),
     )
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--num-blocks", type=int, default=None)
@@ -267,7 +268,7 @@ def engine_config_from_args(args: argparse.Namespace, **more: Any) -> EngineConf
         dtype=args.dtype,
         weights=args.weights,
         device=args.device,
-        deterministic=args.deterministic == "on",
+        deterministic={"on": True, "off": False}.get(args.deterministic),  # auto: None
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_cache_bytes=args.kv_cache_bytes,

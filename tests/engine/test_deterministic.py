@@ -238,16 +238,30 @@ def test_the_switch_is_in_the_namespace_and_blocks_never_cross(det: LLM) -> None
 
 
 def test_float32_runs_without_it_and_refuses_it_by_name() -> None:
-    default = LLM(tiny_model_dir("llama"), dtype="float32", block_size=16, num_blocks=64)
+    default = LLM(tiny_model_dir("llama"), dtype="float32", block_size=16, num_blocks=64)  # auto: off here
     assert not default.engine.determinism.on
-    assert default.engine.determinism.note == "off (--deterministic off)"
+    assert "bfloat16" in default.engine.determinism.note
     default.engine.shutdown()
-    wherever = LLM(tiny_model_dir("llama"), dtype="float32", block_size=16, num_blocks=64, deterministic=None)
-    assert not wherever.engine.determinism.on
-    assert "bfloat16" in wherever.engine.determinism.note
-    wherever.engine.shutdown()
+    off = LLM(tiny_model_dir("llama"), dtype="float32", block_size=16, num_blocks=64, deterministic=False)
+    assert off.engine.determinism.note == "off (--deterministic off)"
+    off.engine.shutdown()
     with pytest.raises(DeterminismUnavailable, match=r"--deterministic on cannot be served here.*bfloat16"):
         LLM(tiny_model_dir("llama"), dtype="float32", block_size=16, num_blocks=64, deterministic=True)
+
+
+@needs_bf16
+def test_on_by_default_in_bfloat16_and_an_odd_block_size_is_refused_by_name() -> None:
+    """Within its cost budget, the mode is the default wherever it is served; the cache's paired order
+    needs an even block size, which ``on`` names and the default falls back from."""
+    default = LLM(tiny_model_dir("llama_hd32"), dtype="bfloat16", block_size=16, num_blocks=64)
+    assert default.engine.determinism.on
+    default.engine.shutdown()
+    odd = LLM(tiny_model_dir("llama_hd32"), dtype="bfloat16", block_size=5, num_blocks=64)
+    assert not odd.engine.determinism.on and "even block size" in odd.engine.determinism.note
+    assert odd.generate([[1, 2, 3, 4, 5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids  # it still serves
+    odd.engine.shutdown()
+    with pytest.raises(DeterminismUnavailable, match="even block size, not 5"):
+        LLM(tiny_model_dir("llama_hd32"), dtype="bfloat16", block_size=5, num_blocks=64, deterministic=True)
 
 
 def test_k_pieces() -> None:
