@@ -160,7 +160,9 @@ int pdkv_lora_bf16(const void *x_, void *y_, const int64_t *slot, const void *a_
         for (int64_t i = start[s]; i < start[s + 1]; i += TILE) tiles[num_tiles++] = i;
     const int64_t pr = parts * rank;
     const int64_t work = num_tiles * pr * (in + out);
-#pragma omp parallel for schedule(dynamic, 1) if (num_tiles > 1 && work >= 200000)
+    /* threads from two tiles of SmolLM2's o projection at rank 16 on (32 rows of one adapter: 5.4 -> 3.3 us
+     * a call, the down projection 9.2 -> 5.2 us; a parallel region costs ~1 us) */
+#pragma omp parallel for schedule(dynamic, 1) if (num_tiles > 1 && work >= 32768)
     for (int64_t k = 0; k < num_tiles; k++) {
         const int64_t i = tiles[k];
         const int64_t s = slot[order[i]];
