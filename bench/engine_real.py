@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from bench.common import Report, parser, random_prompts, run_transformers
 from engine import LLM, SamplingParams
 from engine.cpu_features import fast_bf16_flags
+from engine.engine_config import DETERMINISTIC_SWITCH, deterministic_from_switch
 from engine.model.convert_gguf import convert_gguf
 from engine.model.embedded import ensure_default_model
 from engine.model.packed import linear_weights
@@ -400,7 +401,7 @@ def main() -> None:
     )
     p.add_argument(
         "--deterministic",
-        choices=("auto", "on", "off"),
+        choices=DETERMINISTIC_SWITCH,
         default="auto",
         help="the bfloat16 engine's mode for every figure (the other mode is timed against it); auto: "
         "the engine's default, on where this CPU serves it",
@@ -413,7 +414,7 @@ def main() -> None:
         dtypes=args.dtypes.split(","),
         repeats=args.repeat or (1 if args.quick else 2),
         llamacpp=args.llamacpp,
-        deterministic={"on": True, "off": False}.get(args.deterministic),
+        deterministic=deterministic_from_switch(args.deterministic),
         quantized=not args.no_quantized,
     )
     report.emit(args.json)

@@ -65,9 +65,7 @@ def enable_determinism(
     this host serves it.  Raises ``DeterminismUnavailable`` when ``requested`` is True and it cannot."""
     if requested is False:
         return Determinism(False, "off (--deterministic off)")
-    why = _unavailable(dtype, device, num_heads, num_kv_heads, head_dim)
-    if why is None and block_size % 2:
-        why = f"the cache's paired order needs an even block size, not {block_size}"
+    why = _unavailable(dtype, device, num_heads, num_kv_heads, head_dim, block_size)
     if why is None:
         why = make_batch_invariant(model, max_rows)
     if why is None:
@@ -78,7 +76,12 @@ def enable_determinism(
 
 
 def _unavailable(
-    dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int
+    dtype: torch.dtype,
+    device: torch.device,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
 ) -> str | None:
     if device.type != "cpu":
         return f"it serves the CPU, not {device.type}"
@@ -86,6 +89,8 @@ def _unavailable(
         return f"it serves bfloat16; this engine runs {str(dtype).removeprefix('torch.')}"
     if not PrefillKernel.supports(dtype, num_heads, num_kv_heads, head_dim):
         return f"the native prefill attention does not serve this model's heads (head_dim {head_dim})"
+    if block_size % 2:
+        return f"the cache's paired order needs an even block size, not {block_size}"
     kernels = native_kernels()
     if kernels is None:
         return "the native kernels could not be built (no C compiler?)"

@@ -37,6 +37,14 @@ DETERMINISTIC_COST = (
     "tokens/s at batch 8, 2-3% at batch 32 and nothing of a 1000-token prefill (bench.engine_real, "
     "2026-12-04; the budget for on by default is 5%)"
 )
+DETERMINISTIC_SWITCH = ("auto", "on", "off")  # --deterministic's values
+
+
+def deterministic_from_switch(value: str) -> bool | None:
+    """``EngineConfig.deterministic`` for a ``--deterministic`` value: on True, off False, auto None."""
+    if value not in DETERMINISTIC_SWITCH:
+        raise ValueError(f"--deterministic must be one of {', '.join(DETERMINISTIC_SWITCH)}, got {value!r}")
+    return {"on": True, "off": False}.get(value)
 
 
 @dataclass(frozen=True)

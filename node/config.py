@@ -20,7 +20,14 @@ from typing import Any
 
 from connectors.registry import KVConnectorConfig
 from engine.cpu_features import auto_cpu_dtype_note
-from engine.engine_config import DETERMINISTIC_COST, WEIGHT_FORMATS, WEIGHTS_HELP, EngineConfig
+from engine.engine_config import (
+    DETERMINISTIC_COST,
+    DETERMINISTIC_SWITCH,
+    WEIGHT_FORMATS,
+    WEIGHTS_HELP,
+    EngineConfig,
+    deterministic_from_switch,
+)
 from engine.model.embedded import model_name
 from serving.drain import add_drain_arguments
 from serving.lora_flags import add_lora_arguments, lora_engine_options
@@ -236,7 +243,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     engine.add_argument(
         "--deterministic",
-        choices=("auto", "on", "off"),
+        choices=DETERMINISTIC_SWITCH,
         default="auto",
         help="batch-invariant forward passes: a request's tokens and logprobs the same bits whatever runs "
         "beside it, however it is chunked, cached, loaded or resumed (engine/determinism.py); served in "
@@ -268,7 +275,7 @@ def engine_config_from_args(args: argparse.Namespace, **more: Any) -> EngineConf
         dtype=args.dtype,
         weights=args.weights,
         device=args.device,
-        deterministic={"on": True, "off": False}.get(args.deterministic),  # auto: None
+        deterministic=deterministic_from_switch(args.deterministic),
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_cache_bytes=args.kv_cache_bytes,

@@ -60,10 +60,12 @@ typedef struct {
     int64_t task_heads;                   /* KV heads per attend task: 1, or all of them for a chunk
                                            * whose task packs its own tiles (a decode row in a batch) */
     int64_t kv_order;                     /* the cache's order inside a block (simd.h) */
-    int64_t own_pack;                     /* 1: its tasks pack their own tiles (a short chunk) */
 } Prefill;
 
 static inline int64_t first_visible(const Prefill *a, int64_t pos) { return first_visible_key(pos, a->window); }
+
+/* A chunk of one task per KV head (a decode row, a short chunk): its tasks pack their own tiles. */
+static inline int packs_own_tiles(const Prefill *a) { return a->n <= a->rows_per_task; }
 
 #ifdef __AVX512BF16__
 
@@ -91,6 +93,23 @@ INLINE void transpose16(__m512i r[16]) {
     }
 }
 
+/* In a cache in the paired order (simd.h's KV_PAIRED), KV head kvh of the block holding position pos:
+ * the first dim pair of that position's key (pair p at + p block_size), and the values of the positions
+ * pos, pos + 1 (pos even) as D dwords of pairs. */
+static inline const uint32_t *paired_keys(const Prefill *a, int64_t kvh, int64_t pos) {
+    const int64_t bs = a->block_size;
+    const size_t slab = (size_t)(bs * a->num_kv_heads * a->D);
+    const uint16_t *k = a->cache + (size_t)((a->block_ids[pos / bs] * a->num_layers + a->layer) * 2) * slab;
+    return (const uint32_t *)k + (size_t)(kvh * (a->D / 2)) * bs + pos % bs;
+}
+
+static inline const uint32_t *paired_values(const Prefill *a, int64_t kvh, int64_t pos) {
+    const int64_t bs = a->block_size;
+    const size_t slab = (size_t)(bs * a->num_kv_heads * a->D);
+    const uint16_t *v = a->cache + (size_t)((a->block_ids[pos / bs] * a->num_layers + a->layer) * 2 + 1) * slab;
+    return (const uint32_t *)v + (size_t)((kvh * (bs / 2) + pos % bs / 2) * a->D);
+}
+
 /* pack_tile for a cache in the paired order (simd.h's KV_PAIRED): the tile's keys and values are
  * already pairs in the layouts step 1 makes, so packing is copying -- runs of positions within a block
  * (16 at a time where block_size is a multiple of 16) -- and zeroing what the chunk does not see. */
@@ -100,26 +119,21 @@ static void pack_tile_paired(const Prefill *a, int64_t kvh, int64_t t) {
     const size_t tile = (size_t)(kvh * a->head_stride + t) * (size_t)(D / 2 * KT);
     uint32_t *kp = a->kpack + tile;
     uint16_t *vp = (uint16_t *)(a->vpack + tile);
-    const size_t token = (size_t)(a->num_kv_heads * D), slab = (size_t)bs * token;
     const int64_t pos0 = a->kbase + t * KT;
     uint32_t vis = 0; /* bit j: key j of the tile is visible to the chunk */
     for (int j = 0; j < KT; j++) vis |= (uint32_t)(pos0 + j >= lo && pos0 + j <= hi) << j;
-#define SLAB(pos) (a->cache + (size_t)((a->block_ids[(pos) / bs] * a->num_layers + a->layer) * 2) * slab)
     /* keys: pair p of key j at kp[p KT + j]; in the block, at (kvh D/2 + p) bs + offset */
     if (bs % 16 == 0) {
         for (int j0 = 0; j0 < KT; j0 += 16) {
             const __mmask16 m = (__mmask16)(vis >> j0);
-            const uint32_t *src = m ? (const uint32_t *)SLAB(pos0 + j0) + (size_t)(kvh * (D / 2)) * bs +
-                                          (pos0 + j0) % bs
-                                    : NULL;
+            const uint32_t *src = m ? paired_keys(a, kvh, pos0 + j0) : NULL;
             for (int p = 0; p < D / 2; p++)
                 _mm512_storeu_si512(kp + (size_t)p * KT + j0,
                                     m ? _mm512_maskz_loadu_epi32(m, src + (size_t)p * bs) : _mm512_setzero_si512());
         }
     } else {
         for (int j = 0; j < KT; j++) {
-            const uint32_t *src =
-                vis >> j & 1 ? (const uint32_t *)SLAB(pos0 + j) + (size_t)(kvh * (D / 2)) * bs + (pos0 + j) % bs : NULL;
+            const uint32_t *src = vis >> j & 1 ? paired_keys(a, kvh, pos0 + j) : NULL;
             for (int p = 0; p < D / 2; p++) kp[(size_t)p * KT + j] = src ? src[(size_t)p * bs] : 0;
         }
     }
@@ -131,13 +145,11 @@ static void pack_tile_paired(const Prefill *a, int64_t kvh, int64_t t) {
             memset(out, 0, sizeof(uint16_t) * 2 * (size_t)D);
             continue;
         }
-        const int64_t off = (pos0 + j) % bs;
-        const uint16_t *src = SLAB(pos0 + j) + slab + (size_t)((kvh * (bs / 2) + off / 2) * D) * 2;
+        const uint16_t *src = (const uint16_t *)paired_values(a, kvh, pos0 + j);
         const __mmask32 m = two == 3 ? 0xffffffffu : two == 1 ? 0x55555555u : 0xaaaaaaaau;
         for (int e = 0; e < 2 * D; e += 32)
             _mm512_storeu_si512(out + e, _mm512_maskz_loadu_epi16(m, src + e));
     }
-#undef SLAB
 }
 
 /* Step 1 for one KV head and key tile: keys and values out of their blocks into the packed layouts;
@@ -272,15 +284,12 @@ INLINE void tile_values(float *o, const uint16_t *p, const TileSrc *src, const T
  * copy.  Only the last tile of a decode row, partly beyond its position, is packed then. */
 INLINE int direct_tile(const Prefill *a, int64_t kvh, int64_t t, TileSrc *src) {
     const int64_t bs = a->block_size, pos0 = a->kbase + t * KT;
-    if (a->kv_order != KV_PAIRED || !a->own_pack || bs % 16 ||
+    if (a->kv_order != KV_PAIRED || !packs_own_tiles(a) || bs % 16 ||
         pos0 < first_visible(a, a->start) || pos0 + KT - 1 > a->start + a->n - 1)
         return 0;
-    const size_t slab = (size_t)(bs * a->num_kv_heads * a->D);
     for (int h = 0; h < 2; h++) {
-        const int64_t pos = pos0 + 16 * h, off = pos % bs;
-        const uint16_t *k = a->cache + (size_t)((a->block_ids[pos / bs] * a->num_layers + a->layer) * 2) * slab;
-        src->k[h] = (const uint32_t *)k + (size_t)(kvh * (a->D / 2)) * bs + off;
-        src->v[h] = (const uint32_t *)(k + slab) + (size_t)((kvh * (bs / 2) + off / 2) * a->D);
+        src->k[h] = paired_keys(a, kvh, pos0 + 16 * h);
+        src->v[h] = paired_values(a, kvh, pos0 + 16 * h);
     }
     src->kstride = bs;
     return 1;
@@ -330,16 +339,18 @@ INLINE int attend_rows(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows, 
     const int64_t first_row_pos = a->start + r0, last = first_row_pos + rows - 1;
     const int64_t t0 = (first_visible(a, first_row_pos) - a->kbase) / KT, t1 = (last - a->kbase) / KT;
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    TileSrc next_src = {{NULL, NULL}, {NULL, NULL}, 0}; /* tile t + 1's, where it is read in place */
+    int next_direct = direct_tile(a, kvh, t0, &next_src);
     for (int64_t t = t0; t <= t1; t++) {
-        TileSrc src;
-        if (!direct_tile(a, kvh, t, &src)) {
+        TileSrc src = next_src;
+        if (!next_direct) {
             const size_t tile = (size_t)(kvh * a->head_stride + t) * (size_t)(D / 2 * KT);
             src = (TileSrc){{a->kpack + tile, a->kpack + tile + 16}, {a->vpack + tile, a->vpack + tile + 8 * D}, KT};
         }
         /* the next tile, where it too is read in place: its lines prefetched as this one's are read
          * (its blocks lie anywhere in the cache, which the hardware prefetchers do not follow) */
-        TileSrc next_src;
-        const TileSrc *pf = t < t1 && direct_tile(a, kvh, t + 1, &next_src) ? &next_src : NULL;
+        next_direct = t < t1 && direct_tile(a, kvh, t + 1, &next_src);
+        const TileSrc *pf = next_direct ? &next_src : NULL;
         const __m512i k0 = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(a->kbase + t * KT)), iota);
         const __m512i k1 = _mm512_add_epi32(k0, _mm512_set1_epi32(16));
         for (int b = 0; b < nb; b++) {
@@ -478,15 +489,14 @@ int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, 
         Prefill a = {(const uint16_t *)q + (size_t)(row * q_stride), q_stride, cache,
                      (uint16_t *)out + (size_t)(row * num_heads * head_dim), ids, start, n, num_layers, layer,
                      block_size, num_heads, num_kv_heads, (int)head_dim, G, window, scale, 0, 0, QVECS / G,
-                     NULL, NULL, 0, 1, kv_order, 0};
+                     NULL, NULL, 0, 1, kv_order};
         a.kbase = first_visible(&a, start) / KT * KT;
         a.ntiles = (start + n - a.kbase + KT - 1) / KT;
         /* A chunk of one task per KV head (a decode row, a short chunk) packs its tiles in that task,
          * into the thread's own buffer, where they stay in cache for the attention right after; longer
          * chunks share one pack, made first, among their tasks. */
-        const int private = n <= a.rows_per_task;
+        const int private = packs_own_tiles(&a);
         a.head_stride = private ? 0 : a.ntiles;
-        a.own_pack = private;
         /* Among many such chunks (a decode batch), one task packs and attends every KV head of its
          * rows: it reads each key's and value's row of the cache whole, one stream, where a task per
          * head would read a third of each row, three strided streams (+12% a batch-32 step). */
