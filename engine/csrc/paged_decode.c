@@ -24,8 +24,9 @@
  *
  * With AVX-512 (built with -march=native): scores for 16 keys at a time, summed by a reduction tree;
  * with AVX512-BF16, bfloat16 keys multiply straight from the cache's bytes (vdpbf16ps); rows ahead are
- * prefetched; the exponentials are a vector polynomial (Cephes' expf, within 2 ulp).  Elsewhere plain
- * loops the compiler vectorizes as it can.  NaN in a score propagates to the output, as in SDPA.
+ * prefetched; the exponentials are a vector polynomial (Cephes' expf, within 2 ulp).  With AVX2 + FMA and
+ * no AVX-512, the same two passes on 8 lanes (paged_decode_avx2.h).  Elsewhere plain loops the compiler
+ * vectorizes as it can.  NaN in a score propagates to the output, as in SDPA.
  *
  * Parallel with OpenMP; libgomp is linked by soname and torch has loaded its own already, so these
  * threads are torch's pool.  No torch headers: the Python side passes raw pointers, which keeps the build
@@ -46,6 +47,23 @@
 /* Elements below which the elementwise kernels (norm, SiLU-mul, RoPE) stay on one thread: starting the
  * parallel region costs a few us.  At 16384 a batch-32 decode step's SiLU-mul takes 12 us instead of 21. */
 #define PARALLEL_MIN 16384
+/* AVX2 + FMA without AVX-512: paged_decode_avx2.h's vector attention (else the plain loops) */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define AVX2_ATTENTION 1
+#else
+#define AVX2_ATTENTION 0
+#endif
+
+#if defined(__AVX512F__) || AVX2_ATTENTION
+INLINE void prefetch_row(const char *p, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+}
+#endif
+
+static float softmax_numerators(float *s, int64_t n);
+#if AVX2_ATTENTION
+#include "paged_decode_avx2.h"
+#endif
 
 
 /* n elements of a row (bf16 or f32) into dst as float32. */
@@ -104,6 +122,9 @@ static float softmax_numerators(float *s, int64_t n) {
         mx = _mm512_max_ps(mx, x);
     }
     m = nan ? NAN : _mm512_reduce_max_ps(mx);
+#elif AVX2_ATTENTION
+    i = n / 8 * 8;
+    m = max8_lanes(s, i);
 #endif
     for (; i < n; i++) m = (s[i] > m || s[i] != s[i]) ? s[i] : m;
     i = 0;
@@ -123,6 +144,9 @@ static float softmax_numerators(float *s, int64_t n) {
         i = n;
     }
     sum = _mm512_reduce_add_ps(acc);
+#elif AVX2_ATTENTION
+    i = n / 8 * 8;
+    sum = exp_sum8_lanes(s, i, m);
 #endif
     for (; i < n; i++) {
         s[i] = expf(s[i] - m);
@@ -159,10 +183,6 @@ INLINE __m512 sum16(const __m512 v[16]) {
     __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
     __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
     return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
-}
-
-INLINE void prefetch_row(const char *p, int bytes) {
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
 }
 
 /* 16 elements of a bf16 or f32 row from element i, as floats. */
@@ -336,6 +356,10 @@ static void attend(const Args *a, const char *const *krows, const char *const *v
         if (D % 16 == 0) {
             head_avx(qf, q + (size_t)(g * D) * (a->bf16 ? 2 : 4), a->scale, krows, vrows, off, n, scores, acc,
                      D / 16, a->bf16);
+        } else
+#elif AVX2_ATTENTION
+        if (D % 8 == 0) {
+            head_avx2(qf, krows, vrows, off, n, scores, acc, D / 8, a->bf16);
         } else
 #endif
         {

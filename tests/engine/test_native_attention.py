@@ -135,6 +135,14 @@ def test_a_built_library_is_reused(tmp_path, monkeypatch: pytest.MonkeyPatch) ->
     assert native_build.build_library() == first and first.stat().st_mtime_ns == stamp
 
 
+def test_every_source_file_keys_the_built_library() -> None:
+    """An edit to any file the compiler reads (a header included by one kernel only, too) must rebuild
+    the library: a cached build of the old code would run instead."""
+    csrc = native_build.CSRC
+    assert set(native_build.SOURCES) == set(csrc.glob("*.c"))
+    assert set(native_build.HEADERS) == set(csrc.glob("*.h"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (37, 64), (300, 576), (3, 20)])
 def test_the_rms_norm_kernel_matches_the_torch_ops(rows: int, hidden: int, dtype: torch.dtype) -> None:
