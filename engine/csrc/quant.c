@@ -49,6 +49,7 @@
 #define MT 8        /* activation rows per tile: the unpacked weights are reused across them */
 #define MCHUNK 64   /* activation rows per pass over the weights: their int16 copy stays in L2 */
 #define PARALLEL_MIN_WORK 32768
+#define PRIVATE_ROWS 4 /* activation rows each thread quantizes for itself (pdkv_qlinear) */
 #ifndef PREFETCH
 #define PREFETCH 1024 /* bytes ahead of the tile being read: the weights stream from memory */
 #endif
@@ -62,6 +63,12 @@
 #endif
 
 int pdkv_quant_built(void) { return PDKV_QUANT_BUILT; }
+
+#if PDKV_QUANT_BUILT
+/* Each thread's activation buffer for a few rows, kept across calls (pdkv_qlinear). */
+static _Thread_local void *private_acts;
+static _Thread_local size_t private_bytes;
+#endif
 
 /* Bytes of one (group, block) tile of the packed layout. */
 static int64_t tile_bytes(int64_t fmt) { return fmt == FMT_Q4 ? 320 : 576; }
@@ -341,25 +348,43 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
         return pdkv_bf16_linear(x, rows, k, packed, n_out, out, ldo, 0);
     }
     const int64_t blocks = k / QBLOCK, groups = (n_out + GROUP - 1) / GROUP, tb = tile_bytes(fmt);
-    int16_t *qa = (int16_t *)malloc((size_t)(rows * k) * sizeof(int16_t));
-    float *da = (float *)malloc((size_t)(rows * blocks) * sizeof(float));
-    float *sa = (float *)malloc((size_t)(rows * blocks) * sizeof(float));
-    if (qa == NULL || da == NULL || sa == NULL) {
-        free(qa); free(da); free(sa);
-        return 3;
-    }
+    const size_t qa_bytes = (size_t)(rows * k) * sizeof(int16_t), s_bytes = (size_t)(rows * blocks) * sizeof(float);
+    /* A few rows (a small batch's decode step): every thread quantizes them all into its own buffer, kept
+     * across calls -- no allocation, and no barrier between quantizing and the groups.  More rows: one
+     * shared buffer, each thread quantizing its share of the rows first. */
+    const int private_rows = rows <= PRIVATE_ROWS;
+    char *shared = private_rows ? NULL : (char *)malloc(qa_bytes + 2 * s_bytes);
+    if (!private_rows && shared == NULL) return 3;
     const int64_t esize = in_bf16 ? 2 : 4, osize = out_bf16 ? 2 : 4;
     const int parallel = rows * n_out * k >= PARALLEL_MIN_WORK;
+    int failed = 0;
 #pragma omp parallel if (parallel)
     {
+        char *buf = shared;
+        if (private_rows) {
+            buf = grow_scratch(&private_acts, &private_bytes, qa_bytes + 2 * s_bytes);
+            if (buf == NULL) {
+#pragma omp atomic write
+                failed = 3;
+            }
+        }
+        int16_t *qa = (int16_t *)buf;
+        float *da = buf ? (float *)(buf + qa_bytes) : NULL, *sa = buf ? (float *)(buf + qa_bytes + s_bytes) : NULL;
+        if (private_rows) {
+            for (int64_t r = 0; buf != NULL && r < rows; r++)
+                quantize_row((const char *)x + r * k * esize, in_bf16, k, qa + r * k, da + r * blocks,
+                             sa + r * blocks);
+        } else {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            quantize_row((const char *)x + r * k * esize, in_bf16, k, qa + r * k, da + r * blocks,
-                         sa + r * blocks);
+            for (int64_t r = 0; r < rows; r++)
+                quantize_row((const char *)x + r * k * esize, in_bf16, k, qa + r * k, da + r * blocks,
+                             sa + r * blocks);
+        }
         for (int64_t m0 = 0; m0 < rows; m0 += MCHUNK) {
             const int64_t m1 = m0 + MCHUNK < rows ? m0 + MCHUNK : rows;
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < groups; g++) {
+                if (buf == NULL) continue; /* this thread's buffer failed: the call returns 3 */
                 const uint8_t *wg = (const uint8_t *)packed + g * blocks * tb;
                 const int64_t col = g * GROUP;
                 const int64_t ncols = n_out - col < GROUP ? n_out - col : GROUP;
@@ -379,9 +404,7 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
             }
         }
     }
-    free(qa);
-    free(da);
-    free(sa);
-    return 0;
+    free(shared);
+    return failed;
 #endif
 }
