@@ -109,6 +109,9 @@ class AttentionMetadata:
     def as_chunks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every row of the step as ``PrefillKernel.many`` takes them, built once per step: (block table
         [C, W], starts [C], counts [C]) -- a decode row is a chunk of one at its position."""
+        if self._chunks is None and not self.prefills and len(self.decodes) == 1:  # a decode step
+            dec = self.decodes[0]
+            self._chunks = (dec.block_table, dec.positions, torch.ones(dec.num, dtype=torch.int64))
         if self._chunks is None:
             tables = [dec.block_table for dec in self.decodes] + [c.block_ids[None] for c in self.prefills]
             starts = [dec.positions for dec in self.decodes]

@@ -240,12 +240,12 @@ class ModelRunner:
                 sampling.append(sr)
         # The torch path pads each group to its longest context; the native kernel reads no padding.
         size = DECODE_GROUP_SIZE if self.decode_kernel is None else max(len(decodes), 1)
-        decode_groups = [
-            self._decode_batch(i, decodes[i : i + size], positions[i : i + size])
-            for i in range(0, len(decodes), size)
-        ]
+        groups = [(i, decodes[i : i + size], positions[i : i + size]) for i in range(0, len(decodes), size)]
+        # every list of the step into one tensor, the step's tensors views of it: one copy, not one a list
+        flat: list[int] = []
+        group_spans = [(_append(flat, self._decode_table(g, ps)), _append(flat, ps)) for _, g, ps in groups]
 
-        chunks: list[PrefillChunk] = []
+        chunk_rows: list[tuple[int, int, int, tuple[int, int]]] = []
         for sr in prefills:
             row_start, start, n = len(ids), sr.start_position, sr.num_tokens
             span = range(start, start + n)
@@ -253,40 +253,52 @@ class ModelRunner:
             positions.extend(span)
             table = sr.block_ids
             slot_blocks.extend(table[p // bs] for p in span)
-            num_blocks = cdiv(start + n, bs)
-            chunks.append(PrefillChunk(row_start, n, start, self._tensor(table[:num_blocks])))
+            chunk_rows.append((row_start, n, start, _append(flat, table[: cdiv(start + n, bs)])))
             if sr.prompt_targets:
                 scoring.append((sr, row_start))
             if sr.sample:
                 sample_rows.append(row_start + n - 1)
                 sampling.append(sr)
 
-        pos = self._tensor(positions)
+        spans = [_append(flat, ints) for ints in (ids, positions, slot_blocks, [p % bs for p in positions])]
+        sample_span = _append(flat, sample_rows)
+        packed = self._tensor(flat)
+
+        def view(span: tuple[int, int]) -> torch.Tensor:
+            return packed[span[0] : span[0] + span[1]]
+
+        decode_groups = [
+            DecodeBatch(i, len(g), view(table).view(len(g), -1), view(ps), bs)
+            for (i, g, _), (table, ps) in zip(groups, group_spans, strict=True)
+        ]
+        chunks = [PrefillChunk(row, n, start, view(table)) for row, n, start, table in chunk_rows]
+        input_ids, pos, slots, offsets = (view(span) for span in spans)
         attn = AttentionMetadata(
-            slot_blocks=self._tensor(slot_blocks),
-            slot_offsets=pos % bs,
-            decodes=decode_groups,
-            prefills=chunks,
+            slot_blocks=slots, slot_offsets=offsets, decodes=decode_groups, prefills=chunks
         )
         adapters: list[tuple[AdapterId | None, int]] = []
         if any(sr.adapter is not None for sr in scheduled):
             adapters = [(sr.adapter, 1) for sr in decodes] + [(sr.adapter, sr.num_tokens) for sr in prefills]
-        return StepInputs(
-            self._tensor(ids), pos, attn, self._tensor(sample_rows), sampling, scoring, adapters
-        )
+        return StepInputs(input_ids, pos, attn, view(sample_span), sampling, scoring, adapters)
 
-    def _decode_batch(
-        self, row_start: int, decodes: Sequence[ScheduledRequest], positions: list[int]
-    ) -> DecodeBatch:
+    def _decode_table(self, decodes: Sequence[ScheduledRequest], positions: list[int]) -> list[int]:
+        """The group's block tables as one [B, max_blocks] row-major list, padded with block 0 (masked
+        out by position)."""
         bs = self.block_size
         max_blocks = max(p // bs + 1 for p in positions)
         table: list[int] = []
         for sr, p in zip(decodes, positions, strict=True):
             used = p // bs + 1
             table.extend(sr.block_ids[:used])
-            table.extend([0] * (max_blocks - used))  # padding: block 0, masked out by position
-        block_table = self._tensor(table).view(len(decodes), max_blocks)  # [B, max_blocks]
-        return DecodeBatch(row_start, len(decodes), block_table, self._tensor(positions), bs)
+            table.extend([0] * (max_blocks - used))
+        return table
 
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+def _append(flat: list[int], values: Sequence[int]) -> tuple[int, int]:
+    """``values`` onto ``flat``; returns where they went (start, length)."""
+    start = len(flat)
+    flat.extend(values)
+    return start, len(values)
