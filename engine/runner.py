@@ -241,7 +241,7 @@ class ModelRunner:
         # The torch path pads each group to its longest context; the native kernel reads no padding.
         size = DECODE_GROUP_SIZE if self.decode_kernel is None else max(len(decodes), 1)
         groups = [(i, decodes[i : i + size], positions[i : i + size]) for i in range(0, len(decodes), size)]
-        # every list of the step into one tensor, the step's tensors views of it: one copy, not one a list
+        # every list of the step into one tensor, the step's tensors views of it: one copy, not one per list
         flat: list[int] = []
         group_spans = [(_append(flat, self._decode_table(g, ps)), _append(flat, ps)) for _, g, ps in groups]
 
