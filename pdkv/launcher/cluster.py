@@ -30,7 +30,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -39,9 +38,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from pdkv.die_with_parent import ENV as DIE_WITH_PARENT_ENV
 from pdkv.launcher.process import (
     Process,
-    die_with_parent,
     free_port,
     pdkv_command,
     pump,
@@ -277,6 +276,7 @@ class Cluster:
     def _popen(self, proc: Process) -> None:
         env = {k: v for k, v in os.environ.items() if k not in self.topology.unset_env}
         env["PYTHONUNBUFFERED"] = "1"
+        env[DIE_WITH_PARENT_ENV] = str(os.getpid())  # the child arms PR_SET_PDEATHSIG itself
         if self.secrets is not None:
             env.update(self.secrets.env(proc.name))
         proc.ready.clear()
@@ -288,7 +288,6 @@ class Cluster:
             text=True,
             env=env,
             start_new_session=True,
-            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         )
         threading.Thread(target=pump, args=(proc, proc.popen), name=f"log-{proc.name}", daemon=True).start()
 

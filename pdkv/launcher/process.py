@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -87,13 +84,6 @@ class Process:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
-
-
-def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: SIGKILL this child when the launcher dies, however it dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def free_port(host: str = "127.0.0.1") -> int:
