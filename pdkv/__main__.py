@@ -1,7 +1,3 @@
-from pdkv.die_with_parent import arm_from_env
-
-arm_from_env()  # before anything slow: a child of `pdkv up` must not outlive it
-
-from pdkv.cli import main  # noqa: E402
+from pdkv.cli import main
 
 raise SystemExit(main())

@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pdkv.die_with_parent import ENV as DIE_WITH_PARENT_ENV
+from pdkv import die_with_parent
 from pdkv.launcher.process import (
     Process,
     free_port,
@@ -276,12 +276,12 @@ class Cluster:
     def _popen(self, proc: Process) -> None:
         env = {k: v for k, v in os.environ.items() if k not in self.topology.unset_env}
         env["PYTHONUNBUFFERED"] = "1"
-        env[DIE_WITH_PARENT_ENV] = str(os.getpid())  # the child arms PR_SET_PDEATHSIG itself
+        env[die_with_parent.ENV] = str(os.getpid())  # the child arms PR_SET_PDEATHSIG after exec
         if self.secrets is not None:
             env.update(self.secrets.env(proc.name))
         proc.ready.clear()
         proc.popen = subprocess.Popen(
-            proc.argv,
+            die_with_parent.command(proc.argv),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -1,4 +1,5 @@
-"""A child of ``pdkv up`` dies with the launcher (pdkv/die_with_parent.py), armed by the child itself."""
+"""Every child of ``pdkv up`` dies with the launcher (pdkv/die_with_parent.py): armed after exec, by
+the wrapper the launcher starts each child through."""
 
 from __future__ import annotations
 
@@ -10,17 +11,12 @@ import time
 
 import pytest
 
-from pdkv.die_with_parent import ENV
+from pdkv.die_with_parent import ENV, command
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 
-CHILD = (
-    "import os, sys, time\n"
-    "from pdkv.die_with_parent import arm_from_env\n"
-    "arm_from_env()\n"
-    "print(os.getpid(), os.environ.get('PDKV_DIE_WITH_PARENT', '-'), flush=True)\n"
-    "time.sleep(120)\n"
-)
+# a program that knows nothing of the rule (as redis-server): its pid and what it inherited of the variable
+CHILD = "import os, time\nprint(os.getpid(), os.environ.get('PDKV_DIE_WITH_PARENT', '-'), flush=True)\n"
 
 
 def _alive(pid: int) -> bool:
@@ -35,20 +31,21 @@ def _alive(pid: int) -> bool:
 
 def test_a_child_dies_when_its_launcher_is_killed() -> None:
     # a middle process plays the launcher: it starts the child with the variable set to its own pid
+    argv = command([sys.executable, "-c", CHILD + "time.sleep(120)\n"])
     middle = (
         "import os, subprocess, sys, time\n"
         f"env = dict(os.environ, {ENV}=str(os.getpid()))\n"
-        f"c = subprocess.Popen([sys.executable, '-c', {CHILD!r}], env=env, stdout=subprocess.PIPE,\n"
-        "                     text=True)\n"
-        "print(c.stdout.readline().strip(), flush=True)\n"
+        f"c = subprocess.Popen({argv!r}, env=env, stdout=subprocess.PIPE, text=True)\n"
+        "print(c.pid, c.stdout.readline().strip(), flush=True)\n"
         "time.sleep(120)\n"
     )
     launcher = subprocess.Popen([sys.executable, "-c", middle], stdout=subprocess.PIPE, text=True)
     try:
         assert launcher.stdout is not None
-        pid_text, inherited = launcher.stdout.readline().split()
+        popen_pid, pid_text, inherited = launcher.stdout.readline().split()
         child = int(pid_text)
-        assert inherited == "-", "the variable is gone once armed: the child's own children do not inherit it"
+        assert child == int(popen_pid), "the wrapper execs the program in its own place"
+        assert inherited == "-", "the variable is gone once armed: the program and its children lack it"
         assert _alive(child)
         launcher.send_signal(signal.SIGKILL)  # no handler runs: only the kernel can take the child down
         launcher.wait(timeout=10)
@@ -63,12 +60,12 @@ def test_a_child_dies_when_its_launcher_is_killed() -> None:
 def test_a_child_whose_launcher_is_already_gone_exits_at_once() -> None:
     # the variable names a process that is not the child's parent: the launcher died before arming
     env = dict(os.environ, **{ENV: str(os.getpid() + 1_000_000)})
-    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=30)
-    assert done.returncode == 1 and done.stdout == ""
+    argv = command([sys.executable, "-c", CHILD])
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1 and done.stdout == "", "the program never ran"
 
 
-def test_without_the_variable_nothing_is_armed() -> None:
-    code = CHILD.replace("time.sleep(120)", "pass")
+def test_without_the_variable_the_program_just_runs() -> None:
     env = {k: v for k, v in os.environ.items() if k != ENV}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
+    done = subprocess.run(command([sys.executable, "-c", CHILD]), env=env, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.split()[1] == "-"
