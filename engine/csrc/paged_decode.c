@@ -61,6 +61,17 @@ INLINE void prefetch_row(const char *p, int bytes) {
 #endif
 
 static float softmax_numerators(float *s, int64_t n);
+/* F(..., C, bf16) for a head's kernels on LANES-float vectors (C = head_dim / LANES, and bf16, in scope at
+ * the call): unrolled with both as constants for head_dim 64 and 128, the sizes models use, in each
+ * dtype; any other multiple of LANES with the run-time values. */
+#define BY_HEAD_DIM(LANES, F, ...)                                                                          \
+    switch (C * 2 + bf16) {                                                                                \
+    case 64 / LANES * 2: F(__VA_ARGS__, 64 / LANES, 0); break;                                             \
+    case 64 / LANES * 2 + 1: F(__VA_ARGS__, 64 / LANES, 1); break;                                         \
+    case 128 / LANES * 2: F(__VA_ARGS__, 128 / LANES, 0); break;                                           \
+    case 128 / LANES * 2 + 1: F(__VA_ARGS__, 128 / LANES, 1); break;                                       \
+    default: F(__VA_ARGS__, C, bf16);                                                                      \
+    }
 #if AVX2_ATTENTION
 #include "paged_decode_avx2.h"
 #endif
@@ -259,15 +270,6 @@ INLINE void scores_dpbf16(const uint16_t *q, const char *const *rows, size_t off
 /* One query head: `q` its float32 values times the scale, `qraw` the same head in the cache's dtype. */
 static void head_avx(const float *q, const char *qraw, float scale, const char *const *krows,
                      const char *const *vrows, size_t off, int64_t n, float *scores, float *out, int C, int bf16) {
-    /* the head sizes models use, unrolled for each dtype; any other multiple of 16 in the default */
-#define BOTH(F, ...)                                                                                        \
-    switch (C * 2 + bf16) {                                                                                \
-    case 8: F(__VA_ARGS__, 4, 0); break;                                                                   \
-    case 9: F(__VA_ARGS__, 4, 1); break;                                                                   \
-    case 16: F(__VA_ARGS__, 8, 0); break;                                                                  \
-    case 17: F(__VA_ARGS__, 8, 1); break;                                                                  \
-    default: F(__VA_ARGS__, C, bf16);                                                                      \
-    }
 #ifdef __AVX512BF16__
     if (bf16 && C % 2 == 0) {
         if (C == 4)
@@ -277,11 +279,10 @@ static void head_avx(const float *q, const char *qraw, float scale, const char *
     } else
 #endif
     {
-        BOTH(scores_avx, q, krows, off, n, scores)
+        BY_HEAD_DIM(16, scores_avx, q, krows, off, n, scores)
     }
     const float inv = 1.0f / softmax_numerators(scores, n);
-    BOTH(weighted_sum_avx, scores, vrows, off, n, out)
-#undef BOTH
+    BY_HEAD_DIM(16, weighted_sum_avx, scores, vrows, off, n, out)
     for (int d = 0; d < 16 * C; d++) out[d] *= inv;
 }
 #endif

@@ -110,19 +110,9 @@ static float exp_sum8_lanes(float *s, int64_t n8, float m) {
 /* One query head (head_dim = 8 C): `q` its float32 values times the scale. */
 static void head_avx2(const float *q, const char *const *krows, const char *const *vrows, size_t off, int64_t n,
                       float *scores, float *out, int C, int bf16) {
-    /* the head sizes models use, unrolled for each dtype; any other multiple of 8 in the default */
-#define BOTH2(F, ...)                                                                                       \
-    switch (C * 2 + bf16) {                                                                                \
-    case 16: F(__VA_ARGS__, 8, 0); break;                                                                  \
-    case 17: F(__VA_ARGS__, 8, 1); break;                                                                  \
-    case 32: F(__VA_ARGS__, 16, 0); break;                                                                 \
-    case 33: F(__VA_ARGS__, 16, 1); break;                                                                 \
-    default: F(__VA_ARGS__, C, bf16);                                                                      \
-    }
-    BOTH2(scores_avx2, q, krows, off, n, scores)
+    BY_HEAD_DIM(8, scores_avx2, q, krows, off, n, scores)
     const float inv = 1.0f / softmax_numerators(scores, n);
-    BOTH2(weighted_sum_avx2, scores, vrows, off, n, out)
-#undef BOTH2
+    BY_HEAD_DIM(8, weighted_sum_avx2, scores, vrows, off, n, out)
     for (int d = 0; d < 8 * C; d++) out[d] *= inv;
 }
 
