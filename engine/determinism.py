@@ -100,10 +100,17 @@ def _unavailable(
 
 
 def kv_fingerprint(
-    model_fingerprint: str, dtype: torch.dtype, deterministic: bool, *, quantized: bool = False
+    model_fingerprint: str,
+    dtype: torch.dtype,
+    deterministic: bool,
+    *,
+    tiles: bool = False,
+    quantized: bool = False,
 ) -> str:
     """The fingerprint a ``HashNamespace`` takes: the model's, plus what makes its KV bits differ -- the
-    dtype, the mode, and whether the weights run quantized (engine/model/quantized.py)."""
+    dtype, the mode, whether the bfloat16 linears run in AMX tiles (engine/csrc/bf16_amx.h) and whether
+    the weights run quantized (engine/model/quantized.py)."""
     mode = ";deterministic" if deterministic else ""
+    linears = ";linears=amx" if tiles else ""
     weights = ";weights=quantized" if quantized else ""
-    return f"{model_fingerprint};kv={str(dtype).removeprefix('torch.')}{mode}{weights}"
+    return f"{model_fingerprint};kv={str(dtype).removeprefix('torch.')}{mode}{linears}{weights}"

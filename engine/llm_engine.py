@@ -159,7 +159,11 @@ class LLMEngine:
             self.lora.add(name, path)
         self.namespace = HashNamespace(
             model_fingerprint=kv_fingerprint(
-                self.model.fingerprint, dtype, self.determinism.on, quantized=self.model.quantized
+                self.model.fingerprint,
+                dtype,
+                self.determinism.on,
+                tiles=self.model.bf16_tiles,
+                quantized=self.model.quantized,
             ),
             block_size=config.block_size,
             algo=config.hash_algo,

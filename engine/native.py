@@ -38,6 +38,8 @@ from engine.native_build import build_library
 logger = logging.getLogger(__name__)
 
 _INT64 = ctypes.c_int64
+# "0" keeps bf16_linear.c in vectors on a CPU with AMX tiles (engine/csrc/bf16_amx.h).
+AMX_ENV = "PDKV_BF16_AMX"
 _PTR = ctypes.c_void_p
 _ARGTYPES: list[Any] = [_PTR, _PTR, _PTR, _PTR, _PTR] + [_INT64] * 9 + [ctypes.c_float] + [_INT64] * 3
 
@@ -258,6 +260,14 @@ class QuantKernel:
     rows_fn: Any  # pdkv_qdequant_rows
     bandwidth_fn: Any  # pdkv_read_bandwidth
     bf16: bool = False  # the build has bf16_linear.c's AVX512-BF16 code: dense bfloat16 weights too
+    amx_fn: Any = None  # pdkv_bf16_amx
+
+    @property
+    def amx(self) -> bool:
+        """bf16_linear.c runs in AMX tiles (bf16_amx.h): built for this CPU, granted by Linux, not turned
+        off by PDKV_BF16_AMX=0.  Set once as the library loads; the tiles' bits are not the vectors' (the
+        KV namespace names them: engine/determinism.kv_fingerprint)."""
+        return self.amx_fn is not None and bool(self.amx_fn(-1))
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -398,6 +408,10 @@ def _load() -> NativeKernels | None:
     scratch.argtypes = [_PTR, _INT64]
     scratch.restype = _INT64
     quant = lib.pdkv_quant_built()
+    lib.pdkv_bf16_amx.argtypes = [_INT64]
+    lib.pdkv_bf16_amx.restype = ctypes.c_int
+    amx = lib.pdkv_bf16_amx
+    amx(int(os.environ.get(AMX_ENV, "1") != "0"))
     logger.info(
         "native kernels (decode and prefill attention, RMSNorm, RoPE + K/V write, SiLU-mul, argmax): %s", path
     )
@@ -409,6 +423,6 @@ def _load() -> NativeKernels | None:
         SiluMulKernel(silu),
         ArgmaxKernel(argmax),
         LoRAKernel(lora) if lib.pdkv_lora_built() else None,
-        QuantKernel(qlinear, qrows, bandwidth, bool(lib.pdkv_bf16_built())) if quant else None,
+        QuantKernel(qlinear, qrows, bandwidth, bool(lib.pdkv_bf16_built()), amx) if quant else None,
         DecodeLayerKernel(layer, scratch) if quant else None,
     )

@@ -12,9 +12,12 @@
  * engine's determinism rule).  A tile is up to GT groups x RT rows of accumulators, all independent, so
  * the adds' latency overlaps: 4 groups x 1 row at batch 1, 4 groups x 6 rows beyond.
  *
+ * On CPUs with AMX-BF16 the same layout runs in AMX tiles where pdkv_bf16_amx turned them on (bf16_amx.h).
+ *
  * Returns 0; 1 without AVX512-BF16 in this build; 2 for a shape it does not serve.
  */
 
+#define _GNU_SOURCE /* syscall(), for the tiles' permission */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +26,25 @@
 
 #define G16 16
 #define BF_PREFETCH 1024
+
+#include "bf16_amx.h"
+
+static int amx_on; /* pdkv_bf16_amx: every call of this process runs in AMX tiles (k a multiple of 32) */
+
+/* want 1: run in AMX tiles from now on where this build has them and Linux grants them (asked once);
+ * 0: in vectors; -1: no change.  Returns the path now in use: 1 tiles, 0 vectors.  The library sets it
+ * once as it loads (engine/native.py); the two paths' bits differ. */
+int pdkv_bf16_amx(int64_t want) {
+#ifdef PDKV_AMX
+    static int granted = -1;
+    if (want < 0) return amx_on;
+    if (want && granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    amx_on = want && granted == 1;
+#else
+    (void)want;
+#endif
+    return amx_on;
+}
 
 int pdkv_bf16_built(void) {
 #ifdef __AVX512BF16__
@@ -93,6 +115,11 @@ int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed
     {
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
+#ifdef PDKV_AMX
+        if (amx_on && k % 32 == 0) {
+            amx_rows(x, rows, k, w, g0, g1, out, ldo, col0, n);
+        } else
+#endif
         if (rows == 1) {
             for (int64_t g = g0; g < g1; g += 4) {
                 const int ng = (int)(g1 - g < 4 ? g1 - g : 4);

@@ -97,6 +97,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     quantized: bool = False  # some matrices run packed (engine/model/quantized.py)
+    bf16_tiles: bool = False  # bfloat16 linears in AMX tiles (engine/csrc/bf16_amx.h): other bits
 
 
 def inspect_model(path: str | Path) -> ModelSource:
@@ -236,8 +237,16 @@ def load_model(
         pack_linears(model)  # bfloat16 on the CPU: oneDNN's blocked weights, reordered once (packed.py)
     if kernel is not None:
         gather_packed(model)  # one region, huge pages where the host gives them (4-9% off a decode step)
+    tiles = dtype == torch.bfloat16 and kernel is not None and kernel.bf16 and kernel.amx
     return LoadedModel(
-        model, source.config, source.fingerprint, source.path, dtype, device, quantized=bool(raw)
+        model,
+        source.config,
+        source.fingerprint,
+        source.path,
+        dtype,
+        device,
+        quantized=bool(raw),
+        bf16_tiles=tiles and not onednn_wanted,
     )
 
 

@@ -220,8 +220,10 @@ def test_the_switch_is_in_the_namespace_and_blocks_never_cross(det: LLM) -> None
     off = make(deterministic=False)
     assert not off.engine.determinism.on
     fp = off.engine.model.fingerprint
-    assert off.engine.namespace.model_fingerprint == kv_fingerprint(fp, torch.bfloat16, False)
-    assert det.engine.namespace.model_fingerprint == kv_fingerprint(fp, torch.bfloat16, True)
+    tiles = off.engine.model.bf16_tiles  # the AMX path's bits are its own (engine/csrc/bf16_amx.h)
+    assert tiles == det.engine.model.bf16_tiles
+    assert off.engine.namespace.model_fingerprint == kv_fingerprint(fp, torch.bfloat16, False, tiles=tiles)
+    assert det.engine.namespace.model_fingerprint == kv_fingerprint(fp, torch.bfloat16, True, tiles=tiles)
     assert off.engine.namespace.namespace_id != det.engine.namespace.namespace_id
     # a block a non-deterministic engine saved is never loaded by a deterministic one (same store)
     rng = random.Random(13)
