@@ -341,7 +341,14 @@ def run(
             if "ttft_1000_q" in results:  # pdkv quantized against llama.cpp on the shipped Q4_1 file
                 runs.append(("_q41", "q", gguf))
             for suffix, mine_tag, path in runs:
-                theirs: dict[str, float] = lcpp.measure(path, steps=steps, prompts_for=prompts_for)
+                # llama.cpp's AMX backend (its quantized matmuls in tiles) segfaults on the Q4_1 file
+                # (seen here, ggml_backend_amx_mul_mat; llama.cpp issue 20824): measured without it
+                extra = not (suffix == "_q41" and lcpp.amx_backend())
+                if not extra:
+                    print("llama.cpp Q4_1: its AMX backend off (it crashes: llama.cpp issue 20824)")
+                theirs: dict[str, float] = lcpp.measure(
+                    path, steps=steps, prompts_for=prompts_for, extra_bufts=extra
+                )
                 for key, value in theirs.items():
                     report.figure(key.replace("llamacpp_", f"llamacpp{suffix}_"), value)
                 for batch in (1, 8, 32):

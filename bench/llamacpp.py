@@ -12,6 +12,12 @@ Decoding is batched the way llama.cpp's own server does it: one ``llama_decode``
 sequence (one token each), flash attention on (its CPU default), 2 threads.  Figures: output tokens/s
 at batch 1, 8 and 32 (each sequence has a 128-token prompt, then ``steps`` decode steps), and time to
 first token of a 1000-token prompt.
+
+On a CPU with AMX, llama.cpp's AMX backend takes quantized files (Q4_0, Q4_1, Q8_0, K-quants) and, in the
+build measured (llama-cpp-python 0.3.36), segfaults in ``ggml_backend_amx_mul_mat`` on the shipped Q4_1
+file -- llama.cpp issue 20824, open; an earlier one (PR 16315) says it gave wrong results for Q4_0/Q4_1.
+``bench.engine_real`` then runs the Q4_1 file without llama.cpp's extra buffer types (``amx_backend``,
+``extra_bufts=False``: neither the AMX nor a repacked layout, its plain CPU kernels), and prints so.
 """
 
 from __future__ import annotations
@@ -83,11 +89,15 @@ def _quiet(ll: Any) -> None:
 class LlamaCpp:
     """One llama.cpp context with ``n_seq`` sequences, driven through the low-level C API."""
 
-    def __init__(self, path: Path, *, n_seq: int, n_ctx: int, threads: int = 2) -> None:
+    def __init__(
+        self, path: Path, *, n_seq: int, n_ctx: int, threads: int = 2, extra_bufts: bool = True
+    ) -> None:
         ll = self.ll = import_llama_cpp()
         _quiet(ll)
         ll.llama_backend_init()
         mparams = ll.llama_model_default_params()
+        if not extra_bufts:
+            mparams.use_extra_bufts = False
         self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
@@ -162,11 +172,18 @@ class LlamaCpp:
         return times
 
 
-def measure(gguf_bf16: Path, *, steps: int, prompts_for: Any) -> dict[str, float]:
-    """llama.cpp's decode tokens/s at batch 1/8/32 and TTFT of a 1000-token prompt."""
+def amx_backend() -> bool:
+    """This llama.cpp build runs quantized matmuls in AMX tiles on this CPU (its AMX buffer type)."""
+    info = import_llama_cpp().llama_print_system_info().decode(errors="replace")
+    return "AMX_INT8 = 1" in info
+
+
+def measure(gguf_bf16: Path, *, steps: int, prompts_for: Any, extra_bufts: bool = True) -> dict[str, float]:
+    """llama.cpp's decode tokens/s at batch 1/8/32 and TTFT of a 1000-token prompt; ``extra_bufts``
+    False: without its extra weight buffer types (the AMX one, the repacked ones)."""
     out: dict[str, float] = {}
     for batch in (1, 8, 32):
-        lc = LlamaCpp(gguf_bf16, n_seq=batch, n_ctx=batch * (CONTEXT + steps + 8))
+        lc = LlamaCpp(gguf_bf16, n_seq=batch, n_ctx=batch * (CONTEXT + steps + 8), extra_bufts=extra_bufts)
         try:
             prompts = prompts_for(batch)
             first = lc.prefill(prompts)
@@ -177,7 +194,7 @@ def measure(gguf_bf16: Path, *, steps: int, prompts_for: Any) -> dict[str, float
             out[f"llamacpp_decode_tokens_per_s_b{batch}"] = batch / step
         finally:
             lc.close()
-    lc = LlamaCpp(gguf_bf16, n_seq=1, n_ctx=PREFILL_TOKENS + 16)
+    lc = LlamaCpp(gguf_bf16, n_seq=1, n_ctx=PREFILL_TOKENS + 16, extra_bufts=extra_bufts)
     try:
         [prompt] = prompts_for(1, PREFILL_TOKENS)
         times = []
