@@ -157,8 +157,8 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int
  * halves in one pass, so each activation pair is broadcast once per block, not once per half (on a CPU
  * that splits 256-bit operations, a broadcast from memory is two of the loop's ~30 operations per pair
  * of quant rows); two integer sums per half (exact: their order changes no bit). */
-INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, const int16_t *qa, const float *da,
-                       const float *sa, void *out, int64_t col, int64_t ncols, int64_t out_bf16) {
+INLINE void group_row1_one(const uint8_t *wg, int64_t fmt, int64_t blocks, const int16_t *qa, const float *da,
+                           const float *sa, void *out, int64_t col, int64_t ncols, int64_t out_bf16) {
     __m256 acc[1][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}};
     const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt);
     const __m256i low = _mm256_set1_epi16(0x0f);
@@ -196,6 +196,16 @@ INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, const int
         }
     }
     store_tile2(acc, 1, out, 0, col, ncols, out_bf16);
+}
+
+/* NG (1 to 4) consecutive groups, one after the other (quant.c's signature). */
+INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, const int16_t *qa, const float *da,
+                       const float *sa, void *out, int64_t col, int64_t n_out, int64_t out_bf16, const int NG) {
+    for (int gi = 0; gi < NG; gi++) {
+        const int64_t c = col + gi * GROUP;
+        group_row1_one(wg + gi * blocks * tile_bytes(fmt), fmt, blocks, qa, da, sa, out, c,
+                       n_out - c < GROUP ? n_out - c : GROUP, out_bf16);
+    }
 }
 
 #endif

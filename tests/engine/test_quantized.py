@@ -100,10 +100,11 @@ def test_rows_dequantize_exactly_as_the_reference_does(kernel: QuantKernel, qtyp
 
 @pytest.mark.parametrize("qtype", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [200, 40])  # one row: groups in pairs, a pair ending in a part group
 def test_each_row_gets_the_same_bits_alone_and_in_any_batch(
-    kernel: QuantKernel, qtype: str, dtype: torch.dtype
+    kernel: QuantKernel, qtype: str, dtype: torch.dtype, n: int
 ) -> None:
-    linear = QuantLinear([pack([random_blocks(qtype, 200, 576, seed=5)])], None, kernel)
+    linear = QuantLinear([pack([random_blocks(qtype, n, 576, seed=5)])], None, kernel)
     x = torch.randn(70, 576, generator=torch.Generator().manual_seed(1)).to(dtype)
     whole = linear(x)
     for count in (1, 2, 4, 5, 7, 8, 9, 33, 64, 65):  # 4 | 5: private activation buffers | shared
