@@ -4,9 +4,11 @@ With it on, each token's forward pass reduces in an order fixed by that token al
 size, the chunking, the row's place in the batch, the thread count, or whether its keys and values were
 computed here, loaded from a store tier or received from a peer:
 
-- linears: oneDNN's packed bfloat16 matmuls under a plan measured on the host to keep each row's sums at
-  every row count -- small batches padded to the row count where oneDNN's kernel stops changing, or K in
-  pieces (``engine/model/batch_invariance.py``);
+- linears: the native kernels, each output summed in input order whatever the batch -- bf16_linear.c in
+  AVX512-BF16 vectors or AMX tiles (one path per process), quant.c for quantized weights; where they are
+  not built, oneDNN's packed bfloat16 matmuls under a plan measured on the host to keep each row's sums
+  at every row count -- small batches padded to the row count where oneDNN's kernel stops changing, or K
+  in pieces (``engine/model/batch_invariance.py``);
 - attention: every row of a step, prefill or decode, through the native prefill kernel in one call,
   whose key tiles sit at absolute positions, so each query's sums run in an order fixed by its position
   (``engine/csrc/paged_prefill.c``, ``engine/attention.py``).  The cache holds keys and values in the
@@ -22,8 +24,8 @@ batch (float32 is the dtype compared with transformers token for token, not bit 
 
 The switch changes bits (decode rows take the prefill kernel's arithmetic, and a linear's plan may
 round differently from the fast path) and the order of the bytes inside a block, so it is part of the
-KV's namespace with the dtype (``kv_fingerprint``): a deterministic node never loads a block a
-non-deterministic one made, nor sends one to it (a p2p pull checks the namespace too).
+KV's namespace with the dtype and the linears' tiles (``kv_fingerprint``): a deterministic node never
+loads a block a non-deterministic one made, nor sends one to it (a p2p pull checks the namespace too).
 """
 
 from __future__ import annotations

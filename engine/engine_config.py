@@ -34,8 +34,8 @@ DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
 # (docs/BENCHMARKS.md); --help prints it.
 DETERMINISTIC_COST = (
     "On by default where served: on SmolLM2-135M (AMD EPYC, AVX512-BF16, 2 cores) it costs 2% of decode "
-    "tokens/s at batch 8, 2-3% at batch 32 and nothing of a 1000-token prefill (bench.engine_real, "
-    "2026-12-04; the budget for on by default is 5%)"
+    "tokens/s at batch 8, 2-3% at batch 32 and nothing of a 1000-token prefill; on an Intel Xeon with AMX "
+    "nothing measurable (bench.engine_real, 2026-12-04; the budget for on by default is 5%)"
 )
 DETERMINISTIC_SWITCH = ("auto", "on", "off")  # --deterministic's values
 
