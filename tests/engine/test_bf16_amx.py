@@ -10,13 +10,19 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from connectors.registry import KVConnectorConfig
 from engine.determinism import kv_fingerprint
+from engine.llm import LLM
 from engine.model.quantized import QuantLinear, pack_bf16
 from engine.native import AMX_ENV, QuantKernel, native_kernels
+from engine.sampling_params import SamplingParams
+from tests.tiny_models import tiny_model_dir
 
 SHAPES = [(16, 32), (17, 64), (200, 576), (960, 576), (576, 1536), (33, 96)]  # (n, k)
 ROWS = (1, 2, 15, 16, 17, 31, 32, 33, 47, 129, 300)  # the blocks of 16 and 32, the chunks of 128
@@ -105,10 +111,48 @@ def test_a_k_the_tiles_do_not_take_runs_in_vectors_the_same_at_every_batch(kerne
         assert torch.equal(layer(x[i : i + 1]), whole[i : i + 1])
 
 
-def test_the_namespace_names_the_tiles_and_the_variable_turns_them_off(kernel: QuantKernel) -> None:
+def test_the_namespace_names_the_tiles() -> None:  # on every host: a node on tiles is another namespace
     assert kv_fingerprint("m", torch.bfloat16, True, tiles=True) == "m;kv=bfloat16;deterministic;linears=amx"
     assert kv_fingerprint("m", torch.bfloat16, True) == "m;kv=bfloat16;deterministic"
+    both = kv_fingerprint("m", torch.bfloat16, False, tiles=True, quantized=True)
+    assert both == "m;kv=bfloat16;linears=amx;weights=quantized"
+
+
+def test_the_variable_turns_the_tiles_off(kernel: QuantKernel) -> None:
     probe = "from engine.native import native_kernels\nq = native_kernels().quant\nprint(q.bf16, q.amx)\n"
     env = {**os.environ, AMX_ENV: "0"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "False"]
+
+
+def test_a_node_on_vectors_never_loads_what_a_node_on_tiles_saved(
+    kernel: QuantKernel, tmp_path: Path
+) -> None:
+    """Same model, store and mode; the reader runs with PDKV_BF16_AMX=0 (the switch is per process): no
+    hit, while a second tile node hits the same prefix."""
+    model, store = tiny_model_dir("llama_smol_shapes"), f"disk:{tmp_path / 'kv'}:64MiB"
+    prompt, params = list(range(3, 99)), SamplingParams(max_tokens=2, ignore_eos=True)
+    options: dict[str, Any] = {"dtype": "bfloat16", "block_size": 16, "num_blocks": 256}
+    options["deterministic"] = True
+    connector = KVConnectorConfig("offload", {"kv_store": store, "lookup_timeout_s": 5.0})
+    writer = LLM(model, kv_connector=connector, **options)
+    assert writer.engine.model.bf16_tiles and "linears=amx" in writer.engine.namespace.model_fingerprint
+    writer.generate([prompt], params)
+    assert writer.engine.drain(20.0)
+    writer.engine.shutdown()
+    reader = (
+        "import sys\n"
+        "from connectors.registry import KVConnectorConfig\n"
+        "from engine.llm import LLM\n"
+        "from engine.sampling_params import SamplingParams\n"
+        f"llm = LLM({str(model)!r}, kv_connector=KVConnectorConfig('offload', {{'kv_store': {store!r}}}),"
+        f" **{options!r})\n"
+        f"[out] = llm.generate([{prompt!r}], SamplingParams(max_tokens=2, ignore_eos=True))\n"
+        "print(llm.engine.model.bf16_tiles, out.num_external_tokens)\n"
+        "llm.engine.shutdown()\n"
+    )
+    for amx, expected in (("0", ["False", "0"]), ("1", ["True", "80"])):
+        env = {**os.environ, AMX_ENV: amx}
+        out = subprocess.run([sys.executable, "-c", reader], env=env, capture_output=True, text=True)
+        why = (amx, out.stdout, out.stderr[-2000:])
+        assert out.returncode == 0 and out.stdout.split()[-2:] == expected, why
