@@ -96,7 +96,9 @@ class LlamaCpp:
         _quiet(ll)
         ll.llama_backend_init()
         mparams = ll.llama_model_default_params()
-        if not extra_bufts:
+        if not extra_bufts:  # a ctypes Structure takes any attribute: only a field reaches llama.cpp
+            if "use_extra_bufts" not in dict(type(mparams)._fields_):
+                raise RuntimeError("this llama-cpp-python has no use_extra_bufts: its extra buffers stay on")
             mparams.use_extra_bufts = False
         self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
@@ -182,6 +184,7 @@ def measure(gguf_bf16: Path, *, steps: int, prompts_for: Any, extra_bufts: bool 
     """llama.cpp's decode tokens/s at batch 1/8/32 and TTFT of a 1000-token prompt; ``extra_bufts``
     False: without its extra weight buffer types (the AMX one, the repacked ones)."""
     out: dict[str, float] = {}
+    out["llamacpp_extra_bufts"] = float(extra_bufts)  # 0: its AMX and repacked layouts were off
     for batch in (1, 8, 32):
         lc = LlamaCpp(gguf_bf16, n_seq=batch, n_ctx=batch * (CONTEXT + steps + 8), extra_bufts=extra_bufts)
         try:

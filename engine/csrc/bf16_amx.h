@@ -39,6 +39,8 @@ static void amx_configure(int ra, int rb) {
         c.rows[t] = (uint8_t)rows[t];
         c.colsb[t] = rows[t] ? 64 : 0;
     }
+    /* gcc's _tile_loadconfig tells the compiler it reads 8 bytes of c: keep every store above it */
+    __asm__ __volatile__("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
 }
 
