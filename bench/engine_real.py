@@ -324,6 +324,8 @@ def run(
                 results["ttft_1000_bf16"] = ttft_seconds(llm, long_prompt)
                 report.figure("real_bf16_ttft_1000_ms", results["ttft_1000_bf16"] * 1e3)
                 print(f"real bf16: deterministic {llm.engine.determinism.note}")
+                # 1: the bfloat16 linears ran in AMX tiles (engine/csrc/bf16_amx.h), 0: in vectors or oneDNN
+                report.figure("real_bf16_linears_amx", float(llm.engine.model.bf16_tiles))
                 try:
                     results.update(deterministic_cost(llm, gguf, long_prompt, steps, report))
                 except ValueError as exc:  # this CPU cannot serve it
