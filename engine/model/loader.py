@@ -224,20 +224,20 @@ def load_model(
     if unknown:
         raise ValueError(f"{what} has weights a {source.config.architecture} does not use: {_few(unknown)}")
     model.eval()
-    onednn_wanted = os.environ.get(BF16_LINEARS_ENV) == "onednn"
-    if (
+    native_bf16 = (
         dtype == torch.bfloat16
         and device.type == "cpu"
         and kernel is not None
         and kernel.bf16
-        and not onednn_wanted
-    ):
+        and os.environ.get(BF16_LINEARS_ENV) != "onednn"
+    )
+    if native_bf16:
+        assert kernel is not None
         native_bf16_linears(model, kernel)  # bf16_linear.c: batch-invariant, 3x oneDNN at batch 1
     elif can_pack(dtype, device):
         pack_linears(model)  # bfloat16 on the CPU: oneDNN's blocked weights, reordered once (packed.py)
     if kernel is not None:
         gather_packed(model)  # one region, huge pages where the host gives them (4-9% off a decode step)
-    tiles = dtype == torch.bfloat16 and kernel is not None and kernel.bf16 and kernel.amx
     return LoadedModel(
         model,
         source.config,
@@ -246,7 +246,7 @@ def load_model(
         dtype,
         device,
         quantized=bool(raw),
-        bf16_tiles=tiles and not onednn_wanted,
+        bf16_tiles=native_bf16 and kernel is not None and kernel.amx,
     )
 
 
