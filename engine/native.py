@@ -261,6 +261,7 @@ class QuantKernel:
     bandwidth_fn: Any  # pdkv_read_bandwidth
     bf16: bool = False  # the build has bf16_linear.c's AVX512-BF16 code: dense bfloat16 weights too
     amx_fn: Any = None  # pdkv_bf16_amx
+    evict_fn: Any = None  # pdkv_evict
 
     @property
     def amx(self) -> bool:
@@ -303,6 +304,11 @@ class QuantKernel:
     def read_bandwidth(self, buffer: torch.Tensor) -> int:
         """Read ``buffer`` once on every thread's share (the caller times it); a checksum."""
         return int(self.bandwidth_fn(buffer.data_ptr(), buffer.numel() * buffer.element_size()))
+
+    def evict(self, buffer: torch.Tensor) -> None:
+        """Drop ``buffer``'s bytes from every level of the caches: its next read comes from memory."""
+        if self.evict_fn is None or self.evict_fn(buffer.data_ptr(), buffer.numel() * buffer.element_size()):
+            raise RuntimeError("this CPU has no cache-line flush (pdkv_evict)")
 
 
 @dataclass(frozen=True)
@@ -399,6 +405,9 @@ def _load() -> NativeKernels | None:
     bandwidth = lib.pdkv_read_bandwidth
     bandwidth.argtypes = [_PTR, _INT64]
     bandwidth.restype = _INT64
+    evict = lib.pdkv_evict
+    evict.argtypes = [_PTR, _INT64]
+    evict.restype = ctypes.c_int
     lib.pdkv_quant_built.restype = ctypes.c_int
     lib.pdkv_bf16_built.restype = ctypes.c_int
     layer = lib.pdkv_decode_layer
@@ -423,6 +432,6 @@ def _load() -> NativeKernels | None:
         SiluMulKernel(silu),
         ArgmaxKernel(argmax),
         LoRAKernel(lora) if lib.pdkv_lora_built() else None,
-        QuantKernel(qlinear, qrows, bandwidth, bool(lib.pdkv_bf16_built()), amx) if quant else None,
+        QuantKernel(qlinear, qrows, bandwidth, bool(lib.pdkv_bf16_built()), amx, evict) if quant else None,
         DecodeLayerKernel(layer, scratch) if quant else None,
     )
