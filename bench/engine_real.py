@@ -18,8 +18,9 @@ the time of its own matmuls.
 - **Quantized weights** (``--weights quantized``, engine/model/quantized.py; ``--no-quantized`` skips):
   the file as it ships (Q4_1 matrices, a Q8_0 embedding) -- decode tokens/s at batch 1, 8 and 32 and the
   1000-token TTFT; ``decode_fraction_of_bandwidth_b1`` (the packed bytes one batch-1 step reads over its
-  time, against the machine's read bandwidth measured in turns with those steps: a read of 256 MB,
-  quant.c's ``pdkv_read_bandwidth``, goal >= 0.8) and ``weights_resident_over_file`` (bytes of every
+  time, the weights evicted from the caches before each step, against the machine's read bandwidth
+  measured in rounds with those steps: a 256 MB read with wide loads, quant.c's ``pdkv_read_bandwidth``,
+  goal >= 0.8; ``memory_step_and_bandwidth``) and ``weights_resident_over_file`` (bytes of every
   weight the engine holds over the GGUF file's size, goal <= 1.3).
 - **llama.cpp** (``--llamacpp``, bench/llamacpp.py; same prompts, same 2 threads): on a BF16 GGUF of the
   weights against pdkv bfloat16 (``speedup_vs_llamacpp_b1/_b8/_b32``, ``prefill_speedup_vs_llamacpp``),

@@ -154,6 +154,25 @@ def test_parts_of_different_types_fill_their_own_columns(kernel: QuantKernel) ->
         pack([a, b])
 
 
+@pytest.mark.parametrize("nbytes", [8, 256, 264, 4096 + 72, (1 << 22) + 40])  # tails; a threaded size
+def test_the_bandwidth_probe_reads_every_word_once(kernel: QuantKernel, nbytes: int) -> None:
+    """The probe's checksum is the XOR of every 64-bit word of the buffer: its wide loads, its per-thread
+    shares and the tail cover the buffer exactly once (a word read twice or skipped changes it)."""
+    words = torch.from_numpy(np.random.default_rng(nbytes).integers(-(2**62), 2**62, nbytes // 8))
+    expected = int(np.bitwise_xor.reduce(words.numpy()))
+    assert kernel.read_bandwidth(words) == expected
+    words[-1] ^= 1  # the last word: the tail's
+    assert kernel.read_bandwidth(words) == expected ^ 1
+
+
+def test_evicting_a_buffer_from_the_caches_keeps_its_bytes(kernel: QuantKernel) -> None:
+    data = torch.from_numpy(np.random.default_rng(3).integers(0, 255, (1 << 22) + 17, dtype=np.uint8))
+    copy = data.clone()
+    kernel.evict(data)  # a threaded range, not a whole number of lines
+    kernel.evict(data[5:70])  # a slice starting inside a line
+    assert torch.equal(data, copy)
+
+
 # -- the engine on quantized files ----------------------------------------------------------------------
 
 
