@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 _INT64 = ctypes.c_int64
 # "0" keeps bf16_linear.c in vectors on a CPU with AMX tiles (engine/csrc/bf16_amx.h).
 AMX_ENV = "PDKV_BF16_AMX"
+# "0" keeps quant.c's linears in vectors on a CPU with AMX-INT8 (quant_amx.h): the same bits, slower.
+QUANT_AMX_ENV = "PDKV_QUANT_AMX"
 _PTR = ctypes.c_void_p
 _ARGTYPES: list[Any] = [_PTR, _PTR, _PTR, _PTR, _PTR] + [_INT64] * 9 + [ctypes.c_float] + [_INT64] * 3
 
@@ -262,6 +264,7 @@ class QuantKernel:
     bf16: bool = False  # the build has bf16_linear.c's AVX512-BF16 code: dense bfloat16 weights too
     amx_fn: Any = None  # pdkv_bf16_amx
     evict_fn: Any = None  # pdkv_evict
+    int8_tiles_fn: Any = None  # pdkv_quant_amx
 
     @property
     def amx(self) -> bool:
@@ -269,6 +272,12 @@ class QuantKernel:
         off by PDKV_BF16_AMX=0.  Set once as the library loads; the tiles' bits are not the vectors' (the
         KV namespace names them: engine/determinism.kv_fingerprint)."""
         return self.amx_fn is not None and bool(self.amx_fn(-1))
+
+    def int8_tiles(self, want: bool | None = None) -> bool:
+        """Whether quant.c runs calls of several rows in AMX-INT8 tiles (quant_amx.h: built for this CPU,
+        granted by Linux, not off by PDKV_QUANT_AMX=0; the vectors' bits), after turning them on or off
+        for the whole process where ``want`` says (tests, benchmarks)."""
+        return self.int8_tiles_fn is not None and bool(self.int8_tiles_fn(-1 if want is None else int(want)))
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -416,11 +425,12 @@ def _load() -> NativeKernels | None:
     scratch = lib.pdkv_decode_scratch_bytes
     scratch.argtypes = [_PTR, _INT64]
     scratch.restype = _INT64
-    quant = lib.pdkv_quant_built()
-    lib.pdkv_bf16_amx.argtypes = [_INT64]
-    lib.pdkv_bf16_amx.restype = ctypes.c_int
-    amx = lib.pdkv_bf16_amx
-    amx(int(os.environ.get(AMX_ENV, "1") != "0"))
+    amx, int8_tiles = lib.pdkv_bf16_amx, lib.pdkv_quant_amx  # the AMX tiles' switches, set once here
+    for switch, env in ((amx, AMX_ENV), (int8_tiles, QUANT_AMX_ENV)):
+        switch.argtypes, switch.restype = [_INT64], ctypes.c_int
+        switch(int(os.environ.get(env, "1") != "0"))
+    quant = QuantKernel(qlinear, qrows, bandwidth, lib.pdkv_bf16_built() == 1, amx, evict, int8_tiles)
+    built = lib.pdkv_quant_built() != 0  # quant.c has its vector kernels
     logger.info(
         "native kernels (decode and prefill attention, RMSNorm, RoPE + K/V write, SiLU-mul, argmax): %s", path
     )
@@ -432,6 +442,6 @@ def _load() -> NativeKernels | None:
         SiluMulKernel(silu),
         ArgmaxKernel(argmax),
         LoRAKernel(lora) if lib.pdkv_lora_built() else None,
-        QuantKernel(qlinear, qrows, bandwidth, bool(lib.pdkv_bf16_built()), amx, evict) if quant else None,
-        DecodeLayerKernel(layer, scratch) if quant else None,
+        quant if built else None,
+        DecodeLayerKernel(layer, scratch) if built else None,
     )

@@ -23,7 +23,13 @@ SOURCES = (
     CSRC / "bf16_linear.c",
     CSRC / "decode_layer.c",
 )
-HEADERS = (CSRC / "simd.h", CSRC / "quant_avx2.h", CSRC / "paged_decode_avx2.h", CSRC / "bf16_amx.h")
+HEADERS = (
+    CSRC / "simd.h",
+    CSRC / "quant_avx2.h",
+    CSRC / "quant_amx.h",
+    CSRC / "paged_decode_avx2.h",
+    CSRC / "bf16_amx.h",
+)
 FLAGS = (
     "-O3",
     "-march=native",

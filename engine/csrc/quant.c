@@ -35,6 +35,7 @@
  * format it does not serve; 3 when memory for the activation buffers runs out.
  */
 
+#define _GNU_SOURCE /* syscall(), for the AMX tiles' permission (quant_amx.h) */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,6 +55,7 @@
 #define MCHUNK 64   /* activation rows per pass over the weights: their int16 copy stays in L2 */
 #define PARALLEL_MIN_WORK 32768
 #define PRIVATE_ROWS 4 /* activation rows each thread quantizes for itself (pdkv_qlinear) */
+#define QAMX_MIN_ROWS 8 /* rows from which quant_amx.h's tiles serve a call, where they are on */
 #ifndef PREFETCH
 #define PREFETCH 1024 /* bytes ahead of the tile being read: the weights stream from memory */
 #endif
@@ -401,8 +403,16 @@ INLINE void store_tile(const __m512 *acc, int nrows, void *out, int64_t ldo, int
         }
     }
 }
+#include "quant_amx.h"
 #elif PDKV_QUANT_BUILT == 2
 #include "quant_avx2.h"
+#endif
+
+#ifndef PDKV_QUANT_AMX
+int pdkv_quant_amx(int64_t want) { /* this build has no AMX-INT8 path (quant_amx.h) */
+    (void)want;
+    return 0;
+}
 #endif
 
 /* out[m, col0 + n] (row stride ldo elements) = sum_k x[m, k] w[n, k] for m < rows, n < n_out; x [rows, k]
@@ -421,12 +431,19 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
         return pdkv_bf16_linear(x, rows, k, packed, n_out, out, ldo, 0);
     }
     const int64_t blocks = k / QBLOCK, groups = (n_out + GROUP - 1) / GROUP, tb = tile_bytes(fmt);
+#ifdef PDKV_QUANT_AMX
+    const int tiles = qamx_on && rows >= QAMX_MIN_ROWS; /* quant_amx.h: the same bits in AMX tiles */
+#else
+    const int tiles = 0;
+#endif
     const size_t qa_bytes = (size_t)(rows * k) * sizeof(int16_t), s_bytes = (size_t)(rows * blocks) * sizeof(float);
+    const size_t split_bytes = tiles ? (size_t)(2 * rows * k) : 0; /* the tiles' hi and lo bytes */
     /* A few rows (a small batch's decode step): every thread quantizes them all into its own buffer, kept
      * across calls -- no allocation, and no barrier between quantizing and the groups.  More rows: one
      * shared buffer, each thread quantizing its share of the rows first. */
     const int private_rows = rows <= PRIVATE_ROWS;
-    char *shared = private_rows ? NULL : (char *)malloc(qa_bytes + 2 * s_bytes);
+    const size_t buf_bytes = qa_bytes + 2 * s_bytes + split_bytes;
+    char *shared = private_rows ? NULL : (char *)malloc(buf_bytes);
     if (!private_rows && shared == NULL) return 3;
     const int64_t esize = in_bf16 ? 2 : 4, osize = out_bf16 ? 2 : 4;
     const int parallel = rows * n_out * k >= PARALLEL_MIN_WORK;
@@ -435,7 +452,7 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
     {
         char *buf = shared;
         if (private_rows) {
-            buf = grow_scratch(&private_acts, &private_bytes, qa_bytes + 2 * s_bytes);
+            buf = grow_scratch(&private_acts, &private_bytes, buf_bytes);
             if (buf == NULL) {
 #pragma omp atomic write
                 failed = 3;
@@ -453,7 +470,28 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
                 quantize_row((const char *)x + r * k * esize, in_bf16, k, qa + r * k, da + r * blocks,
                              sa + r * blocks);
         }
-        if (rows == 1 && buf != NULL) {
+#ifdef PDKV_QUANT_AMX
+        if (tiles && buf != NULL) {
+            int8_t *hi = (int8_t *)(buf + qa_bytes + 2 * s_bytes);
+            uint8_t *lo = (uint8_t *)hi + rows * k;
+            /* the rows' hi and lo bytes (each thread its share, or -- private rows -- all of them), then
+             * this thread's even share of the groups for every row */
+            if (private_rows) {
+                for (int64_t r = 0; r < rows; r++) qamx_split(qa + r * k, k, hi + r * k, lo + r * k);
+            } else {
+#pragma omp for schedule(static)
+                for (int64_t r = 0; r < rows; r++) qamx_split(qa + r * k, k, hi + r * k, lo + r * k);
+            }
+            const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+            const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
+            if (qamx_rows((const uint8_t *)packed, fmt, k, n_out, g0, g1, hi, lo, da, sa, rows, out, ldo,
+                          out_bf16)) {
+#pragma omp atomic write
+                failed = 3;
+            }
+        }
+#endif
+        if (rows == 1 && buf != NULL && !tiles) {
             /* one row: this thread's even share of the groups, four at a time (group_row1) */
             const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
             const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
@@ -469,7 +507,7 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
                     group_row1(wg, fmt, blocks, qa, da, sa, out, g * GROUP, n_out, out_bf16, 1);
             }
         }
-        for (int64_t m0 = 0; rows > 1 && m0 < rows; m0 += MCHUNK) {
+        for (int64_t m0 = 0; rows > 1 && !tiles && m0 < rows; m0 += MCHUNK) {
             const int64_t m1 = m0 + MCHUNK < rows ? m0 + MCHUNK : rows;
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < groups; g++) {

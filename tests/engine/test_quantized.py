@@ -6,7 +6,7 @@ dequantized weights kept apart; the weights' choice, its refusals and its fallba
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +111,37 @@ def test_each_row_gets_the_same_bits_alone_and_in_any_batch(
         assert torch.equal(linear(x[:count]), whole[:count])
     for i in (0, 8, 63, 69):
         assert torch.equal(linear(x[i : i + 1]), whole[i : i + 1])
+
+
+@pytest.fixture
+def int8_tiles(kernel: QuantKernel) -> Iterator[QuantKernel]:
+    """The kernel with its AMX-INT8 path on (quant_amx.h), put back as it was after the test."""
+    was = kernel.int8_tiles()
+    if not kernel.int8_tiles(True):
+        pytest.skip("this CPU or build has no AMX-INT8 tiles (or Linux did not grant them)")
+    yield kernel
+    kernel.int8_tiles(was)
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (17, 32), (37, 96), (200, 608), (576, 1536), (130, 2048)])
+def test_the_int8_tiles_give_the_vectors_bits(
+    int8_tiles: QuantKernel, qtype: str, dtype: torch.dtype, n: int, k: int
+) -> None:
+    """The tiles' byte sums are the vectors' int16 sums exactly, and the float operations after them the
+    same in the same order: equal bits for every row count -- row blocks of 16 and their tails, the
+    private and shared activation buffers, chunks of 128 rows -- the format, the dtype, odd widths."""
+    linear = QuantLinear([pack([random_blocks(qtype, n, k, seed=n + k)])], None, int8_tiles)
+    x = torch.randn(150, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+    x[3] = 0.0  # a zero row: scale 0
+    x[5, :32] *= 1e4  # one large block: its hi bytes at the extremes
+    for rows in (2, 3, 4, 5, 8, 15, 16, 17, 33, 129, 150):
+        tiles = linear(x[:rows])
+        int8_tiles.int8_tiles(False)
+        vectors = linear(x[:rows])
+        int8_tiles.int8_tiles(True)
+        assert torch.equal(tiles, vectors), (rows, (tiles.float() - vectors.float()).abs().max())
 
 
 @pytest.mark.parametrize(("n", "k"), [(1, 2), (37, 64), (200, 576), (16, 1538), (70, 96)])

@@ -1,0 +1,179 @@
+/* quant.c's AMX path for two rows and more: the same integer sums in AMX-INT8 tiles (TDPBSSD, TDPBUSD)
+ * on CPUs with AMX (Intel Sapphire Rapids and later), then the same float operations in the same order --
+ * so its results are the vector kernels' bits, and a row's bits still depend on that row alone (one row
+ * runs in vectors, more in tiles: the same bits either way).
+ *
+ * A block's sum  sum_k q[k] qa[k]  (qa the int16 activations) splits exactly into bytes:  qa = 256 hi +
+ * lo  with  hi = qa >> 8  (signed, -128..127) and  lo = qa & 255  (unsigned), so
+ *
+ *     sum q qa = 256 sum q hi + sum q lo,
+ *
+ * two byte dot products the tiles take: hi (signed) by q with TDPBSSD, lo (unsigned) by q with TDPBUSD
+ * (q: 0..15 for Q4, -128..127 for Q8; every partial sum far inside int32).
+ *
+ * Tiles: a block of 32 inputs is a K step: A tiles of up to 16 rows x 32 bytes (the rows' hi or lo bytes
+ * of the block, at stride k), a B tile of 8 rows x 64 bytes (row i: for each of the group's 16 outputs,
+ * its quants of inputs 4i .. 4i + 3), two accumulators of 16 rows x 16 int32 -- zeroed per block, since
+ * each block has its own scales.  The packed layout holds a row's quants of inputs 2s, 2s + 1 side by side
+ * (quant.c's header); one vpermw of 64 bytes puts pairs s and s + 1 together, and the nibbles (Q4) split
+ * into B rows i and 4 + i.  A thread makes its group's B tiles once per call and runs every row block
+ * over them.
+ *
+ * Measured on an Intel Xeon (Emerald Rapids, 2 cores), SmolLM2's Q4_1 linears: see docs/quantized.md. */
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define PDKV_QUANT_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define QAMX_REQ_XCOMP_PERM 0x1023
+#define QAMX_XTILEDATA 18
+#define QAMX_ROWS 128 /* rows per pass over a thread's groups: their hi and lo bytes stay in L2 */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} qamx_config;
+
+/* Tiles 0 and 1: the row block's hi and lo bytes (m rows x 32 bytes); 2 and 5: the weights of an even and
+ * an odd block (8 x 64 bytes); 3, 4 and 6, 7: their hi and lo sums (m rows x 16 int32) -- two blocks in
+ * flight, so that one block's sums are read back while the next one's are made. */
+static void qamx_configure(int m) {
+    qamx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    const int rows[8] = {m, m, 8, m, m, 8, m, m}, colsb[8] = {32, 32, 64, 64, 64, 64, 64, 64};
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = (uint8_t)rows[t];
+        c.colsb[t] = (uint16_t)colsb[t];
+    }
+    __asm__ __volatile__("" : : "r"(&c) : "memory"); /* every store above _tile_loadconfig's read */
+    _tile_loadconfig(&c);
+}
+
+/* The B tiles of one group (blocks of them, 512 bytes each) from its packed tiles. */
+static void qamx_weights(const uint8_t *wg, int64_t fmt, int64_t blocks, uint8_t *bt) {
+    const int64_t tb = tile_bytes(fmt);
+    /* 16-bit word 2r of the result: word r of the source (row r's pair s), word 2r + 1: word 16 + r (its
+     * pair s + 1) -- row r's four consecutive quants in its dword */
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                         22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *t = wg + b * tb;
+        uint8_t *o = bt + b * 512;
+        _mm_prefetch((const char *)t + PREFETCH, _MM_HINT_T0);
+        if (fmt == FMT_Q4) {
+            for (int i = 0; i < 4; i++) { /* pairs 2i, 2i + 1: inputs 4i .. 4i + 3 and 16 more */
+                const __m512i v = _mm512_permutexvar_epi16(idx, _mm512_loadu_si512((const void *)(t + 64 * i)));
+                _mm512_store_si512((void *)(o + 64 * i), _mm512_and_si512(v, low));
+                _mm512_store_si512((void *)(o + 64 * (4 + i)), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+            }
+        } else {
+            for (int i = 0; i < 8; i++)
+                _mm512_store_si512((void *)(o + 64 * i),
+                                   _mm512_permutexvar_epi16(idx, _mm512_loadu_si512((const void *)(t + 64 * i))));
+        }
+    }
+}
+
+/* Block b's two byte sums into the tiles of its parity (B tile TB, sums TH and TL). */
+#define QAMX_ISSUE(b, TB, TH, TL)                                                                          \
+    do {                                                                                                   \
+        _tile_loadd(0, hi + (b) * QBLOCK, k);                                                              \
+        _tile_loadd(1, lo + (b) * QBLOCK, k);                                                              \
+        _tile_loadd(TB, bt + (b) * 512, 64);                                                               \
+        _tile_zero(TH);                                                                                    \
+        _tile_zero(TL);                                                                                    \
+        _tile_dpbssd(TH, 0, TB);                                                                           \
+        _tile_dpbusd(TL, 1, TB);                                                                           \
+    } while (0)
+
+/* Block b's sums (tiles TH, TL) into the rows' float accumulators: group_tile's operations, in its
+ * order. */
+#define QAMX_ADD(b, TH, TL)                                                                                \
+    do {                                                                                                   \
+        _tile_stored(TH, sums, 64);                                                                        \
+        _tile_stored(TL, sums + 256, 64);                                                                  \
+        const uint8_t *t_ = wg + (b) * tb;                                                                 \
+        const __m512 d_ = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t_ + qb)));                 \
+        const __m512 m_ = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t_ + qb + 32)));            \
+        for (int j = 0; j < m; j++) {                                                                      \
+            const __m512i s_ = _mm512_add_epi32(                                                           \
+                _mm512_slli_epi32(_mm512_load_si512((const void *)(sums + 16 * j)), 8),                    \
+                _mm512_load_si512((const void *)(sums + 256 + 16 * j)));                                   \
+            const float dj_ = da[j * blocks + (b)], sj_ = sa[j * blocks + (b)];                            \
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_), _mm512_mul_ps(d_, _mm512_set1_ps(dj_)), acc[j]); \
+            acc[j] = _mm512_fmadd_ps(m_, _mm512_set1_ps(sj_), acc[j]);                                     \
+        }                                                                                                  \
+    } while (0)
+
+/* Rows 0 .. m - 1 (m <= 16; hi, lo, da, sa from that block's first row) of one group (B tiles bt, its
+ * scales in the packed tiles wg): out's 16 columns from col, ncols of them real. */
+INLINE void qamx_block(const uint8_t *wg, const uint8_t *bt, int64_t fmt, int64_t blocks, const int8_t *hi,
+                       const uint8_t *lo, const float *da, const float *sa, int64_t k, int m, void *out,
+                       int64_t ldo, int64_t col, int64_t ncols, int64_t out_bf16, int32_t *sums) {
+    __m512 acc[16];
+    for (int j = 0; j < m; j++) acc[j] = _mm512_setzero_ps();
+    const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt);
+    for (int64_t b = 0; b < blocks; b += 2) {
+        QAMX_ISSUE(b, 2, 3, 4);
+        if (b + 1 < blocks) QAMX_ISSUE(b + 1, 5, 6, 7);
+        QAMX_ADD(b, 3, 4);
+        if (b + 1 < blocks) QAMX_ADD(b + 1, 6, 7);
+    }
+    store_tile(acc, m, out, ldo, col, ncols, out_bf16);
+}
+
+/* One thread's groups g0 .. g1 for rows 0 .. rows - 1 (hi, lo [rows][k]; da, sa [rows][k / 32]).
+ * Returns 3 when its B tiles' buffer cannot be had. */
+static int qamx_rows(const uint8_t *packed, int64_t fmt, int64_t k, int64_t n_out, int64_t g0, int64_t g1,
+                     const int8_t *hi, const uint8_t *lo, const float *da, const float *sa, int64_t rows,
+                     void *out, int64_t ldo, int64_t out_bf16) {
+    static _Thread_local void *btiles;
+    static _Thread_local size_t btiles_bytes;
+    const int64_t blocks = k / QBLOCK, tb = tile_bytes(fmt), osize = out_bf16 ? 2 : 4;
+    uint8_t *raw = grow_scratch(&btiles, &btiles_bytes, (size_t)blocks * 512 + 64);
+    if (raw == NULL) return 3;
+    uint8_t *bt = (uint8_t *)(((uintptr_t)raw + 63) & ~(uintptr_t)63);
+    int32_t sums[512] __attribute__((aligned(64)));
+    int m_now = -1;
+    for (int64_t m0 = 0; m0 < rows; m0 += QAMX_ROWS) {
+        const int64_t m1 = m0 + QAMX_ROWS < rows ? m0 + QAMX_ROWS : rows;
+        for (int64_t g = g0; g < g1; g++) {
+            const uint8_t *wg = packed + g * blocks * tb;
+            qamx_weights(wg, fmt, blocks, bt);
+            const int64_t col = g * GROUP, ncols = n_out - col < GROUP ? n_out - col : GROUP;
+            for (int64_t r = m0; r < m1; r += 16) {
+                const int m = (int)(m1 - r < 16 ? m1 - r : 16);
+                if (m != m_now) qamx_configure(m_now = m);
+                qamx_block(wg, bt, fmt, blocks, hi + r * k, lo + r * k, da + r * blocks, sa + r * blocks, k, m,
+                           (char *)out + r * ldo * osize, ldo, col, ncols, out_bf16, sums);
+            }
+        }
+    }
+    if (m_now >= 0) _tile_release();
+    return 0;
+}
+
+/* Row x's int16 activations as their hi (signed) and lo (unsigned) bytes. */
+static void qamx_split(const int16_t *qa, int64_t k, int8_t *hi, uint8_t *lo) {
+    for (int64_t i = 0; i < k; i += 32) {
+        const __m512i v = _mm512_loadu_si512((const void *)(qa + i));
+        _mm256_storeu_si256((__m256i *)(hi + i), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+        _mm256_storeu_si256((__m256i *)(lo + i), _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(0xff))));
+    }
+}
+
+/* Whether the tiles serve quant.c's calls: 1 ask Linux for them (once) and use them if granted, 0 do not,
+ * -1 no change.  Returns the state now.  Both give the same bits. */
+static int qamx_on;
+int pdkv_quant_amx(int64_t want) {
+    static int granted = -1;
+    if (want < 0) return qamx_on;
+    if (want && granted < 0) granted = syscall(SYS_arch_prctl, QAMX_REQ_XCOMP_PERM, QAMX_XTILEDATA) == 0;
+    qamx_on = want && granted == 1;
+    return qamx_on;
+}
+#endif
