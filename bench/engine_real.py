@@ -207,7 +207,7 @@ def deterministic_cost(
     return out
 
 
-BANDWIDTH_PROBE_BYTES = 256 * 1024**2  # 8x the last-level cache of this machine kind
+BANDWIDTH_PROBE_BYTES = 256 * 1024**2  # evicted from the caches before each read: memory, whatever the L3
 
 
 def memory_step_and_bandwidth(llm: LLM, kernel: QuantKernel, steps: int) -> tuple[float, float]:

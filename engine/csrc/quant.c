@@ -30,6 +30,8 @@
  *
  * Without AVX512-VNNI, a CPU with AVX2 (+ FMA, F16C) runs quant_avx2.h's kernels: the same sums in two
  * halves of 8 lanes (vpmaddwd + vpaddd for vpdpwssd), the same bits.
+ * On a CPU with AMX-INT8, calls of QAMX_MIN_ROWS rows and more run quant_amx.h's tiles: the same integer
+ * sums (the activations split into bytes), the same float operations after them, the same bits.
  *
  * Returns 0; 1 when this build has neither (the caller keeps its dense path); 2 for a shape or
  * format it does not serve; 3 when memory for the activation buffers runs out.
