@@ -256,6 +256,7 @@ def quantized_figures(gguf: Path, steps: int, long_prompt: list[int], report: Re
     llm = real_llm(gguf, dtype, None, weights="quantized")  # the engine's default mode
     model = llm.engine.model.model
     quant = next(m for m in model.modules() if isinstance(m, QuantLinear)).kernel
+    report.figure("real_q_int8_tiles", float(quant.int8_tiles()))  # 1: calls of 8+ rows in AMX tiles
     generate_seconds(llm, make_prompts(2, (16, 32), 49152, seed=1), 4)  # warm up
     out: dict[str, float] = {}
     for batch in (1, 8, 32):
