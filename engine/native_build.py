@@ -27,6 +27,7 @@ HEADERS = (
     CSRC / "simd.h",
     CSRC / "quant_avx2.h",
     CSRC / "quant_amx.h",
+    CSRC / "amx.h",
     CSRC / "paged_decode_avx2.h",
     CSRC / "bf16_amx.h",
 )

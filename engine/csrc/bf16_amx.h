@@ -15,33 +15,15 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define PDKV_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define AMX_ROW_CHUNK 128 /* rows whose activations stay in L2 while a thread's groups stream past */
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
 
 /* Tiles: 0..3 accumulators (row block a or b x group 0 or 1), 4 and 5 the two row blocks' inputs, 6 and
  * 7 the two groups' weights.  ra and rb rows in the two blocks (rb may be 0: block b unused). */
 static void amx_configure(int ra, int rb) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    const int rows[8] = {ra, ra, rb, rb, ra, rb, 16, 16};
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = (uint8_t)rows[t];
-        c.colsb[t] = rows[t] ? 64 : 0;
-    }
-    /* gcc's _tile_loadconfig tells the compiler it reads 8 bytes of c: keep every store above it */
-    __asm__ __volatile__("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
+    const int rows[8] = {ra, ra, rb, rb, ra, rb, 16, 16}, colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    amx_configure_tiles(rows, colsb, 8);
 }
 
 /* Accumulator tile T's rows (nr of them, 16 outputs each, column c of n) to bfloat16 out. */

@@ -36,10 +36,8 @@ static int amx_on; /* pdkv_bf16_amx: every call of this process runs in AMX tile
  * once as it loads (engine/native.py); the two paths' bits differ. */
 int pdkv_bf16_amx(int64_t want) {
 #ifdef PDKV_AMX
-    static int granted = -1;
     if (want < 0) return amx_on;
-    if (want && granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    amx_on = want && granted == 1;
+    amx_on = want && amx_granted() == 1;
 #else
     (void)want;
 #endif

@@ -23,33 +23,16 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define PDKV_QUANT_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
-#define QAMX_REQ_XCOMP_PERM 0x1023
-#define QAMX_XTILEDATA 18
 #define QAMX_ROWS 128 /* rows per pass over a thread's groups: their hi and lo bytes stay in L2 */
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} qamx_config;
 
 /* Tiles 0 and 1: the row block's hi and lo bytes (m rows x 32 bytes); 2 and 5: the weights of an even and
  * an odd block (8 x 64 bytes); 3, 4 and 6, 7: their hi and lo sums (m rows x 16 int32) -- two blocks in
  * flight, so that one block's sums are read back while the next one's are made. */
 static void qamx_configure(int m) {
-    qamx_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
     const int rows[8] = {m, m, 8, m, m, 8, m, m}, colsb[8] = {32, 32, 64, 64, 64, 64, 64, 64};
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = (uint8_t)rows[t];
-        c.colsb[t] = (uint16_t)colsb[t];
-    }
-    __asm__ __volatile__("" : : "r"(&c) : "memory"); /* every store above _tile_loadconfig's read */
-    _tile_loadconfig(&c);
+    amx_configure_tiles(rows, colsb, 8);
 }
 
 /* The B tiles of one group (blocks of them, 512 bytes each) from its packed tiles. */
@@ -170,10 +153,8 @@ static void qamx_split(const int16_t *qa, int64_t k, int8_t *hi, uint8_t *lo) {
  * -1 no change.  Returns the state now.  Both give the same bits. */
 static int qamx_on;
 int pdkv_quant_amx(int64_t want) {
-    static int granted = -1;
     if (want < 0) return qamx_on;
-    if (want && granted < 0) granted = syscall(SYS_arch_prctl, QAMX_REQ_XCOMP_PERM, QAMX_XTILEDATA) == 0;
-    qamx_on = want && granted == 1;
+    qamx_on = want && amx_granted() == 1;
     return qamx_on;
 }
 #endif
