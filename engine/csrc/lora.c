@@ -13,11 +13,13 @@
  *                         ranks in pairs (R even): the layout vdpbf16ps reads
  *
  * Rows are grouped by slot (a counting sort), then cut into tiles of up to TILE rows of one slot; each
- * tile is one task: u[j, p, r] = <x[t_j], a[s, p, r]> (vdpbf16ps, float32 sums, 16 ranks in the lanes), then for each 16
- * columns of each part sum_r u[j, p, r] * b[s, r, cols] is added to y (rounded once; u rounded to bfloat16
-first, as the torch path's matmul output is).  A tile reads its
- * adapter's A and B once for all its rows.  No work for rows without an adapter, none for slots the
- * step does not use: the cost is the adapters' FLOPs, not (slots x rows).
+ * tile is one task: u[j, p, r] = <x[t_j], a[s, p, r]> (vdpbf16ps, float32 sums, 16 ranks in the lanes,
+ * up to 48 side by side in one pass over A), then for each 32 or 16 columns of each part
+ * sum_r u[j, p, r] * b[s, r, cols] is added to y (rounded once; u rounded to bfloat16 first, as the torch
+ * path's matmul output is).  A tile reads its adapter's A and B once for all its rows.  No work for rows
+ * without an adapter, none for slots the step does not use: the cost is the adapters' FLOPs, not
+ * (slots x rows).  Each output's sums run in one order fixed by the shapes alone (over the input pairs,
+ * then over the rank pairs, from zero): a row's bits do not depend on the tile, the batch or the threads.
  *
  * Returns 0; 2 for a shape it does not serve (rank or parts over the limits); 1 without AVX512-BF16
  * in this build (the caller keeps the torch path).
@@ -30,6 +32,12 @@ first, as the torch path's matmul output is).  A tile reads its
 #include "simd.h"
 
 #define TILE 8
+/* Software prefetch distances: the adapters' A and B come from memory (a step's base weights evict them),
+ * in short streams (~80 KB a module) that the hardware prefetchers pick up late.  SmolLM2 at rank 16, 32
+ * rows of one adapter, every module's weights evicted (AMD EPYC Zen 5): 1.80 -> 1.47 ms a step's 120
+ * calls.  Addresses past an array's end are only prefetched (never loaded), as integers. */
+#define AHEAD_PAIRS 16
+#define AHEAD_COLUMNS 128
 #define MAX_RANK 64
 #define MAX_PARTS 4
 
@@ -42,48 +50,95 @@ int pdkv_lora_built(void) {
 }
 
 #ifdef __AVX512BF16__
-/* u[j][q] = <x[t_j], a[q]> for the tile's rows and the pr = P * R rows q of A, A in pairs of input
- * dims (a2[i / 2][q][i % 2]): 16 q at a time in the lanes, each step one broadcast pair of x times 16
- * pairs of A (vdpbf16ps, float32 sums) -- no horizontal sums. */
-INLINE void shrink(const uint16_t *x, const int64_t *rows, int n, const uint16_t *a2, int64_t in,
-                   int64_t pr, float u[TILE][MAX_PARTS * MAX_RANK]) {
-    const int64_t half = in / 2;
-    for (int64_t q0 = 0; q0 < pr; q0 += 16) {
-        const int64_t left = pr - q0;
-        const __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-        __m512 acc[TILE];
-        for (int j = 0; j < TILE; j++) acc[j] = _mm512_setzero_ps();
-        for (int64_t ip = 0; ip < half; ip++) {
-            const __m512bh av = (__m512bh)_mm512_maskz_loadu_epi32(m, a2 + (ip * pr + q0) * 2);
-            for (int j = 0; j < n; j++) {
-                int32_t xp;
-                memcpy(&xp, x + rows[j] * in + 2 * ip, sizeof xp);
-                acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(xp), av);
-            }
+INLINE void prefetch_at(const void *p, int64_t bytes) {
+    _mm_prefetch((const char *)((uintptr_t)p + (uintptr_t)bytes), _MM_HINT_T0);
+}
+
+/* u[j][q0 + 16 v + l] = <x[t_j], a[q0 + 16 v + l]> for the tile's rows and NV (1..3) vectors of 16 q,
+ * A in pairs of input dims (a2[i / 2][q][i % 2]): one pass over A's input pairs reads the NV vectors of
+ * each pair side by side (A's rows for these q, in order), each broadcast pair of x feeds all NV of them
+ * (vdpbf16ps, float32 sums, 16 q in the lanes) -- no horizontal sums.  Each lane sums over the input
+ * pairs in order from zero, whatever NV or the tile. */
+INLINE void shrink_pass(const uint16_t *const *xr, const int n, const uint16_t *a2, int64_t half,
+                        int64_t pr, int64_t q0, const int nv, float u[TILE][MAX_PARTS * MAX_RANK]) {
+    __mmask16 m[3];
+    for (int v = 0; v < nv; v++) {
+        const int64_t left = pr - q0 - 16 * v;
+        m[v] = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+    }
+    __m512 acc[TILE][3];
+    for (int j = 0; j < n; j++)
+        for (int v = 0; v < nv; v++) acc[j][v] = _mm512_setzero_ps();
+    const uint16_t *ap = a2 + q0 * 2;
+    for (int64_t ip = 0; ip < half; ip++, ap += pr * 2) {
+        __m512bh av[3];
+        for (int v = 0; v < nv; v++) av[v] = (__m512bh)_mm512_maskz_loadu_epi32(m[v], ap + 32 * v);
+        for (int v = 0; v < nv; v++) prefetch_at(ap, (AHEAD_PAIRS * pr * 2 + 32 * v) * 2);
+        for (int j = 0; j < n; j++) {
+            int32_t xp;
+            memcpy(&xp, xr[j] + 2 * ip, sizeof xp);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp);
+            for (int v = 0; v < nv; v++) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], xb, av[v]);
         }
-        for (int j = 0; j < n; j++) _mm512_mask_storeu_ps(&u[j][q0], m, acc[j]);
+    }
+    for (int j = 0; j < n; j++)
+        for (int v = 0; v < nv; v++) _mm512_mask_storeu_ps(&u[j][q0 + 16 * v], m[v], acc[j][v]);
+}
+
+/* u[j][q] = <x[t_j], a[q]> for the pr = P * R rows q of A: passes of up to 3 vectors of 16 q (with 8
+ * rows, 24 accumulators: the registers hold them). */
+INLINE void shrink(const uint16_t *x, const int64_t *rows, const int n, const uint16_t *a2, int64_t in,
+                   int64_t pr, float u[TILE][MAX_PARTS * MAX_RANK]) {
+    const uint16_t *xr[TILE];
+    for (int j = 0; j < n; j++) xr[j] = x + rows[j] * in;
+    for (int64_t q0 = 0; q0 < pr; q0 += 48) {
+        const int64_t vectors = (pr - q0 + 15) / 16;
+        if (vectors >= 3)
+            shrink_pass(xr, n, a2, in / 2, pr, q0, 3, u);
+        else if (vectors == 2)
+            shrink_pass(xr, n, a2, in / 2, pr, q0, 2, u);
+        else
+            shrink_pass(xr, n, a2, in / 2, pr, q0, 1, u);
     }
 }
 
-/* y[t_j, c0 .. c1) += sum_r u[j][r] * b[r, c0 .. c1), b in pairs of ranks: b2[r / 2][col][r % 2], and
- * u rounded to bfloat16 pairs (as the torch path rounds it): one vdpbf16ps adds two ranks to 16 columns. */
-INLINE void expand(uint16_t *y, const int64_t *rows, int n, const uint16_t *b2, int64_t out, int64_t pairs,
-                   int64_t c0, int64_t c1, const uint32_t up[TILE][MAX_RANK / 2]) {
-    int64_t c = c0;
-    for (; c + 16 <= c1; c += 16) {
-        __m512 acc[TILE];
-        for (int j = 0; j < TILE; j++) acc[j] = _mm512_setzero_ps();
-        for (int64_t q = 0; q < pairs; q++) {
-            const __m512bh bv = (__m512bh)_mm512_loadu_si512(b2 + (q * out + c) * 2);
-            for (int j = 0; j < n; j++)
-                acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32((int)up[j][q]), bv);
+/* NV (1 or 2) chunks of 16 columns from c: acc = sum over the rank pairs in order, from zero, then
+ * y += acc (rounded once).  Each broadcast pair of u feeds the NV chunks. */
+INLINE void expand_chunks(uint16_t *const *yr, const int n, const uint16_t *b2, int64_t out, int64_t pairs,
+                          int64_t c, const int nv, const uint32_t up[TILE][MAX_RANK / 2]) {
+    __m512 acc[TILE][2];
+    for (int j = 0; j < n; j++)
+        for (int v = 0; v < nv; v++) acc[j][v] = _mm512_setzero_ps();
+    for (int64_t q = 0; q < pairs; q++) {
+        __m512bh bv[2];
+        for (int v = 0; v < nv; v++) {
+            const uint16_t *bp = b2 + (q * out + c + 16 * v) * 2;
+            bv[v] = (__m512bh)_mm512_loadu_si512(bp);
+            prefetch_at(bp, AHEAD_COLUMNS * 4);
         }
         for (int j = 0; j < n; j++) {
-            uint16_t *yp = y + rows[j] * out + c;
-            const __m512 sum = _mm512_add_ps(from_bf16x16(_mm256_loadu_si256((const __m256i *)yp)), acc[j]);
-            _mm256_storeu_si256((__m256i *)yp, to_bf16x16(sum));
+            const __m512bh ub = (__m512bh)_mm512_set1_epi32((int)up[j][q]);
+            for (int v = 0; v < nv; v++) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], ub, bv[v]);
         }
     }
+    for (int j = 0; j < n; j++)
+        for (int v = 0; v < nv; v++) {
+            uint16_t *yp = yr[j] + c + 16 * v;
+            const __m512 old = from_bf16x16(_mm256_loadu_si256((const __m256i *)yp));
+            _mm256_storeu_si256((__m256i *)yp, to_bf16x16(_mm512_add_ps(old, acc[j][v])));
+        }
+}
+
+/* y[t_j, c0 .. c1) += sum_r u[j][r] * b[r, c0 .. c1), b in pairs of ranks: b2[r / 2][col][r % 2], and
+ * u rounded to bfloat16 pairs (as the torch path rounds it): one vdpbf16ps adds two ranks to 16 columns,
+ * 32 columns at a time (16 accumulators with 8 rows), then 16, then the columns left one by one. */
+INLINE void expand(uint16_t *y, const int64_t *rows, int n, const uint16_t *b2, int64_t out, int64_t pairs,
+                   int64_t c0, int64_t c1, const uint32_t up[TILE][MAX_RANK / 2]) {
+    uint16_t *yr[TILE];
+    for (int j = 0; j < n; j++) yr[j] = y + rows[j] * out;
+    int64_t c = c0;
+    for (; c + 32 <= c1; c += 32) expand_chunks(yr, n, b2, out, pairs, c, 2, up);
+    for (; c + 16 <= c1; c += 16) expand_chunks(yr, n, b2, out, pairs, c, 1, up);
     for (; c < c1; c++) {
         for (int j = 0; j < n; j++) {
             float s = 0.0f;
@@ -132,28 +187,21 @@ int pdkv_lora_bf16(const void *x_, void *y_, const int64_t *slot, const void *a_
     uint16_t *y = (uint16_t *)y_;
     const uint16_t *a = (const uint16_t *)a_;
     const uint16_t *b = (const uint16_t *)b_;
-    /* rows grouped by slot: order[] holds them, start[s] .. start[s + 1] the rows of slot s */
-    int64_t *order = (int64_t *)malloc((size_t)(rows + 1) * sizeof(int64_t));
-    int64_t *start = (int64_t *)calloc((size_t)num_slots + 1, sizeof(int64_t));
-    int64_t *tiles = (int64_t *)malloc((size_t)(rows + 1) * sizeof(int64_t));
-    if (order == NULL || start == NULL || tiles == NULL) {
-        free(order); free(start); free(tiles);
-        return 3;
-    }
+    /* rows grouped by slot: order[] holds them, start[s] .. start[s + 1] the rows of slot s; one block for
+     * the lists (on the stack for a decode step's few rows: no allocation per call) */
+    int64_t local[1024];
+    const int64_t need = 2 * (rows + 1) + 2 * num_slots + 1;
+    int64_t *lists = need <= 1024 ? local : (int64_t *)malloc((size_t)need * sizeof(int64_t));
+    if (lists == NULL) return 3;
+    int64_t *order = lists, *tiles = lists + rows + 1, *start = lists + 2 * (rows + 1);
+    int64_t *fill = start + num_slots + 1;
+    memset(start, 0, (size_t)(num_slots + 1) * sizeof(int64_t));
     for (int64_t t = 0; t < rows; t++)
         if (slot[t] >= 0 && slot[t] < num_slots) start[slot[t] + 1]++;
     for (int64_t s = 0; s < num_slots; s++) start[s + 1] += start[s];
-    {
-        int64_t *fill = (int64_t *)malloc((size_t)num_slots * sizeof(int64_t));
-        if (fill == NULL) {
-            free(order); free(start); free(tiles);
-            return 3;
-        }
-        memcpy(fill, start, (size_t)num_slots * sizeof(int64_t));
-        for (int64_t t = 0; t < rows; t++)
-            if (slot[t] >= 0 && slot[t] < num_slots) order[fill[slot[t]]++] = t;
-        free(fill);
-    }
+    memcpy(fill, start, (size_t)num_slots * sizeof(int64_t));
+    for (int64_t t = 0; t < rows; t++)
+        if (slot[t] >= 0 && slot[t] < num_slots) order[fill[slot[t]]++] = t;
     /* tiles: the first index into order[] of each tile of up to TILE rows of one slot */
     int64_t num_tiles = 0;
     for (int64_t s = 0; s < num_slots; s++)
@@ -177,9 +225,7 @@ int pdkv_lora_bf16(const void *x_, void *y_, const int64_t *slot, const void *a_
         else
             lora_tile(x, y, order + i, n, a, b, s, in, out, parts, part_start, rank);
     }
-    free(order);
-    free(start);
-    free(tiles);
+    if (lists != local) free(lists);
     return 0;
 #endif
 }
