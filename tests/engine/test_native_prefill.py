@@ -132,6 +132,48 @@ def test_the_paired_order_gives_the_canonical_orders_bits(kernel: native.Prefill
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+ROW_SHAPES = [*PAIRED_SHAPES, (12, 4, 64, 16), (24, 8, 128, 16), (10, 5, 32, 16)]
+
+
+@pytest.mark.parametrize("paired", [False, True], ids=["canonical", "paired"])
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=["h{}kv{}d{}bs{}".format(*s) for s in ROW_SHAPES])
+def test_a_decode_rows_bits_are_the_same_alone_and_in_a_batch(
+    kernel: native.PrefillKernel, shape: tuple, paired: bool
+) -> None:
+    """In a decode batch (enough rows for a task per row) a row's KV heads are attended together, their
+    scores interleaved (G = 1..4 at head_dim 64 and 128; other shapes head by head); alone, a row runs one
+    task per head.  Same bits either way, at every position (tile ends, partial tiles, windows), with
+    heads left over after the groups (8 KV heads of 3: two groups and two alone) and blocks outside the
+    tables NaN."""
+    from engine.native_attention import KV_PAIRED
+    from tests.engine.test_native_attention import to_paired
+
+    heads, kv_heads, head_dim, block_size = shape
+    gen = torch.Generator().manual_seed(heads * 13 + head_dim)
+    layers, longest = 2, 120
+    marks = [0, 1, 31, 32, 33, 63, 64, 95, 100, longest - 1]  # around the 32-key tiles
+    seqs = max(len(marks), 4 * torch.get_num_threads())  # a task per row from 4 rows per thread
+    width = -(-longest // block_size) + 1
+    num_blocks = seqs * width + 4
+    cache = torch.full((num_blocks, layers, 2, block_size, kv_heads, head_dim), float("nan"))
+    tables = torch.randperm(num_blocks, generator=gen)[: seqs * width].view(seqs, width)
+    cache[tables.flatten()] = torch.randn(seqs * width, layers, 2, block_size, kv_heads, head_dim, generator=gen)
+    cache = cache.bfloat16()
+    order = {}
+    if paired:
+        cache, order = to_paired(cache), {"kv_order": KV_PAIRED}
+    starts = torch.tensor([marks[r % len(marks)] for r in range(seqs)])
+    counts = torch.ones(seqs, dtype=torch.int64)
+    q = torch.randn(seqs, heads + kv_heads, head_dim, generator=gen).bfloat16()[:, :heads]
+    for window in (None, 40):
+        args = {"scale": head_dim**-0.5, "window": window, **order}
+        batch = kernel.many(q, cache, 1, tables, starts, counts, **args)
+        assert torch.isfinite(batch).all()
+        for r in range(seqs):
+            alone = kernel.many(q[r : r + 1], cache, 1, tables[r : r + 1], starts[r : r + 1], counts[:1], **args)
+            assert torch.equal(alone.view(torch.int16), batch[r : r + 1].view(torch.int16)), (r, window)
+
+
 def test_strided_queries_are_read_in_place(kernel: native.PrefillKernel) -> None:
     q, cache, pc = _case(9, 3, 64, 16, 20, 45)
     assert not q.is_contiguous()
