@@ -140,11 +140,9 @@ ROW_SHAPES = [*PAIRED_SHAPES, (12, 4, 64, 16), (24, 8, 128, 16), (10, 5, 32, 16)
 def test_a_decode_rows_bits_are_the_same_alone_and_in_a_batch(
     kernel: native.PrefillKernel, shape: tuple, paired: bool
 ) -> None:
-    """In a decode batch (enough rows for a task per row) a row's KV heads are attended together, their
-    scores interleaved (G = 1..4 at head_dim 64 and 128; other shapes head by head); alone, a row runs one
-    task per head.  Same bits either way, at every position (tile ends, partial tiles, windows), with
-    heads left over after the groups (8 KV heads of 3: two groups and two alone) and blocks outside the
-    tables NaN."""
+    """In a decode batch (enough rows for a task per row) one task packs and attends every KV head of a
+    row; alone, a row runs one task per KV head.  Same bits either way, at every position (tile ends,
+    partial tiles, windows), for grouped, plain and many KV heads, with blocks outside the tables NaN."""
     from engine.native_attention import KV_PAIRED
     from tests.engine.test_native_attention import to_paired
 
