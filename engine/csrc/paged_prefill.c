@@ -60,6 +60,7 @@ typedef struct {
     int64_t task_heads;                   /* KV heads per attend task: 1, or all of them for a chunk
                                            * whose task packs its own tiles (a decode row in a batch) */
     int64_t kv_order;                     /* the cache's order inside a block (simd.h) */
+    struct Ahead *ahead;                  /* the thread's prefetch stream, or NULL */
 } Prefill;
 
 static inline int64_t first_visible(const Prefill *a, int64_t pos) { return first_visible_key(pos, a->window); }
@@ -217,6 +218,43 @@ static void pack_tile(const Prefill *a, int64_t kvh, int64_t t) {
     }
 }
 
+/* A decode batch's next row, prefetched while this row computes: a row's blocks lie anywhere in the cache
+ * (no hardware prefetcher follows them), and the next tile's lines alone (tile_scores, tile_values) keep
+ * too few in flight.  Each thread attends its rows in a known order (pdkv_paged_prefill_many's decode
+ * schedule), so it streams the (block, layer) slabs -- keys then values, contiguous -- of the row it
+ * attends next, a line at every step of the score and value loops, up to AHEAD_BLOCKS slabs (12 KB each
+ * at SmolLM2's heads: 288 KB, within L2 beside the row at hand).  Batch-32 step of the built-in model,
+ * 128-token prompts (AMD EPYC Zen 5): attention 4.2-4.4 -> 2.6-2.8 ms a step, 30 layers. */
+#define AHEAD_BLOCKS 24
+typedef struct Ahead {
+    const char *base[AHEAD_BLOCKS];
+    int64_t n, i, off, bytes; /* slabs, the one at hand, the offset in it, a slab's bytes */
+} Ahead;
+static _Thread_local Ahead ahead;
+
+INLINE void ahead_step(Ahead *h) {
+    if (h != NULL && h->i < h->n) {
+        _mm_prefetch(h->base[h->i] + h->off, _MM_HINT_T0);
+        if ((h->off += 64) >= h->bytes) {
+            h->off = 0;
+            h->i++;
+        }
+    }
+}
+
+/* This thread's stream over decode row a's slabs of the layer (a NULL: none). */
+static void ahead_plan(const Prefill *a) {
+    ahead.n = ahead.i = ahead.off = 0;
+    if (a == NULL) return;
+    const int64_t bs = a->block_size, last = (a->start + a->n - 1) / bs;
+    const size_t slab = (size_t)(bs * a->num_kv_heads * a->D); /* elements of keys (or values) */
+    ahead.bytes = (int64_t)(2 * slab * sizeof(uint16_t));
+    for (int64_t k = first_visible(a, a->start) / bs; k <= last && ahead.n < AHEAD_BLOCKS; k++) {
+        const size_t at = (size_t)((a->block_ids[k] * a->num_layers + a->layer) * 2) * slab;
+        ahead.base[ahead.n++] = (const char *)(a->cache + at);
+    }
+}
+
 /* Where one tile's keys and values are read: its pack, or (a full tile of a cache in the paired order)
  * the cache itself.  Keys 16 h .. 16 h + 15: pair p at k[h][p kstride]; values of keys 2 j, 2 j + 1 (j
  * < 8 in each half) at v[h][j D] -- the pack's layouts, which the paired order keeps inside a block. */
@@ -226,9 +264,10 @@ typedef struct {
 } TileSrc;
 
 /* The scores of NV <= QBLOCK query vectors (rows of q, D bf16 each) against one key tile: s[i][h] holds
- * keys 16 h .. 16 h + 15, times the scale; with pf, the next tile's keys prefetched on the way.  Each
+ * keys 16 h .. 16 h + 15, times the scale; with pf, the next tile's keys prefetched on the way, and two
+ * lines of the thread's next row (ah) at each pair of dims.  Each
  * vector's sums are the same whatever NV (a decode row's G vectors fill a block only partly). */
-INLINE void tile_scores(const uint16_t *q, const TileSrc *src, const TileSrc *pf, float scale,
+INLINE void tile_scores(Ahead *ah, const uint16_t *q, const TileSrc *src, const TileSrc *pf, float scale,
                         __m512 s[QBLOCK][2], const int D, const int NV) {
     for (int i = 0; i < NV; i++) s[i][0] = s[i][1] = _mm512_setzero_ps();
     for (int p = 0; p < D / 2; p++) {
@@ -236,6 +275,8 @@ INLINE void tile_scores(const uint16_t *q, const TileSrc *src, const TileSrc *pf
             _mm_prefetch((const char *)(pf->k[0] + (size_t)p * pf->kstride), _MM_HINT_T0);
             _mm_prefetch((const char *)(pf->k[1] + (size_t)p * pf->kstride), _MM_HINT_T0);
         }
+        ahead_step(ah);
+        ahead_step(ah);
         const __m512bh k0 = (__m512bh)_mm512_loadu_si512(src->k[0] + (size_t)p * src->kstride);
         const __m512bh k1 = (__m512bh)_mm512_loadu_si512(src->k[1] + (size_t)p * src->kstride);
         for (int i = 0; i < NV; i++) {
@@ -254,9 +295,9 @@ INLINE void tile_scores(const uint16_t *q, const TileSrc *src, const TileSrc *pf
 }
 
 /* o[i] = o[i] * corr[i] + sum_k p[i][k] v[k] for QB query vectors (QB * D / 16 = 16 accumulators); with
- * pf, the next tile's values prefetched on the way, a line per load. */
-INLINE void tile_values(float *o, const uint16_t *p, const TileSrc *src, const TileSrc *pf, const float *corr,
-                        const int D, const int QB) {
+ * pf, the next tile's values prefetched on the way, a line per load, and a line of the next row's. */
+INLINE void tile_values(Ahead *ah, float *o, const uint16_t *p, const TileSrc *src, const TileSrc *pf,
+                        const float *corr, const int D, const int QB) {
     const int C = D / 16;
     __m512 acc[16];
     for (int i = 0; i < QB; i++)
@@ -265,6 +306,7 @@ INLINE void tile_values(float *o, const uint16_t *p, const TileSrc *src, const T
     for (int kp = 0; kp < KT / 2; kp++) {
         for (int c = 0; c < C; c++) {
             if (pf) _mm_prefetch((const char *)(pf->v[kp >> 3] + (size_t)(kp & 7) * D + 16 * c), _MM_HINT_T0);
+            ahead_step(ah);
             const __m512bh v =
                 (__m512bh)_mm512_loadu_si512(src->v[kp >> 3] + (size_t)(kp & 7) * D + 16 * c);
             for (int i = 0; i < QB; i++) {
@@ -357,11 +399,11 @@ INLINE int attend_rows(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows, 
             __m512 sc[QBLOCK][2];
             const uint16_t *qb = s.q + (size_t)b * QBLOCK * D;
             switch (nq - b * QBLOCK < QBLOCK ? nq - b * QBLOCK : QBLOCK) { /* constants, so it unrolls */
-            case 1: tile_scores(qb, &src, b ? NULL : pf, a->scale, sc, D, 1); break;
-            case 2: tile_scores(qb, &src, b ? NULL : pf, a->scale, sc, D, 2); break;
-            case 3: tile_scores(qb, &src, b ? NULL : pf, a->scale, sc, D, 3); break;
-            case 4: tile_scores(qb, &src, b ? NULL : pf, a->scale, sc, D, 4); break;
-            default: tile_scores(qb, &src, b ? NULL : pf, a->scale, sc, D, QBLOCK); break;
+            case 1: tile_scores(a->ahead, qb, &src, b ? NULL : pf, a->scale, sc, D, 1); break;
+            case 2: tile_scores(a->ahead, qb, &src, b ? NULL : pf, a->scale, sc, D, 2); break;
+            case 3: tile_scores(a->ahead, qb, &src, b ? NULL : pf, a->scale, sc, D, 3); break;
+            case 4: tile_scores(a->ahead, qb, &src, b ? NULL : pf, a->scale, sc, D, 4); break;
+            default: tile_scores(a->ahead, qb, &src, b ? NULL : pf, a->scale, sc, D, QBLOCK); break;
             }
             for (int j = 0; j < QBLOCK; j++) {
                 const int i = b * QBLOCK + j;
@@ -392,7 +434,8 @@ INLINE int attend_rows(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows, 
         }
         const int QB = 256 / D; /* query vectors per block of the values: 16 accumulators */
         int i = 0; /* the first pass over the values prefetches the next tile's */
-#define VALUES(n) tile_values(s.o + (size_t)i * D, s.p + (size_t)i * KT, &src, i ? NULL : pf, s.corr + i, D, n)
+#define VALUES(n) \
+    tile_values(a->ahead, s.o + (size_t)i * D, s.p + (size_t)i * KT, &src, i ? NULL : pf, s.corr + i, D, n)
         for (; i + QB <= nq; i += QB) VALUES(QB);
         for (int r; i < nq; i += r) { /* the rest, up to 3 vectors a pass (a decode row's G): constants */
             r = nq - i < 3 ? nq - i : 3;
@@ -428,6 +471,33 @@ static _Thread_local size_t pack_bytes;
 /* A pool thread's private pack (the tiles of one task), kept across calls. */
 static _Thread_local void *private_pack;
 static _Thread_local size_t private_pack_bytes;
+
+/* Task i of chunk a (its KV heads' group and rows). */
+static int run_task(const Prefill *a, int64_t i) {
+    const int64_t groups = a->num_kv_heads / a->task_heads;
+    const int64_t kvh = i % groups * a->task_heads, r0 = (i / groups) * a->rows_per_task;
+    const int64_t rows = a->n - r0 < a->rows_per_task ? a->n - r0 : a->rows_per_task;
+    if (a->head_stride != 0) return attend_task(a, kvh, r0, rows);
+    /* its private pack: its KV heads' tiles, key by key */
+    const size_t tile_dwords = (size_t)(a->D / 2 * KT);
+    const size_t tiles = (size_t)(a->task_heads * a->ntiles);
+    uint32_t *buf =
+        grow_scratch(&private_pack, &private_pack_bytes, 2 * sizeof(uint32_t) * tile_dwords * tiles);
+    if (buf == NULL) return 1;
+    Prefill own = *a; /* one head (kvh): its tiles; every head (kvh 0): head by head */
+    own.kpack = buf;
+    own.vpack = buf + tile_dwords * tiles;
+    own.head_stride = a->task_heads > 1 ? a->ntiles : 0;
+    own.ahead = &ahead; /* a decode batch's next row, where the schedule planned one */
+    for (int64_t t = 0; t < a->ntiles; t++)
+        for (int64_t h = kvh; h < kvh + a->task_heads; h++) {
+            TileSrc in_place;
+            if (!direct_tile(&own, h, t, &in_place)) pack_tile(&own, h, t);
+        }
+    for (int64_t h = kvh; h < kvh + a->task_heads; h++)
+        if (attend_task(&own, h, r0, rows)) return 1;
+    return 0;
+}
 
 #endif /* __AVX512BF16__ */
 
@@ -489,7 +559,7 @@ int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, 
         Prefill a = {(const uint16_t *)q + (size_t)(row * q_stride), q_stride, cache,
                      (uint16_t *)out + (size_t)(row * num_heads * head_dim), ids, start, n, num_layers, layer,
                      block_size, num_heads, num_kv_heads, (int)head_dim, G, window, scale, 0, 0, QVECS / G,
-                     NULL, NULL, 0, 1, kv_order};
+                     NULL, NULL, 0, 1, kv_order, NULL};
         a.kbase = first_visible(&a, start) / KT * KT;
         a.ntiles = (start + n - a.kbase + KT - 1) / KT;
         /* A chunk of one task per KV head (a decode row, a short chunk) packs its tiles in that task,
@@ -531,6 +601,10 @@ int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, 
         chunks[c].kpack = chunks[c].head_stride ? (uint32_t *)pack + offset : NULL;
         chunks[c].vpack = chunks[c].head_stride ? (uint32_t *)((char *)pack + half) + offset : NULL;
     }
+    /* every chunk a decode row whose one task attends all its KV heads: the decode schedule below */
+    int rows_only = tasks == num_chunks;
+    for (int64_t r = 0; r < num_chunks && rows_only; r++)
+        rows_only = chunks[r].n == 1 && chunks[r].head_stride == 0 && chunks[r].task_heads == num_kv_heads;
     int failed = 0;
 #pragma omp parallel
     {
@@ -543,39 +617,34 @@ int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, 
             pack_tile(&chunks[c], j / chunks[c].head_stride, j % chunks[c].head_stride);
         }
         int bad = 0;
-        c = num_chunks - 1;
-        /* the last rows see the most keys: hand them out first */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = tasks - 1; task >= 0; task--) {
-            while (task_first[c] > task) c--;
-            while (task_first[c + 1] <= task) c++;
-            const Prefill *a = &chunks[c];
-            const int64_t i = task - task_first[c];
-            const int64_t groups = num_kv_heads / a->task_heads;
-            const int64_t kvh = i % groups * a->task_heads, r0 = (i / groups) * a->rows_per_task;
-            const int64_t rows = a->n - r0 < a->rows_per_task ? a->n - r0 : a->rows_per_task;
-            if (bad) continue;
-            if (a->head_stride == 0) { /* its private pack: its KV heads' tiles, key by key */
-                const size_t tile_dwords = (size_t)(a->D / 2 * KT);
-                const size_t tiles = (size_t)(a->task_heads * a->ntiles);
-                uint32_t *buf = grow_scratch(&private_pack, &private_pack_bytes,
-                                             2 * sizeof(uint32_t) * tile_dwords * tiles);
-                if (buf == NULL) {
-                    bad = 1;
-                    continue;
+        if (rows_only) {
+            /* decode rows, a task each: this thread's share of them in order, balanced by their tiles
+             * (a row goes to the thread whose share holds its middle) -- so the thread knows the row it
+             * attends next, and streams it in on the way (ahead_plan) */
+            const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+            int64_t total = 0, first = -1, end = 0, before = 0;
+            for (int64_t r = 0; r < num_chunks; r++) total += chunks[r].ntiles;
+            for (int64_t r = 0; r < num_chunks; r++) {
+                const int64_t middle2 = 2 * before + chunks[r].ntiles; /* twice the row's middle */
+                before += chunks[r].ntiles;
+                if (middle2 * nt >= 2 * total * tid && middle2 * nt < 2 * total * (tid + 1)) {
+                    if (first < 0) first = r;
+                    end = r + 1;
                 }
-                Prefill own = *a; /* one head (kvh): its tiles; every head (kvh 0): head by head */
-                own.kpack = buf;
-                own.vpack = buf + tile_dwords * tiles;
-                own.head_stride = a->task_heads > 1 ? a->ntiles : 0;
-                for (int64_t t = 0; t < a->ntiles; t++)
-                    for (int64_t h = kvh; h < kvh + a->task_heads; h++) {
-                        TileSrc in_place;
-                        if (!direct_tile(&own, h, t, &in_place)) pack_tile(&own, h, t);
-                    }
-                for (int64_t h = kvh; h < kvh + a->task_heads && !bad; h++) bad = attend_task(&own, h, r0, rows);
-            } else {
-                bad = attend_task(a, kvh, r0, rows);
+            }
+            for (int64_t r = first; r >= 0 && r < end && !bad; r++) {
+                ahead_plan(r + 1 < end ? &chunks[r + 1] : NULL);
+                bad = run_task(&chunks[r], 0);
+            }
+            ahead_plan(NULL);
+        } else {
+            c = num_chunks - 1;
+            /* the last rows see the most keys: hand them out first */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t task = tasks - 1; task >= 0; task--) {
+                while (task_first[c] > task) c--;
+                while (task_first[c + 1] <= task) c++;
+                if (!bad) bad = run_task(&chunks[c], task - task_first[c]);
             }
         }
         if (bad) {
