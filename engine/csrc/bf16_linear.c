@@ -14,6 +14,8 @@
  *
  * On CPUs with AMX-BF16 the same layout runs in AMX tiles where pdkv_bf16_amx turned them on (bf16_amx.h).
  *
+ * pdkv_side_stream: byte ranges the calling thread's next batch linears prefetch as they go (below).
+ *
  * Returns 0; 1 without AVX512-BF16 in this build; 2 for a shape it does not serve.
  */
 
@@ -26,6 +28,9 @@
 
 #define G16 16
 #define BF_PREFETCH 1024
+/* The side stream's prefetches go to L2 (and on to the L3 as the weights' lines push them out), not L1:
+ * _MM_HINT_T0 left the batch-32 step slower than T1 or T2 (AMD EPYC Zen 5). */
+#define SIDE_HINT _MM_HINT_T2
 
 #include "bf16_amx.h"
 
@@ -65,12 +70,41 @@ int pdkv_bf16_rows(const void *packed, int64_t n, int64_t k, const int64_t *ids,
     return 0;
 }
 
+/* The calling thread's side stream: n ranges of `bytes` bytes from base[0 .. n - 1] that its next batch
+ * linears (rows > 1) prefetch on the way, each thread a share, a line at each pair of inputs of a tile;
+ * (NULL, 0, 0): none.  A batch linear is compute-bound and leaves the memory idle: decode_layer.c
+ * streams the next layer's KV blocks in under it, where that layer's attention would wait on them. */
+static _Thread_local const char *const *side_base;
+static _Thread_local int64_t side_n, side_bytes;
+
+void pdkv_side_stream(const char *const *base, int64_t n, int64_t bytes) {
+    side_base = base;
+    side_n = n;
+    side_bytes = bytes;
+}
+
+typedef struct {
+    const char *const *base;
+    int64_t n, i, off, bytes; /* ranges [i, n) left, the offset in range i, a range's bytes */
+} Side;
+
 #ifdef __AVX512BF16__
+INLINE void side_step(Side *h) {
+    if (h != NULL && h->i < h->n) {
+        _mm_prefetch(h->base[h->i] + h->off, SIDE_HINT);
+        if ((h->off += 64) >= h->bytes) {
+            h->off = 0;
+            h->i++;
+        }
+    }
+}
+
 /* GT groups from g0 times RT rows of x: every output's pairs in input order, then stored.  Inlined with
  * constant GT, RT, ng and nr for whole tiles (unrolled, accumulators in registers), else with the tails'
  * counts; the arithmetic per output is the same either way. */
 INLINE void tile(const uint16_t *w, int64_t g0, int64_t k, const uint16_t *x, const int GT, const int RT,
-                 const int ng, const int nr, uint16_t *out, int64_t ldo, int64_t col0, int64_t n) {
+                 const int ng, const int nr, uint16_t *out, int64_t ldo, int64_t col0, int64_t n,
+                 Side *side) {
     __m512 acc[4][6];
     for (int gi = 0; gi < GT; gi++)
         for (int j = 0; j < RT; j++) acc[gi][j] = _mm512_setzero_ps();
@@ -82,6 +116,7 @@ INLINE void tile(const uint16_t *w, int64_t g0, int64_t k, const uint16_t *x, co
     for (int64_t p = 0; p < half; p++) {
         __m512bh xv[6];
         for (int j = 0; j < RT; j++) xv[j] = (__m512bh)_mm512_set1_epi32(xr[j][p]);
+        side_step(side);
         for (int gi = 0; gi < GT; gi++) {
             _mm_prefetch((const char *)(wg[gi] + p * 2 * G16) + BF_PREFETCH, _MM_HINT_T0);
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(wg[gi] + p * 2 * G16);
@@ -108,11 +143,15 @@ int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed
     const uint16_t *x = (const uint16_t *)x_, *w = (const uint16_t *)packed;
     uint16_t *out = (uint16_t *)out_;
     const int64_t groups = (n + G16 - 1) / G16;
+    const char *const *sbase = side_base;
+    const int64_t sn = side_n, sbytes = side_bytes;
     /* every thread an even share of the groups (tiles of 4 would leave 576 rows' 36 groups split 5:4) */
 #pragma omp parallel if (rows * n * k >= 32768)
     {
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
+        Side side = {sbase, sn * (tid + 1) / nt, sn * tid / nt, 0, sbytes}; /* this thread's share */
+        (void)side; /* the AMX tiles do not take it */
 #ifdef PDKV_AMX
         if (amx_on && k % 32 == 0) {
             amx_rows(x, rows, k, w, g0, g1, out, ldo, col0, n);
@@ -122,9 +161,9 @@ int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed
             for (int64_t g = g0; g < g1; g += 4) {
                 const int ng = (int)(g1 - g < 4 ? g1 - g : 4);
                 if (ng == 4)
-                    tile(w, g, k, x, 4, 1, 4, 1, out, ldo, col0, n);
+                    tile(w, g, k, x, 4, 1, 4, 1, out, ldo, col0, n, NULL);
                 else
-                    tile(w, g, k, x, 4, 1, ng, 1, out, ldo, col0, n);
+                    tile(w, g, k, x, 4, 1, ng, 1, out, ldo, col0, n, NULL);
             }
         } else {
             /* rows in chunks of 60: their activations stay in L2 while the share of groups streams past */
@@ -135,9 +174,9 @@ int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed
                     for (int64_t r = m0; r < m1; r += 6) {
                         const int nr = (int)(m1 - r < 6 ? m1 - r : 6);
                         if (ng == 4 && nr == 6)
-                            tile(w, g, k, x + r * k, 4, 6, 4, 6, out + r * ldo, ldo, col0, n);
+                            tile(w, g, k, x + r * k, 4, 6, 4, 6, out + r * ldo, ldo, col0, n, &side);
                         else
-                            tile(w, g, k, x + r * k, 4, 6, ng, nr, out + r * ldo, ldo, col0, n);
+                            tile(w, g, k, x + r * k, 4, 6, ng, nr, out + r * ldo, ldo, col0, n, &side);
                     }
                 }
             }

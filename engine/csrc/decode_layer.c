@@ -16,6 +16,7 @@
 
 #include <stdint.h>
 #include <stddef.h>
+#include <stdlib.h>
 
 int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const void *packed, int64_t fmt,
                  int64_t n_out, void *out, int64_t ldo, int64_t out_bf16);
@@ -26,6 +27,7 @@ int pdkv_rope_write_kv(const void *qkv, const void *cos, const void *sin, void *
                        const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t rows, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t num_layers, int64_t layer,
                        int64_t block_size, int64_t bf16, int64_t num_blocks, int64_t kv_order);
+void pdkv_side_stream(const char *const *base, int64_t n, int64_t bytes);
 int pdkv_lora_bf16(const void *x_, void *y_, const int64_t *slot, const void *a_, const void *b_,
                    int64_t rows, int64_t in, int64_t out, int64_t parts, const int64_t *part_start,
                    int64_t rank, int64_t num_slots);
@@ -97,6 +99,57 @@ int64_t pdkv_decode_scratch_bytes(const struct pdkv_shape *s, int64_t rows) {
     return rows * per_row * es + 64;
 }
 
+/* The next layer's KV under this layer's batch linears.  A decode batch's attention reads every row's
+ * keys and values of the layer from blocks scattered over the cache (3.5 MB a layer for SmolLM2 at 32 rows
+ * of ~140 tokens), waiting on memory, while the batch linears around it are compute-bound and leave the
+ * memory idle.  So the o, gate/up and down linears of layer l prefetch layer l + 1's (block, layer) slabs
+ * -- keys then values, contiguous -- into L2 and L3 (bf16_linear.c's side stream), shares in proportion
+ * to their work, at most SIDE_MAX_BYTES a layer (rows in order; the rest is read as before).  Batch-32
+ * step of the built-in model, 128-token prompts (AMD EPYC Zen 5, instrumented layers): attention 3.1-3.3
+ * -> 2.0-2.1 ms a step, RoPE's K/V writes 0.40 -> 0.27 ms, the three linears +0.2-0.3 ms. */
+#define SIDE_MAX_BYTES ((int64_t)8 << 20)
+
+static _Thread_local const char **side_slabs;
+static _Thread_local int64_t side_cap;
+
+/* Layer `layer`'s slabs of the step's rows (their visible blocks) into side_slabs; returns how many (0
+ * where the list cannot be had: no stream then). */
+static int64_t layer_slabs(const struct pdkv_shape *s, const struct pdkv_step *st, int64_t layer,
+                           int64_t bytes) {
+    const int64_t bs = s->block_size, seqs = st->chunks > 0 ? st->chunks : st->rows;
+    int64_t need = 0;
+    for (int64_t c = 0; c < seqs && need * bytes < SIDE_MAX_BYTES; c++)
+        need += (st->positions[c] + (st->chunks > 0 ? st->counts[c] : 1) - 1) / bs + 1;
+    if (need > side_cap) {
+        free(side_slabs);
+        side_slabs = (const char **)malloc(sizeof(char *) * (size_t)need);
+        side_cap = side_slabs == NULL ? 0 : need;
+        if (side_slabs == NULL) return 0;
+    }
+    int64_t m = 0;
+    for (int64_t c = 0; c < seqs && m < need; c++) {
+        const int64_t last = (st->positions[c] + (st->chunks > 0 ? st->counts[c] : 1) - 1) / bs;
+        for (int64_t k = 0; k <= last && m < need; k++) {
+            const int64_t block = st->block_table[c * st->table_width + k];
+            /* an address to prefetch only (never loaded): made as an integer, whatever the table holds */
+            const int64_t offset = ((block * s->num_layers + layer) * 2) * (bytes / 2);
+            side_slabs[m++] = (const char *)((uintptr_t)st->kv_cache + (uintptr_t)offset);
+        }
+    }
+    return m;
+}
+
+/* Linear `which` of a layer (0 o, 1 gate/up, 2 down) with its share of the next layer's slabs. */
+static int linear_with_side(int which, int64_t slabs, int64_t bytes, const void *x, int64_t bf, int64_t rows,
+                            int64_t k, const void *w, int64_t fmt, int64_t n, void *out) {
+    static const int64_t upto[4] = {0, 12, 69, 100}; /* percent of the stream before each: work ~1 : 5 : 3 */
+    const int64_t from = slabs * upto[which] / 100, to = slabs * upto[which + 1] / 100;
+    pdkv_side_stream(slabs ? side_slabs + from : NULL, to - from, bytes);
+    const int rc = pdkv_qlinear(x, bf, rows, k, w, fmt, n, out, n, bf);
+    pdkv_side_stream(NULL, 0, 0);
+    return rc;
+}
+
 /* h_out = h + delta + attention (the residual after this layer's attention; h + delta is the input's
  * residual, h itself when delta is NULL), delta_out = this layer's MLP output: DecoderLayer.forward's
  * (h, delta) contract. */
@@ -139,12 +192,18 @@ int pdkv_decode_layer(const struct pdkv_layer *L, const struct pdkv_shape *s, co
                                s->num_layers, L->layer, s->block_size, s->heads, s->kv_heads, hd, L->window,
                                L->scale, bf, nq + nkv, st->num_blocks);
     if (rc) return rc;
-    if ((rc = pdkv_qlinear(attn, bf, t, nq, L->wo, L->fo, s->hidden, o, s->hidden, bf))) return rc;
+    /* the next layer's KV blocks under this one's batch linears (a decode batch's attention waits on them) */
+    const int64_t slab_bytes = 2 * s->block_size * s->kv_heads * hd * es;
+    const int64_t slabs =
+        t > 1 && L->layer + 1 < s->num_layers ? layer_slabs(s, st, L->layer + 1, slab_bytes) : 0;
+    if ((rc = linear_with_side(0, slabs, slab_bytes, attn, bf, t, nq, L->wo, L->fo, s->hidden, o))) return rc;
     if ((rc = add_lora(L, st, 1, attn, o, nq, s->hidden))) return rc;
     if ((rc = pdkv_rms_norm(h1, o, h_out, L->norm2, x, t, s->hidden, L->eps, bf))) return rc;
-    if ((rc = pdkv_qlinear(x, bf, t, s->hidden, L->wgu, L->fgu, 2 * s->inter, gu, 2 * s->inter, bf))) return rc;
+    if ((rc = linear_with_side(1, slabs, slab_bytes, x, bf, t, s->hidden, L->wgu, L->fgu, 2 * s->inter, gu)))
+        return rc;
     if ((rc = add_lora(L, st, 2, x, gu, s->hidden, 2 * s->inter))) return rc;
     if ((rc = pdkv_silu_mul(gu, act, t, s->inter, bf))) return rc;
-    if ((rc = pdkv_qlinear(act, bf, t, s->inter, L->wd, L->fd, s->hidden, delta_out, s->hidden, bf))) return rc;
+    rc = linear_with_side(2, slabs, slab_bytes, act, bf, t, s->inter, L->wd, L->fd, s->hidden, delta_out);
+    if (rc) return rc;
     return add_lora(L, st, 3, act, delta_out, s->inter, s->hidden);
 }
