@@ -25,6 +25,19 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@lru_cache(maxsize=1)
+def cpu_vendor() -> str:
+    """``/proc/cpuinfo``'s ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``, ...); empty where unknown."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        if line.startswith("vendor_id"):
+            return line.partition(":")[2].strip()
+    return ""
+
+
 def fast_bf16_flags() -> tuple[str, ...]:
     """The flags of ``BF16_FLAGS`` this CPU has (empty: bfloat16 is not fast here)."""
     flags = cpu_flags()

@@ -343,8 +343,9 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int
  * same integer sums (in four independent chains: integer addition is exact, so the split changes no bit)
  * and the same float operations in the same block order, per group -- streamed without holding the
  * tile's 16 weight vectors, so that the chains, not one 16-deep dependency, set the pace of a batch-1
- * step; four groups side by side give the core four streams and accumulators to overlap (an Intel Xeon,
- * a batch-1 step of the Q4_1 model's linears: 5.2-5.4 ms one group at a time, 4.8 two, 4.1-4.3 four). */
+ * step; groups side by side give the core more streams and accumulators to overlap (an Intel Xeon, a
+ * batch-1 step of the Q4_1 model's linears: 5.2-5.4 ms one group at a time, 4.8 two, 4.1-4.3 four), or
+ * -- an AMD EPYC Zen 5 -- get in its prefetchers' way: how many is row_groups (pdkv_quant_row_groups). */
 INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, const int16_t *qa, const float *da,
                        const float *sa, void *out, int64_t col, int64_t n_out, int64_t out_bf16, const int NG) {
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -416,6 +417,20 @@ int pdkv_quant_amx(int64_t want) { /* this build has no AMX-INT8 path (quant_amx
     return 0;
 }
 #endif
+
+/* Groups a batch-1 call streams side by side (group_row1's NG): their weights are consecutive runs of the
+ * packed matrix, read at once.  Which is faster is the CPU's: an Intel Xeon (a batch-1 step of the Q4_1
+ * model's linears) 5.2-5.4 ms one group at a time, 4.1-4.3 four side by side; an AMD EPYC Zen 5 the
+ * other way round (the whole batch-1 step, weights from memory: 2.75-3.0 ms one at a time, 3.6-4.1 four
+ * -- its prefetchers follow one stream per core far better than four short ones).  The same bits either
+ * way (each group's arithmetic is its own); engine/native.py sets it once by the CPU's vendor. */
+static int64_t row_groups = 4;
+
+/* want 1..4: groups side by side from now on; else no change.  Returns the number in use. */
+int64_t pdkv_quant_row_groups(int64_t want) {
+    if (want >= 1 && want <= 4) row_groups = want;
+    return row_groups;
+}
 
 /* out[m, col0 + n] (row stride ldo elements) = sum_k x[m, k] w[n, k] for m < rows, n < n_out; x [rows, k]
  * contiguous.  in_bf16 / out_bf16: bfloat16 (else float32) input / output. */
@@ -494,16 +509,17 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
         }
 #endif
         if (rows == 1 && buf != NULL && !tiles) {
-            /* one row: this thread's even share of the groups, four at a time (group_row1) */
+            /* one row: this thread's even share of the groups, row_groups at a time (group_row1) */
             const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
             const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
-            for (int64_t g = g0; g < g1; g += 4) {
+            for (int64_t g = g0; g < g1; g += row_groups) {
                 const uint8_t *wg = (const uint8_t *)packed + g * blocks * tb;
-                if (g + 3 < g1)
+                const int64_t ng = g1 - g < row_groups ? g1 - g : row_groups;
+                if (ng == 4)
                     group_row1(wg, fmt, blocks, qa, da, sa, out, g * GROUP, n_out, out_bf16, 4);
-                else if (g + 2 < g1)
+                else if (ng == 3)
                     group_row1(wg, fmt, blocks, qa, da, sa, out, g * GROUP, n_out, out_bf16, 3);
-                else if (g + 1 < g1)
+                else if (ng == 2)
                     group_row1(wg, fmt, blocks, qa, da, sa, out, g * GROUP, n_out, out_bf16, 2);
                 else
                     group_row1(wg, fmt, blocks, qa, da, sa, out, g * GROUP, n_out, out_bf16, 1);

@@ -113,6 +113,44 @@ def test_each_row_gets_the_same_bits_alone_and_in_any_batch(
         assert torch.equal(linear(x[i : i + 1]), whole[i : i + 1])
 
 
+@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (40, 576), (200, 576), (576, 1536), (130, 96)])
+def test_a_batch_1_call_gives_the_same_bits_with_1_to_4_groups_side_by_side(
+    kernel: QuantKernel, qtype: str, dtype: torch.dtype, n: int, k: int
+) -> None:
+    """How many groups a batch-1 call streams side by side (PDKV_QUANT_ROW_GROUPS; by default 4 on an
+    Intel CPU, 1 elsewhere) is speed only: each group's arithmetic is its own -- whole and part groups,
+    a share per thread ending on any of them."""
+    linear = QuantLinear([pack([random_blocks(qtype, n, k, seed=n * 3 + k)])], None, kernel)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+    was = kernel.row_groups()
+    try:
+        outs = []
+        for groups in (1, 2, 3, 4):
+            assert kernel.row_groups(groups) == groups
+            outs.append([linear(x[i : i + 1]) for i in range(3)])
+    finally:
+        kernel.row_groups(was)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_the_row_groups_default_follows_the_cpu_and_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.native_linear as nl
+
+    monkeypatch.setattr(nl, "cpu_vendor", lambda: "GenuineIntel")
+    monkeypatch.delenv(nl.ROW_GROUPS_ENV, raising=False)
+    assert nl.row_groups_default() == 4
+    monkeypatch.setattr(nl, "cpu_vendor", lambda: "AuthenticAMD")
+    assert nl.row_groups_default() == 1
+    monkeypatch.setenv(nl.ROW_GROUPS_ENV, "3")
+    assert nl.row_groups_default() == 3
+    monkeypatch.setenv(nl.ROW_GROUPS_ENV, "eight")  # not 1-4: the CPU's default, and a warning
+    assert nl.row_groups_default() == 1
+
+
 @pytest.fixture
 def int8_tiles(kernel: QuantKernel) -> Iterator[QuantKernel]:
     """The kernel with its AMX-INT8 path on (quant_amx.h), put back as it was after the test."""

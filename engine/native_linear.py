@@ -1,0 +1,119 @@
+"""The native linears' handles (``engine/csrc/quant.c``, ``bf16_linear.c``, ``decode_layer.c``), which
+``engine/native.py`` loads with the other kernels and re-exports."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.cpu_features import cpu_vendor
+
+logger = logging.getLogger(__name__)
+
+# 1-4: groups quant.c's batch-1 linears stream side by side (the same bits; speed only).  Unset: 4 on an
+# Intel CPU, 1 elsewhere -- what measured faster on each (engine/csrc/quant.c, row_groups).
+ROW_GROUPS_ENV = "PDKV_QUANT_ROW_GROUPS"
+
+
+def row_groups_default() -> int:
+    """PDKV_QUANT_ROW_GROUPS where set (1-4), else 4 on an Intel CPU and 1 elsewhere."""
+    raw = os.environ.get(ROW_GROUPS_ENV, "")
+    default = 4 if cpu_vendor() == "GenuineIntel" else 1
+    if raw and raw not in ("1", "2", "3", "4"):
+        logger.warning("%s=%r is not 1, 2, 3 or 4: using %d", ROW_GROUPS_ENV, raw, default)
+    return int(raw) if raw in ("1", "2", "3", "4") else default
+
+
+@dataclass(frozen=True)
+class QuantKernel:
+    """``engine/csrc/quant.c`` of the built library: linears over packed GGUF blocks (Q8_0, Q4_0, Q4_1;
+    ``engine/model/quantized.py`` packs them) and over packed dense bfloat16 weights
+    (``engine/csrc/bf16_linear.c``), their rows as dense floats, and the read-bandwidth probe.  Needs
+    AVX512-VNNI, or AVX2 + FMA + F16C (the same sums, the same bits); None in ``NativeKernels`` without
+    either."""
+
+    linear_fn: Any  # pdkv_qlinear
+    rows_fn: Any  # pdkv_qdequant_rows
+    bandwidth_fn: Any  # pdkv_read_bandwidth
+    bf16: bool = False  # the build has bf16_linear.c's AVX512-BF16 code: dense bfloat16 weights too
+    amx_fn: Any = None  # pdkv_bf16_amx
+    evict_fn: Any = None  # pdkv_evict
+    int8_tiles_fn: Any = None  # pdkv_quant_amx
+    row_groups_fn: Any = None  # pdkv_quant_row_groups
+
+    @property
+    def amx(self) -> bool:
+        """bf16_linear.c runs in AMX tiles (bf16_amx.h): built for this CPU, granted by Linux, not turned
+        off by PDKV_BF16_AMX=0.  Set once as the library loads; the tiles' bits are not the vectors' (the
+        KV namespace names them: engine/determinism.kv_fingerprint)."""
+        return self.amx_fn is not None and bool(self.amx_fn(-1))
+
+    def int8_tiles(self, want: bool | None = None) -> bool:
+        """Whether quant.c runs calls of several rows in AMX-INT8 tiles (quant_amx.h: built for this CPU,
+        granted by Linux, not off by PDKV_QUANT_AMX=0; the vectors' bits), after turning them on or off
+        for the whole process where ``want`` says (tests, benchmarks)."""
+        return self.int8_tiles_fn is not None and bool(self.int8_tiles_fn(-1 if want is None else int(want)))
+
+    def row_groups(self, want: int | None = None) -> int:
+        """Groups a batch-1 call streams side by side (1-4; quant.c's row_groups: speed only, the same
+        bits), after setting it for the whole process where ``want`` says (tests, benchmarks)."""
+        return int(self.row_groups_fn(0 if want is None else want))
+
+    @staticmethod
+    def supports(dtype: torch.dtype) -> bool:
+        return dtype in (torch.bfloat16, torch.float32)
+
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, out: torch.Tensor, col: int = 0
+    ) -> None:
+        """``out[:, col : col + n] = x @ w.T`` for ``x`` [T, k] and ``w`` [n, k] packed in format ``fmt``."""
+        assert x.dim() == 2 and x.is_contiguous() and out.is_contiguous() and out.shape[0] == x.shape[0]
+        assert x.dtype in (torch.bfloat16, torch.float32) and out.dtype in (torch.bfloat16, torch.float32)
+        assert col >= 0 and col + n <= out.shape[1]
+        failed = self.linear_fn(
+            x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], packed.data_ptr(), fmt, n,
+            out.data_ptr() + col * out.element_size(), out.shape[1], out.dtype == torch.bfloat16,
+        )  # fmt: skip
+        _check_quant(failed, "pdkv_qlinear")
+
+    def rows(
+        self, packed: torch.Tensor, fmt: int, n: int, k: int, ids: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Rows ``ids`` of the packed [n, k] weight as dense [len(ids), k] in ``dtype`` (bf16 or f32)."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), k, dtype=dtype)
+        failed = self.rows_fn(
+            packed.data_ptr(), fmt, n, k, ids.data_ptr(), ids.numel(), out.data_ptr(), dtype == torch.bfloat16
+        )
+        if failed == 2:
+            raise IndexError(f"a row id outside 0..{n - 1} (or a shape the packed weight does not have)")
+        _check_quant(failed, "pdkv_qdequant_rows")
+        return out
+
+    def read_bandwidth(self, buffer: torch.Tensor) -> int:
+        """Read ``buffer`` once on every thread's share (the caller times it); a checksum."""
+        return int(self.bandwidth_fn(buffer.data_ptr(), buffer.numel() * buffer.element_size()))
+
+    def evict(self, buffer: torch.Tensor) -> None:
+        """Drop ``buffer``'s bytes from every level of the caches: its next read comes from memory."""
+        if self.evict_fn is None or self.evict_fn(buffer.data_ptr(), buffer.numel() * buffer.element_size()):
+            raise RuntimeError("this CPU has no cache-line flush (pdkv_evict)")
+
+
+@dataclass(frozen=True)
+class DecodeLayerKernel:
+    """``engine/csrc/decode_layer.c``: a decoder layer over packed linears in one call (driven by
+    ``engine/model/fused_decode.py``, which mirrors its structs)."""
+
+    layer_fn: Any  # pdkv_decode_layer
+    scratch_fn: Any  # pdkv_decode_scratch_bytes
+
+
+def _check_quant(failed: int, name: str) -> None:
+    if failed == 3:
+        raise MemoryError(f"{name} could not allocate its activation buffers")
+    assert failed == 0, f"{name} refused the call ({failed})"
