@@ -83,20 +83,10 @@ void pdkv_side_stream(const char *const *base, int64_t n, int64_t bytes) {
     side_bytes = bytes;
 }
 
-typedef struct {
-    const char *const *base;
-    int64_t n, i, off, bytes; /* ranges [i, n) left, the offset in range i, a range's bytes */
-} Side;
-
 #ifdef __AVX512BF16__
-INLINE void side_step(Side *h) {
-    if (h != NULL && h->i < h->n) {
-        _mm_prefetch(h->base[h->i] + h->off, SIDE_HINT);
-        if ((h->off += 64) >= h->bytes) {
-            h->off = 0;
-            h->i++;
-        }
-    }
+INLINE void side_step(LineStream *side) {
+    const char *line = line_stream_next(side);
+    if (line != NULL) _mm_prefetch(line, SIDE_HINT);
 }
 
 /* GT groups from g0 times RT rows of x: every output's pairs in input order, then stored.  Inlined with
@@ -104,7 +94,7 @@ INLINE void side_step(Side *h) {
  * counts; the arithmetic per output is the same either way. */
 INLINE void tile(const uint16_t *w, int64_t g0, int64_t k, const uint16_t *x, const int GT, const int RT,
                  const int ng, const int nr, uint16_t *out, int64_t ldo, int64_t col0, int64_t n,
-                 Side *side) {
+                 LineStream *side) {
     __m512 acc[4][6];
     for (int gi = 0; gi < GT; gi++)
         for (int j = 0; j < RT; j++) acc[gi][j] = _mm512_setzero_ps();
@@ -150,7 +140,7 @@ int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed
     {
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
-        Side side = {sbase, sn * (tid + 1) / nt, sn * tid / nt, 0, sbytes}; /* this thread's share */
+        LineStream side = {sbase, sn * (tid + 1) / nt, sn * tid / nt, 0, sbytes}; /* this thread's share */
         (void)side; /* the AMX tiles do not take it */
 #ifdef PDKV_AMX
         if (amx_on && k % 32 == 0) {

@@ -1,5 +1,6 @@
 /* Helpers the native kernels share (the .c files beside this one): their shape limits, the window rule,
- * grow-only scratch buffers, bfloat16 conversions rounded as torch rounds, and the vector exponential. */
+ * grow-only scratch buffers, prefetch streams, bfloat16 conversions rounded as torch rounds, and the vector
+ * exponential. */
 #ifndef PDKV_SIMD_H
 #define PDKV_SIMD_H
 
@@ -43,6 +44,25 @@ static inline void write_paired(void *cache, size_t slab, const uint16_t *k, con
         uint16_t *vo = vp + ((h * (bs / 2) + j / 2) * D) * 2 + j % 2;
         for (int64_t d = 0; d < D; d++) vo[2 * d] = vh[d];
     }
+}
+
+/* Byte ranges a kernel prefetches a line at a time on the way through its own work (bf16_linear.c's side
+ * stream, paged_prefill.c's next decode row): ranges base[i .. n - 1] of `bytes` each, from offset `off`
+ * of range i.  line_stream_next: the next line's address (the caller prefetches it with its hint), NULL
+ * once the stream is done or where there is none. */
+typedef struct {
+    const char *const *base;
+    int64_t n, i, off, bytes;
+} LineStream;
+
+static inline const char *line_stream_next(LineStream *h) {
+    if (h == NULL || h->i >= h->n) return NULL;
+    const char *line = h->base[h->i] + h->off;
+    if ((h->off += 64) >= h->bytes) {
+        h->off = 0;
+        h->i++;
+    }
+    return line;
 }
 
 /* The first key a query at position pos sees: keys max(0, pos - window + 1) .. pos (window 0: none). */

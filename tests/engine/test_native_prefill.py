@@ -93,6 +93,21 @@ def test_the_kernel_matches_the_torch_path(
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+def _batch_cache(
+    shape: tuple, seqs: int, longest: int, gen: torch.Generator, layers: int = 2
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bfloat16 cache with room for ``seqs`` sequences of up to ``longest`` positions, their tables
+    (shuffled blocks, filled at random) and every other block NaN: a read outside a table shows."""
+    _, kv_heads, head_dim, block_size = shape
+    width = -(-longest // block_size) + 1
+    num_blocks = seqs * width + 8
+    cache = torch.full((num_blocks, layers, 2, block_size, kv_heads, head_dim), float("nan"))
+    tables = torch.randperm(num_blocks, generator=gen)[: seqs * width].view(seqs, width)
+    used = tables.flatten()
+    cache[used] = torch.randn(used.shape[0], layers, 2, block_size, kv_heads, head_dim, generator=gen)
+    return cache.bfloat16(), tables
+
+
 PAIRED_SHAPES = [*SHAPES, (9, 3, 64, 32), (4, 2, 64, 6)]
 
 
@@ -108,13 +123,7 @@ def test_the_paired_order_gives_the_canonical_orders_bits(kernel: native.Prefill
     heads, kv_heads, head_dim, block_size = shape
     gen = torch.Generator().manual_seed(block_size * 7 + head_dim)
     layers, seqs, longest = 2, 12, 200
-    width = -(-longest // block_size) + 1
-    num_blocks = seqs * width + 8
-    cache = torch.full((num_blocks, layers, 2, block_size, kv_heads, head_dim), float("nan"))
-    tables = torch.randperm(num_blocks, generator=gen)[: seqs * width].view(seqs, width)
-    used = tables.flatten()
-    cache[used] = torch.randn(used.shape[0], layers, 2, block_size, kv_heads, head_dim, generator=gen)
-    cache = cache.bfloat16()
+    cache, tables = _batch_cache(shape, seqs, longest, gen, layers)
     paired = to_paired(cache)
     cases = [  # (starts, counts): a decode batch; prefill chunks, first and later, with a decode row
         (torch.randint(0, longest, (seqs,), generator=gen), torch.ones(seqs, dtype=torch.int64)),
@@ -146,18 +155,12 @@ def test_a_decode_rows_bits_are_the_same_alone_and_in_a_batch(
     from engine.native_attention import KV_PAIRED
     from tests.engine.test_native_attention import to_paired
 
-    heads, kv_heads, head_dim, block_size = shape
+    heads, kv_heads, head_dim, _ = shape
     gen = torch.Generator().manual_seed(heads * 13 + head_dim)
-    layers, longest = 2, 120
+    longest = 120
     marks = [0, 1, 31, 32, 33, 63, 64, 95, 100, longest - 1]  # around the 32-key tiles
     seqs = max(len(marks), 4 * torch.get_num_threads())  # a task per row from 4 rows per thread
-    width = -(-longest // block_size) + 1
-    num_blocks = seqs * width + 4
-    cache = torch.full((num_blocks, layers, 2, block_size, kv_heads, head_dim), float("nan"))
-    tables = torch.randperm(num_blocks, generator=gen)[: seqs * width].view(seqs, width)
-    used = tables.flatten()
-    cache[used] = torch.randn(used.shape[0], layers, 2, block_size, kv_heads, head_dim, generator=gen)
-    cache = cache.bfloat16()
+    cache, tables = _batch_cache(shape, seqs, longest, gen)
     order = {}
     if paired:
         cache, order = to_paired(cache), {"kv_order": KV_PAIRED}
