@@ -13,29 +13,27 @@ from pathlib import Path
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
-
-
-@lru_cache(maxsize=1)
-def cpu_vendor() -> str:
-    """``/proc/cpuinfo``'s ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``, ...); empty where unknown."""
+@lru_cache(maxsize=4)
+def _cpuinfo_field(name: str) -> str:
+    """The first ``name : value`` line's value in ``/proc/cpuinfo``; empty where it has none (or no file)."""
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
         return ""
     for line in text.splitlines():
-        if line.startswith("vendor_id"):
+        if line.startswith(name):
             return line.partition(":")[2].strip()
     return ""
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    return frozenset(_cpuinfo_field("flags").split())
+
+
+def cpu_vendor() -> str:
+    """``/proc/cpuinfo``'s ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``, ...); empty where unknown."""
+    return _cpuinfo_field("vendor_id")
 
 
 def fast_bf16_flags() -> tuple[str, ...]:

@@ -112,6 +112,11 @@ int64_t pdkv_decode_scratch_bytes(const struct pdkv_shape *s, int64_t rows) {
 static _Thread_local const char **side_slabs;
 static _Thread_local int64_t side_cap;
 
+/* The last position row (or chunk) c of the step sees. */
+static inline int64_t last_position(const struct pdkv_step *st, int64_t c) {
+    return st->positions[c] + (st->chunks > 0 ? st->counts[c] : 1) - 1;
+}
+
 /* Layer `layer`'s slabs of the step's rows (their visible blocks) into side_slabs; returns how many (0
  * where the list cannot be had: no stream then). */
 static int64_t layer_slabs(const struct pdkv_shape *s, const struct pdkv_step *st, int64_t layer,
@@ -119,7 +124,7 @@ static int64_t layer_slabs(const struct pdkv_shape *s, const struct pdkv_step *s
     const int64_t bs = s->block_size, seqs = st->chunks > 0 ? st->chunks : st->rows;
     int64_t need = 0;
     for (int64_t c = 0; c < seqs && need * bytes < SIDE_MAX_BYTES; c++)
-        need += (st->positions[c] + (st->chunks > 0 ? st->counts[c] : 1) - 1) / bs + 1;
+        need += last_position(st, c) / bs + 1;
     if (need > side_cap) {
         free(side_slabs);
         side_slabs = (const char **)malloc(sizeof(char *) * (size_t)need);
@@ -128,8 +133,7 @@ static int64_t layer_slabs(const struct pdkv_shape *s, const struct pdkv_step *s
     }
     int64_t m = 0;
     for (int64_t c = 0; c < seqs && m < need; c++) {
-        const int64_t last = (st->positions[c] + (st->chunks > 0 ? st->counts[c] : 1) - 1) / bs;
-        for (int64_t k = 0; k <= last && m < need; k++) {
+        for (int64_t k = 0; k <= last_position(st, c) / bs && m < need; k++) {
             const int64_t block = st->block_table[c * st->table_width + k];
             /* an address to prefetch only (never loaded): made as an integer, whatever the table holds */
             const int64_t offset = ((block * s->num_layers + layer) * 2) * (bytes / 2);
