@@ -137,7 +137,9 @@ def test_a_batch_1_call_gives_the_same_bits_with_1_to_4_groups_side_by_side(
             assert torch.equal(a, b)
 
 
-def test_the_row_groups_default_follows_the_cpu_and_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_row_groups_default_follows_the_cpu_and_the_variable(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     import engine.native_linear as nl
 
     monkeypatch.setattr(nl, "cpu_vendor", lambda: "GenuineIntel")
@@ -148,7 +150,9 @@ def test_the_row_groups_default_follows_the_cpu_and_the_variable(monkeypatch: py
     monkeypatch.setenv(nl.ROW_GROUPS_ENV, "3")
     assert nl.row_groups_default() == 3
     monkeypatch.setenv(nl.ROW_GROUPS_ENV, "eight")  # not 1-4: the CPU's default, and a warning
-    assert nl.row_groups_default() == 1
+    with caplog.at_level("WARNING", logger="engine.native_linear"):
+        assert nl.row_groups_default() == 1
+    assert "PDKV_QUANT_ROW_GROUPS='eight' is not 1, 2, 3 or 4: using 1" in caplog.text
 
 
 @pytest.fixture
