@@ -42,6 +42,17 @@ def fast_bf16_flags() -> tuple[str, ...]:
     return tuple(f for f in BF16_FLAGS if f in flags)
 
 
+# What the native bfloat16 kernels (attention, LoRA, the dense linears: deterministic mode's) need of the
+# CPU, gcc building for it: AVX-512 F and BW -- with AVX512-BF16's dot product, or without it the same sums
+# in FMAs (engine/csrc/simd.h's PDKV_BF16).
+BF16_KERNEL_FLAGS = frozenset({"avx512f", "avx512bw"})
+
+
+def bf16_kernels_cpu() -> bool:
+    """Whether this CPU runs the native bfloat16 kernels (``BF16_KERNEL_FLAGS``)."""
+    return cpu_flags() >= BF16_KERNEL_FLAGS
+
+
 def auto_cpu_dtype_note() -> str:
     """One line for logs and ``--help``: what ``--dtype auto`` picks on this CPU and why."""
     found = fast_bf16_flags()

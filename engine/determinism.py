@@ -5,7 +5,8 @@ size, the chunking, the row's place in the batch, the thread count, or whether i
 computed here, loaded from a store tier or received from a peer:
 
 - linears: the native kernels, each output summed in input order whatever the batch -- bf16_linear.c in
-  AVX512-BF16 vectors or AMX tiles (one path per process), quant.c for quantized weights; where they are
+  AVX512-BF16 vectors (AVX-512's FMAs where the CPU lacks it) or AMX tiles (one path per process),
+  quant.c for quantized weights; where they are
   not built, oneDNN's packed bfloat16 matmuls under a plan measured on the host to keep each row's sums
   at every row count -- small batches padded to the row count where oneDNN's kernel stops changing, or K
   in pieces (``engine/model/batch_invariance.py``);
@@ -97,7 +98,7 @@ def _unavailable(
     if kernels is None:
         return "the native kernels could not be built (no C compiler?)"
     if kernels.prefill is None:
-        return "the native prefill attention was not built (the compiler emitted no AVX512-BF16 code)"
+        return "the native prefill attention was not built (the compiler emitted no AVX-512 code)"
     return None
 
 
@@ -108,11 +109,15 @@ def kv_fingerprint(
     *,
     tiles: bool = False,
     quantized: bool = False,
+    emulated: bool = False,
 ) -> str:
     """The fingerprint a ``HashNamespace`` takes: the model's, plus what makes its KV bits differ -- the
-    dtype, the mode, whether the bfloat16 linears run in AMX tiles (engine/csrc/bf16_amx.h) and whether
-    the weights run quantized (engine/model/quantized.py)."""
+    dtype, the mode, whether the bfloat16 linears run in AMX tiles (engine/csrc/bf16_amx.h), whether
+    the weights run quantized (engine/model/quantized.py) and, for bfloat16, whether the native kernels'
+    dot products are ``emulated`` with FMAs (an AVX-512 CPU without AVX512-BF16, engine/csrc/simd.h: the
+    same sums, but denormal inputs are not read as zero as vdpbf16ps reads them)."""
     mode = ";deterministic" if deterministic else ""
     linears = ";linears=amx" if tiles else ""
     weights = ";weights=quantized" if quantized else ""
-    return f"{model_fingerprint};kv={str(dtype).removeprefix('torch.')}{mode}{linears}{weights}"
+    dots = ";bf16dot=fma" if emulated and dtype == torch.bfloat16 else ""
+    return f"{model_fingerprint};kv={str(dtype).removeprefix('torch.')}{mode}{linears}{dots}{weights}"

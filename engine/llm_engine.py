@@ -164,6 +164,7 @@ class LLMEngine:
                 self.determinism.on,
                 tiles=self.model.bf16_tiles,
                 quantized=self.model.quantized,
+                emulated=kernels is not None and kernels.bf16_emulated,
             ),
             block_size=config.block_size,
             algo=config.hash_algo,

@@ -4,8 +4,8 @@
 header), RMSNorm (with the residual add before it) in one call instead of nine torch ops, RoPE with the
 step's K/V written into the cache in one call instead of ten, SwiGLU's ``silu(gate) * up``, and greedy
 sampling's argmax over the logits.  ``engine/csrc/paged_prefill.c`` holds the prefill attention
-(bfloat16, AVX512-BF16), also read from the paged cache.  ``lora.c`` applies a mixed batch's LoRA
-deltas; ``quant.c`` and ``bf16_linear.c`` run linears over packed weights (GGUF's quantized blocks, or
+(bfloat16, AVX-512: simd.h's bfloat16 dot products), also read from the paged cache.  ``lora.c``
+applies a mixed batch's LoRA deltas; ``quant.c`` and ``bf16_linear.c`` run linears over packed weights (GGUF's quantized blocks, or
 dense bfloat16) and ``decode_layer.c`` a whole decoder layer of a decode step.  All of them (and their
 shared ``simd.h``) are compiled into one library once per source version, compiler flags and CPU into
 ``$PDKV_CACHE_DIR/native/<digest>/libpdkv_native.so`` -- about a second with gcc -- and reused by every
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from engine.cpu_features import cpu_flags
+from engine.cpu_features import bf16_kernels_cpu, cpu_flags
 from engine.native_attention import DTYPE_FLAGS, KV_CANONICAL, MAX_HEAD_DIM, DecodeKernel, PrefillKernel
 from engine.native_build import build_library
 from engine.native_linear import DecodeLayerKernel, QuantKernel, row_groups_default
@@ -105,7 +105,7 @@ class RMSNormKernel:
 class SiluMulKernel:
     """``pdkv_silu_mul`` of the built library: SwiGLU's ``silu(gate) * up`` in one call.
 
-    bfloat16 where the vector path was built (AVX512-BF16): its scalar loop calls ``expf`` per element,
+    bfloat16 where the vector path was built (AVX-512): its scalar loop calls ``expf`` per element,
     slower than torch's vectorized SiLU.  float32 (AVX-512 or AVX2 + FMA vector paths) only for a model
     whose linears all run packed (``packed``: the quantized weights, compared with transformers within a
     tolerance, whose decode steps the fused layer serves with this kernel): its exponential may differ
@@ -118,7 +118,7 @@ class SiluMulKernel:
         flags = cpu_flags()
         if dtype == torch.float32:
             return packed and ("avx512f" in flags or {"avx2", "fma"} <= flags)
-        return dtype == torch.bfloat16 and "avx512_bf16" in flags
+        return dtype == torch.bfloat16 and bf16_kernels_cpu()
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2 I] (gate, then up) -> [T, I]."""
@@ -214,7 +214,7 @@ class ArgmaxKernel:
 @dataclass(frozen=True)
 class LoRAKernel:
     """``pdkv_lora_bf16`` of the built library (``engine/csrc/lora.c``): a mixed batch's LoRA deltas
-    segmented by adapter in one call per module.  bfloat16 with AVX512-BF16 only."""
+    segmented by adapter in one call per module.  bfloat16 with AVX-512 only."""
 
     function: Any  # the ctypes function pdkv_lora_bf16
 
@@ -254,14 +254,17 @@ def _check_lora(failed: int) -> None:
 @dataclass(frozen=True)
 class NativeKernels:
     decode: DecodeKernel
-    prefill: PrefillKernel | None  # None where the build has no AVX512-BF16 code (an older compiler)
+    prefill: PrefillKernel | None  # None where the build has no AVX-512 code
     rms_norm: RMSNormKernel
     rope: RopeKernel
     silu_mul: SiluMulKernel
     argmax: ArgmaxKernel
-    lora: LoRAKernel | None = None  # None where the build has no AVX512-BF16 code
+    lora: LoRAKernel | None = None  # None where the build has no AVX-512 code
     quant: QuantKernel | None = None  # None where the build has neither AVX512-VNNI nor AVX2 code
     decode_layer: DecodeLayerKernel | None = None  # with quant
+    # The bfloat16 dot products (attention, LoRA, dense linears) emulated with FMAs: an AVX-512 CPU
+    # without AVX512-BF16 (csrc/simd.h's PDKV_BF16 2).  The same sums; the KV namespace names it.
+    bf16_emulated: bool = False
 
 
 _lock = threading.Lock()
@@ -348,9 +351,8 @@ def _load() -> NativeKernels | None:
     row_groups = lib.pdkv_quant_row_groups
     row_groups.argtypes, row_groups.restype = [_INT64], _INT64
     row_groups(row_groups_default())
-    quant = QuantKernel(
-        qlinear, qrows, bandwidth, lib.pdkv_bf16_built() == 1, amx, evict, int8_tiles, row_groups
-    )
+    bf16_dot = lib.pdkv_bf16_built()  # simd.h's PDKV_BF16: 1 vdpbf16ps, 2 emulated, 0 neither
+    quant = QuantKernel(qlinear, qrows, bandwidth, bf16_dot != 0, amx, evict, int8_tiles, row_groups)
     built = lib.pdkv_quant_built() != 0  # quant.c has its vector kernels
     logger.info(
         "native kernels (decode and prefill attention, RMSNorm, RoPE + K/V write, SiLU-mul, argmax): %s", path
@@ -365,4 +367,5 @@ def _load() -> NativeKernels | None:
         LoRAKernel(lora) if lib.pdkv_lora_built() else None,
         quant if built else None,
         DecodeLayerKernel(layer, scratch) if built else None,
+        bf16_emulated=bf16_dot == 2,
     )

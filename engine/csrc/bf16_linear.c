@@ -10,13 +10,16 @@
  * Each output accumulates its pairs in input order in one float32 lane, whatever the number of rows, the
  * tile a row lands in or the threads: a row's result depends on that row alone (batch-invariant, the
  * engine's determinism rule).  A tile is up to GT groups x RT rows of accumulators, all independent, so
- * the adds' latency overlaps: 4 groups x 1 row at batch 1, 4 groups x 6 rows beyond.
+ * the adds' latency overlaps: 4 groups x 1 row at batch 1, 4 groups x 6 rows beyond (TILE_ROWS).
+ *
+ * Without AVX512-BF16, an AVX-512 CPU runs the same kernel on simd.h's emulated dot product (PDKV_BF16 2:
+ * two FMAs per pair, the same sums in the same order).
  *
  * On CPUs with AMX-BF16 the same layout runs in AMX tiles where pdkv_bf16_amx turned them on (bf16_amx.h).
  *
  * pdkv_side_stream: byte ranges the calling thread's next batch linears prefetch as they go (below).
  *
- * Returns 0; 1 without AVX512-BF16 in this build; 2 for a shape it does not serve.
+ * Returns 0; 1 without AVX-512 in this build; 2 for a shape it does not serve.
  */
 
 #define _GNU_SOURCE /* syscall(), for the tiles' permission */
@@ -49,13 +52,8 @@ int pdkv_bf16_amx(int64_t want) {
     return amx_on;
 }
 
-int pdkv_bf16_built(void) {
-#ifdef __AVX512BF16__
-    return 1;
-#else
-    return 0;
-#endif
-}
+/* 1: this build has the kernels on AVX512-BF16, 2: on plain AVX-512 (simd.h's PDKV_BF16), 0: neither. */
+int pdkv_bf16_built(void) { return PDKV_BF16; }
 
 int pdkv_bf16_rows(const void *packed, int64_t n, int64_t k, const int64_t *ids, int64_t count, void *out) {
     if (n <= 0 || k <= 0 || k % 2) return 2;
@@ -83,7 +81,11 @@ void pdkv_side_stream(const char *const *base, int64_t n, int64_t bytes) {
     side_bytes = bytes;
 }
 
-#ifdef __AVX512BF16__
+#if PDKV_BF16
+/* Rows of a batch tile: 4 groups x 6 rows = 24 accumulators with vdpbf16ps; 4 x 4 where each operand is
+ * two float vectors (simd.h's PDKV_BF16 2), so that accumulators and operands still fit the 32 registers. */
+#define TILE_ROWS (PDKV_BF16 == 1 ? 6 : 4)
+
 INLINE void side_step(LineStream *side) {
     const char *line = line_stream_next(side);
     if (line != NULL) _mm_prefetch(line, SIDE_HINT);
@@ -104,13 +106,13 @@ INLINE void tile(const uint16_t *w, int64_t g0, int64_t k, const uint16_t *x, co
     for (int gi = 0; gi < GT; gi++) wg[gi] = w + (g0 + (gi < ng ? gi : 0)) * k * G16;
     for (int j = 0; j < RT; j++) xr[j] = (const int32_t *)(x + (j < nr ? j : 0) * k);
     for (int64_t p = 0; p < half; p++) {
-        __m512bh xv[6];
-        for (int j = 0; j < RT; j++) xv[j] = (__m512bh)_mm512_set1_epi32(xr[j][p]);
+        bf16v xv[6];
+        for (int j = 0; j < RT; j++) xv[j] = bf16v_pair(xr[j][p]);
         side_step(side);
         for (int gi = 0; gi < GT; gi++) {
             _mm_prefetch((const char *)(wg[gi] + p * 2 * G16) + BF_PREFETCH, _MM_HINT_T0);
-            const __m512bh wv = (__m512bh)_mm512_loadu_si512(wg[gi] + p * 2 * G16);
-            for (int j = 0; j < RT; j++) acc[gi][j] = _mm512_dpbf16_ps(acc[gi][j], wv, xv[j]);
+            const bf16v wv = bf16v_load(wg[gi] + p * 2 * G16);
+            for (int j = 0; j < RT; j++) acc[gi][j] = bf16_dot(acc[gi][j], wv, xv[j]);
         }
     }
     for (int gi = 0; gi < ng; gi++) {
@@ -125,7 +127,7 @@ INLINE void tile(const uint16_t *w, int64_t g0, int64_t k, const uint16_t *x, co
 
 int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed, int64_t n, void *out_,
                      int64_t ldo, int64_t col0) {
-#ifndef __AVX512BF16__
+#if !PDKV_BF16
     (void)x_; (void)rows; (void)k; (void)packed; (void)n; (void)out_; (void)ldo; (void)col0;
     return 1;
 #else
@@ -161,12 +163,12 @@ int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed
                 const int64_t m1 = m0 + 60 < rows ? m0 + 60 : rows;
                 for (int64_t g = g0; g < g1; g += 4) {
                     const int ng = (int)(g1 - g < 4 ? g1 - g : 4);
-                    for (int64_t r = m0; r < m1; r += 6) {
-                        const int nr = (int)(m1 - r < 6 ? m1 - r : 6);
-                        if (ng == 4 && nr == 6)
-                            tile(w, g, k, x + r * k, 4, 6, 4, 6, out + r * ldo, ldo, col0, n, &side);
+                    for (int64_t r = m0; r < m1; r += TILE_ROWS) {
+                        const int nr = (int)(m1 - r < TILE_ROWS ? m1 - r : TILE_ROWS);
+                        if (ng == 4 && nr == TILE_ROWS)
+                            tile(w, g, k, x + r * k, 4, TILE_ROWS, 4, TILE_ROWS, out + r * ldo, ldo, col0, n, &side);
                         else
-                            tile(w, g, k, x + r * k, 4, 6, ng, nr, out + r * ldo, ldo, col0, n, &side);
+                            tile(w, g, k, x + r * k, 4, TILE_ROWS, ng, nr, out + r * ldo, ldo, col0, n, &side);
                     }
                 }
             }

@@ -21,7 +21,7 @@
  * (slots x rows).  Each output's sums run in one order fixed by the shapes alone (over the input pairs,
  * then over the rank pairs, from zero): a row's bits do not depend on the tile, the batch or the threads.
  *
- * Returns 0; 2 for a shape it does not serve (rank or parts over the limits); 1 without AVX512-BF16
+ * Returns 0; 2 for a shape it does not serve (rank or parts over the limits); 1 without AVX-512
  * in this build (the caller keeps the torch path).
  */
 
@@ -41,15 +41,9 @@
 #define MAX_RANK 64
 #define MAX_PARTS 4
 
-int pdkv_lora_built(void) {
-#ifdef __AVX512BF16__
-    return 1;
-#else
-    return 0;
-#endif
-}
+int pdkv_lora_built(void) { return PDKV_BF16 != 0; }
 
-#ifdef __AVX512BF16__
+#if PDKV_BF16
 INLINE void prefetch_at(const void *p, int64_t bytes) {
     _mm_prefetch((const char *)((uintptr_t)p + (uintptr_t)bytes), _MM_HINT_T0);
 }
@@ -71,14 +65,14 @@ INLINE void shrink_pass(const uint16_t *const *xr, const int n, const uint16_t *
         for (int v = 0; v < nv; v++) acc[j][v] = _mm512_setzero_ps();
     const uint16_t *ap = a2 + q0 * 2;
     for (int64_t ip = 0; ip < half; ip++, ap += pr * 2) {
-        __m512bh av[3];
-        for (int v = 0; v < nv; v++) av[v] = (__m512bh)_mm512_maskz_loadu_epi32(m[v], ap + 32 * v);
+        bf16v av[3];
+        for (int v = 0; v < nv; v++) av[v] = bf16v_of(_mm512_maskz_loadu_epi32(m[v], ap + 32 * v));
         for (int v = 0; v < nv; v++) prefetch_at(ap, (AHEAD_PAIRS * pr * 2 + 32 * v) * 2);
         for (int j = 0; j < n; j++) {
             int32_t xp;
             memcpy(&xp, xr[j] + 2 * ip, sizeof xp);
-            const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp);
-            for (int v = 0; v < nv; v++) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], xb, av[v]);
+            const bf16v xb = bf16v_pair(xp);
+            for (int v = 0; v < nv; v++) acc[j][v] = bf16_dot(acc[j][v], xb, av[v]);
         }
     }
     for (int j = 0; j < n; j++)
@@ -110,15 +104,15 @@ INLINE void expand_chunks(uint16_t *const *yr, const int n, const uint16_t *b2, 
     for (int j = 0; j < n; j++)
         for (int v = 0; v < nv; v++) acc[j][v] = _mm512_setzero_ps();
     for (int64_t q = 0; q < pairs; q++) {
-        __m512bh bv[2];
+        bf16v bv[2];
         for (int v = 0; v < nv; v++) {
             const uint16_t *bp = b2 + (q * out + c + 16 * v) * 2;
-            bv[v] = (__m512bh)_mm512_loadu_si512(bp);
+            bv[v] = bf16v_load(bp);
             prefetch_at(bp, AHEAD_COLUMNS * 4);
         }
         for (int j = 0; j < n; j++) {
-            const __m512bh ub = (__m512bh)_mm512_set1_epi32((int)up[j][q]);
-            for (int v = 0; v < nv; v++) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], ub, bv[v]);
+            const bf16v ub = bf16v_pair((int32_t)up[j][q]);
+            for (int v = 0; v < nv; v++) acc[j][v] = bf16_dot(acc[j][v], ub, bv[v]);
         }
     }
     for (int j = 0; j < n; j++)
@@ -175,7 +169,7 @@ INLINE void lora_tile(const uint16_t *x, uint16_t *y, const int64_t *rows, const
 int pdkv_lora_bf16(const void *x_, void *y_, const int64_t *slot, const void *a_, const void *b_,
                    int64_t rows, int64_t in, int64_t out, int64_t parts, const int64_t *part_start,
                    int64_t rank, int64_t num_slots) {
-#ifndef __AVX512BF16__
+#if !PDKV_BF16
     (void)x_; (void)y_; (void)slot; (void)a_; (void)b_; (void)rows; (void)in; (void)out; (void)parts;
     (void)part_start; (void)rank; (void)num_slots;
     return 1;

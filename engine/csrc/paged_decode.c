@@ -277,6 +277,8 @@ static void head_avx(const float *q, const char *qraw, float scale, const char *
         else
             scores_dpbf16((const uint16_t *)qraw, krows, off, n, scores, scale, C / 2, 1);
     } else
+#else
+    (void)qraw, (void)scale; /* the dot products on raw bfloat16 are AVX512-BF16's */
 #endif
     {
         BY_HEAD_DIM(16, scores_avx, q, krows, off, n, scores)
@@ -507,7 +509,7 @@ int pdkv_rms_norm(const void *x, const void *delta, void *h_out, const void *wei
                 if (bf16) {
                     uint16_t *h = (uint16_t *)h_out + at;
                     int i = 0;
-#ifdef __AVX512BF16__
+#if PDKV_BF16
                     for (; i + 16 <= n; i += 16) {
                         const __m256i sum = to_bf16x16(_mm512_add_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(d + i)));
                         _mm256_storeu_si256((__m256i *)(h + i), sum);
@@ -527,14 +529,13 @@ int pdkv_rms_norm(const void *x, const void *delta, void *h_out, const void *wei
             if (bf16) {
                 uint16_t *o = (uint16_t *)out + at;
                 int i = 0;
-#ifdef __AVX512BF16__
-                /* vcvtneps2bf16 rounds to nearest even, as torch does (NaN stays NaN) */
+#if PDKV_BF16
+                /* to_bf16x16 rounds to nearest even, as torch does (NaN stays NaN) */
                 const __m512 iv = _mm512_set1_ps(inv);
                 for (; i + 16 <= n; i += 16) {
-                    __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row + i), iv));
-                    __m512 yf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)y), 16));
-                    __m512 yw = _mm512_mul_ps(_mm512_loadu_ps(w + i), yf);
-                    _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(yw));
+                    const __m512 yf = round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(row + i), iv));
+                    const __m512 yw = _mm512_mul_ps(_mm512_loadu_ps(w + i), yf);
+                    _mm256_storeu_si256((__m256i *)(o + i), to_bf16x16(yw));
                 }
 #endif
                 for (; i < n; i++) o[i] = f32_to_bf16(w[i] * bf16_to_f32(f32_to_bf16(row[i] * inv)));
@@ -584,12 +585,11 @@ int pdkv_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, i
         const char *u = g + (size_t)inter * elem;
         char *o = (char *)out + (size_t)(r * inter) * elem;
         int64_t i = 0;
-#ifdef __AVX512BF16__
+#if PDKV_BF16
         for (; bf16 && i + 16 <= inter; i += 16) {
             const __m512 x = load16(g, (size_t)i, 1), up = load16(u, (size_t)i, 1);
-            const __m256bh s = _mm512_cvtneps_pbh(silu16(x));
-            const __m512 sf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)s), 16));
-            _mm256_storeu_si256((__m256i *)((uint16_t *)o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sf, up)));
+            const __m512 sf = round_bf16x16(silu16(x));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)o + i), to_bf16x16(_mm512_mul_ps(sf, up)));
         }
 #endif
         /* float32 (the fused decode layer on packed weights): silu(x) * up with the same exponential */
@@ -649,7 +649,7 @@ int pdkv_rope_write_kv(const void *qkv, const void *cos, const void *sin, void *
                 const uint16_t *s = (const uint16_t *)sin + cs;
                 uint16_t *o = (uint16_t *)qk + o0;
                 int64_t i = 0;
-#ifdef __AVX512BF16__
+#if PDKV_BF16
                 for (; i + 16 <= half; i += 16) {
                     const __m512 x1 = load16(x, (size_t)i, 1), x2 = load16(x, (size_t)(i + half), 1);
                     const __m512 ci = load16(c, (size_t)i, 1), si = load16(s, (size_t)i, 1);

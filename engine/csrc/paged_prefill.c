@@ -2,7 +2,8 @@
  * paged_decode.c):
  *
  *   pdkv_paged_prefill_many   prefill chunks' causal attention (chunks of many sequences, and decode
- *                             rows as chunks of one, in one call), bfloat16, AVX512-BF16
+ *                             rows as chunks of one, in one call), bfloat16, AVX512-BF16 (or plain
+ *                             AVX-512 on simd.h's emulated dot product: PDKV_BF16 2, the same sums)
  *
  * A chunk is n query rows at positions start .. start + n - 1 of one sequence; its keys and values --
  * the cached prefix and the chunk's own, already written -- are positions 0 .. start + n - 1 of the
@@ -68,7 +69,7 @@ static inline int64_t first_visible(const Prefill *a, int64_t pos) { return firs
 /* A chunk of one task per KV head (a decode row, a short chunk): its tasks pack their own tiles. */
 static inline int packs_own_tiles(const Prefill *a) { return a->n <= a->rows_per_task; }
 
-#ifdef __AVX512BF16__
+#if PDKV_BF16
 
 /* r[i] lane j <- r[j] lane i: a 16 x 16 transpose of dwords (unpacks, then 128-bit lane shuffles). */
 INLINE void transpose16(__m512i r[16]) {
@@ -273,14 +274,14 @@ INLINE void tile_scores(Ahead *ah, const uint16_t *q, const TileSrc *src, const 
         }
         ahead_step(ah);
         ahead_step(ah);
-        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(src->k[0] + (size_t)p * src->kstride);
-        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(src->k[1] + (size_t)p * src->kstride);
+        const bf16v k0 = bf16v_load(src->k[0] + (size_t)p * src->kstride);
+        const bf16v k1 = bf16v_load(src->k[1] + (size_t)p * src->kstride);
         for (int i = 0; i < NV; i++) {
             int32_t pair;
             memcpy(&pair, q + (size_t)i * D + 2 * p, sizeof pair);
-            const __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
-            s[i][0] = _mm512_dpbf16_ps(s[i][0], k0, qb);
-            s[i][1] = _mm512_dpbf16_ps(s[i][1], k1, qb);
+            const bf16v qb = bf16v_pair(pair);
+            s[i][0] = bf16_dot(s[i][0], k0, qb);
+            s[i][1] = bf16_dot(s[i][1], k1, qb);
         }
     }
     const __m512 sv = _mm512_set1_ps(scale);
@@ -303,12 +304,11 @@ INLINE void tile_values(Ahead *ah, float *o, const uint16_t *p, const TileSrc *s
         for (int c = 0; c < C; c++) {
             if (pf) _mm_prefetch((const char *)(pf->v[kp >> 3] + (size_t)(kp & 7) * D + 16 * c), _MM_HINT_T0);
             ahead_step(ah);
-            const __m512bh v =
-                (__m512bh)_mm512_loadu_si512(src->v[kp >> 3] + (size_t)(kp & 7) * D + 16 * c);
+            const bf16v v = bf16v_load(src->v[kp >> 3] + (size_t)(kp & 7) * D + 16 * c);
             for (int i = 0; i < QB; i++) {
                 int32_t pair;
                 memcpy(&pair, p + (size_t)i * KT + 2 * kp, sizeof pair);
-                acc[i * C + c] = _mm512_dpbf16_ps(acc[i * C + c], v, (__m512bh)_mm512_set1_epi32(pair));
+                acc[i * C + c] = bf16_dot(acc[i * C + c], v, bf16v_pair(pair));
             }
         }
     }
@@ -425,7 +425,7 @@ INLINE int attend_rows(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows, 
                 s.l[i] = s.l[i] * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
                 s.m[i] = m;
                 s.corr[i] = corr;
-                _mm512_storeu_si512(pi, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)); /* keys 0..31 in order */
+                _mm512_storeu_si512(pi, pack_bf16x32(p0, p1)); /* keys 0..31 in order */
             }
         }
         const int QB = 256 / D; /* query vectors per block of the values: 16 accumulators */
@@ -495,17 +495,11 @@ static int run_task(const Prefill *a, int64_t i) {
     return 0;
 }
 
-#endif /* __AVX512BF16__ */
+#endif /* PDKV_BF16 */
 
-/* 1 when this build has the kernel (the compiler targeted AVX512-BF16), 0 when pdkv_paged_prefill_many can
- * only refuse: the CPU's flags say what it runs, not what gcc emitted. */
-int pdkv_paged_prefill_built(void) {
-#ifdef __AVX512BF16__
-    return 1;
-#else
-    return 0;
-#endif
-}
+/* 1 when this build has the kernel (the compiler targeted AVX-512: simd.h's PDKV_BF16), 0 when
+ * pdkv_paged_prefill_many can only refuse: the CPU's flags say what it runs, not what gcc emitted. */
+int pdkv_paged_prefill_built(void) { return PDKV_BF16 != 0; }
 
 /* Many chunks in one call: chunk c is counts[c] query rows at positions starts[c] .. starts[c] + counts[c]
  * - 1 of the sequence whose blocks are block_table[c * table_width ..] (table_width ids, covering those
@@ -515,14 +509,14 @@ int pdkv_paged_prefill_built(void) {
  * does not see leaves its running max, sum and output untouched -- so a token's attention is the same
  * bits computed in any chunk, alone or with others (engine/determinism.py relies on it).
  * Returns 0; 1 when memory could not be allocated; 2 for what this build or the shape cannot take (no
- * AVX512-BF16, head_dim not a multiple of 32 or over 256, more than 16 query heads per KV head); 3 for a
+ * AVX-512, head_dim not a multiple of 32 or over 256, more than 16 query heads per KV head); 3 for a
  * block id, position or layer outside the table or the cache (nothing is read). */
 int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, void *out,
                             const int64_t *block_table, int64_t table_width, const int64_t *starts,
                             const int64_t *counts, int64_t num_chunks, int64_t num_layers, int64_t layer,
                             int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                             int64_t window, float scale, int64_t num_blocks, int64_t kv_order) {
-#ifndef __AVX512BF16__
+#if !PDKV_BF16
     (void)q, (void)q_stride, (void)cache, (void)out, (void)block_table, (void)table_width, (void)starts;
     (void)counts, (void)num_chunks, (void)num_layers, (void)layer, (void)block_size, (void)num_heads;
     (void)num_kv_heads, (void)head_dim, (void)window, (void)scale, (void)num_blocks, (void)kv_order;

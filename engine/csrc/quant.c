@@ -256,17 +256,6 @@ int pdkv_evict(const void *buf, int64_t bytes) {
 }
 
 #if PDKV_QUANT_BUILT == 1
-/* 16 floats rounded to bfloat16, nearest even (as torch) -- simd.h's to_bf16x16 without AVX512-BF16,
- * which a CPU with VNNI may lack. */
-INLINE __m256i bf16_round16(__m512 x) {
-    __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000)); /* NaN stays NaN */
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-
 /* Row x (k values, bfloat16 or float32) quantized per block of 32: qa[k] int16, da[k/32] and
  * sa[k/32] = da * sum(qa) floats. */
 static void quantize_row(const void *x, int64_t in_bf16, int64_t k, int16_t *qa, float *da, float *sa) {
@@ -399,7 +388,7 @@ INLINE void store_tile(const __m512 *acc, int nrows, void *out, int64_t ldo, int
     for (int j = 0; j < nrows; j++) {
         if (out_bf16) {
             uint16_t *o = (uint16_t *)out + j * ldo + col;
-            _mm256_mask_storeu_epi16(o, mask, bf16_round16(acc[j]));
+            _mm256_mask_storeu_epi16(o, mask, bf16_rne16(acc[j]));
         } else {
             float *o = (float *)out + j * ldo + col;
             _mm512_mask_storeu_ps(o, mask, acc[j]);

@@ -16,7 +16,7 @@ INLINE __m256 from_bf16x8(__m128i h) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* 8 floats rounded to bfloat16 bits (nearest even, NaN stays NaN: quant.c's bf16_round16), as int32. */
+/* 8 floats rounded to bfloat16 bits (nearest even, NaN stays NaN: simd.h's bf16_rne16), as int32. */
 INLINE __m256i bf16_bits8(__m256 x) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));

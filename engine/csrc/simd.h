@@ -145,9 +145,64 @@ INLINE __m512 from_bf16x16(__m256i h) {
 }
 #endif
 
-#ifdef __AVX512BF16__
-/* 16 floats rounded to bfloat16 (nearest even, as torch), as the bits and as floats again. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* 16 floats rounded to bfloat16, nearest even (as torch), in integer arithmetic: what a CPU without
+ * AVX512-BF16 has (quant.c's outputs on any CPU; every kernel's below where PDKV_BF16 is 2). */
+INLINE __m256i bf16_rne16(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000)); /* NaN stays NaN */
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+#endif
+
+/* The bfloat16 dot products of the attention, LoRA and dense-linear kernels (PDKV_BF16):
+ *   1  AVX512-BF16: vdpbf16ps adds a pair's two products to a float32 lane, the odd element's first, each
+ *      add rounded to nearest even (the SDM's pseudocode; input denormals read as zero, output ones flushed);
+ *   2  AVX-512 (F, BW) without it (Skylake to Ice Lake Xeons, or a VM that hides the flag): the same two
+ *      adds as two FMAs on the pair split into floats (a bfloat16 is a float's top half, so each product is
+ *      exact and each add rounds once, as above) -- the same bits for every input but denormals, at
+ *      about a third of the rate where the kernel is compute-bound.  The namespace of the KV blocks says
+ *      which (engine/determinism.kv_fingerprint): nodes of the two never exchange blocks.
+ * bf16v holds 32 bfloat16 as the kernel's operand: the raw vector, or its two halves as floats, split once
+ * where loaded (a loaded operand feeds several dot products). */
+#if defined(__AVX512BF16__)
+#define PDKV_BF16 1
+typedef __m512bh bf16v;
+INLINE bf16v bf16v_of(__m512i v) { return (__m512bh)v; }
+INLINE __m512 bf16_dot(__m512 acc, bf16v a, bf16v b) { return _mm512_dpbf16_ps(acc, a, b); }
+/* 16 floats rounded to bfloat16 (nearest even, as torch), as the bits. */
 INLINE __m256i to_bf16x16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+/* lo's 16 floats then hi's as 32 bfloat16. */
+INLINE __m512i pack_bf16x32(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+#define PDKV_BF16 2
+typedef struct {
+    __m512 odd, even; /* each pair's element 2i + 1 and 2i, as floats in lane i */
+} bf16v;
+INLINE bf16v bf16v_of(__m512i v) {
+    const bf16v r = {_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u))),
+                     _mm512_castsi512_ps(_mm512_slli_epi32(v, 16))};
+    return r;
+}
+INLINE __m512 bf16_dot(__m512 acc, bf16v a, bf16v b) {
+    return _mm512_fmadd_ps(a.even, b.even, _mm512_fmadd_ps(a.odd, b.odd, acc));
+}
+INLINE __m256i to_bf16x16(__m512 x) { return bf16_rne16(x); }
+INLINE __m512i pack_bf16x32(__m512 lo, __m512 hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(bf16_rne16(lo)), bf16_rne16(hi), 1);
+}
+#else
+#define PDKV_BF16 0
+#endif
+
+#if PDKV_BF16
+INLINE bf16v bf16v_load(const void *p) { return bf16v_of(_mm512_loadu_si512(p)); }
+/* One pair of bfloat16 (as a dword) in every lane. */
+INLINE bf16v bf16v_pair(int32_t pair) { return bf16v_of(_mm512_set1_epi32(pair)); }
+/* 16 floats rounded to bfloat16 and widened back. */
 INLINE __m512 round_bf16x16(__m512 x) { return from_bf16x16(to_bf16x16(x)); }
 #endif
 

@@ -5,7 +5,7 @@ plus, per adapter *slot*, A [R, in] and B [R, out] per fused part (R = ``max_lor
 is zero-padded, the scaling folded into B).  A step with no adapter skips it all, and a module no adapter
 of the step targets skips it too.  Otherwise one of two paths (docs/lora.md):
 
-- native (bfloat16 with AVX512-BF16, ``engine/csrc/lora.c``): one call per module, the rows grouped by
+- native (bfloat16 with AVX-512, ``engine/csrc/lora.c``): one call per module, the rows grouped by
   slot -- no work for other slots' columns, and each row computed alone (its bits independent of the
   batch);
 - torch (any device and dtype), for the step's slots ``lo..hi-1`` (k of them)::
@@ -174,7 +174,7 @@ def wrap_model(
 ) -> tuple[LoRAState, dict[tuple[int, str], tuple[LoRALinear, int]]]:
     """Wrap every layer's q/k/v, o, gate/up and down linear; returns the shared state and, per (layer,
     HF module name), its wrapper and part index.  ``kernel``: the native segmented kernel, used for
-    every step (bfloat16 on a CPU with AVX512-BF16)."""
+    every step (bfloat16 on a CPU with AVX-512)."""
     from engine.model.llama import LlamaForCausalLM
 
     assert isinstance(model, LlamaForCausalLM)

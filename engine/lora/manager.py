@@ -111,7 +111,7 @@ class LoRAManager:
             if deterministic and self.state.kernel is None:
                 raise ValueError(
                     "deterministic mode with LoRA adapters needs the native LoRA kernel (bfloat16 on a CPU "
-                    "with AVX512-BF16, an even --max-lora-rank up to 64): its deltas are the same bits in "
+                    "with AVX-512, an even --max-lora-rank up to 64): its deltas are the same bits in "
                     "any batch; turn one of the two off"
                 )
         self._served: dict[str, AdapterId] = {}

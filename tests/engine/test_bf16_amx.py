@@ -32,7 +32,7 @@ ROWS = (1, 2, 15, 16, 17, 31, 32, 33, 47, 129, 300)  # the blocks of 16 and 32, 
 def kernel() -> QuantKernel:
     kernels = native_kernels()
     if kernels is None or kernels.quant is None or not kernels.quant.bf16:
-        pytest.skip("this build has no AVX512-BF16 code")
+        pytest.skip("this build has no AVX-512 code (the bfloat16 kernel)")
     if not kernels.quant.amx:
         pytest.skip(f"no AMX-BF16 tiles here (the CPU, the build, Linux's grant, or {AMX_ENV}=0)")
     return kernels.quant

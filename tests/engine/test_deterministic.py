@@ -19,17 +19,18 @@ import pytest
 import torch
 
 from connectors.registry import KVConnectorConfig
-from engine.cpu_features import cpu_flags
+from engine.cpu_features import bf16_kernels_cpu
 from engine.determinism import DeterminismUnavailable, kv_fingerprint
 from engine.llm import LLM
 from engine.model import batch_invariance
 from engine.model.batch_invariance import k_pieces
 from engine.model.packed import PackedLinear
+from engine.native import native_kernels
 from engine.sampling_params import SamplingParams
 from tests.factories import store_tier_spec
 from tests.tiny_models import tiny_model_dir
 
-needs_bf16 = pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="needs a CPU with AVX512-BF16")
+needs_bf16 = pytest.mark.skipif(not bf16_kernels_cpu(), reason="needs AVX-512 (the bfloat16 kernels)")
 
 MODEL = "llama_smol_shapes"
 VOCAB = 320
@@ -72,8 +73,8 @@ def in_batch(llm: LLM, p: list[int], companions: list[list[int]], at: int, param
 
 @pytest.fixture(scope="module")
 def det() -> LLM:
-    if "avx512_bf16" not in cpu_flags():
-        pytest.skip("needs a CPU with AVX512-BF16")
+    if not bf16_kernels_cpu():
+        pytest.skip("needs a CPU with AVX-512 (the bfloat16 kernels)")
     llm = make()
     assert llm.engine.determinism.on, llm.engine.determinism.note
     return llm
@@ -215,6 +216,17 @@ def test_loaded_from_each_tier_equals_recompute(
         llm.engine.shutdown()
 
 
+def test_the_namespace_names_dot_products_in_fmas() -> None:  # on every host
+    """An AVX-512 CPU without AVX512-BF16 runs the bfloat16 kernels' dot products as FMAs: the same sums,
+    but not vdpbf16ps's flush of denormals, so its blocks are another namespace (bfloat16 only)."""
+    bf16 = torch.bfloat16
+    assert kv_fingerprint("m", bf16, True, emulated=True) == "m;kv=bfloat16;deterministic;bf16dot=fma"
+    assert kv_fingerprint("m", bf16, False, quantized=True, emulated=True) == (
+        "m;kv=bfloat16;bf16dot=fma;weights=quantized"
+    )
+    assert kv_fingerprint("m", torch.float32, False, emulated=True) == "m;kv=float32"
+
+
 @needs_bf16
 def test_the_switch_is_in_the_namespace_and_blocks_never_cross(det: LLM) -> None:
     off = make(deterministic=False)
@@ -222,8 +234,15 @@ def test_the_switch_is_in_the_namespace_and_blocks_never_cross(det: LLM) -> None
     fp = off.engine.model.fingerprint
     tiles = off.engine.model.bf16_tiles  # the AMX path's bits are its own (engine/csrc/bf16_amx.h)
     assert tiles == det.engine.model.bf16_tiles
-    assert off.engine.namespace.model_fingerprint == kv_fingerprint(fp, torch.bfloat16, False, tiles=tiles)
-    assert det.engine.namespace.model_fingerprint == kv_fingerprint(fp, torch.bfloat16, True, tiles=tiles)
+    kernels = native_kernels()
+    fma = kernels is not None and kernels.bf16_emulated  # no AVX512-BF16: its dot products in FMAs
+    assert off.engine.namespace.model_fingerprint == kv_fingerprint(
+        fp, torch.bfloat16, False, tiles=tiles, emulated=fma
+    )
+    assert det.engine.namespace.model_fingerprint == kv_fingerprint(
+        fp, torch.bfloat16, True, tiles=tiles, emulated=fma
+    )
+    assert det.engine.namespace.model_fingerprint.endswith(";bf16dot=fma") == fma
     assert off.engine.namespace.namespace_id != det.engine.namespace.namespace_id
     # a block a non-deterministic engine saved is never loaded by a deterministic one (same store)
     rng = random.Random(13)

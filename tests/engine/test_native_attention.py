@@ -270,7 +270,7 @@ def test_the_silu_mul_kernel_matches_the_torch_ops(rows: int, inter: int) -> Non
     gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(torch.bfloat16)
     gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, float("nan")])  # 0, far tails, NaN
     if not kernels.silu_mul.supports(gate_up.dtype):
-        pytest.skip("no AVX512-BF16 on this CPU: the torch ops run")
+        pytest.skip("no AVX-512 on this CPU: the torch ops run")
     gate, up = gate_up.split(inter, dim=-1)
     want = torch.nn.functional.silu(gate) * up
     got = kernels.silu_mul(gate_up)

@@ -191,7 +191,7 @@ def test_the_bf16_kernel_sums_within_float32_rounding_and_rounds_once(
     kernel: QuantKernel, n: int, k: int
 ) -> None:
     if not kernel.bf16:
-        pytest.skip("this build has no AVX512-BF16 code")
+        pytest.skip("this build has no AVX-512 code (the bfloat16 kernel)")
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     linear = QuantLinear([pack_bf16(w)], None, kernel)
@@ -205,9 +205,37 @@ def test_the_bf16_kernel_sums_within_float32_rounding_and_rounds_once(
         assert torch.all((y - exact).abs() <= bound), rows
 
 
+def test_without_avx512_bf16_the_kernel_adds_each_pair_as_vdpbf16ps_does() -> None:
+    """On an AVX-512 CPU without AVX512-BF16 the dot products are two FMAs per pair (csrc/simd.h): each
+    output's float32 sum takes input 2p + 1's product, then 2p's, pair after pair, each add rounded once
+    (the order of the SDM's pseudocode for vdpbf16ps) -- the same bits as float32 torch ops in that order,
+    then one bfloat16 rounding.  (Where the CPU has the instruction the hardware rounds; not compared.)"""
+    kernels = native_kernels()
+    if kernels is None or not kernels.bf16_emulated:
+        pytest.skip("the dot products run on AVX512-BF16 here (or the kernel is not built)")
+    assert kernels.quant is not None
+    g = torch.Generator().manual_seed(5)
+    for n, k in ((37, 64), (16, 1538)):
+        w = (torch.randn(n, k, generator=g) * torch.rand(n, k, generator=g) ** 4).to(torch.bfloat16)
+        x = torch.randn(7, k, generator=g).to(torch.bfloat16)
+        # an output where the order shows: 1 + 2^-24 rounds to 1 (a tie, to even), so inputs 1, 0, 3, 2
+        # (1, 2^-24, -1, 2^-24) sum to 2^-24 and inputs 0, 1, 2, 3 to 0
+        w[0] = 0.0
+        w[0, :4] = torch.tensor([2.0**-24, 1.0, 2.0**-24, -1.0])
+        x[:, :4] = 1.0
+        got = QuantLinear([pack_bf16(w)], None, kernels.quant)(x)
+        assert torch.all(got[:, 0] == 2.0**-24)
+        xf, wf = x.float(), w.float()
+        acc = torch.zeros(7, n)
+        for p in range(k // 2):
+            for i in (2 * p + 1, 2 * p):  # each product exact in float32; each add rounds once
+                acc = acc + xf[:, i : i + 1] * wf[:, i][None, :]
+        assert torch.equal(got, acc.to(torch.bfloat16)), (n, k)
+
+
 def test_the_bf16_kernel_gives_each_row_the_same_bits_in_any_batch(kernel: QuantKernel) -> None:
     if not kernel.bf16:
-        pytest.skip("this build has no AVX512-BF16 code")
+        pytest.skip("this build has no AVX-512 code (the bfloat16 kernel)")
     g = torch.Generator().manual_seed(9)
     linear = QuantLinear([pack_bf16(torch.randn(200, 576, generator=g).to(torch.bfloat16))], None, kernel)
     x = torch.randn(130, 576, generator=g).to(torch.bfloat16)
@@ -347,11 +375,11 @@ def test_the_fused_decode_layer_is_the_per_op_path_bit_for_bit(
     step, prefill chunks included.  float32 activations on quantized weights too (an AVX2 host's
     ``--dtype auto``): the per-op path then takes the native float32 SiLU as the fused call does."""
     if qtype == "bf16 folder" and not kernel.bf16:
-        pytest.skip("this build has no AVX512-BF16 code")
+        pytest.skip("this build has no AVX-512 code (the bfloat16 kernel)")
     if dtype == "bfloat16" and not SiluMulKernel.supports(torch.bfloat16):
-        pytest.skip("the bfloat16 SiLU kernel needs AVX512-BF16: the per-op path has torch's, no fused call")
+        pytest.skip("the bfloat16 SiLU kernel needs AVX-512: the per-op path has torch's, no fused call")
     if deterministic and not _deterministic_here():
-        pytest.skip("deterministic mode needs the native prefill attention (AVX512-BF16)")
+        pytest.skip("deterministic mode needs the native prefill attention (AVX-512)")
     if deterministic:  # the native prefill attention (deterministic mode's) takes head_dim 64, not 16
         folder = pdkv_tiny_model_dir(init_std=0.2, hidden=128, heads=2, kv_heads=1)
         files = {"Q4_1": write_gguf(folder, tmp_path / "hd64.gguf", qtype="Q4_1")}
@@ -376,7 +404,7 @@ def test_the_fused_decode_layer_adds_lora_deltas_as_the_per_op_path_does(kernel:
     from tests.tiny_models import tiny_model_dir
 
     if not kernel.bf16:
-        pytest.skip("this build has no AVX512-BF16 code")
+        pytest.skip("this build has no AVX-512 code (the bfloat16 kernel)")
     a, b = peft_adapter_dir("llama", "r16"), peft_adapter_dir("llama", "attn_only")
     llm = LLM(
         tiny_model_dir("llama"), dtype="bfloat16", device="cpu", block_size=BS, num_blocks=128,

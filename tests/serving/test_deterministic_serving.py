@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from engine.cpu_features import cpu_flags
+from engine.cpu_features import bf16_kernels_cpu
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pdkv.launcher import Process
@@ -22,7 +22,7 @@ from serving.client import GenerationClient, generate_request
 from tests.serving.helpers import NODE_ARGS, assert_node_idle, node_stats, serving_node, start_cluster
 from tests.tiny_models import pdkv_tiny_model_dir
 
-pytestmark = pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="needs a CPU with AVX512-BF16")
+pytestmark = pytest.mark.skipif(not bf16_kernels_cpu(), reason="needs AVX-512 (the bfloat16 kernels)")
 
 BF16_ARGS = (*NODE_ARGS, "--dtype", "bfloat16", "--deterministic", "on")
 
