@@ -5,9 +5,10 @@ header), RMSNorm (with the residual add before it) in one call instead of nine t
 step's K/V written into the cache in one call instead of ten, SwiGLU's ``silu(gate) * up``, and greedy
 sampling's argmax over the logits.  ``engine/csrc/paged_prefill.c`` holds the prefill attention
 (bfloat16, AVX-512: simd.h's bfloat16 dot products), also read from the paged cache.  ``lora.c``
-applies a mixed batch's LoRA deltas; ``quant.c`` and ``bf16_linear.c`` run linears over packed weights (GGUF's quantized blocks, or
-dense bfloat16) and ``decode_layer.c`` a whole decoder layer of a decode step.  All of them (and their
-shared ``simd.h``) are compiled into one library once per source version, compiler flags and CPU into
+applies a mixed batch's LoRA deltas; ``quant.c`` and ``bf16_linear.c`` run linears over packed weights
+(GGUF's quantized blocks, or dense bfloat16) and ``decode_layer.c`` a whole decoder layer of a decode
+step.  All of them (and their shared ``simd.h``) are compiled into one library once per source version,
+compiler flags and CPU into
 ``$PDKV_CACHE_DIR/native/<digest>/libpdkv_native.so`` -- about a second with gcc -- and reused by every
 later process.  Without a compiler, or if the build fails,
 ``native_kernels()`` returns None once, logs why, and the model keeps its torch paths (gather + SDPA;
