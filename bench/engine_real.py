@@ -250,7 +250,7 @@ def quantized_figures(gguf: Path, steps: int, long_prompt: list[int], report: Re
     """pdkv on the file as it ships (``--weights quantized``): decode at batch 1/8/32, the 1000-token
     TTFT, the batch-1 step against the machine's read bandwidth, and the weights held against the file.
     The activations in the dtype ``--dtype auto`` gives on this CPU: bfloat16 where it is fast
-    (AVX512-BF16, AMX), else float32 (an AVX2 host)."""
+    (AVX512-BF16, AMX, AVX-512 on the native kernels), else float32 (an AVX2 host)."""
     dtype = "bfloat16" if fast_bf16_flags() else "float32"
     report.figure("real_q_activations_bits", 16 if dtype == "bfloat16" else 32)
     llm = real_llm(gguf, dtype, None, weights="quantized")  # the engine's default mode

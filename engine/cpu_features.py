@@ -1,12 +1,16 @@
 """What this CPU does fast, read from ``/proc/cpuinfo`` (no torch import, so ``pdkv --help`` can say it).
 
 bfloat16 matmuls run on AVX512_BF16 (``avx512_bf16``) or AMX (``amx_bf16``) at about 2.4x the float32 rate
-at small batch on the machines pdkv is developed on; without either, torch emulates bfloat16 and it is
-slower than float32.  That decides ``dtype="auto"`` on the CPU (``EngineConfig.torch_dtype``).
+at small batch on the machines pdkv is developed on.  Without either, torch emulates bfloat16 and it is
+slower than float32 -- but on AVX-512 (``avx512f`` and ``avx512bw``) pdkv's native kernels run the same
+sums in FMAs (engine/csrc/simd.h), and a model's decode steps there are 1.3-3x float32's (an Emerald
+Rapids VM that hides AVX512-BF16, docs/BENCHMARKS.md).  That decides ``dtype="auto"`` on the CPU
+(``EngineConfig.torch_dtype``).
 """
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -36,26 +40,35 @@ def cpu_vendor() -> str:
     return _cpuinfo_field("vendor_id")
 
 
-def fast_bf16_flags() -> tuple[str, ...]:
-    """The flags of ``BF16_FLAGS`` this CPU has (empty: bfloat16 is not fast here)."""
-    flags = cpu_flags()
-    return tuple(f for f in BF16_FLAGS if f in flags)
-
-
 # What the native bfloat16 kernels (attention, LoRA, the dense linears: deterministic mode's) need of the
 # CPU, gcc building for it: AVX-512 F and BW -- with AVX512-BF16's dot product, or without it the same sums
 # in FMAs (engine/csrc/simd.h's PDKV_BF16).
-BF16_KERNEL_FLAGS = frozenset({"avx512f", "avx512bw"})
+BF16_KERNEL_FLAGS = ("avx512f", "avx512bw")
 
 
 def bf16_kernels_cpu() -> bool:
     """Whether this CPU runs the native bfloat16 kernels (``BF16_KERNEL_FLAGS``)."""
-    return cpu_flags() >= BF16_KERNEL_FLAGS
+    return cpu_flags() >= frozenset(BF16_KERNEL_FLAGS)
+
+
+def fast_bf16_flags() -> tuple[str, ...]:
+    """Why bfloat16 is fast on this CPU: the flags of ``BF16_FLAGS`` it has, else ``BF16_KERNEL_FLAGS``
+    where it has those and the native kernels are not turned off (``PDKV_NATIVE=0``); empty: not fast."""
+    flags = cpu_flags()
+    found = tuple(f for f in BF16_FLAGS if f in flags)
+    if not found and bf16_kernels_cpu() and os.environ.get("PDKV_NATIVE", "1") != "0":
+        return BF16_KERNEL_FLAGS
+    return found
 
 
 def auto_cpu_dtype_note() -> str:
     """One line for logs and ``--help``: what ``--dtype auto`` picks on this CPU and why."""
     found = fast_bf16_flags()
+    if found == BF16_KERNEL_FLAGS:
+        return (
+            "auto = bfloat16 on this CPU (avx512f + avx512bw: pdkv's native kernels, no avx512_bf16); "
+            "float32 checkpoints stay float32"
+        )
     if found:
         return f"auto = bfloat16 on this CPU ({', '.join(found)}); float32 checkpoints stay float32"
-    return "auto = float32 on this CPU (no avx512_bf16 or amx_bf16)"
+    return "auto = float32 on this CPU (no avx512_bf16, amx_bf16 or avx512f + avx512bw)"

@@ -211,15 +211,19 @@ class EngineConfig:
     def torch_dtype(self, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
         import torch
 
-        from engine.cpu_features import fast_bf16_flags
+        from engine.cpu_features import BF16_KERNEL_FLAGS, fast_bf16_flags
+        from engine.native import native_kernels
 
         if self.dtype != "auto":
             return getattr(torch, self.dtype)  # type: ignore[no-any-return]
         if self.weights in _WEIGHT_DTYPES:
             return getattr(torch, _WEIGHT_DTYPES[self.weights])  # type: ignore[no-any-return]
         if device.type == "cpu":
-            if checkpoint_dtype == "float32" or not fast_bf16_flags():
+            found = fast_bf16_flags()
+            if checkpoint_dtype == "float32" or not found:
                 return torch.float32
+            if found == BF16_KERNEL_FLAGS and native_kernels() is None:
+                return torch.float32  # AVX-512 alone is fast only on the native kernels, not torch's paths
             return torch.bfloat16
         if checkpoint_dtype in ("float16", "bfloat16"):
             return getattr(torch, checkpoint_dtype)  # type: ignore[no-any-return]
