@@ -353,3 +353,30 @@ def test_padding_to_min_rows_computes_the_same_rows() -> None:
         packed.min_rows = 1
         assert torch.equal(y, packed(padded)[:t])
         packed.min_rows = 8
+
+
+@pytest.mark.parametrize(
+    ("flags", "native", "want"),
+    [
+        ({"avx512f", "avx512bw", "avx512_bf16"}, "1", "avx512_bf16"),
+        ({"amx_bf16", "avx512f", "avx512bw"}, "1", "amx_bf16"),
+        ({"avx512f", "avx512bw", "avx512_vnni"}, "1", "avx512f + avx512bw"),  # the kernels' FMAs
+        ({"avx512f", "avx512bw"}, "0", "auto = float32"),  # PDKV_NATIVE=0: torch's bfloat16 is slow there
+        ({"avx2", "fma"}, "1", "auto = float32"),
+    ],
+)
+def test_auto_runs_bfloat16_where_the_cpu_or_the_native_kernels_make_it_fast(
+    flags: set[str], native: str, want: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--dtype auto on the CPU, and the line --help prints for it: bfloat16 on AVX512-BF16 or AMX, and on
+    plain AVX-512 where the native kernels run (so deterministic mode is served there by default)."""
+    from engine import cpu_features
+    from engine.engine_config import EngineConfig
+
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setenv("PDKV_NATIVE", native)
+    note = cpu_features.auto_cpu_dtype_note()
+    assert want in note, note
+    dtype = EngineConfig().torch_dtype(torch.device("cpu"), "bfloat16")
+    assert dtype == (torch.float32 if "float32" in want else torch.bfloat16), note
+    assert EngineConfig().torch_dtype(torch.device("cpu"), "float32") == torch.float32  # stays float32
