@@ -144,10 +144,8 @@ INLINE void tile(const uint16_t *w, int64_t g0, int64_t k, const xelem *x, const
             const bf16v wv = bf16v_load(wg[gi] + p * 2 * G16);
 #if PDKV_BF16 == 1
             for (int j = 0; j < RT; j++) acc[gi][j] = bf16_dot(acc[gi][j], wv, xv[j]);
-#else /* bf16_dot's two FMAs, odd element first, the activations broadcast from memory */
-            for (int j = 0; j < RT; j++)
-                acc[gi][j] = _mm512_fmadd_ps(wv.even, _mm512_set1_ps(xr[j][2 * p]),
-                                             _mm512_fmadd_ps(wv.odd, _mm512_set1_ps(xr[j][2 * p + 1]), acc[gi][j]));
+#else
+            for (int j = 0; j < RT; j++) acc[gi][j] = bf16_dot_pair(acc[gi][j], wv, xr[j] + 2 * p);
 #endif
         }
     }

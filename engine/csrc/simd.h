@@ -163,9 +163,11 @@ INLINE __m256i bf16_rne16(__m512 x) {
  *      add rounded to nearest even (the SDM's pseudocode; input denormals read as zero, output ones flushed);
  *   2  AVX-512 (F, BW) without it (Skylake to Ice Lake Xeons, or a VM that hides the flag): the same two
  *      adds as two FMAs on the pair split into floats (a bfloat16 is a float's top half, so each product is
- *      exact and each add rounds once, as above) -- the same bits for every input but denormals, at
- *      about a third of the rate where the kernel is compute-bound.  The namespace of the KV blocks says
- *      which (engine/determinism.kv_fingerprint): nodes of the two never exchange blocks.
+ *      exact and each add rounds once, as above) -- the same bits for every input but denormals; two FMAs
+ *      and the split where vdpbf16ps is one instruction, so slower where a kernel is compute-bound (a
+ *      SmolLM2 step's dense linears at 32 rows: ~200 GFLOP/s on 2 cores of an Emerald Rapids VM that
+ *      hides the flag, ~700 with vdpbf16ps on an AMD Zen 5 -- other hosts).  The namespace of the KV
+ *      blocks says which (engine/determinism.kv_fingerprint): nodes of the two never exchange blocks.
  * bf16v holds 32 bfloat16 as the kernel's operand: the raw vector, or its two halves as floats, split once
  * where loaded (a loaded operand feeds several dot products). */
 #if defined(__AVX512BF16__)
@@ -175,7 +177,8 @@ INLINE bf16v bf16v_of(__m512i v) { return (__m512bh)v; }
 INLINE __m512 bf16_dot(__m512 acc, bf16v a, bf16v b) { return _mm512_dpbf16_ps(acc, a, b); }
 /* 16 floats rounded to bfloat16 (nearest even, as torch), as the bits. */
 INLINE __m256i to_bf16x16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
-/* lo's 16 floats then hi's as 32 bfloat16. */
+/* lo's 16 floats then hi's as 32 bfloat16 (paged_prefill.c's probabilities; PDKV_BF16 2 keeps them as
+ * floats rounded to bfloat16). */
 INLINE __m512i pack_bf16x32(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
 #elif defined(__AVX512F__) && defined(__AVX512BW__)
 #define PDKV_BF16 2
@@ -191,11 +194,17 @@ INLINE __m512 bf16_dot(__m512 acc, bf16v a, bf16v b) {
     return _mm512_fmadd_ps(a.even, b.even, _mm512_fmadd_ps(a.odd, b.odd, acc));
 }
 INLINE __m256i to_bf16x16(__m512 x) { return bf16_rne16(x); }
-INLINE __m512i pack_bf16x32(__m512 lo, __m512 hi) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(bf16_rne16(lo)), bf16_rne16(hi), 1);
-}
 #else
 #define PDKV_BF16 0
+#endif
+
+#if PDKV_BF16 == 2
+/* bf16_dot with the second operand one pair, given as two floats in memory (element 2i at b[0], 2i + 1
+ * at b[1]): each broadcast from memory into its FMA -- a load, not the split's vector ALU work, where a
+ * kernel widened its broadcast operand (activations, queries, probabilities) to floats once. */
+INLINE __m512 bf16_dot_pair(__m512 acc, bf16v a, const float *b) {
+    return _mm512_fmadd_ps(a.even, _mm512_set1_ps(b[0]), _mm512_fmadd_ps(a.odd, _mm512_set1_ps(b[1]), acc));
+}
 #endif
 
 #if PDKV_BF16
