@@ -2,9 +2,9 @@
 
 bfloat16 matmuls run on AVX512_BF16 (``avx512_bf16``) or AMX (``amx_bf16``) at about 2.4x the float32 rate
 at small batch on the machines pdkv is developed on.  Without either, torch emulates bfloat16 and it is
-slower than float32 -- but on AVX-512 (``avx512f`` and ``avx512bw``) pdkv's native kernels run the same
-sums in FMAs (engine/csrc/simd.h), and a model's decode steps there are 1.3-3x float32's (an Emerald
-Rapids VM that hides AVX512-BF16, docs/BENCHMARKS.md).  That decides ``dtype="auto"`` on the CPU
+slower than float32 -- but on AVX-512 (``avx512f``, ``avx512bw``, ``avx512vl``) pdkv's native kernels
+run the same sums in FMAs (engine/csrc/simd.h), and a model's decode steps there are 1.3-3x float32's (an
+Emerald Rapids VM that hides AVX512-BF16, docs/BENCHMARKS.md).  That decides ``dtype="auto"`` on the CPU
 (``EngineConfig.torch_dtype``).
 """
 
@@ -41,9 +41,9 @@ def cpu_vendor() -> str:
 
 
 # What the native bfloat16 kernels (attention, LoRA, the dense linears: deterministic mode's) need of the
-# CPU, gcc building for it: AVX-512 F and BW -- with AVX512-BF16's dot product, or without it the same sums
-# in FMAs (engine/csrc/simd.h's PDKV_BF16).
-BF16_KERNEL_FLAGS = ("avx512f", "avx512bw")
+# CPU, gcc building for it: AVX-512 F, BW and VL -- with AVX512-BF16's dot product, or without it the same
+# sums in FMAs (engine/csrc/simd.h's PDKV_BF16).
+BF16_KERNEL_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 
 
 def bf16_kernels_cpu() -> bool:
@@ -66,9 +66,9 @@ def auto_cpu_dtype_note() -> str:
     found = fast_bf16_flags()
     if found == BF16_KERNEL_FLAGS:
         return (
-            "auto = bfloat16 on this CPU (avx512f + avx512bw: pdkv's native kernels, no avx512_bf16); "
+            "auto = bfloat16 on this CPU (avx512f/bw/vl: pdkv's native kernels, no avx512_bf16); "
             "float32 checkpoints stay float32"
         )
     if found:
         return f"auto = bfloat16 on this CPU ({', '.join(found)}); float32 checkpoints stay float32"
-    return "auto = float32 on this CPU (no avx512_bf16, amx_bf16 or avx512f + avx512bw)"
+    return "auto = float32 on this CPU (no avx512_bf16, amx_bf16 or avx512f/bw/vl)"

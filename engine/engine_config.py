@@ -54,7 +54,8 @@ class EngineConfig:
 
     ``dtype="auto"``: on CUDA the checkpoint's 16-bit dtype, else bfloat16.  On the CPU, a checkpoint
     stored in float32 runs in float32 (its weights are not rounded); any other runs in bfloat16 where the
-    CPU has AVX512_BF16 or AMX (``engine/cpu_features.py``), else in float32.
+    CPU has AVX512_BF16 or AMX, or AVX-512 with pdkv's native bfloat16 kernels built
+    (``engine/cpu_features.py``), else in float32.
     ``device="auto"``: CUDA when present, else the CPU.
     ``weights``: how a GGUF file's Q8_0/Q4_0/Q4_1 matrices run (``engine/model/quantized.py``):
     ``quantized`` as the file ships them (native kernels, AVX512-VNNI or AVX2), ``bf16`` / ``float32``
@@ -212,7 +213,6 @@ class EngineConfig:
         import torch
 
         from engine.cpu_features import BF16_KERNEL_FLAGS, fast_bf16_flags
-        from engine.native import native_kernels
 
         if self.dtype != "auto":
             return getattr(torch, self.dtype)  # type: ignore[no-any-return]
@@ -222,7 +222,7 @@ class EngineConfig:
             found = fast_bf16_flags()
             if checkpoint_dtype == "float32" or not found:
                 return torch.float32
-            if found == BF16_KERNEL_FLAGS and native_kernels() is None:
+            if found == BF16_KERNEL_FLAGS and not _bf16_kernels_built():
                 return torch.float32  # AVX-512 alone is fast only on the native kernels, not torch's paths
             return torch.bfloat16
         if checkpoint_dtype in ("float16", "bfloat16"):
@@ -231,13 +231,28 @@ class EngineConfig:
 
     def dtype_reason(self, device: torch.device) -> str:
         """Why ``torch_dtype`` chose ``dtype``: one phrase for the log."""
-        from engine.cpu_features import auto_cpu_dtype_note
+        from engine.cpu_features import BF16_KERNEL_FLAGS, auto_cpu_dtype_note, fast_bf16_flags
 
         if self.dtype != "auto":
             return f"--dtype {self.dtype}"
         if self.weights in _WEIGHT_DTYPES:
             return f"--weights {self.weights}"
-        return auto_cpu_dtype_note() if device.type == "cpu" else "auto on CUDA"
+        if device.type != "cpu":
+            return "auto on CUDA"
+        if fast_bf16_flags() == BF16_KERNEL_FLAGS and not _bf16_kernels_built():
+            return (
+                "auto = float32 on this CPU (avx512f/bw/vl, but the native bfloat16 kernels were not built)"
+            )
+        return auto_cpu_dtype_note()
+
+
+def _bf16_kernels_built() -> bool:
+    """Whether the native library was built with its bfloat16 kernels (the prefill attention stands for
+    them: csrc/simd.h's PDKV_BF16)."""
+    from engine.native import native_kernels
+
+    kernels = native_kernels()
+    return kernels is not None and kernels.prefill is not None
 
 
 def _positive_int(name: str, value: object) -> None:

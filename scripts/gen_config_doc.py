@@ -17,7 +17,7 @@ from pdkv.settings import DOC_BEGIN, DOC_END, reference
 DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 # --dtype's help says what auto picks on this machine's CPU; the page says it for any.
 ANY_CPU = (
-    "auto = bfloat16 on a CPU with avx512_bf16, amx_bf16 or avx512f + avx512bw (pdkv's native kernels) "
+    "auto = bfloat16 on a CPU with avx512_bf16, amx_bf16 or avx512f/bw/vl (pdkv's native kernels) "
     "(float32 checkpoints stay float32), else float32"
 )
 

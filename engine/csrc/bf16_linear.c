@@ -13,9 +13,9 @@
  * the adds' latency overlaps: 4 groups x 1 row at batch 1, 4 groups x 6 rows beyond (TILE_ROWS).
  *
  * Without AVX512-BF16, an AVX-512 CPU runs the same kernel on simd.h's emulated dot product (PDKV_BF16 2:
- * two FMAs per pair, the same sums in the same order), the activations widened to floats once per call
- * and broadcast from memory (the 121 linears of a SmolLM2 step, Xeon VM without AVX512-BF16, in-process
- * A/B: 32 rows 47.3 -> 42.8 ms, 8 rows 15.5 -> 14.7 against splitting each broadcast pair in registers).
+ * two FMAs per pair, the same sums in the same order), the activations widened to floats a chunk of rows
+ * at a time and broadcast from memory (the 121 linears of a SmolLM2 step, Xeon VM without AVX512-BF16,
+ * in-process A/B: 32 rows 47.3 -> 42.8 ms, 8 rows 15.5 -> 14.7 against splitting each pair in registers).
  *
  * On CPUs with AMX-BF16 the same layout runs in AMX tiles where pdkv_bf16_amx turned them on (bf16_amx.h).
  *
@@ -92,23 +92,34 @@ void pdkv_side_stream(const char *const *base, int64_t n, int64_t bytes) {
 #if PDKV_BF16 == 1
 typedef uint16_t xelem; /* the activations as the call gives them: a pair broadcast as one dword */
 #else
-/* Without AVX512-BF16 (simd.h's PDKV_BF16 2) each thread widens the call's activations to floats once, so
- * that each element is a broadcast memory operand of its FMA (a load, not two vector ALU operations per
- * pair and row): the weights' split and the FMAs are then all the vector ports do. */
+/* Without AVX512-BF16 (simd.h's PDKV_BF16 2) each thread widens the rows it is about to multiply (one
+ * chunk of at most CHUNK_ROWS) to floats, so that each element is a broadcast memory operand of its FMA (a
+ * load, not two vector ALU operations per pair and row): the weights' split and the FMAs are then all the
+ * vector ports do.  The buffer is the thread's, kept across calls: CHUNK_ROWS * k floats at most. */
 typedef float xelem;
 static _Thread_local void *xf_buf;
 static _Thread_local size_t xf_bytes;
-
-/* x [rows, k] bfloat16 as floats in this thread's buffer; NULL when memory runs out. */
-static const float *widened(const uint16_t *x, int64_t rows, int64_t k) {
-    float *f = (float *)grow_scratch(&xf_buf, &xf_bytes, (size_t)(rows * k) * sizeof(float));
-    if (f == NULL) return NULL;
-    int64_t i = 0;
-    for (; i + 16 <= rows * k; i += 16) _mm512_storeu_ps(f + i, from_bf16x16(_mm256_loadu_si256((const __m256i *)(x + i))));
-    for (; i < rows * k; i++) f[i] = bf16_to_f32(x[i]);
-    return f;
-}
 #endif
+
+#define CHUNK_ROWS 60 /* rows a pass over a thread's groups: their activations stay in L2 meanwhile */
+
+/* Rows m0 .. m1 - 1 of x [rows, k] as the tiles take them: x itself, or (PDKV_BF16 2) widened to floats
+ * in the thread's buffer; NULL when memory for that runs out. */
+static const xelem *chunk_rows(const uint16_t *x, int64_t m0, int64_t m1, int64_t k) {
+#if PDKV_BF16 == 1
+    (void)m1;
+    return x + m0 * k;
+#else
+    const int64_t count = (m1 - m0) * k;
+    float *f = (float *)grow_scratch(&xf_buf, &xf_bytes, (size_t)count * sizeof(float));
+    if (f == NULL) return NULL;
+    const uint16_t *src = x + m0 * k;
+    int64_t i = 0;
+    for (; i + 16 <= count; i += 16) _mm512_storeu_ps(f + i, from_bf16x16(_mm256_loadu_si256((const __m256i *)(src + i))));
+    for (; i < count; i++) f[i] = bf16_to_f32(src[i]);
+    return f;
+#endif
+}
 
 INLINE void side_step(LineStream *side) {
     const char *line = line_stream_next(side);
@@ -175,16 +186,6 @@ int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed
     /* every thread an even share of the groups (tiles of 4 would leave 576 rows' 36 groups split 5:4) */
 #pragma omp parallel if (rows * n * k >= 32768)
     {
-#if PDKV_BF16 == 1
-        const xelem *xs = x;
-#else
-        const xelem *xs = widened(x, rows, k);
-        if (xs == NULL) {
-#pragma omp atomic write
-            failed = 3;
-        } else
-#endif
-        {
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
         LineStream side = {sbase, sn * (tid + 1) / nt, sn * tid / nt, 0, sbytes}; /* this thread's share */
@@ -195,7 +196,12 @@ int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed
         } else
 #endif
         if (rows == 1) {
-            for (int64_t g = g0; g < g1; g += 4) {
+            const xelem *xs = chunk_rows(x, 0, 1, k);
+            if (xs == NULL) {
+#pragma omp atomic write
+                failed = 3;
+            }
+            for (int64_t g = g0; xs != NULL && g < g1; g += 4) {
                 const int ng = (int)(g1 - g < 4 ? g1 - g : 4);
                 if (ng == 4)
                     tile(w, g, k, xs, 4, 1, 4, 1, out, ldo, col0, n, NULL);
@@ -203,21 +209,26 @@ int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed
                     tile(w, g, k, xs, 4, 1, ng, 1, out, ldo, col0, n, NULL);
             }
         } else {
-            /* rows in chunks of 60: their activations stay in L2 while the share of groups streams past */
-            for (int64_t m0 = 0; m0 < rows; m0 += 60) {
-                const int64_t m1 = m0 + 60 < rows ? m0 + 60 : rows;
+            for (int64_t m0 = 0; m0 < rows; m0 += CHUNK_ROWS) {
+                const int64_t m1 = m0 + CHUNK_ROWS < rows ? m0 + CHUNK_ROWS : rows;
+                const xelem *xs = chunk_rows(x, m0, m1, k); /* row m0 first */
+                if (xs == NULL) {
+#pragma omp atomic write
+                    failed = 3;
+                    break;
+                }
                 for (int64_t g = g0; g < g1; g += 4) {
                     const int ng = (int)(g1 - g < 4 ? g1 - g : 4);
                     for (int64_t r = m0; r < m1; r += TILE_ROWS) {
                         const int nr = (int)(m1 - r < TILE_ROWS ? m1 - r : TILE_ROWS);
                         if (ng == 4 && nr == TILE_ROWS)
-                            tile(w, g, k, xs + r * k, 4, TILE_ROWS, 4, TILE_ROWS, out + r * ldo, ldo, col0, n, &side);
+                            tile(w, g, k, xs + (r - m0) * k, 4, TILE_ROWS, 4, TILE_ROWS, out + r * ldo, ldo, col0, n,
+                                 &side);
                         else
-                            tile(w, g, k, xs + r * k, 4, TILE_ROWS, ng, nr, out + r * ldo, ldo, col0, n, &side);
+                            tile(w, g, k, xs + (r - m0) * k, 4, TILE_ROWS, ng, nr, out + r * ldo, ldo, col0, n, &side);
                     }
                 }
             }
-        }
         }
     }
     return failed;

@@ -161,7 +161,7 @@ INLINE __m256i bf16_rne16(__m512 x) {
 /* The bfloat16 dot products of the attention, LoRA and dense-linear kernels (PDKV_BF16):
  *   1  AVX512-BF16: vdpbf16ps adds a pair's two products to a float32 lane, the odd element's first, each
  *      add rounded to nearest even (the SDM's pseudocode; input denormals read as zero, output ones flushed);
- *   2  AVX-512 (F, BW) without it (Skylake to Ice Lake Xeons, or a VM that hides the flag): the same two
+ *   2  AVX-512 (F, BW, VL) without it (Skylake to Ice Lake Xeons, or a VM that hides the flag): the same two
  *      adds as two FMAs on the pair split into floats (a bfloat16 is a float's top half, so each product is
  *      exact and each add rounds once, as above) -- the same bits for every input but denormals; two FMAs
  *      and the split where vdpbf16ps is one instruction, so slower where a kernel is compute-bound (a
@@ -180,7 +180,7 @@ INLINE __m256i to_bf16x16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 /* lo's 16 floats then hi's as 32 bfloat16 (paged_prefill.c's probabilities; PDKV_BF16 2 keeps them as
  * floats rounded to bfloat16). */
 INLINE __m512i pack_bf16x32(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
-#elif defined(__AVX512F__) && defined(__AVX512BW__)
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PDKV_BF16 2
 typedef struct {
     __m512 odd, even; /* each pair's element 2i + 1 and 2i, as floats in lane i */

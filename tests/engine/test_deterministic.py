@@ -13,6 +13,7 @@ import dataclasses
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -358,10 +359,11 @@ def test_padding_to_min_rows_computes_the_same_rows() -> None:
 @pytest.mark.parametrize(
     ("flags", "native", "want"),
     [
-        ({"avx512f", "avx512bw", "avx512_bf16"}, "1", "avx512_bf16"),
-        ({"amx_bf16", "avx512f", "avx512bw"}, "1", "amx_bf16"),
-        ({"avx512f", "avx512bw", "avx512_vnni"}, "1", "avx512f + avx512bw"),  # the kernels' FMAs
-        ({"avx512f", "avx512bw"}, "0", "auto = float32"),  # PDKV_NATIVE=0: torch's bfloat16 is slow there
+        ({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}, "1", "avx512_bf16"),
+        ({"amx_bf16", "avx512f", "avx512bw", "avx512vl"}, "1", "amx_bf16"),
+        ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "1", "avx512f/bw/vl: pdkv"),  # the FMAs
+        ({"avx512f", "avx512bw", "avx512vl"}, "0", "auto = float32"),  # PDKV_NATIVE=0: torch's is slow
+        ({"avx512f", "avx512bw", "avx512vl"}, "no build", "not built"),  # no compiler, a failed build
         ({"avx2", "fma"}, "1", "auto = float32"),
     ],
 )
@@ -371,12 +373,15 @@ def test_auto_runs_bfloat16_where_the_cpu_or_the_native_kernels_make_it_fast(
     """--dtype auto on the CPU, and the line --help prints for it: bfloat16 on AVX512-BF16 or AMX, and on
     plain AVX-512 where the native kernels run (so deterministic mode is served there by default)."""
     from engine import cpu_features
+    from engine import native as native_module
     from engine.engine_config import EngineConfig
 
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(flags))
-    monkeypatch.setenv("PDKV_NATIVE", native)
-    note = cpu_features.auto_cpu_dtype_note()
+    monkeypatch.setenv("PDKV_NATIVE", "0" if native == "0" else "1")
+    built = SimpleNamespace(prefill=None if native == "no build" else object())  # the library, as if built
+    monkeypatch.setattr(native_module, "native_kernels", lambda: built)
+    note = EngineConfig().dtype_reason(torch.device("cpu"))
     assert want in note, note
     dtype = EngineConfig().torch_dtype(torch.device("cpu"), "bfloat16")
-    assert dtype == (torch.float32 if "float32" in want else torch.bfloat16), note
+    assert dtype == (torch.float32 if note.startswith("auto = float32") else torch.bfloat16), note
     assert EngineConfig().torch_dtype(torch.device("cpu"), "float32") == torch.float32  # stays float32
