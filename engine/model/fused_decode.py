@@ -111,6 +111,9 @@ class FusedDecode:
                 )
             )
         self.scratch = torch.empty(0, dtype=torch.uint8)
+        self.layer_refs = [ctypes.byref(layer) for layer in self.layers]  # each keeps its struct alive
+        self.shape_ref = ctypes.byref(self.shape)
+        self.bufs = torch.empty(4, 0, 0)
 
     @staticmethod
     def packed(model: LlamaForCausalLM) -> bool:
@@ -191,24 +194,27 @@ class FusedDecode:
             ctx.attn.slot_blocks.data_ptr(), ctx.attn.slot_offsets.data_ptr(), table.data_ptr(),
             starts.data_ptr(), counts_ptr, chunks, self.scratch.data_ptr(), rows_ptr, on_ptr,
         )  # fmt: skip
-        byref = ctypes.byref
-        shape, step_ref, fn, hooks = byref(self.shape), byref(step), self.layer_fn, ctx.hooks
-        # two (h, delta) pairs in turns: a layer reads one and writes the other
+        shape, step_ref, fn = self.shape_ref, ctypes.byref(step), self.layer_fn
+        hooks, attn = ctx.hooks, ctx.attn
+        # two (h, delta) pairs in turns, kept across steps: a layer reads one and writes the other
         h = h.contiguous()
-        bufs = [torch.empty_like(h) for _ in range(4)]
-        delta: torch.Tensor | None = None
-        for i, layer in enumerate(self.layers):
+        if self.bufs.shape[1] < t or self.bufs.dtype != h.dtype or self.bufs.shape[2] != h.shape[1]:
+            self.bufs = torch.empty(4, max(t, 1), h.shape[1], dtype=h.dtype)
+        bufs = self.bufs[:, :t]
+        ptrs = [b.data_ptr() for b in bufs]
+        h_in, d_in = h.data_ptr(), None
+        for i, layer in enumerate(self.layer_refs):
             hooks.wait_for_layer_load(i)
-            h_out, d_out = bufs[2 * (i % 2)], bufs[2 * (i % 2) + 1]
-            d_in = None if delta is None else delta.data_ptr()
-            failed = fn(
-                ctypes.byref(layer), shape, step_ref, h.data_ptr(), d_in, h_out.data_ptr(), d_out.data_ptr()
-            )
+            h_out, d_out = ptrs[2 * (i % 2)], ptrs[2 * (i % 2) + 1]
+            failed = fn(layer, shape, step_ref, h_in, d_in, h_out, d_out)
             if failed:
                 raise RuntimeError(f"pdkv_decode_layer failed in layer {i} ({failed})")
-            hooks.save_kv_layer(i, kv, ctx.attn)
-            h, delta = h_out, d_out
-        return h if delta is None else h + delta
+            hooks.save_kv_layer(i, kv, attn)
+            h_in, d_in = h_out, d_out
+        if not self.layers:
+            return h
+        last = 2 * ((len(self.layers) - 1) % 2)
+        return bufs[last] + bufs[last + 1]  # a new tensor: the buffers are the next step's
 
 
 def _layers(model: LlamaForCausalLM) -> list[Any]:
