@@ -41,10 +41,10 @@ def _llama3_scaling(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 class RotaryEmbedding:
     """Turns token positions into the (cos, sin) pair every layer of one forward pass shares.
 
-    The pairs come from a table per dtype, grown ``TABLE_STEP`` positions at a time to cover the highest
-    position asked for: each entry is computed as a step's own would be (``position * inv_freq`` in
-    float32, cos/sin, the cast), elementwise, so the table changes no bit, and a step gathers its rows
-    (one op) where it computed six (~60 us of a ~4 ms batch-1 step)."""
+    The pairs come from a table per dtype, grown (to at least twice its size, in whole ``TABLE_STEP``s)
+    to cover the highest position asked for: each entry is computed as a step's own would be
+    (``position * inv_freq`` in float32, cos/sin, the cast), elementwise, so the table changes no bit, and
+    a step gathers its rows (one op) where it computed six (~60 us of a ~4 ms batch-1 step)."""
 
     TABLE_STEP = 1024
 
@@ -62,7 +62,9 @@ class RotaryEmbedding:
                 pass
         if positions.numel() == 0:
             return self.compute(positions, dtype)
-        size = (int(positions.max()) // self.TABLE_STEP + 1) * self.TABLE_STEP
+        have = 0 if table is None else table[0].shape[0]
+        # at least twice the old table: a generation that walks past it recomputes it log(n) times
+        size = max((int(positions.max()) // self.TABLE_STEP + 1) * self.TABLE_STEP, 2 * have)
         cos, sin = self.compute(torch.arange(size, device=self.inv_freq.device), dtype)
         self._tables[dtype] = (cos, sin)
         return cos.index_select(0, positions), sin.index_select(0, positions)

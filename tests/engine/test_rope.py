@@ -38,3 +38,15 @@ def test_the_table_gives_the_bits_the_positions_themselves_give(rope: RopeConfig
         assert cos.shape == (positions.numel(), 1, 32) and cos.dtype == dtype and cos.is_contiguous()
         assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
     assert rotary._tables[dtype][0].shape[0] == 20 * RotaryEmbedding.TABLE_STEP  # grown to cover 19999
+
+
+def test_a_generation_walking_past_the_table_regrows_it_a_logarithmic_number_of_times() -> None:
+    rotary = RotaryEmbedding(RopeConfig(), 64, torch.device("cpu"))
+    sizes = []
+    for position in range(0, 40 * RotaryEmbedding.TABLE_STEP, 97):  # decode steps, one token each
+        cos, _ = rotary.cos_sin(torch.tensor([position]), torch.bfloat16)
+        assert torch.equal(cos, rotary.compute(torch.tensor([position]), torch.bfloat16)[0])
+        size = rotary._tables[torch.bfloat16][0].shape[0]
+        if not sizes or sizes[-1] != size:
+            sizes.append(size)
+    assert sizes == [RotaryEmbedding.TABLE_STEP * 2**i for i in range(7)]  # 1, 2, 4, ... 64 steps
