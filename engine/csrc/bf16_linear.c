@@ -113,10 +113,7 @@ static const xelem *chunk_rows(const uint16_t *x, int64_t m0, int64_t m1, int64_
     const int64_t count = (m1 - m0) * k;
     float *f = (float *)grow_scratch(&xf_buf, &xf_bytes, (size_t)count * sizeof(float));
     if (f == NULL) return NULL;
-    const uint16_t *src = x + m0 * k;
-    int64_t i = 0;
-    for (; i + 16 <= count; i += 16) _mm512_storeu_ps(f + i, from_bf16x16(_mm256_loadu_si256((const __m256i *)(src + i))));
-    for (; i < count; i++) f[i] = bf16_to_f32(src[i]);
+    widen_bf16(x + m0 * k, f, count);
     return f;
 #endif
 }

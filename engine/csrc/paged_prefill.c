@@ -392,7 +392,7 @@ INLINE int attend_rows(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows, 
 #if PDKV_BF16 == 1
             memcpy(qi, src, 2 * (size_t)D);
 #else
-            for (int d = 0; d < D; d += 16) _mm512_storeu_ps(qi + d, from_bf16x16(_mm256_loadu_si256((const __m256i *)(src + d))));
+            widen_bf16(src, qi, D);
 #endif
         } else {
             memset(qi, 0, sizeof(operand) * (size_t)D);

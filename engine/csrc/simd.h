@@ -143,6 +143,14 @@ static inline __m256 exp256(__m256 x) {
 INLINE __m512 from_bf16x16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+
+/* dst[0 .. n) = src[0 .. n) widened to floats (exact): a broadcast operand kept as floats for the FMAs. */
+INLINE void widen_bf16(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, from_bf16x16(_mm256_loadu_si256((const __m256i *)(src + i))));
+    for (; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
