@@ -212,18 +212,15 @@ class EngineConfig:
     def torch_dtype(self, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
         import torch
 
-        from engine.cpu_features import BF16_KERNEL_FLAGS, fast_bf16_flags
+        from engine.cpu_features import fast_bf16_flags
 
         if self.dtype != "auto":
             return getattr(torch, self.dtype)  # type: ignore[no-any-return]
         if self.weights in _WEIGHT_DTYPES:
             return getattr(torch, _WEIGHT_DTYPES[self.weights])  # type: ignore[no-any-return]
         if device.type == "cpu":
-            found = fast_bf16_flags()
-            if checkpoint_dtype == "float32" or not found:
+            if checkpoint_dtype == "float32" or not fast_bf16_flags() or _bf16_kernels_missing():
                 return torch.float32
-            if found == BF16_KERNEL_FLAGS and not _bf16_kernels_built():
-                return torch.float32  # AVX-512 alone is fast only on the native kernels, not torch's paths
             return torch.bfloat16
         if checkpoint_dtype in ("float16", "bfloat16"):
             return getattr(torch, checkpoint_dtype)  # type: ignore[no-any-return]
@@ -231,7 +228,7 @@ class EngineConfig:
 
     def dtype_reason(self, device: torch.device) -> str:
         """Why ``torch_dtype`` chose ``dtype``: one phrase for the log."""
-        from engine.cpu_features import BF16_KERNEL_FLAGS, auto_cpu_dtype_note, fast_bf16_flags
+        from engine.cpu_features import auto_cpu_dtype_note
 
         if self.dtype != "auto":
             return f"--dtype {self.dtype}"
@@ -239,20 +236,25 @@ class EngineConfig:
             return f"--weights {self.weights}"
         if device.type != "cpu":
             return "auto on CUDA"
-        if fast_bf16_flags() == BF16_KERNEL_FLAGS and not _bf16_kernels_built():
+        if _bf16_kernels_missing():
             return (
                 "auto = float32 on this CPU (avx512f/bw/vl, but the native bfloat16 kernels were not built)"
             )
         return auto_cpu_dtype_note()
 
 
-def _bf16_kernels_built() -> bool:
-    """Whether the native library was built with its bfloat16 kernels (the prefill attention stands for
+def _bf16_kernels_missing() -> bool:
+    """Whether bfloat16 is fast here only on the native kernels (AVX-512 without AVX512-BF16 or AMX:
+    torch's paths emulate it) and the library was built without them (the prefill attention stands for
     them: csrc/simd.h's PDKV_BF16)."""
+    from engine.cpu_features import BF16_KERNEL_FLAGS, fast_bf16_flags
+
+    if fast_bf16_flags() != BF16_KERNEL_FLAGS:
+        return False
     from engine.native import native_kernels
 
     kernels = native_kernels()
-    return kernels is not None and kernels.prefill is not None
+    return kernels is None or kernels.prefill is None
 
 
 def _positive_int(name: str, value: object) -> None:

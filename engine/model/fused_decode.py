@@ -113,7 +113,7 @@ class FusedDecode:
         self.scratch = torch.empty(0, dtype=torch.uint8)
         self.layer_refs = [ctypes.byref(layer) for layer in self.layers]  # each keeps its struct alive
         self.shape_ref = ctypes.byref(self.shape)
-        self.bufs = torch.empty(4, 0, 0)
+        self.bufs = torch.empty(4, 0, c.hidden_size, dtype=dtype)  # grown to the step's rows
 
     @staticmethod
     def packed(model: LlamaForCausalLM) -> bool:
@@ -198,8 +198,9 @@ class FusedDecode:
         hooks, attn = ctx.hooks, ctx.attn
         # two (h, delta) pairs in turns, kept across steps: a layer reads one and writes the other
         h = h.contiguous()
-        if self.bufs.shape[1] < t or self.bufs.dtype != h.dtype or self.bufs.shape[2] != h.shape[1]:
-            self.bufs = torch.empty(4, max(t, 1), h.shape[1], dtype=h.dtype)
+        assert h.dtype == self.bufs.dtype, "the step's dtype is the one the layers were built for"
+        if self.bufs.shape[1] < t:
+            self.bufs = torch.empty(4, t, h.shape[1], dtype=h.dtype)
         bufs = self.bufs[:, :t]
         ptrs = [b.data_ptr() for b in bufs]
         h_in, d_in = h.data_ptr(), None
