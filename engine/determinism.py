@@ -6,10 +6,9 @@ computed here, loaded from a store tier or received from a peer:
 
 - linears: the native kernels, each output summed in input order whatever the batch -- bf16_linear.c in
   AVX512-BF16 vectors (AVX-512's FMAs where the CPU lacks it) or AMX tiles (one path per process),
-  quant.c for quantized weights; where they are
-  not built, oneDNN's packed bfloat16 matmuls under a plan measured on the host to keep each row's sums
-  at every row count -- small batches padded to the row count where oneDNN's kernel stops changing, or K
-  in pieces (``engine/model/batch_invariance.py``);
+  quant.c for quantized weights; where they are not built, oneDNN's packed bfloat16 matmuls under a
+  plan measured on the host to keep each row's sums at every row count -- small batches padded to the
+  row count where oneDNN's kernel stops changing, or K in pieces (``engine/model/batch_invariance.py``);
 - attention: every row of a step, prefill or decode, through the native prefill kernel in one call,
   whose key tiles sit at absolute positions, so each query's sums run in an order fixed by its position
   (``engine/csrc/paged_prefill.c``, ``engine/attention.py``).  The cache holds keys and values in the

@@ -8,10 +8,9 @@ sampling's argmax over the logits.  ``engine/csrc/paged_prefill.c`` holds the pr
 applies a mixed batch's LoRA deltas; ``quant.c`` and ``bf16_linear.c`` run linears over packed weights
 (GGUF's quantized blocks, or dense bfloat16) and ``decode_layer.c`` a whole decoder layer of a decode
 step.  All of them (and their shared ``simd.h``) are compiled into one library once per source version,
-compiler flags and CPU into
-``$PDKV_CACHE_DIR/native/<digest>/libpdkv_native.so`` -- about a second with gcc -- and reused by every
-later process.  Without a compiler, or if the build fails,
-``native_kernels()`` returns None once, logs why, and the model keeps its torch paths (gather + SDPA;
+compiler flags and CPU into ``$PDKV_CACHE_DIR/native/<digest>/libpdkv_native.so`` -- about a second with
+gcc -- and reused by every later process.  Without a compiler, or if the build fails, ``native_kernels()``
+returns None once, logs why, and the model keeps its torch paths (gather + SDPA;
 the norm's torch ops), which give the same tokens more slowly.  ``PDKV_NATIVE=0`` turns the kernels
 off (the tests compare both paths).
 
