@@ -196,17 +196,21 @@ class RopeKernel:
 
 @dataclass(frozen=True)
 class ArgmaxKernel:
-    """``pdkv_argmax_f32`` of the built library: greedy sampling, each row's first maximum (or first NaN)
-    -- ``max(dim=-1).indices`` in two vector passes instead of torch's element-at-a-time reduction."""
+    """``pdkv_argmax_f32`` / ``pdkv_argmax_bf16`` of the built library: greedy sampling, each row's first
+    maximum (or first NaN) -- ``max(dim=-1).indices`` over the float32 values in two vector passes instead
+    of torch's element-at-a-time reduction; bfloat16 logits are read as they are (widened exactly)."""
 
     function: Any  # the ctypes function pdkv_argmax_f32
+    bf16_function: Any  # pdkv_argmax_bf16
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """float32 [R, V] on the CPU -> int64 [R]."""
-        assert logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu"
+        """float32 or bfloat16 [R, V] on the CPU -> int64 [R]."""
+        assert logits.dim() == 2 and logits.device.type == "cpu"
+        assert logits.dtype in (torch.float32, torch.bfloat16)
         logits = logits.contiguous()
         out = torch.empty(logits.shape[0], dtype=torch.int64)
-        failed = self.function(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1])
+        fn = self.function if logits.dtype == torch.float32 else self.bf16_function
+        failed = fn(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1])
         assert failed == 0, "an empty vocabulary"
         return out
 
@@ -318,8 +322,10 @@ def _load() -> NativeKernels | None:
     silu.argtypes = [_PTR, _PTR, _INT64, _INT64, _INT64]
     silu.restype = ctypes.c_int
     argmax = lib.pdkv_argmax_f32
-    argmax.argtypes = [_PTR, _PTR, _INT64, _INT64]
-    argmax.restype = ctypes.c_int
+    argmax_bf16 = lib.pdkv_argmax_bf16
+    for fn in (argmax, argmax_bf16):
+        fn.argtypes = [_PTR, _PTR, _INT64, _INT64]
+        fn.restype = ctypes.c_int
     lora = lib.pdkv_lora_bf16
     lora.argtypes = [_PTR] * 5 + [_INT64] * 4 + [_PTR, _INT64, _INT64]
     lora.restype = ctypes.c_int
@@ -363,7 +369,7 @@ def _load() -> NativeKernels | None:
         RMSNormKernel(norm),
         RopeKernel(rope),
         SiluMulKernel(silu),
-        ArgmaxKernel(argmax),
+        ArgmaxKernel(argmax, argmax_bf16),
         LoRAKernel(lora) if lib.pdkv_lora_built() else None,
         quant if built else None,
         DecodeLayerKernel(layer, scratch) if built else None,

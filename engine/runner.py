@@ -164,7 +164,9 @@ class ModelRunner:
             out.prompt_scores[sr.request_id] = self._score_prompt(hidden, sr, row)
         if not inputs.sampling:
             return out
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [R, vocab] float32
+        # [R, vocab] in the model's dtype: the sampler widens them to float32 where a row needs more than
+        # the greedy argmax (which reads bfloat16 as it is)
+        logits = self.model.logits(hidden[inputs.sample_rows])
         rows = [
             SamplingRow(sr.sampling_params, sr.output_index, sr.history, sr.matcher) for sr in inputs.sampling
         ]

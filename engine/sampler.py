@@ -36,6 +36,13 @@ from engine.structured import Matcher
 _MASK64 = (1 << 64) - 1
 
 
+def _argmax_only(row: SamplingRow) -> bool:
+    """Whether the row's token is the raw logits' argmax and nothing else is read from them: greedy, no
+    logit processor, no constraint, no logprobs."""
+    p = row.params
+    return p.greedy and not p.processes_logits and row.matcher is None and not p.logprobs
+
+
 def mix_seed(seed: int, index: int) -> int:
     """A well-spread 63-bit seed from (request seed, output index): splitmix64 over both."""
     z = (seed * 0x9E3779B97F4A7C15 + index + 0x632BE59BD9B4E019) & _MASK64
@@ -70,8 +77,14 @@ class Sampler:
         self.argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """``logits`` [R, V] float32, one row per entry of ``rows``."""
+        """``logits`` [R, V], one row per entry of ``rows``: float32, or the model's 16-bit dtype as the LM
+        head gives it -- read as it is by the native greedy argmax where every row only wants that
+        (the same index as over its float32 copy), widened to float32 first otherwise."""
         assert logits.shape[0] == len(rows), "one logits row per sampling row"
+        if logits.dtype != torch.float32 and not (
+            self.argmax is not None and logits.dtype == torch.bfloat16 and all(_argmax_only(r) for r in rows)
+        ):
+            logits = logits.float()
         raw = logits
         if any(r.params.processes_logits for r in rows):
             logits = process_logits(logits.clone(), rows)

@@ -4,7 +4,8 @@
  *   pdkv_rms_norm        RMSNorm, float32 inside, rounded as transformers rounds
  *   pdkv_rope_write_kv   rotary embedding of q and k, and the step's K/V into their cache slots
  *   pdkv_silu_mul        SwiGLU's silu(gate) * up
- *   pdkv_argmax_f32      greedy sampling: each row's first maximum (its first NaN if it has one)
+ *   pdkv_argmax_f32      greedy sampling: each row's first maximum (its first NaN if it has one),
+ *   pdkv_argmax_bf16     over float32 or bfloat16 logits
  *
  * Decode attention.  The torch path (engine/attention.py) gathers each sequence's blocks into a
  * contiguous buffer and runs SDPA over it: every key and value is read, written and read again.  Here
@@ -692,45 +693,65 @@ int pdkv_rope_write_kv(const void *qkv, const void *cos, const void *sin, void *
     return 0;
 }
 
-/* Greedy sampling over float32 logits [rows, cols] (contiguous): out[r] is the index of row r's first
- * NaN if it has one, else of its first maximum -- what torch's max(dim=-1).indices returns, which reduces
- * with indices one element at a time (1.3 ms for 32 x 49152 here, against ~0.1 ms for these two vector
- * passes: the maximum, then the first index that equals it). */
-int pdkv_argmax_f32(const float *x, int64_t *out, int64_t rows, int64_t cols) {
-    if (rows < 0 || cols <= 0) return 2;
-#pragma omp parallel for schedule(static) if (rows * cols >= 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + (size_t)(r * cols);
-        int64_t nan_at = -1, i = 0;
-        float best = -INFINITY;
+/* Greedy sampling over logits [rows, cols] (contiguous), float32 or bfloat16 (widened exactly): out[r] is
+ * the index of row r's first NaN if it has one, else of its first maximum -- what torch's
+ * max(dim=-1).indices returns over the float32 values, which reduces with indices one element at a time
+ * (1.3 ms for 32 x 49152 here, against ~0.1 ms for these two vector passes: the maximum, then the first
+ * index that equals it).  The bfloat16 entry reads the LM head's output as it is, with no float32 copy
+ * made first (a batch-32 step's 6 MB written and read again). */
+INLINE float logit_at(const void *row, int64_t i, const int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
 #ifdef __AVX512F__
-        __m512 m = _mm512_set1_ps(-INFINITY);
-        for (; i + 16 <= cols; i += 16) {
-            const __m512 v = _mm512_loadu_ps(row + i);
-            if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) break; /* a NaN in these 16: found below */
-            m = _mm512_max_ps(m, v);
-        }
-        best = _mm512_reduce_max_ps(m);
+INLINE __m512 logits16(const void *row, int64_t i, const int bf16) {
+    return bf16 ? from_bf16x16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)))
+                : _mm512_loadu_ps((const float *)row + i);
+}
 #endif
-        for (; i < cols; i++) { /* the tail, or from the 16 that hold the first NaN */
-            const float v = row[i];
-            if (v != v) { nan_at = i; break; }
-            if (v > best) best = v;
-        }
-        if (nan_at >= 0) { out[r] = nan_at; continue; }
-        int64_t at = 0;
-        i = 0;
+
+INLINE int64_t argmax_row(const void *row, int64_t cols, const int bf16) {
+    int64_t i = 0;
+    float best = -INFINITY;
 #ifdef __AVX512F__
-        const __m512 b = _mm512_set1_ps(best);
-        for (; i + 16 <= cols; i += 16) {
-            const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), b, _CMP_EQ_OQ);
-            if (eq) break;
-        }
-#endif
-        for (; i < cols; i++) {
-            if (row[i] == best) { at = i; break; }
-        }
-        out[r] = at;
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (; i + 16 <= cols; i += 16) {
+        const __m512 v = logits16(row, i, bf16);
+        if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) break; /* a NaN in these 16: found below */
+        m = _mm512_max_ps(m, v);
     }
+    best = _mm512_reduce_max_ps(m);
+#endif
+    for (; i < cols; i++) { /* the tail, or from the 16 that hold the first NaN */
+        const float v = logit_at(row, i, bf16);
+        if (v != v) return i;
+        if (v > best) best = v;
+    }
+    i = 0;
+#ifdef __AVX512F__
+    const __m512 b = _mm512_set1_ps(best);
+    for (; i + 16 <= cols; i += 16)
+        if (_mm512_cmp_ps_mask(logits16(row, i, bf16), b, _CMP_EQ_OQ)) break;
+#endif
+    for (; i < cols; i++)
+        if (logit_at(row, i, bf16) == best) return i;
+    return 0; /* every value -inf: the first */
+}
+
+static int argmax_rows(const void *x, int64_t *out, int64_t rows, int64_t cols, const int bf16) {
+    if (rows < 0 || cols <= 0) return 2;
+    const size_t row_bytes = (size_t)cols * (bf16 ? 2 : 4);
+#pragma omp parallel for schedule(static) if (rows * cols >= 65536)
+    for (int64_t r = 0; r < rows; r++)
+        out[r] = bf16 ? argmax_row((const char *)x + (size_t)r * row_bytes, cols, 1)
+                      : argmax_row((const char *)x + (size_t)r * row_bytes, cols, 0);
     return 0;
+}
+
+int pdkv_argmax_f32(const float *x, int64_t *out, int64_t rows, int64_t cols) {
+    return argmax_rows(x, out, rows, cols, 0);
+}
+
+int pdkv_argmax_bf16(const uint16_t *x, int64_t *out, int64_t rows, int64_t cols) {
+    return argmax_rows(x, out, rows, cols, 1);
 }

@@ -231,9 +231,13 @@ class LlamaForCausalLM(nn.Module):
             h, delta = layer(h, delta, cos, sin, ctx)
         return h if delta is None else h + delta
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states [R, hidden] -> logits [R, vocab] as the LM head gives them (the model's dtype)."""
+        return self.lm_head(self.norm(hidden))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the rows that sample [R, hidden] -> float32 logits [R, vocab]."""
-        return self.lm_head(self.norm(hidden)).float()
+        return self.logits(hidden).float()
 
     # -- weights ------------------------------------------------------------------------------------------
 

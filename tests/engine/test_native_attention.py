@@ -283,7 +283,8 @@ def test_the_silu_mul_kernel_matches_the_torch_ops(rows: int, inter: int) -> Non
 
 @pytest.mark.parametrize("rows,cols", [(1, 49152), (32, 49152), (7, 17), (3, 1), (5, 16), (4, 33)])
 def test_the_argmax_kernel_returns_what_torch_max_returns(rows: int, cols: int) -> None:
-    """The first maximum of each row, or its first NaN: ties, NaNs, -inf rows, signed zeros, tails."""
+    """The first maximum of each row, or its first NaN: ties, NaNs, -inf rows, signed zeros, tails; over
+    float32 and over bfloat16 (rounding makes more ties)."""
     kernels = native.native_kernels()
     assert kernels is not None
     gen = torch.Generator().manual_seed(rows * cols)
@@ -299,6 +300,9 @@ def test_the_argmax_kernel_returns_what_torch_max_returns(rows: int, cols: int) 
     cases.append(zeros)
     for x in cases:
         assert torch.equal(kernels.argmax(x), x.max(dim=-1).indices)
+        # bfloat16 logits as the LM head gives them: the index over their float32 values
+        half = x.to(torch.bfloat16)
+        assert torch.equal(kernels.argmax(half), half.float().max(dim=-1).indices)
 
 
 def test_greedy_sampling_uses_the_argmax_kernel_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.request import TokenHistory
 from engine.sampler import Sampler, SamplingRow, mix_seed
 from tests.tiny_models import pdkv_tiny_model_dir, random_prompts
 
@@ -118,6 +119,34 @@ def test_logprobs_are_of_the_chosen_token() -> None:
     out = Sampler()(logits, [SamplingRow(SamplingParams(logprobs=True), 0)])
     assert out.token_ids == [0]
     assert out.logprobs[0] == pytest.approx(float(logits.log_softmax(-1)[0, 0]))
+
+
+def test_bfloat16_logits_give_the_float32_logits_tokens_and_logprobs() -> None:
+    """The runner hands the sampler the LM head's bfloat16 logits: greedy rows read by the native argmax as
+    they are, any other row (logprobs, a processor, a temperature) through their float32 copy -- the same
+    tokens and logprobs as the float32 logits give, rows mixed or not."""
+    from engine.native import native_kernels
+
+    kernels = native_kernels()
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 301, generator=gen) * 4).to(torch.bfloat16)
+    logits[1, 7] = logits[1, 250] = logits[1].max() + 1  # a tie: the first wins
+    greedy = SamplingParams()
+    cases = [
+        [greedy] * 6,
+        [greedy, SamplingParams(logprobs=True, top_logprobs=2), greedy, greedy, greedy, greedy],
+        [greedy, greedy, SamplingParams(temperature=0.8, seed=5), greedy, greedy, greedy],
+        [greedy, greedy, greedy, SamplingParams(repetition_penalty=1.3), greedy, greedy],
+    ]
+    history = TokenHistory([5, 7, 250], [7], 0, ())
+    for params in cases:
+        rows = [SamplingRow(p, 0, history) for p in params]
+        for argmax in (None, kernels.argmax if kernels is not None else None):
+            sampler, reference = Sampler(seed=9), Sampler(seed=9)
+            sampler.argmax = reference.argmax = argmax
+            got, want = sampler(logits, rows), reference(logits.float(), rows)
+            assert got == want
+    assert Sampler()(logits, [SamplingRow(greedy, 0)] * 6).token_ids[1] == 7
 
 
 def test_stop_string_cuts_text_exactly(llm: LLM) -> None:
