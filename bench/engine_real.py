@@ -22,10 +22,13 @@ the time of its own matmuls.
   measured in rounds with those steps: a 256 MB read with wide loads, quant.c's ``pdkv_read_bandwidth``,
   goal >= 0.8; ``memory_step_and_bandwidth``) and ``weights_resident_over_file`` (bytes of every
   weight the engine holds over the GGUF file's size, goal <= 1.3).
-- **llama.cpp** (``--llamacpp``, bench/llamacpp.py; same prompts, same 2 threads): on a BF16 GGUF of the
-  weights against pdkv bfloat16 (``speedup_vs_llamacpp_b1/_b8/_b32``, ``prefill_speedup_vs_llamacpp``),
-  and on the **shipped Q4_1 file** against pdkv quantized (``speedup_vs_llamacpp_q41_b1`` >= 1.0,
-  ``_b8`` >= 1.5, ``_b32`` >= 2.0, ``prefill_speedup_vs_llamacpp_q41`` >= 2.0).
+- **llama.cpp** (``--llamacpp``, bench/llamacpp.py; same prompts, same 2 threads, one process): on a
+  BF16 GGUF of the weights against pdkv bfloat16 (``speedup_vs_llamacpp_b1/_b8/_b32``,
+  ``prefill_speedup_vs_llamacpp``), and on the **shipped Q4_1 file** against pdkv quantized
+  (``speedup_vs_llamacpp_q41_b1`` >= 1.0, ``_b8`` >= 1.5, ``_b32`` >= 2.0,
+  ``prefill_speedup_vs_llamacpp_q41`` >= 2.0).  Each ratio's two sides are timed in turns (rounds of
+  decode steps of one engine, then of the other; TTFTs alternately): measured minutes apart, this VM's
+  memory speed alone moved the batch-1 bfloat16 ratio between 0.93 and 1.10.
 - **Deterministic mode** (``engine/determinism.py``): every figure above runs with ``--deterministic``
   (default auto, the engine's default: on where the CPU serves it); an engine with the other setting
   is timed in turns with the bfloat16 one -- decode steps at batch 8 and 32
@@ -293,6 +296,56 @@ def streamed_bytes(model: torch.nn.Module) -> int:
     return sum(w.nbytes for w in packed_weights(model, lookups=False))
 
 
+def against_llamacpp(
+    llm: LLM, path: Path, suffix: str, *, steps: int, extra_bufts: bool, report: Report
+) -> dict[str, float]:
+    """pdkv (``llm``, shut down here) against llama.cpp on ``path``, each figure timed in turns with the
+    other engine's (bench/llamacpp.py's ``decode_in_turns``, ``ttft_in_turns``): decode at batch 1, 8
+    and 32 over the same 128-token prompts, and the 1000-token TTFT.  The ratios' inputs, by name."""
+    from bench import llamacpp as lcpp
+
+    generate_seconds(llm, make_prompts(2, (16, 32), 49152, seed=1), 4)  # warm up
+    rounds, per_round = (4, 3) if steps < 16 else (6, max(steps // 4, 4))
+    engine = llm.engine
+    out: dict[str, float] = {}
+    for batch in (1, 8, 32):
+        prompts = make_prompts(batch, (lcpp.CONTEXT, lcpp.CONTEXT), 49152, seed=100 + batch)
+        assert engine.reset_prefix_cache()
+        params = SamplingParams(max_tokens=rounds * per_round + 8, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"llamacpp-{batch}-{i}", prompt, params)
+        while engine.scheduler.waiting or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+        ):
+            engine.step()  # prefill
+
+        def ours(n: int) -> list[float]:
+            times = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - t0)
+            return times
+
+        mine, theirs = lcpp.decode_in_turns(
+            path, ours, prompts, rounds=rounds, per_round=per_round, extra_bufts=extra_bufts
+        )
+        while engine.has_unfinished_requests():
+            engine.step()
+        report.figure(f"llamacpp{suffix}_decode_tokens_per_s_b{batch}", batch / theirs)
+        report.figure(f"pdkv_vs_llamacpp{suffix}_decode_tokens_per_s_b{batch}", batch / mine)
+        out[f"vs_llamacpp{suffix}_b{batch}"] = theirs / mine
+    [long_prompt] = make_prompts(1, (1000, 1000), 49152, seed=101)
+    mine, theirs = lcpp.ttft_in_turns(
+        path, lambda: ttft_seconds(llm, long_prompt, repeat=1), long_prompt, extra_bufts=extra_bufts
+    )
+    report.figure(f"llamacpp{suffix}_ttft_1000_ms", theirs * 1e3)
+    report.figure(f"pdkv_vs_llamacpp{suffix}_ttft_1000_ms", mine * 1e3)
+    out[f"prefill_vs_llamacpp{suffix}"] = theirs / mine
+    llm.engine.shutdown()
+    return out
+
+
 def run(
     report: Report,
     *,
@@ -361,32 +414,22 @@ def run(
         if llamacpp:
             from bench import llamacpp as lcpp
 
-            def prompts_for(b: int, n: int = lcpp.CONTEXT) -> list[list[int]]:
-                return make_prompts(b, (n, n), 49152, seed=100 + b)
-
             runs = []
             if "ttft_1000_bf16" in results:  # pdkv bf16 against llama.cpp on a BF16 GGUF of the weights
-                runs.append(("", "bf16", lcpp.write_bf16_gguf(gguf, Path(tmp) / "smollm2-bf16.gguf")))
+                bf16_gguf = lcpp.write_bf16_gguf(gguf, Path(tmp) / "smollm2-bf16.gguf")
+                runs.append(("", lambda: real_llm(gguf, "bfloat16", deterministic), bf16_gguf))
             if "ttft_1000_q" in results:  # pdkv quantized against llama.cpp on the shipped Q4_1 file
-                runs.append(("_q41", "q", gguf))
-            for suffix, mine_tag, path in runs:
+                q_dtype = "bfloat16" if fast_bf16_flags() else "float32"
+                runs.append(("_q41", lambda: real_llm(gguf, q_dtype, None, weights="quantized"), gguf))
+            for suffix, make_llm, path in runs:
                 # llama.cpp's AMX backend (its quantized matmuls in tiles) segfaults on the Q4_1 file
                 # (seen here, ggml_backend_amx_mul_mat; llama.cpp issue 20824): measured without it
                 extra = not (suffix == "_q41" and lcpp.amx_backend())
                 if not extra:
                     print("llama.cpp Q4_1: its AMX backend off (it crashes: llama.cpp issue 20824)")
-                theirs: dict[str, float] = lcpp.measure(
-                    path, steps=steps, prompts_for=prompts_for, extra_bufts=extra
-                )
-                for key, value in theirs.items():
-                    report.figure(key.replace("llamacpp_", f"llamacpp{suffix}_"), value)
-                for batch in (1, 8, 32):
-                    mine = results[f"tokens_per_s_{mine_tag}_b{batch}"]
-                    results[f"vs_llamacpp{suffix}_b{batch}"] = (
-                        mine / theirs[f"llamacpp_decode_tokens_per_s_b{batch}"]
-                    )
-                results[f"prefill_vs_llamacpp{suffix}"] = (
-                    theirs["llamacpp_ttft_1000_ms"] / 1e3 / results[f"ttft_1000_{mine_tag}"]
+                report.figure(f"llamacpp{suffix}_extra_bufts", float(extra))
+                results.update(
+                    against_llamacpp(make_llm(), path, suffix, steps=steps, extra_bufts=extra, report=report)
                 )
     if "speedup_bf16" in results:
         report.ratio("speedup_vs_transformers_real", results["speedup_bf16"], ">= 2.5")

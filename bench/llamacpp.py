@@ -27,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,8 @@ class LlamaCpp:
         self.vocab = ll.llama_model_get_vocab(self.model)
         self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
         self.batch = ll.llama_batch_init(max(n_ctx, 1024), 0, n_seq)
+        self._last: list[int] = []  # each sequence's next token and position (start, steps)
+        self._pos: list[int] = []
 
     def close(self) -> None:
         ll = self.ll
@@ -161,17 +164,83 @@ class LlamaCpp:
             first.append(self._argmax(len(p) - 1))
         return first
 
-    def decode_steps(self, prompts: list[list[int]], first: list[int], steps: int) -> list[float]:
-        """``steps`` batched decode steps (one token per sequence each); the time of each step."""
-        last, pos = list(first), [len(p) for p in prompts]
+    def start(self, prompts: list[list[int]]) -> None:
+        """Each prompt prefilled into its own sequence (the memory cleared first); ``steps`` decodes on
+        from their greedy next tokens."""
+        self.clear()
+        self._last = self.prefill(prompts)
+        self._pos = [len(p) for p in prompts]
+
+    def steps(self, n: int) -> list[float]:
+        """``n`` more batched decode steps (one token per sequence each); the time of each."""
         times = []
-        for _ in range(steps):
+        for _ in range(n):
             t0 = time.perf_counter()
-            self._decode([(last[s], pos[s], s, True) for s in range(len(prompts))])
-            last = [self._argmax(s) for s in range(len(prompts))]
+            items = zip(self._last, self._pos, strict=True)
+            self._decode([(tok, pos, s, True) for s, (tok, pos) in enumerate(items)])
+            self._last = [self._argmax(s) for s in range(len(self._last))]
             times.append(time.perf_counter() - t0)
-            pos = [p + 1 for p in pos]
+            self._pos = [p + 1 for p in self._pos]
         return times
+
+
+PAUSE_S = 0.02  # between two engines' turns: neither's idle pool still spinning while the other computes
+
+
+def decode_in_turns(
+    path: Path,
+    ours: Callable[[int], list[float]],
+    prompts: list[list[int]],
+    *,
+    rounds: int,
+    per_round: int,
+    extra_bufts: bool = True,
+) -> tuple[float, float]:
+    """The median decode step of another engine (``ours(n)`` times its next n steps, its requests already
+    decoding) and of llama.cpp over ``prompts``, timed in turns -- ``rounds`` rounds of ``per_round``
+    steps of each, which goes first alternating -- so that this VM's memory speed, which moves by up to
+    2x within minutes, weighs on both alike.  Returns (ours, llama.cpp's) in seconds."""
+    ctx = len(prompts) * (CONTEXT + rounds * per_round + 16)
+    lc = LlamaCpp(path, n_seq=len(prompts), n_ctx=ctx, extra_bufts=extra_bufts)
+    try:
+        lc.start(prompts)
+        lc.steps(2)  # warm up
+        mine: list[float] = []
+        theirs: list[float] = []
+        for r in range(rounds):
+            for side in (0, 1) if r % 2 else (1, 0):
+                time.sleep(PAUSE_S)
+                if side == 0:
+                    mine += ours(per_round)
+                else:
+                    theirs += lc.steps(per_round)
+        return statistics.median(mine), statistics.median(theirs)
+    finally:
+        lc.close()
+
+
+def ttft_in_turns(
+    path: Path, ours: Callable[[], float], prompt: list[int], *, rounds: int = 3, extra_bufts: bool = True
+) -> tuple[float, float]:
+    """The median time to first token of ``prompt`` of another engine (``ours()``, a cold prefix each
+    time) and of llama.cpp (its memory cleared each time), in turns.  Returns (ours, llama.cpp's)."""
+    lc = LlamaCpp(path, n_seq=1, n_ctx=len(prompt) + 16, extra_bufts=extra_bufts)
+    try:
+        mine: list[float] = []
+        theirs: list[float] = []
+        for r in range(rounds):
+            for side in (0, 1) if r % 2 else (1, 0):
+                time.sleep(PAUSE_S)
+                if side == 0:
+                    mine.append(ours())
+                else:
+                    lc.clear()
+                    t0 = time.perf_counter()
+                    lc.prefill([prompt])
+                    theirs.append(time.perf_counter() - t0)
+        return statistics.median(mine), statistics.median(theirs)
+    finally:
+        lc.close()
 
 
 def amx_backend() -> bool:
@@ -189,11 +258,10 @@ def measure(gguf_bf16: Path, *, steps: int, prompts_for: Any, extra_bufts: bool 
         lc = LlamaCpp(gguf_bf16, n_seq=batch, n_ctx=batch * (CONTEXT + steps + 8), extra_bufts=extra_bufts)
         try:
             prompts = prompts_for(batch)
-            first = lc.prefill(prompts)
-            lc.decode_steps(prompts, first, 2)  # warm up
-            lc.clear()
-            first = lc.prefill(prompts)
-            step = statistics.median(lc.decode_steps(prompts, first, steps))
+            lc.start(prompts)
+            lc.steps(2)  # warm up
+            lc.start(prompts)
+            step = statistics.median(lc.steps(steps))
             out[f"llamacpp_decode_tokens_per_s_b{batch}"] = batch / step
         finally:
             lc.close()
