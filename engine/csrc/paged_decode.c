@@ -4,8 +4,8 @@
  *   pdkv_rms_norm        RMSNorm, float32 inside, rounded as transformers rounds
  *   pdkv_rope_write_kv   rotary embedding of q and k, and the step's K/V into their cache slots
  *   pdkv_silu_mul        SwiGLU's silu(gate) * up
- *   pdkv_argmax_f32      greedy sampling: each row's first maximum (its first NaN if it has one),
- *   pdkv_argmax_bf16     over float32 or bfloat16 logits
+ *   pdkv_argmax_f32      greedy sampling: each row's first maximum (its first NaN if it has one)
+ *   pdkv_argmax_bf16     the same over bfloat16 logits (the LM head's output, widened exactly)
  *
  * Decode attention.  The torch path (engine/attention.py) gathers each sequence's blocks into a
  * contiguous buffer and runs SDPA over it: every key and value is read, written and read again.  Here
