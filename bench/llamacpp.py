@@ -187,6 +187,24 @@ class LlamaCpp:
 PAUSE_S = 0.02  # between two engines' turns: neither's idle pool still spinning while the other computes
 
 
+def _in_turns(
+    rounds: int, ours: Callable[[], list[float]], theirs: Callable[[], list[float]]
+) -> tuple[float, float]:
+    """The medians of the times ``ours()`` and ``theirs()`` return, each called ``rounds`` times in turns
+    (which goes first alternating, a pause before each), so that this VM's speed, which moves by up to 2x
+    within minutes, weighs on both alike."""
+    mine: list[float] = []
+    other: list[float] = []
+    for r in range(rounds):
+        for side in (0, 1) if r % 2 else (1, 0):
+            time.sleep(PAUSE_S)
+            if side == 0:
+                mine += ours()
+            else:
+                other += theirs()
+    return statistics.median(mine), statistics.median(other)
+
+
 def decode_in_turns(
     path: Path,
     ours: Callable[[int], list[float]],
@@ -197,24 +215,14 @@ def decode_in_turns(
     extra_bufts: bool = True,
 ) -> tuple[float, float]:
     """The median decode step of another engine (``ours(n)`` times its next n steps, its requests already
-    decoding) and of llama.cpp over ``prompts``, timed in turns -- ``rounds`` rounds of ``per_round``
-    steps of each, which goes first alternating -- so that this VM's memory speed, which moves by up to
-    2x within minutes, weighs on both alike.  Returns (ours, llama.cpp's) in seconds."""
+    decoding) and of llama.cpp over ``prompts``, in turns of ``per_round`` steps.  Returns (ours,
+    llama.cpp's) in seconds."""
     ctx = len(prompts) * (CONTEXT + rounds * per_round + 16)
     lc = LlamaCpp(path, n_seq=len(prompts), n_ctx=ctx, extra_bufts=extra_bufts)
     try:
         lc.start(prompts)
         lc.steps(2)  # warm up
-        mine: list[float] = []
-        theirs: list[float] = []
-        for r in range(rounds):
-            for side in (0, 1) if r % 2 else (1, 0):
-                time.sleep(PAUSE_S)
-                if side == 0:
-                    mine += ours(per_round)
-                else:
-                    theirs += lc.steps(per_round)
-        return statistics.median(mine), statistics.median(theirs)
+        return _in_turns(rounds, lambda: ours(per_round), lambda: lc.steps(per_round))
     finally:
         lc.close()
 
@@ -225,20 +233,15 @@ def ttft_in_turns(
     """The median time to first token of ``prompt`` of another engine (``ours()``, a cold prefix each
     time) and of llama.cpp (its memory cleared each time), in turns.  Returns (ours, llama.cpp's)."""
     lc = LlamaCpp(path, n_seq=1, n_ctx=len(prompt) + 16, extra_bufts=extra_bufts)
+
+    def theirs() -> list[float]:
+        lc.clear()
+        t0 = time.perf_counter()
+        lc.prefill([prompt])
+        return [time.perf_counter() - t0]
+
     try:
-        mine: list[float] = []
-        theirs: list[float] = []
-        for r in range(rounds):
-            for side in (0, 1) if r % 2 else (1, 0):
-                time.sleep(PAUSE_S)
-                if side == 0:
-                    mine.append(ours())
-                else:
-                    lc.clear()
-                    t0 = time.perf_counter()
-                    lc.prefill([prompt])
-                    theirs.append(time.perf_counter() - t0)
-        return statistics.median(mine), statistics.median(theirs)
+        return _in_turns(rounds, lambda: [ours()], theirs)
     finally:
         lc.close()
 
