@@ -71,6 +71,20 @@ def generate_seconds(llm: LLM, prompts: list[list[int]], new_tokens: int) -> flo
     return time.perf_counter() - start
 
 
+def start_decoding(llm: LLM, prompts: list[list[int]], max_tokens: int, name: str) -> None:
+    """``prompts`` added to ``llm``'s engine (a cold prefix cache first) and prefilled, in chunks: its
+    next steps are decode steps of every one of them."""
+    engine = llm.engine
+    assert engine.reset_prefix_cache()
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{name}-{len(prompts)}-{i}", prompt, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or (
+        engine.scheduler.waiting
+    ):
+        engine.step()
+
+
 def step_and_floor_seconds(
     llm: LLM, batch: int, *, steps: int, context: int = 128, other: Callable[[], object] | None = None
 ) -> tuple[float, float]:
@@ -78,15 +92,9 @@ def step_and_floor_seconds(
     the matmul floor at that batch (or of ``other``), measured in turns -- a step, then the floor,
     ``steps`` times -- so that a change in the shared host's load weighs on both alike."""
     engine = llm.engine
-    assert engine.reset_prefix_cache()
     floor = matmul_floor(llm, batch) if other is None else other
-    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
-    for i, prompt in enumerate(make_prompts(batch, (context, context), 49152, seed=100 + batch)):
-        engine.add_request(f"step-{batch}-{i}", prompt, params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or (
-        engine.scheduler.waiting
-    ):
-        engine.step()  # prefill, in chunks
+    prompts = make_prompts(batch, (context, context), 49152, seed=100 + batch)
+    start_decoding(llm, prompts, steps + 8, "step")
     engine.step()
     for _ in range(3):
         floor()  # warm up
@@ -135,18 +143,10 @@ def decode_steps_in_turns(
     on: LLM, off: LLM, batch: int, *, steps: int, context: int = 128
 ) -> tuple[float, float]:
     """Median decode step time of each engine with ``batch`` requests, the two stepped in turns."""
-    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
     prompts = make_prompts(batch, (context, context), 49152, seed=200 + batch)
     for llm in (on, off):
-        engine = llm.engine
-        assert engine.reset_prefix_cache()
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"det-{batch}-{i}", prompt, params)
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or (
-            engine.scheduler.waiting
-        ):
-            engine.step()
-        engine.step()
+        start_decoding(llm, prompts, steps + 8, "det")
+        llm.engine.step()
     times: dict[int, list[float]] = {id(on): [], id(off): []}
     for _ in range(steps):
         for llm in (on, off):
@@ -222,15 +222,11 @@ def memory_step_and_bandwidth(llm: LLM, kernel: QuantKernel, steps: int) -> tupl
     the weights out of a last-level cache that holds them: an Intel Xeon's 300 MB of L3 served a step's
     98 MB at 40 GB/s, where memory gives 22 -- the figure is about memory."""
     engine = llm.engine
-    assert engine.reset_prefix_cache()
     buffer = torch.ones(BANDWIDTH_PROBE_BYTES // 8, dtype=torch.int64)
     kernel.read_bandwidth(buffer)  # pages in
     packed = [w.packed for w in packed_weights(engine.model.model, lookups=False)]
     rounds = max(steps // 4, 4)
-    params = SamplingParams(max_tokens=6 * rounds + 8, ignore_eos=True)
-    engine.add_request("memory-b1", make_prompts(1, (128, 128), 49152, seed=101)[0], params)
-    while engine.scheduler.waiting or engine.scheduler.running[0].num_computed_tokens < 128:
-        engine.step()  # prefill
+    start_decoding(llm, make_prompts(1, (128, 128), 49152, seed=101), 6 * rounds + 8, "memory")
     step_times, probe_times = [], []
     for _ in range(rounds):
         kernel.evict(buffer)
@@ -310,14 +306,7 @@ def against_llamacpp(
     out: dict[str, float] = {}
     for batch in (1, 8, 32):
         prompts = make_prompts(batch, (lcpp.CONTEXT, lcpp.CONTEXT), 49152, seed=100 + batch)
-        assert engine.reset_prefix_cache()
-        params = SamplingParams(max_tokens=rounds * per_round + 8, ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"llamacpp-{batch}-{i}", prompt, params)
-        while engine.scheduler.waiting or any(
-            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
-        ):
-            engine.step()  # prefill
+        start_decoding(llm, prompts, rounds * per_round + 8, "llamacpp")
 
         def ours(n: int) -> list[float]:
             times = []
