@@ -20,6 +20,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from pdkv.launcher import Cluster, RollingRestarts
 from pdkv.launcher.control import ControlServer, send
+from serving import health
 from serving.client import GenerationClient, generate_request
 from serving.drain import Drain, DrainProgress
 from tests.serving.helpers import (
@@ -330,17 +331,18 @@ def test_a_draining_router_finishes_its_streams_and_refuses_new_calls() -> None:
                     restarting = threading.Thread(target=restart_router)
                     restarting.start()
 
-                    def draining() -> bool:
-                        try:
-                            client.generate(
-                                generate_request("late", SamplingParams(max_tokens=2)), timeout=10
-                            )
-                        except grpc.RpcError as exc:
-                            refused.append(exc)
-                            return True
-                        return False
-
-                    wait_until(draining, timeout=30, what="the router to refuse a new call")
+                    # health says NOT_SERVING from the drain's first moment: a late call sent then is
+                    # refused (one sent before it would be admitted, and its whole generation could
+                    # outlast the long stream, the drain and the old router -- seen on a fast host)
+                    wait_until(
+                        lambda: health.check(cluster.router_address) == "NOT_SERVING",
+                        timeout=30,
+                        interval=0.005,
+                        what="the router to say it drains",
+                    )
+                    with pytest.raises(grpc.RpcError) as late:
+                        client.generate(generate_request("late", SamplingParams(max_tokens=2)), timeout=10)
+                    refused.append(late.value)
             assert restarting is not None
             restarting.join(120)
         assert progress and progress[-1].startswith("router: back on"), progress
