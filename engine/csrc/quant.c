@@ -61,6 +61,9 @@
 #ifndef PREFETCH
 #define PREFETCH 1024 /* bytes ahead of the tile being read: the weights stream from memory */
 #endif
+#ifndef PREFETCH_L2
+#define PREFETCH_L2 2048 /* and into L2 (group_row1) */
+#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PDKV_QUANT_BUILT 1 /* the AVX-512 kernels below */
@@ -344,8 +347,10 @@ INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, const int
         const int32_t *a = (const int32_t *)(qa + b * QBLOCK);
         for (int gi = 0; gi < NG; gi++) {
             const uint8_t *t = wg + (gi * blocks + b) * tb;
-            for (int64_t line = 0; line < tb; line += 64)
+            for (int64_t line = 0; line < tb; line += 64) {
                 _mm_prefetch((const char *)t + PREFETCH + line, _MM_HINT_T0);
+                _mm_prefetch((const char *)t + PREFETCH_L2 + line, _MM_HINT_T2);
+            }
             __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
             if (fmt == FMT_Q4) {
                 for (int g = 0; g < 8; g += 2) {

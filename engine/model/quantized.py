@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine.memory import huge_page_buffer
 from engine.model.gguf import RawBlocks
 from engine.model.packed import PackedLinear
 from engine.native import QuantKernel
@@ -308,8 +309,6 @@ def gather_packed(model: nn.Module) -> int:
     the kernel is asked to back with 2 MB pages (``MADV_HUGEPAGE``; transparent huge pages are opt-in
     on most hosts): a decode step then streams one region instead of ~120 separate allocations, with
     1/512th of the TLB misses.  Returns the buffer's size (0: nothing packed)."""
-    import mmap
-
     weights = packed_weights(model)
     if not weights:
         return 0
@@ -317,10 +316,7 @@ def gather_packed(model: nn.Module) -> int:
     for w in weights:
         offsets[id(w.packed)] = size
         size += -(-w.nbytes // ARENA_ALIGN) * ARENA_ALIGN
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    arena = torch.frombuffer(buf, dtype=torch.uint8)
+    arena = huge_page_buffer(size)
     moved: dict[int, QuantWeight] = {}
     for w in weights:
         start = offsets[id(w.packed)]
@@ -332,7 +328,7 @@ def gather_packed(model: nn.Module) -> int:
             m.parts = [(start, moved[id(w.packed)]) for start, w in m.parts]
         elif isinstance(m, QuantEmbedding):
             m.weight_q = moved[id(m.weight_q.packed)]
-    model._packed_arena = buf  # type: ignore[assignment]  # the views keep it alive; this names it
+    model._packed_arena = arena  # type: ignore[assignment]  # the views keep it alive; this names it
     return size
 
 
