@@ -30,18 +30,20 @@ the time of its own matmuls.
   decode steps of one engine, then of the other; TTFTs alternately): measured minutes apart, this VM's
   memory speed alone moved the batch-1 bfloat16 ratio between 0.93 and 1.10.
 - **Deterministic mode** (``engine/determinism.py``): every figure above runs with ``--deterministic``
-  (default auto, the engine's default: on where the CPU serves it); an engine with the other setting
-  is timed in turns with the bfloat16 one -- decode steps at batch 8 and 32
+  (default auto, the engine's default: on where the CPU serves it); the bfloat16 engine is timed with
+  the mode on and off in turns, switched between requests on the same engine (``attention_mode``: two
+  engines differ by more than the mode, with where their memory lies) -- decode steps at batch 8 and 32
   (``deterministic_decode_fraction_b8`` and ``_b32``: tokens/s on over off, goal >= 0.95) and the time
   to first token of a 1000-token prompt (``deterministic_prefill_fraction``, goal >= 0.95).
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -139,26 +141,48 @@ def matmul_floor(llm: LLM, batch: int) -> Callable[[], None]:
     return step
 
 
-def decode_steps_in_turns(
-    on: LLM, off: LLM, batch: int, *, steps: int, context: int = 128
+@contextlib.contextmanager
+def attention_mode(llm: LLM, deterministic: bool) -> Iterator[None]:
+    """``llm``'s engine stepping with deterministic mode ``deterministic`` meanwhile: the runner's switch
+    (every row through the prefill kernel, the cache's paired order), which is all a step reads of it.
+    Between requests only -- a request's blocks hold its keys in the order they were written -- and with
+    a cold prefix cache (the namespace still names the engine's own setting)."""
+    runner = llm.engine.runner
+    if deterministic and runner.prefill_kernel is None:
+        raise ValueError("deterministic mode needs the native prefill attention, which is not built here")
+    assert not llm.engine.has_unfinished_requests()
+    before = runner.deterministic
+    runner.deterministic = deterministic
+    try:
+        yield
+    finally:
+        assert not llm.engine.has_unfinished_requests()
+        runner.deterministic = before
+
+
+def mode_steps_in_turns(
+    llm: LLM, batch: int, *, steps: int, context: int = 128, per_turn: int = 6
 ) -> tuple[float, float]:
-    """Median decode step time of each engine with ``batch`` requests, the two stepped in turns, which
-    one goes first alternating: on a host with a large L3 (an Emerald Rapids Xeon's 300 MB) the engine
-    stepped second in every turn ran 5-15 % faster at batch 8, the same engine in both seats too."""
+    """Median decode step time of ``llm``'s engine with deterministic mode on and off, ``batch`` requests
+    decoding: in turns of ``per_turn`` timed steps, each turn its own requests (added and prefilled, a cold
+    prefix cache), the mode going first alternating.  One engine, so both modes read the same weights
+    and blocks: on an Emerald Rapids Xeon two engines stepped in turns differed by 5-20 % at batch 8 with
+    the same setting -- which one was slower stayed with the engine for the process's life (where its
+    memory lies), more than the mode's own 2-3 %."""
+    times: dict[bool, list[float]] = {True: [], False: []}
     prompts = make_prompts(batch, (context, context), 49152, seed=200 + batch)
-    for llm in (on, off):
-        start_decoding(llm, prompts, steps + 8, "det")
-        llm.engine.step()
-    times: dict[int, list[float]] = {id(on): [], id(off): []}
-    for i in range(steps):
-        for llm in (on, off) if i % 2 == 0 else (off, on):
-            t0 = time.perf_counter()
-            llm.engine.step()
-            times[id(llm)].append(time.perf_counter() - t0)
-    for llm in (on, off):
-        while llm.engine.has_unfinished_requests():
-            llm.engine.step()
-    return statistics.median(times[id(on)]), statistics.median(times[id(off)])
+    for i in range(-(-steps // per_turn)):
+        for mode in (True, False) if i % 2 == 0 else (False, True):
+            with attention_mode(llm, mode):
+                start_decoding(llm, prompts, per_turn + 2, f"mode-{i}-{int(mode)}")
+                llm.engine.step()
+                for _ in range(per_turn):
+                    t0 = time.perf_counter()
+                    llm.engine.step()
+                    times[mode].append(time.perf_counter() - t0)
+                while llm.engine.has_unfinished_requests():
+                    llm.engine.step()
+    return statistics.median(times[True]), statistics.median(times[False])
 
 
 def ttft_seconds(llm: LLM, prompt: list[int], repeat: int = 3) -> float:
@@ -188,29 +212,23 @@ def real_llm(gguf: Path, dtype: str, deterministic: bool | None, weights: str | 
     )
 
 
-def deterministic_cost(
-    main: LLM, gguf: Path, long_prompt: list[int], steps: int, report: Report
-) -> dict[str, float]:
-    """Deterministic mode's cost: the bfloat16 engine against one with the other setting, in turns."""
-    other = real_llm(gguf, "bfloat16", not main.engine.determinism.on)
-    on, off = (main, other) if main.engine.determinism.on else (other, main)
-    generate_seconds(other, make_prompts(2, (16, 32), 49152, seed=1), 4)  # warm up
+def deterministic_cost(llm: LLM, long_prompt: list[int], steps: int, report: Report) -> dict[str, float]:
+    """Deterministic mode's cost on the bfloat16 engine: decode steps and the 1000-token TTFT with the
+    mode on and off, in turns on the same engine (``attention_mode``, ``mode_steps_in_turns``)."""
     out: dict[str, float] = {}
     for batch in (8, 32):
-        step_on, step_off = decode_steps_in_turns(on, off, batch, steps=max(steps, 16))
+        step_on, step_off = mode_steps_in_turns(llm, batch, steps=max(steps, 36))
         report.figure(f"real_bf16_deterministic_decode_step_ms_b{batch}", step_on * 1e3)
         report.figure(f"real_bf16_nondeterministic_decode_step_ms_b{batch}", step_off * 1e3)
         out[f"det_decode_b{batch}"] = step_off / step_on  # tokens/s on over off
-    ttft_on: list[float] = []
-    ttft_off: list[float] = []
-    turn = ((on, ttft_on), (off, ttft_off))
+    ttft: dict[bool, list[float]] = {True: [], False: []}
     for i in range(4):  # which goes first alternating, as the decode steps
-        for llm, times in turn if i % 2 == 0 else turn[::-1]:
-            times.append(ttft_seconds(llm, long_prompt, repeat=1))
-    report.figure("real_bf16_deterministic_ttft_1000_ms", statistics.median(ttft_on) * 1e3)
-    report.figure("real_bf16_nondeterministic_ttft_1000_ms", statistics.median(ttft_off) * 1e3)
-    out["det_prefill"] = statistics.median(ttft_off) / statistics.median(ttft_on)
-    other.engine.shutdown()
+        for mode in (True, False) if i % 2 == 0 else (False, True):
+            with attention_mode(llm, mode):
+                ttft[mode].append(ttft_seconds(llm, long_prompt, repeat=1))
+    report.figure("real_bf16_deterministic_ttft_1000_ms", statistics.median(ttft[True]) * 1e3)
+    report.figure("real_bf16_nondeterministic_ttft_1000_ms", statistics.median(ttft[False]) * 1e3)
+    out["det_prefill"] = statistics.median(ttft[False]) / statistics.median(ttft[True])
     return out
 
 
@@ -400,7 +418,7 @@ def run(
                 # 1: the bfloat16 linears ran in AMX tiles (engine/csrc/bf16_amx.h), 0: in vectors or oneDNN
                 report.figure("real_bf16_linears_amx", float(llm.engine.model.bf16_tiles))
                 try:
-                    results.update(deterministic_cost(llm, gguf, long_prompt, steps, report))
+                    results.update(deterministic_cost(llm, long_prompt, steps, report))
                 except ValueError as exc:  # this CPU cannot serve it
                     print(f"real bf16: no deterministic figures: {exc}")
             llm.engine.shutdown()
