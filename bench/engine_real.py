@@ -56,7 +56,7 @@ from engine.cpu_features import fast_bf16_flags
 from engine.engine_config import DETERMINISTIC_SWITCH, deterministic_from_switch
 from engine.model.convert_gguf import convert_gguf
 from engine.model.embedded import ensure_default_model
-from engine.model.packed import linear_weights
+from engine.model.packed import PackedLinear, linear_weights
 from engine.model.quantized import QuantLinear, packed_weights, weight_bytes
 from engine.native import QuantKernel
 
@@ -147,17 +147,22 @@ def attention_mode(llm: LLM, deterministic: bool) -> Iterator[None]:
     (every row through the prefill kernel, the cache's paired order), which is all a step reads of it.
     Between requests only -- a request's blocks hold its keys in the order they were written -- and with
     a cold prefix cache (the namespace still names the engine's own setting)."""
-    runner = llm.engine.runner
-    if deterministic and runner.prefill_kernel is None:
-        raise ValueError("deterministic mode needs the native prefill attention, which is not built here")
-    assert not llm.engine.has_unfinished_requests()
-    before = runner.deterministic
-    runner.deterministic = deterministic
+    engine = llm.engine
+    if not engine.determinism.on:  # the mode's linears (where a host needs a plan) were never set up
+        raise ValueError(f"this engine serves no deterministic mode to switch ({engine.determinism.note})")
+    if any(isinstance(m, PackedLinear) for m in engine.model.model.modules()):
+        # oneDNN's linears under a batch-invariant plan (engine/model/batch_invariance.py): the plan is
+        # the mode's as well, and stays in place whatever the runner's switch says
+        raise ValueError("the linears are oneDNN's under a batch-invariant plan: two engines would be needed")
+    assert not engine.has_unfinished_requests()
+    before = engine.runner.deterministic
+    engine.runner.deterministic = deterministic
     try:
         yield
     finally:
-        assert not llm.engine.has_unfinished_requests()
-        runner.deterministic = before
+        assert not engine.has_unfinished_requests()
+        engine.runner.deterministic = before
+        assert engine.reset_prefix_cache()  # no block written in the other order is found again
 
 
 def mode_steps_in_turns(
@@ -174,9 +179,11 @@ def mode_steps_in_turns(
     for i in range(-(-steps // per_turn)):
         for mode in (True, False) if i % 2 == 0 else (False, True):
             with attention_mode(llm, mode):
-                start_decoding(llm, prompts, per_turn + 2, f"mode-{i}-{int(mode)}")
+                # headroom: the first prompts prefilled decode while the last ones are (chunked prefill)
+                start_decoding(llm, prompts, per_turn + 8, f"mode-{i}-{int(mode)}")
                 llm.engine.step()
                 for _ in range(per_turn):
+                    assert len(llm.engine.scheduler.running) == batch
                     t0 = time.perf_counter()
                     llm.engine.step()
                     times[mode].append(time.perf_counter() - t0)

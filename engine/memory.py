@@ -5,7 +5,10 @@ enabled): a large tensor from torch's allocator lies on 4 KB pages, and a kernel
 scattered over hundreds of MB -- a decode batch's KV blocks, a step's ~120 weight matrices -- takes a TLB
 miss every 4 KB.  ``huge_page_buffer`` asks for 2 MB pages before the first touch (the advice binds only
 pages faulted in after it), then touches every page, as ``torch.zeros`` would, so that no first write in
-a timed step pays for a fault and the zeroing of 2 MB.
+a timed step pays for a fault and the zeroing of 2 MB.  With the kernel's usual defrag setting
+(``madvise``) an advised fault compacts memory when no free 2 MB page is at hand: on a long-running,
+fragmented host a node with a cache of many GB may take seconds longer to start; it gets 4 KB pages
+where compaction finds none.
 """
 
 from __future__ import annotations

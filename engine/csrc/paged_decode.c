@@ -642,7 +642,8 @@ int pdkv_rope_write_kv(const void *qkv, const void *cos, const void *sin, void *
      * that wait on their lines' reads, the slabs long gone from the caches since the last step, so a
      * few rows already take both threads (an Emerald Rapids Xeon, batch 8, 30 layers: 0.26 -> 0.17 ms). */
     const int parallel = rows * heads * head_dim >= PARALLEL_MIN || (kv_order == KV_PAIRED && rows >= 4);
-#pragma omp parallel for schedule(static) if (parallel)
+    const int threads = rows < omp_get_max_threads() ? (int)rows : omp_get_max_threads(); /* a row each */
+#pragma omp parallel for schedule(static) if (parallel) num_threads(threads)
     for (int64_t t = 0; t < rows; t++) {
         const size_t at = (size_t)(t * (heads + num_kv_heads) * D), cs = (size_t)(t * half);
         const size_t slot = (size_t)(((slot_blocks[t] * num_layers + layer) * 2) * block_size + slot_offsets[t]);

@@ -8,7 +8,11 @@ from pathlib import Path
 import torch
 
 from engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from engine.llm import LLM
 from engine.memory import huge_page_buffer
+from engine.model.quantized import packed_weights
+from tests.gguf_models import write_gguf
+from tests.tiny_models import pdkv_tiny_model_dir
 
 THP = Path("/sys/kernel/mm/transparent_hugepage").is_dir()  # a kernel built with them
 
@@ -49,5 +53,16 @@ def test_the_kv_cache_is_zeroed_on_its_own_mapping_advised_huge_pages() -> None:
     assert _advised_huge(kv) == THP
 
 
-def test_the_packed_weights_arena_is_advised_huge_pages_too() -> None:
-    assert _advised_huge(huge_page_buffer(2**20)) == THP
+def test_an_engines_packed_weights_lie_in_one_arena_advised_huge_pages(tmp_path: Path) -> None:
+    """The quantized engine's matrices, moved at load into one buffer (quantized.gather_packed): every
+    one of them inside it, and the buffer advised like the KV cache."""
+    gguf = write_gguf(pdkv_tiny_model_dir(), tmp_path / "tiny-q4.gguf", qtype="Q4_1")
+    llm = LLM(gguf, dtype="float32", weights="quantized", device="cpu", block_size=16, num_blocks=64)
+    model = llm.engine.model.model
+    arena = model._packed_arena
+    weights = packed_weights(model)
+    assert weights and isinstance(arena, torch.Tensor)
+    lo, hi = arena.data_ptr(), arena.data_ptr() + arena.nbytes
+    assert all(lo <= w.packed.data_ptr() and w.packed.data_ptr() + w.nbytes <= hi for w in weights)
+    assert _advised_huge(arena) == THP
+    assert _advised_huge(llm.engine.runner.kv_cache) == THP

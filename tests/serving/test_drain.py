@@ -331,11 +331,16 @@ def test_a_draining_router_finishes_its_streams_and_refuses_new_calls() -> None:
                     restarting = threading.Thread(target=restart_router)
                     restarting.start()
 
-                    # health says NOT_SERVING from the drain's first moment: a late call sent then is
-                    # refused (one sent before it would be admitted, and its whole generation could
-                    # outlast the long stream, the drain and the old router -- seen on a fast host)
+                    # the drain: SIGTERM sent, then health NOT_SERVING, which the router says from the
+                    # drain's first moment (its pools' health can say it too, but not just then): a
+                    # late call sent now is refused.  Polling with late calls instead, one admitted just
+                    # before the SIGTERM could outlast the stream, the drain and the old router (seen on
+                    # a fast host), and the next was refused by a closed port, not by the drain.
                     wait_until(
-                        lambda: health.check(cluster.router_address) == "NOT_SERVING",
+                        lambda: (
+                            any(line.startswith("router: SIGTERM") for line in progress)
+                            and health.check(cluster.router_address) == "NOT_SERVING"
+                        ),
                         timeout=30,
                         interval=0.005,
                         what="the router to say it drains",
