@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +55,26 @@ def best_of_interleaved(
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)
     return best
+
+
+def medians_in_turns(
+    rounds: int,
+    first: Callable[[], list[float]],
+    second: Callable[[], list[float]],
+    *,
+    pause_s: float = 0.0,
+) -> tuple[float, float]:
+    """The medians of the times ``first()`` and ``second()`` return, each called ``rounds`` times in
+    turns (which goes first alternating, ``pause_s`` before each call), so that a shared VM's speed, which
+    moves by up to 2x within minutes, weighs on both alike."""
+    times: tuple[list[float], list[float]] = ([], [])
+    sides = (first, second)
+    for r in range(rounds):
+        for side in (0, 1) if r % 2 else (1, 0):
+            if pause_s:
+                time.sleep(pause_s)
+            times[side].extend(sides[side]())
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def random_prompts(

@@ -40,6 +40,7 @@ the time of its own matmuls.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import statistics
 import tempfile
 import time
@@ -50,7 +51,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.common import Report, parser, random_prompts, run_transformers
+from bench.common import Report, medians_in_turns, parser, random_prompts, run_transformers
 from engine import LLM, SamplingParams
 from engine.cpu_features import fast_bf16_flags
 from engine.engine_config import DETERMINISTIC_SWITCH, deterministic_from_switch
@@ -174,22 +175,25 @@ def mode_steps_in_turns(
     and blocks: on an Emerald Rapids Xeon two engines stepped in turns differed by 5-20 % at batch 8 with
     the same setting -- which one was slower stayed with the engine for the process's life (where its
     memory lies), more than the mode's own 2-3 %."""
-    times: dict[bool, list[float]] = {True: [], False: []}
     prompts = make_prompts(batch, (context, context), 49152, seed=200 + batch)
-    for i in range(-(-steps // per_turn)):
-        for mode in (True, False) if i % 2 == 0 else (False, True):
-            with attention_mode(llm, mode):
-                # headroom: the first prompts prefilled decode while the last ones are (chunked prefill)
-                start_decoding(llm, prompts, per_turn + 8, f"mode-{i}-{int(mode)}")
+    turns = itertools.count()
+
+    def turn(mode: bool) -> list[float]:
+        times = []
+        with attention_mode(llm, mode):
+            # headroom: the first prompts prefilled decode while the last ones are (chunked prefill)
+            start_decoding(llm, prompts, per_turn + 8, f"mode-{next(turns)}-{int(mode)}")
+            llm.engine.step()
+            for _ in range(per_turn):
+                assert len(llm.engine.scheduler.running) == batch
+                t0 = time.perf_counter()
                 llm.engine.step()
-                for _ in range(per_turn):
-                    assert len(llm.engine.scheduler.running) == batch
-                    t0 = time.perf_counter()
-                    llm.engine.step()
-                    times[mode].append(time.perf_counter() - t0)
-                while llm.engine.has_unfinished_requests():
-                    llm.engine.step()
-    return statistics.median(times[True]), statistics.median(times[False])
+                times.append(time.perf_counter() - t0)
+            while llm.engine.has_unfinished_requests():
+                llm.engine.step()
+        return times
+
+    return medians_in_turns(-(-steps // per_turn), lambda: turn(True), lambda: turn(False))
 
 
 def ttft_seconds(llm: LLM, prompt: list[int], repeat: int = 3) -> float:
@@ -228,14 +232,15 @@ def deterministic_cost(llm: LLM, long_prompt: list[int], steps: int, report: Rep
         report.figure(f"real_bf16_deterministic_decode_step_ms_b{batch}", step_on * 1e3)
         report.figure(f"real_bf16_nondeterministic_decode_step_ms_b{batch}", step_off * 1e3)
         out[f"det_decode_b{batch}"] = step_off / step_on  # tokens/s on over off
-    ttft: dict[bool, list[float]] = {True: [], False: []}
-    for i in range(4):  # which goes first alternating, as the decode steps
-        for mode in (True, False) if i % 2 == 0 else (False, True):
-            with attention_mode(llm, mode):
-                ttft[mode].append(ttft_seconds(llm, long_prompt, repeat=1))
-    report.figure("real_bf16_deterministic_ttft_1000_ms", statistics.median(ttft[True]) * 1e3)
-    report.figure("real_bf16_nondeterministic_ttft_1000_ms", statistics.median(ttft[False]) * 1e3)
-    out["det_prefill"] = statistics.median(ttft[False]) / statistics.median(ttft[True])
+
+    def ttft(mode: bool) -> list[float]:
+        with attention_mode(llm, mode):
+            return [ttft_seconds(llm, long_prompt, repeat=1)]
+
+    ttft_on, ttft_off = medians_in_turns(4, lambda: ttft(True), lambda: ttft(False))
+    report.figure("real_bf16_deterministic_ttft_1000_ms", ttft_on * 1e3)
+    report.figure("real_bf16_nondeterministic_ttft_1000_ms", ttft_off * 1e3)
+    out["det_prefill"] = ttft_off / ttft_on
     return out
 
 

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.common import medians_in_turns
+
 CONTEXT = 128
 PREFILL_TOKENS = 1000
 
@@ -187,24 +189,6 @@ class LlamaCpp:
 PAUSE_S = 0.02  # between two engines' turns: neither's idle pool still spinning while the other computes
 
 
-def _in_turns(
-    rounds: int, ours: Callable[[], list[float]], theirs: Callable[[], list[float]]
-) -> tuple[float, float]:
-    """The medians of the times ``ours()`` and ``theirs()`` return, each called ``rounds`` times in turns
-    (which goes first alternating, a pause before each), so that this VM's speed, which moves by up to 2x
-    within minutes, weighs on both alike."""
-    mine: list[float] = []
-    other: list[float] = []
-    for r in range(rounds):
-        for side in (0, 1) if r % 2 else (1, 0):
-            time.sleep(PAUSE_S)
-            if side == 0:
-                mine += ours()
-            else:
-                other += theirs()
-    return statistics.median(mine), statistics.median(other)
-
-
 def decode_in_turns(
     path: Path,
     ours: Callable[[int], list[float]],
@@ -222,7 +206,7 @@ def decode_in_turns(
     try:
         lc.start(prompts)
         lc.steps(2)  # warm up
-        return _in_turns(rounds, lambda: ours(per_round), lambda: lc.steps(per_round))
+        return medians_in_turns(rounds, lambda: ours(per_round), lambda: lc.steps(per_round), pause_s=PAUSE_S)
     finally:
         lc.close()
 
@@ -241,7 +225,7 @@ def ttft_in_turns(
         return [time.perf_counter() - t0]
 
     try:
-        return _in_turns(rounds, lambda: [ours()], theirs)
+        return medians_in_turns(rounds, lambda: [ours()], theirs, pause_s=PAUSE_S)
     finally:
         lc.close()
 
