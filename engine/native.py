@@ -34,7 +34,7 @@ import torch
 from engine.cpu_features import bf16_kernels_cpu, cpu_flags
 from engine.native_attention import DTYPE_FLAGS, KV_CANONICAL, MAX_HEAD_DIM, DecodeKernel, PrefillKernel
 from engine.native_build import build_library
-from engine.native_linear import DecodeLayerKernel, QuantKernel, row_groups_default
+from engine.native_linear import DecodeLayerKernel, QuantKernel, row_groups_default, row_prefetch_default
 
 logger = logging.getLogger(__name__)
 
@@ -357,8 +357,13 @@ def _load() -> NativeKernels | None:
     row_groups = lib.pdkv_quant_row_groups
     row_groups.argtypes, row_groups.restype = [_INT64], _INT64
     row_groups(row_groups_default())
+    prefetch = lib.pdkv_quant_prefetch
+    prefetch.argtypes, prefetch.restype = [_INT64] * 2, _INT64
+    prefetch(*row_prefetch_default())
     bf16_dot = lib.pdkv_bf16_built()  # simd.h's PDKV_BF16: 1 vdpbf16ps, 2 emulated, 0 neither
-    quant = QuantKernel(qlinear, qrows, bandwidth, bf16_dot != 0, amx, evict, int8_tiles, row_groups)
+    quant = QuantKernel(
+        qlinear, qrows, bandwidth, bf16_dot != 0, amx, evict, int8_tiles, row_groups, prefetch
+    )
     built = lib.pdkv_quant_built() != 0  # quant.c has its vector kernels
     logger.info(
         "native kernels (decode and prefill attention, RMSNorm, RoPE + K/V write, SiLU-mul, argmax): %s", path

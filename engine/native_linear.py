@@ -28,6 +28,13 @@ def row_groups_default() -> int:
     return int(raw) if raw in ("1", "2", "3", "4") else default
 
 
+def row_prefetch_default() -> tuple[int, int]:
+    """How far ahead quant.c's batch-1 linears prefetch the weights they stream (bytes into L1, into L2):
+    what measured fastest on each vendor's CPU (engine/csrc/quant.c, row_prefetch; speed only, the same
+    bits)."""
+    return (1024, 2048) if cpu_vendor() == "GenuineIntel" else (4096, 16384)
+
+
 @dataclass(frozen=True)
 class QuantKernel:
     """``engine/csrc/quant.c`` of the built library: linears over packed GGUF blocks (Q8_0, Q4_0, Q4_1;
@@ -44,6 +51,7 @@ class QuantKernel:
     evict_fn: Any = None  # pdkv_evict
     int8_tiles_fn: Any = None  # pdkv_quant_amx
     row_groups_fn: Any = None  # pdkv_quant_row_groups
+    prefetch_fn: Any = None  # pdkv_quant_prefetch
 
     @property
     def amx(self) -> bool:
@@ -62,6 +70,12 @@ class QuantKernel:
         """Groups a batch-1 call streams side by side (1-4; quant.c's row_groups: speed only, the same
         bits), after setting it for the whole process where ``want`` says (tests, benchmarks)."""
         return int(self.row_groups_fn(0 if want is None else want))
+
+    def prefetch(self, l1: int = -1, l2: int = -1) -> int:
+        """How far ahead (bytes into L2) a batch-1 call prefetches its weights, after setting both
+        distances for the whole process where given (tests, benchmarks; the library starts with
+        ``row_prefetch_default``)."""
+        return int(self.prefetch_fn(l1, l2))
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:

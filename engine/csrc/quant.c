@@ -61,9 +61,6 @@
 #ifndef PREFETCH
 #define PREFETCH 1024 /* bytes ahead of the tile being read: the weights stream from memory */
 #endif
-#ifndef PREFETCH_L2
-#define PREFETCH_L2 2048 /* and into L2 (group_row1) */
-#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PDKV_QUANT_BUILT 1 /* the AVX-512 kernels below */
@@ -80,6 +77,22 @@ int pdkv_quant_built(void) { return PDKV_QUANT_BUILT; }
 static _Thread_local void *private_acts;
 static _Thread_local size_t private_bytes;
 #endif
+
+/* How far ahead a batch-1 call's threads prefetch the weights they stream (group_row1): bytes into L1
+ * and into L2.  Which distances are fastest is the CPU's: an Intel Xeon (Emerald Rapids) 1 KB and 2 KB;
+ * an AMD EPYC Zen 5 4 KB and 16 KB -- the batch-1 step from memory 2.62-2.66 -> 2.38-2.45 ms where the
+ * probe read 79-84 GB/s, 2.79 -> 2.73-2.78 ms at 43-49 GB/s (in-process A/B, the setting switched
+ * between rounds).  The same bits whatever they are; engine/native_linear.py sets them by the vendor. */
+static int64_t row_prefetch[2] = {1024, 2048};
+
+/* l1, l2 >= 0 (bytes): the distances from now on; else no change.  Returns the L2 one in use. */
+int64_t pdkv_quant_prefetch(int64_t l1, int64_t l2) {
+    if (l1 >= 0 && l2 >= 0) {
+        row_prefetch[0] = l1;
+        row_prefetch[1] = l2;
+    }
+    return row_prefetch[1];
+}
 
 /* Bytes of one (group, block) tile of the packed layout. */
 static int64_t tile_bytes(int64_t fmt) { return fmt == FMT_Q4 ? 320 : 576; }
@@ -305,6 +318,7 @@ INLINE void load_weights(const uint8_t *t, int64_t fmt, __m512i w[16]) {
 INLINE void store_tile(const __m512 *acc, int nrows, void *out, int64_t ldo, int64_t col, int64_t ncols,
                        int64_t out_bf16);
 
+
 /* Rows m0 .. m0 + nrows - 1 (nrows <= MT) of one group: acc[j] over every block, stored to out. */
 INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int16_t *qa, const float *da,
                        const float *sa, int64_t k, int nrows, void *out, int64_t ldo, int64_t col,
@@ -341,15 +355,15 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int
 INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, const int16_t *qa, const float *da,
                        const float *sa, void *out, int64_t col, int64_t n_out, int64_t out_bf16, const int NG) {
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt);
+    const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt), t0 = row_prefetch[0], l2 = row_prefetch[1];
     const __m512i low = _mm512_set1_epi16(0x0f);
     for (int64_t b = 0; b < blocks; b++) {
         const int32_t *a = (const int32_t *)(qa + b * QBLOCK);
         for (int gi = 0; gi < NG; gi++) {
             const uint8_t *t = wg + (gi * blocks + b) * tb;
             for (int64_t line = 0; line < tb; line += 64) {
-                _mm_prefetch((const char *)t + PREFETCH + line, _MM_HINT_T0);
-                _mm_prefetch((const char *)t + PREFETCH_L2 + line, _MM_HINT_T2);
+                _mm_prefetch((const char *)t + t0 + line, _MM_HINT_T0);
+                _mm_prefetch((const char *)t + l2 + line, _MM_HINT_T2);
             }
             __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
             if (fmt == FMT_Q4) {

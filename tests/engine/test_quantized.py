@@ -6,6 +6,7 @@ dequantized weights kept apart; the weights' choice, its refusals and its fallba
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from engine.model.quantized import (
     weight_bytes,
 )
 from engine.native import QuantKernel, SiluMulKernel, native_kernels
+from engine.native_linear import row_prefetch_default
 from engine.sampling_params import SamplingParams
 from tests.factories import store_tier_spec
 from tests.gguf_models import write_gguf
@@ -120,21 +122,38 @@ def test_a_batch_1_call_gives_the_same_bits_with_1_to_4_groups_side_by_side(
     kernel: QuantKernel, qtype: str, dtype: torch.dtype, n: int, k: int
 ) -> None:
     """How many groups a batch-1 call streams side by side (PDKV_QUANT_ROW_GROUPS; by default 4 on an
-    Intel CPU, 1 elsewhere) is speed only: each group's arithmetic is its own -- whole and part groups,
-    a share per thread ending on any of them."""
+    Intel CPU, 1 elsewhere) and how far ahead it prefetches (by the vendor) are speed only: each group's
+    arithmetic is its own -- whole and part groups, a share per thread ending on any of them, prefetches
+    reaching past the matrix's end."""
     linear = QuantLinear([pack([random_blocks(qtype, n, k, seed=n * 3 + k)])], None, kernel)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(n)).to(dtype)
-    was = kernel.row_groups()
+    was, was_l2 = kernel.row_groups(), kernel.prefetch()
     try:
         outs = []
-        for groups in (1, 2, 3, 4):
-            assert kernel.row_groups(groups) == groups
+        distances = ((0, 0), (1024, 2048), (4096, 16384), (64, 1 << 20))
+        for groups, (l1, l2) in itertools.product((1, 2, 3, 4), distances):
+            assert kernel.row_groups(groups) == groups and kernel.prefetch(l1, l2) == l2
             outs.append([linear(x[i : i + 1]) for i in range(3)])
     finally:
         kernel.row_groups(was)
+        kernel.prefetch(*row_prefetch_default())
+    assert kernel.prefetch() == was_l2
     for other in outs[1:]:
         for a, b in zip(outs[0], other, strict=True):
             assert torch.equal(a, b)
+
+
+def test_the_prefetch_distances_follow_the_cpu_and_the_library_starts_with_them(
+    kernel: QuantKernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import engine.native_linear as nl
+
+    assert kernel.prefetch() == row_prefetch_default()[1]
+    monkeypatch.setattr(nl, "cpu_vendor", lambda: "GenuineIntel")
+    assert nl.row_prefetch_default() == (1024, 2048)
+    monkeypatch.setattr(nl, "cpu_vendor", lambda: "AuthenticAMD")
+    assert nl.row_prefetch_default() == (4096, 16384)
+    assert kernel.prefetch(-1, 5) == kernel.prefetch()  # a negative distance: no change
 
 
 def test_the_row_groups_default_follows_the_cpu_and_the_variable(
