@@ -357,12 +357,15 @@ def _load() -> NativeKernels | None:
     row_groups = lib.pdkv_quant_row_groups
     row_groups.argtypes, row_groups.restype = [_INT64], _INT64
     row_groups(row_groups_default())
-    prefetch = lib.pdkv_quant_prefetch
-    prefetch.argtypes, prefetch.restype = [_INT64] * 2, _INT64
-    prefetch(*row_prefetch_default())
+    prefetch, bf16_nta = lib.pdkv_quant_prefetch, lib.pdkv_bf16_prefetch_nta
+    prefetch.argtypes, prefetch.restype = [_INT64] * 3, _INT64
+    bf16_nta.argtypes, bf16_nta.restype = [_INT64], _INT64
+    near, far, nta = row_prefetch_default()
+    prefetch(near, far, nta)
+    bf16_nta(nta)
     bf16_dot = lib.pdkv_bf16_built()  # simd.h's PDKV_BF16: 1 vdpbf16ps, 2 emulated, 0 neither
     quant = QuantKernel(
-        qlinear, qrows, bandwidth, bf16_dot != 0, amx, evict, int8_tiles, row_groups, prefetch
+        qlinear, qrows, bandwidth, bf16_dot != 0, amx, evict, int8_tiles, row_groups, prefetch, bf16_nta
     )
     built = lib.pdkv_quant_built() != 0  # quant.c has its vector kernels
     logger.info(

@@ -28,11 +28,12 @@ def row_groups_default() -> int:
     return int(raw) if raw in ("1", "2", "3", "4") else default
 
 
-def row_prefetch_default() -> tuple[int, int]:
-    """How far ahead quant.c's batch-1 linears prefetch the weights they stream (bytes into L1, into L2):
-    what measured fastest on each vendor's CPU (engine/csrc/quant.c, row_prefetch; speed only, the same
-    bits)."""
-    return (1024, 2048) if cpu_vendor() == "GenuineIntel" else (4096, 16384)
+def row_prefetch_default() -> tuple[int, int, int]:
+    """How quant.c's and bf16_linear.c's linears prefetch the weights they stream: (near, far, nta) --
+    a batch-1 call's bytes ahead into L1 and into L2 (0: not), and whether every call prefetches them
+    non-temporally.  What measured fastest on each vendor's CPU (engine/csrc/quant.c, row_prefetch; speed
+    only, the same bits)."""
+    return (1024, 2048, 0) if cpu_vendor() == "GenuineIntel" else (4096, 0, 1)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class QuantKernel:
     int8_tiles_fn: Any = None  # pdkv_quant_amx
     row_groups_fn: Any = None  # pdkv_quant_row_groups
     prefetch_fn: Any = None  # pdkv_quant_prefetch
+    bf16_nta_fn: Any = None  # pdkv_bf16_prefetch_nta
 
     @property
     def amx(self) -> bool:
@@ -71,11 +73,14 @@ class QuantKernel:
         bits), after setting it for the whole process where ``want`` says (tests, benchmarks)."""
         return int(self.row_groups_fn(0 if want is None else want))
 
-    def prefetch(self, l1: int = -1, l2: int = -1) -> int:
-        """How far ahead (bytes into L2) a batch-1 call prefetches its weights, after setting both
-        distances for the whole process where given (tests, benchmarks; the library starts with
-        ``row_prefetch_default``)."""
-        return int(self.prefetch_fn(l1, l2))
+    def prefetch(self, near: int = -1, far: int = -1, nta: int = -1) -> int:
+        """How far ahead (bytes into L1) a batch-1 call prefetches its weights, after setting the
+        prefetches for the whole process where all three are given (``row_prefetch_default``'s meaning;
+        ``nta`` for the bfloat16 linears too): tests and benchmarks -- the library starts with the
+        default."""
+        if nta in (0, 1) and self.bf16_nta_fn is not None:
+            self.bf16_nta_fn(nta)
+        return int(self.prefetch_fn(near, far, nta))
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:

@@ -78,21 +78,38 @@ static _Thread_local void *private_acts;
 static _Thread_local size_t private_bytes;
 #endif
 
-/* How far ahead a batch-1 call's threads prefetch the weights they stream (group_row1): bytes into L1
- * and into L2.  Which distances are fastest is the CPU's: an Intel Xeon (Emerald Rapids) 1 KB and 2 KB;
- * an AMD EPYC Zen 5 4 KB and 16 KB -- the batch-1 step from memory 2.62-2.66 -> 2.38-2.45 ms where the
- * probe read 79-84 GB/s, 2.79 -> 2.73-2.78 ms at 43-49 GB/s (in-process A/B, the setting switched
- * between rounds).  The same bits whatever they are; engine/native_linear.py sets them by the vendor. */
-static int64_t row_prefetch[2] = {1024, 2048};
+/* How a batch-1 call's threads (group_row1) prefetch the weights they stream: `near` bytes ahead of the
+ * tile they read into L1 -- non-temporally where `nta` (prefetchnta: the weights pass through without
+ * pushing out of the caches what the rest of the step reuses, the KV cache, the activations, the
+ * interpreter's own data) -- and `far` bytes ahead into L2 (0: not).  Which is fastest is the CPU's: an
+ * Intel Xeon (Emerald Rapids) 1 KB and 2 KB, temporal; an AMD EPYC Zen 5 4 KB non-temporal, no L2
+ * prefetch.  Its batch-1 step from memory (in-process A/B, the setting switched between rounds): 2.84
+ * ms with 1 KB / 2 KB, 2.63 with 4 KB / 16 KB, 2.40 with 4 KB non-temporal where the probe read 80 GB/s;
+ * 2.68-2.90 ms with 4 KB / 16 KB against 2.45-2.63 non-temporal at 47-50 GB/s.  The same bits whatever
+ * they are; engine/native_linear.py sets them by the vendor. */
+static int64_t row_prefetch[3] = {1024, 2048, 0}; /* near, far, nta */
 
-/* l1, l2 >= 0 (bytes): the distances from now on; else no change.  Returns the L2 one in use. */
-int64_t pdkv_quant_prefetch(int64_t l1, int64_t l2) {
-    if (l1 >= 0 && l2 >= 0) {
-        row_prefetch[0] = l1;
-        row_prefetch[1] = l2;
+/* near, far >= 0 (bytes), nta 0 or 1: the prefetches from now on; else no change.  Returns near. */
+int64_t pdkv_quant_prefetch(int64_t near, int64_t far, int64_t nta) {
+    if (near >= 0 && far >= 0 && (nta == 0 || nta == 1)) {
+        row_prefetch[0] = near;
+        row_prefetch[1] = far;
+        row_prefetch[2] = nta;
     }
-    return row_prefetch[1];
+    return row_prefetch[0];
 }
+
+#if PDKV_QUANT_BUILT
+/* The lines of one tile (tb bytes at t) `ahead` bytes on, into L1: non-temporally where nta. */
+INLINE void prefetch_tile(const uint8_t *t, int64_t tb, int64_t ahead, int nta) {
+    for (int64_t line = 0; line < tb; line += 64) {
+        if (nta)
+            _mm_prefetch((const char *)t + ahead + line, _MM_HINT_NTA);
+        else
+            _mm_prefetch((const char *)t + ahead + line, _MM_HINT_T0);
+    }
+}
+#endif
 
 /* Bytes of one (group, block) tile of the packed layout. */
 static int64_t tile_bytes(int64_t fmt) { return fmt == FMT_Q4 ? 320 : 576; }
@@ -328,7 +345,7 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int
     const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *t = wg + b * tb;
-        for (int64_t line = 0; line < tb; line += 64) _mm_prefetch((const char *)t + PREFETCH + line, _MM_HINT_T0);
+        prefetch_tile(t, tb, PREFETCH, 0); /* into L1 (non-temporal: batch 8 2.4 % slower on a Zen 5) */
         __m512i w[16];
         load_weights(t, fmt, w);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + qb)));
@@ -355,16 +372,16 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int
 INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, const int16_t *qa, const float *da,
                        const float *sa, void *out, int64_t col, int64_t n_out, int64_t out_bf16, const int NG) {
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt), t0 = row_prefetch[0], l2 = row_prefetch[1];
+    const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt), near = row_prefetch[0], far = row_prefetch[1];
+    const int nta = row_prefetch[2] != 0;
     const __m512i low = _mm512_set1_epi16(0x0f);
     for (int64_t b = 0; b < blocks; b++) {
         const int32_t *a = (const int32_t *)(qa + b * QBLOCK);
         for (int gi = 0; gi < NG; gi++) {
             const uint8_t *t = wg + (gi * blocks + b) * tb;
-            for (int64_t line = 0; line < tb; line += 64) {
-                _mm_prefetch((const char *)t + t0 + line, _MM_HINT_T0);
-                _mm_prefetch((const char *)t + l2 + line, _MM_HINT_T2);
-            }
+            prefetch_tile(t, tb, near, nta);
+            if (far > 0)
+                for (int64_t line = 0; line < tb; line += 64) _mm_prefetch((const char *)t + far + line, _MM_HINT_T2);
             __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
             if (fmt == FMT_Q4) {
                 for (int g = 0; g < 8; g += 2) {

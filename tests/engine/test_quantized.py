@@ -127,20 +127,45 @@ def test_a_batch_1_call_gives_the_same_bits_with_1_to_4_groups_side_by_side(
     reaching past the matrix's end."""
     linear = QuantLinear([pack([random_blocks(qtype, n, k, seed=n * 3 + k)])], None, kernel)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(n)).to(dtype)
-    was, was_l2 = kernel.row_groups(), kernel.prefetch()
+    was, was_near = kernel.row_groups(), kernel.prefetch()
     try:
         outs = []
-        distances = ((0, 0), (1024, 2048), (4096, 16384), (64, 1 << 20))
-        for groups, (l1, l2) in itertools.product((1, 2, 3, 4), distances):
-            assert kernel.row_groups(groups) == groups and kernel.prefetch(l1, l2) == l2
+        ways = ((0, 0, 0), (1024, 2048, 0), (4096, 0, 1), (64, 1 << 20, 1))
+        for groups, (near, far, nta) in itertools.product((1, 2, 3, 4), ways):
+            assert kernel.row_groups(groups) == groups and kernel.prefetch(near, far, nta) == near
             outs.append([linear(x[i : i + 1]) for i in range(3)])
     finally:
         kernel.row_groups(was)
         kernel.prefetch(*row_prefetch_default())
-    assert kernel.prefetch() == was_l2
+    assert kernel.prefetch() == was_near
     for other in outs[1:]:
         for a, b in zip(outs[0], other, strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("qtype", [*FORMATS, "bf16"])
+def test_batch_calls_give_the_same_bits_with_the_weights_prefetched_either_way(
+    kernel: QuantKernel, qtype: str
+) -> None:
+    """Non-temporal prefetches (prefetchnta, an AMD EPYC's default) or into L1 (an Intel Xeon's) are
+    speed only, for the quantized batch tiles and the bfloat16 kernel at any batch alike."""
+    if qtype == "bf16" and not kernel.bf16:
+        pytest.skip("this build has no AVX-512 code (the bfloat16 kernel)")
+    g = torch.Generator().manual_seed(7)
+    if qtype == "bf16":
+        linear = QuantLinear([pack_bf16(torch.randn(200, 576, generator=g).to(torch.bfloat16))], None, kernel)
+    else:
+        linear = QuantLinear([pack([random_blocks(qtype, 200, 576, seed=7)])], None, kernel)
+    x = torch.randn(13, 576, generator=g).to(torch.bfloat16)
+    outs = []
+    try:
+        for nta in (0, 1):
+            kernel.prefetch(1024, 2048, nta)
+            outs.append([linear(x[:rows]) for rows in (1, 8, 13)])
+    finally:
+        kernel.prefetch(*row_prefetch_default())
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_the_prefetch_distances_follow_the_cpu_and_the_library_starts_with_them(
@@ -148,12 +173,13 @@ def test_the_prefetch_distances_follow_the_cpu_and_the_library_starts_with_them(
 ) -> None:
     import engine.native_linear as nl
 
-    assert kernel.prefetch() == row_prefetch_default()[1]
+    assert kernel.prefetch() == row_prefetch_default()[0]
     monkeypatch.setattr(nl, "cpu_vendor", lambda: "GenuineIntel")
-    assert nl.row_prefetch_default() == (1024, 2048)
+    assert nl.row_prefetch_default() == (1024, 2048, 0)
     monkeypatch.setattr(nl, "cpu_vendor", lambda: "AuthenticAMD")
-    assert nl.row_prefetch_default() == (4096, 16384)
-    assert kernel.prefetch(-1, 5) == kernel.prefetch()  # a negative distance: no change
+    assert nl.row_prefetch_default() == (4096, 0, 1)
+    assert kernel.prefetch(-1, 5, 0) == kernel.prefetch()  # a negative distance: no change
+    assert kernel.prefetch(5, 5, 2) == kernel.prefetch()  # nta neither 0 nor 1: no change
 
 
 def test_the_row_groups_default_follows_the_cpu_and_the_variable(
