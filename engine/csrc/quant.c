@@ -85,8 +85,11 @@ static _Thread_local size_t private_bytes;
  * Intel Xeon (Emerald Rapids) 1 KB and 2 KB, temporal; an AMD EPYC Zen 5 4 KB non-temporal, no L2
  * prefetch.  Its batch-1 step from memory (in-process A/B, the setting switched between rounds): 2.84
  * ms with 1 KB / 2 KB, 2.63 with 4 KB / 16 KB, 2.40 with 4 KB non-temporal where the probe read 80 GB/s;
- * 2.68-2.90 ms with 4 KB / 16 KB against 2.45-2.63 non-temporal at 47-50 GB/s.  The same bits whatever
- * they are; engine/native_linear.py sets them by the vendor. */
+ * 2.68-2.90 ms with 4 KB / 16 KB against 2.45-2.63 non-temporal at 47-50 GB/s.  quant_avx2.h's kernel
+ * (built with -mno-avx512f on the same Zen 5; it had 1 KB into L1 alone): 3.42 -> 3.22, 3.71 -> 3.56 and
+ * 3.68 -> 3.53 ms non-temporal; on an Intel CPU without AVX-512 it now takes the Xeon's 2 KB L2 prefetch
+ * too (not measured there).  The same bits whatever they are; engine/native_linear.py sets them by the
+ * vendor. */
 static int64_t row_prefetch[3] = {1024, 2048, 0}; /* near, far, nta */
 
 /* near, far >= 0 (bytes), nta 0 or 1: the prefetches from now on; else no change.  Returns near. */

@@ -160,11 +160,14 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int
 INLINE void group_row1_one(const uint8_t *wg, int64_t fmt, int64_t blocks, const int16_t *qa, const float *da,
                            const float *sa, void *out, int64_t col, int64_t ncols, int64_t out_bf16) {
     __m256 acc[1][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}};
-    const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt);
+    const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt), near = row_prefetch[0], far = row_prefetch[1];
+    const int nta = row_prefetch[2] != 0;
     const __m256i low = _mm256_set1_epi16(0x0f);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *t = wg + b * tb;
-        for (int64_t line = 0; line < tb; line += 64) _mm_prefetch((const char *)t + PREFETCH + line, _MM_HINT_T0);
+        prefetch_tile(t, tb, near, nta); /* quant.c's row_prefetch, as the AVX-512 kernel does */
+        if (far > 0)
+            for (int64_t line = 0; line < tb; line += 64) _mm_prefetch((const char *)t + far + line, _MM_HINT_T2);
         const int32_t *a = (const int32_t *)(qa + b * QBLOCK);
         __m256i s[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
                            {_mm256_setzero_si256(), _mm256_setzero_si256()}};
