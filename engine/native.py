@@ -358,10 +358,10 @@ def _load() -> NativeKernels | None:
     row_groups.argtypes, row_groups.restype = [_INT64], _INT64
     row_groups(row_groups_default())
     prefetch, bf16_nta = lib.pdkv_quant_prefetch, lib.pdkv_bf16_prefetch_nta
-    prefetch.argtypes, prefetch.restype = [_INT64] * 3, _INT64
+    prefetch.argtypes, prefetch.restype = [_INT64] * 3 + [_PTR], ctypes.c_int
     bf16_nta.argtypes, bf16_nta.restype = [_INT64], _INT64
     near, far, nta = row_prefetch_default()
-    prefetch(near, far, nta)
+    prefetch(near, far, nta, None)
     bf16_nta(nta)
     bf16_dot = lib.pdkv_bf16_built()  # simd.h's PDKV_BF16: 1 vdpbf16ps, 2 emulated, 0 neither
     quant = QuantKernel(

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from dataclasses import dataclass
@@ -29,11 +30,14 @@ def row_groups_default() -> int:
 
 
 def row_prefetch_default() -> tuple[int, int, int]:
-    """How quant.c's and bf16_linear.c's linears prefetch the weights they stream: (near, far, nta) --
-    a batch-1 call's bytes ahead into L1 and into L2 (0: not), and whether every call prefetches them
-    non-temporally.  What measured fastest on each vendor's CPU (engine/csrc/quant.c, row_prefetch; speed
-    only, the same bits)."""
-    return (1024, 2048, 0) if cpu_vendor() == "GenuineIntel" else (4096, 0, 1)
+    """How the native linears prefetch the weights they stream: (near, far, nta) -- a batch-1 quantized
+    call's bytes ahead into L1 and into L2 (far 0: no L2 prefetch), and whether batch-1 quantized calls
+    and every bfloat16 (vector) call prefetch them non-temporally; the quantized batch tiles and the AMX
+    paths keep theirs.  What measured fastest on each vendor's CPU (engine/csrc/quant.c, row_prefetch;
+    speed only, the same bits): an AMD EPYC's setting for AMD (and Hygon) CPUs, the Intel Xeon's for
+    every other."""
+    amd = cpu_vendor() in ("AuthenticAMD", "HygonGenuine")
+    return (4096, 0, 1) if amd else (1024, 2048, 0)
 
 
 @dataclass(frozen=True)
@@ -73,14 +77,19 @@ class QuantKernel:
         bits), after setting it for the whole process where ``want`` says (tests, benchmarks)."""
         return int(self.row_groups_fn(0 if want is None else want))
 
-    def prefetch(self, near: int = -1, far: int = -1, nta: int = -1) -> int:
-        """How far ahead (bytes into L1) a batch-1 call prefetches its weights, after setting the
-        prefetches for the whole process where all three are given (``row_prefetch_default``'s meaning;
-        ``nta`` for the bfloat16 linears too): tests and benchmarks -- the library starts with the
-        default."""
-        if nta in (0, 1) and self.bf16_nta_fn is not None:
+    def prefetch(self, near: int = -1, far: int = -1, nta: int = -1) -> tuple[int, int, int]:
+        """The prefetch setting in use (``row_prefetch_default``'s meaning), after setting it for the
+        whole process -- quant.c's three values and bf16_linear.c's ``nta`` -- where all three are valid
+        (0 <= near, far <= 1 MB, nta 0 or 1; else nothing changes): tests and benchmarks, the library
+        starts with the default."""
+        now = (ctypes.c_int64 * 3)()
+        if self.prefetch_fn(near, far, nta, now) == 0 and self.bf16_nta_fn is not None:
             self.bf16_nta_fn(nta)
-        return int(self.prefetch_fn(near, far, nta))
+        return (now[0], now[1], now[2])
+
+    def bf16_nta(self) -> bool:
+        """bf16_linear.c's non-temporal switch (``prefetch``'s ``nta``) as it is now."""
+        return self.bf16_nta_fn is not None and bool(self.bf16_nta_fn(-1))
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:

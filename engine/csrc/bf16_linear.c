@@ -38,8 +38,8 @@
  * KV cache and the activations out of the caches; 0: into L1 (prefetcht0).  Which is faster is the
  * CPU's (quant.c's row_prefetch says more): an AMD EPYC Zen 5, in-process A/B with the switch flipped
  * between rounds of steps, bfloat16 decode step at batch 1 6.49-6.55 -> 6.31-6.39 ms, 8 9.96 -> 9.86 and
- * 8.64 -> 8.48, 32 19.29-19.30 -> 19.04-19.15.  The same bits either way; engine/native_linear.py sets it
- * by the vendor. */
+ * 8.64 -> 8.48, 32 19.29-19.30 -> 19.04-19.15.  The same bits either way; engine/native.py sets it as the
+ * library loads, by the vendor (engine/native_linear.py's row_prefetch_default). */
 static int bf_nta;
 
 /* want 0 or 1: from now on; else no change.  Returns the setting in use. */

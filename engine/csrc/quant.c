@@ -78,28 +78,34 @@ static _Thread_local void *private_acts;
 static _Thread_local size_t private_bytes;
 #endif
 
-/* How a batch-1 call's threads (group_row1) prefetch the weights they stream: `near` bytes ahead of the
- * tile they read into L1 -- non-temporally where `nta` (prefetchnta: the weights pass through without
- * pushing out of the caches what the rest of the step reuses, the KV cache, the activations, the
- * interpreter's own data) -- and `far` bytes ahead into L2 (0: not).  Which is fastest is the CPU's: an
- * Intel Xeon (Emerald Rapids) 1 KB and 2 KB, temporal; an AMD EPYC Zen 5 4 KB non-temporal, no L2
- * prefetch.  Its batch-1 step from memory (in-process A/B, the setting switched between rounds): 2.84
- * ms with 1 KB / 2 KB, 2.63 with 4 KB / 16 KB, 2.40 with 4 KB non-temporal where the probe read 80 GB/s;
- * 2.68-2.90 ms with 4 KB / 16 KB against 2.45-2.63 non-temporal at 47-50 GB/s.  quant_avx2.h's kernel
- * (built with -mno-avx512f on the same Zen 5; it had 1 KB into L1 alone): 3.42 -> 3.22, 3.71 -> 3.56 and
- * 3.68 -> 3.53 ms non-temporal; on an Intel CPU without AVX-512 it now takes the Xeon's 2 KB L2 prefetch
- * too (not measured there).  The same bits whatever they are; engine/native_linear.py sets them by the
- * vendor. */
+/* How a batch-1 call's threads (group_row1, quant_avx2.h's too) prefetch the weights they stream:
+ * `near` bytes ahead of the tile they read into L1 -- non-temporally where `nta` (prefetchnta: the
+ * weights pass through without pushing out of the caches what the rest of the step reuses, the KV cache,
+ * the activations, the interpreter's own data) -- and `far` bytes ahead into L2 (0: not).  Which is
+ * fastest is the CPU's: an Intel Xeon (Emerald Rapids) 1 KB and 2 KB, temporal; an AMD EPYC Zen 5 4 KB
+ * non-temporal, no L2 prefetch.  The Zen 5's batch-1 step from memory, in-process A/Bs with the setting
+ * switched between rounds (docs/BENCHMARKS.md, "An AMD EPYC Zen 5 again: the batch-1 weights prefetched
+ * further and non-temporally"): 1 KB / 2 KB against 4 KB / 16 KB 2.62-2.66 -> 2.38-2.45 ms at 79-84 GB/s;
+ * 4 KB / 16 KB against 4 KB non-temporal 2.68-2.90 -> 2.45-2.63 ms at 45-53 GB/s and 2.63 -> 2.40 at 80.
+ * quant_avx2.h's kernel (built with -mno-avx512f on the same Zen 5; it had 1 KB into L1 alone): 3.42 ->
+ * 3.22, 3.71 -> 3.56 and 3.68 -> 3.53 ms non-temporal; on an Intel CPU without AVX-512 it now takes the
+ * Xeon's 2 KB L2 prefetch too (not measured there).  The same bits whatever they are; engine/native.py
+ * sets them as the library loads (engine/native_linear.py's row_prefetch_default). */
 static int64_t row_prefetch[3] = {1024, 2048, 0}; /* near, far, nta */
+#define PREFETCH_MAX ((int64_t)1 << 20)
 
-/* near, far >= 0 (bytes), nta 0 or 1: the prefetches from now on; else no change.  Returns near. */
-int64_t pdkv_quant_prefetch(int64_t near, int64_t far, int64_t nta) {
-    if (near >= 0 && far >= 0 && (nta == 0 || nta == 1)) {
+/* 0 <= near, far <= 1 MB, nta 0 or 1: the prefetches from now on; else no change.  The setting in use
+ * into now[0 .. 2] (near, far, nta) where now is not NULL.  Returns 0, or 2 for a setting refused. */
+int pdkv_quant_prefetch(int64_t near, int64_t far, int64_t nta, int64_t *now) {
+    const int ok = near >= 0 && far >= 0 && near <= PREFETCH_MAX && far <= PREFETCH_MAX && (nta == 0 || nta == 1);
+    if (ok) {
         row_prefetch[0] = near;
         row_prefetch[1] = far;
         row_prefetch[2] = nta;
     }
-    return row_prefetch[0];
+    if (now != NULL)
+        for (int i = 0; i < 3; i++) now[i] = row_prefetch[i];
+    return ok ? 0 : 2;
 }
 
 #if PDKV_QUANT_BUILT
@@ -338,7 +344,6 @@ INLINE void load_weights(const uint8_t *t, int64_t fmt, __m512i w[16]) {
 INLINE void store_tile(const __m512 *acc, int nrows, void *out, int64_t ldo, int64_t col, int64_t ncols,
                        int64_t out_bf16);
 
-
 /* Rows m0 .. m0 + nrows - 1 (nrows <= MT) of one group: acc[j] over every block, stored to out. */
 INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int16_t *qa, const float *da,
                        const float *sa, int64_t k, int nrows, void *out, int64_t ldo, int64_t col,
@@ -348,7 +353,7 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int
     const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *t = wg + b * tb;
-        prefetch_tile(t, tb, PREFETCH, 0); /* into L1 (non-temporal: batch 8 2.4 % slower on a Zen 5) */
+        prefetch_tile(t, tb, PREFETCH, 0); /* into L1 (non-temporal: batch 8 0.7-2.4 % slower on a Zen 5) */
         __m512i w[16];
         load_weights(t, fmt, w);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + qb)));
@@ -492,6 +497,8 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
     if (!private_rows && shared == NULL) return 3;
     const int64_t esize = in_bf16 ? 2 : 4, osize = out_bf16 ? 2 : 4;
     const int parallel = rows * n_out * k >= PARALLEL_MIN_WORK;
+    /* read once: another thread may change it meanwhile (a benchmark's switch) */
+    const int64_t rg = __atomic_load_n(&row_groups, __ATOMIC_RELAXED);
     int failed = 0;
 #pragma omp parallel if (parallel)
     {
@@ -540,9 +547,9 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
             /* one row: this thread's even share of the groups, row_groups at a time (group_row1) */
             const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
             const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
-            for (int64_t g = g0; g < g1; g += row_groups) {
+            for (int64_t g = g0; g < g1; g += rg) {
                 const uint8_t *wg = (const uint8_t *)packed + g * blocks * tb;
-                const int64_t ng = g1 - g < row_groups ? g1 - g : row_groups;
+                const int64_t ng = g1 - g < rg ? g1 - g : rg;
                 if (ng == 4)
                     group_row1(wg, fmt, blocks, qa, da, sa, out, g * GROUP, n_out, out_bf16, 4);
                 else if (ng == 3)

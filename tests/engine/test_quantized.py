@@ -127,17 +127,17 @@ def test_a_batch_1_call_gives_the_same_bits_with_1_to_4_groups_side_by_side(
     reaching past the matrix's end."""
     linear = QuantLinear([pack([random_blocks(qtype, n, k, seed=n * 3 + k)])], None, kernel)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(n)).to(dtype)
-    was, was_near = kernel.row_groups(), kernel.prefetch()
+    was, was_prefetch = kernel.row_groups(), kernel.prefetch()
     try:
         outs = []
         ways = ((0, 0, 0), (1024, 2048, 0), (4096, 0, 1), (64, 1 << 20, 1))
         for groups, (near, far, nta) in itertools.product((1, 2, 3, 4), ways):
-            assert kernel.row_groups(groups) == groups and kernel.prefetch(near, far, nta) == near
+            assert kernel.row_groups(groups) == groups and kernel.prefetch(near, far, nta) == (near, far, nta)
             outs.append([linear(x[i : i + 1]) for i in range(3)])
     finally:
         kernel.row_groups(was)
-        kernel.prefetch(*row_prefetch_default())
-    assert kernel.prefetch() == was_near
+        kernel.prefetch(*was_prefetch)
+    assert kernel.prefetch() == was_prefetch
     for other in outs[1:]:
         for a, b in zip(outs[0], other, strict=True):
             assert torch.equal(a, b)
@@ -157,29 +157,40 @@ def test_batch_calls_give_the_same_bits_with_the_weights_prefetched_either_way(
     else:
         linear = QuantLinear([pack([random_blocks(qtype, 200, 576, seed=7)])], None, kernel)
     x = torch.randn(13, 576, generator=g).to(torch.bfloat16)
-    outs = []
+    outs, was = [], kernel.prefetch()
     try:
         for nta in (0, 1):
             kernel.prefetch(1024, 2048, nta)
+            assert kernel.bf16_nta() == (nta == 1)
             outs.append([linear(x[:rows]) for rows in (1, 8, 13)])
     finally:
-        kernel.prefetch(*row_prefetch_default())
+        kernel.prefetch(*was)
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
 
 
-def test_the_prefetch_distances_follow_the_cpu_and_the_library_starts_with_them(
+def test_the_prefetch_setting_follows_the_cpu_and_refuses_what_it_does_not_serve(
     kernel: QuantKernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The library starts with the vendor's setting (quant.c's three values and bf16_linear.c's non-
+    temporal switch alike); a setting out of range changes nothing, in either file."""
     import engine.native_linear as nl
 
-    assert kernel.prefetch() == row_prefetch_default()[0]
-    monkeypatch.setattr(nl, "cpu_vendor", lambda: "GenuineIntel")
-    assert nl.row_prefetch_default() == (1024, 2048, 0)
-    monkeypatch.setattr(nl, "cpu_vendor", lambda: "AuthenticAMD")
-    assert nl.row_prefetch_default() == (4096, 0, 1)
-    assert kernel.prefetch(-1, 5, 0) == kernel.prefetch()  # a negative distance: no change
-    assert kernel.prefetch(5, 5, 2) == kernel.prefetch()  # nta neither 0 nor 1: no change
+    start = row_prefetch_default()
+    assert kernel.prefetch() == start
+    assert kernel.bf16_nta() == (start[2] == 1)
+    intel, amd = (1024, 2048, 0), (4096, 0, 1)
+    for vendor, want in (("GenuineIntel", intel), ("AuthenticAMD", amd), ("HygonGenuine", amd), ("", intel)):
+        monkeypatch.setattr(nl, "cpu_vendor", lambda v=vendor: v)
+        assert nl.row_prefetch_default() == want
+    try:
+        kernel.prefetch(2048, 4096, 1)
+        for refused in ((-1, 5, 0), (5, -1, 0), (5, 5, 2), (1 << 21, 0, 0), (0, 1 << 21, 0)):
+            assert kernel.prefetch(*refused) == (2048, 4096, 1), refused
+            assert kernel.bf16_nta()  # still on: the refused call set nothing
+    finally:
+        kernel.prefetch(*start)
+    assert kernel.prefetch() == start
 
 
 def test_the_row_groups_default_follows_the_cpu_and_the_variable(
