@@ -360,13 +360,11 @@ def _load() -> NativeKernels | None:
     prefetch, bf16_nta = lib.pdkv_quant_prefetch, lib.pdkv_bf16_prefetch_nta
     prefetch.argtypes, prefetch.restype = [_INT64] * 3 + [_PTR], ctypes.c_int
     bf16_nta.argtypes, bf16_nta.restype = [_INT64], _INT64
-    near, far, nta = row_prefetch_default()
-    prefetch(near, far, nta, None)
-    bf16_nta(nta)
     bf16_dot = lib.pdkv_bf16_built()  # simd.h's PDKV_BF16: 1 vdpbf16ps, 2 emulated, 0 neither
     quant = QuantKernel(
         qlinear, qrows, bandwidth, bf16_dot != 0, amx, evict, int8_tiles, row_groups, prefetch, bf16_nta
     )
+    quant.prefetch(*row_prefetch_default())  # both files' prefetches, set once
     built = lib.pdkv_quant_built() != 0  # quant.c has its vector kernels
     logger.info(
         "native kernels (decode and prefill attention, RMSNorm, RoPE + K/V write, SiLU-mul, argmax): %s", path

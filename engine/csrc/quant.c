@@ -109,13 +109,15 @@ int pdkv_quant_prefetch(int64_t near, int64_t far, int64_t nta, int64_t *now) {
 }
 
 #if PDKV_QUANT_BUILT
-/* The lines of one tile (tb bytes at t) `ahead` bytes on, into L1: non-temporally where nta. */
-INLINE void prefetch_tile(const uint8_t *t, int64_t tb, int64_t ahead, int nta) {
+/* The lines of one tile (tb bytes at t) `near` bytes on into L1, non-temporally where nta, and `far`
+ * bytes on into L2 where far > 0 (row_prefetch's meaning). */
+INLINE void prefetch_tile(const uint8_t *t, int64_t tb, int64_t near, int64_t far, int nta) {
     for (int64_t line = 0; line < tb; line += 64) {
         if (nta)
-            _mm_prefetch((const char *)t + ahead + line, _MM_HINT_NTA);
+            _mm_prefetch((const char *)t + near + line, _MM_HINT_NTA);
         else
-            _mm_prefetch((const char *)t + ahead + line, _MM_HINT_T0);
+            _mm_prefetch((const char *)t + near + line, _MM_HINT_T0);
+        if (far > 0) _mm_prefetch((const char *)t + far + line, _MM_HINT_T2);
     }
 }
 #endif
@@ -353,7 +355,7 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int
     const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *t = wg + b * tb;
-        prefetch_tile(t, tb, PREFETCH, 0); /* into L1 (non-temporal: batch 8 0.7-2.4 % slower on a Zen 5) */
+        prefetch_tile(t, tb, PREFETCH, 0, 0); /* into L1 (non-temporal: batch 8 0.7-2.4 % slower on a Zen 5) */
         __m512i w[16];
         load_weights(t, fmt, w);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + qb)));
@@ -387,9 +389,7 @@ INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, const int
         const int32_t *a = (const int32_t *)(qa + b * QBLOCK);
         for (int gi = 0; gi < NG; gi++) {
             const uint8_t *t = wg + (gi * blocks + b) * tb;
-            prefetch_tile(t, tb, near, nta);
-            if (far > 0)
-                for (int64_t line = 0; line < tb; line += 64) _mm_prefetch((const char *)t + far + line, _MM_HINT_T2);
+            prefetch_tile(t, tb, near, far, nta);
             __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
             if (fmt == FMT_Q4) {
                 for (int g = 0; g < 8; g += 2) {

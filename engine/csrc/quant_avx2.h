@@ -165,9 +165,7 @@ INLINE void group_row1_one(const uint8_t *wg, int64_t fmt, int64_t blocks, const
     const __m256i low = _mm256_set1_epi16(0x0f);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *t = wg + b * tb;
-        prefetch_tile(t, tb, near, nta); /* quant.c's row_prefetch, as the AVX-512 kernel does */
-        if (far > 0)
-            for (int64_t line = 0; line < tb; line += 64) _mm_prefetch((const char *)t + far + line, _MM_HINT_T2);
+        prefetch_tile(t, tb, near, far, nta); /* quant.c's row_prefetch, as the AVX-512 kernel does */
         const int32_t *a = (const int32_t *)(qa + b * QBLOCK);
         __m256i s[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
                            {_mm256_setzero_si256(), _mm256_setzero_si256()}};

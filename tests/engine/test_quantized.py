@@ -148,7 +148,8 @@ def test_batch_calls_give_the_same_bits_with_the_weights_prefetched_either_way(
     kernel: QuantKernel, qtype: str
 ) -> None:
     """Non-temporal prefetches (prefetchnta, an AMD EPYC's default) or into L1 (an Intel Xeon's) are
-    speed only, for the quantized batch tiles and the bfloat16 kernel at any batch alike."""
+    speed only: for the quantized batch-1 rows and the bfloat16 kernel at any batch alike (the quantized
+    batch tiles, which keep theirs in L1 either way, give the same bits too)."""
     if qtype == "bf16" and not kernel.bf16:
         pytest.skip("this build has no AVX-512 code (the bfloat16 kernel)")
     g = torch.Generator().manual_seed(7)
