@@ -154,9 +154,12 @@ def test_pdkv_restart_finds_the_one_running_launcher(
 
 CLIENTS = 16
 PARAMS = SamplingParams(max_tokens=96, ignore_eos=True)
-# Streams started just before a decode node is stopped: long enough that SIGTERM finds them running
-# however long the busy host takes to deliver it (96-token streams had all ended by then in some runs).
-LONG_PARAMS = SamplingParams(max_tokens=768, ignore_eos=True)
+# Streams started just before a decode node is stopped, and the node stopped once every one of them has
+# its first token: long enough that SIGTERM finds them running however long the busy host takes to
+# deliver it.  (96-token streams had all ended by then in some runs; 768-token ones, with SIGTERM sent
+# as soon as the node ran any two requests, on both decode nodes in one run of a clean-clone CI that
+# shared its two cores with a compiler: the tiny model decodes ~1 ms a token.)
+LONG_PARAMS = SamplingParams(max_tokens=1536, ignore_eos=True)
 
 
 def _prompt(client: int, turn: int) -> str:
@@ -189,13 +192,20 @@ class _Load:
         for t in [*self._threads, *self._long]:
             t.join(120)
 
-    def long_streams(self, n: int) -> None:
-        """``n`` more clients, one ``LONG_PARAMS`` stream each (the router spreads them over the nodes)."""
+    def long_streams(self, n: int) -> list[threading.Event]:
+        """``n`` more clients, one ``LONG_PARAMS`` stream each (the router spreads them over the nodes);
+        each one's event is set when its first token arrives (or it fails)."""
+        firsts = []
         for _ in range(n):
             prompt = f"A long stream {len(self._long)} keeps a decode node busy while it drains. " * 2
-            t = threading.Thread(target=self._one, args=(prompt, LONG_PARAMS, self.long_outputs), daemon=True)
+            first = threading.Event()
+            t = threading.Thread(
+                target=self._one, args=(prompt, LONG_PARAMS, self.long_outputs, first), daemon=True
+            )
             self._long.append(t)
+            firsts.append(first)
             t.start()
+        return firsts
 
     def _client(self, i: int) -> None:
         turn = 0
@@ -203,18 +213,29 @@ class _Load:
             self._one(_prompt(i, turn), PARAMS, self.outputs)
             turn += 1
 
-    def _one(self, prompt: str, params: SamplingParams, into: list[tuple[str, list[int]]]) -> None:
+    def _one(
+        self,
+        prompt: str,
+        params: SamplingParams,
+        into: list[tuple[str, list[int]]],
+        first: threading.Event | None = None,
+    ) -> None:
         with GenerationClient(self.cluster.router_address) as client:
             try:
                 token_ids: list[int] = []
                 for msg in client.stream(generate_request(prompt, params), timeout=120):
                     if msg.HasField("delta"):
                         token_ids += msg.delta.token_ids
+                        if first is not None and token_ids:
+                            first.set()
                 with self._lock:
                     into.append((prompt, token_ids))
             except grpc.RpcError as exc:
                 with self._lock:
                     self.failures.append(f"{exc.code().name}: {exc.details()}")
+            finally:
+                if first is not None:
+                    first.set()
 
     def completed(self) -> int:
         with self._lock:
@@ -248,8 +269,11 @@ def _rolling_restart(names: list[str]) -> None:
                 before = load.completed()
                 if name.startswith("decode"):
                     # Stop it while it streams, so that its drain has requests to finish.
-                    load.long_streams(4)
+                    firsts = load.long_streams(4)
                     node = next(p for p in cluster.decode_nodes if p.name == name)
+                    wait_until(
+                        lambda f=firsts: all(e.is_set() for e in f), timeout=60, what="the long streams"
+                    )
                     wait_until(lambda a=node.address: _running(a) >= 2, timeout=60, what=f"{name} to stream")
                 RollingRestarts(cluster).restart(name, progress.append)
                 # Load went on through the restart, and goes on after it.
@@ -281,10 +305,10 @@ def _rolling_restart(names: list[str]) -> None:
             assert len(drained) == 1 and float(drained[0]) < DRAIN_S, log[-2000:]
             totals = re.findall(r"totals: kv_load_failures (\d+), kv_hold_expiries (\d+)", log)
             assert totals == [("0", "0")], log[-2000:]  # no prompt recomputed, no hold left to expire
-        # The decode nodes were stopped while they streamed, and the drain waited for those streams.  A
-        # stream can end between the test seeing it run and the node handling SIGTERM (a busy host delays
-        # the signal's handler; it happened once in ~10 runs), so one decode node with streams left to
-        # drain is what every run must show.
+        # The decode nodes were stopped while they streamed, and the drain waited for those streams.  The
+        # router may put every long stream on the other node, and a short one can end between the test
+        # seeing it run and the node handling SIGTERM (a busy host delays the signal's handler), so one
+        # decode node with streams left to drain is what every run must show.
         decode_logs = [logs[n] for n in names if n.startswith("decode")]
         assert any(re.search(r"draining: [1-9]\d* requests", log) for log in decode_logs), [
             log[-1000:] for log in decode_logs
