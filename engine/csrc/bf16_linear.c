@@ -162,10 +162,7 @@ INLINE void tile(const uint16_t *w, int64_t g0, int64_t k, const xelem *x, const
 #endif
         side_step(side);
         for (int gi = 0; gi < GT; gi++) {
-            if (nta)
-                _mm_prefetch((const char *)(wg[gi] + p * 2 * G16) + BF_PREFETCH, _MM_HINT_NTA);
-            else
-                _mm_prefetch((const char *)(wg[gi] + p * 2 * G16) + BF_PREFETCH, _MM_HINT_T0);
+            prefetch_l1((const char *)(wg[gi] + p * 2 * G16) + BF_PREFETCH, nta);
             const bf16v wv = bf16v_load(wg[gi] + p * 2 * G16);
 #if PDKV_BF16 == 1
             for (int j = 0; j < RT; j++) acc[gi][j] = bf16_dot(acc[gi][j], wv, xv[j]);

@@ -83,9 +83,10 @@ static _Thread_local size_t private_bytes;
  * weights pass through without pushing out of the caches what the rest of the step reuses, the KV cache,
  * the activations, the interpreter's own data) -- and `far` bytes ahead into L2 (0: not).  Which is
  * fastest is the CPU's: an Intel Xeon (Emerald Rapids) 1 KB and 2 KB, temporal; an AMD EPYC Zen 5 4 KB
- * non-temporal, no L2 prefetch.  The Zen 5's batch-1 step from memory, in-process A/Bs with the setting
- * switched between rounds (docs/BENCHMARKS.md, "An AMD EPYC Zen 5 again: the batch-1 weights prefetched
- * further and non-temporally"): 1 KB / 2 KB against 4 KB / 16 KB 2.62-2.66 -> 2.38-2.45 ms at 79-84 GB/s;
+ * non-temporal, no L2 prefetch (a Zen 4 too: 4.43 -> 4.07 ms at 31-32 GB/s, docs/BENCHMARKS.md, "An AMD
+ * EPYC Zen 4 again").  The Zen 5's batch-1 step from memory, in-process A/Bs with the setting switched
+ * between rounds (docs/BENCHMARKS.md, "An AMD EPYC Zen 5 again: the batch-1 weights prefetched further
+ * and non-temporally"): 1 KB / 2 KB against 4 KB / 16 KB 2.62-2.66 -> 2.38-2.45 ms at 79-84 GB/s;
  * 4 KB / 16 KB against 4 KB non-temporal 2.68-2.90 -> 2.45-2.63 ms at 45-53 GB/s and 2.63 -> 2.40 at 80.
  * quant_avx2.h's kernel (built with -mno-avx512f on the same Zen 5; it had 1 KB into L1 alone): 3.42 ->
  * 3.22, 3.71 -> 3.56 and 3.68 -> 3.53 ms non-temporal; on an Intel CPU without AVX-512 it now takes the
@@ -113,10 +114,7 @@ int pdkv_quant_prefetch(int64_t near, int64_t far, int64_t nta, int64_t *now) {
  * bytes on into L2 where far > 0 (row_prefetch's meaning). */
 INLINE void prefetch_tile(const uint8_t *t, int64_t tb, int64_t near, int64_t far, int nta) {
     for (int64_t line = 0; line < tb; line += 64) {
-        if (nta)
-            _mm_prefetch((const char *)t + near + line, _MM_HINT_NTA);
-        else
-            _mm_prefetch((const char *)t + near + line, _MM_HINT_T0);
+        prefetch_l1(t + near + line, nta);
         if (far > 0) _mm_prefetch((const char *)t + far + line, _MM_HINT_T2);
     }
 }

@@ -13,6 +13,18 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+/* One line of a weight stream prefetched into L1: non-temporally (prefetchnta) where nta, else with
+ * prefetcht0 -- the run-time switch of quant.c's row_prefetch and bf16_linear.c's bf_nta (the hint of
+ * _mm_prefetch must be a constant, hence the branch). */
+INLINE void prefetch_l1(const void *p, int nta) {
+    if (nta)
+        _mm_prefetch((const char *)p, _MM_HINT_NTA);
+    else
+        _mm_prefetch((const char *)p, _MM_HINT_T0);
+}
+#endif
+
 #define MAX_GROUP 16 /* query heads per KV head; engine/native.py checks both limits */
 #define MAX_HEAD_DIM 256
 
