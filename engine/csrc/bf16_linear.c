@@ -219,25 +219,14 @@ int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
         LineStream side = {sbase, sn * (tid + 1) / nt, sn * tid / nt, 0, sbytes}; /* this thread's share */
-        (void)side; /* the AMX tiles do not take it */
 #ifdef PDKV_AMX
         if (amx_on && k % 32 == 0) {
             amx_rows(x, rows, k, w, g0, g1, out, ldo, col0, n);
         } else
 #endif
-        if (rows == 1) {
-            const xelem *xs = chunk_rows(x, 0, 1, k);
-            if (xs == NULL) {
-#pragma omp atomic write
-                failed = 3;
-            }
-            const int64_t gtiles = (g1 - g0 + 3) / 4;
-            for (int64_t gt = 0, g = g0; xs != NULL && gt < gtiles; gt++) {
-                const int ng = (int)share(g1 - g0, gtiles, gt);
-                batch_tile(w, g, k, xs, ng, 1, out, ldo, col0, n, NULL);
-                g += ng;
-            }
-        } else {
+        {
+            /* a batch-1 call takes no side stream (its weights' stream is what the memory is busy with) */
+            LineStream *stream = rows > 1 ? &side : NULL;
             for (int64_t m0 = 0; m0 < rows; m0 += CHUNK_ROWS) {
                 const int64_t m1 = m0 + CHUNK_ROWS < rows ? m0 + CHUNK_ROWS : rows;
                 const xelem *xs = chunk_rows(x, m0, m1, k); /* row m0 first */
@@ -251,7 +240,7 @@ int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed
                     const int ng = (int)share(g1 - g0, gtiles, gt);
                     for (int64_t rt = 0, r = m0; rt < rtiles; rt++) {
                         const int nr = (int)share(m1 - m0, rtiles, rt);
-                        batch_tile(w, g, k, xs + (r - m0) * k, ng, nr, out + r * ldo, ldo, col0, n, &side);
+                        batch_tile(w, g, k, xs + (r - m0) * k, ng, nr, out + r * ldo, ldo, col0, n, stream);
                         r += nr;
                     }
                     g += ng;
