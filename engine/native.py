@@ -34,7 +34,13 @@ import torch
 from engine.cpu_features import bf16_kernels_cpu, cpu_flags
 from engine.native_attention import DTYPE_FLAGS, KV_CANONICAL, MAX_HEAD_DIM, DecodeKernel, PrefillKernel
 from engine.native_build import build_library
-from engine.native_linear import DecodeLayerKernel, QuantKernel, row_groups_default, row_prefetch_default
+from engine.native_linear import (
+    DecodeLayerKernel,
+    QuantKernel,
+    bf16_fma_default,
+    row_groups_default,
+    row_prefetch_default,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -360,9 +366,22 @@ def _load() -> NativeKernels | None:
     prefetch, bf16_nta = lib.pdkv_quant_prefetch, lib.pdkv_bf16_prefetch_nta
     prefetch.argtypes, prefetch.restype = [_INT64] * 3 + [_PTR], ctypes.c_int
     bf16_nta.argtypes, bf16_nta.restype = [_INT64], _INT64
+    bf16_fma = lib.pdkv_bf16_fma
+    bf16_fma.argtypes, bf16_fma.restype = [_INT64], _INT64
+    bf16_fma(bf16_fma_default())  # the linears' dot products: FMAs or vdpbf16ps (the same bits)
     bf16_dot = lib.pdkv_bf16_built()  # simd.h's PDKV_BF16: 1 vdpbf16ps, 2 emulated, 0 neither
     quant = QuantKernel(
-        qlinear, qrows, bandwidth, bf16_dot != 0, amx, evict, int8_tiles, row_groups, prefetch, bf16_nta
+        qlinear,
+        qrows,
+        bandwidth,
+        bf16_dot != 0,
+        amx,
+        evict,
+        int8_tiles,
+        row_groups,
+        prefetch,
+        bf16_nta,
+        bf16_fma,
     )
     quant.prefetch(*row_prefetch_default())  # both files' prefetches, set once
     built = lib.pdkv_quant_built() != 0  # quant.c has its vector kernels

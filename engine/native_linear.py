@@ -29,6 +29,22 @@ def row_groups_default() -> int:
     return int(raw) if raw in ("1", "2", "3", "4") else default
 
 
+# 0 or 1: the bfloat16 linears' vector dot products as vdpbf16ps or as two FMAs per pair (the same bits:
+# engine/csrc/bf16_linear.c, pdkv_bf16_fma).  Unset: FMAs on an Intel CPU, vdpbf16ps elsewhere.
+BF16_FMA_ENV = "PDKV_BF16_FMA"
+
+
+def bf16_fma_default() -> int:
+    """PDKV_BF16_FMA where set (0 or 1), else 1 on an Intel CPU and 0 elsewhere: where the vector path
+    measured faster (vdpbf16ps has half the FMAs' throughput on Intel's cores, an Emerald Rapids VM; AMD's
+    Zen 4 and 5 run it at the FMAs' rate or better).  Speed only: the two forms give the same bits."""
+    raw = os.environ.get(BF16_FMA_ENV, "")
+    default = 1 if cpu_vendor() == "GenuineIntel" else 0
+    if raw and raw not in ("0", "1"):
+        logger.warning("%s=%r is not 0 or 1: using %d", BF16_FMA_ENV, raw, default)
+    return int(raw) if raw in ("0", "1") else default
+
+
 def row_prefetch_default() -> tuple[int, int, int]:
     """How the native linears prefetch the weights they stream: (near, far, nta) -- a batch-1 quantized
     call's bytes ahead into L1 and into L2 (far 0: no L2 prefetch), and whether batch-1 quantized calls
@@ -58,6 +74,7 @@ class QuantKernel:
     row_groups_fn: Any = None  # pdkv_quant_row_groups
     prefetch_fn: Any = None  # pdkv_quant_prefetch
     bf16_nta_fn: Any = None  # pdkv_bf16_prefetch_nta
+    bf16_fma_fn: Any = None  # pdkv_bf16_fma
 
     @property
     def amx(self) -> bool:
@@ -86,6 +103,14 @@ class QuantKernel:
         if self.prefetch_fn(near, far, nta, now) == 0 and self.bf16_nta_fn is not None:
             self.bf16_nta_fn(nta)
         return (now[0], now[1], now[2])
+
+    def bf16_fma(self, want: bool | None = None) -> bool:
+        """Whether bf16_linear.c's vector path sums with FMAs (else vdpbf16ps; the same bits), after
+        setting it for the whole process where ``want`` says and the build has both forms (tests,
+        benchmarks); the library starts with ``bf16_fma_default``."""
+        if self.bf16_fma_fn is None:
+            return False
+        return bool(self.bf16_fma_fn(-1 if want is None else int(want)))
 
     def bf16_nta(self) -> bool:
         """bf16_linear.c's non-temporal switch (``prefetch``'s ``nta``) as it is now."""

@@ -9,22 +9,21 @@
  *
  * Each output accumulates its pairs in input order in one float32 lane, whatever the number of rows, the
  * tile a row lands in or the threads: a row's result depends on that row alone (batch-invariant, the
- * engine's determinism rule).  A tile is up to 4 groups x TILE_ROWS rows of accumulators, all independent,
+ * engine's determinism rule).  A tile is up to 4 groups x 6 (4) rows of accumulators, all independent,
  * so the adds' latency overlaps; a thread's groups and a chunk's rows split into tiles as evenly as they
  * go (32 rows: 6 6 5 5 5 5, not 6 x 5 and a tile of 2 that ran 6 rows' dot products: in-process A/B on an
  * AMD EPYC Zen 4, bfloat16 decode step at batch 32 38.9 -> 36.7 ms, batch 8 17.5 -> 15.7).
  *
- * Without AVX512-BF16, an AVX-512 CPU runs the same kernel on simd.h's emulated dot product (PDKV_BF16 2:
- * two FMAs per pair, the same sums in the same order), the activations widened to floats a chunk of rows
- * at a time and broadcast from memory (the 121 linears of a SmolLM2 step, Xeon VM without AVX512-BF16,
- * in-process A/B: 32 rows 47.3 -> 42.8 ms, 8 rows 15.5 -> 14.7 against splitting each pair in registers).
+ * The dot products run in one of two forms with the same bits (FORM_VDP, FORM_FMA below): vdpbf16ps, or
+ * two FMAs per pair with DAZ and FTZ -- the only form without AVX512-BF16 (simd.h's PDKV_BF16 2), and the
+ * faster one on Intel's cores without AMX (pdkv_bf16_fma).
  *
  * On CPUs with AMX-BF16 the same layout runs in AMX tiles where pdkv_bf16_amx turned them on (bf16_amx.h).
  *
  * pdkv_side_stream: byte ranges the calling thread's next batch linears prefetch as they go (below).
  *
  * Returns 0; 1 without AVX-512 in this build; 2 for a shape it does not serve; 3 when memory for the
- * activations widened to floats (an AVX-512 CPU without AVX512-BF16) runs out.
+ * activations widened to floats (the FMA form) runs out.
  */
 
 #define _GNU_SOURCE /* syscall(), for the tiles' permission */
@@ -70,6 +69,20 @@ int pdkv_bf16_amx(int64_t want) {
     return amx_on;
 }
 
+static int bf_fma = PDKV_BF16 == 2; /* pdkv_bf16_fma: the vector calls run FORM_FMA */
+
+/* want 1: the vector path's dot products as FMAs from now on, 0: vdpbf16ps (where the build has it); else
+ * no change.  Returns the form in use: 1 FMAs, 0 vdpbf16ps.  The same bits either way (speed only);
+ * engine/native.py sets it as the library loads. */
+int64_t pdkv_bf16_fma(int64_t want) {
+#if PDKV_BF16 == 1
+    if (want == 0 || want == 1) bf_fma = (int)want;
+#else
+    (void)want;
+#endif
+    return bf_fma;
+}
+
 /* 1: this build has the kernels on AVX512-BF16, 2: on plain AVX-512 (simd.h's PDKV_BF16), 0: neither. */
 int pdkv_bf16_built(void) { return PDKV_BF16; }
 
@@ -100,37 +113,39 @@ void pdkv_side_stream(const char *const *base, int64_t n, int64_t bytes) {
 }
 
 #if PDKV_BF16
+/* The two forms of the vector kernel (the same bits, simd.h):
+ *   FORM_VDP  vdpbf16ps on the pairs as they come, each row's pair broadcast as one dword (PDKV_BF16 1);
+ *   FORM_FMA  two FMAs per pair, the weights split into floats once per vector and the activations widened
+ *             to floats a chunk of rows at a time, each element a broadcast memory operand of its FMA
+ *             (the 121 linears of a SmolLM2 step, Xeon VM without AVX512-BF16, in-process A/B: 32 rows
+ *             47.3 -> 42.8 ms, 8 rows 15.5 -> 14.7 against splitting each pair in registers); run with
+ *             DAZ and FTZ, as vdpbf16ps is.  PDKV_BF16 2's only form; with AVX512-BF16 where pdkv_bf16_fma
+ *             chose it (engine/native.py, by the vendor): on an Emerald Rapids VM without AMX the FMAs
+ *             have twice vdpbf16ps's throughput (decode steps in separate processes alternating, three
+ *             rounds: batch 32 71.2 / 63.7 / 68.3 -> 61.3 / 55.1 / 55.0 ms). */
+#define FORM_VDP 0
+#define FORM_FMA 1
 /* Rows of a batch tile: 4 groups x 6 rows = 24 accumulators with vdpbf16ps; 4 x 4 with the FMAs (each
  * weight vector two operands: 16 accumulators and 8 halves; 6 rows measured slower at 8 and 32 rows). */
-#define TILE_ROWS (PDKV_BF16 == 1 ? 6 : 4)
+#define TILE_ROWS_VDP 6
+#define TILE_ROWS_FMA 4
 
-#if PDKV_BF16 == 1
-typedef uint16_t xelem; /* the activations as the call gives them: a pair broadcast as one dword */
-#else
-/* Without AVX512-BF16 (simd.h's PDKV_BF16 2) each thread widens the rows it is about to multiply (one
- * chunk of at most CHUNK_ROWS) to floats, so that each element is a broadcast memory operand of its FMA (a
- * load, not two vector ALU operations per pair and row): the weights' split and the FMAs are then all the
- * vector ports do.  The buffer is the thread's, kept across calls: CHUNK_ROWS * k floats at most. */
-typedef float xelem;
+/* FORM_FMA's activations widened to floats: the thread's buffer, kept across calls (CHUNK_ROWS * k floats
+ * at most). */
 static _Thread_local void *xf_buf;
 static _Thread_local size_t xf_bytes;
-#endif
 
 #define CHUNK_ROWS 60 /* rows a pass over a thread's groups: their activations stay in L2 meanwhile */
 
-/* Rows m0 .. m1 - 1 of x [rows, k] as the tiles take them: x itself, or (PDKV_BF16 2) widened to floats
- * in the thread's buffer; NULL when memory for that runs out. */
-static const xelem *chunk_rows(const uint16_t *x, int64_t m0, int64_t m1, int64_t k) {
-#if PDKV_BF16 == 1
-    (void)m1;
-    return x + m0 * k;
-#else
+/* Rows m0 .. m1 - 1 of x [rows, k] as the tiles of `form` take them: x itself (bfloat16 pairs), or widened
+ * to floats in the thread's buffer; NULL when memory for that runs out. */
+static const void *chunk_rows(const uint16_t *x, int64_t m0, int64_t m1, int64_t k, int form) {
+    if (form == FORM_VDP) return x + m0 * k;
     const int64_t count = (m1 - m0) * k;
     float *f = (float *)grow_scratch(&xf_buf, &xf_bytes, (size_t)count * sizeof(float));
     if (f == NULL) return NULL;
     widen_bf16(x + m0 * k, f, count);
     return f;
-#endif
 }
 
 INLINE void side_step(LineStream *side) {
@@ -138,40 +153,50 @@ INLINE void side_step(LineStream *side) {
     if (line != NULL) _mm_prefetch(line, SIDE_HINT);
 }
 
-/* GT groups from g0 times RT rows of x: every output's pairs in input order, then stored.  Inlined with
- * constant GT and RT (batch_tile: unrolled, accumulators in registers); the arithmetic per output is the
- * same at any GT and RT. */
-INLINE void tile(const uint16_t *w, int64_t g0, int64_t k, const xelem *x, const int GT, const int RT,
-                 uint16_t *out, int64_t ldo, int64_t col0, int64_t n, LineStream *side) {
-    __m512 acc[4][6];
+/* GT groups from g0 times RT rows of x (FORM's layout: chunk_rows): every output's pairs in input order,
+ * then stored.  Inlined with constant GT, RT and FORM (batch_tile: unrolled, accumulators in registers);
+ * the arithmetic per output is the same at any GT and RT, and in either form. */
+INLINE void tile(const uint16_t *w, int64_t g0, int64_t k, const void *x, const int GT, const int RT,
+                 const int FORM, uint16_t *out, int64_t ldo, int64_t col0, int64_t n, LineStream *side) {
+    __m512 acc[4][TILE_ROWS_VDP];
     for (int gi = 0; gi < GT; gi++)
         for (int j = 0; j < RT; j++) acc[gi][j] = _mm512_setzero_ps();
     const int64_t half = k / 2;
     const uint16_t *wg[4];
-    const xelem *xr[6];
     for (int gi = 0; gi < GT; gi++) wg[gi] = w + (g0 + gi) * k * G16;
     const int nta = bf_nta;
-    for (int j = 0; j < RT; j++) xr[j] = x + j * k;
-    for (int64_t p = 0; p < half; p++) {
-#if PDKV_BF16 == 1
-        bf16v xv[6]; /* each row's pair p: one dword broadcast */
-        for (int j = 0; j < RT; j++) {
-            int32_t pair;
-            memcpy(&pair, xr[j] + 2 * p, sizeof pair);
-            xv[j] = bf16v_pair(pair);
-        }
-#endif
-        side_step(side);
-        for (int gi = 0; gi < GT; gi++) {
-            prefetch_l1((const char *)(wg[gi] + p * 2 * G16) + BF_PREFETCH, nta);
-            const bf16v wv = bf16v_load(wg[gi] + p * 2 * G16);
-#if PDKV_BF16 == 1
-            for (int j = 0; j < RT; j++) acc[gi][j] = bf16_dot(acc[gi][j], wv, xv[j]);
-#else
-            for (int j = 0; j < RT; j++) acc[gi][j] = bf16_dot_pair(acc[gi][j], wv, xr[j] + 2 * p);
-#endif
+    if (FORM == FORM_FMA) {
+        const float *xr[TILE_ROWS_FMA];
+        for (int j = 0; j < RT; j++) xr[j] = (const float *)x + j * k;
+        for (int64_t p = 0; p < half; p++) {
+            side_step(side);
+            for (int gi = 0; gi < GT; gi++) {
+                prefetch_l1((const char *)(wg[gi] + p * 2 * G16) + BF_PREFETCH, nta);
+                const bf16_split wv = bf16_split_of(_mm512_loadu_si512(wg[gi] + p * 2 * G16));
+                for (int j = 0; j < RT; j++) acc[gi][j] = bf16_dot_pair(acc[gi][j], wv, xr[j] + 2 * p);
+            }
         }
     }
+#if PDKV_BF16 == 1
+    else {
+        const uint16_t *xr[TILE_ROWS_VDP];
+        for (int j = 0; j < RT; j++) xr[j] = (const uint16_t *)x + j * k;
+        for (int64_t p = 0; p < half; p++) {
+            bf16v xv[TILE_ROWS_VDP]; /* each row's pair p: one dword broadcast */
+            for (int j = 0; j < RT; j++) {
+                int32_t pair;
+                memcpy(&pair, xr[j] + 2 * p, sizeof pair);
+                xv[j] = bf16v_pair(pair);
+            }
+            side_step(side);
+            for (int gi = 0; gi < GT; gi++) {
+                prefetch_l1((const char *)(wg[gi] + p * 2 * G16) + BF_PREFETCH, nta);
+                const bf16v wv = bf16v_load(wg[gi] + p * 2 * G16);
+                for (int j = 0; j < RT; j++) acc[gi][j] = bf16_dot(acc[gi][j], wv, xv[j]);
+            }
+        }
+    }
+#endif
     for (int gi = 0; gi < GT; gi++) {
         const int64_t c = (g0 + gi) * G16;
         const int64_t nc = n - c < G16 ? n - c : G16;
@@ -184,19 +209,31 @@ INLINE void tile(const uint16_t *w, int64_t g0, int64_t k, const xelem *x, const
 /* Tile i of `tiles` that split `count` items as evenly as they can (the first count % tiles one more). */
 INLINE int64_t share(int64_t count, int64_t tiles, int64_t i) { return count / tiles + (i < count % tiles); }
 
-/* tile() with its counts constants: 1 .. 4 groups, 1 .. TILE_ROWS rows -- no accumulator for a group or a
- * row the tile does not have (a 32-row call's last tile of 2 rows computed 6). */
-#define ROWS_CASE(GT, RT) \
-    case RT: tile(w, g, k, x, GT, RT, out, ldo, col0, n, side); break;
-#define GROUPS_CASE(GT) \
+/* tile() with its counts constants: 1 .. 4 groups, 1 .. the form's tile rows -- no accumulator for a
+ * group or a row the tile does not have (a 32-row call's last tile of 2 rows computed 6). */
+#define ROWS_CASE(GT, RT, FORM) \
+    case RT: tile(w, g, k, x, GT, RT, FORM, out, ldo, col0, n, side); break;
+#define FMA_GROUPS_CASE(GT) \
     case GT: \
-        switch (nr) { ROWS_CASE(GT, 1) ROWS_CASE(GT, 2) ROWS_CASE(GT, 3) ROWS_CASE(GT, 4) ROWS_CASE(GT, 5) \
-                      ROWS_CASE(GT, 6) } \
+        switch (nr) { ROWS_CASE(GT, 1, FORM_FMA) ROWS_CASE(GT, 2, FORM_FMA) ROWS_CASE(GT, 3, FORM_FMA) \
+                      ROWS_CASE(GT, 4, FORM_FMA) } \
+        break;
+#define VDP_GROUPS_CASE(GT) \
+    case GT: \
+        switch (nr) { ROWS_CASE(GT, 1, FORM_VDP) ROWS_CASE(GT, 2, FORM_VDP) ROWS_CASE(GT, 3, FORM_VDP) \
+                      ROWS_CASE(GT, 4, FORM_VDP) ROWS_CASE(GT, 5, FORM_VDP) ROWS_CASE(GT, 6, FORM_VDP) } \
         break;
 
-INLINE void batch_tile(const uint16_t *w, int64_t g, int64_t k, const xelem *x, int ng, int nr, uint16_t *out,
-                       int64_t ldo, int64_t col0, int64_t n, LineStream *side) {
-    switch (ng) { GROUPS_CASE(1) GROUPS_CASE(2) GROUPS_CASE(3) GROUPS_CASE(4) }
+INLINE void batch_tile(const uint16_t *w, int64_t g, int64_t k, const void *x, int ng, int nr, int form,
+                       uint16_t *out, int64_t ldo, int64_t col0, int64_t n, LineStream *side) {
+    if (form == FORM_FMA) {
+        switch (ng) { FMA_GROUPS_CASE(1) FMA_GROUPS_CASE(2) FMA_GROUPS_CASE(3) FMA_GROUPS_CASE(4) }
+    }
+#if PDKV_BF16 == 1
+    else {
+        switch (ng) { VDP_GROUPS_CASE(1) VDP_GROUPS_CASE(2) VDP_GROUPS_CASE(3) VDP_GROUPS_CASE(4) }
+    }
+#endif
 }
 #endif
 
@@ -212,6 +249,7 @@ int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed
     const int64_t groups = (n + G16 - 1) / G16;
     const char *const *sbase = side_base;
     const int64_t sn = side_n, sbytes = side_bytes;
+    const int form = __atomic_load_n(&bf_fma, __ATOMIC_RELAXED) ? FORM_FMA : FORM_VDP; /* read once */
     int failed = 0;
     /* every thread an even share of the groups (tiles of 4 would leave 576 rows' 36 groups split 5:4) */
 #pragma omp parallel if (rows * n * k >= 32768)
@@ -227,25 +265,30 @@ int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed
         {
             /* a batch-1 call takes no side stream (its weights' stream is what the memory is busy with) */
             LineStream *stream = rows > 1 ? &side : NULL;
+            const int tile_rows = form == FORM_FMA ? TILE_ROWS_FMA : TILE_ROWS_VDP;
+            const unsigned csr = form == FORM_FMA ? bf16_daz_ftz() : 0;
             for (int64_t m0 = 0; m0 < rows; m0 += CHUNK_ROWS) {
                 const int64_t m1 = m0 + CHUNK_ROWS < rows ? m0 + CHUNK_ROWS : rows;
-                const xelem *xs = chunk_rows(x, m0, m1, k); /* row m0 first */
+                const char *xs = (const char *)chunk_rows(x, m0, m1, k, form); /* row m0 first */
                 if (xs == NULL) {
 #pragma omp atomic write
                     failed = 3;
                     break;
                 }
-                const int64_t gtiles = (g1 - g0 + 3) / 4, rtiles = (m1 - m0 + TILE_ROWS - 1) / TILE_ROWS;
+                const size_t row_bytes = (size_t)k * (form == FORM_FMA ? sizeof(float) : sizeof(uint16_t));
+                const int64_t gtiles = (g1 - g0 + 3) / 4, rtiles = (m1 - m0 + tile_rows - 1) / tile_rows;
                 for (int64_t gt = 0, g = g0; gt < gtiles; gt++) {
                     const int ng = (int)share(g1 - g0, gtiles, gt);
                     for (int64_t rt = 0, r = m0; rt < rtiles; rt++) {
                         const int nr = (int)share(m1 - m0, rtiles, rt);
-                        batch_tile(w, g, k, xs + (r - m0) * k, ng, nr, out + r * ldo, ldo, col0, n, stream);
+                        batch_tile(w, g, k, xs + (size_t)(r - m0) * row_bytes, ng, nr, form, out + r * ldo, ldo,
+                                   col0, n, stream);
                         r += nr;
                     }
                     g += ng;
                 }
             }
+            if (form == FORM_FMA) _mm_setcsr(csr);
         }
     }
     return failed;

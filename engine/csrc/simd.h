@@ -183,11 +183,13 @@ INLINE __m256i bf16_rne16(__m512 x) {
  *      add rounded to nearest even (the SDM's pseudocode; input denormals read as zero, output ones flushed);
  *   2  AVX-512 (F, BW, VL) without it (Skylake to Ice Lake Xeons, or a VM that hides the flag): the same two
  *      adds as two FMAs on the pair split into floats (a bfloat16 is a float's top half, so each product is
- *      exact and each add rounds once, as above) -- the same bits for every input but denormals; two FMAs
- *      and the split where vdpbf16ps is one instruction, so slower where a kernel is compute-bound (a
- *      SmolLM2 step's dense linears at 32 rows: ~200 GFLOP/s on 2 cores of an Emerald Rapids VM that
- *      hides the flag, ~700 with vdpbf16ps on an AMD Zen 5 -- other hosts).  The namespace of the KV
- *      blocks says which (engine/determinism.kv_fingerprint): nodes of the two never exchange blocks.
+ *      exact and each add rounds once, as above) -- the same bits for every input but denormals (the
+ *      dense linears run it with DAZ and FTZ: theirs for every input, bf16_split below); two FMAs and the
+ *      split where vdpbf16ps is one instruction, so slower where a kernel is compute-bound on AMD's cores
+ *      (a SmolLM2 step's dense linears at 32 rows: ~700 GFLOP/s with vdpbf16ps on 2 cores of a Zen 5), not
+ *      on Intel's, whose vdpbf16ps has half the FMAs' rate (~200 GFLOP/s either way on an Emerald Rapids
+ *      VM).  The namespace of the KV blocks says which (engine/determinism.kv_fingerprint): nodes of the
+ *      two never exchange blocks.
  * bf16v holds 32 bfloat16 as the kernel's operand: the raw vector, or its two halves as floats, split once
  * where loaded (a loaded operand feeds several dot products). */
 #if defined(__AVX512BF16__)
@@ -202,29 +204,47 @@ INLINE __m256i to_bf16x16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 INLINE __m512i pack_bf16x32(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
 #elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PDKV_BF16 2
-typedef struct {
-    __m512 odd, even; /* each pair's element 2i + 1 and 2i, as floats in lane i */
-} bf16v;
-INLINE bf16v bf16v_of(__m512i v) {
-    const bf16v r = {_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u))),
-                     _mm512_castsi512_ps(_mm512_slli_epi32(v, 16))};
-    return r;
-}
-INLINE __m512 bf16_dot(__m512 acc, bf16v a, bf16v b) {
-    return _mm512_fmadd_ps(a.even, b.even, _mm512_fmadd_ps(a.odd, b.odd, acc));
-}
-INLINE __m256i to_bf16x16(__m512 x) { return bf16_rne16(x); }
 #else
 #define PDKV_BF16 0
 #endif
 
-#if PDKV_BF16 == 2
-/* bf16_dot with the second operand one pair, given as two floats in memory (element 2i at b[0], 2i + 1
- * at b[1]): each broadcast from memory into its FMA -- a load, not the split's vector ALU work, where a
+#if PDKV_BF16
+/* The same dot products as two FMAs on a pair split into floats, on any AVX-512 CPU: PDKV_BF16 2's only
+ * form, and bf16_linear.c's FMA form where vdpbf16ps has half the FMAs' throughput (an Emerald Rapids VM:
+ * 1.4 G vdpbf16ps a second on a core against 5.7 G FMAs).  Run with MXCSR's DAZ and FTZ (bf16_daz_ftz),
+ * they give vdpbf16ps's bits for every input, denormals too, bar a NaN's payload (20 M random lanes of
+ * every class, ad-hoc, 2026-12-06). */
+typedef struct {
+    __m512 odd, even; /* each pair's element 2i + 1 and 2i, as floats in lane i */
+} bf16_split;
+INLINE bf16_split bf16_split_of(__m512i v) {
+    const bf16_split r = {_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u))),
+                          _mm512_castsi512_ps(_mm512_slli_epi32(v, 16))};
+    return r;
+}
+INLINE __m512 bf16_split_dot(__m512 acc, bf16_split a, bf16_split b) {
+    return _mm512_fmadd_ps(a.even, b.even, _mm512_fmadd_ps(a.odd, b.odd, acc));
+}
+/* bf16_split_dot with the second operand one pair, given as two floats in memory (element 2i at b[0], 2i
+ * + 1 at b[1]): each broadcast from memory into its FMA -- a load, not the split's vector ALU work, where a
  * kernel widened its broadcast operand (activations, queries, probabilities) to floats once. */
-INLINE __m512 bf16_dot_pair(__m512 acc, bf16v a, const float *b) {
+INLINE __m512 bf16_dot_pair(__m512 acc, bf16_split a, const float *b) {
     return _mm512_fmadd_ps(a.even, _mm512_set1_ps(b[0]), _mm512_fmadd_ps(a.odd, _mm512_set1_ps(b[1]), acc));
 }
+/* MXCSR with denormal inputs read as zero and denormal results flushed (vdpbf16ps's rule); returns the
+ * setting before, for _mm_setcsr to put back. */
+INLINE unsigned bf16_daz_ftz(void) {
+    const unsigned before = _mm_getcsr();
+    _mm_setcsr(before | 0x8040u); /* FTZ (bit 15) | DAZ (bit 6) */
+    return before;
+}
+#endif
+
+#if PDKV_BF16 == 2
+typedef bf16_split bf16v;
+INLINE bf16v bf16v_of(__m512i v) { return bf16_split_of(v); }
+INLINE __m512 bf16_dot(__m512 acc, bf16v a, bf16v b) { return bf16_split_dot(acc, a, b); }
+INLINE __m256i to_bf16x16(__m512 x) { return bf16_rne16(x); }
 #endif
 
 #if PDKV_BF16

@@ -262,32 +262,118 @@ def test_the_bf16_kernel_sums_within_float32_rounding_and_rounds_once(
         assert torch.all((y - exact).abs() <= bound), rows
 
 
-def test_without_avx512_bf16_the_kernel_adds_each_pair_as_vdpbf16ps_does() -> None:
-    """On an AVX-512 CPU without AVX512-BF16 the dot products are two FMAs per pair (csrc/simd.h): each
-    output's float32 sum takes input 2p + 1's product, then 2p's, pair after pair, each add rounded once
-    (the order of the SDM's pseudocode for vdpbf16ps) -- the same bits as float32 torch ops in that order,
-    then one bfloat16 rounding.  (Where the CPU has the instruction the hardware rounds; not compared.)"""
-    kernels = native_kernels()
-    if kernels is None or not kernels.bf16_emulated:
-        pytest.skip("the dot products run on AVX512-BF16 here (or the kernel is not built)")
-    assert kernels.quant is not None
+def bf16_forms(kernel: QuantKernel) -> list[bool]:
+    """The forms of bf16_linear.c's vector path this build has: [False] vdpbf16ps, [True] FMAs."""
+    if not kernel.bf16:
+        pytest.skip("this build has no AVX-512 code (the bfloat16 kernel)")
+    if kernel.amx:
+        pytest.skip("the bfloat16 linears run in AMX tiles here (tests/engine/test_bf16_amx.py)")
+    was = kernel.bf16_fma()
+    forms = [f for f in (False, True) if kernel.bf16_fma(f) == f]
+    kernel.bf16_fma(was)
+    return forms
+
+
+@pytest.fixture
+def restore_form(kernel: QuantKernel) -> Iterator[None]:
+    was = kernel.bf16_fma()
+    yield
+    kernel.bf16_fma(was)
+
+
+@pytest.mark.usefixtures("restore_form")
+def test_each_form_adds_each_pair_as_vdpbf16ps_does(kernel: QuantKernel) -> None:
+    """Either form of the bfloat16 vectors -- vdpbf16ps, or two FMAs per pair (csrc/simd.h; the only
+    form without AVX512-BF16) -- sums each output's products as the SDM's pseudocode for vdpbf16ps does:
+    input 2p + 1's, then 2p's, pair after pair, each add rounded once -- the same bits as float32 torch ops
+    in that order, then one bfloat16 rounding."""
     g = torch.Generator().manual_seed(5)
-    for n, k in ((37, 64), (16, 1538)):
-        w = (torch.randn(n, k, generator=g) * torch.rand(n, k, generator=g) ** 4).to(torch.bfloat16)
-        x = torch.randn(7, k, generator=g).to(torch.bfloat16)
-        # an output where the order shows: 1 + 2^-24 rounds to 1 (a tie, to even), so inputs 1, 0, 3, 2
-        # (1, 2^-24, -1, 2^-24) sum to 2^-24 and inputs 0, 1, 2, 3 to 0
-        w[0] = 0.0
-        w[0, :4] = torch.tensor([2.0**-24, 1.0, 2.0**-24, -1.0])
-        x[:, :4] = 1.0
-        got = QuantLinear([pack_bf16(w)], None, kernels.quant)(x)
-        assert torch.all(got[:, 0] == 2.0**-24)
-        xf, wf = x.float(), w.float()
-        acc = torch.zeros(7, n)
-        for p in range(k // 2):
-            for i in (2 * p + 1, 2 * p):  # each product exact in float32; each add rounds once
-                acc = acc + xf[:, i : i + 1] * wf[:, i][None, :]
-        assert torch.equal(got, acc.to(torch.bfloat16)), (n, k)
+    for fma in bf16_forms(kernel):
+        kernel.bf16_fma(fma)
+        for n, k in ((37, 64), (16, 1538)):
+            w = (torch.randn(n, k, generator=g) * torch.rand(n, k, generator=g) ** 4).to(torch.bfloat16)
+            x = torch.randn(7, k, generator=g).to(torch.bfloat16)
+            # an output where the order shows: 1 + 2^-24 rounds to 1 (a tie, to even), so inputs 1, 0, 3, 2
+            # (1, 2^-24, -1, 2^-24) sum to 2^-24 and inputs 0, 1, 2, 3 to 0
+            w[0] = 0.0
+            w[0, :4] = torch.tensor([2.0**-24, 1.0, 2.0**-24, -1.0])
+            x[:, :4] = 1.0
+            got = QuantLinear([pack_bf16(w)], None, kernel)(x)
+            assert torch.all(got[:, 0] == 2.0**-24)
+            xf, wf = x.float(), w.float()
+            acc = torch.zeros(7, n)
+            for p in range(k // 2):
+                for i in (2 * p + 1, 2 * p):  # each product exact in float32; each add rounds once
+                    acc = acc + xf[:, i : i + 1] * wf[:, i][None, :]
+            assert torch.equal(got, acc.to(torch.bfloat16)), (fma, n, k)
+
+
+@pytest.mark.usefixtures("restore_form")
+def test_each_form_reads_denormals_as_zero_and_flushes_them_as_vdpbf16ps_does(kernel: QuantKernel) -> None:
+    """vdpbf16ps reads a denormal input as zero and flushes a denormal result; the FMAs run with MXCSR's
+    DAZ and FTZ for the call, so they do the same -- and the caller's float arithmetic after the call
+    keeps its denormals (the setting is put back)."""
+    tiny = torch.tensor(1e-39).to(torch.bfloat16)  # a bfloat16 denormal
+    assert 0 < abs(tiny.item()) < torch.finfo(torch.float32).tiny
+    for fma in bf16_forms(kernel):
+        kernel.bf16_fma(fma)
+        w = torch.zeros(16, 64, dtype=torch.bfloat16)
+        x = torch.zeros(1, 64, dtype=torch.bfloat16)
+        w[0, 0], x[0, 0] = tiny, 1e30  # read as 0 * 1e30, not 1e-9
+        w[1, 2], x[0, 2] = 1e-20, 1e-20  # 1e-40: a denormal result, flushed to 0
+        w[2, 0] = 1.0  # 1e30, the control
+        got = QuantLinear([pack_bf16(w)], None, kernel)(x)[0]
+        assert got[0].item() == 0.0 and got[1].item() == 0.0, (fma, got[:3])
+        assert got[2].item() == x[0, 0].item()
+        assert (torch.tensor([1e-30]) * torch.tensor([1e-10])).item() != 0.0  # this thread: no FTZ left on
+
+
+@pytest.mark.usefixtures("restore_form")
+def test_the_two_forms_give_the_same_bits(kernel: QuantKernel) -> None:
+    """Where the CPU has AVX512-BF16 the vectors sum with vdpbf16ps or with FMAs, chosen by the vendor
+    (PDKV_BF16_FMA overrides): speed only -- every output the same bits, on values from denormal to
+    overflowing, odd shapes and tails, any batch."""
+    if len(bf16_forms(kernel)) < 2:
+        pytest.skip("this build has one form (no AVX512-BF16: the FMAs)")
+    g = torch.Generator().manual_seed(11)
+
+    def wide(*shape: int) -> torch.Tensor:  # magnitudes from 1e-40 to 1e+40: denormals, zeros, infinities
+        return (torch.randn(*shape, generator=g) * torch.exp(torch.randn(*shape, generator=g) * 30)).to(
+            torch.bfloat16
+        )
+
+    for n, k in ((1, 2), (37, 64), (200, 576), (16, 1538), (70, 96)):
+        linear = QuantLinear([pack_bf16(wide(n, k))], None, kernel)
+        x = wide(130, k)
+        for rows in (1, 2, 5, 7, 32, 61, 130):
+            kernel.bf16_fma(False)
+            vdp = linear(x[:rows])
+            kernel.bf16_fma(True)
+            fma = linear(x[:rows])
+            nan = torch.isnan(vdp) & torch.isnan(fma)  # a NaN's payload may differ
+            assert torch.equal(torch.isnan(vdp), torch.isnan(fma)), (n, k, rows)
+            assert torch.equal(vdp.view(torch.int16)[~nan], fma.view(torch.int16)[~nan]), (n, k, rows)
+
+
+def test_the_form_follows_the_cpu_and_the_variable(
+    kernel: QuantKernel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """FMAs on an Intel CPU (vdpbf16ps at half their rate), vdpbf16ps elsewhere; PDKV_BF16_FMA overrides;
+    the library starts with the default where its build has both forms."""
+    import engine.native_linear as nl
+
+    if len(bf16_forms(kernel)) == 2:
+        assert kernel.bf16_fma() == bool(nl.bf16_fma_default())
+    monkeypatch.delenv(nl.BF16_FMA_ENV, raising=False)
+    for vendor, want in (("GenuineIntel", 1), ("AuthenticAMD", 0), ("HygonGenuine", 0), ("", 0)):
+        monkeypatch.setattr(nl, "cpu_vendor", lambda v=vendor: v)
+        assert nl.bf16_fma_default() == want
+    monkeypatch.setenv(nl.BF16_FMA_ENV, "1")
+    assert nl.bf16_fma_default() == 1
+    monkeypatch.setenv(nl.BF16_FMA_ENV, "yes")  # not 0 or 1: the CPU's default, and a warning
+    with caplog.at_level("WARNING", logger="engine.native_linear"):
+        assert nl.bf16_fma_default() == 0
+    assert "PDKV_BF16_FMA='yes' is not 0 or 1: using 0" in caplog.text
 
 
 def test_the_bf16_kernel_gives_each_row_the_same_bits_in_any_batch(kernel: QuantKernel) -> None:
