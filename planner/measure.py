@@ -265,7 +265,10 @@ def measure_p2p(engine: LLMEngine, *, quick: bool, progress: Progress) -> Linear
 
     progress("p2p pulls")
     spec = engine.kv_spec
-    sizes = (4, 64) if quick else (4, 32, 128, 512)
+    # a pull's fixed cost (ms) dwarfs 64 blocks of a small model's bytes: the quick sizes span 4 to 256, and
+    # the line goes through each size's median (a noisy host's one slow pull tilted a fit of every sample
+    # below zero, a per-byte cost of 0)
+    sizes = (4, 256) if quick else (4, 32, 128, 512)
     blocks = max(sizes)
     shape = (blocks, *spec.shape[1:])
     src = torch.empty(shape, dtype=spec.dtype).uniform_()
@@ -274,7 +277,7 @@ def measure_p2p(engine: LLMEngine, *, quick: bool, progress: Progress) -> Linear
     server = BlockServer(BlockViews(src), "tcp://127.0.0.1:0", stats=TransferStats(), namespace=namespace)
     puller = BlockPuller(BlockViews(dst), stats=TransferStats(), namespace=namespace, threads=1)
     hashes = tuple(i.to_bytes(32, "little") for i in range(blocks))
-    points = []
+    times: dict[int, list[float]] = {n: [] for n in sizes}
     try:
         for i, n in enumerate((sizes[0], *sizes) * 3):
             rid = f"profile-{i}"
@@ -289,12 +292,13 @@ def measure_p2p(engine: LLMEngine, *, quick: bool, progress: Progress) -> Linear
             if result is None or not result.ok:
                 raise RuntimeError(f"a p2p pull of {n} blocks failed: {result}")
             puller.take_finished()
-            if i:
-                points.append((n * BlockViews(src).block_nbytes, elapsed))
+            if i:  # the first pull warms up
+                times[n].append(elapsed)
     finally:
         puller.close()
         server.close()
-    return fit_linear(points)
+    block = BlockViews(src).block_nbytes
+    return fit_linear([(n * block, statistics.median(t)) for n, t in times.items()])
 
 
 def cpu_name() -> str:

@@ -161,7 +161,10 @@ def test_pdkv_profile_quick_writes_a_profile_plan_can_read(tmp_path: Path) -> No
     assert profile.engine.block_size == 16 and profile.engine.num_blocks == 256
     assert profile.engine.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # layers x K,V x heads x dim x fp32
     assert set(profile.loads) == {"cpu"} and profile.loads["cpu"].samples >= 2
-    assert profile.step.samples > 10 and profile.step.prefill_token_s > 0
+    assert profile.step.samples > 10
+    # prefill grows with the chunk: by the per-token or the attention term (a tiny model's quick fit may put
+    # it all in either one: on a noisy host prefill_token_s alone came out 0 in 1 run of ~20)
+    assert profile.step.prefill_seconds(512) > profile.step.prefill_seconds(16) > 0
     assert profile.p2p.per > 0 and profile.machine["threads"] == 1
 
 
