@@ -281,8 +281,8 @@ int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed
                     const int ng = (int)share(g1 - g0, gtiles, gt);
                     for (int64_t rt = 0, r = m0; rt < rtiles; rt++) {
                         const int nr = (int)share(m1 - m0, rtiles, rt);
-                        batch_tile(w, g, k, xs + (size_t)(r - m0) * row_bytes, ng, nr, form, out + r * ldo, ldo,
-                                   col0, n, stream);
+                        const char *xr = xs + (size_t)(r - m0) * row_bytes;
+                        batch_tile(w, g, k, xr, ng, nr, form, out + r * ldo, ldo, col0, n, stream);
                         r += nr;
                     }
                     g += ng;

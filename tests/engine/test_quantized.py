@@ -262,16 +262,24 @@ def test_the_bf16_kernel_sums_within_float32_rounding_and_rounds_once(
         assert torch.all((y - exact).abs() <= bound), rows
 
 
-def bf16_forms(kernel: QuantKernel) -> list[bool]:
-    """The forms of bf16_linear.c's vector path this build has: [False] vdpbf16ps, [True] FMAs."""
+def built_forms(kernel: QuantKernel) -> list[bool]:
+    """The forms of bf16_linear.c's vector path this build has ([False] vdpbf16ps, [True] FMAs; none
+    without AVX-512), the setting left as it was."""
     if not kernel.bf16:
-        pytest.skip("this build has no AVX-512 code (the bfloat16 kernel)")
-    if kernel.amx:
-        pytest.skip("the bfloat16 linears run in AMX tiles here (tests/engine/test_bf16_amx.py)")
+        return []
     was = kernel.bf16_fma()
     forms = [f for f in (False, True) if kernel.bf16_fma(f) == f]
     kernel.bf16_fma(was)
     return forms
+
+
+def bf16_forms(kernel: QuantKernel) -> list[bool]:
+    """``built_forms``, the test skipped where the vectors do not run the bfloat16 linears."""
+    if not kernel.bf16:
+        pytest.skip("this build has no AVX-512 code (the bfloat16 kernel)")
+    if kernel.amx:
+        pytest.skip("the bfloat16 linears run in AMX tiles here (tests/engine/test_bf16_amx.py)")
+    return built_forms(kernel)
 
 
 @pytest.fixture
@@ -362,11 +370,8 @@ def test_the_form_follows_the_cpu_and_the_variable(
     the library starts with the default where its build has both forms."""
     import engine.native_linear as nl
 
-    was = kernel.bf16_fma()
-    both = kernel.bf16 and kernel.bf16_fma(not was) != was  # this build has both forms
-    kernel.bf16_fma(was)
-    if both:
-        assert was == bool(nl.bf16_fma_default())
+    if len(built_forms(kernel)) == 2:
+        assert kernel.bf16_fma() == bool(nl.bf16_fma_default())
     monkeypatch.delenv(nl.BF16_FMA_ENV, raising=False)
     for vendor, want in (("GenuineIntel", 1), ("AuthenticAMD", 0), ("HygonGenuine", 0), ("", 0)):
         monkeypatch.setattr(nl, "cpu_vendor", lambda v=vendor: v)
