@@ -107,16 +107,20 @@ def kv_fingerprint(
     deterministic: bool,
     *,
     tiles: bool = False,
+    attention_tiles: bool = False,
     quantized: bool = False,
     emulated: bool = False,
 ) -> str:
     """The fingerprint a ``HashNamespace`` takes: the model's, plus what makes its KV bits differ -- the
-    dtype, the mode, whether the bfloat16 linears run in AMX tiles (engine/csrc/bf16_amx.h), whether
-    the weights run quantized (engine/model/quantized.py) and, for bfloat16, whether the native kernels'
-    dot products are ``emulated`` with FMAs (an AVX-512 CPU without AVX512-BF16, engine/csrc/simd.h: the
+    dtype, the mode, whether the bfloat16 linears run in AMX tiles (engine/csrc/bf16_amx.h), whether the
+    bfloat16 attention does (``attention_tiles``: engine/csrc/attn_amx.h), whether the weights run
+    quantized (engine/model/quantized.py) and, for bfloat16, whether the native kernels' dot products are
+    ``emulated`` with FMAs (an AVX-512 CPU without AVX512-BF16, engine/csrc/simd.h: the
     same sums, but denormal inputs are not read as zero as vdpbf16ps reads them)."""
     mode = ";deterministic" if deterministic else ""
     linears = ";linears=amx" if tiles else ""
+    attention = ";attention=amx" if attention_tiles and dtype == torch.bfloat16 else ""
     weights = ";weights=quantized" if quantized else ""
     dots = ";bf16dot=fma" if emulated and dtype == torch.bfloat16 else ""
-    return f"{model_fingerprint};kv={str(dtype).removeprefix('torch.')}{mode}{linears}{dots}{weights}"
+    kv = str(dtype).removeprefix("torch.")
+    return f"{model_fingerprint};kv={kv}{mode}{linears}{attention}{dots}{weights}"

@@ -163,6 +163,7 @@ class LLMEngine:
                 dtype,
                 self.determinism.on,
                 tiles=self.model.bf16_tiles,
+                attention_tiles=kernels is not None and kernels.prefill is not None and kernels.prefill.amx,
                 quantized=self.model.quantized,
                 emulated=kernels is not None and kernels.bf16_emulated,
             ),

@@ -49,6 +49,8 @@ _INT64 = ctypes.c_int64
 AMX_ENV = "PDKV_BF16_AMX"
 # "0" keeps quant.c's linears in vectors on a CPU with AMX-INT8 (quant_amx.h): the same bits, slower.
 QUANT_AMX_ENV = "PDKV_QUANT_AMX"
+# "0" keeps paged_prefill.c's attention in vectors on a CPU with AMX-BF16 (attn_amx.h): other bits, slower.
+ATTN_AMX_ENV = "PDKV_ATTN_AMX"
 _PTR = ctypes.c_void_p
 _ARGTYPES: list[Any] = [_PTR, _PTR, _PTR, _PTR, _PTR] + [_INT64] * 9 + [ctypes.c_float] + [_INT64] * 3
 
@@ -356,8 +358,9 @@ def _load() -> NativeKernels | None:
     scratch = lib.pdkv_decode_scratch_bytes
     scratch.argtypes = [_PTR, _INT64]
     scratch.restype = _INT64
-    amx, int8_tiles = lib.pdkv_bf16_amx, lib.pdkv_quant_amx  # the AMX tiles' switches, set once here
-    for switch, env in ((amx, AMX_ENV), (int8_tiles, QUANT_AMX_ENV)):
+    # the AMX tiles' switches, set once here
+    amx, int8_tiles, attn_tiles = lib.pdkv_bf16_amx, lib.pdkv_quant_amx, lib.pdkv_attn_amx
+    for switch, env in ((amx, AMX_ENV), (int8_tiles, QUANT_AMX_ENV), (attn_tiles, ATTN_AMX_ENV)):
         switch.argtypes, switch.restype = [_INT64], ctypes.c_int
         switch(int(os.environ.get(env, "1") != "0"))
     row_groups = lib.pdkv_quant_row_groups
@@ -390,7 +393,7 @@ def _load() -> NativeKernels | None:
     )
     return NativeKernels(
         DecodeKernel(decode),
-        PrefillKernel(many) if lib.pdkv_paged_prefill_built() else None,
+        PrefillKernel(many, attn_tiles) if lib.pdkv_paged_prefill_built() else None,
         RMSNormKernel(norm),
         RopeKernel(rope),
         SiluMulKernel(silu),

@@ -105,6 +105,14 @@ class PrefillKernel:
     with transformers token for token) keeps SDPA."""
 
     many_function: Any  # the ctypes function pdkv_paged_prefill_many
+    amx_fn: Any = None  # pdkv_attn_amx
+
+    @property
+    def amx(self) -> bool:
+        """Whether every call attends in AMX tiles (engine/csrc/attn_amx.h: built for this CPU, granted by
+        Linux, not turned off by PDKV_ATTN_AMX=0).  Set once as the library loads; the tiles' bits are
+        not the vectors', so the KV namespace names them (engine/determinism.kv_fingerprint)."""
+        return self.amx_fn is not None and bool(self.amx_fn(-1))
 
     @staticmethod
     def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

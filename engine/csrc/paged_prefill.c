@@ -29,6 +29,7 @@
  * decode row) reads every whole tile from its blocks in place, packing only the last, partial one.
  */
 
+#define _GNU_SOURCE /* syscall(), for the tiles' permission (amx.h) */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -76,6 +77,8 @@ typedef struct {
 } Prefill;
 
 static inline int64_t first_visible(const Prefill *a, int64_t pos) { return first_visible_key(pos, a->window); }
+
+static int attn_amx_on; /* pdkv_attn_amx: every call of this process attends in AMX tiles (attn_amx.h) */
 
 /* A chunk of one task per KV head (a decode row, a short chunk): its tasks pack their own tiles. */
 static inline int packs_own_tiles(const Prefill *a) { return a->n <= a->rows_per_task; }
@@ -484,7 +487,16 @@ INLINE int attend_rows(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows, 
     return 0;
 }
 
+#include "attn_amx.h"
+
 static int attend_task(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows) {
+#ifdef PDKV_ATTN_AMX
+    if (attn_amx_on) switch (a->D) {
+        case 64: return attend_rows_amx(a, kvh, r0, rows, 64);
+        case 128: return attend_rows_amx(a, kvh, r0, rows, 128);
+        default: return attend_rows_amx(a, kvh, r0, rows, a->D);
+        }
+#endif
     switch (a->D) { /* head sizes as constants, so the register blocks unroll */
     case 64: return attend_rows(a, kvh, r0, rows, 64);
     case 128: return attend_rows(a, kvh, r0, rows, 128);
@@ -532,6 +544,18 @@ static int run_task(const Prefill *a, int64_t i) {
 /* 1 when this build has the kernel (the compiler targeted AVX-512: simd.h's PDKV_BF16), 0 when
  * pdkv_paged_prefill_many can only refuse: the CPU's flags say what it runs, not what gcc emitted. */
 int pdkv_paged_prefill_built(void) { return PDKV_BF16 != 0; }
+
+/* want 1: attend in AMX tiles from now on where this build has them (AMX-BF16 and AVX512-BF16) and Linux
+ * grants them; 0: in vectors; -1: no change.  Returns the path now in use: 1 tiles, 0 vectors.  The
+ * library sets it once as it loads (engine/native.py); the two paths' bits differ (attn_amx.h). */
+int pdkv_attn_amx(int64_t want) {
+#ifdef PDKV_ATTN_AMX
+    if (want >= 0) attn_amx_on = want && amx_granted() == 1;
+#else
+    (void)want;
+#endif
+    return attn_amx_on;
+}
 
 /* Many chunks in one call: chunk c is counts[c] query rows at positions starts[c] .. starts[c] + counts[c]
  * - 1 of the sequence whose blocks are block_table[c * table_width ..] (table_width ids, covering those
@@ -669,6 +693,9 @@ int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, 
                 if (!bad) bad = run_task(&chunks[c], task - task_first[c]);
             }
         }
+#ifdef PDKV_ATTN_AMX
+        attn_amx_release();
+#endif
         if (bad) {
 #pragma omp atomic write
             failed = 1;

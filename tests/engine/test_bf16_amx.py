@@ -1,7 +1,8 @@
 """bf16_linear.c in AMX tiles (engine/csrc/bf16_amx.h), on CPUs with AMX-BF16: the exact product within
 float32's sums and one bfloat16 rounding, each row's bits the same in any batch, at any thread count and
 in any block of rows, shapes the tiles do not take left to the vectors -- and the tiles' bits named in the
-KV namespace, since they are not the vectors'."""
+KV namespace, since they are not the vectors', as are the attention's in tiles (engine/csrc/attn_amx.h,
+whose kernel tests are tests/engine/test_native_prefill.py's on both paths)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from connectors.registry import KVConnectorConfig
 from engine.determinism import kv_fingerprint
 from engine.llm import LLM
 from engine.model.quantized import QuantLinear, pack_bf16
-from engine.native import AMX_ENV, QuantKernel, native_kernels
+from engine.native import AMX_ENV, ATTN_AMX_ENV, QuantKernel, native_kernels
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import tiny_model_dir
 
@@ -125,18 +126,32 @@ def test_the_variable_turns_the_tiles_off(kernel: QuantKernel) -> None:
     assert out.stdout.split() == ["True", "False"]
 
 
+def test_the_variable_turns_the_attentions_tiles_off(kernel: QuantKernel) -> None:
+    probe = "from engine.native import native_kernels\np = native_kernels().prefill\nprint(p.amx)\n"
+    for value, expected in (("0", "False"), ("1", "True")):
+        env = {**os.environ, ATTN_AMX_ENV: value}
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+        assert out.returncode == 0 and out.stdout.split() == [expected], out.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("variable", "name"),
+    [(AMX_ENV, "linears=amx"), (ATTN_AMX_ENV, "attention=amx")],
+    ids=["linears", "attention"],
+)
 def test_a_node_on_vectors_never_loads_what_a_node_on_tiles_saved(
-    kernel: QuantKernel, tmp_path: Path
+    kernel: QuantKernel, tmp_path: Path, variable: str, name: str
 ) -> None:
-    """Same model, store and mode; the reader runs with PDKV_BF16_AMX=0 (the switch is per process): no
-    hit, while a second tile node hits the same prefix."""
+    """Same model, store and mode; the reader runs with the linears' or the attention's tiles off
+    (PDKV_BF16_AMX=0, PDKV_ATTN_AMX=0: the switches are per process): no hit, while a second tile node
+    hits the same prefix."""
     model, store = tiny_model_dir("llama_smol_shapes"), f"disk:{tmp_path / 'kv'}:64MiB"
     prompt, params = list(range(3, 99)), SamplingParams(max_tokens=2, ignore_eos=True)
     options: dict[str, Any] = {"dtype": "bfloat16", "block_size": 16, "num_blocks": 256}
     options["deterministic"] = True
     connector = KVConnectorConfig("offload", {"kv_store": store, "lookup_timeout_s": 5.0})
     writer = LLM(model, kv_connector=connector, **options)
-    assert writer.engine.model.bf16_tiles and "linears=amx" in writer.engine.namespace.model_fingerprint
+    assert name in writer.engine.namespace.model_fingerprint
     writer.generate([prompt], params)
     assert writer.engine.drain(20.0)
     writer.engine.shutdown()
@@ -148,11 +163,11 @@ def test_a_node_on_vectors_never_loads_what_a_node_on_tiles_saved(
         f"llm = LLM({str(model)!r}, kv_connector=KVConnectorConfig('offload', {{'kv_store': {store!r}}}),"
         f" **{options!r})\n"
         f"[out] = llm.generate([{prompt!r}], SamplingParams(max_tokens=2, ignore_eos=True))\n"
-        "print(llm.engine.model.bf16_tiles, out.num_external_tokens)\n"
+        f"print({name!r} in llm.engine.namespace.model_fingerprint, out.num_external_tokens)\n"
         "llm.engine.shutdown()\n"
     )
-    for amx, expected in (("0", ["False", "0"]), ("1", ["True", "80"])):
-        env = {**os.environ, AMX_ENV: amx}
+    for value, expected in (("0", ["False", "0"]), ("1", ["True", "80"])):
+        env = {**os.environ, variable: value}
         out = subprocess.run([sys.executable, "-c", reader], env=env, capture_output=True, text=True)
-        why = (amx, out.stdout, out.stderr[-2000:])
+        why = (value, out.stdout, out.stderr[-2000:])
         assert out.returncode == 0 and out.stdout.split()[-2:] == expected, why

@@ -228,6 +228,19 @@ def test_the_namespace_names_dot_products_in_fmas() -> None:  # on every host
     assert kv_fingerprint("m", torch.float32, False, emulated=True) == "m;kv=float32"
 
 
+def test_the_namespace_names_attention_in_amx_tiles() -> None:  # on every host
+    """The attention in AMX tiles (engine/csrc/attn_amx.h) gives other bits than in vectors: another
+    namespace, in bfloat16 (float32 keeps SDPA, whatever the switch)."""
+    bf16 = torch.bfloat16
+    assert kv_fingerprint("m", bf16, True, tiles=True, attention_tiles=True) == (
+        "m;kv=bfloat16;deterministic;linears=amx;attention=amx"
+    )
+    assert kv_fingerprint("m", bf16, False, attention_tiles=True, quantized=True) == (
+        "m;kv=bfloat16;attention=amx;weights=quantized"
+    )
+    assert kv_fingerprint("m", torch.float32, False, attention_tiles=True) == "m;kv=float32"
+
+
 @needs_bf16
 def test_the_switch_is_in_the_namespace_and_blocks_never_cross(det: LLM) -> None:
     off = make(deterministic=False)
@@ -237,12 +250,11 @@ def test_the_switch_is_in_the_namespace_and_blocks_never_cross(det: LLM) -> None
     assert tiles == det.engine.model.bf16_tiles
     kernels = native_kernels()
     fma = kernels is not None and kernels.bf16_emulated  # no AVX512-BF16: its dot products in FMAs
-    assert off.engine.namespace.model_fingerprint == kv_fingerprint(
-        fp, torch.bfloat16, False, tiles=tiles, emulated=fma
-    )
-    assert det.engine.namespace.model_fingerprint == kv_fingerprint(
-        fp, torch.bfloat16, True, tiles=tiles, emulated=fma
-    )
+    # the attention in AMX tiles likewise (engine/csrc/attn_amx.h)
+    attention = kernels is not None and kernels.prefill is not None and kernels.prefill.amx
+    flags = {"tiles": tiles, "attention_tiles": attention, "emulated": fma}
+    assert off.engine.namespace.model_fingerprint == kv_fingerprint(fp, torch.bfloat16, False, **flags)
+    assert det.engine.namespace.model_fingerprint == kv_fingerprint(fp, torch.bfloat16, True, **flags)
     assert det.engine.namespace.model_fingerprint.endswith(";bf16dot=fma") == fma
     assert off.engine.namespace.namespace_id != det.engine.namespace.namespace_id
     # a block a non-deterministic engine saved is never loaded by a deterministic one (same store)

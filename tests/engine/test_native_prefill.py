@@ -9,6 +9,9 @@ plain heads, sliding windows, blocks in any order, and must never read a block o
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -21,12 +24,23 @@ from tests.tiny_models import random_prompts
 pytestmark = pytest.mark.skipif(not bf16_kernels_cpu(), reason="needs a CPU with AVX-512 (the kernel)")
 
 
-@pytest.fixture(scope="module")
-def kernel() -> native.PrefillKernel:
+@pytest.fixture(scope="module", params=["vectors", "tiles"])
+def kernel(request: pytest.FixtureRequest) -> Iterator[native.PrefillKernel]:
+    """The kernel on each of its paths (process-wide for the module's tests, then put back): vdpbf16ps
+    vectors (or their FMA form), and AMX tiles where the CPU, the build and Linux give them
+    (engine/csrc/attn_amx.h: other bits, the same promises)."""
     kernels = native.native_kernels()
     assert kernels is not None, "the native kernels did not build on this machine (gcc is part of the setup)"
-    assert kernels.prefill is not None, "gcc built no AVX-512 code on a CPU that has it"
-    return kernels.prefill
+    prefill = kernels.prefill
+    assert prefill is not None, "gcc built no AVX-512 code on a CPU that has it"
+    was = prefill.amx
+    if prefill.amx_fn(int(request.param == "tiles")) != (request.param == "tiles"):
+        prefill.amx_fn(int(was))
+        pytest.skip("no AMX-BF16 tiles here (the CPU, the build or Linux's grant)")
+    try:
+        yield prefill
+    finally:
+        prefill.amx_fn(int(was))
 
 
 def _case(
@@ -175,6 +189,41 @@ def test_a_decode_rows_bits_are_the_same_alone_and_in_a_batch(
             one = slice(r, r + 1)
             alone = kernel.many(q[one], cache, 1, tables[one], starts[one], counts[:1], **args)
             assert torch.equal(alone.view(torch.int16), batch[one].view(torch.int16)), (r, window)
+
+
+@pytest.mark.parametrize("paired", [False, True], ids=["canonical", "paired"])
+@pytest.mark.parametrize("window", [None, 40, 300])
+def test_a_tokens_bits_are_the_same_in_any_chunk_and_as_a_decode_row(
+    kernel: native.PrefillKernel, window: int | None, paired: bool
+) -> None:
+    """A sequence of 700 positions -- past the 32-key tiles and the tiles' 256-key spans of the AMX
+    path's softmax -- attended as one chunk, as chunks split on and off those edges (all in one call, and
+    beside a decode row of another sequence), and a row at a time as decode rows: every row the same
+    bits."""
+    from engine.native_attention import KV_PAIRED
+    from tests.engine.test_native_attention import to_paired
+
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(700 + (window or 0))
+    longest = 700
+    cache, tables = _batch_cache((heads, kv_heads, head_dim, block_size), 2, longest, gen)
+    order = {}
+    if paired:
+        cache, order = to_paired(cache), {"kv_order": KV_PAIRED}
+    args = {"scale": head_dim**-0.5, "window": window, **order}
+    q = torch.randn(longest + 1, heads + kv_heads, head_dim, generator=gen).bfloat16()[:, :heads]
+    one = tables[:1].contiguous()
+    whole = kernel.many(q[:longest], cache, 1, one, torch.tensor([0]), torch.tensor([longest]), **args)
+    assert torch.isfinite(whole).all()
+    for cuts in ([0, 255, 256, 257, 511, 512, 700], [0, 31, 300, 700], [0, 1, 699, 700]):
+        starts = torch.tensor([*cuts[:-1], 5])
+        counts = torch.tensor([b - a for a, b in itertools.pairwise(cuts)] + [1])
+        table = torch.cat([one.expand(len(cuts) - 1, -1), tables[1:2]]).contiguous()
+        got = kernel.many(q, cache, 1, table, starts, counts, **args)  # q's last row: the decode row
+        assert torch.equal(got[:longest].view(torch.int16), whole.view(torch.int16)), cuts
+    for pos in (0, 1, 31, 32, 255, 256, 257, 300, 511, 512, 513, 699):
+        row = kernel.many(q[pos : pos + 1], cache, 1, one, torch.tensor([pos]), torch.tensor([1]), **args)
+        assert torch.equal(row.view(torch.int16), whole[pos : pos + 1].view(torch.int16)), pos
 
 
 def test_strided_queries_are_read_in_place(kernel: native.PrefillKernel) -> None:
