@@ -55,9 +55,17 @@ static void attn_amx_release(void) {
 static _Thread_local void *amx_scratch;
 static _Thread_local size_t amx_scratch_bytes;
 
+/* n lines of the thread's ahead stream, into L2 (prefetcht1): the tiles load from L2 as fast, and the
+ * lines come in bursts between tile instructions, which into L1 (the vector path's prefetcht0) take the
+ * fill buffers the tile loads wait on.  In-process A/B on a Xeon with AMX (the hint switched between
+ * rounds of 5 steps, 14 rounds, batch 32 at 128-token prompts): T1 0.943-0.989 of T0's step, median
+ * 0.959; T2 as T1; NTA 1.4x slower. */
 INLINE void ahead_steps(Ahead *h, int n) {
-    if (h != NULL)
-        for (int i = 0; i < n; i++) ahead_step(h);
+    for (int i = 0; h != NULL && i < n; i++) {
+        const char *line = line_stream_next(&h->lines);
+        if (line == NULL) return;
+        _mm_prefetch(line, _MM_HINT_T1);
+    }
 }
 
 /* Pass 1: block qb's scores against tiles u, u + 1 (two: both) of the span, into sc (unscaled). */
