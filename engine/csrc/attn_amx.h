@@ -247,13 +247,7 @@ INLINE int attend_rows_amx(const Prefill *a, int64_t kvh, int64_t r0, int64_t ro
         }
         c0 += nt;
     }
-    for (int i = 0; i < nq; i++) {
-        uint16_t *out = a->out + (size_t)((r0 + i / G) * a->num_heads + kvh * G + i % G) * D;
-        const __m512 inv = _mm512_set1_ps(1.0f / s.l[i]);
-        for (int c = 0; c < D / 16; c++)
-            _mm256_storeu_si256((__m256i *)(out + 16 * c),
-                                to_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(s.o + (size_t)i * D + 16 * c), inv)));
-    }
+    store_outputs(a, &s, kvh, r0, nq, D);
     return 0;
 }
 #endif

@@ -382,6 +382,18 @@ static int scratch_for(int D, Scratch *s) {
     return 0;
 }
 
+/* The task's nq query vectors' outputs, o / l rounded to bfloat16, into the call's output rows. */
+INLINE void store_outputs(const Prefill *a, const Scratch *s, int64_t kvh, int64_t r0, int nq, const int D) {
+    const int G = a->G;
+    for (int i = 0; i < nq; i++) {
+        uint16_t *out = a->out + (size_t)((r0 + i / G) * a->num_heads + kvh * G + i % G) * D;
+        const __m512 inv = _mm512_set1_ps(1.0f / s->l[i]);
+        for (int c = 0; c < D / 16; c++)
+            _mm256_storeu_si256((__m256i *)(out + 16 * c),
+                                to_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(s->o + (size_t)i * D + 16 * c), inv)));
+    }
+}
+
 /* Step 2: KV head kvh, query rows r0 .. r0 + rows - 1 of the chunk. */
 INLINE int attend_rows(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows, const int D) {
     Scratch s;
@@ -477,13 +489,7 @@ INLINE int attend_rows(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows, 
         }
 #undef VALUES
     }
-    for (int i = 0; i < nq; i++) {
-        uint16_t *out = a->out + (size_t)((r0 + i / G) * a->num_heads + kvh * G + i % G) * D;
-        const __m512 inv = _mm512_set1_ps(1.0f / s.l[i]);
-        for (int c = 0; c < D / 16; c++)
-            _mm256_storeu_si256((__m256i *)(out + 16 * c),
-                                to_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(s.o + (size_t)i * D + 16 * c), inv)));
-    }
+    store_outputs(a, &s, kvh, r0, nq, D);
     return 0;
 }
 
