@@ -16,6 +16,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+
 from engine.connector.base import ConnectorContext, KVConnectorBase, KVConnectorRole
 from engine.connector.null import NullConnector
 from engine.connector.params import KVTransferParams
@@ -31,7 +33,8 @@ from engine.model.embedded import ensure_default_model
 from engine.model.gguf import GGUFModel
 from engine.model.loader import LoadedModel, inspect_model, load_model
 from engine.model.quantized import choose_weights
-from engine.native import native_kernels
+from engine.native import NativeKernels, native_kernels
+from engine.native_attention import PrefillKernel
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
@@ -163,7 +166,7 @@ class LLMEngine:
                 dtype,
                 self.determinism.on,
                 tiles=self.model.bf16_tiles,
-                attention_tiles=kernels is not None and kernels.prefill is not None and kernels.prefill.amx,
+                attention_tiles=self._attention_tiles(kernels, dtype),
                 quantized=self.model.quantized,
                 emulated=kernels is not None and kernels.bf16_emulated,
             ),
@@ -203,6 +206,15 @@ class LLMEngine:
         self.timer = RequestTimer()
         # Called with every step the runner executed and its seconds (``pdkv profile`` times steps).
         self.step_observer: Callable[[SchedulerOutput, float], None] | None = None
+
+    def _attention_tiles(self, kernels: NativeKernels | None, dtype: torch.dtype) -> bool:
+        """Whether this model's bfloat16 attention runs in AMX tiles (engine/csrc/attn_amx.h): the native
+        prefill kernel serves its heads and attends in tiles -- other bits than the vectors', named in
+        the namespace.  The switch is set once as the library loads, before any engine exists."""
+        if kernels is None or kernels.prefill is None or not kernels.prefill.amx:
+            return False
+        c = self.model.config
+        return PrefillKernel.supports(dtype, c.num_heads, c.num_kv_heads, c.head_dim)
 
     @staticmethod
     def _max_model_len(config: EngineConfig, max_positions: int) -> int:

@@ -36,7 +36,10 @@
 #define AMX_Q 16   /* query vectors per tile block */
 #define AMX_SPAN 8 /* key tiles per span of the softmax, at absolute multiples */
 
-static _Thread_local int amx_rows_now = -1; /* the configuration this thread loaded (-1: none) */
+/* The configuration this thread loaded (-1: none), kept from task to task of one call and given back at
+ * its end: nothing else may use the tiles inside a task (bf16_amx.h's and quant_amx.h's linears load and
+ * give back their own, call by call). */
+static _Thread_local int amx_rows_now = -1;
 
 static void attn_amx_configure(int nv) {
     const int rows[8] = {nv, 16, nv, nv, nv, nv, nv, 8}, colsb[8] = {64, 64, 64, 64, 64, 64, 32, 64};

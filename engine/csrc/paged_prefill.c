@@ -553,7 +553,9 @@ int pdkv_paged_prefill_built(void) { return PDKV_BF16 != 0; }
 
 /* want 1: attend in AMX tiles from now on where this build has them (AMX-BF16 and AVX512-BF16) and Linux
  * grants them; 0: in vectors; -1: no change.  Returns the path now in use: 1 tiles, 0 vectors.  The
- * library sets it once as it loads (engine/native.py); the two paths' bits differ (attn_amx.h). */
+ * library sets it once as it loads (engine/native.py); the two paths' bits differ (attn_amx.h), and an
+ * engine names the path in its KV namespace as it starts -- so only tests of the kernel alone change it
+ * later, never while an engine runs. */
 int pdkv_attn_amx(int64_t want) {
 #ifdef PDKV_ATTN_AMX
     if (want >= 0) attn_amx_on = want && amx_granted() == 1;

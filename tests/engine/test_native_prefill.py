@@ -191,22 +191,32 @@ def test_a_decode_rows_bits_are_the_same_alone_and_in_a_batch(
             assert torch.equal(alone.view(torch.int16), batch[one].view(torch.int16)), (r, window)
 
 
+# SmolLM2's heads; head dims whose 16-dim columns are not a multiple of 4 (the tiles' last value step
+# takes two) and the largest; 16 query heads per KV head (a task's 64 vectors); blocks of 8 (no tile read
+# in place)
+INVARIANT_SHAPES = [(9, 3, 64, 16), (16, 1, 96, 16), (8, 1, 256, 8), (32, 2, 160, 16)]
+
+
 @pytest.mark.parametrize("paired", [False, True], ids=["canonical", "paired"])
 @pytest.mark.parametrize("window", [None, 40, 300])
+@pytest.mark.parametrize(
+    "shape", INVARIANT_SHAPES, ids=["h{}kv{}d{}bs{}".format(*s) for s in INVARIANT_SHAPES]
+)
 def test_a_tokens_bits_are_the_same_in_any_chunk_and_as_a_decode_row(
-    kernel: native.PrefillKernel, window: int | None, paired: bool
+    kernel: native.PrefillKernel, shape: tuple, window: int | None, paired: bool
 ) -> None:
     """A sequence of 700 positions -- past the 32-key tiles and the tiles' 256-key spans of the AMX
     path's softmax -- attended as one chunk, as chunks split on and off those edges (all in one call, and
-    beside a decode row of another sequence), and a row at a time as decode rows: every row the same
-    bits."""
+    beside a decode row of another sequence), as a decode batch of every 7th position (a task per row,
+    each streaming the next in) and a row at a time: every row the same bits.  With a window the rows'
+    first keys move through the spans, so a span counted from anything but absolute positions shows."""
     from engine.native_attention import KV_PAIRED
     from tests.engine.test_native_attention import to_paired
 
-    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
-    gen = torch.Generator().manual_seed(700 + (window or 0))
+    heads, kv_heads, head_dim, _ = shape
+    gen = torch.Generator().manual_seed(700 + (window or 0) + head_dim)
     longest = 700
-    cache, tables = _batch_cache((heads, kv_heads, head_dim, block_size), 2, longest, gen)
+    cache, tables = _batch_cache(shape, 2, longest, gen)
     order = {}
     if paired:
         cache, order = to_paired(cache), {"kv_order": KV_PAIRED}
@@ -221,7 +231,12 @@ def test_a_tokens_bits_are_the_same_in_any_chunk_and_as_a_decode_row(
         table = torch.cat([one.expand(len(cuts) - 1, -1), tables[1:2]]).contiguous()
         got = kernel.many(q, cache, 1, table, starts, counts, **args)  # q's last row: the decode row
         assert torch.equal(got[:longest].view(torch.int16), whole.view(torch.int16)), cuts
-    for pos in (0, 1, 31, 32, 255, 256, 257, 300, 511, 512, 513, 699):
+    rows = torch.arange(3, longest, 7)
+    batch = kernel.many(
+        q[rows], cache, 1, one.expand(len(rows), -1).contiguous(), rows, torch.ones_like(rows), **args
+    )
+    assert torch.equal(batch.view(torch.int16), whole[rows].view(torch.int16))
+    for pos in (0, 1, 31, 32, 255, 256, 257, 300, 511, 512, 513, 530, 699):
         row = kernel.many(q[pos : pos + 1], cache, 1, one, torch.tensor([pos]), torch.tensor([1]), **args)
         assert torch.equal(row.view(torch.int16), whole[pos : pos + 1].view(torch.int16)), pos
 
