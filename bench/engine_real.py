@@ -227,8 +227,10 @@ def deterministic_cost(llm: LLM, long_prompt: list[int], steps: int, report: Rep
     """Deterministic mode's cost on the bfloat16 engine: decode steps and the 1000-token TTFT with the
     mode on and off, in turns on the same engine (``attention_mode``, ``mode_steps_in_turns``)."""
     out: dict[str, float] = {}
+    # each turn prefills its batch afresh (~1 s at 32 rows): 6 turns a mode for the full run's 24 steps, 2 for
+    # --quick's 8 (which must stay under a minute)
     for batch in (8, 32):
-        step_on, step_off = mode_steps_in_turns(llm, batch, steps=max(steps, 36))
+        step_on, step_off = mode_steps_in_turns(llm, batch, steps=max(12, steps * 3 // 2))
         report.figure(f"real_bf16_deterministic_decode_step_ms_b{batch}", step_on * 1e3)
         report.figure(f"real_bf16_nondeterministic_decode_step_ms_b{batch}", step_off * 1e3)
         out[f"det_decode_b{batch}"] = step_off / step_on  # tokens/s on over off
@@ -237,7 +239,7 @@ def deterministic_cost(llm: LLM, long_prompt: list[int], steps: int, report: Rep
         with attention_mode(llm, mode):
             return [ttft_seconds(llm, long_prompt, repeat=1)]
 
-    ttft_on, ttft_off = medians_in_turns(4, lambda: ttft(True), lambda: ttft(False))
+    ttft_on, ttft_off = medians_in_turns(4 if steps >= 24 else 2, lambda: ttft(True), lambda: ttft(False))
     report.figure("real_bf16_deterministic_ttft_1000_ms", ttft_on * 1e3)
     report.figure("real_bf16_nondeterministic_ttft_1000_ms", ttft_off * 1e3)
     out["det_prefill"] = ttft_off / ttft_on
