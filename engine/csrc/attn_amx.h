@@ -157,16 +157,7 @@ INLINE int attend_rows_amx(const Prefill *a, int64_t kvh, int64_t r0, int64_t ro
     /* blocks of nv vectors: one block of them all up to 16 (a decode row's G), else blocks of 16, the last
      * padded with zero queries (whose probabilities are zeros and whose outputs are not read) */
     const int nv = nq < AMX_Q ? nq : AMX_Q, nb = (nq + nv - 1) / nv;
-    for (int i = 0; i < nb * nv; i++) {
-        operand *qi = s.q + (size_t)i * D;
-        if (i < nq)
-            memcpy(qi, a->q + (size_t)((r0 + i / G) * a->q_stride + (kvh * G + i % G) * D), 2 * (size_t)D);
-        else
-            memset(qi, 0, sizeof(operand) * (size_t)D);
-        s.m[i] = -INFINITY;
-        s.l[i] = 0.0f;
-    }
-    memset(s.o, 0, sizeof(float) * (size_t)nq * D);
+    load_queries(a, &s, kvh, r0, nq, nb * nv, D);
     if (amx_rows_now != nv) attn_amx_configure(nv);
     const int64_t first_row_pos = a->start + r0, last = first_row_pos + rows - 1;
     const int64_t t0 = (first_visible(a, first_row_pos) - a->kbase) / KT, t1 = (last - a->kbase) / KT;
@@ -181,11 +172,7 @@ INLINE int attend_rows_amx(const Prefill *a, int64_t kvh, int64_t r0, int64_t ro
         const int nt = (int)((span_end <= t1 ? span_end : t1 + 1) - c0);
         TileSrc src[AMX_SPAN];
         for (int u = 0; u < nt; u++)
-            if (!direct_tile(a, kvh, c0 + u, &src[u])) {
-                const size_t tile = (size_t)(kvh * a->head_stride + c0 + u) * (size_t)(D / 2 * KT);
-                src[u] = (TileSrc){{a->kpack + tile, a->kpack + tile + 16},
-                                   {a->vpack + tile, a->vpack + tile + 8 * D}, KT};
-            }
+            if (!direct_tile(a, kvh, c0 + u, &src[u])) src[u] = packed_tile(a, kvh, c0 + u, D);
         for (int b = 0; b < nb; b++) {
             const int i0 = b * nv, pf = b == 0 ? ahead : 0;
             const operand *qb = s.q + (size_t)i0 * D;
@@ -206,8 +193,8 @@ INLINE int attend_rows_amx(const Prefill *a, int64_t kvh, int64_t r0, int64_t ro
                         const int32_t key0 = (int32_t)(a->kbase + (c0 + u) * KT);
                         const __m512i k0 = _mm512_add_epi32(_mm512_set1_epi32(key0), iota);
                         const __m512i k1 = _mm512_add_epi32(k0, _mm512_set1_epi32(16));
-                        vis[2 * u] = _mm512_cmple_epi32_mask(k0, hi) & _mm512_cmpge_epi32_mask(k0, lo);
-                        vis[2 * u + 1] = _mm512_cmple_epi32_mask(k1, hi) & _mm512_cmpge_epi32_mask(k1, lo);
+                        vis[2 * u] = visible_keys(k0, lo, hi);
+                        vis[2 * u + 1] = visible_keys(k1, lo, hi);
                         float *su = sbuf + (size_t)(u * AMX_Q + j) * KT;
                         for (int h = 0; h < 2; h++) {
                             const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(su + 16 * h), sv);

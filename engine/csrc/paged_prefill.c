@@ -356,6 +356,17 @@ INLINE int direct_tile(const Prefill *a, int64_t kvh, int64_t t, TileSrc *src) {
     return 1;
 }
 
+/* Where tile t of KV head kvh is read from its pack (the layouts direct_tile reads in place). */
+INLINE TileSrc packed_tile(const Prefill *a, int64_t kvh, int64_t t, const int D) {
+    const size_t tile = (size_t)(kvh * a->head_stride + t) * (size_t)(D / 2 * KT);
+    return (TileSrc){{a->kpack + tile, a->kpack + tile + 16}, {a->vpack + tile, a->vpack + tile + 8 * D}, KT};
+}
+
+/* The lanes of `keys` (16 key positions) that a query whose keys are lo .. hi sees. */
+INLINE __mmask16 visible_keys(__m512i keys, __m512i lo, __m512i hi) {
+    return _mm512_cmple_epi32_mask(keys, hi) & _mm512_cmpge_epi32_mask(keys, lo);
+}
+
 /* Task scratch: the query vectors (copied, zero-padded to whole blocks), their float32 outputs, running
  * maxima, sums and corrections, and one tile's probabilities. */
 typedef struct {
@@ -382,6 +393,29 @@ static int scratch_for(int D, Scratch *s) {
     return 0;
 }
 
+/* The task's nq query vectors into its scratch, zero vectors after them up to `padded` (whole blocks), with
+ * their running max and sum started and their outputs zeroed: query vector i is row r0 + i / G, head
+ * kvh * G + i % G. */
+INLINE void load_queries(const Prefill *a, Scratch *s, int64_t kvh, int64_t r0, int nq, int padded, const int D) {
+    const int G = a->G;
+    for (int i = 0; i < padded; i++) {
+        operand *qi = s->q + (size_t)i * D;
+        if (i < nq) {
+            const uint16_t *src = a->q + (size_t)((r0 + i / G) * a->q_stride + (kvh * G + i % G) * D);
+#if PDKV_BF16 == 1
+            memcpy(qi, src, 2 * (size_t)D);
+#else
+            widen_bf16(src, qi, D);
+#endif
+        } else {
+            memset(qi, 0, sizeof(operand) * (size_t)D);
+        }
+        s->m[i] = -INFINITY;
+        s->l[i] = 0.0f;
+    }
+    memset(s->o, 0, sizeof(float) * (size_t)nq * D);
+}
+
 /* The task's nq query vectors' outputs, o / l rounded to bfloat16, into the call's output rows. */
 INLINE void store_outputs(const Prefill *a, const Scratch *s, int64_t kvh, int64_t r0, int nq, const int D) {
     const int G = a->G;
@@ -399,23 +433,7 @@ INLINE int attend_rows(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows, 
     Scratch s;
     if (scratch_for(D, &s)) return 1;
     const int G = a->G, nq = (int)rows * G, nb = (nq + QBLOCK - 1) / QBLOCK;
-    /* query vector i = row r0 + i / G, head kvh * G + i % G */
-    for (int i = 0; i < nb * QBLOCK; i++) {
-        operand *qi = s.q + (size_t)i * D;
-        if (i < nq) {
-            const uint16_t *src = a->q + (size_t)((r0 + i / G) * a->q_stride + (kvh * G + i % G) * D);
-#if PDKV_BF16 == 1
-            memcpy(qi, src, 2 * (size_t)D);
-#else
-            widen_bf16(src, qi, D);
-#endif
-        } else {
-            memset(qi, 0, sizeof(operand) * (size_t)D);
-        }
-        s.m[i] = -INFINITY;
-        s.l[i] = 0.0f;
-    }
-    memset(s.o, 0, sizeof(float) * (size_t)nq * D);
+    load_queries(a, &s, kvh, r0, nq, nb * QBLOCK, D);
     const int64_t first_row_pos = a->start + r0, last = first_row_pos + rows - 1;
     const int64_t t0 = (first_visible(a, first_row_pos) - a->kbase) / KT, t1 = (last - a->kbase) / KT;
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -423,10 +441,7 @@ INLINE int attend_rows(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows, 
     int next_direct = direct_tile(a, kvh, t0, &next_src);
     for (int64_t t = t0; t <= t1; t++) {
         TileSrc src = next_src;
-        if (!next_direct) {
-            const size_t tile = (size_t)(kvh * a->head_stride + t) * (size_t)(D / 2 * KT);
-            src = (TileSrc){{a->kpack + tile, a->kpack + tile + 16}, {a->vpack + tile, a->vpack + tile + 8 * D}, KT};
-        }
+        if (!next_direct) src = packed_tile(a, kvh, t, D);
         /* the next tile, where it too is read in place: its lines prefetched as this one's are read
          * (its blocks lie anywhere in the cache, which the hardware prefetchers do not follow) */
         next_direct = t < t1 && direct_tile(a, kvh, t + 1, &next_src);
@@ -449,8 +464,7 @@ INLINE int attend_rows(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows, 
                 const int64_t pos = first_row_pos + i / G;
                 const __m512i hi = _mm512_set1_epi32((int32_t)pos);
                 const __m512i lo = _mm512_set1_epi32((int32_t)first_visible(a, pos));
-                const __mmask16 v0 = _mm512_cmple_epi32_mask(k0, hi) & _mm512_cmpge_epi32_mask(k0, lo);
-                const __mmask16 v1 = _mm512_cmple_epi32_mask(k1, hi) & _mm512_cmpge_epi32_mask(k1, lo);
+                const __mmask16 v0 = visible_keys(k0, lo, hi), v1 = visible_keys(k1, lo, hi);
                 operand *pi = s.p + (size_t)i * KT;
                 const float tmax = fmaxf(_mm512_mask_reduce_max_ps(v0, sc[j][0]),
                                          _mm512_mask_reduce_max_ps(v1, sc[j][1]));
