@@ -44,11 +44,15 @@ def cpu_vendor() -> str:
 # CPU, gcc building for it: AVX-512 F, BW and VL -- with AVX512-BF16's dot product, or without it the same
 # sums in FMAs (engine/csrc/simd.h's PDKV_BF16).
 BF16_KERNEL_FLAGS = ("avx512f", "avx512bw", "avx512vl")
+# Or, slower, AVX2 and FMA: the same kernels on two 256-bit halves of each vector (csrc/avx512_avx2.h).
+BF16_AVX2_FLAGS = ("avx2", "fma")
 
 
 def bf16_kernels_cpu() -> bool:
-    """Whether this CPU runs the native bfloat16 kernels (``BF16_KERNEL_FLAGS``)."""
-    return cpu_flags() >= frozenset(BF16_KERNEL_FLAGS)
+    """Whether this CPU runs the native bfloat16 kernels: on AVX-512 (``BF16_KERNEL_FLAGS``) or on AVX2's
+    halves (``BF16_AVX2_FLAGS``)."""
+    flags = cpu_flags()
+    return flags >= frozenset(BF16_KERNEL_FLAGS) or flags >= frozenset(BF16_AVX2_FLAGS)
 
 
 def fast_bf16_flags() -> tuple[str, ...]:
@@ -56,7 +60,7 @@ def fast_bf16_flags() -> tuple[str, ...]:
     where it has those and the native kernels are not turned off (``PDKV_NATIVE=0``); empty: not fast."""
     flags = cpu_flags()
     found = tuple(f for f in BF16_FLAGS if f in flags)
-    if not found and bf16_kernels_cpu() and os.environ.get("PDKV_NATIVE", "1") != "0":
+    if not found and flags >= frozenset(BF16_KERNEL_FLAGS) and os.environ.get("PDKV_NATIVE", "1") != "0":
         return BF16_KERNEL_FLAGS
     return found
 

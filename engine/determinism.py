@@ -97,7 +97,7 @@ def _unavailable(
     if kernels is None:
         return "the native kernels could not be built (no C compiler?)"
     if kernels.prefill is None:
-        return "the native prefill attention was not built (the compiler emitted no AVX-512 code)"
+        return "the native prefill attention was not built (the compiler emitted no AVX-512 or AVX2 code)"
     return None
 
 
@@ -110,17 +110,22 @@ def kv_fingerprint(
     attention_tiles: bool = False,
     quantized: bool = False,
     emulated: bool = False,
+    halves: bool = False,
 ) -> str:
     """The fingerprint a ``HashNamespace`` takes: the model's, plus what makes its KV bits differ -- the
     dtype, the mode, whether the bfloat16 linears run in AMX tiles (engine/csrc/bf16_amx.h), whether the
     bfloat16 attention does (``attention_tiles``: engine/csrc/attn_amx.h), whether the weights run
     quantized (engine/model/quantized.py) and, for bfloat16, whether the native kernels' dot products are
     ``emulated`` with FMAs (an AVX-512 CPU without AVX512-BF16, engine/csrc/simd.h: the
-    same sums, but denormal inputs are not read as zero as vdpbf16ps reads them)."""
+    same sums, but denormal inputs are not read as zero as vdpbf16ps reads them) -- and whether those FMAs
+    run on AVX2's ``halves`` of each vector (engine/csrc/avx512_avx2.h: meant to be the same sums, kept
+    apart until compared on one machine)."""
     mode = ";deterministic" if deterministic else ""
     linears = ";linears=amx" if tiles else ""
     attention = ";attention=amx" if attention_tiles and dtype == torch.bfloat16 else ""
     weights = ";weights=quantized" if quantized else ""
-    dots = ";bf16dot=fma" if emulated and dtype == torch.bfloat16 else ""
+    dots = ""
+    if (emulated or halves) and dtype == torch.bfloat16:
+        dots = ";bf16dot=avx2" if halves else ";bf16dot=fma"
     kv = str(dtype).removeprefix("torch.")
     return f"{model_fingerprint};kv={kv}{mode}{linears}{attention}{dots}{weights}"

@@ -169,6 +169,7 @@ class LLMEngine:
                 attention_tiles=self._attention_tiles(kernels, dtype),
                 quantized=self.model.quantized,
                 emulated=kernels is not None and kernels.bf16_emulated,
+                halves=kernels is not None and kernels.bf16_halves,
             ),
             block_size=config.block_size,
             algo=config.hash_algo,

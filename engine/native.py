@@ -277,6 +277,8 @@ class NativeKernels:
     # The bfloat16 dot products (attention, LoRA, dense linears) emulated with FMAs: an AVX-512 CPU
     # without AVX512-BF16 (csrc/simd.h's PDKV_BF16 2).  The same sums; the KV namespace names it.
     bf16_emulated: bool = False
+    # ... and those FMAs on AVX2's 256-bit halves (PDKV_BF16 3, csrc/avx512_avx2.h): a namespace apart.
+    bf16_halves: bool = False
 
 
 _lock = threading.Lock()
@@ -372,7 +374,7 @@ def _load() -> NativeKernels | None:
     bf16_fma = lib.pdkv_bf16_fma
     bf16_fma.argtypes, bf16_fma.restype = [_INT64], _INT64
     bf16_fma(bf16_fma_default())  # the linears' dot products: FMAs or vdpbf16ps (the same bits)
-    bf16_dot = lib.pdkv_bf16_built()  # simd.h's PDKV_BF16: 1 vdpbf16ps, 2 emulated, 0 neither
+    bf16_dot = lib.pdkv_bf16_built()  # simd.h's PDKV_BF16: 1 vdpbf16ps, 2 emulated, 3 on AVX2, 0 none
     quant = QuantKernel(
         qlinear,
         qrows,
@@ -401,5 +403,6 @@ def _load() -> NativeKernels | None:
         LoRAKernel(lora) if lib.pdkv_lora_built() else None,
         quant if built else None,
         DecodeLayerKernel(layer, scratch) if built else None,
-        bf16_emulated=bf16_dot == 2,
+        bf16_emulated=bf16_dot in (2, 3),
+        bf16_halves=bf16_dot == 3,
     )

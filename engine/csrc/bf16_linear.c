@@ -15,14 +15,14 @@
  * AMD EPYC Zen 4, bfloat16 decode step at batch 32 38.9 -> 36.7 ms, batch 8 17.5 -> 15.7).
  *
  * The dot products run in one of two forms with the same bits (FORM_VDP, FORM_FMA below): vdpbf16ps, or
- * two FMAs per pair with DAZ and FTZ -- the only form without AVX512-BF16 (simd.h's PDKV_BF16 2), and the
+ * two FMAs per pair with DAZ and FTZ -- the only form without AVX512-BF16 (simd.h's PDKV_BF16 2, 3), and the
  * faster one on Intel's cores without AMX (pdkv_bf16_fma).
  *
  * On CPUs with AMX-BF16 the same layout runs in AMX tiles where pdkv_bf16_amx turned them on (bf16_amx.h).
  *
  * pdkv_side_stream: byte ranges the calling thread's next batch linears prefetch as they go (below).
  *
- * Returns 0; 1 without AVX-512 in this build; 2 for a shape it does not serve; 3 when memory for the
+ * Returns 0; 1 without AVX-512 or AVX2 in this build; 2 for a shape it does not serve; 3 when memory for the
  * activations widened to floats (the FMA form) runs out.
  */
 
@@ -69,7 +69,7 @@ int pdkv_bf16_amx(int64_t want) {
     return amx_on;
 }
 
-static int bf_fma = PDKV_BF16 == 2; /* pdkv_bf16_fma: the vector calls run FORM_FMA */
+static int bf_fma = PDKV_BF16 >= 2; /* pdkv_bf16_fma: the vector calls run FORM_FMA */
 
 /* want 1: the vector path's dot products as FMAs from now on, 0: vdpbf16ps (where the build has it); else
  * no change.  Returns the form in use: 1 FMAs, 0 vdpbf16ps.  The same bits either way (speed only);
@@ -83,7 +83,8 @@ int64_t pdkv_bf16_fma(int64_t want) {
     return bf_fma;
 }
 
-/* 1: this build has the kernels on AVX512-BF16, 2: on plain AVX-512 (simd.h's PDKV_BF16), 0: neither. */
+/* 1: this build has the kernels on AVX512-BF16, 2: on plain AVX-512, 3: on AVX2 (simd.h's PDKV_BF16), 0:
+ * none. */
 int pdkv_bf16_built(void) { return PDKV_BF16; }
 
 int pdkv_bf16_rows(const void *packed, int64_t n, int64_t k, const int64_t *ids, int64_t count, void *out) {
@@ -129,6 +130,15 @@ void pdkv_side_stream(const char *const *base, int64_t n, int64_t bytes) {
  * weight vector two operands: 16 accumulators and 8 halves; 6 rows measured slower at 8 and 32 rows). */
 #define TILE_ROWS_VDP 6
 #define TILE_ROWS_FMA 4
+/* Groups a tile: 4 -- but on AVX2's halves (16 registers, not 32) one where a tile has 3 rows or more,
+ * whose 4 x 4 accumulators would not stay in registers (in-process A/B, AMD EPYC Zen 3, SmolLM2's four
+ * layer linears from the caches, both builds alternated: 3 rows 0.90-0.92x the time, 4 rows 0.67-0.69x,
+ * 8 to 256 rows 0.65-0.67x; 1 and 2 rows alike either way). */
+#ifdef PDKV_ON_AVX2
+#define TILE_GROUPS(rows) ((rows) >= 3 ? 1 : 4)
+#else
+#define TILE_GROUPS(rows) 4
+#endif
 
 /* FORM_FMA's activations widened to floats: the thread's buffer, kept across calls (CHUNK_ROWS * k floats
  * at most). */
@@ -276,7 +286,8 @@ int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed
                     break;
                 }
                 const size_t row_bytes = (size_t)k * (form == FORM_FMA ? sizeof(float) : sizeof(uint16_t));
-                const int64_t gtiles = (g1 - g0 + 3) / 4, rtiles = (m1 - m0 + tile_rows - 1) / tile_rows;
+                const int64_t tg = TILE_GROUPS(m1 - m0), gtiles = (g1 - g0 + tg - 1) / tg;
+                const int64_t rtiles = (m1 - m0 + tile_rows - 1) / tile_rows;
                 for (int64_t gt = 0, g = g0; gt < gtiles; gt++) {
                     const int ng = (int)share(g1 - g0, gtiles, gt);
                     for (int64_t rt = 0, r = m0; rt < rtiles; rt++) {

@@ -181,6 +181,15 @@ typedef struct {
     int64_t q_stride; /* elements from one query row to the next (its heads are contiguous) */
 } Args;
 
+#if PDKV_V512
+/* 16 elements of a bf16 or f32 row from element i, as floats. */
+INLINE __m512 load16(const void *row, size_t i, const int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)row + i);
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
+
 #ifdef __AVX512F__
 
 /* r[t] = sum of the 16 lanes of v[t], for t < 16: a reduction tree (45 shuffles and adds for 16 sums,
@@ -197,12 +206,6 @@ INLINE __m512 sum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
 }
 
-/* 16 elements of a bf16 or f32 row from element i, as floats. */
-INLINE __m512 load16(const void *row, size_t i, const int bf16) {
-    if (!bf16) return _mm512_loadu_ps((const float *)row + i);
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
 
 /* scores[i] = <q, K[i]> for i < n, K[i] = the row at rows[i] + off bytes; C = head_dim / 16 and bf16
  * are constants where inlined, so q and the sums stay in registers. */
@@ -552,7 +555,7 @@ int pdkv_rms_norm(const void *x, const void *delta, void *h_out, const void *wei
     return failed;
 }
 
-#ifdef __AVX512F__
+#if PDKV_V512
 /* x * sigmoid(x): exp(-|x|) from the polynomial (its range is x <= 0), then 1 / (1 + exp(-x)) either
  * way -- x >= 0: x / (1 + e);  x < 0: x * e / (1 + e)  (= x / (1 + 1/e)). */
 INLINE __m512 silu16(__m512 x) {
@@ -562,8 +565,9 @@ INLINE __m512 silu16(__m512 x) {
     const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, e));
     return _mm512_mul_ps(x, _mm512_mask_mul_ps(sig, neg, sig, e));
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-/* silu16 on 8 lanes. */
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* silu16 on 8 lanes (float32 activations on AVX2). */
 INLINE __m256 silu8(__m256 x) {
     const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)));
     const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);

@@ -3,7 +3,8 @@
  *
  *   pdkv_paged_prefill_many   prefill chunks' causal attention (chunks of many sequences, and decode
  *                             rows as chunks of one, in one call), bfloat16, AVX512-BF16 (or plain
- *                             AVX-512 on simd.h's emulated dot product: PDKV_BF16 2, the same sums)
+ *                             AVX-512 on simd.h's emulated dot product: PDKV_BF16 2, the same sums; or
+ *                             that on AVX2's halves, PDKV_BF16 3)
  *
  * A chunk is n query rows at positions start .. start + n - 1 of one sequence; its keys and values --
  * the cached prefix and the chunk's own, already written -- are positions 0 .. start + n - 1 of the
@@ -42,7 +43,7 @@
 #if PDKV_BF16 == 1
 typedef uint16_t operand; /* the queries and probabilities as vdpbf16ps takes them: bfloat16 pairs */
 #else
-/* Without AVX512-BF16 (simd.h's PDKV_BF16 2) a task keeps its queries and each tile's probabilities
+/* Without AVX512-BF16 (simd.h's PDKV_BF16 2 and 3) a task keeps its queries and each tile's probabilities
  * (rounded to bfloat16 all the same) as floats, each a broadcast memory operand of its FMA: the same
  * bits as splitting each broadcast pair in registers, and (in-process A/B, SmolLM2's heads, Xeon VM
  * without AVX512-BF16) a 512-token prefill chunk 2.95 -> 2.09 ms a layer, 32 decode rows at 140
@@ -85,6 +86,7 @@ static inline int packs_own_tiles(const Prefill *a) { return a->n <= a->rows_per
 
 #if PDKV_BF16
 
+#ifndef PDKV_ON_AVX2 /* (AVX2's build packs with plain loops: pack_tile) */
 /* r[i] lane j <- r[j] lane i: a 16 x 16 transpose of dwords (unpacks, then 128-bit lane shuffles). */
 INLINE void transpose16(__m512i r[16]) {
     __m512i t[16];
@@ -108,6 +110,7 @@ INLINE void transpose16(__m512i r[16]) {
         r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
     }
 }
+#endif
 
 /* In a cache in the paired order (simd.h's KV_PAIRED), KV head kvh of the block holding position pos:
  * the first dim pair of that position's key (pair p at + p block_size), and the values of the positions
@@ -206,6 +209,27 @@ static void pack_tile(const Prefill *a, int64_t kvh, int64_t t) {
     /* rows of scattered blocks, which the hardware prefetchers do not follow: each load of this tile's
      * rows comes with a prefetch of the same line of the next tile's, spread over the packing */
     const size_t vgap = (size_t)bs * token * sizeof(uint16_t); /* bytes from a key row to its value row */
+#ifdef PDKV_ON_AVX2
+    /* the same bytes with plain loops: avx512_avx2.h has no shuffles */
+    for (int j = 0; j < KT; j++) {
+        for (int o = 0; next[j] && o < 2 * D; o += 64) {
+            _mm_prefetch(next[j] + o, _MM_HINT_T0);
+            _mm_prefetch(next[j] + vgap + o, _MM_HINT_T0);
+        }
+        for (int p = 0; p < D / 2; p++) {
+            uint32_t pair = 0;
+            if (krow[j]) memcpy(&pair, krow[j] + 2 * p, sizeof pair);
+            kp[(size_t)p * KT + j] = pair;
+        }
+    }
+    for (int j = 0; j < KT; j += 2) {
+        uint16_t *out = vp + (size_t)(j >> 1) * 2 * D;
+        for (int d = 0; d < D; d++) {
+            out[2 * d] = vrow[j] ? vrow[j][d] : 0;
+            out[2 * d + 1] = vrow[j + 1] ? vrow[j + 1][d] : 0;
+        }
+    }
+#else
     for (int p0 = 0; p0 < D / 2; p0 += 16)
         for (int j0 = 0; j0 < KT; j0 += 16) {
             __m512i r[16];
@@ -231,6 +255,7 @@ static void pack_tile(const Prefill *a, int64_t kvh, int64_t t) {
             _mm512_storeu_si512(out + 2 * d0 + 32, _mm512_permutex2var_epi16(x, hi_idx, y));
         }
     }
+#endif
 }
 
 /* A decode batch's next row, prefetched while this row computes: a row's blocks lie anywhere in the cache
@@ -561,7 +586,7 @@ static int run_task(const Prefill *a, int64_t i) {
 
 #endif /* PDKV_BF16 */
 
-/* 1 when this build has the kernel (the compiler targeted AVX-512: simd.h's PDKV_BF16), 0 when
+/* 1 when this build has the kernel (the compiler targeted AVX-512 or AVX2: simd.h's PDKV_BF16), 0 when
  * pdkv_paged_prefill_many can only refuse: the CPU's flags say what it runs, not what gcc emitted. */
 int pdkv_paged_prefill_built(void) { return PDKV_BF16 != 0; }
 

@@ -13,6 +13,18 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* PDKV_V512: the 512-bit vector code of the bfloat16 kernels compiles -- on AVX-512, or on AVX2 + FMA
+ * as two 256-bit halves (avx512_avx2.h: PDKV_BF16 3 below). */
+#if defined(__AVX512F__)
+#define PDKV_V512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PDKV_V512 1
+#define PDKV_ON_AVX2 1
+#include "avx512_avx2.h"
+#else
+#define PDKV_V512 0
+#endif
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 /* One line of a weight stream prefetched into L1: non-temporally (prefetchnta) where nta, else with
  * prefetcht0 -- the run-time switch of quant.c's row_prefetch and bf16_linear.c's bf_nta (the hint of
@@ -110,7 +122,7 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
 /* exp(x) for x <= 0 (a score minus its row's max): Cephes' expf range reduction and polynomial. */
 static inline __m512 exp512(__m512 x) {
     x = _mm512_max_ps(_mm512_set1_ps(-87.33654f), x); /* second operand wins on NaN: NaN stays */
@@ -150,7 +162,13 @@ static inline __m256 exp256(__m256 x) {
 }
 #endif
 
-#ifdef __AVX512F__
+#ifdef PDKV_ON_AVX2
+/* exp512 on the two halves: the same bits -- vscalefps and the multiply by 2^n (n >= -126) round one exact
+ * product alike. */
+INLINE __m512 exp512(__m512 x) { return (__m512){exp256(x.lo), exp256(x.hi)}; }
+#endif
+
+#if PDKV_V512
 /* 16 bfloat16 (as bits) widened to floats: exact, and plain AVX-512 (no AVX512-BF16 needed). */
 INLINE __m512 from_bf16x16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -165,7 +183,7 @@ INLINE void widen_bf16(const uint16_t *src, float *dst, int64_t n) {
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(PDKV_ON_AVX2)
 /* 16 floats rounded to bfloat16, nearest even (as torch), in integer arithmetic: what a CPU without
  * AVX512-BF16 has (quant.c's outputs on any CPU; every kernel's below where PDKV_BF16 is 2). */
 INLINE __m256i bf16_rne16(__m512 x) {
@@ -189,7 +207,10 @@ INLINE __m256i bf16_rne16(__m512 x) {
  *      (a SmolLM2 step's dense linears at 32 rows: ~700 GFLOP/s with vdpbf16ps on 2 cores of a Zen 5), not
  *      on Intel's, whose vdpbf16ps has half the FMAs' rate (~200 GFLOP/s either way on an Emerald Rapids
  *      VM).  The namespace of the KV blocks says which (engine/determinism.kv_fingerprint): nodes of the
- *      two never exchange blocks.
+ *      two never exchange blocks;
+ *   3  AVX2 + FMA, no AVX-512 (AMD's Zen 1-3, Intel's Haswell to Alder Lake): 2's code on avx512_avx2.h's
+ *      two 256-bit halves of each vector, the same operations lane for lane (a namespace of its own all
+ *      the same, ";bf16dot=avx2": not yet compared with an AVX-512 build on one machine).
  * bf16v holds 32 bfloat16 as the kernel's operand: the raw vector, or its two halves as floats, split once
  * where loaded (a loaded operand feeds several dot products). */
 #if defined(__AVX512BF16__)
@@ -204,6 +225,8 @@ INLINE __m256i to_bf16x16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 INLINE __m512i pack_bf16x32(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
 #elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PDKV_BF16 2
+#elif defined(PDKV_ON_AVX2)
+#define PDKV_BF16 3 /* 2's form on AVX2's halves (avx512_avx2.h) */
 #else
 #define PDKV_BF16 0
 #endif
@@ -240,7 +263,7 @@ INLINE unsigned bf16_daz_ftz(void) {
 }
 #endif
 
-#if PDKV_BF16 == 2
+#if PDKV_BF16 >= 2
 typedef bf16_split bf16v;
 INLINE bf16v bf16v_of(__m512i v) { return bf16_split_of(v); }
 INLINE __m512 bf16_dot(__m512 acc, bf16v a, bf16v b) { return bf16_split_dot(acc, a, b); }

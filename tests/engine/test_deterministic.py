@@ -25,13 +25,18 @@ from engine.determinism import DeterminismUnavailable, kv_fingerprint
 from engine.llm import LLM
 from engine.model import batch_invariance
 from engine.model.batch_invariance import k_pieces
-from engine.model.packed import PackedLinear
+from engine.model.packed import PackedLinear, can_pack
 from engine.native import native_kernels
 from engine.sampling_params import SamplingParams
 from tests.factories import store_tier_spec
 from tests.tiny_models import tiny_model_dir
 
-needs_bf16 = pytest.mark.skipif(not bf16_kernels_cpu(), reason="needs AVX-512 (the bfloat16 kernels)")
+needs_bf16 = pytest.mark.skipif(not bf16_kernels_cpu(), reason="needs AVX-512 or AVX2 (the bfloat16 kernels)")
+# the plan for oneDNN's packed matmuls (the fallback where the native linears are not built): its bfloat16
+# needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
+needs_onednn_bf16 = pytest.mark.skipif(
+    not can_pack(torch.bfloat16, torch.device("cpu")), reason="oneDNN bfloat16 is not available on this CPU"
+)
 
 MODEL = "llama_smol_shapes"
 VOCAB = 320
@@ -75,7 +80,7 @@ def in_batch(llm: LLM, p: list[int], companions: list[list[int]], at: int, param
 @pytest.fixture(scope="module")
 def det() -> LLM:
     if not bf16_kernels_cpu():
-        pytest.skip("needs a CPU with AVX-512 (the bfloat16 kernels)")
+        pytest.skip("needs a CPU with AVX-512 or AVX2 (the bfloat16 kernels)")
     llm = make()
     assert llm.engine.determinism.on, llm.engine.determinism.note
     return llm
@@ -239,6 +244,10 @@ def test_the_namespace_names_attention_in_amx_tiles() -> None:  # on every host
         "m;kv=bfloat16;attention=amx;weights=quantized"
     )
     assert kv_fingerprint("m", torch.float32, False, attention_tiles=True) == "m;kv=float32"
+    # the FMAs on AVX2's halves (csrc/avx512_avx2.h) keep a namespace of their own
+    on_avx2 = kv_fingerprint("m", bf16, True, emulated=True, halves=True)
+    assert on_avx2 == "m;kv=bfloat16;deterministic;bf16dot=avx2"
+    assert kv_fingerprint("m", torch.float32, False, emulated=True, halves=True) == "m;kv=float32"
 
 
 @needs_bf16
@@ -250,12 +259,14 @@ def test_the_switch_is_in_the_namespace_and_blocks_never_cross(det: LLM) -> None
     assert tiles == det.engine.model.bf16_tiles
     kernels = native_kernels()
     fma = kernels is not None and kernels.bf16_emulated  # no AVX512-BF16: its dot products in FMAs
+    halves = kernels is not None and kernels.bf16_halves  # ... on AVX2's halves (csrc/avx512_avx2.h)
     # the attention in AMX tiles likewise (engine/csrc/attn_amx.h)
     attention = kernels is not None and kernels.prefill is not None and kernels.prefill.amx
-    flags = {"tiles": tiles, "attention_tiles": attention, "emulated": fma}
+    flags = {"tiles": tiles, "attention_tiles": attention, "emulated": fma, "halves": halves}
     assert off.engine.namespace.model_fingerprint == kv_fingerprint(fp, torch.bfloat16, False, **flags)
     assert det.engine.namespace.model_fingerprint == kv_fingerprint(fp, torch.bfloat16, True, **flags)
-    assert det.engine.namespace.model_fingerprint.endswith(";bf16dot=fma") == fma
+    assert det.engine.namespace.model_fingerprint.endswith(";bf16dot=fma") == (fma and not halves)
+    assert det.engine.namespace.model_fingerprint.endswith(";bf16dot=avx2") == halves
     assert off.engine.namespace.namespace_id != det.engine.namespace.namespace_id
     # a block a non-deterministic engine saved is never loaded by a deterministic one (same store)
     rng = random.Random(13)
@@ -311,7 +322,7 @@ def test_k_pieces() -> None:
             assert all(size % 32 == 0 for size in sizes[:-1])
 
 
-@needs_bf16
+@needs_onednn_bf16
 def test_split_linears_compute_the_same_product() -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(1536, 200, bias=True).to(torch.bfloat16)
@@ -329,7 +340,7 @@ def test_split_linears_compute_the_same_product() -> None:
     assert torch.equal(packed(x).float(), whole)
 
 
-@needs_bf16
+@needs_onednn_bf16
 def test_the_measurement_is_kept_per_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """oneDNN's linears (not the native bfloat16 kernel, batch-invariant as built) get a measured plan."""
     monkeypatch.setenv("PDKV_CACHE_DIR", str(tmp_path))
@@ -351,7 +362,7 @@ def test_the_measurement_is_kept_per_host(tmp_path: Path, monkeypatch: pytest.Mo
             assert [b - a for a, b, _ in m.pieces] == (k_pieces(m.in_features, limit) if limit else [])
 
 
-@needs_bf16
+@needs_onednn_bf16
 def test_padding_to_min_rows_computes_the_same_rows() -> None:
     torch.manual_seed(1)
     linear = torch.nn.Linear(1536, 576, bias=True).to(torch.bfloat16)

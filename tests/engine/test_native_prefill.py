@@ -21,7 +21,7 @@ from engine.cpu_features import bf16_kernels_cpu
 from tests.engine.test_model_parity import GREEDY, assert_teacher_forced, make_llm
 from tests.tiny_models import random_prompts
 
-pytestmark = pytest.mark.skipif(not bf16_kernels_cpu(), reason="needs a CPU with AVX-512 (the kernel)")
+pytestmark = pytest.mark.skipif(not bf16_kernels_cpu(), reason="needs AVX-512 or AVX2 (the kernel)")
 
 
 @pytest.fixture(scope="module", params=["vectors", "tiles"])

@@ -151,7 +151,7 @@ def test_batch_calls_give_the_same_bits_with_the_weights_prefetched_either_way(
     speed only: for the quantized batch-1 rows and the bfloat16 kernel at any batch alike (the quantized
     batch tiles, which keep theirs in L1 either way, give the same bits too)."""
     if qtype == "bf16" and not kernel.bf16:
-        pytest.skip("this build has no AVX-512 code (the bfloat16 kernel)")
+        pytest.skip("this build has neither AVX-512 nor AVX2 code (the bfloat16 kernel)")
     g = torch.Generator().manual_seed(7)
     if qtype == "bf16":
         linear = QuantLinear([pack_bf16(torch.randn(200, 576, generator=g).to(torch.bfloat16))], None, kernel)
@@ -248,7 +248,7 @@ def test_the_bf16_kernel_sums_within_float32_rounding_and_rounds_once(
     kernel: QuantKernel, n: int, k: int
 ) -> None:
     if not kernel.bf16:
-        pytest.skip("this build has no AVX-512 code (the bfloat16 kernel)")
+        pytest.skip("this build has neither AVX-512 nor AVX2 code (the bfloat16 kernel)")
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     linear = QuantLinear([pack_bf16(w)], None, kernel)
@@ -276,7 +276,7 @@ def built_forms(kernel: QuantKernel) -> list[bool]:
 def bf16_forms(kernel: QuantKernel) -> list[bool]:
     """``built_forms``, the test skipped where the vectors do not run the bfloat16 linears."""
     if not kernel.bf16:
-        pytest.skip("this build has no AVX-512 code (the bfloat16 kernel)")
+        pytest.skip("this build has neither AVX-512 nor AVX2 code (the bfloat16 kernel)")
     if kernel.amx:
         pytest.skip("the bfloat16 linears run in AMX tiles here (tests/engine/test_bf16_amx.py)")
     return built_forms(kernel)
@@ -386,7 +386,7 @@ def test_the_form_follows_the_cpu_and_the_variable(
 
 def test_the_bf16_kernel_gives_each_row_the_same_bits_in_any_batch(kernel: QuantKernel) -> None:
     if not kernel.bf16:
-        pytest.skip("this build has no AVX-512 code (the bfloat16 kernel)")
+        pytest.skip("this build has neither AVX-512 nor AVX2 code (the bfloat16 kernel)")
     g = torch.Generator().manual_seed(9)
     linear = QuantLinear([pack_bf16(torch.randn(200, 576, generator=g).to(torch.bfloat16))], None, kernel)
     x = torch.randn(130, 576, generator=g).to(torch.bfloat16)
@@ -526,11 +526,11 @@ def test_the_fused_decode_layer_is_the_per_op_path_bit_for_bit(
     step, prefill chunks included.  float32 activations on quantized weights too (an AVX2 host's
     ``--dtype auto``): the per-op path then takes the native float32 SiLU as the fused call does."""
     if qtype == "bf16 folder" and not kernel.bf16:
-        pytest.skip("this build has no AVX-512 code (the bfloat16 kernel)")
+        pytest.skip("this build has neither AVX-512 nor AVX2 code (the bfloat16 kernel)")
     if dtype == "bfloat16" and not SiluMulKernel.supports(torch.bfloat16):
-        pytest.skip("the bfloat16 SiLU kernel needs AVX-512: the per-op path has torch's, no fused call")
+        pytest.skip("the bfloat16 SiLU kernel needs AVX-512 or AVX2: the per-op path has torch's SiLU")
     if deterministic and not _deterministic_here():
-        pytest.skip("deterministic mode needs the native prefill attention (AVX-512)")
+        pytest.skip("deterministic mode needs the native prefill attention (AVX-512 or AVX2)")
     if deterministic:  # the native prefill attention (deterministic mode's) takes head_dim 64, not 16
         folder = pdkv_tiny_model_dir(init_std=0.2, hidden=128, heads=2, kv_heads=1)
         files = {"Q4_1": write_gguf(folder, tmp_path / "hd64.gguf", qtype="Q4_1")}
@@ -555,7 +555,7 @@ def test_the_fused_decode_layer_adds_lora_deltas_as_the_per_op_path_does(kernel:
     from tests.tiny_models import tiny_model_dir
 
     if not kernel.bf16:
-        pytest.skip("this build has no AVX-512 code (the bfloat16 kernel)")
+        pytest.skip("this build has neither AVX-512 nor AVX2 code (the bfloat16 kernel)")
     a, b = peft_adapter_dir("llama", "r16"), peft_adapter_dir("llama", "attn_only")
     llm = LLM(
         tiny_model_dir("llama"), dtype="bfloat16", device="cpu", block_size=BS, num_blocks=128,

@@ -22,7 +22,7 @@ from serving.client import GenerationClient, generate_request
 from tests.serving.helpers import NODE_ARGS, assert_node_idle, node_stats, serving_node, start_cluster
 from tests.tiny_models import pdkv_tiny_model_dir
 
-pytestmark = pytest.mark.skipif(not bf16_kernels_cpu(), reason="needs AVX-512 (the bfloat16 kernels)")
+pytestmark = pytest.mark.skipif(not bf16_kernels_cpu(), reason="needs AVX-512 or AVX2 (the bfloat16 kernels)")
 
 BF16_ARGS = (*NODE_ARGS, "--dtype", "bfloat16", "--deterministic", "on")
 
