@@ -4,8 +4,10 @@ bfloat16 matmuls run on AVX512_BF16 (``avx512_bf16``) or AMX (``amx_bf16``) at a
 at small batch on the machines pdkv is developed on.  Without either, torch emulates bfloat16 and it is
 slower than float32 -- but on AVX-512 (``avx512f``, ``avx512bw``, ``avx512vl``) pdkv's native kernels
 run the same sums in FMAs (engine/csrc/simd.h), and a model's decode steps there are 1.3-3x float32's (an
-Emerald Rapids VM that hides AVX512-BF16, docs/BENCHMARKS.md).  That decides ``dtype="auto"`` on the CPU
-(``EngineConfig.torch_dtype``).
+Emerald Rapids VM that hides AVX512-BF16, docs/BENCHMARKS.md); with AVX2 and FMA alone the same kernels
+run on 256-bit halves (engine/csrc/avx512_avx2.h), and SmolLM2's dense decode steps are still 2.3-5x
+float32's (an AMD EPYC Zen 3, docs/BENCHMARKS.md: half the bytes to read, and kernels where torch's
+float32 path is MKL's per-op calls).  That decides ``dtype="auto"`` on the CPU (``EngineConfig.torch_dtype``).
 """
 
 from __future__ import annotations
@@ -56,13 +58,17 @@ def bf16_kernels_cpu() -> bool:
 
 
 def fast_bf16_flags() -> tuple[str, ...]:
-    """Why bfloat16 is fast on this CPU: the flags of ``BF16_FLAGS`` it has, else ``BF16_KERNEL_FLAGS``
-    where it has those and the native kernels are not turned off (``PDKV_NATIVE=0``); empty: not fast."""
+    """Why bfloat16 is fast on this CPU: the flags of ``BF16_FLAGS`` it has, else ``BF16_KERNEL_FLAGS`` or
+    ``BF16_AVX2_FLAGS`` where it has those and the native kernels are not turned off (``PDKV_NATIVE=0``);
+    empty: not fast."""
     flags = cpu_flags()
     found = tuple(f for f in BF16_FLAGS if f in flags)
-    if not found and flags >= frozenset(BF16_KERNEL_FLAGS) and os.environ.get("PDKV_NATIVE", "1") != "0":
-        return BF16_KERNEL_FLAGS
-    return found
+    if found or os.environ.get("PDKV_NATIVE", "1") == "0":
+        return found
+    for kernel_flags in (BF16_KERNEL_FLAGS, BF16_AVX2_FLAGS):
+        if flags >= frozenset(kernel_flags):
+            return kernel_flags
+    return ()
 
 
 def auto_cpu_dtype_note() -> str:
@@ -73,6 +79,11 @@ def auto_cpu_dtype_note() -> str:
             "auto = bfloat16 on this CPU (avx512f/bw/vl: pdkv's native kernels, no avx512_bf16); "
             "float32 checkpoints stay float32"
         )
+    if found == BF16_AVX2_FLAGS:
+        return (
+            "auto = bfloat16 on this CPU (avx2/fma: pdkv's native kernels, no AVX-512); "
+            "float32 checkpoints stay float32"
+        )
     if found:
         return f"auto = bfloat16 on this CPU ({', '.join(found)}); float32 checkpoints stay float32"
-    return "auto = float32 on this CPU (no avx512_bf16, amx_bf16 or avx512f/bw/vl)"
+    return "auto = float32 on this CPU (no avx512_bf16, amx_bf16, avx512f/bw/vl or avx2/fma)"

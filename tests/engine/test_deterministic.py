@@ -387,14 +387,19 @@ def test_padding_to_min_rows_computes_the_same_rows() -> None:
         ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "1", "avx512f/bw/vl: pdkv"),  # the FMAs
         ({"avx512f", "avx512bw", "avx512vl"}, "0", "auto = float32"),  # PDKV_NATIVE=0: torch's is slow
         ({"avx512f", "avx512bw", "avx512vl"}, "no build", "not built"),  # no compiler, a failed build
-        ({"avx2", "fma"}, "1", "auto = float32"),
+        # AVX2 + FMA: the same kernels on 256-bit halves (csrc/avx512_avx2.h), 2.3-5x float32's steps
+        ({"avx2", "fma", "f16c"}, "1", "avx2/fma: pdkv"),
+        ({"avx2", "fma"}, "0", "auto = float32"),
+        ({"avx2", "fma"}, "no build", "avx2/fma, but the native bfloat16 kernels were not built"),
+        ({"avx2"}, "1", "auto = float32"),  # no FMA: no kernels
+        ({"sse4_2"}, "1", "auto = float32"),
     ],
 )
 def test_auto_runs_bfloat16_where_the_cpu_or_the_native_kernels_make_it_fast(
     flags: set[str], native: str, want: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--dtype auto on the CPU, and the line --help prints for it: bfloat16 on AVX512-BF16 or AMX, and on
-    plain AVX-512 where the native kernels run (so deterministic mode is served there by default)."""
+    plain AVX-512 or AVX2 where the native kernels run (so deterministic mode is served there by default)."""
     from engine import cpu_features
     from engine import native as native_module
     from engine.engine_config import EngineConfig
