@@ -4,7 +4,7 @@
 header), RMSNorm (with the residual add before it) in one call instead of nine torch ops, RoPE with the
 step's K/V written into the cache in one call instead of ten, SwiGLU's ``silu(gate) * up``, and greedy
 sampling's argmax over the logits.  ``engine/csrc/paged_prefill.c`` holds the prefill attention
-(bfloat16, AVX-512: simd.h's bfloat16 dot products), also read from the paged cache.  ``lora.c``
+(bfloat16, AVX-512 or AVX2: simd.h's bfloat16 dot products), also read from the paged cache.  ``lora.c``
 applies a mixed batch's LoRA deltas; ``quant.c`` and ``bf16_linear.c`` run linears over packed weights
 (GGUF's quantized blocks, or dense bfloat16) and ``decode_layer.c`` a whole decoder layer of a decode
 step.  All of them (and their shared ``simd.h``) are compiled into one library once per source version,
@@ -113,7 +113,7 @@ class RMSNormKernel:
 class SiluMulKernel:
     """``pdkv_silu_mul`` of the built library: SwiGLU's ``silu(gate) * up`` in one call.
 
-    bfloat16 where the vector path was built (AVX-512): its scalar loop calls ``expf`` per element,
+    bfloat16 where the vector path was built (AVX-512 or AVX2): its scalar loop calls ``expf`` per element,
     slower than torch's vectorized SiLU.  float32 (AVX-512 or AVX2 + FMA vector paths) only for a model
     whose linears all run packed (``packed``: the quantized weights, compared with transformers within a
     tolerance, whose decode steps the fused layer serves with this kernel): its exponential may differ
@@ -226,7 +226,7 @@ class ArgmaxKernel:
 @dataclass(frozen=True)
 class LoRAKernel:
     """``pdkv_lora_bf16`` of the built library (``engine/csrc/lora.c``): a mixed batch's LoRA deltas
-    segmented by adapter in one call per module.  bfloat16 with AVX-512 only."""
+    segmented by adapter in one call per module.  bfloat16 with AVX-512 or AVX2 only."""
 
     function: Any  # the ctypes function pdkv_lora_bf16
 
@@ -266,12 +266,12 @@ def _check_lora(failed: int) -> None:
 @dataclass(frozen=True)
 class NativeKernels:
     decode: DecodeKernel
-    prefill: PrefillKernel | None  # None where the build has no AVX-512 code
+    prefill: PrefillKernel | None  # None where the build has neither AVX-512 nor AVX2 code
     rms_norm: RMSNormKernel
     rope: RopeKernel
     silu_mul: SiluMulKernel
     argmax: ArgmaxKernel
-    lora: LoRAKernel | None = None  # None where the build has no AVX-512 code
+    lora: LoRAKernel | None = None  # None where the build has neither AVX-512 nor AVX2 code
     quant: QuantKernel | None = None  # None where the build has neither AVX512-VNNI nor AVX2 code
     decode_layer: DecodeLayerKernel | None = None  # with quant
     # The bfloat16 dot products (attention, LoRA, dense linears) emulated with FMAs: an AVX-512 CPU

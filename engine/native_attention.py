@@ -99,10 +99,10 @@ class DecodeKernel:
 class PrefillKernel:
     """``pdkv_paged_prefill_many`` of the built library (engine/csrc/paged_prefill.c): prefill chunks'
     causal attention over their cached prefixes and themselves, read from the paged cache, with
-    AVX512-BF16 dot products (or the same sums in FMAs on AVX-512 without it: csrc/simd.h) -- 3-4x
-    torch's CPU flash attention on this machine kind.  bfloat16 only; it exists only where gcc built
-    AVX-512 code for this CPU (``NativeKernels.prefill`` is None elsewhere); float32 (the dtype compared
-    with transformers token for token) keeps SDPA."""
+    AVX512-BF16 dot products (or the same sums in FMAs on AVX-512 without it, or on AVX2: csrc/simd.h)
+    -- 3-4x torch's CPU flash attention on this machine kind.  bfloat16 only; it exists only where gcc
+    built AVX-512 or AVX2 code for this CPU (``NativeKernels.prefill`` is None elsewhere); float32 (the
+    dtype compared with transformers token for token) keeps SDPA."""
 
     many_function: Any  # the ctypes function pdkv_paged_prefill_many
     amx_fn: Any = None  # pdkv_attn_amx

@@ -68,7 +68,7 @@ class QuantKernel:
     linear_fn: Any  # pdkv_qlinear
     rows_fn: Any  # pdkv_qdequant_rows
     bandwidth_fn: Any  # pdkv_read_bandwidth
-    bf16: bool = False  # the build has bf16_linear.c's kernel (AVX-512): dense bfloat16 weights too
+    bf16: bool = False  # the build has bf16_linear.c's kernel (AVX-512/AVX2): dense bfloat16 weights too
     amx_fn: Any = None  # pdkv_bf16_amx
     evict_fn: Any = None  # pdkv_evict
     int8_tiles_fn: Any = None  # pdkv_quant_amx

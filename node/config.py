@@ -247,8 +247,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="batch-invariant forward passes: a request's tokens and logprobs the same bits whatever runs "
         "beside it, however it is chunked, cached, loaded or resumed (engine/determinism.py); served in "
-        "bfloat16 on a CPU with AVX-512 (on refuses to start elsewhere; auto: on where served, else "
-        "off). " + DETERMINISTIC_COST.replace("%", "%%"),
+        "bfloat16 on a CPU with AVX-512 or AVX2 + FMA (on refuses to start elsewhere; auto: on where "
+        "served, else off). " + DETERMINISTIC_COST.replace("%", "%%"),
     )
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--num-blocks", type=int, default=None)
