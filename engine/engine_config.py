@@ -36,7 +36,9 @@ DETERMINISTIC_COST = (
     "On by default where served: on SmolLM2-135M (AMD EPYC, AVX512-BF16, 2 cores) it costs under 1% of "
     "decode tokens/s at batch 8, nothing at batch 32 (2-4% faster on) and nothing of a 1000-token prefill; "
     "on an Intel Xeon with AMX, or with AVX-512 and no AVX512-BF16 (the dot products in FMAs), nothing "
-    "measurable (bench.engine_real, 2026-12-05; the budget for on by default is 5%)"
+    "measurable (bench.engine_real, 2026-12-05; the budget for on by default is 5%); with AVX2 alone (an "
+    "AMD EPYC Zen 3 VM whose runs scatter by 10-30%) decode within the noise, a 1000-token prefill "
+    "0.84-1.09 of off's speed in six runs (2026-12-06)"
 )
 DETERMINISTIC_SWITCH = ("auto", "on", "off")  # --deterministic's values
 
