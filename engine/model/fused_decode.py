@@ -9,10 +9,11 @@ hooks still run between layers.
 
 It serves a decode-only step (any number of rows), or in deterministic mode every step (all rows'
 attention is the native prefill kernel's then, in both paths), in bfloat16 or float32 (quantized weights
-under ``--dtype float32``) with every native kernel the per-op path would use, where every layer's four linears are ``QuantLinear`` of one part without bias (no Qwen2 biases) -- under
-LoRA wrappers on the native LoRA kernel, whose deltas the call adds where the step has adapters
-(csrc/lora.c, as LoRALinear.forward does), or on the torch path (no AVX-512 or AVX2), whose steps without
-adapter rows it serves (the wrappers add nothing then); any other step takes the per-op path.
+under ``--dtype float32``) with every native kernel the per-op path would use, where every layer's
+four linears are ``QuantLinear`` of one part without bias (no Qwen2 biases) -- under LoRA wrappers on
+the native LoRA kernel, whose deltas the call adds where the step has adapters (csrc/lora.c, as
+LoRALinear.forward does), or on the torch path (no AVX-512 or AVX2), whose steps without adapter rows it
+serves (the wrappers add nothing then); any other step takes the per-op path.
 """
 
 from __future__ import annotations
