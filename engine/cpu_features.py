@@ -50,11 +50,29 @@ BF16_KERNEL_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 BF16_AVX2_FLAGS = ("avx2", "fma")
 
 
+# The native kernels' flag sets, first match wins, with what --help calls them and what the CPU lacks.
+_KERNEL_FLAG_SETS = {
+    BF16_KERNEL_FLAGS: ("avx512f/bw/vl", "no avx512_bf16"),
+    BF16_AVX2_FLAGS: ("avx2/fma", "no AVX-512"),
+}
+
+
+def kernel_flags() -> tuple[str, ...]:
+    """The flag set (``BF16_KERNEL_FLAGS`` or ``BF16_AVX2_FLAGS``) this CPU runs the native bfloat16
+    kernels on; empty where it has neither."""
+    flags = cpu_flags()
+    return next((need for need in _KERNEL_FLAG_SETS if flags >= frozenset(need)), ())
+
+
+def kernel_flags_label(flags: tuple[str, ...]) -> str:
+    """``kernel_flags()``'s set as --help names it: ``avx512f/bw/vl`` or ``avx2/fma``."""
+    return _KERNEL_FLAG_SETS[flags][0]
+
+
 def bf16_kernels_cpu() -> bool:
     """Whether this CPU runs the native bfloat16 kernels: on AVX-512 (``BF16_KERNEL_FLAGS``) or on AVX2's
     halves (``BF16_AVX2_FLAGS``)."""
-    flags = cpu_flags()
-    return flags >= frozenset(BF16_KERNEL_FLAGS) or flags >= frozenset(BF16_AVX2_FLAGS)
+    return bool(kernel_flags())
 
 
 def fast_bf16_flags() -> tuple[str, ...]:
@@ -65,23 +83,16 @@ def fast_bf16_flags() -> tuple[str, ...]:
     found = tuple(f for f in BF16_FLAGS if f in flags)
     if found or os.environ.get("PDKV_NATIVE", "1") == "0":
         return found
-    for kernel_flags in (BF16_KERNEL_FLAGS, BF16_AVX2_FLAGS):
-        if flags >= frozenset(kernel_flags):
-            return kernel_flags
-    return ()
+    return kernel_flags()
 
 
 def auto_cpu_dtype_note() -> str:
     """One line for logs and ``--help``: what ``--dtype auto`` picks on this CPU and why."""
     found = fast_bf16_flags()
-    if found == BF16_KERNEL_FLAGS:
+    if found in _KERNEL_FLAG_SETS:
+        label, lacks = _KERNEL_FLAG_SETS[found]
         return (
-            "auto = bfloat16 on this CPU (avx512f/bw/vl: pdkv's native kernels, no avx512_bf16); "
-            "float32 checkpoints stay float32"
-        )
-    if found == BF16_AVX2_FLAGS:
-        return (
-            "auto = bfloat16 on this CPU (avx2/fma: pdkv's native kernels, no AVX-512); "
+            f"auto = bfloat16 on this CPU ({label}: pdkv's native kernels, {lacks}); "
             "float32 checkpoints stay float32"
         )
     if found:

@@ -239,9 +239,9 @@ class EngineConfig:
         if device.type != "cpu":
             return "auto on CUDA"
         if _bf16_kernels_missing():
-            from engine.cpu_features import BF16_AVX2_FLAGS, fast_bf16_flags
+            from engine.cpu_features import fast_bf16_flags, kernel_flags_label
 
-            flags = "avx2/fma" if fast_bf16_flags() == BF16_AVX2_FLAGS else "avx512f/bw/vl"
+            flags = kernel_flags_label(fast_bf16_flags())
             return f"auto = float32 on this CPU ({flags}, but the native bfloat16 kernels were not built)"
         return auto_cpu_dtype_note()
 
@@ -250,9 +250,10 @@ def _bf16_kernels_missing() -> bool:
     """Whether bfloat16 is fast here only on the native kernels (AVX-512 without AVX512-BF16 or AMX, or
     AVX2: torch's paths emulate it) and the library was built without them (the prefill attention stands
     for them: csrc/simd.h's PDKV_BF16)."""
-    from engine.cpu_features import BF16_AVX2_FLAGS, BF16_KERNEL_FLAGS, fast_bf16_flags
+    from engine.cpu_features import fast_bf16_flags, kernel_flags
 
-    if fast_bf16_flags() not in (BF16_KERNEL_FLAGS, BF16_AVX2_FLAGS):
+    needs = kernel_flags()
+    if not needs or fast_bf16_flags() != needs:
         return False
     from engine.native import native_kernels
 

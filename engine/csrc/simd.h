@@ -122,7 +122,7 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-#if defined(__AVX512F__)
+#ifdef __AVX512F__
 /* exp(x) for x <= 0 (a score minus its row's max): Cephes' expf range reduction and polynomial. */
 static inline __m512 exp512(__m512 x) {
     x = _mm512_max_ps(_mm512_set1_ps(-87.33654f), x); /* second operand wins on NaN: NaN stays */
