@@ -66,6 +66,8 @@ VARIANTS: dict[str, Variant] = {
         "llama", (("rope_parameters", {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),)
     ),
     "llama_tied": Variant("llama", (("tie_word_embeddings", True),)),
+    # the same weights with room for a 2000-token stream (the failover tests kill its node mid-stream)
+    "llama_long": Variant("llama", (("max_position_embeddings", 4096),)),
     "llama_sharded": Variant("llama", max_shard_size="40KB"),
     "mistral": Variant("mistral", (("sliding_window", None),)),
     "mistral_window": Variant("mistral", (("sliding_window", 8),)),

@@ -116,5 +116,7 @@ def serving_node(cluster: Cluster) -> Process:
         for p in cluster.decode_nodes
         if node_stats(p.address, check_integrity=False).gauges["num_requests_running"]
     ]
-    assert len(busy) == 1, "exactly one node should be running the request"
+    assert len(busy) == 1, (
+        f"exactly one node should be running the request, {len(busy)} are (finished already?)"
+    )
     return busy[0]

@@ -25,7 +25,7 @@ from tests.serving.helpers import (
     wait_until,
 )
 from tests.tiny_adapters import peft_adapter_dir, peft_greedy
-from tests.tiny_models import random_prompts
+from tests.tiny_models import random_prompts, tiny_model_dir
 
 BASE = "llama"
 NEW = 10
@@ -224,8 +224,17 @@ def test_a_decode_node_without_the_adapter_is_never_given_its_requests() -> None
 
 
 def test_a_stream_under_an_adapter_resumes_on_another_decode_node_with_the_same_tokens() -> None:
-    cluster = _cluster(num_prefill=1, num_decode=2, kv_store=None)
-    long = SamplingParams(max_tokens=200, ignore_eos=True)
+    # 2000 tokens, on the tiny model's long-context twin: the client may read seconds behind the node, and
+    # a 200-token stream once finished before its 5th token reached the test (no node left to kill)
+    loras = (("A", str(peft_adapter_dir("llama_long", "r16"))),)
+    cluster = start_cluster(
+        model=str(tiny_model_dir("llama_long")),
+        node_args=(*F32_ARGS, "--num-blocks", "1024"),  # the last --num-blocks wins
+        loras=loras,
+        num_prefill=1,
+        num_decode=2,
+    )
+    long = SamplingParams(max_tokens=2000, ignore_eos=True)
     try:
         with GenerationClient(cluster.router_address) as client:
             call = client.stream(generate_request(PROMPT, long, adapter="A"), timeout=180)
@@ -239,9 +248,15 @@ def test_a_stream_under_an_adapter_resumes_on_another_decode_node_with_the_same_
                         cluster.kill(killed)
             assert killed is not None
         local = LLM(
-            hf_model(), dtype="float32", device="cpu", block_size=4, num_blocks=256, loras=_adapters()
+            tiny_model_dir("llama_long"),
+            dtype="float32",
+            device="cpu",
+            block_size=4,
+            num_blocks=1024,
+            loras=loras,
         )
         [expected] = local.generate([PROMPT], long, adapters="A")
+        assert len(tokens) == 2000
         assert tokens == expected.token_ids
         survivor = next(p for p in cluster.decode_nodes if p is not killed)
         assert_node_idle(survivor.address)
