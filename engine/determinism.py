@@ -109,23 +109,31 @@ def kv_fingerprint(
     tiles: bool = False,
     attention_tiles: bool = False,
     quantized: bool = False,
-    emulated: bool = False,
-    halves: bool = False,
+    bf16_dot: int | None = 1,
 ) -> str:
     """The fingerprint a ``HashNamespace`` takes: the model's, plus what makes its KV bits differ -- the
     dtype, the mode, whether the bfloat16 linears run in AMX tiles (engine/csrc/bf16_amx.h), whether the
     bfloat16 attention does (``attention_tiles``: engine/csrc/attn_amx.h), whether the weights run
-    quantized (engine/model/quantized.py) and, for bfloat16, whether the native kernels' dot products are
-    ``emulated`` with FMAs (an AVX-512 CPU without AVX512-BF16, engine/csrc/simd.h: the
-    same sums, but denormal inputs are not read as zero as vdpbf16ps reads them) -- and whether those FMAs
-    run on AVX2's ``halves`` of each vector (engine/csrc/avx512_avx2.h: meant to be the same sums, kept
-    apart until compared on one machine)."""
+    quantized (engine/model/quantized.py) and, for bfloat16, the kernels' dot products: ``bf16_dot`` is
+    ``NativeKernels.bf16_dot`` (engine/csrc/simd.h's PDKV_BF16: 1 vdpbf16ps, 2 its FMA emulation on
+    AVX-512, 3 that emulation on AVX2's halves, 0 scalar loops), None where no native kernels run (torch's
+    own).  Every native bfloat16 kernel flushes denormals as vdpbf16ps does (simd.h's bf16_mode_enter:
+    ``;denormals=flushed``), so in deterministic mode -- one attention kernel for every row, and each row's
+    sums in one order -- forms 1, 2 and 3 give the same bits (compared on one CPU that runs all three,
+    tests/engine/test_bf16_forms.py) and share blocks: a CPU with AVX2 and one with AVX512-BF16 serve one
+    deterministic namespace.  Outside it the decode attention has a kernel of each form, with its own sums:
+    the form is named (``;bf16dot=fma``, ``;bf16dot=avx2``)."""
     mode = ";deterministic" if deterministic else ""
     linears = ";linears=amx" if tiles else ""
     attention = ";attention=amx" if attention_tiles and dtype == torch.bfloat16 else ""
     weights = ";weights=quantized" if quantized else ""
     dots = ""
-    if (emulated or halves) and dtype == torch.bfloat16:
-        dots = ";bf16dot=avx2" if halves else ";bf16dot=fma"
+    if dtype == torch.bfloat16:
+        if bf16_dot is None:
+            dots = ";bf16dot=torch"
+        else:
+            names = {0: "scalar", 2: "fma", 3: "avx2"}
+            named = names.get(bf16_dot, "") if not deterministic or bf16_dot == 0 else ""
+            dots = (f";bf16dot={named}" if named else "") + ";denormals=flushed"
     kv = str(dtype).removeprefix("torch.")
     return f"{model_fingerprint};kv={kv}{mode}{linears}{attention}{dots}{weights}"

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from engine.cpu_features import bf16_kernels_cpu, cpu_flags
+from engine.cpu_features import BF16_KERNEL_FLAGS, bf16_kernels_cpu, cpu_flags
 from engine.native_attention import DTYPE_FLAGS, KV_CANONICAL, MAX_HEAD_DIM, DecodeKernel, PrefillKernel
 from engine.native_build import build_library
 from engine.native_linear import (
@@ -274,11 +274,11 @@ class NativeKernels:
     lora: LoRAKernel | None = None  # None where the build has neither AVX-512 nor AVX2 code
     quant: QuantKernel | None = None  # None where the build has neither AVX512-VNNI nor AVX2 code
     decode_layer: DecodeLayerKernel | None = None  # with quant
-    # The bfloat16 dot products (attention, LoRA, dense linears) emulated with FMAs: an AVX-512 CPU
-    # without AVX512-BF16 (csrc/simd.h's PDKV_BF16 2).  The same sums; the KV namespace names it.
-    bf16_emulated: bool = False
-    # ... and those FMAs on AVX2's 256-bit halves (PDKV_BF16 3, csrc/avx512_avx2.h): a namespace apart.
-    bf16_halves: bool = False
+    # The form of the bfloat16 dot products (attention, LoRA, dense linears; csrc/simd.h's PDKV_BF16):
+    # 1 vdpbf16ps, 2 emulated with FMAs (an AVX-512 CPU without AVX512-BF16), 3 those FMAs on AVX2's
+    # 256-bit halves (csrc/avx512_avx2.h), 0 none (scalar loops).  The same bits in deterministic mode;
+    # the KV namespace names the form otherwise (engine/determinism.kv_fingerprint).
+    bf16_dot: int = 1
 
 
 _lock = threading.Lock()
@@ -295,9 +295,39 @@ def native_kernels() -> NativeKernels | None:
         return _loaded[0]
 
 
-def _load() -> NativeKernels | None:
+# The bfloat16 dot products' forms (csrc/simd.h's PDKV_BF16): 1 vdpbf16ps, 2 its FMA emulation on AVX-512,
+# 3 that emulation on AVX2's halves -- with the extra compiler flags that build each on a CPU that has the
+# first (no AMX tiles in 2 and 3: their bits are the tiles' own, engine/determinism.kv_fingerprint).
+_NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+BF16_FORM_FLAGS: dict[int, tuple[str, ...]] = {
+    1: (),
+    2: ("-mno-avx512bf16", *_NO_AMX),
+    3: ("-mno-avx512f", *_NO_AMX),
+}
+_FORM_CPU_FLAGS = {
+    1: {"avx512_bf16", *BF16_KERNEL_FLAGS},
+    2: set(BF16_KERNEL_FLAGS),
+    3: {"avx2", "fma", "f16c"},
+}
+
+
+def bf16_forms_here() -> tuple[int, ...]:
+    """The forms of ``BF16_FORM_FLAGS`` this CPU runs (a build of each: ``load_bf16_form``)."""
+    flags = cpu_flags()
+    return tuple(form for form, need in _FORM_CPU_FLAGS.items() if need <= flags)
+
+
+def load_bf16_form(form: int) -> NativeKernels | None:
+    """A separate build of the kernels in bfloat16 dot-product form ``form`` (``BF16_FORM_FLAGS``), loaded
+    beside the engine's own (tests compare the forms' bits on one machine); None if it would not build or
+    the build is not that form (a CPU without it: ``bf16_forms_here``)."""
+    kernels = _load(BF16_FORM_FLAGS[form])
+    return kernels if kernels is not None and kernels.bf16_dot == form else None
+
+
+def _load(extra_flags: tuple[str, ...] = ()) -> NativeKernels | None:
     try:
-        path = build_library()
+        path = build_library(extra_flags)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         logger.warning("native kernels unavailable (%s); using the torch paths", exc)
@@ -403,6 +433,5 @@ def _load() -> NativeKernels | None:
         LoRAKernel(lora) if lib.pdkv_lora_built() else None,
         quant if built else None,
         DecodeLayerKernel(layer, scratch) if built else None,
-        bf16_emulated=bf16_dot in (2, 3),
-        bf16_halves=bf16_dot == 3,
+        bf16_dot=bf16_dot,
     )

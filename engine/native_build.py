@@ -37,8 +37,10 @@ FLAGS = (
 )
 
 
-def build_library() -> Path:
+def build_library(extra_flags: tuple[str, ...] = ()) -> Path:
     """The library's path, built first if this cache has no build for these sources, flags and CPU.
+    ``extra_flags`` follow ``FLAGS`` (``-mno-...``: a build of another instruction form on this CPU, which
+    the tests compare with the native one: engine/native.py, ``load_bf16_form``).
 
     Raises ``RuntimeError`` (no compiler, a failed build) or ``subprocess.SubprocessError``."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
@@ -47,7 +49,7 @@ def build_library() -> Path:
     source = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     # -march=native: a cache folder shared by different CPUs (a network home, a volume) keeps one build
     # per CPU, never one that would stop another with an illegal instruction.
-    key = " ".join((compiler, *FLAGS, *sorted(cpu_flags())))
+    key = " ".join((compiler, *FLAGS, *extra_flags, *sorted(cpu_flags())))
     digest = hashlib.sha256(source + key.encode()).hexdigest()[:16]
     folder = cache_dir() / "native" / digest
     target = folder / "libpdkv_native.so"
@@ -59,7 +61,7 @@ def build_library() -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
+            [compiler, *FLAGS, *extra_flags, *map(str, SOURCES), "-o", tmp, "-lm"],
             capture_output=True,
             text=True,
             timeout=120,

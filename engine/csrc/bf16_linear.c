@@ -276,7 +276,7 @@ int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed
             /* a batch-1 call takes no side stream (its weights' stream is what the memory is busy with) */
             LineStream *stream = rows > 1 ? &side : NULL;
             const int tile_rows = form == FORM_FMA ? TILE_ROWS_FMA : TILE_ROWS_VDP;
-            const unsigned csr = form == FORM_FMA ? bf16_daz_ftz() : 0;
+            const unsigned csr = bf16_mode_enter(1); /* simd.h: either form, the same bits */
             for (int64_t m0 = 0; m0 < rows; m0 += CHUNK_ROWS) {
                 const int64_t m1 = m0 + CHUNK_ROWS < rows ? m0 + CHUNK_ROWS : rows;
                 const char *xs = (const char *)chunk_rows(x, m0, m1, k, form); /* row m0 first */
@@ -299,7 +299,7 @@ int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed
                     g += ng;
                 }
             }
-            if (form == FORM_FMA) _mm_setcsr(csr);
+            bf16_mode_leave(1, csr);
         }
     }
     return failed;

@@ -204,7 +204,10 @@ int pdkv_lora_bf16(const void *x_, void *y_, const int64_t *slot, const void *a_
     const int64_t work = num_tiles * pr * (in + out);
     /* threads from two tiles of SmolLM2's o projection at rank 16 on (32 rows of one adapter: 5.4 -> 3.3 us
      * a call, the down projection 9.2 -> 5.2 us; a parallel region costs ~1 us) */
-#pragma omp parallel for schedule(dynamic, 1) if (num_tiles > 1 && work >= 32768)
+#pragma omp parallel if (num_tiles > 1 && work >= 32768)
+    {
+    const unsigned csr = bf16_mode_enter(1);
+#pragma omp for schedule(dynamic, 1)
     for (int64_t k = 0; k < num_tiles; k++) {
         const int64_t i = tiles[k];
         const int64_t s = slot[order[i]];
@@ -218,6 +221,8 @@ int pdkv_lora_bf16(const void *x_, void *y_, const int64_t *slot, const void *a_
             lora_tile(x, y, order + i, TILE / 2, a, b, s, in, out, parts, part_start, rank);
         else
             lora_tile(x, y, order + i, n, a, b, s, in, out, parts, part_start, rank);
+    }
+    bf16_mode_leave(1, csr);
     }
     if (lists != local) free(lists);
     return 0;

@@ -98,7 +98,7 @@ static inline void load_row(const void *src, int bf16, float *dst, int n) {
 static inline float dot(const float *a, const float *b, int n) {
     int i = 0;
     float s = 0.0f;
-#ifdef __AVX512F__
+#if PDKV_V512
     __m512 acc = _mm512_setzero_ps();
     for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
     s = _mm512_reduce_add_ps(acc);
@@ -461,6 +461,7 @@ int pdkv_paged_decode(const void *q, const void *cache, void *out, const int64_t
         /* Whole sequences per task while there are enough to share out; one KV head per task
          * otherwise, so a small batch still uses every thread. */
         const int whole = num_seqs >= 2 * omp_get_num_threads();
+        const unsigned csr = bf16_mode_enter(bf16);
         int bad = 0;
         if (whole) {
 #pragma omp for schedule(static)
@@ -472,6 +473,7 @@ int pdkv_paged_decode(const void *q, const void *cache, void *out, const int64_t
                 for (int64_t kvh = 0; kvh < num_kv_heads; kvh++)
                     if (!bad) bad = attend_heads(&a, b, kvh, kvh + 1);
         }
+        bf16_mode_leave(bf16, csr);
         if (bad) {
 #pragma omp atomic write
             failed = 1;
@@ -494,6 +496,7 @@ int pdkv_rms_norm(const void *x, const void *delta, void *h_out, const void *wei
     int failed = 0;
 #pragma omp parallel if (rows * hidden >= PARALLEL_MIN)
     {
+        const unsigned csr = bf16_mode_enter(bf16);
         float *row = malloc(sizeof(float) * (size_t)n), *w = malloc(sizeof(float) * (size_t)n);
         float *d = delta != NULL ? malloc(sizeof(float) * (size_t)n) : NULL;
         const int bad = row == NULL || w == NULL || (delta != NULL && d == NULL);
@@ -551,6 +554,7 @@ int pdkv_rms_norm(const void *x, const void *delta, void *h_out, const void *wei
         free(row);
         free(w);
         free(d);
+        bf16_mode_leave(bf16, csr);
     }
     return failed;
 }
@@ -584,7 +588,10 @@ INLINE __m256 silu8(__m256 x) {
 int pdkv_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int64_t bf16) {
     if (inter <= 0) return 2;
     const size_t elem = bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) if (rows * inter >= PARALLEL_MIN)
+#pragma omp parallel if (rows * inter >= PARALLEL_MIN)
+    {
+    const unsigned csr = bf16_mode_enter(bf16);
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const char *g = (const char *)gate_up + (size_t)(r * 2 * inter) * elem;
         const char *u = g + (size_t)inter * elem;
@@ -620,6 +627,8 @@ int pdkv_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, i
             }
         }
     }
+    bf16_mode_leave(bf16, csr);
+    }
     return 0;
 }
 
@@ -647,7 +656,10 @@ int pdkv_rope_write_kv(const void *qkv, const void *cos, const void *sin, void *
      * few rows already take both threads (an Emerald Rapids Xeon, batch 8, 30 layers: 0.26 -> 0.17 ms). */
     const int parallel = rows * heads * head_dim >= PARALLEL_MIN || (kv_order == KV_PAIRED && rows >= 4);
     const int threads = rows < omp_get_max_threads() ? (int)rows : omp_get_max_threads(); /* a row each */
-#pragma omp parallel for schedule(static) if (parallel) num_threads(threads)
+#pragma omp parallel if (parallel) num_threads(threads)
+    {
+    const unsigned csr = bf16_mode_enter(bf16);
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < rows; t++) {
         const size_t at = (size_t)(t * (heads + num_kv_heads) * D), cs = (size_t)(t * half);
         const size_t slot = (size_t)(((slot_blocks[t] * num_layers + layer) * 2) * block_size + slot_offsets[t]);
@@ -698,6 +710,8 @@ int pdkv_rope_write_kv(const void *qkv, const void *cos, const void *sin, void *
             write_paired(cache, slab, (const uint16_t *)qk + (size_t)(t * heads + num_heads) * D,
                          (const uint16_t *)values, slot_offsets[t], block_size, num_kv_heads, D);
         }
+    }
+    bf16_mode_leave(bf16, csr);
     }
     return 0;
 }

@@ -701,6 +701,7 @@ int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, 
     int failed = 0;
 #pragma omp parallel
     {
+        const unsigned csr = bf16_mode_enter(1);
         int64_t c = 0;
 #pragma omp for schedule(static)
         for (int64_t job = 0; job < jobs; job++) {
@@ -743,6 +744,7 @@ int pdkv_paged_prefill_many(const void *q, int64_t q_stride, const void *cache, 
 #ifdef PDKV_ATTN_AMX
         attn_amx_release();
 #endif
+        bf16_mode_leave(1, csr);
         if (bad) {
 #pragma omp atomic write
             failed = 1;

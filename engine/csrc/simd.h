@@ -37,6 +37,30 @@ INLINE void prefetch_l1(const void *p, int nta) {
 }
 #endif
 
+/* The bfloat16 kernels' floating-point mode: denormal inputs read as zero and denormal results flushed
+ * (MXCSR's DAZ and FTZ) -- the rule vdpbf16ps and vcvtneps2bf16 follow whatever MXCSR says.  Every kernel
+ * call on bfloat16 data sets it on each thread that runs it (bf16_mode_enter, inside its parallel region)
+ * and puts it back before that thread leaves (bf16_mode_leave), so that the three forms of the dot
+ * products (PDKV_BF16 below: vdpbf16ps, its FMA emulation, that emulation on AVX2's halves) give the same
+ * bits for every input, denormals too, and with them every other operation of the kernel: a deterministic
+ * node's KV blocks are the same bits on any of those CPUs (engine/determinism.kv_fingerprint).  float32
+ * calls keep IEEE arithmetic (transformers' float32 reference path).  No-op where a build has no SSE. */
+#if defined(__SSE__)
+#include <xmmintrin.h>
+INLINE unsigned bf16_mode_enter(int64_t bf16) {
+    if (!bf16) return 0;
+    const unsigned before = _mm_getcsr();
+    _mm_setcsr(before | 0x8040u); /* FTZ (bit 15) | DAZ (bit 6) */
+    return before;
+}
+INLINE void bf16_mode_leave(int64_t bf16, unsigned before) {
+    if (bf16) _mm_setcsr(before);
+}
+#else
+INLINE unsigned bf16_mode_enter(int64_t bf16) { return (unsigned)(bf16 != 0) * 0u; }
+INLINE void bf16_mode_leave(int64_t bf16, unsigned before) { (void)bf16, (void)before; }
+#endif
+
 #define MAX_GROUP 16 /* query heads per KV head; engine/native.py checks both limits */
 #define MAX_HEAD_DIM 256
 
@@ -201,16 +225,18 @@ INLINE __m256i bf16_rne16(__m512 x) {
  *      add rounded to nearest even (the SDM's pseudocode; input denormals read as zero, output ones flushed);
  *   2  AVX-512 (F, BW, VL) without it (Skylake to Ice Lake Xeons, or a VM that hides the flag): the same two
  *      adds as two FMAs on the pair split into floats (a bfloat16 is a float's top half, so each product is
- *      exact and each add rounds once, as above) -- the same bits for every input but denormals (the
- *      dense linears run it with DAZ and FTZ: theirs for every input, bf16_split below); two FMAs and the
+ *      exact and each add rounds once, as above) -- the same bits for every input, denormals too, since
+ *      every bfloat16 kernel runs with DAZ and FTZ (bf16_mode_enter above, bf16_split below); two FMAs and the
  *      split where vdpbf16ps is one instruction, so slower where a kernel is compute-bound on AMD's cores
  *      (a SmolLM2 step's dense linears at 32 rows: ~700 GFLOP/s with vdpbf16ps on 2 cores of a Zen 5), not
  *      on Intel's, whose vdpbf16ps has half the FMAs' rate (~200 GFLOP/s either way on an Emerald Rapids
- *      VM).  The namespace of the KV blocks says which (engine/determinism.kv_fingerprint): nodes of the
- *      two never exchange blocks;
+ *      VM);
  *   3  AVX2 + FMA, no AVX-512 (AMD's Zen 1-3, Intel's Haswell to Alder Lake): 2's code on avx512_avx2.h's
- *      two 256-bit halves of each vector, the same operations lane for lane (a namespace of its own all
- *      the same, ";bf16dot=avx2": not yet compared with an AVX-512 build on one machine).
+ *      two 256-bit halves of each vector, the same operations lane for lane.
+ * The three give the same bits wherever every row runs the same kernels (deterministic mode: one KV
+ * namespace for all three, engine/determinism.kv_fingerprint; tests/engine/test_bf16_forms.py builds each
+ * form on one AVX-512 CPU and compares them, denormals included).  Outside it the decode attention has a
+ * kernel of each form (paged_decode.c), and the namespace names the form.
  * bf16v holds 32 bfloat16 as the kernel's operand: the raw vector, or its two halves as floats, split once
  * where loaded (a loaded operand feeds several dot products). */
 #if defined(__AVX512BF16__)
@@ -234,7 +260,7 @@ INLINE __m512i pack_bf16x32(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne
 #if PDKV_BF16
 /* The same dot products as two FMAs on a pair split into floats, on any AVX-512 CPU: PDKV_BF16 2's only
  * form, and bf16_linear.c's FMA form where vdpbf16ps has half the FMAs' throughput (an Emerald Rapids VM:
- * 1.4 G vdpbf16ps a second on a core against 5.7 G FMAs).  Run with MXCSR's DAZ and FTZ (bf16_daz_ftz),
+ * 1.4 G vdpbf16ps a second on a core against 5.7 G FMAs).  Run with MXCSR's DAZ and FTZ (bf16_mode_enter),
  * they give vdpbf16ps's bits for every input, denormals too, bar a NaN's payload (20 M random lanes of
  * every class, ad-hoc, 2026-12-06). */
 typedef struct {
@@ -253,13 +279,6 @@ INLINE __m512 bf16_split_dot(__m512 acc, bf16_split a, bf16_split b) {
  * kernel widened its broadcast operand (activations, queries, probabilities) to floats once. */
 INLINE __m512 bf16_dot_pair(__m512 acc, bf16_split a, const float *b) {
     return _mm512_fmadd_ps(a.even, _mm512_set1_ps(b[0]), _mm512_fmadd_ps(a.odd, _mm512_set1_ps(b[1]), acc));
-}
-/* MXCSR with denormal inputs read as zero and denormal results flushed (vdpbf16ps's rule); returns the
- * setting before, for _mm_setcsr to put back. */
-INLINE unsigned bf16_daz_ftz(void) {
-    const unsigned before = _mm_getcsr();
-    _mm_setcsr(before | 0x8040u); /* FTZ (bit 15) | DAZ (bit 6) */
-    return before;
 }
 #endif
 

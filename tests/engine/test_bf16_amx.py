@@ -113,10 +113,11 @@ def test_a_k_the_tiles_do_not_take_runs_in_vectors_the_same_at_every_batch(kerne
 
 
 def test_the_namespace_names_the_tiles() -> None:  # on every host: a node on tiles is another namespace
-    assert kv_fingerprint("m", torch.bfloat16, True, tiles=True) == "m;kv=bfloat16;deterministic;linears=amx"
-    assert kv_fingerprint("m", torch.bfloat16, True) == "m;kv=bfloat16;deterministic"
+    tiles = kv_fingerprint("m", torch.bfloat16, True, tiles=True)
+    assert tiles == "m;kv=bfloat16;deterministic;linears=amx;denormals=flushed"
+    assert kv_fingerprint("m", torch.bfloat16, True) == "m;kv=bfloat16;deterministic;denormals=flushed"
     both = kv_fingerprint("m", torch.bfloat16, False, tiles=True, quantized=True)
-    assert both == "m;kv=bfloat16;linears=amx;weights=quantized"
+    assert both == "m;kv=bfloat16;linears=amx;denormals=flushed;weights=quantized"
 
 
 def test_the_variable_turns_the_tiles_off(kernel: QuantKernel) -> None:

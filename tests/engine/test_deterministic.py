@@ -222,15 +222,27 @@ def test_loaded_from_each_tier_equals_recompute(
         llm.engine.shutdown()
 
 
-def test_the_namespace_names_dot_products_in_fmas() -> None:  # on every host
-    """An AVX-512 CPU without AVX512-BF16 runs the bfloat16 kernels' dot products as FMAs: the same sums,
-    but not vdpbf16ps's flush of denormals, so its blocks are another namespace (bfloat16 only)."""
+def test_the_namespace_names_the_dot_products_form_outside_deterministic_mode() -> None:  # every host
+    """The bfloat16 kernels' dot products in their three forms (engine/csrc/simd.h: vdpbf16ps, FMAs on
+    AVX-512, FMAs on AVX2's halves) give the same bits in deterministic mode, denormals flushed in each
+    (tests/engine/test_bf16_forms.py): one namespace.  Outside it the decode attention has a kernel of
+    each form: the form is named.  Scalar loops (no vector code) and torch's kernels are their own."""
     bf16 = torch.bfloat16
-    assert kv_fingerprint("m", bf16, True, emulated=True) == "m;kv=bfloat16;deterministic;bf16dot=fma"
-    assert kv_fingerprint("m", bf16, False, quantized=True, emulated=True) == (
-        "m;kv=bfloat16;bf16dot=fma;weights=quantized"
+    det = "m;kv=bfloat16;deterministic;denormals=flushed"
+    for form in (1, 2, 3):
+        assert kv_fingerprint("m", bf16, True, bf16_dot=form) == det
+    assert kv_fingerprint("m", bf16, False, bf16_dot=1) == "m;kv=bfloat16;denormals=flushed"
+    assert kv_fingerprint("m", bf16, False, quantized=True, bf16_dot=2) == (
+        "m;kv=bfloat16;bf16dot=fma;denormals=flushed;weights=quantized"
     )
-    assert kv_fingerprint("m", torch.float32, False, emulated=True) == "m;kv=float32"
+    assert kv_fingerprint("m", bf16, False, bf16_dot=3) == "m;kv=bfloat16;bf16dot=avx2;denormals=flushed"
+    assert (
+        kv_fingerprint("m", bf16, True, bf16_dot=0)
+        == "m;kv=bfloat16;deterministic;bf16dot=scalar;denormals=flushed"
+    )
+    assert kv_fingerprint("m", bf16, False, bf16_dot=None) == "m;kv=bfloat16;bf16dot=torch"
+    for form in (None, 0, 1, 2, 3):
+        assert kv_fingerprint("m", torch.float32, False, bf16_dot=form) == "m;kv=float32"
 
 
 def test_the_namespace_names_attention_in_amx_tiles() -> None:  # on every host
@@ -238,16 +250,12 @@ def test_the_namespace_names_attention_in_amx_tiles() -> None:  # on every host
     namespace, in bfloat16 (float32 keeps SDPA, whatever the switch)."""
     bf16 = torch.bfloat16
     assert kv_fingerprint("m", bf16, True, tiles=True, attention_tiles=True) == (
-        "m;kv=bfloat16;deterministic;linears=amx;attention=amx"
+        "m;kv=bfloat16;deterministic;linears=amx;attention=amx;denormals=flushed"
     )
     assert kv_fingerprint("m", bf16, False, attention_tiles=True, quantized=True) == (
-        "m;kv=bfloat16;attention=amx;weights=quantized"
+        "m;kv=bfloat16;attention=amx;denormals=flushed;weights=quantized"
     )
     assert kv_fingerprint("m", torch.float32, False, attention_tiles=True) == "m;kv=float32"
-    # the FMAs on AVX2's halves (csrc/avx512_avx2.h) keep a namespace of their own
-    on_avx2 = kv_fingerprint("m", bf16, True, emulated=True, halves=True)
-    assert on_avx2 == "m;kv=bfloat16;deterministic;bf16dot=avx2"
-    assert kv_fingerprint("m", torch.float32, False, emulated=True, halves=True) == "m;kv=float32"
 
 
 @needs_bf16
@@ -258,15 +266,15 @@ def test_the_switch_is_in_the_namespace_and_blocks_never_cross(det: LLM) -> None
     tiles = off.engine.model.bf16_tiles  # the AMX path's bits are its own (engine/csrc/bf16_amx.h)
     assert tiles == det.engine.model.bf16_tiles
     kernels = native_kernels()
-    fma = kernels is not None and kernels.bf16_emulated  # no AVX512-BF16: its dot products in FMAs
-    halves = kernels is not None and kernels.bf16_halves  # ... on AVX2's halves (csrc/avx512_avx2.h)
+    assert kernels is not None
     # the attention in AMX tiles likewise (engine/csrc/attn_amx.h)
-    attention = kernels is not None and kernels.prefill is not None and kernels.prefill.amx
-    flags = {"tiles": tiles, "attention_tiles": attention, "emulated": fma, "halves": halves}
+    attention = kernels.prefill is not None and kernels.prefill.amx
+    flags = {"tiles": tiles, "attention_tiles": attention, "bf16_dot": kernels.bf16_dot}
     assert off.engine.namespace.model_fingerprint == kv_fingerprint(fp, torch.bfloat16, False, **flags)
     assert det.engine.namespace.model_fingerprint == kv_fingerprint(fp, torch.bfloat16, True, **flags)
-    assert det.engine.namespace.model_fingerprint.endswith(";bf16dot=fma") == (fma and not halves)
-    assert det.engine.namespace.model_fingerprint.endswith(";bf16dot=avx2") == halves
+    assert "bf16dot" not in det.engine.namespace.model_fingerprint  # one namespace for the three forms
+    named = {1: "", 2: ";bf16dot=fma", 3: ";bf16dot=avx2"}[kernels.bf16_dot]
+    assert off.engine.namespace.model_fingerprint.endswith(f"{named};denormals=flushed")
     assert off.engine.namespace.namespace_id != det.engine.namespace.namespace_id
     # a block a non-deterministic engine saved is never loaded by a deterministic one (same store)
     rng = random.Random(13)
