@@ -3,9 +3,10 @@
  * the AVX-512 one's result lane for lane -- the same float operation on each lane, the same tree for a
  * horizontal sum or max (gcc's _mm512_reduce_add_ps: halves, then 128-bit halves, then pairs), masks as
  * the 16 (or 32) bits they are.  So the kernels keep one source, and their sums run in the order the
- * AVX-512 build runs them in simd.h's FMA form (PDKV_BF16 2); engine/determinism.kv_fingerprint still
- * keeps these nodes' blocks apart (";bf16dot=avx2"): nothing here was compared bit for bit against an
- * AVX-512 build on one machine.
+ * AVX-512 build runs them in simd.h's FMA form (PDKV_BF16 2) -- the same bits, compared on one AVX-512
+ * CPU by tests/engine/test_bf16_forms.py (a build with -mno-avx512f), so deterministic nodes of either
+ * kind share one KV namespace (engine/determinism.kv_fingerprint).  A kernel that leaves vector code to
+ * __AVX512F__ alone (scalar here) sums in another order: PDKV_V512 is the guard for bfloat16 code.
  *
  * Only what the kernels call, with the AVX-512 names (macros over the immintrin.h declarations, which stay
  * unused): __m512 and __m512i become the two-half structs.  The shuffles of paged_prefill.c's canonical
