@@ -137,16 +137,24 @@ def test_the_dense_linears_give_every_forms_bits(forms: dict[int, native.NativeK
     same(results, f"linear of {rows} rows")
 
 
+# SmolLM2's heads, and head dims 128 and 32 (the kernel's unrolled sizes and its smallest)
+ATTENTION_SHAPES = [(9, 3, 64), (4, 1, 128), (4, 2, 32)]
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=["h{}kv{}d{}".format(*s) for s in ATTENTION_SHAPES])
 @pytest.mark.parametrize("order", [KV_CANONICAL, KV_PAIRED], ids=["canonical", "paired"])
-def test_the_attention_gives_every_forms_bits(forms: dict[int, native.NativeKernels], order: int) -> None:
-    """paged_prefill.c (deterministic mode's kernel for every row): prefill chunks and decode rows, on
-    keys and values laced with denormals and some heads' values so small that their sums underflow."""
+def test_the_attention_gives_every_forms_bits(
+    forms: dict[int, native.NativeKernels], order: int, shape: tuple[int, int, int]
+) -> None:
+    """paged_prefill.c (deterministic mode's kernel for every row): prefill chunks and decode rows (enough
+    for a task each), on keys and values laced with denormals and one head's values so small that their
+    sums underflow."""
     from tests.engine.test_native_attention import to_paired
 
-    heads, kv_heads, dim, block, longest = 9, 3, 64, 16, 150
-    seqs = 6
+    heads, kv_heads, dim = shape
+    block, longest, seqs = 16, 150, 12
     cache = laced(seqs * 10, 2, 2, block, kv_heads, dim, seed=21)
-    cache[:, :, 1, :, 1] = laced(seqs * 10, 2, block, dim, seed=22, scale=2.0**-100)  # one head's values
+    cache[:, :, 1, :, kv_heads - 1] = laced(seqs * 10, 2, block, dim, seed=22, scale=2.0**-100)
     if order == KV_PAIRED:
         cache = to_paired(cache)
     tables = torch.arange(seqs * 10, dtype=torch.int64).view(seqs, 10)
@@ -156,7 +164,7 @@ def test_the_attention_gives_every_forms_bits(forms: dict[int, native.NativeKern
         "decode rows": (
             q[:seqs],
             tables,
-            torch.tensor([0, 1, 31, 64, 100, 149]),
+            torch.tensor([0, 1, 31, 64, 100, 149] * 2),
             torch.ones(seqs, dtype=torch.int64),
         ),
     }
