@@ -107,17 +107,19 @@ def kv_fingerprint(
     deterministic: bool,
     *,
     tiles: bool = False,
+    torch_linears: bool = False,
     attention_tiles: bool = False,
     quantized: bool = False,
     bf16_dot: int | None = 1,
 ) -> str:
     """The fingerprint a ``HashNamespace`` takes: the model's, plus what makes its KV bits differ -- the
-    dtype, the mode, whether the bfloat16 linears run in AMX tiles (engine/csrc/bf16_amx.h), whether the
+    dtype, the mode, whether the bfloat16 linears run in AMX tiles (engine/csrc/bf16_amx.h) or in torch's
+    matmuls (``torch_linears``: oneDNN, whose sums follow the CPU's instruction set), whether the
     bfloat16 attention does (``attention_tiles``: engine/csrc/attn_amx.h), whether the weights run
     quantized (engine/model/quantized.py) and, for bfloat16, the kernels' dot products: ``bf16_dot`` is
     ``NativeKernels.bf16_dot`` (engine/csrc/simd.h's PDKV_BF16: 1 vdpbf16ps, 2 its FMA emulation on
     AVX-512, 3 that emulation on AVX2's halves, 0 scalar loops), None where no native kernels run (torch's
-    own).  Every native bfloat16 kernel flushes denormals as vdpbf16ps does (simd.h's bf16_mode_enter:
+    own).  The native bfloat16 kernels flush denormals as vdpbf16ps does (simd.h's bf16_mode_enter:
     ``;denormals=flushed``), so in deterministic mode -- one attention kernel for every row, and each row's
     sums in one order -- forms 1, 2 and 3 give the same bits (compared on one CPU that runs all three,
     tests/engine/test_bf16_forms.py) and share blocks: a CPU with AVX2 and one with AVX512-BF16 serve one
@@ -125,6 +127,8 @@ def kv_fingerprint(
     the form is named (``;bf16dot=fma``, ``;bf16dot=avx2``)."""
     mode = ";deterministic" if deterministic else ""
     linears = ";linears=amx" if tiles else ""
+    if torch_linears and dtype == torch.bfloat16:
+        linears = ";linears=torch"
     attention = ";attention=amx" if attention_tiles and dtype == torch.bfloat16 else ""
     weights = ";weights=quantized" if quantized else ""
     dots = ""

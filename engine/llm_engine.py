@@ -166,6 +166,7 @@ class LLMEngine:
                 dtype,
                 self.determinism.on,
                 tiles=self.model.bf16_tiles,
+                torch_linears=self.model.torch_linears,
                 attention_tiles=self._attention_tiles(kernels, dtype),
                 quantized=self.model.quantized,
                 bf16_dot=None if kernels is None else kernels.bf16_dot,

@@ -39,7 +39,9 @@ INLINE void prefetch_l1(const void *p, int nta) {
 
 /* The bfloat16 kernels' floating-point mode: denormal inputs read as zero and denormal results flushed
  * (MXCSR's DAZ and FTZ) -- the rule vdpbf16ps and vcvtneps2bf16 follow whatever MXCSR says.  Every kernel
- * call on bfloat16 data sets it on each thread that runs it (bf16_mode_enter, inside its parallel region)
+ * call on bfloat16 data whose arithmetic has a vdpbf16ps or vcvtneps2bf16 form (all but quant.c's, whose
+ * dot products are integers and whose float steps are one code in every build) sets it on each thread
+ * that runs it (bf16_mode_enter, inside its parallel region)
  * and puts it back before that thread leaves (bf16_mode_leave), so that the three forms of the dot
  * products (PDKV_BF16 below: vdpbf16ps, its FMA emulation, that emulation on AVX2's halves) give the same
  * bits for every input, denormals too, and with them every other operation of the kernel: a deterministic

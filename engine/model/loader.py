@@ -98,6 +98,9 @@ class LoadedModel:
     device: torch.device
     quantized: bool = False  # some matrices run packed (engine/model/quantized.py)
     bf16_tiles: bool = False  # bfloat16 linears in AMX tiles (engine/csrc/bf16_amx.h): other bits
+    # bfloat16 linears in torch's matmuls (oneDNN on the CPU, packed or not; PDKV_BF16_LINEARS=onednn, or no
+    # native kernel): sums that follow the CPU's instruction set, so other bits than bf16_linear.c's
+    torch_linears: bool = False
 
 
 def inspect_model(path: str | Path) -> ModelSource:
@@ -247,6 +250,7 @@ def load_model(
         device,
         quantized=bool(raw),
         bf16_tiles=native_bf16 and kernel is not None and kernel.amx,
+        torch_linears=dtype == torch.bfloat16 and not native_bf16,
     )
 
 

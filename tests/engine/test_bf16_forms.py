@@ -25,7 +25,7 @@ import torch
 from engine import native
 from engine.determinism import kv_fingerprint
 from engine.llm import LLM
-from engine.model.quantized import pack_bf16
+from engine.model.quantized import pack, pack_bf16
 from engine.native_attention import KV_CANONICAL, KV_PAIRED
 from engine.sampling_params import SamplingParams
 from tests.gguf_models import write_gguf
@@ -48,20 +48,26 @@ BF16 = torch.bfloat16
 
 
 @pytest.fixture(scope="module")
-def forms() -> dict[int, native.NativeKernels]:
-    """A build of each form this CPU runs, the AMX tiles off (their bits are theirs)."""
+def forms() -> Iterator[dict[int, native.NativeKernels]]:
+    """A build of each form this CPU runs, the AMX tiles off while the module runs (their bits are theirs)
+    and put back after: the vdpbf16ps build is the engine's own library (the same file, one handle)."""
     built = {form: native.load_bf16_form(form) for form in FORMS}
     missing = [NAMES[form] for form, kernels in built.items() if kernels is None]
     assert not missing, f"gcc built no {missing} form on a CPU that runs it"
     out: dict[int, native.NativeKernels] = {}
+    switches = []
     for form, kernels in built.items():
         assert kernels is not None and kernels.quant is not None and kernels.prefill is not None
-        if kernels.quant.amx_fn is not None:
-            kernels.quant.amx_fn(0)
-        if kernels.prefill.amx_fn is not None:
-            kernels.prefill.amx_fn(0)
+        for switch in (kernels.quant.amx_fn, kernels.prefill.amx_fn):
+            if switch is not None:
+                switches.append((switch, int(switch(-1))))
+                switch(0)
         out[form] = kernels
-    return out
+    try:
+        yield out
+    finally:
+        for switch, was in reversed(switches):
+            switch(was)
 
 
 def laced(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -135,6 +141,26 @@ def test_the_dense_linears_give_every_forms_bits(forms: dict[int, native.NativeK
             k.quant.bf16_fma(was)
             results[form * 10 + fma] = out
     same(results, f"linear of {rows} rows")
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("rows", [1, 3, 9, 32])
+def test_the_quantized_linears_give_every_forms_bits(
+    forms: dict[int, native.NativeKernels], qtype: str, rows: int
+) -> None:
+    """quant.c on bfloat16 activations laced with denormals (integer dot products, the same float scaling
+    in every build: no flush needed, and none set), batch 1 and batch tiles, out in bfloat16."""
+    from tests.engine.test_quantized import random_blocks
+
+    weight = pack([random_blocks(qtype, 200, 576, seed=41)])
+    x = laced(rows, 576, seed=rows + 42)
+    results = {}
+    for form, k in forms.items():
+        assert k.quant is not None
+        out = torch.empty(rows, 200, dtype=BF16)
+        k.quant.linear(x, weight.packed, weight.fmt, weight.rows, out)
+        results[form] = out
+    same(results, f"{qtype} linear of {rows} rows")
 
 
 # SmolLM2's heads, and head dims 128 and 32 (the kernel's unrolled sizes and its smallest)

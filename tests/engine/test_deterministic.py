@@ -241,6 +241,10 @@ def test_the_namespace_names_the_dot_products_form_outside_deterministic_mode() 
         == "m;kv=bfloat16;deterministic;bf16dot=scalar;denormals=flushed"
     )
     assert kv_fingerprint("m", bf16, False, bf16_dot=None) == "m;kv=bfloat16;bf16dot=torch"
+    # the linears in torch's matmuls (oneDNN: sums by the CPU's instruction set) are named in either mode
+    onednn = kv_fingerprint("m", bf16, True, torch_linears=True, bf16_dot=2)
+    assert onednn == "m;kv=bfloat16;deterministic;linears=torch;denormals=flushed"
+    assert kv_fingerprint("m", torch.float32, True, torch_linears=True) == "m;kv=float32;deterministic"
     for form in (None, 0, 1, 2, 3):
         assert kv_fingerprint("m", torch.float32, False, bf16_dot=form) == "m;kv=float32"
 
@@ -269,7 +273,12 @@ def test_the_switch_is_in_the_namespace_and_blocks_never_cross(det: LLM) -> None
     assert kernels is not None
     # the attention in AMX tiles likewise (engine/csrc/attn_amx.h)
     attention = kernels.prefill is not None and kernels.prefill.amx
-    flags = {"tiles": tiles, "attention_tiles": attention, "bf16_dot": kernels.bf16_dot}
+    flags = {
+        "tiles": tiles,
+        "torch_linears": off.engine.model.torch_linears,
+        "attention_tiles": attention,
+        "bf16_dot": kernels.bf16_dot,
+    }
     assert off.engine.namespace.model_fingerprint == kv_fingerprint(fp, torch.bfloat16, False, **flags)
     assert det.engine.namespace.model_fingerprint == kv_fingerprint(fp, torch.bfloat16, True, **flags)
     assert "bf16dot" not in det.engine.namespace.model_fingerprint  # one namespace for the three forms
@@ -363,6 +372,9 @@ def test_the_measurement_is_kept_per_host(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(batch_invariance, "holds", lambda *a: calls.append(a) or True)
     again = make()
     assert again.engine.determinism.on and calls == []  # measured once, read back
+    # oneDNN's sums follow the CPU's instruction set: never the native linears' namespace
+    assert ";linears=torch" in again.engine.namespace.model_fingerprint
+    assert again.engine.model.torch_linears
     for m in llm.engine.model.model.modules():
         if isinstance(m, PackedLinear):
             min_rows, limit = next(v for k, v in kept.items() if f"|{m.in_features}x{m.out_features}|" in k)
