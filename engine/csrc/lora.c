@@ -207,7 +207,7 @@ int pdkv_lora_bf16(const void *x_, void *y_, const int64_t *slot, const void *a_
 #pragma omp parallel if (num_tiles > 1 && work >= 32768)
     {
     const unsigned csr = bf16_mode_enter(1);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait /* the region's end is the barrier */
     for (int64_t k = 0; k < num_tiles; k++) {
         const int64_t i = tiles[k];
         const int64_t s = slot[order[i]];

@@ -591,7 +591,7 @@ int pdkv_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, i
 #pragma omp parallel if (rows * inter >= PARALLEL_MIN)
     {
     const unsigned csr = bf16_mode_enter(bf16);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait /* the region's end is the barrier */
     for (int64_t r = 0; r < rows; r++) {
         const char *g = (const char *)gate_up + (size_t)(r * 2 * inter) * elem;
         const char *u = g + (size_t)inter * elem;
@@ -659,7 +659,7 @@ int pdkv_rope_write_kv(const void *qkv, const void *cos, const void *sin, void *
 #pragma omp parallel if (parallel) num_threads(threads)
     {
     const unsigned csr = bf16_mode_enter(bf16);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait /* the region's end is the barrier */
     for (int64_t t = 0; t < rows; t++) {
         const size_t at = (size_t)(t * (heads + num_kv_heads) * D), cs = (size_t)(t * half);
         const size_t slot = (size_t)(((slot_blocks[t] * num_layers + layer) * 2) * block_size + slot_offsets[t]);
