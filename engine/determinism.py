@@ -136,8 +136,8 @@ def kv_fingerprint(
         if bf16_dot is None:
             dots = ";bf16dot=torch"
         else:
-            names = {0: "scalar", 2: "fma", 3: "avx2"}
-            named = names.get(bf16_dot, "") if not deterministic or bf16_dot == 0 else ""
+            shared = deterministic and bf16_dot in (1, 2, 3)  # the same bits in every form
+            named = "" if shared else {0: "scalar", 2: "fma", 3: "avx2"}.get(bf16_dot, "")
             dots = (f";bf16dot={named}" if named else "") + ";denormals=flushed"
     kv = str(dtype).removeprefix("torch.")
     return f"{model_fingerprint};kv={kv}{mode}{linears}{attention}{dots}{weights}"

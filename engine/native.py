@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from engine.cpu_features import BF16_KERNEL_FLAGS, bf16_kernels_cpu, cpu_flags
+from engine.cpu_features import BF16_AVX2_FLAGS, BF16_KERNEL_FLAGS, bf16_kernels_cpu, cpu_flags
 from engine.native_attention import DTYPE_FLAGS, KV_CANONICAL, MAX_HEAD_DIM, DecodeKernel, PrefillKernel
 from engine.native_build import build_library
 from engine.native_linear import (
@@ -307,7 +307,7 @@ BF16_FORM_FLAGS: dict[int, tuple[str, ...]] = {
 _FORM_CPU_FLAGS = {
     1: {"avx512_bf16", *BF16_KERNEL_FLAGS},
     2: set(BF16_KERNEL_FLAGS),
-    3: {"avx2", "fma", "f16c"},
+    3: {*BF16_AVX2_FLAGS, "f16c"},  # and F16C, for quant.c's vector path
 }
 
 

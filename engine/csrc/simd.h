@@ -59,7 +59,10 @@ INLINE void bf16_mode_leave(int64_t bf16, unsigned before) {
     if (bf16) _mm_setcsr(before);
 }
 #else
-INLINE unsigned bf16_mode_enter(int64_t bf16) { return (unsigned)(bf16 != 0) * 0u; }
+INLINE unsigned bf16_mode_enter(int64_t bf16) {
+    (void)bf16;
+    return 0;
+}
 INLINE void bf16_mode_leave(int64_t bf16, unsigned before) { (void)bf16, (void)before; }
 #endif
 

@@ -32,15 +32,7 @@ from tests.gguf_models import write_gguf
 from tests.tiny_models import pdkv_tiny_model_dir, tiny_model_dir
 
 FORMS = native.bf16_forms_here()
-NAMES = {
-    1: "vdpbf16ps",
-    2: "fma",
-    3: "avx2",
-    10: "vdpbf16ps",
-    11: "the vdpbf16ps build's FMA form",
-    21: "fma",
-    31: "avx2",
-}
+NAMES = {1: "vdpbf16ps", 2: "fma", 3: "avx2"}
 pytestmark = pytest.mark.skipif(
     len(FORMS) < 2, reason="this CPU runs one bfloat16 form at most (AVX2 alone): nothing to compare"
 )
@@ -84,8 +76,8 @@ def laced(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
     return bits.view(BF16)
 
 
-def same(results: Mapping[int, torch.Tensor | tuple[torch.Tensor, ...]], what: str) -> None:
-    """Every form's result has the first form's bits (bfloat16 as its 16-bit patterns)."""
+def same(results: Mapping[int | str, torch.Tensor | tuple[torch.Tensor, ...]], what: str) -> None:
+    """Every form's result (by form, or by a label) has the first one's bits (bfloat16 as 16-bit patterns)."""
     first, *rest = results
     for form in rest:
         a, b = results[first], results[form]
@@ -94,7 +86,8 @@ def same(results: Mapping[int, torch.Tensor | tuple[torch.Tensor, ...]], what: s
         ):
             xi, yi = (t.view(torch.int16) if t.dtype == BF16 else t for t in (x, y))
             differ = f"{(xi != yi).sum().item()} of {xi.numel()}"
-            assert torch.equal(xi, yi), f"{what}: {NAMES[form]} differs from {NAMES[first]} in {differ}"
+            name, first_name = (NAMES.get(k, k) if isinstance(k, int) else k for k in (form, first))
+            assert torch.equal(xi, yi), f"{what}: {name} differs from {first_name} in {differ}"
 
 
 @pytest.mark.parametrize("rows", [1, 5, 32])
@@ -130,7 +123,7 @@ def test_the_dense_linears_give_every_forms_bits(forms: dict[int, native.NativeK
     """bf16_linear.c, batch 1 (groups) and batch tiles; the vdpbf16ps build in both of its forms."""
     weight = pack_bf16(laced(200, 576, seed=11, scale=0.05))
     x = laced(rows, 576, seed=rows + 12)
-    results: dict[int, torch.Tensor] = {}
+    results: dict[int | str, torch.Tensor] = {}
     for form, k in forms.items():
         assert k.quant is not None
         for fma in (False, True) if form == 1 else (True,):
@@ -139,7 +132,7 @@ def test_the_dense_linears_give_every_forms_bits(forms: dict[int, native.NativeK
             out = torch.empty(rows, 200, dtype=BF16)
             k.quant.linear(x, weight.packed, weight.fmt, weight.rows, out)
             k.quant.bf16_fma(was)
-            results[form * 10 + fma] = out
+            results[f"{NAMES[form]}, the FMA form" if form == 1 and fma else NAMES[form]] = out
     same(results, f"linear of {rows} rows")
 
 
