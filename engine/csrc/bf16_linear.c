@@ -180,7 +180,7 @@ INLINE void tile(const uint16_t *w, int64_t g0, int64_t k, const void *x, const 
      * joined the two paths there and stored the six vectors every pair of inputs) -- AMD EPYC Zen 5, the
      * 121 linears of a SmolLM2 step at 32 rows, in-process A/B of the two builds: 597 -> 886 GFLOP/s
      * from the caches, 19.0 -> 13.8 ms from memory (the FMA form: no change; docs/BENCHMARKS.md). */
-    LineStream s = side != NULL ? *side : (LineStream){NULL, 0, 0, 0, 0};
+    LineStream s = side != NULL ? *side : line_stream(NULL, 0, 0);
     if (FORM == FORM_FMA) {
         const float *xr[TILE_ROWS_FMA];
         for (int j = 0; j < RT; j++) xr[j] = (const float *)x + j * k;
@@ -285,7 +285,8 @@ int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed
     {
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
-        LineStream side = {sbase, sn * (tid + 1) / nt, sn * tid / nt, 0, sbytes}; /* this thread's share */
+        const int64_t s0 = sn * tid / nt, s1 = sn * (tid + 1) / nt;
+        LineStream side = line_stream(sbase + s0, s1 - s0, sbytes); /* this thread's share */
 #ifdef PDKV_AMX
         if (amx_on && k % 32 == 0) {
             amx_rows(x, rows, k, w, g0, g1, out, ldo, col0, n);

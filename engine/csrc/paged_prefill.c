@@ -272,23 +272,31 @@ typedef struct Ahead {
 } Ahead;
 static _Thread_local Ahead ahead;
 
-INLINE void ahead_step(Ahead *h) {
-    const char *line = h == NULL ? NULL : line_stream_next(&h->lines);
+/* One line of a loop's local copy of the thread's ahead stream (ahead_in, ahead_out around the loop). */
+INLINE void ahead_step(LineStream *s) {
+    const char *line = line_stream_next(s);
     if (line != NULL) _mm_prefetch(line, _MM_HINT_T0);
+}
+
+INLINE LineStream ahead_in(const Ahead *h) { return h != NULL ? h->lines : line_stream(NULL, 0, 0); }
+
+INLINE void ahead_out(Ahead *h, const LineStream *s) {
+    if (h != NULL) h->lines = *s;
 }
 
 /* This thread's stream over decode row a's slabs of the layer (a NULL: none). */
 static void ahead_plan(const Prefill *a) {
-    LineStream *s = &ahead.lines;
-    *s = (LineStream){ahead.slabs, 0, 0, 0, 0};
-    if (a == NULL) return;
-    const int64_t bs = a->block_size, last = (a->start + a->n - 1) / bs;
-    const size_t slab = (size_t)(bs * a->num_kv_heads * a->D); /* elements of keys (or values) */
-    s->bytes = (int64_t)(2 * slab * sizeof(uint16_t));
-    for (int64_t k = first_visible(a, a->start) / bs; k <= last && s->n < AHEAD_BLOCKS; k++) {
-        const size_t at = (size_t)((a->block_ids[k] * a->num_layers + a->layer) * 2) * slab;
-        ahead.slabs[s->n++] = (const char *)(a->cache + at);
+    int64_t n = 0, bytes = 0;
+    if (a != NULL) {
+        const int64_t bs = a->block_size, last = (a->start + a->n - 1) / bs;
+        const size_t slab = (size_t)(bs * a->num_kv_heads * a->D); /* elements of keys (or values) */
+        bytes = (int64_t)(2 * slab * sizeof(uint16_t));
+        for (int64_t k = first_visible(a, a->start) / bs; k <= last && n < AHEAD_BLOCKS; k++) {
+            const size_t at = (size_t)((a->block_ids[k] * a->num_layers + a->layer) * 2) * slab;
+            ahead.slabs[n++] = (const char *)(a->cache + at);
+        }
     }
+    ahead.lines = line_stream(ahead.slabs, n, bytes);
 }
 
 /* Where one tile's keys and values are read: its pack, or (a full tile of a cache in the paired order)
@@ -306,13 +314,14 @@ typedef struct {
 INLINE void tile_scores(Ahead *ah, const operand *q, const TileSrc *src, const TileSrc *pf, float scale,
                         __m512 s[QBLOCK][2], const int D, const int NV) {
     for (int i = 0; i < NV; i++) s[i][0] = s[i][1] = _mm512_setzero_ps();
+    LineStream ls = ahead_in(ah);
     for (int p = 0; p < D / 2; p++) {
         if (pf) { /* the next tile's keys, a line of each half per pair of dims */
             _mm_prefetch((const char *)(pf->k[0] + (size_t)p * pf->kstride), _MM_HINT_T0);
             _mm_prefetch((const char *)(pf->k[1] + (size_t)p * pf->kstride), _MM_HINT_T0);
         }
-        ahead_step(ah);
-        ahead_step(ah);
+        ahead_step(&ls);
+        ahead_step(&ls);
         const bf16v k0 = bf16v_load(src->k[0] + (size_t)p * src->kstride);
         const bf16v k1 = bf16v_load(src->k[1] + (size_t)p * src->kstride);
         for (int i = 0; i < NV; i++) {
@@ -328,6 +337,7 @@ INLINE void tile_scores(Ahead *ah, const operand *q, const TileSrc *src, const T
 #endif
         }
     }
+    ahead_out(ah, &ls);
     const __m512 sv = _mm512_set1_ps(scale);
     for (int i = 0; i < NV; i++) {
         s[i][0] = _mm512_mul_ps(s[i][0], sv);
@@ -344,10 +354,11 @@ INLINE void tile_values(Ahead *ah, float *o, const operand *p, const TileSrc *sr
     for (int i = 0; i < QB; i++)
         for (int c = 0; c < C; c++)
             acc[i * C + c] = _mm512_mul_ps(_mm512_loadu_ps(o + (size_t)i * D + 16 * c), _mm512_set1_ps(corr[i]));
+    LineStream ls = ahead_in(ah);
     for (int kp = 0; kp < KT / 2; kp++) {
         for (int c = 0; c < C; c++) {
             if (pf) _mm_prefetch((const char *)(pf->v[kp >> 3] + (size_t)(kp & 7) * D + 16 * c), _MM_HINT_T0);
-            ahead_step(ah);
+            ahead_step(&ls);
             const bf16v v = bf16v_load(src->v[kp >> 3] + (size_t)(kp & 7) * D + 16 * c);
             for (int i = 0; i < QB; i++) {
 #if PDKV_BF16 == 1
@@ -360,6 +371,7 @@ INLINE void tile_values(Ahead *ah, float *o, const operand *p, const TileSrc *sr
             }
         }
     }
+    ahead_out(ah, &ls);
     for (int i = 0; i < QB; i++)
         for (int c = 0; c < C; c++) _mm512_storeu_ps(o + (size_t)i * D + 16 * c, acc[i * C + c]);
 }

@@ -100,21 +100,32 @@ static inline void write_paired(void *cache, size_t slab, const uint16_t *k, con
 }
 
 /* Byte ranges a kernel prefetches a line at a time on the way through its own work (bf16_linear.c's side
- * stream, paged_prefill.c's next decode row): ranges base[i .. n - 1] of `bytes` each, from offset `off`
- * of range i.  line_stream_next: the next line's address (the caller prefetches it with its hint), NULL
- * once the stream is done or where there is none. */
+ * stream, paged_prefill.c's next decode row): `left` more ranges from base[0] on, of `bytes` each, after
+ * the one at hand, whose next line is `cur` (below `end`).  line_stream_next: the next line's address (the
+ * caller prefetches it with its hint), NULL once the stream is done or where there is none.  A cursor,
+ * not (range, offset): its common step is a compare and an add on two registers, which the kernels keep
+ * in registers on a local copy of the stream (the caller's copied in and back around each loop) -- a
+ * stream advanced through a pointer cost the score loop of paged_prefill.c's decode rows its registers. */
 typedef struct {
     const char *const *base;
-    int64_t n, i, off, bytes;
+    int64_t left, bytes;
+    const char *cur, *end;
 } LineStream;
 
+/* A stream over n ranges of `bytes` from base[0] (n 0: an empty one). */
+static inline LineStream line_stream(const char *const *base, int64_t n, int64_t bytes) {
+    return (LineStream){base, n, bytes, NULL, NULL};
+}
+
 static inline const char *line_stream_next(LineStream *h) {
-    if (h == NULL || h->i >= h->n) return NULL;
-    const char *line = h->base[h->i] + h->off;
-    if ((h->off += 64) >= h->bytes) {
-        h->off = 0;
-        h->i++;
+    if (h->cur >= h->end) {
+        if (h->left <= 0) return NULL;
+        h->cur = *h->base++;
+        h->end = h->cur + h->bytes;
+        h->left--;
     }
+    const char *line = h->cur;
+    h->cur += 64;
     return line;
 }
 
