@@ -370,6 +370,17 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int
     store_tile(acc, nrows, out, ldo, col, ncols, out_bf16);
 }
 
+/* acc + w . (*a broadcast to every lane): vpdpwssd with the activation pair as its embedded-broadcast
+ * memory operand, {1to16} -- gcc emits a vpbroadcastd per pair instead, a vector uop of its own beside
+ * each product (the products' bits are the same).  Batch-1 calls read each pair once per tile, so the
+ * broadcasts were a third of the loop's vector uops: AMD EPYC Zen 5, in-process A/B of two builds, the
+ * Q4_1 model's 120 layer linears at batch 1 from the caches 1.362 -> 1.272 ms on one thread (1.086 ->
+ * 1.043 on two), from memory 2.24 -> 2.18 and 2.72 -> 2.64 ms (docs/BENCHMARKS.md). */
+INLINE __m512i dpwssd_bcast(__m512i acc, __m512i w, const int32_t *a) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*a));
+    return acc;
+}
+
 /* One activation row of NG (1 to 4) consecutive groups: group_tile's arithmetic for nrows = 1 -- the
  * same integer sums (in four independent chains: integer addition is exact, so the split changes no bit)
  * and the same float operations in the same block order, per group -- streamed without holding the
@@ -393,21 +404,20 @@ INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, const int
                 for (int g = 0; g < 8; g += 2) {
                     const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(t + 32 * g)));
                     const __m512i u = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(t + 32 * g + 32)));
-                    s0 = _mm512_dpwssd_epi32(s0, _mm512_and_si512(v, low), _mm512_set1_epi32(a[g]));
-                    s1 = _mm512_dpwssd_epi32(s1, _mm512_srli_epi16(v, 4), _mm512_set1_epi32(a[g + 8]));
-                    s2 = _mm512_dpwssd_epi32(s2, _mm512_and_si512(u, low), _mm512_set1_epi32(a[g + 1]));
-                    s3 = _mm512_dpwssd_epi32(s3, _mm512_srli_epi16(u, 4), _mm512_set1_epi32(a[g + 9]));
+                    s0 = dpwssd_bcast(s0, _mm512_and_si512(v, low), a + g);
+                    s1 = dpwssd_bcast(s1, _mm512_srli_epi16(v, 4), a + g + 8);
+                    s2 = dpwssd_bcast(s2, _mm512_and_si512(u, low), a + g + 1);
+                    s3 = dpwssd_bcast(s3, _mm512_srli_epi16(u, 4), a + g + 9);
                 }
             } else {
                 for (int p = 0; p < 16; p += 4) {
-                    s0 = _mm512_dpwssd_epi32(s0, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(t + 32 * p))),
-                                             _mm512_set1_epi32(a[p]));
-                    s1 = _mm512_dpwssd_epi32(s1, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(t + 32 * p + 32))),
-                                             _mm512_set1_epi32(a[p + 1]));
-                    s2 = _mm512_dpwssd_epi32(s2, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(t + 32 * p + 64))),
-                                             _mm512_set1_epi32(a[p + 2]));
-                    s3 = _mm512_dpwssd_epi32(s3, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(t + 32 * p + 96))),
-                                             _mm512_set1_epi32(a[p + 3]));
+                    s0 = dpwssd_bcast(s0, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(t + 32 * p))), a + p);
+                    s1 = dpwssd_bcast(s1, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(t + 32 * p + 32))),
+                                      a + p + 1);
+                    s2 = dpwssd_bcast(s2, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(t + 32 * p + 64))),
+                                      a + p + 2);
+                    s3 = dpwssd_bcast(s3, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(t + 32 * p + 96))),
+                                      a + p + 3);
                 }
             }
             const __m512i s = _mm512_add_epi32(_mm512_add_epi32(s0, s1), _mm512_add_epi32(s2, s3));
