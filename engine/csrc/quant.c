@@ -344,6 +344,18 @@ INLINE void load_weights(const uint8_t *t, int64_t fmt, __m512i w[16]) {
 INLINE void store_tile(const __m512 *acc, int nrows, void *out, int64_t ldo, int64_t col, int64_t ncols,
                        int64_t out_bf16);
 
+/* acc + w . (*a broadcast to every lane): vpdpwssd with the activation pair as its embedded-broadcast
+ * memory operand, {1to16} -- gcc emits a vpbroadcastd per pair instead, a vector uop of its own beside
+ * each product (the products' bits are the same).  Batch-1 calls read each pair once per tile, so the
+ * broadcasts were a third of the loop's vector uops: AMD EPYC Zen 5, in-process A/B of two builds, the
+ * Q4_1 model's 120 layer linears at batch 1 from the caches 1.362 -> 1.272 ms on one thread (1.086 ->
+ * 1.043 on two), from memory 2.24 -> 2.18 and 2.72 -> 2.64 ms; the batch tiles (group_tile), the 121
+ * linears from memory at 8 rows 5.40 -> 5.19 ms, at 32 rows 17.7 -> 17.2 (docs/BENCHMARKS.md). */
+INLINE __m512i dpwssd_bcast(__m512i acc, __m512i w, const int32_t *a) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*a));
+    return acc;
+}
+
 /* Rows m0 .. m0 + nrows - 1 (nrows <= MT) of one group: acc[j] over every block, stored to out. */
 INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int16_t *qa, const float *da,
                        const float *sa, int64_t k, int nrows, void *out, int64_t ldo, int64_t col,
@@ -361,24 +373,13 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int
         for (int j = 0; j < nrows; j++) {
             const int32_t *a = (const int32_t *)(qa + j * k + b * QBLOCK);
             __m512i s = _mm512_setzero_si512();
-            for (int p = 0; p < 16; p++) s = _mm512_dpwssd_epi32(s, w[p], _mm512_set1_epi32(a[p]));
+            for (int p = 0; p < 16; p++) s = dpwssd_bcast(s, w[p], a + p);
             const float dj = da[j * (k / QBLOCK) + b], sj = sa[j * (k / QBLOCK) + b];
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dj)), acc[j]);
             acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(sj), acc[j]);
         }
     }
     store_tile(acc, nrows, out, ldo, col, ncols, out_bf16);
-}
-
-/* acc + w . (*a broadcast to every lane): vpdpwssd with the activation pair as its embedded-broadcast
- * memory operand, {1to16} -- gcc emits a vpbroadcastd per pair instead, a vector uop of its own beside
- * each product (the products' bits are the same).  Batch-1 calls read each pair once per tile, so the
- * broadcasts were a third of the loop's vector uops: AMD EPYC Zen 5, in-process A/B of two builds, the
- * Q4_1 model's 120 layer linears at batch 1 from the caches 1.362 -> 1.272 ms on one thread (1.086 ->
- * 1.043 on two), from memory 2.24 -> 2.18 and 2.72 -> 2.64 ms (docs/BENCHMARKS.md). */
-INLINE __m512i dpwssd_bcast(__m512i acc, __m512i w, const int32_t *a) {
-    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*a));
-    return acc;
 }
 
 /* One activation row of NG (1 to 4) consecutive groups: group_tile's arithmetic for nrows = 1 -- the
