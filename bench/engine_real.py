@@ -10,11 +10,13 @@ the time of its own matmuls.
   same weights in the same dtype: ``pdkv convert-gguf``'s folder (the GGUF dequantized to float32), which
   transformers loads in bfloat16 or float32 (its GGUF path keeps weights packed and computes in float32,
   another computation).  ``speedup_vs_transformers_real`` is the bfloat16 ratio (goal >= 2.5).
-- **Matmul floor**: one decode step's linear layers alone -- ``F.linear`` over every weight of the model
-  (fused qkv, o, fused gate/up, down per layer, and the LM head) at the step's batch size, same dtype and
-  thread count -- against pdkv's measured decode step at that batch (``decode_fraction_of_matmul_floor_b8``
-  and ``_b32``, goal >= 0.8), the two timed in turns.  The rest of a step is attention, norms, rope,
-  sampling and bookkeeping.
+- **Matmul floor**: one decode step's linear layers alone, as the engine runs them -- its own packed
+  kernels (``QuantLinear``: the bfloat16 vectors or tiles, the quantized blocks) where it has them, else
+  ``F.linear`` over every weight of the model (fused qkv, o, fused gate/up, down per layer, and the LM
+  head) -- at the step's batch size, same dtype and thread count, against pdkv's measured decode step at
+  that batch (``decode_fraction_of_matmul_floor_b8`` and ``_b32``, goal >= 0.8), the two timed in turns.
+  The rest of a step is attention, norms, rope, sampling and bookkeeping: a faster linear kernel lowers
+  the floor with the step, and the fraction shows only what the rest costs.
 - **Quantized weights** (``--weights quantized``, engine/model/quantized.py; ``--no-quantized`` skips):
   the file as it ships (Q4_1 matrices, a Q8_0 embedding) -- decode tokens/s at batch 1, 8 and 32 and the
   1000-token TTFT; ``decode_fraction_of_bandwidth_b1`` (the packed bytes one batch-1 step reads over its
@@ -115,8 +117,9 @@ def step_and_floor_seconds(
 
 
 def matmul_floor(llm: LLM, batch: int) -> Callable[[], None]:
-    """One decode step's linear layers alone: every weight matrix of the model times [batch, in] --
-    ``F.linear`` on dense weights, the engine's own packed linears where its weights run quantized."""
+    """One decode step's linear layers alone: every weight matrix of the model times [batch, in] -- the
+    engine's own packed linears where it runs them (quantized, or bfloat16 in its vector or AMX kernels),
+    ``F.linear`` on dense weights otherwise."""
     model = llm.engine.model.model
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if quantized:
