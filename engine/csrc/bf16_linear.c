@@ -178,8 +178,8 @@ INLINE void tile(const uint16_t *w, int64_t g0, int64_t k, const void *x, const 
     /* The loops below run one per prefetch hint, and on a copy of the side stream: one loop with the
      * hint chosen inside it, over the caller's stream, kept each step's broadcast pairs in memory (gcc
      * joined the two paths there and stored the six vectors every pair of inputs) -- AMD EPYC Zen 5, the
-     * 121 linears of a SmolLM2 step at 32 rows, in-process A/B of the two builds: 597 -> 886 GFLOP/s
-     * from the caches, 19.0 -> 13.8 ms from memory (the FMA form: no change; docs/BENCHMARKS.md). */
+     * 121 linears of a SmolLM2 step at 32 rows, in-process A/B of the two builds: 644 -> 917 GFLOP/s
+     * from the caches, 18.1 -> 12.7 ms from memory (the FMA form: no change; docs/BENCHMARKS.md). */
     LineStream s = side != NULL ? *side : line_stream(NULL, 0, 0);
     if (FORM == FORM_FMA) {
         const float *xr[TILE_ROWS_FMA];
@@ -286,7 +286,7 @@ int pdkv_bf16_linear(const void *x_, int64_t rows, int64_t k, const void *packed
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
         const int64_t s0 = sn * tid / nt, s1 = sn * (tid + 1) / nt;
-        LineStream side = line_stream(sbase + s0, s1 - s0, sbytes); /* this thread's share */
+        LineStream side = line_stream(sbase ? sbase + s0 : NULL, s1 - s0, sbytes); /* this thread's share */
 #ifdef PDKV_AMX
         if (amx_on && k % 32 == 0) {
             amx_rows(x, rows, k, w, g0, g1, out, ldo, col0, n);

@@ -349,8 +349,9 @@ INLINE void store_tile(const __m512 *acc, int nrows, void *out, int64_t ldo, int
  * each product (the products' bits are the same).  Batch-1 calls read each pair once per tile, so the
  * broadcasts were a third of the loop's vector uops: AMD EPYC Zen 5, in-process A/B of two builds, the
  * Q4_1 model's 120 layer linears at batch 1 from the caches 1.362 -> 1.272 ms on one thread (1.086 ->
- * 1.043 on two), from memory 2.24 -> 2.18 and 2.72 -> 2.64 ms; the batch tiles (group_tile), the 121
- * linears from memory at 8 rows 5.40 -> 5.19 ms, at 32 rows 17.7 -> 17.2 (docs/BENCHMARKS.md). */
+ * 1.043 on two), from memory 2.24 -> 2.18, 2.72 -> 2.64 and 2.64 -> 2.55 ms; the batch tiles
+ * (group_tile), the 121 linears from memory at 8 rows 5.40 -> 5.19 ms, at 32 rows 17.7 -> 17.2
+ * (docs/BENCHMARKS.md).  AT&T syntax (gcc's default; -masm=intel would not take it). */
 INLINE __m512i dpwssd_bcast(__m512i acc, __m512i w, const int32_t *a) {
     __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*a));
     return acc;

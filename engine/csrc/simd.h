@@ -102,29 +102,31 @@ static inline void write_paired(void *cache, size_t slab, const uint16_t *k, con
 /* Byte ranges a kernel prefetches a line at a time on the way through its own work (bf16_linear.c's side
  * stream, paged_prefill.c's next decode row): `left` more ranges from base[0] on, of `bytes` each, after
  * the one at hand, whose next line is `cur` (below `end`).  line_stream_next: the next line's address (the
- * caller prefetches it with its hint), NULL once the stream is done or where there is none.  A cursor,
- * not (range, offset): its common step is a compare and an add on two registers, which the kernels keep
- * in registers on a local copy of the stream (the caller's copied in and back around each loop) -- a
- * stream advanced through a pointer cost the score loop of paged_prefill.c's decode rows its registers. */
+ * caller prefetches it with its hint), NULL once the stream is done, or for an empty one.  A cursor, not
+ * (range, offset): its common step is a compare and an add on two registers, which bf16_linear.c's tiles
+ * and paged_prefill.c's score and value loops keep in registers on a local copy of the stream (copied in
+ * and back around each loop) -- a stream advanced through a pointer cost the score loop of
+ * paged_prefill.c's decode rows its registers. */
 typedef struct {
     const char *const *base;
     int64_t left, bytes;
-    const char *cur, *end;
+    uintptr_t cur, end; /* addresses as integers: the cursor steps past a range's end by up to 63 bytes */
 } LineStream;
 
-/* A stream over n ranges of `bytes` from base[0] (n 0: an empty one). */
+/* A stream over n ranges of `bytes` from base[0]; empty where n or bytes is not positive or base is NULL. */
 static inline LineStream line_stream(const char *const *base, int64_t n, int64_t bytes) {
-    return (LineStream){base, n, bytes, NULL, NULL};
+    const int none = base == NULL || n <= 0 || bytes <= 0;
+    return (LineStream){none ? NULL : base, none ? 0 : n, bytes, 0, 0};
 }
 
 static inline const char *line_stream_next(LineStream *h) {
     if (h->cur >= h->end) {
         if (h->left <= 0) return NULL;
-        h->cur = *h->base++;
-        h->end = h->cur + h->bytes;
+        h->cur = (uintptr_t)*h->base++;
+        h->end = h->cur + (uintptr_t)h->bytes;
         h->left--;
     }
-    const char *line = h->cur;
+    const char *line = (const char *)h->cur;
     h->cur += 64;
     return line;
 }
