@@ -27,8 +27,9 @@
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 /* One line of a weight stream prefetched into L1: non-temporally (prefetchnta) where nta, else with
- * prefetcht0 -- the run-time switch of quant.c's row_prefetch and bf16_linear.c's bf_nta (the hint of
- * _mm_prefetch must be a constant, hence the branch). */
+ * prefetcht0 -- the run-time switch of quant.c's row_prefetch (the hint of _mm_prefetch must be a
+ * constant, hence the branch).  Not for a loop whose registers are tight: bf16_linear.c's tile, with this
+ * branch inside it, kept its broadcast vectors on the stack (it writes one loop per hint instead). */
 INLINE void prefetch_l1(const void *p, int nta) {
     if (nta)
         _mm_prefetch((const char *)p, _MM_HINT_NTA);
