@@ -22,6 +22,7 @@ planned stop must leave at zero (``kv_load_failures``: prompts a decode node rec
 
 from __future__ import annotations
 
+import gc
 import logging
 from concurrent import futures
 from dataclasses import dataclass
@@ -269,6 +270,11 @@ def run_node(config: NodeConfig) -> int:
         labels = {"model_name": config.model_name}
         metrics = MetricsServer(config.metrics_address, lambda: node_metrics(node), labels).start()
     server.start()
+    # What is built by now lives as long as the process (modules, the model, the engine): out of the
+    # collector's sight, a full collection no longer walks its ~300,000 objects (~180 ms, a pause of
+    # every running stream, measured with SmolLM2 loaded) -- only what serving makes after it.
+    gc.collect()
+    gc.freeze()
     node.set_serving(True)
     stop = stop_on_signals()
     host = config.address.rpartition(":")[0]

@@ -141,6 +141,22 @@ def test_the_fingerprint_names_the_file_not_its_path(files: dict[str, Path], tmp
     assert ha and not set(ha) & set(hb)
 
 
+def test_an_inspected_file_keeps_no_reader_alive(files: dict[str, Path], tmp_path: Path) -> None:
+    """The cache of inspected files holds their tensors, not gguf's reader: its metadata fields are a
+    memmap per part (a real vocabulary: ~250,000), which every process would carry -- memory, and objects
+    each full collection of the garbage collector walks while the engine waits."""
+    import gc
+
+    from gguf import GGUFReader
+
+    copy = tmp_path / "kept.gguf"
+    shutil.copy(files["Q8_0"], copy)
+    model = inspect_gguf(copy)
+    assert len(list(model.weights(torch.float32))) > 0  # the weights still read after it
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, GGUFReader)]
+
+
 def test_convert_gguf_writes_a_folder_transformers_and_pdkv_load(
     files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
