@@ -116,7 +116,9 @@ def kv_fingerprint(
     dtype, the mode, whether the bfloat16 linears run in AMX tiles (engine/csrc/bf16_amx.h) or in torch's
     matmuls (``torch_linears``: oneDNN, whose sums follow the CPU's instruction set), whether the
     bfloat16 attention does (``attention_tiles``: engine/csrc/attn_amx.h), whether the weights run
-    quantized (engine/model/quantized.py) and, for bfloat16, the kernels' dot products: ``bf16_dot`` is
+    quantized (engine/model/quantized.py; with the rule its activations are quantized by, int16 at a
+    step of max|a| / 32639 since 2026-12-06, so no node loads a block made under the old rule) and, for
+    bfloat16, the kernels' dot products: ``bf16_dot`` is
     ``NativeKernels.bf16_dot`` (engine/csrc/simd.h's PDKV_BF16: 1 vdpbf16ps, 2 its FMA emulation on
     AVX-512, 3 that emulation on AVX2's halves, 0 scalar loops), None where no native kernels run (torch's
     own).  The native bfloat16 kernels flush denormals as vdpbf16ps does (simd.h's bf16_mode_enter:
@@ -130,7 +132,7 @@ def kv_fingerprint(
     if torch_linears and dtype == torch.bfloat16:
         linears = ";linears=torch"
     attention = ";attention=amx" if attention_tiles and dtype == torch.bfloat16 else ""
-    weights = ";weights=quantized" if quantized else ""
+    weights = ";weights=quantized;activations=int16/32639" if quantized else ""
     dots = ""
     if dtype == torch.bfloat16:
         if bf16_dot is None:

@@ -13,25 +13,37 @@
  * block b, contiguous, g-major (a thread streams its groups front to back):
  *
  *   Q4 (Q4_0, Q4_1)  256 bytes of quants, then 16 float16 scales d, then 16 float16 mins m (320 bytes):
- *                    byte [s][r][j] (s < 8, r < 16, j < 2) holds row r's quant of input 2s + j in its low
- *                    nibble and of input 16 + 2s + j in its high one -- GGUF's own byte qs[2s + j] of the
+ *                    byte [s][r][j] (s < 4, r < 16, j < 4) holds row r's quant of input 4s + j in its low
+ *                    nibble and of input 16 + 4s + j in its high one -- GGUF's own byte qs[4s + j] of the
  *                    row's block, so repacking is a transpose.  w = q d + m (Q4_0: m = -8 d, exact).
- *   Q8 (Q8_0)        512 bytes, byte [p][r][j] (p < 16) = row r's signed quant of input 2p + j, then d
+ *   Q8 (Q8_0)        512 bytes, byte [s][r][j] (s < 8) = row r's signed quant of input 4s + j, then d
  *                    and m as above (m = 0): w = q d + m again.
  *
- * Activations are quantized per row and block of 32 to int16: a = da * qa with da = max|a| / 32767 (an
- * error of at most 1/65534 of the block's largest value: 256x finer than llama.cpp's int8 activations,
- * which move greedy picks at logit margins of 0.1-0.4 on SmolLM2), then a block's contribution to one
- * output is  d (da sum q qa) + m (da sum qa)  -- the integer sum exact, by AVX512-VNNI's vpdpwssd (pairs of
- * int16 products into int32 lanes), 16 output rows in the lanes, each activation pair broadcast: no
- * horizontal sums.  Each output is summed over the blocks in order by one thread, whatever the number
- * of rows or threads: a row's result depends on that row alone (the engine's determinism rule,
- * engine/determinism.py).
+ * So each 64-byte run holds, per 32-bit lane r, row r's quants of four consecutive inputs: what one
+ * vpdpbusd (four byte products into each int32 lane) and one row of an AMX-INT8 B tile take as they are.
  *
- * Without AVX512-VNNI, a CPU with AVX2 (+ FMA, F16C) runs quant_avx2.h's kernels: the same sums in two
- * halves of 8 lanes (vpmaddwd + vpaddd for vpdpwssd), the same bits.
+ * Activations are quantized per row and block of 32 to int16: a = da * qa with da = max|a| / QA_MAX and
+ * |qa| <= QA_MAX = 32639 (an error of at most 1/65278 of the block's largest value: 256x finer than
+ * llama.cpp's int8 activations, which move greedy picks at logit margins of 0.1-0.4 on SmolLM2), then a
+ * block's contribution to one output is  d (da sum q qa) + m (da sum qa)  -- the integer sum exact.  QA_MAX
+ * (not 32767) lets qa split into two signed bytes, qa = 256 hi + lo with lo = qa's low byte read signed
+ * and hi = (qa - lo) / 256, both in -128..127 -- so that
+ *
+ *     sum q qa = 256 sum q hi + sum q lo,
+ *
+ * two byte dot products: AVX512-VNNI's vpdpbusd (unsigned by signed bytes, four products into each int32
+ * lane; Q8's signed quants go in as q + 128, and 128 sum(qa) comes back out), 16 output rows in the
+ * lanes, each four activation bytes broadcast: no horizontal sums.  Against the int16 pairs of vpdpwssd
+ * this unpacks the quants with a third of the operations (one 64-byte load and three logic operations
+ * per 128 quants) for the same number of dot products: an AMD EPYC Zen 4, one core, a Q4 tile from L1 in
+ * 16.7-17.4 cycles against 25 (docs/BENCHMARKS.md).  Each output is summed over the blocks in order by one
+ * thread, whatever the number of rows or threads: a row's result depends on that row alone (the engine's
+ * determinism rule, engine/determinism.py).
+ *
+ * Without AVX512-VNNI, a CPU with AVX2 (+ FMA, F16C) runs quant_avx2.h's kernels: the same integer sums
+ * from the int16 qa by vpmaddwd, the same float operations, the same bits.
  * On a CPU with AMX-INT8, calls of QAMX_MIN_ROWS rows and more run quant_amx.h's tiles: the same integer
- * sums (the activations split into bytes), the same float operations after them, the same bits.
+ * sums (the same hi and lo bytes), the same float operations after them, the same bits.
  *
  * Returns 0; 1 when this build has neither (the caller keeps its dense path); 2 for a shape or
  * format it does not serve; 3 when memory for the activation buffers runs out.
@@ -58,6 +70,7 @@
 #define PARALLEL_MIN_WORK 32768
 #define PRIVATE_ROWS 4 /* activation rows each thread quantizes for itself (pdkv_qlinear) */
 #define QAMX_MIN_ROWS 8 /* rows from which quant_amx.h's tiles serve a call, where they are on */
+#define QA_MAX 32639 /* the int16 activations' range, +-: a = 256 hi + lo in two signed bytes (the header) */
 #ifndef PREFETCH
 #define PREFETCH 1024 /* bytes ahead of the tile being read: the weights stream from memory */
 #endif
@@ -124,6 +137,20 @@ INLINE void prefetch_tile(const uint8_t *t, int64_t tb, int64_t near, int64_t fa
 static int64_t tile_bytes(int64_t fmt) { return fmt == FMT_Q4 ? 320 : 576; }
 static int64_t quant_bytes(int64_t fmt) { return fmt == FMT_Q4 ? 256 : 512; }
 
+/* The quantized activations of rows j, j + 1, ... of a call (quantize_row's: the header's): row i's q at
+ * q + 2 i k bytes, its per-block sums of qa, steps da and da * sum at i k / 32 floats on. */
+typedef struct {
+    const uint8_t *q;
+    const int32_t *is;
+    const float *da, *sa;
+} Acts;
+
+/* Rows j, j + 1, ... of a. */
+static inline Acts acts_from(Acts a, int64_t j, int64_t k) {
+    const int64_t s = j * (k / QBLOCK);
+    return (Acts){a.q + 2 * j * k, a.is + s, a.da + s, a.sa + s};
+}
+
 int pdkv_bf16_linear(const void *x, int64_t rows, int64_t k, const void *packed, int64_t n, void *out,
                      int64_t ldo, int64_t col0);
 int pdkv_bf16_rows(const void *packed, int64_t n, int64_t k, const int64_t *ids, int64_t count, void *out);
@@ -170,15 +197,15 @@ static void dequant_row(const uint8_t *packed, int64_t fmt, int64_t k, int64_t r
         const float d = half_to_f32(dh), m = half_to_f32(mh);
         float *o = out + b * QBLOCK;
         if (fmt == FMT_Q4) {
-            for (int p = 0; p < 8; p++)
-                for (int j = 0; j < 2; j++) {
-                    const uint8_t byte = t[(p * GROUP + lane) * 2 + j];
-                    o[2 * p + j] = (float)(byte & 0xf) * d + m;
-                    o[16 + 2 * p + j] = (float)(byte >> 4) * d + m;
+            for (int p = 0; p < 4; p++)
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t byte = t[(p * GROUP + lane) * 4 + j];
+                    o[4 * p + j] = (float)(byte & 0xf) * d + m;
+                    o[16 + 4 * p + j] = (float)(byte >> 4) * d + m;
                 }
         } else {
-            for (int p = 0; p < 16; p++)
-                for (int j = 0; j < 2; j++) o[2 * p + j] = (float)(int8_t)t[(p * GROUP + lane) * 2 + j] * d + m;
+            for (int p = 0; p < 8; p++)
+                for (int j = 0; j < 4; j++) o[4 * p + j] = (float)(int8_t)t[(p * GROUP + lane) * 4 + j] * d + m;
         }
     }
 }
@@ -298,135 +325,151 @@ int pdkv_evict(const void *buf, int64_t bytes) {
 }
 
 #if PDKV_QUANT_BUILT == 1
-/* Row x (k values, bfloat16 or float32) quantized per block of 32: qa[k] int16, da[k/32] and
- * sa[k/32] = da * sum(qa) floats. */
-static void quantize_row(const void *x, int64_t in_bf16, int64_t k, int16_t *qa, float *da, float *sa) {
+/* Row x (k values, bfloat16 or float32) quantized per block of 32 (the header's activations): q holds
+ * the hi bytes [k] then the lo bytes [k], is[k/32] the blocks' sums of qa, da[k/32] their steps and
+ * sa[k/32] = da * is. */
+static void quantize_row(const void *x, int64_t in_bf16, int64_t k, uint8_t *q, int32_t *is, float *da,
+                         float *sa) {
+    const __m512i top = _mm512_set1_epi32(QA_MAX), bottom = _mm512_set1_epi32(-QA_MAX);
     for (int64_t b = 0; b < k / QBLOCK; b++) {
-        __m512 v0, v1;
+        __m512 v[2];
         if (in_bf16) {
             const uint16_t *p = (const uint16_t *)x + b * QBLOCK;
-            v0 = from_bf16x16(_mm256_loadu_si256((const __m256i *)p));
-            v1 = from_bf16x16(_mm256_loadu_si256((const __m256i *)(p + 16)));
+            v[0] = from_bf16x16(_mm256_loadu_si256((const __m256i *)p));
+            v[1] = from_bf16x16(_mm256_loadu_si256((const __m256i *)(p + 16)));
         } else {
             const float *p = (const float *)x + b * QBLOCK;
-            v0 = _mm512_loadu_ps(p);
-            v1 = _mm512_loadu_ps(p + 16);
+            v[0] = _mm512_loadu_ps(p);
+            v[1] = _mm512_loadu_ps(p + 16);
         }
-        const __m512 a = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
-        const float amax = _mm512_reduce_max_ps(a);
-        const float d = amax / 32767.0f;
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+        const float d = amax / (float)QA_MAX;
         const float id = d > 0.0f ? 1.0f / d : 0.0f;
-        /* round to nearest even (the default rounding mode of the conversion); saturated to int16 */
-        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
-        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
-        _mm256_storeu_si256((__m256i *)(qa + b * QBLOCK), _mm512_cvtsepi32_epi16(q0));
-        _mm256_storeu_si256((__m256i *)(qa + b * QBLOCK + 16), _mm512_cvtsepi32_epi16(q1));
-        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        __m512i sum = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            /* round to nearest even (the conversion's default mode), then held to +-QA_MAX */
+            __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));
+            qa = _mm512_min_epi32(_mm512_max_epi32(qa, bottom), top);
+            const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(qa, 24), 24); /* the low byte, signed */
+            const __m512i hi = _mm512_srai_epi32(_mm512_sub_epi32(qa, lo), 8);  /* exact: a multiple of 256 */
+            _mm_storeu_si128((__m128i *)(q + b * QBLOCK + 16 * h), _mm512_cvtepi32_epi8(hi));
+            _mm_storeu_si128((__m128i *)(q + k + b * QBLOCK + 16 * h), _mm512_cvtepi32_epi8(lo));
+            sum = _mm512_add_epi32(sum, qa);
+        }
+        const int32_t total = _mm512_reduce_add_epi32(sum);
+        is[b] = total;
         da[b] = d;
-        sa[b] = d * (float)sum;
+        sa[b] = d * (float)total;
     }
 }
 
-/* The 16 vectors of int16 weight pairs of one tile: w[p] lane r = row r's quants of inputs 2p, 2p + 1. */
-INLINE void load_weights(const uint8_t *t, int64_t fmt, __m512i w[16]) {
+/* acc + w . (*a broadcast to every lane), w's bytes unsigned and a's signed: vpdpbusd with the
+ * activations' four bytes as its embedded-broadcast memory operand, {1to16} -- gcc emits a vpbroadcastd
+ * per dword instead, a vector uop of its own beside each product (an AMD EPYC Zen 5, the int16 form of
+ * these kernels: the Q4_1 model's 120 layer linears at batch 1 from the caches 1.362 -> 1.272 ms on one
+ * thread; docs/BENCHMARKS.md).  AT&T syntax (gcc's default; -masm=intel would not take it). */
+INLINE __m512i dpbusd_bcast(__m512i acc, __m512i w, const int32_t *a) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*a));
+    return acc;
+}
+
+/* Quad p (p < 8) of a tile as unsigned bytes: lane r's four are row r's quants of inputs 4p .. 4p + 3 --
+ * Q4 the low nibbles of the tile's 64-byte run p (p < 4) or the high ones of run p - 4, Q8 run p with
+ * its sign bits flipped (q + 128: block_sum takes the 128 sum(qa) back out). */
+INLINE __m512i tile_quad(const uint8_t *t, int64_t fmt, int p) {
     if (fmt == FMT_Q4) {
-        const __m512i low = _mm512_set1_epi16(0x0f);
-        for (int s = 0; s < 8; s++) {
-            const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(t + 32 * s)));
-            w[s] = _mm512_and_si512(v, low);
-            w[s + 8] = _mm512_srli_epi16(v, 4);
-        }
-    } else {
-        for (int p = 0; p < 16; p++) w[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(t + 32 * p)));
+        const __m512i v = _mm512_loadu_si512((const void *)(t + 64 * (p & 3))), low = _mm512_set1_epi8(0x0f);
+        return _mm512_and_si512(p < 4 ? v : _mm512_srli_epi16(v, 4), low);
     }
+    return _mm512_xor_si512(_mm512_loadu_si512((const void *)(t + 64 * p)), _mm512_set1_epi8((char)0x80));
+}
+
+/* A block's integer sums per lane, sum q qa, from its hi and lo byte sums:  256 H + L, less 128 sum(qa)
+ * for Q8 (tile_quad's offset). */
+INLINE __m512i block_sum(__m512i h, __m512i l, int64_t fmt, int32_t qsum) {
+    const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
+    return fmt == FMT_Q4 ? s : _mm512_sub_epi32(s, _mm512_set1_epi32(128 * qsum));
+}
+
+/* The block's scale term then its min term, per lane: every kernel's float operations, in this order. */
+INLINE __m512 add_block(__m512 acc, __m512i s, const uint8_t *scales, float dj, float sj) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32)));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dj)), acc);
+    return _mm512_fmadd_ps(m, _mm512_set1_ps(sj), acc);
 }
 
 INLINE void store_tile(const __m512 *acc, int nrows, void *out, int64_t ldo, int64_t col, int64_t ncols,
                        int64_t out_bf16);
 
-/* acc + w . (*a broadcast to every lane): vpdpwssd with the activation pair as its embedded-broadcast
- * memory operand, {1to16} -- gcc emits a vpbroadcastd per pair instead, a vector uop of its own beside
- * each product (the products' bits are the same).  Batch-1 calls read each pair once per tile, so the
- * broadcasts were a third of the loop's vector uops: AMD EPYC Zen 5, in-process A/B of two builds, the
- * Q4_1 model's 120 layer linears at batch 1 from the caches 1.362 -> 1.272 ms on one thread (1.086 ->
- * 1.043 on two), from memory 2.24 -> 2.18, 2.72 -> 2.64 and 2.64 -> 2.55 ms; the batch tiles
- * (group_tile), the 121 linears from memory at 8 rows 5.40 -> 5.19 ms, at 32 rows 17.7 -> 17.2
- * (docs/BENCHMARKS.md).  AT&T syntax (gcc's default; -masm=intel would not take it). */
-INLINE __m512i dpwssd_bcast(__m512i acc, __m512i w, const int32_t *a) {
-    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*a));
-    return acc;
-}
-
-/* Rows m0 .. m0 + nrows - 1 (nrows <= MT) of one group: acc[j] over every block, stored to out. */
-INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int16_t *qa, const float *da,
-                       const float *sa, int64_t k, int nrows, void *out, int64_t ldo, int64_t col,
-                       int64_t ncols, int64_t out_bf16) {
+/* Rows 0 .. nrows - 1 (nrows <= MT) of a's rows over one group: acc[j] over every block, stored to out. */
+INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, int64_t k, int nrows, void *out,
+                       int64_t ldo, int64_t col, int64_t ncols, int64_t out_bf16) {
     __m512 acc[MT];
     for (int j = 0; j < MT; j++) acc[j] = _mm512_setzero_ps();
     const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *t = wg + b * tb;
         prefetch_tile(t, tb, PREFETCH, 0, 0); /* into L1 (non-temporal: batch 8 0.7-2.4 % slower on a Zen 5) */
-        __m512i w[16];
-        load_weights(t, fmt, w);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + qb)));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + qb + 32)));
+        __m512i w[8];
+        for (int p = 0; p < 8; p++) w[p] = tile_quad(t, fmt, p);
         for (int j = 0; j < nrows; j++) {
-            const int32_t *a = (const int32_t *)(qa + j * k + b * QBLOCK);
-            __m512i s = _mm512_setzero_si512();
-            for (int p = 0; p < 16; p++) s = dpwssd_bcast(s, w[p], a + p);
-            const float dj = da[j * (k / QBLOCK) + b], sj = sa[j * (k / QBLOCK) + b];
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dj)), acc[j]);
-            acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(sj), acc[j]);
+            const int32_t *hi = (const int32_t *)(a.q + 2 * j * k + b * QBLOCK), *lo = hi + k / 4;
+            __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+            for (int p = 0; p < 8; p += 2) {
+                h0 = dpbusd_bcast(h0, w[p], hi + p);
+                l0 = dpbusd_bcast(l0, w[p], lo + p);
+                h1 = dpbusd_bcast(h1, w[p + 1], hi + p + 1);
+                l1 = dpbusd_bcast(l1, w[p + 1], lo + p + 1);
+            }
+            const int64_t s = j * blocks + b;
+            acc[j] = add_block(acc[j],
+                               block_sum(_mm512_add_epi32(h0, h1), _mm512_add_epi32(l0, l1), fmt, a.is[s]),
+                               t + qb, a.da[s], a.sa[s]);
         }
     }
     store_tile(acc, nrows, out, ldo, col, ncols, out_bf16);
 }
 
 /* One activation row of NG (1 to 4) consecutive groups: group_tile's arithmetic for nrows = 1 -- the
- * same integer sums (in four independent chains: integer addition is exact, so the split changes no bit)
- * and the same float operations in the same block order, per group -- streamed without holding the
- * tile's 16 weight vectors, so that the chains, not one 16-deep dependency, set the pace of a batch-1
- * step; groups side by side give the core more streams and accumulators to overlap (an Intel Xeon, a
- * batch-1 step of the Q4_1 model's linears: 5.2-5.4 ms one group at a time, 4.8 two, 4.1-4.3 four), or
- * -- an AMD EPYC Zen 5 -- get in its prefetchers' way: how many is row_groups (pdkv_quant_row_groups). */
-INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, const int16_t *qa, const float *da,
-                       const float *sa, void *out, int64_t col, int64_t n_out, int64_t out_bf16, const int NG) {
+ * same integer sums (in four chains: integer addition is exact, so the split changes no bit) and the
+ * same float operations in the same block order, per group -- streamed without holding the tile's
+ * vectors, so that the chains, not one long dependency, set the pace of a batch-1 step; groups side by
+ * side give the core more streams and accumulators to overlap (an Intel Xeon, a batch-1 step of the Q4_1
+ * model's linears: 5.2-5.4 ms one group at a time, 4.8 two, 4.1-4.3 four), or -- an AMD EPYC -- get in
+ * its prefetchers' way: how many is row_groups (pdkv_quant_row_groups). */
+INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, int64_t k, void *out,
+                       int64_t col, int64_t n_out, int64_t out_bf16, const int NG) {
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt), near = row_prefetch[0], far = row_prefetch[1];
     const int nta = row_prefetch[2] != 0;
-    const __m512i low = _mm512_set1_epi16(0x0f);
     for (int64_t b = 0; b < blocks; b++) {
-        const int32_t *a = (const int32_t *)(qa + b * QBLOCK);
+        const int32_t *hi = (const int32_t *)(a.q + b * QBLOCK), *lo = hi + k / 4;
         for (int gi = 0; gi < NG; gi++) {
             const uint8_t *t = wg + (gi * blocks + b) * tb;
             prefetch_tile(t, tb, near, far, nta);
-            __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
+            __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
             if (fmt == FMT_Q4) {
-                for (int g = 0; g < 8; g += 2) {
-                    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(t + 32 * g)));
-                    const __m512i u = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(t + 32 * g + 32)));
-                    s0 = dpwssd_bcast(s0, _mm512_and_si512(v, low), a + g);
-                    s1 = dpwssd_bcast(s1, _mm512_srli_epi16(v, 4), a + g + 8);
-                    s2 = dpwssd_bcast(s2, _mm512_and_si512(u, low), a + g + 1);
-                    s3 = dpwssd_bcast(s3, _mm512_srli_epi16(u, 4), a + g + 9);
+                for (int p = 0; p < 4; p++) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(t + 64 * p)), low = _mm512_set1_epi8(0x0f);
+                    const __m512i wl = _mm512_and_si512(v, low), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                    h0 = dpbusd_bcast(h0, wl, hi + p);
+                    l0 = dpbusd_bcast(l0, wl, lo + p);
+                    h1 = dpbusd_bcast(h1, wh, hi + 4 + p);
+                    l1 = dpbusd_bcast(l1, wh, lo + 4 + p);
                 }
             } else {
-                for (int p = 0; p < 16; p += 4) {
-                    s0 = dpwssd_bcast(s0, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(t + 32 * p))), a + p);
-                    s1 = dpwssd_bcast(s1, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(t + 32 * p + 32))),
-                                      a + p + 1);
-                    s2 = dpwssd_bcast(s2, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(t + 32 * p + 64))),
-                                      a + p + 2);
-                    s3 = dpwssd_bcast(s3, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(t + 32 * p + 96))),
-                                      a + p + 3);
+                for (int p = 0; p < 8; p += 2) {
+                    const __m512i w0 = tile_quad(t, fmt, p), w1 = tile_quad(t, fmt, p + 1);
+                    h0 = dpbusd_bcast(h0, w0, hi + p);
+                    l0 = dpbusd_bcast(l0, w0, lo + p);
+                    h1 = dpbusd_bcast(h1, w1, hi + p + 1);
+                    l1 = dpbusd_bcast(l1, w1, lo + p + 1);
                 }
             }
-            const __m512i s = _mm512_add_epi32(_mm512_add_epi32(s0, s1), _mm512_add_epi32(s2, s3));
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + qb)));
-            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + qb + 32)));
-            acc[gi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(da[b])), acc[gi]);
-            acc[gi] = _mm512_fmadd_ps(m, _mm512_set1_ps(sa[b]), acc[gi]);
+            acc[gi] = add_block(acc[gi],
+                                block_sum(_mm512_add_epi32(h0, h1), _mm512_add_epi32(l0, l1), fmt, a.is[b]),
+                                t + qb, a.da[b], a.sa[b]);
         }
     }
     for (int gi = 0; gi < NG; gi++) {
@@ -434,7 +477,6 @@ INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, const int
         store_tile(acc + gi, 1, out, 0, c, n_out - c < GROUP ? n_out - c : GROUP, out_bf16);
     }
 }
-
 /* acc[j] (16 columns from col, ncols of them real) into rows 0 .. nrows - 1 of out. */
 INLINE void store_tile(const __m512 *acc, int nrows, void *out, int64_t ldo, int64_t col, int64_t ncols,
                        int64_t out_bf16) {
@@ -496,13 +538,14 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
 #else
     const int tiles = 0;
 #endif
-    const size_t qa_bytes = (size_t)(rows * k) * sizeof(int16_t), s_bytes = (size_t)(rows * blocks) * sizeof(float);
-    const size_t split_bytes = tiles ? (size_t)(2 * rows * k) : 0; /* the tiles' hi and lo bytes */
+    /* per row: its quantized activations (2 k bytes, the build's layout: quantize_row), then per block
+     * the sums of qa, the steps da and sa (3 floats' worth) */
+    const size_t q_bytes = (size_t)(rows * 2 * k), s_bytes = (size_t)(rows * blocks) * sizeof(float);
     /* A few rows (a small batch's decode step): every thread quantizes them all into its own buffer, kept
      * across calls -- no allocation, and no barrier between quantizing and the groups.  More rows: one
      * shared buffer, each thread quantizing its share of the rows first. */
     const int private_rows = rows <= PRIVATE_ROWS;
-    const size_t buf_bytes = qa_bytes + 2 * s_bytes + split_bytes;
+    const size_t buf_bytes = q_bytes + 3 * s_bytes;
     char *shared = private_rows ? NULL : (char *)malloc(buf_bytes);
     if (!private_rows && shared == NULL) return 3;
     const int64_t esize = in_bf16 ? 2 : 4, osize = out_bf16 ? 2 : 4;
@@ -520,34 +563,27 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
                 failed = 3;
             }
         }
-        int16_t *qa = (int16_t *)buf;
-        float *da = buf ? (float *)(buf + qa_bytes) : NULL, *sa = buf ? (float *)(buf + qa_bytes + s_bytes) : NULL;
+        /* the rows' activations (a.q row j at 2 j k bytes, the rest at j blocks) */
+        Acts a = {NULL, NULL, NULL, NULL};
+        if (buf != NULL)
+            a = (Acts){(const uint8_t *)buf, (const int32_t *)(buf + q_bytes), (const float *)(buf + q_bytes + s_bytes),
+                       (const float *)(buf + q_bytes + 2 * s_bytes)};
+#define QUANTIZE(r)                                                                                           \
+    quantize_row((const char *)x + (r) * k * esize, in_bf16, k, (uint8_t *)buf + (r) * 2 * k,                   \
+                 (int32_t *)(buf + q_bytes) + (r) * blocks, (float *)(buf + q_bytes + s_bytes) + (r) * blocks, \
+                 (float *)(buf + q_bytes + 2 * s_bytes) + (r) * blocks)
         if (private_rows) {
-            for (int64_t r = 0; buf != NULL && r < rows; r++)
-                quantize_row((const char *)x + r * k * esize, in_bf16, k, qa + r * k, da + r * blocks,
-                             sa + r * blocks);
+            for (int64_t r = 0; buf != NULL && r < rows; r++) QUANTIZE(r);
         } else {
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < rows; r++)
-                quantize_row((const char *)x + r * k * esize, in_bf16, k, qa + r * k, da + r * blocks,
-                             sa + r * blocks);
+            for (int64_t r = 0; r < rows; r++) QUANTIZE(r);
         }
+#undef QUANTIZE
 #ifdef PDKV_QUANT_AMX
-        if (tiles && buf != NULL) {
-            int8_t *hi = (int8_t *)(buf + qa_bytes + 2 * s_bytes);
-            uint8_t *lo = (uint8_t *)hi + rows * k;
-            /* the rows' hi and lo bytes (each thread its share, or -- private rows -- all of them), then
-             * this thread's even share of the groups for every row */
-            if (private_rows) {
-                for (int64_t r = 0; r < rows; r++) qamx_split(qa + r * k, k, hi + r * k, lo + r * k);
-            } else {
-#pragma omp for schedule(static)
-                for (int64_t r = 0; r < rows; r++) qamx_split(qa + r * k, k, hi + r * k, lo + r * k);
-            }
+        if (tiles && buf != NULL) { /* this thread's even share of the groups for every row */
             const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
             const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
-            if (qamx_rows((const uint8_t *)packed, fmt, k, n_out, g0, g1, hi, lo, da, sa, rows, out, ldo,
-                          out_bf16)) {
+            if (qamx_rows((const uint8_t *)packed, fmt, k, n_out, g0, g1, a, rows, out, ldo, out_bf16)) {
 #pragma omp atomic write
                 failed = 3;
             }
@@ -561,13 +597,13 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
                 const uint8_t *wg = (const uint8_t *)packed + g * blocks * tb;
                 const int64_t ng = g1 - g < rg ? g1 - g : rg;
                 if (ng == 4)
-                    group_row1(wg, fmt, blocks, qa, da, sa, out, g * GROUP, n_out, out_bf16, 4);
+                    group_row1(wg, fmt, blocks, a, k, out, g * GROUP, n_out, out_bf16, 4);
                 else if (ng == 3)
-                    group_row1(wg, fmt, blocks, qa, da, sa, out, g * GROUP, n_out, out_bf16, 3);
+                    group_row1(wg, fmt, blocks, a, k, out, g * GROUP, n_out, out_bf16, 3);
                 else if (ng == 2)
-                    group_row1(wg, fmt, blocks, qa, da, sa, out, g * GROUP, n_out, out_bf16, 2);
+                    group_row1(wg, fmt, blocks, a, k, out, g * GROUP, n_out, out_bf16, 2);
                 else
-                    group_row1(wg, fmt, blocks, qa, da, sa, out, g * GROUP, n_out, out_bf16, 1);
+                    group_row1(wg, fmt, blocks, a, k, out, g * GROUP, n_out, out_bf16, 1);
             }
         }
         for (int64_t m0 = 0; rows > 1 && !tiles && m0 < rows; m0 += MCHUNK) {
@@ -581,15 +617,13 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
                 for (int64_t j = m0; j < m1; j += MT) {
                     const int n = (int)(m1 - j < MT ? m1 - j : MT);
                     char *o = (char *)out + j * ldo * osize;
-                    const int64_t qoff = j * k, soff = j * blocks;
+                    const Acts aj = acts_from(a, j, k);
                     if (n == MT)
-                        group_tile(wg, fmt, blocks, qa + qoff, da + soff, sa + soff, k, MT, o, ldo, col, ncols,
-                                   out_bf16);
+                        group_tile(wg, fmt, blocks, aj, k, MT, o, ldo, col, ncols, out_bf16);
                     else if (n == 1) /* the last row of a chunk: its own output row */
-                        group_row1(wg, fmt, blocks, qa + qoff, da + soff, sa + soff, o, col, n_out, out_bf16, 1);
+                        group_row1(wg, fmt, blocks, aj, k, o, col, n_out, out_bf16, 1);
                     else
-                        group_tile(wg, fmt, blocks, qa + qoff, da + soff, sa + soff, k, n, o, ldo, col, ncols,
-                                   out_bf16);
+                        group_tile(wg, fmt, blocks, aj, k, n, o, ldo, col, ncols, out_bf16);
                 }
             }
         }

@@ -1,23 +1,22 @@
-/* quant.c's AMX path for two rows and more: the same integer sums in AMX-INT8 tiles (TDPBSSD, TDPBUSD)
- * on CPUs with AMX (Intel Sapphire Rapids and later), then the same float operations in the same order --
- * so its results are the vector kernels' bits, and a row's bits still depend on that row alone (one row
- * runs in vectors, more in tiles: the same bits either way).
+/* quant.c's AMX path for two rows and more: the same integer sums in AMX-INT8 tiles (TDPBSSD) on CPUs
+ * with AMX (Intel Sapphire Rapids and later), then the same float operations in the same order -- so its
+ * results are the vector kernels' bits, and a row's bits still depend on that row alone (one row runs in
+ * vectors, more in tiles: the same bits either way).
  *
- * A block's sum  sum_k q[k] qa[k]  (qa the int16 activations) splits exactly into bytes:  qa = 256 hi +
- * lo  with  hi = qa >> 8  (signed, -128..127) and  lo = qa & 255  (unsigned), so
+ * A block's sum  sum_k q[k] qa[k]  splits exactly into the two signed bytes quantize_row makes of each
+ * qa (quant.c's header):
  *
  *     sum q qa = 256 sum q hi + sum q lo,
  *
- * two byte dot products the tiles take: hi (signed) by q with TDPBSSD, lo (unsigned) by q with TDPBUSD
- * (q: 0..15 for Q4, -128..127 for Q8; every partial sum far inside int32).
+ * two byte dot products of signed bytes the tiles take with TDPBSSD (q: 0..15 for Q4, -128..127 for Q8;
+ * every partial sum far inside int32).
  *
  * Tiles: a block of 32 inputs is a K step: A tiles of up to 16 rows x 32 bytes (the rows' hi or lo bytes
- * of the block, at stride k), a B tile of 8 rows x 64 bytes (row i: for each of the group's 16 outputs,
- * its quants of inputs 4i .. 4i + 3), two accumulators of 16 rows x 16 int32 -- zeroed per block, since
- * each block has its own scales.  The packed layout holds a row's quants of inputs 2s, 2s + 1 side by side
- * (quant.c's header); one vpermw of 64 bytes puts pairs s and s + 1 together, and the nibbles (Q4) split
- * into B rows i and 4 + i.  A thread makes its group's B tiles once per call and runs every row block
- * over them.
+ * of the block, at the activations' row stride of 2 k bytes), a B tile of 8 rows x 64 bytes (row i: for
+ * each of the group's 16 outputs, its quants of inputs 4i .. 4i + 3 -- the packed layout's 64-byte run i
+ * as it is for Q8, and for Q4 run i's low nibbles in row i and its high ones in row 4 + i), two
+ * accumulators of 16 rows x 16 int32 -- zeroed per block, since each block has its own scales.  A thread
+ * makes its group's B tiles once per call and runs every row block over them.
  *
  * Measured on an Intel Xeon (Emerald Rapids, 2 cores), SmolLM2's Q4_1 linears: see docs/quantized.md. */
 
@@ -38,25 +37,19 @@ static void qamx_configure(int m) {
 /* The B tiles of one group (blocks of them, 512 bytes each) from its packed tiles. */
 static void qamx_weights(const uint8_t *wg, int64_t fmt, int64_t blocks, uint8_t *bt) {
     const int64_t tb = tile_bytes(fmt);
-    /* 16-bit word 2r of the result: word r of the source (row r's pair s), word 2r + 1: word 16 + r (its
-     * pair s + 1) -- row r's four consecutive quants in its dword */
-    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                         22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *t = wg + b * tb;
         uint8_t *o = bt + b * 512;
         _mm_prefetch((const char *)t + PREFETCH, _MM_HINT_T0);
         if (fmt == FMT_Q4) {
-            for (int i = 0; i < 4; i++) { /* pairs 2i, 2i + 1: inputs 4i .. 4i + 3 and 16 more */
-                const __m512i v = _mm512_permutexvar_epi16(idx, _mm512_loadu_si512((const void *)(t + 64 * i)));
+            for (int i = 0; i < 4; i++) { /* inputs 4i .. 4i + 3 and 16 more */
+                const __m512i v = _mm512_loadu_si512((const void *)(t + 64 * i));
                 _mm512_store_si512((void *)(o + 64 * i), _mm512_and_si512(v, low));
                 _mm512_store_si512((void *)(o + 64 * (4 + i)), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
             }
         } else {
-            for (int i = 0; i < 8; i++)
-                _mm512_store_si512((void *)(o + 64 * i),
-                                   _mm512_permutexvar_epi16(idx, _mm512_loadu_si512((const void *)(t + 64 * i))));
+            memcpy(o, t, 512);
         }
     }
 }
@@ -64,13 +57,13 @@ static void qamx_weights(const uint8_t *wg, int64_t fmt, int64_t blocks, uint8_t
 /* Block b's two byte sums into the tiles of its parity (B tile TB, sums TH and TL). */
 #define QAMX_ISSUE(b, TB, TH, TL)                                                                          \
     do {                                                                                                   \
-        _tile_loadd(0, hi + (b) * QBLOCK, k);                                                              \
-        _tile_loadd(1, lo + (b) * QBLOCK, k);                                                              \
+        _tile_loadd(0, a.q + (b) * QBLOCK, 2 * k);                                                         \
+        _tile_loadd(1, a.q + k + (b) * QBLOCK, 2 * k);                                                     \
         _tile_loadd(TB, bt + (b) * 512, 64);                                                               \
         _tile_zero(TH);                                                                                    \
         _tile_zero(TL);                                                                                    \
         _tile_dpbssd(TH, 0, TB);                                                                           \
-        _tile_dpbusd(TL, 1, TB);                                                                           \
+        _tile_dpbssd(TL, 1, TB);                                                                           \
     } while (0)
 
 /* Block b's sums (tiles TH, TL) into the rows' float accumulators: group_tile's operations, in its
@@ -86,17 +79,17 @@ static void qamx_weights(const uint8_t *wg, int64_t fmt, int64_t blocks, uint8_t
             const __m512i s_ = _mm512_add_epi32(                                                           \
                 _mm512_slli_epi32(_mm512_load_si512((const void *)(sums + 16 * j)), 8),                    \
                 _mm512_load_si512((const void *)(sums + 256 + 16 * j)));                                   \
-            const float dj_ = da[j * blocks + (b)], sj_ = sa[j * blocks + (b)];                            \
+            const float dj_ = a.da[j * blocks + (b)], sj_ = a.sa[j * blocks + (b)];                        \
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_), _mm512_mul_ps(d_, _mm512_set1_ps(dj_)), acc[j]); \
             acc[j] = _mm512_fmadd_ps(m_, _mm512_set1_ps(sj_), acc[j]);                                     \
         }                                                                                                  \
     } while (0)
 
-/* Rows 0 .. m - 1 (m <= 16; hi, lo, da, sa from that block's first row) of one group (B tiles bt, its
- * scales in the packed tiles wg): out's 16 columns from col, ncols of them real. */
-INLINE void qamx_block(const uint8_t *wg, const uint8_t *bt, int64_t fmt, int64_t blocks, const int8_t *hi,
-                       const uint8_t *lo, const float *da, const float *sa, int64_t k, int m, void *out,
-                       int64_t ldo, int64_t col, int64_t ncols, int64_t out_bf16, int32_t *sums) {
+/* Rows 0 .. m - 1 (m <= 16) of a's rows over one group (B tiles bt, its scales in the packed tiles wg):
+ * out's 16 columns from col, ncols of them real. */
+INLINE void qamx_block(const uint8_t *wg, const uint8_t *bt, int64_t fmt, int64_t blocks, Acts a, int64_t k,
+                       int m, void *out, int64_t ldo, int64_t col, int64_t ncols, int64_t out_bf16,
+                       int32_t *sums) {
     __m512 acc[16];
     for (int j = 0; j < m; j++) acc[j] = _mm512_setzero_ps();
     const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt);
@@ -109,11 +102,10 @@ INLINE void qamx_block(const uint8_t *wg, const uint8_t *bt, int64_t fmt, int64_
     store_tile(acc, m, out, ldo, col, ncols, out_bf16);
 }
 
-/* One thread's groups g0 .. g1 for rows 0 .. rows - 1 (hi, lo [rows][k]; da, sa [rows][k / 32]).
- * Returns 3 when its B tiles' buffer cannot be had. */
-static int qamx_rows(const uint8_t *packed, int64_t fmt, int64_t k, int64_t n_out, int64_t g0, int64_t g1,
-                     const int8_t *hi, const uint8_t *lo, const float *da, const float *sa, int64_t rows,
-                     void *out, int64_t ldo, int64_t out_bf16) {
+/* One thread's groups g0 .. g1 for a's rows 0 .. rows - 1.  Returns 3 when its B tiles' buffer cannot be
+ * had. */
+static int qamx_rows(const uint8_t *packed, int64_t fmt, int64_t k, int64_t n_out, int64_t g0, int64_t g1, Acts a,
+                     int64_t rows, void *out, int64_t ldo, int64_t out_bf16) {
     static _Thread_local void *btiles;
     static _Thread_local size_t btiles_bytes;
     const int64_t blocks = k / QBLOCK, tb = tile_bytes(fmt), osize = out_bf16 ? 2 : 4;
@@ -131,22 +123,13 @@ static int qamx_rows(const uint8_t *packed, int64_t fmt, int64_t k, int64_t n_ou
             for (int64_t r = m0; r < m1; r += 16) {
                 const int m = (int)(m1 - r < 16 ? m1 - r : 16);
                 if (m != m_now) qamx_configure(m_now = m);
-                qamx_block(wg, bt, fmt, blocks, hi + r * k, lo + r * k, da + r * blocks, sa + r * blocks, k, m,
-                           (char *)out + r * ldo * osize, ldo, col, ncols, out_bf16, sums);
+                qamx_block(wg, bt, fmt, blocks, acts_from(a, r, k), k, m, (char *)out + r * ldo * osize, ldo,
+                           col, ncols, out_bf16, sums);
             }
         }
     }
     if (m_now >= 0) _tile_release();
     return 0;
-}
-
-/* Row x's int16 activations as their hi (signed) and lo (unsigned) bytes. */
-static void qamx_split(const int16_t *qa, int64_t k, int8_t *hi, uint8_t *lo) {
-    for (int64_t i = 0; i < k; i += 32) {
-        const __m512i v = _mm512_loadu_si512((const void *)(qa + i));
-        _mm256_storeu_si256((__m256i *)(hi + i), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
-        _mm256_storeu_si256((__m256i *)(lo + i), _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(0xff))));
-    }
 }
 
 /* Whether the tiles serve quant.c's calls: 1 ask Linux for them (once) and use them if granted, 0 do not,

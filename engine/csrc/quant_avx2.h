@@ -1,11 +1,14 @@
 /* quant.c's kernels for CPUs with AVX2 (+ FMA, F16C) and no AVX512-VNNI: the same packed layout, the
  * same int16 activations and the same arithmetic, so the same bits as the AVX-512 kernels.
  *
- * A group's 16 output rows are two halves of 8 lanes (rows 0-7, 8-15).  Where AVX512-VNNI's vpdpwssd adds
- * a lane's two int16 products into its int32, AVX2's vpmaddwd makes the same pair sum and vpaddd adds it:
- * the integer sums are exact either way (quants are at most 8 bits, activations 16: no pair overflows),
- * and the float operations per lane -- the block's scale, then its min term, fused multiply-adds in block
- * order -- are the AVX-512 kernels' own.  Only included by quant.c, after its helpers. */
+ * A group's 16 output rows are two halves of 8 lanes (rows 0-7, 8-15).  The AVX-512 kernels sum a row's
+ * products by bytes (qa's hi and lo); here the int16 qa itself goes into vpmaddwd: 16 bytes of a 64-byte
+ * run of the packed layout (4 rows' quants of 4 consecutive inputs) widen to 16 int16, and each int32 lane
+ * of the product with the 4 activations broadcast holds one row's sum over two of the inputs -- the two
+ * lanes of a row added at the block's end (vphaddd).  The integer sums are exact either way (quants are
+ * at most 8 bits, activations 16: no pair overflows), and the float operations per lane -- the block's
+ * scale, then its min term, fused multiply-adds in block order -- are the AVX-512 kernels' own.  Only
+ * included by quant.c, after its helpers. */
 #ifndef PDKV_QUANT_AVX2_H
 #define PDKV_QUANT_AVX2_H
 
@@ -45,9 +48,13 @@ INLINE float hmax8(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
-/* quant.c's quantize_row: row x's blocks of 32 to int16 qa, their steps da and da * sum(qa) in sa. */
-static void quantize_row(const void *x, int64_t in_bf16, int64_t k, int16_t *qa, float *da, float *sa) {
+/* quant.c's quantize_row: row x's blocks of 32 to int16 qa (at q: this build's layout), their sums in
+ * is, their steps da and da * sum(qa) in sa. */
+static void quantize_row(const void *x, int64_t in_bf16, int64_t k, uint8_t *q, int32_t *is, float *da,
+                         float *sa) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i top = _mm256_set1_epi32(QA_MAX), bottom = _mm256_set1_epi32(-QA_MAX);
+    int16_t *qa = (int16_t *)q;
     for (int64_t b = 0; b < k / QBLOCK; b++) {
         __m256 v[4];
         for (int i = 0; i < 4; i++) {
@@ -60,31 +67,52 @@ static void quantize_row(const void *x, int64_t in_bf16, int64_t k, int16_t *qa,
         const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                                        _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
         const float amax = hmax8(a);
-        const float d = amax / 32767.0f;
+        const float d = amax / (float)QA_MAX;
         const float id = d > 0.0f ? 1.0f / d : 0.0f;
-        __m256i q[4];
-        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
-        _mm256_storeu_si256((__m256i *)(qa + b * QBLOCK), pack16(q[0], q[1]));
-        _mm256_storeu_si256((__m256i *)(qa + b * QBLOCK + 16), pack16(q[2], q[3]));
-        const int32_t sum = hsum8(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+        __m256i qi[4];
+        for (int i = 0; i < 4; i++) {
+            qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+            qi[i] = _mm256_min_epi32(_mm256_max_epi32(qi[i], bottom), top);
+        }
+        _mm256_storeu_si256((__m256i *)(qa + b * QBLOCK), pack16(qi[0], qi[1]));
+        _mm256_storeu_si256((__m256i *)(qa + b * QBLOCK + 16), pack16(qi[2], qi[3]));
+        const int32_t sum = hsum8(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
+        is[b] = sum;
         da[b] = d;
         sa[b] = d * (float)sum;
     }
 }
 
-/* Half h (rows 8h .. 8h + 7) of a tile's 16 vectors of int16 weight pairs (quant.c's load_weights). */
-INLINE void load_weights_half(const uint8_t *t, int64_t fmt, int h, __m256i w[16]) {
+/* Quads of rows 8h .. 8h + 3 and 8h + 4 .. 8h + 7 of a tile, as int16: w[2p + i] holds rows 8h + 4i ..
+ * 8h + 4i + 3's quants of inputs 4p .. 4p + 3 (p < 8), four to a row -- Q4's from the low nibbles of run
+ * p (p < 4) or the high ones of run p - 4, Q8's from run p. */
+INLINE void load_quads_half(const uint8_t *t, int64_t fmt, int h, __m256i w[16]) {
     if (fmt == FMT_Q4) {
         const __m256i low = _mm256_set1_epi16(0x0f);
-        for (int s = 0; s < 8; s++) {
-            const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(t + 32 * s + 16 * h)));
-            w[s] = _mm256_and_si256(v, low);
-            w[s + 8] = _mm256_srli_epi16(v, 4);
-        }
+        for (int p = 0; p < 4; p++)
+            for (int i = 0; i < 2; i++) {
+                const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(t + 64 * p + 32 * h + 16 * i)));
+                w[2 * p + i] = _mm256_and_si256(v, low);
+                w[2 * (p + 4) + i] = _mm256_srli_epi16(v, 4);
+            }
     } else {
-        for (int p = 0; p < 16; p++)
-            w[p] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(t + 32 * p + 16 * h)));
+        for (int p = 0; p < 8; p++)
+            for (int i = 0; i < 2; i++)
+                w[2 * p + i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(t + 64 * p + 32 * h + 16 * i)));
     }
+}
+
+/* The 4 int16 activations of inputs 4p .. 4p + 3 in every 64-bit lane. */
+INLINE __m256i act_quad(const int16_t *a, int p) {
+    int64_t v;
+    memcpy(&v, a + 4 * p, sizeof v);
+    return _mm256_set1_epi64x(v);
+}
+
+/* Eight rows' sums from the lanes of two quads' products (x: rows 0-3, y: rows 4-7, each row's two
+ * lanes side by side), in row order. */
+INLINE __m256i row_sums(__m256i x, __m256i y) {
+    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(x, y), 0xd8);
 }
 
 /* acc[j][h] (16 columns from col, ncols of them real) into rows 0 .. nrows - 1 of out. */
@@ -123,10 +151,9 @@ INLINE __m256 add_block(__m256 acc, __m256i s, __m256 d, __m256 m, float dj, flo
     return _mm256_fmadd_ps(m, _mm256_set1_ps(sj), acc);
 }
 
-/* quant.c's group_tile: rows m0 .. m0 + nrows - 1 (nrows <= MT) of one group over every block. */
-INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int16_t *qa, const float *da,
-                       const float *sa, int64_t k, int nrows, void *out, int64_t ldo, int64_t col,
-                       int64_t ncols, int64_t out_bf16) {
+/* quant.c's group_tile: rows 0 .. nrows - 1 (nrows <= MT) of a's rows over one group, every block. */
+INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, int64_t k, int nrows, void *out,
+                       int64_t ldo, int64_t col, int64_t ncols, int64_t out_bf16) {
     __m256 acc[MT][2];
     for (int j = 0; j < MT; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
     const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt);
@@ -135,76 +162,73 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, const int
         for (int64_t line = 0; line < tb; line += 64) _mm_prefetch((const char *)t + PREFETCH + line, _MM_HINT_T0);
         for (int h = 0; h < 2; h++) {
             __m256i w[16];
-            load_weights_half(t, fmt, h, w);
+            load_quads_half(t, fmt, h, w);
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + qb + 16 * h)));
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + qb + 32 + 16 * h)));
             for (int j = 0; j < nrows; j++) {
-                const int32_t *a = (const int32_t *)(qa + j * k + b * QBLOCK);
-                __m256i s0 = _mm256_setzero_si256(), s1 = s0;
-                for (int p = 0; p < 16; p += 2) {
-                    s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(w[p], _mm256_set1_epi32(a[p])));
-                    s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(w[p + 1], _mm256_set1_epi32(a[p + 1])));
+                const int16_t *qa = (const int16_t *)(a.q + 2 * j * k) + b * QBLOCK;
+                __m256i x = _mm256_setzero_si256(), y = x;
+                for (int p = 0; p < 8; p++) {
+                    const __m256i ap = act_quad(qa, p);
+                    x = _mm256_add_epi32(x, _mm256_madd_epi16(w[2 * p], ap));
+                    y = _mm256_add_epi32(y, _mm256_madd_epi16(w[2 * p + 1], ap));
                 }
-                acc[j][h] = add_block(acc[j][h], _mm256_add_epi32(s0, s1), d, m, da[j * (k / QBLOCK) + b],
-                                      sa[j * (k / QBLOCK) + b]);
+                acc[j][h] = add_block(acc[j][h], row_sums(x, y), d, m, a.da[j * blocks + b], a.sa[j * blocks + b]);
             }
         }
     }
     store_tile2(acc, nrows, out, ldo, col, ncols, out_bf16);
 }
 
-/* quant.c's group_row1: one activation row of one group, streamed without holding the tile.  Both
- * halves in one pass, so each activation pair is broadcast once per block, not once per half (on a CPU
- * that splits 256-bit operations, a broadcast from memory is two of the loop's ~30 operations per pair
- * of quant rows); two integer sums per half (exact: their order changes no bit). */
-INLINE void group_row1_one(const uint8_t *wg, int64_t fmt, int64_t blocks, const int16_t *qa, const float *da,
-                           const float *sa, void *out, int64_t col, int64_t ncols, int64_t out_bf16) {
+/* quant.c's group_row1: one activation row of one group, streamed without holding the tile: both halves
+ * in one pass, so each activation quad is broadcast once per block, not once per half. */
+INLINE void group_row1_one(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, void *out, int64_t col,
+                           int64_t ncols, int64_t out_bf16) {
     __m256 acc[1][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}};
     const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt), near = row_prefetch[0], far = row_prefetch[1];
     const int nta = row_prefetch[2] != 0;
     const __m256i low = _mm256_set1_epi16(0x0f);
+    const int16_t *qa = (const int16_t *)a.q;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *t = wg + b * tb;
         prefetch_tile(t, tb, near, far, nta); /* quant.c's row_prefetch, as the AVX-512 kernel does */
-        const int32_t *a = (const int32_t *)(qa + b * QBLOCK);
-        __m256i s[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
-                           {_mm256_setzero_si256(), _mm256_setzero_si256()}};
+        const int16_t *ab = qa + b * QBLOCK;
+        __m256i s[4]; /* rows 4i .. 4i + 3 */
+        for (int i = 0; i < 4; i++) s[i] = _mm256_setzero_si256();
         if (fmt == FMT_Q4) {
-            for (int g = 0; g < 8; g++) { /* inputs 2g, 2g + 1 (low nibbles) and 16 + 2g, 17 + 2g (high) */
-                const __m256i lo_pair = _mm256_set1_epi32(a[g]), hi_pair = _mm256_set1_epi32(a[g + 8]);
-                for (int h = 0; h < 2; h++) {
-                    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(t + 32 * g + 16 * h)));
-                    s[h][0] = _mm256_add_epi32(s[h][0], _mm256_madd_epi16(_mm256_and_si256(v, low), lo_pair));
-                    s[h][1] = _mm256_add_epi32(s[h][1], _mm256_madd_epi16(_mm256_srli_epi16(v, 4), hi_pair));
+            for (int p = 0; p < 4; p++) { /* inputs 4p .. 4p + 3 (low nibbles) and 16 + 4p .. (high) */
+                const __m256i lo_quad = act_quad(ab, p), hi_quad = act_quad(ab, p + 4);
+                for (int i = 0; i < 4; i++) {
+                    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(t + 64 * p + 16 * i)));
+                    s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_and_si256(v, low), lo_quad));
+                    s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_srli_epi16(v, 4), hi_quad));
                 }
             }
         } else {
-            for (int p = 0; p < 16; p += 2) {
-                const __m256i a0 = _mm256_set1_epi32(a[p]), a1 = _mm256_set1_epi32(a[p + 1]);
-                for (int h = 0; h < 2; h++) {
-                    const uint8_t *tp = t + 32 * p + 16 * h;
-                    s[h][0] = _mm256_add_epi32(
-                        s[h][0], _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)tp)), a0));
-                    s[h][1] = _mm256_add_epi32(
-                        s[h][1], _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(tp + 32))), a1));
+            for (int p = 0; p < 8; p++) {
+                const __m256i quad = act_quad(ab, p);
+                for (int i = 0; i < 4; i++) {
+                    const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(t + 64 * p + 16 * i)));
+                    s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(v, quad));
                 }
             }
         }
         for (int h = 0; h < 2; h++) {
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + qb + 16 * h)));
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + qb + 32 + 16 * h)));
-            acc[0][h] = add_block(acc[0][h], _mm256_add_epi32(s[h][0], s[h][1]), d, m, da[b], sa[b]);
+            acc[0][h] = add_block(acc[0][h], row_sums(s[2 * h], s[2 * h + 1]), d, m, a.da[b], a.sa[b]);
         }
     }
     store_tile2(acc, 1, out, 0, col, ncols, out_bf16);
 }
 
 /* NG (1 to 4) consecutive groups, one after the other (quant.c's signature). */
-INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, const int16_t *qa, const float *da,
-                       const float *sa, void *out, int64_t col, int64_t n_out, int64_t out_bf16, const int NG) {
+INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, int64_t k, void *out,
+                       int64_t col, int64_t n_out, int64_t out_bf16, const int NG) {
+    (void)k;
     for (int gi = 0; gi < NG; gi++) {
         const int64_t c = col + gi * GROUP;
-        group_row1_one(wg + gi * blocks * tile_bytes(fmt), fmt, blocks, qa, da, sa, out, c,
+        group_row1_one(wg + gi * blocks * tile_bytes(fmt), fmt, blocks, a, out, c,
                        n_out - c < GROUP ? n_out - c : GROUP, out_bf16);
     }
 }

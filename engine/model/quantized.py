@@ -88,10 +88,10 @@ def pack(raws: list[RawBlocks]) -> QuantWeight:
     with np.errstate(over="ignore"):
         if not np.all(np.isfinite(m)):
             raise PackError("a block scale too large for its offset in float16")
-    pairs = qs.shape[2] // 2  # 8 (Q4) or 16 (Q8) runs of 2 bytes per row and block
+    quads = qs.shape[2] // 4  # 4 (Q4) or 8 (Q8) runs of 4 bytes per row and block
     groups = padded // GROUP
-    # [g, r, b, p, 2] -> [g, b, p, r, 2]: per (group, block) the pair-major bytes quant.c reads
-    q = qs.reshape(groups, GROUP, nb, pairs, 2).transpose(0, 2, 3, 1, 4).reshape(groups, nb, pairs * 32)
+    # [g, r, b, s, 4] -> [g, b, s, r, 4]: per (group, block) the quad-major bytes quant.c reads
+    q = qs.reshape(groups, GROUP, nb, quads, 4).transpose(0, 2, 3, 1, 4).reshape(groups, nb, quads * 64)
     dm = np.stack([d, m], axis=-1).reshape(groups, GROUP, nb, 2).transpose(0, 2, 3, 1)  # [g, b, 2, r]
     tile = np.concatenate([q, np.ascontiguousarray(dm).view(np.uint8).reshape(groups, nb, 64)], axis=2)
     packed = torch.from_numpy(np.ascontiguousarray(tile).reshape(-1))

@@ -117,7 +117,7 @@ def test_the_namespace_names_the_tiles() -> None:  # on every host: a node on ti
     assert tiles == "m;kv=bfloat16;deterministic;linears=amx;denormals=flushed"
     assert kv_fingerprint("m", torch.bfloat16, True) == "m;kv=bfloat16;deterministic;denormals=flushed"
     both = kv_fingerprint("m", torch.bfloat16, False, tiles=True, quantized=True)
-    assert both == "m;kv=bfloat16;linears=amx;denormals=flushed;weights=quantized"
+    assert both == "m;kv=bfloat16;linears=amx;denormals=flushed;weights=quantized;activations=int16/32639"
 
 
 def test_the_variable_turns_the_tiles_off(kernel: QuantKernel) -> None:

@@ -233,7 +233,7 @@ def test_the_namespace_names_the_dot_products_form_outside_deterministic_mode() 
         assert kv_fingerprint("m", bf16, True, bf16_dot=form) == det
     assert kv_fingerprint("m", bf16, False, bf16_dot=1) == "m;kv=bfloat16;denormals=flushed"
     assert kv_fingerprint("m", bf16, False, quantized=True, bf16_dot=2) == (
-        "m;kv=bfloat16;bf16dot=fma;denormals=flushed;weights=quantized"
+        "m;kv=bfloat16;bf16dot=fma;denormals=flushed;weights=quantized;activations=int16/32639"
     )
     assert kv_fingerprint("m", bf16, False, bf16_dot=3) == "m;kv=bfloat16;bf16dot=avx2;denormals=flushed"
     assert (
@@ -257,7 +257,7 @@ def test_the_namespace_names_attention_in_amx_tiles() -> None:  # on every host
         "m;kv=bfloat16;deterministic;linears=amx;attention=amx;denormals=flushed"
     )
     assert kv_fingerprint("m", bf16, False, attention_tiles=True, quantized=True) == (
-        "m;kv=bfloat16;attention=amx;denormals=flushed;weights=quantized"
+        "m;kv=bfloat16;attention=amx;denormals=flushed;weights=quantized;activations=int16/32639"
     )
     assert kv_fingerprint("m", torch.float32, False, attention_tiles=True) == "m;kv=float32"
 

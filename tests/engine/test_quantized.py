@@ -62,10 +62,10 @@ def random_blocks(qtype: str, n: int, k: int, seed: int) -> RawBlocks:
 
 
 def activation_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Per output, the most that quantizing each row's blocks of 32 to int8 (step max|x| / 127, error at
-    most half a step) can move it: sum over blocks of step / 2 * sum |w| -> [rows, n]."""
+    """Per output, the most that quantizing each row's blocks of 32 to int16 (quant.c: step max|x| /
+    32639, error at most half a step) can move it: sum over blocks of step / 2 * sum |w| -> [rows, n]."""
     rows, k = x.shape
-    step = x.double().abs().reshape(rows, k // 32, 32).amax(-1) / 127  # [rows, blocks]
+    step = x.double().abs().reshape(rows, k // 32, 32).amax(-1) / 32639  # [rows, blocks]
     wsum = w.double().abs().reshape(w.shape[0], k // 32, 32).sum(-1)  # [n, blocks]
     return (step / 2) @ wsum.T
 
@@ -86,6 +86,54 @@ def test_the_kernel_is_dequantize_then_matmul_within_the_activation_rounding(
     out_rounding = ref.abs() * (2.0**-8 if dtype == torch.bfloat16 else 1e-6)
     err = (y.double() - ref).abs()
     assert torch.all(err <= activation_bound(x, w) * 1.001 + out_rounding + 1e-5), float(err.max())
+
+
+def integer_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> tuple[RawBlocks, np.ndarray]:
+    """Blocks of ``qtype`` with every scale 1 (and Q4_1's mins 0), their quants drawn over the whole
+    range, extremes included: the blocks and their weights as integers [n, k]."""
+    nb = k // 32
+    one, zero = np.array([1.0], np.float16).view(np.uint8), np.array([0.0], np.float16).view(np.uint8)
+    if qtype == "Q8_0":
+        q = rng.integers(-128, 128, size=(n, nb, 32))
+        q[:, :, :4] = [-128, 127, -128, 127]
+        body, w = q.astype(np.int8).view(np.uint8), q
+        head = np.broadcast_to(one, (n, nb, 2))
+    else:
+        q = rng.integers(0, 16, size=(n, nb, 32))
+        q[:, :, :4] = [0, 15, 15, 0]
+        body = (q[:, :, :16] | (q[:, :, 16:] << 4)).astype(np.uint8)
+        if qtype == "Q4_0":
+            head, w = np.broadcast_to(one, (n, nb, 2)), q - 8
+        else:
+            head, w = np.broadcast_to(np.concatenate([one, zero]), (n, nb, 4)), q
+    data = np.concatenate([head, body], axis=2).reshape(n, -1)
+    return RawBlocks("w", qtype, n, k, np.ascontiguousarray(data)), w.reshape(n, k)
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("rows", [1, 9])  # the batch-1 kernel; the batch tiles and a last row of its own
+def test_the_integer_sums_are_exact_at_the_ends_of_both_ranges(
+    kernel: QuantKernel, qtype: str, rows: int
+) -> None:
+    """Scales of 1 and activations that are integers with a block maximum of exactly 32639 (so the step
+    is 1 and qa = x): the kernel's result is then the exact integer sum, in float32 -- with quants at
+    their extremes (Q8's -128, which the byte dot products take as an offset) and activations whose low
+    byte reads -128 or whose high byte is at +-127, where a split into two signed bytes could overflow."""
+    rng = np.random.default_rng(7)
+    n, k = 40, 64
+    raw, w = integer_blocks(qtype, n, k, rng)
+    x = rng.integers(-100, 101, size=(rows, k))
+    edges = [128, -128, 384, -129, 255, -256, 32512 - 128, -32513]  # low bytes -128; 0x7f80: hi 127
+    for r in range(rows):
+        x[r, 4 : 4 + len(edges) - 2] = edges[:-2]  # block 0: the small ones (the sums stay below 2^24)
+        x[r, 32 + 4 : 32 + 4 + len(edges)] = edges
+        x[r, r % 4] = 32639 if r % 2 else -32639  # each block's maximum
+        x[r, 32 + (r + 1) % 4] = -32639 if r % 2 else 32639
+    y = torch.empty(rows, n)
+    kernel.linear(torch.from_numpy(x.astype(np.float32)), pack([raw]).packed, KERNEL_TYPES[qtype][0], n, y)
+    exact = x.astype(np.int64) @ w.T.astype(np.int64)
+    assert np.abs(exact).max() < 2**24  # every partial sum exact in float32 too
+    assert np.array_equal(y.numpy().astype(np.int64), exact)
 
 
 @pytest.mark.parametrize("qtype", FORMATS)
@@ -691,7 +739,10 @@ def test_a_store_written_from_dequantized_weights_gives_quantized_nodes_no_hits(
     dense_ns = dense.engine.namespace.model_fingerprint
     dense.engine.shutdown()
     quantized = _llm(path, kv_connector=connector)
-    assert quantized.engine.namespace.model_fingerprint == f"{dense_ns};weights=quantized"
+    assert (
+        quantized.engine.namespace.model_fingerprint
+        == f"{dense_ns};weights=quantized;activations=int16/32639"
+    )
     [out] = quantized.generate([prompt], params)
     assert out.num_external_tokens == 0
     quantized.engine.shutdown()
