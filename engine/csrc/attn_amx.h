@@ -220,7 +220,7 @@ INLINE int attend_rows_amx(const Prefill *a, int64_t kvh, int64_t r0, int64_t ro
                     vsum = _mm512_add_ps(vsum, _mm512_add_ps(p0, p1));
                     _mm512_storeu_si512(pbuf + (size_t)(u * AMX_Q + j) * KT, pack_bf16x32(p0, p1));
                 }
-                cbuf[j] = s.m[i] == -INFINITY ? 0.0f : expf(s.m[i] - m);
+                cbuf[j] = s.m[i] == -INFINITY ? 0.0f : s.m[i] == m ? 1.0f : expf(s.m[i] - m); /* expf(0) = 1 */
                 s.l[i] = s.l[i] * cbuf[j] + _mm512_reduce_add_ps(vsum);
                 s.m[i] = m;
             }

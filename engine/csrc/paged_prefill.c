@@ -503,8 +503,10 @@ INLINE int attend_rows(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows, 
                 const __m512i lo = _mm512_set1_epi32((int32_t)first_visible(a, pos));
                 const __mmask16 v0 = visible_keys(k0, lo, hi), v1 = visible_keys(k1, lo, hi);
                 operand *pi = s.p + (size_t)i * KT;
-                const float tmax = fmaxf(_mm512_mask_reduce_max_ps(v0, sc[j][0]),
-                                         _mm512_mask_reduce_max_ps(v1, sc[j][1]));
+                /* one reduction over both halves' visible lanes (a max is exact: the same value) */
+                const __m512 ninf = _mm512_set1_ps(-INFINITY);
+                const float tmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(ninf, v0, sc[j][0]),
+                                                                      _mm512_mask_mov_ps(ninf, v1, sc[j][1])));
                 if (!(v0 | v1) || tmax == -INFINITY) { /* nothing visible in this tile */
                     memset(pi, 0, sizeof(operand) * KT);
                     s.corr[i] = 1.0f;
@@ -514,7 +516,8 @@ INLINE int attend_rows(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows, 
                 const __m512 mv = _mm512_set1_ps(m);
                 const __m512 p0 = _mm512_maskz_mov_ps(v0, exp512(_mm512_sub_ps(sc[j][0], mv)));
                 const __m512 p1 = _mm512_maskz_mov_ps(v1, exp512(_mm512_sub_ps(sc[j][1], mv)));
-                const float corr = s.m[i] == -INFINITY ? 0.0f : expf(s.m[i] - m);
+                /* expf(0) is 1 exactly: a maximum that did not move needs no call */
+                const float corr = s.m[i] == -INFINITY ? 0.0f : s.m[i] == m ? 1.0f : expf(s.m[i] - m);
                 s.l[i] = s.l[i] * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
                 s.m[i] = m;
                 s.corr[i] = corr;
