@@ -101,9 +101,6 @@ static inline __attribute__((always_inline)) p5_ps p5_mask_blend(p5_ps src, __mm
 static inline __attribute__((always_inline)) float p5_mask_reduce_max_ps(__mmask16 m, p5_ps v) {
     return p5_reduce_max_ps(p5_mask_blend(p5_set1_ps(-__builtin_inff()), m, v));
 }
-static inline __attribute__((always_inline)) p5_ps p5_mask_mov_ps(p5_ps src, __mmask16 m, p5_ps v) {
-    return p5_mask_blend(src, m, v);
-}
 static inline __attribute__((always_inline)) p5_ps p5_maskz_mov_ps(__mmask16 m, p5_ps v) {
     return P5_PS(_mm256_and_ps(v.lo, _mm256_castsi256_ps(p5_lanes8(m))),
                  _mm256_and_ps(v.hi, _mm256_castsi256_ps(p5_lanes8((unsigned)m >> 8))));
@@ -232,7 +229,6 @@ static inline __attribute__((always_inline)) void p5_mask_storeu_epi16(void *p, 
 #define _mm512_reduce_add_ps p5_reduce_add_ps
 #define _mm512_reduce_max_ps p5_reduce_max_ps
 #define _mm512_mask_reduce_max_ps p5_mask_reduce_max_ps
-#define _mm512_mask_mov_ps p5_mask_mov_ps
 #define _mm512_maskz_mov_ps p5_maskz_mov_ps
 #define _mm512_mask_mul_ps p5_mask_mul_ps
 #define _mm512_maskz_loadu_ps p5_maskz_loadu_ps

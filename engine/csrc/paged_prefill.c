@@ -503,10 +503,8 @@ INLINE int attend_rows(const Prefill *a, int64_t kvh, int64_t r0, int64_t rows, 
                 const __m512i lo = _mm512_set1_epi32((int32_t)first_visible(a, pos));
                 const __mmask16 v0 = visible_keys(k0, lo, hi), v1 = visible_keys(k1, lo, hi);
                 operand *pi = s.p + (size_t)i * KT;
-                /* one reduction over both halves' visible lanes (a max is exact: the same value) */
-                const __m512 ninf = _mm512_set1_ps(-INFINITY);
-                const float tmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(ninf, v0, sc[j][0]),
-                                                                      _mm512_mask_mov_ps(ninf, v1, sc[j][1])));
+                const float tmax = fmaxf(_mm512_mask_reduce_max_ps(v0, sc[j][0]),
+                                         _mm512_mask_reduce_max_ps(v1, sc[j][1]));
                 if (!(v0 | v1) || tmax == -INFINITY) { /* nothing visible in this tile */
                     memset(pi, 0, sizeof(operand) * KT);
                     s.corr[i] = 1.0f;
