@@ -345,17 +345,19 @@ static void quantize_row(const void *x, int64_t in_bf16, int64_t k, uint8_t *q, 
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
         const float d = amax / (float)QA_MAX;
         const float id = d > 0.0f ? 1.0f / d : 0.0f;
-        __m512i sum = _mm512_setzero_si512();
-        for (int h = 0; h < 2; h++) {
-            /* round to nearest even (the conversion's default mode), then held to +-QA_MAX */
-            __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));
-            qa = _mm512_min_epi32(_mm512_max_epi32(qa, bottom), top);
-            const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(qa, 24), 24); /* the low byte, signed */
-            const __m512i hi = _mm512_srai_epi32(_mm512_sub_epi32(qa, lo), 8);  /* exact: a multiple of 256 */
-            _mm_storeu_si128((__m128i *)(q + b * QBLOCK + 16 * h), _mm512_cvtepi32_epi8(hi));
-            _mm_storeu_si128((__m128i *)(q + k + b * QBLOCK + 16 * h), _mm512_cvtepi32_epi8(lo));
-            sum = _mm512_add_epi32(sum, qa);
-        }
+        /* round to nearest even (the conversion's default mode), then held to +-QA_MAX */
+        __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v[0], _mm512_set1_ps(id)));
+        __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v[1], _mm512_set1_ps(id)));
+        q0 = _mm512_min_epi32(_mm512_max_epi32(q0, bottom), top);
+        q1 = _mm512_min_epi32(_mm512_max_epi32(q1, bottom), top);
+        /* the block's 32 qa as int16, then its bytes: lo the low byte read signed, hi = (qa - lo) / 256 */
+        const __m512i qa =
+            _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(q0)), _mm512_cvtepi32_epi16(q1), 1);
+        const __m512i lo = _mm512_srai_epi16(_mm512_slli_epi16(qa, 8), 8);
+        const __m512i hi = _mm512_srai_epi16(_mm512_sub_epi16(qa, lo), 8); /* exact: a multiple of 256 */
+        _mm256_storeu_si256((__m256i *)(q + b * QBLOCK), _mm512_cvtepi16_epi8(hi));
+        _mm256_storeu_si256((__m256i *)(q + k + b * QBLOCK), _mm512_cvtepi16_epi8(lo));
+        const __m512i sum = _mm512_add_epi32(q0, q1);
         const int32_t total = _mm512_reduce_add_epi32(sum);
         is[b] = total;
         da[b] = d;
