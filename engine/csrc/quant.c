@@ -541,7 +541,7 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
     const int tiles = 0;
 #endif
     /* per row: its quantized activations (2 k bytes, the build's layout: quantize_row), then per block
-     * the sums of qa, the steps da and sa (3 floats' worth) */
+     * the sums of qa (int32), the steps da and sa (floats) */
     const size_t q_bytes = (size_t)(rows * 2 * k), s_bytes = (size_t)(rows * blocks) * sizeof(float);
     /* A few rows (a small batch's decode step): every thread quantizes them all into its own buffer, kept
      * across calls -- no allocation, and no barrier between quantizing and the groups.  More rows: one

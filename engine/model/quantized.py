@@ -3,7 +3,7 @@
 A Q8_0, Q4_0 or Q4_1 matrix of a GGUF file is not dequantized (270 MB of bfloat16 for the built-in
 model's 98 MB file): its blocks are repacked into the kernel's layout (``quant.c``'s header; per 16 output
 rows and 32 inputs the same bytes the file holds, so the weights stay 1.0x the file) and the linear runs
-on them -- the activations quantized per row and block of 32 to int16 (1/65534 of the block's largest
+on them -- the activations quantized per row and block of 32 to int16 (1/65278 of the block's largest
 value: llama.cpp's int8 activations moved greedy picks at logit margins up to 0.4), exact integer dot
 products (AVX512-VNNI, or AVX2 with the same sums), float32 sums per block, every row's reduction order
 its own (batch-invariant).  The tied embedding is read row by row from the same packed bytes its LM

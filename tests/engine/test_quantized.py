@@ -123,7 +123,7 @@ def test_the_integer_sums_are_exact_at_the_ends_of_both_ranges(
     n, k = 40, 64
     raw, w = integer_blocks(qtype, n, k, rng)
     x = rng.integers(-100, 101, size=(rows, k))
-    edges = [128, -128, 384, -129, 255, -256, 32512 - 128, -32513]  # low bytes -128; 0x7f80: hi 127
+    edges = [128, -128, 384, -129, 255, -256, 32512 - 128, -32513]  # low bytes -128; 0x7e80: hi 127, lo -128
     for r in range(rows):
         x[r, 4 : 4 + len(edges) - 2] = edges[:-2]  # block 0: the small ones (the sums stay below 2^24)
         x[r, 32 + 4 : 32 + 4 + len(edges)] = edges
