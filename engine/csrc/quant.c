@@ -433,6 +433,22 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, i
     store_tile(acc, nrows, out, ldo, col, ncols, out_bf16);
 }
 
+/* One tile's hi and lo byte sums for one activation row (hi, lo: its block's dwords), in four chains --
+ * quads p and p + 4 side by side (Q4's one 64-byte run, its two nibbles). */
+INLINE void row1_sums(const uint8_t *t, int64_t fmt, const int32_t *hi, const int32_t *lo, __m512i *h,
+                      __m512i *l) {
+    __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+    for (int p = 0; p < 4; p++) {
+        const __m512i w0 = tile_quad(t, fmt, p), w1 = tile_quad(t, fmt, p + 4);
+        h0 = dpbusd_bcast(h0, w0, hi + p);
+        l0 = dpbusd_bcast(l0, w0, lo + p);
+        h1 = dpbusd_bcast(h1, w1, hi + 4 + p);
+        l1 = dpbusd_bcast(l1, w1, lo + 4 + p);
+    }
+    *h = _mm512_add_epi32(h0, h1);
+    *l = _mm512_add_epi32(l0, l1);
+}
+
 /* One activation row of NG (1 to 4) consecutive groups: group_tile's arithmetic for nrows = 1 -- the
  * same integer sums (in four chains: integer addition is exact, so the split changes no bit) and the
  * same float operations in the same block order, per group -- streamed without holding the tile's
@@ -450,28 +466,12 @@ INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, i
         for (int gi = 0; gi < NG; gi++) {
             const uint8_t *t = wg + (gi * blocks + b) * tb;
             prefetch_tile(t, tb, near, far, nta);
-            __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
-            if (fmt == FMT_Q4) {
-                for (int p = 0; p < 4; p++) {
-                    const __m512i v = _mm512_loadu_si512((const void *)(t + 64 * p)), low = _mm512_set1_epi8(0x0f);
-                    const __m512i wl = _mm512_and_si512(v, low), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                    h0 = dpbusd_bcast(h0, wl, hi + p);
-                    l0 = dpbusd_bcast(l0, wl, lo + p);
-                    h1 = dpbusd_bcast(h1, wh, hi + 4 + p);
-                    l1 = dpbusd_bcast(l1, wh, lo + 4 + p);
-                }
-            } else {
-                for (int p = 0; p < 8; p += 2) {
-                    const __m512i w0 = tile_quad(t, fmt, p), w1 = tile_quad(t, fmt, p + 1);
-                    h0 = dpbusd_bcast(h0, w0, hi + p);
-                    l0 = dpbusd_bcast(l0, w0, lo + p);
-                    h1 = dpbusd_bcast(h1, w1, hi + p + 1);
-                    l1 = dpbusd_bcast(l1, w1, lo + p + 1);
-                }
-            }
-            acc[gi] = add_block(acc[gi],
-                                block_sum(_mm512_add_epi32(h0, h1), _mm512_add_epi32(l0, l1), fmt, a.is[b]),
-                                t + qb, a.da[b], a.sa[b]);
+            __m512i h, l;
+            if (fmt == FMT_Q4) /* a constant format each: tile_quad's branch out of the loop */
+                row1_sums(t, FMT_Q4, hi, lo, &h, &l);
+            else
+                row1_sums(t, FMT_Q8, hi, lo, &h, &l);
+            acc[gi] = add_block(acc[gi], block_sum(h, l, fmt, a.is[b]), t + qb, a.da[b], a.sa[b]);
         }
     }
     for (int gi = 0; gi < NG; gi++) {
@@ -479,6 +479,7 @@ INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, i
         store_tile(acc + gi, 1, out, 0, c, n_out - c < GROUP ? n_out - c : GROUP, out_bf16);
     }
 }
+
 /* acc[j] (16 columns from col, ncols of them real) into rows 0 .. nrows - 1 of out. */
 INLINE void store_tile(const __m512 *acc, int nrows, void *out, int64_t ldo, int64_t col, int64_t ncols,
                        int64_t out_bf16) {
@@ -565,15 +566,14 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
                 failed = 3;
             }
         }
-        /* the rows' activations (a.q row j at 2 j k bytes, the rest at j blocks) */
-        Acts a = {NULL, NULL, NULL, NULL};
-        if (buf != NULL)
-            a = (Acts){(const uint8_t *)buf, (const int32_t *)(buf + q_bytes), (const float *)(buf + q_bytes + s_bytes),
-                       (const float *)(buf + q_bytes + 2 * s_bytes)};
-#define QUANTIZE(r)                                                                                           \
-    quantize_row((const char *)x + (r) * k * esize, in_bf16, k, (uint8_t *)buf + (r) * 2 * k,                   \
-                 (int32_t *)(buf + q_bytes) + (r) * blocks, (float *)(buf + q_bytes + s_bytes) + (r) * blocks, \
-                 (float *)(buf + q_bytes + 2 * s_bytes) + (r) * blocks)
+        /* the rows' activations: row r's q at 2 r k bytes, its sums, da and sa at r blocks (Acts) */
+        uint8_t *q = (uint8_t *)buf;
+        int32_t *is = buf ? (int32_t *)(buf + q_bytes) : NULL;
+        float *da = buf ? (float *)(buf + q_bytes + s_bytes) : NULL, *sa = buf ? da + rows * blocks : NULL;
+        const Acts a = {q, is, da, sa};
+#define QUANTIZE(r)                                                                                    \
+    quantize_row((const char *)x + (r) * k * esize, in_bf16, k, q + (r) * 2 * k, is + (r) * blocks, \
+                 da + (r) * blocks, sa + (r) * blocks)
         if (private_rows) {
             for (int64_t r = 0; buf != NULL && r < rows; r++) QUANTIZE(r);
         } else {

@@ -102,8 +102,9 @@ class GGUFModel:
     tensor_types: Mapping[str, int]  # type name -> how many tensors have it
     # The reader's tensors (names, types, shapes, views of the memory map), not the reader: its metadata
     # fields hold a memmap per part (SmolLM2's vocabulary and merges: ~250,000 of them), which the cache
-    # of inspected files would keep alive in every process -- 50 MB, and ~220 ms per full collection of
-    # Python's garbage collector, a pause of the engine's step.
+    # of inspected files would keep alive in every process -- objects each full collection of Python's
+    # garbage collector walks (215-221 ms with them, 176-181 without: docs/BENCHMARKS.md), a pause of
+    # the engine's step.
     _tensors: tuple[Any, ...] = field(repr=False, compare=False)
 
     @property
