@@ -83,22 +83,27 @@ static void quantize_row(const void *x, int64_t in_bf16, int64_t k, uint8_t *q, 
     }
 }
 
+/* The 16 bytes at `at` of a tile's 64-byte run p (four rows' four quants each: rows 4i .. 4i + 3 at
+ * offset 16 i) as int16: Q4's low nibbles (quad p) into *lo and high ones (quad p + 4) into *hi; Q8's
+ * signed quants (quad p). */
+INLINE void q4_piece(const uint8_t *at, __m256i *lo, __m256i *hi) {
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)at));
+    *lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
+    *hi = _mm256_srli_epi16(v, 4);
+}
+
+INLINE __m256i q8_piece(const uint8_t *at) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)at)); }
+
 /* Quads of rows 8h .. 8h + 3 and 8h + 4 .. 8h + 7 of a tile, as int16: w[2p + i] holds rows 8h + 4i ..
  * 8h + 4i + 3's quants of inputs 4p .. 4p + 3 (p < 8), four to a row -- Q4's from the low nibbles of run
  * p (p < 4) or the high ones of run p - 4, Q8's from run p. */
 INLINE void load_quads_half(const uint8_t *t, int64_t fmt, int h, __m256i w[16]) {
     if (fmt == FMT_Q4) {
-        const __m256i low = _mm256_set1_epi16(0x0f);
         for (int p = 0; p < 4; p++)
-            for (int i = 0; i < 2; i++) {
-                const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(t + 64 * p + 32 * h + 16 * i)));
-                w[2 * p + i] = _mm256_and_si256(v, low);
-                w[2 * (p + 4) + i] = _mm256_srli_epi16(v, 4);
-            }
+            for (int i = 0; i < 2; i++) q4_piece(t + 64 * p + 32 * h + 16 * i, &w[2 * p + i], &w[2 * (p + 4) + i]);
     } else {
         for (int p = 0; p < 8; p++)
-            for (int i = 0; i < 2; i++)
-                w[2 * p + i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(t + 64 * p + 32 * h + 16 * i)));
+            for (int i = 0; i < 2; i++) w[2 * p + i] = q8_piece(t + 64 * p + 32 * h + 16 * i);
     }
 }
 
@@ -187,7 +192,6 @@ INLINE void group_row1_one(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts 
     __m256 acc[1][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}};
     const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt), near = row_prefetch[0], far = row_prefetch[1];
     const int nta = row_prefetch[2] != 0;
-    const __m256i low = _mm256_set1_epi16(0x0f);
     const int16_t *qa = (const int16_t *)a.q;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *t = wg + b * tb;
@@ -199,18 +203,17 @@ INLINE void group_row1_one(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts 
             for (int p = 0; p < 4; p++) { /* inputs 4p .. 4p + 3 (low nibbles) and 16 + 4p .. (high) */
                 const __m256i lo_quad = act_quad(ab, p), hi_quad = act_quad(ab, p + 4);
                 for (int i = 0; i < 4; i++) {
-                    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(t + 64 * p + 16 * i)));
-                    s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_and_si256(v, low), lo_quad));
-                    s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_srli_epi16(v, 4), hi_quad));
+                    __m256i lo, hi;
+                    q4_piece(t + 64 * p + 16 * i, &lo, &hi);
+                    s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(lo, lo_quad));
+                    s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(hi, hi_quad));
                 }
             }
         } else {
             for (int p = 0; p < 8; p++) {
                 const __m256i quad = act_quad(ab, p);
-                for (int i = 0; i < 4; i++) {
-                    const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(t + 64 * p + 16 * i)));
-                    s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(v, quad));
-                }
+                for (int i = 0; i < 4; i++)
+                    s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(q8_piece(t + 64 * p + 16 * i), quad));
             }
         }
         for (int h = 0; h < 2; h++) {
