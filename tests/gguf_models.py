@@ -9,13 +9,17 @@ transformers reads these files with its own GGUF code (its own dequantizers and 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import load_file
+
+# The tensor types pdkv reads that the ``gguf`` package can also write (it quantizes no K-quant: their
+# tests write blocks of their own, tests/kquants.py).
+WRITTEN_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -49,10 +53,16 @@ def write_gguf(
     tokenizer: bool = True,
     chat_template: str | None = CHATML,
     edit: Callable[[Any], None] | None = None,
+    raw: Mapping[str, tuple[str, np.ndarray]] | None = None,
+    override: Mapping[str, np.ndarray] | None = None,
 ) -> Path:
     """``folder`` (make-model output) as a GGUF file; matrices in ``qtype``, norms in F32.
 
-    ``edit(writer)`` may add or override metadata before the file is written (bad-input tests)."""
+    ``edit(writer)`` may add or override metadata before the file is written (bad-input tests).
+    ``raw`` (Hugging Face name -> (GGUF type, [rows, bytes] uint8 blocks in Hugging Face row order)) writes
+    those matrices as the blocks given, whatever ``qtype`` -- types the ``gguf`` package cannot quantize
+    (the K-quants: tests/kquants.py) -- or, type "F32", as the float32 [rows, cols] given; ``override``
+    (name -> float array) replaces the folder's tensor, then written in ``qtype`` as the rest."""
     import gguf
     from gguf import GGMLQuantizationType, quants
 
@@ -80,12 +90,19 @@ def write_gguf(
     q = GGMLQuantizationType[qtype]
     for hf_name, t in tensors.items():
         name = _gguf_name(hf_name)
-        a = t.to(torch.float32).numpy()
+        a = t.to(torch.float32).numpy() if override is None or hf_name not in override else override[hf_name]
+        blocks = None if raw is None or hf_name not in raw else raw[hf_name]
+        if blocks is not None:
+            a = blocks[1]  # whole rows of blocks: permuted as the weights' rows are
         if name.endswith("attn_q.weight"):
             a = permute(a, heads)
         elif name.endswith("attn_k.weight"):
             a = permute(a, kv_heads)
-        if a.ndim == 1 or q == GGMLQuantizationType.F32:
+        if blocks is not None and blocks[0] == "F32":  # a float32 matrix amid quantized ones
+            w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+        elif blocks is not None:
+            w.add_tensor(name, np.ascontiguousarray(a), raw_dtype=GGMLQuantizationType[blocks[0]])
+        elif a.ndim == 1 or q == GGMLQuantizationType.F32:
             w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
         elif q == GGMLQuantizationType.F16:
             w.add_tensor(name, a.astype(np.float16))

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.model.gguf import SUPPORTED_TENSOR_TYPES
-from tests.gguf_models import write_gguf
+from tests.gguf_models import WRITTEN_TYPES, write_gguf
 from tests.tiny_models import pdkv_tiny_model_dir
 
 
@@ -19,6 +18,6 @@ def folder() -> Path:
 
 @pytest.fixture(scope="module")
 def files(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """``folder`` as a GGUF file per tensor type pdkv reads, by type name."""
+    """``folder`` as a GGUF file per tensor type the ``gguf`` package writes, by type name."""
     root = tmp_path_factory.mktemp("gguf")
-    return {q: write_gguf(folder, root / f"tiny-{q}.gguf", qtype=q) for q in SUPPORTED_TENSOR_TYPES}
+    return {q: write_gguf(folder, root / f"tiny-{q}.gguf", qtype=q) for q in WRITTEN_TYPES}

@@ -15,13 +15,15 @@ import torch
 from engine.chat_template import ChatTemplateError
 from engine.hashing import HashNamespace
 from engine.llm import LLM
-from engine.model.gguf import SUPPORTED_TENSOR_TYPES, GGUFError, inspect_gguf
+from engine.model.gguf import K_QUANTS, SUPPORTED_TENSOR_TYPES, GGUFError, inspect_gguf
 from engine.model.loader import inspect_model
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from pdkv.cli import main
-from tests.gguf_models import write_gguf
+from tests.gguf_models import WRITTEN_TYPES, write_gguf
+from tests.kquants import kquant_tensors
+from tests.tiny_models import pdkv_tiny_model_dir
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [100, 200, 300, 50, 60], [42] * 17]
 GREEDY = SamplingParams(max_tokens=8)
@@ -58,12 +60,56 @@ def _hf_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("qtype", SUPPORTED_TENSOR_TYPES)
+@pytest.mark.parametrize("qtype", WRITTEN_TYPES)
 def test_every_supported_tensor_type_matches_transformers_on_the_same_file(
     qtype: str, files: dict[str, Path]
 ) -> None:
     ours = [o.token_ids for o in _llm(files[qtype]).generate(PROMPTS, GREEDY)]
     assert ours == _hf_greedy(files[qtype], PROMPTS, GREEDY.max_tokens)
+
+
+def test_every_type_read_is_tested() -> None:
+    assert set(WRITTEN_TYPES) | set(K_QUANTS) == set(SUPPORTED_TENSOR_TYPES)
+
+
+def _kquant_folder() -> Path:
+    """K-quant rows are super-blocks of 256: a model whose every matrix is that wide."""
+    return pdkv_tiny_model_dir(init_std=0.2, hidden=256, heads=4, kv_heads=2, intermediate_size=512)
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS)
+def test_k_quant_matrices_read_as_ggml_dequantizes_them_and_match_transformers(
+    qtype: str, tmp_path: Path
+) -> None:
+    """Every matrix (the embedding too) in ``qtype``: the loader's weights equal, bit for bit, a
+    dequantizer written from ggml's C (tests/kquants.py), q/k rows back in Hugging Face order; the engine
+    then decodes as transformers does on the same file."""
+    folder = _kquant_folder()
+    raw, dense = kquant_tensors(folder, lambda name: qtype, seed=K_QUANTS.index(qtype))
+    path = write_gguf(folder, tmp_path / f"{qtype}.gguf", raw=raw)
+    weights = dict(inspect_gguf(path).weights(torch.float32))
+    assert set(dense) <= set(weights) and len(dense) > 10
+    for name, want in dense.items():
+        assert torch.equal(weights[name], torch.from_numpy(want)), name
+    ours = [o.token_ids for o in _llm(path).generate(PROMPTS, GREEDY)]
+    assert ours == _hf_greedy(path, PROMPTS, GREEDY.max_tokens)
+
+
+def test_a_k_quant_file_runs_exactly_like_its_dequantized_twin(tmp_path: Path) -> None:
+    """A Q4_K_M-like mix (Q6_K embedding and down projections, Q4_K the rest) against an F32 file of
+    the reference dequantization: the same tokens and log-probabilities, in float32 and in bfloat16."""
+    folder = _kquant_folder()
+
+    def pick(name: str) -> str:
+        return "Q6_K" if name.endswith(("embed_tokens.weight", "down_proj.weight")) else "Q4_K"
+
+    raw, dense = kquant_tensors(folder, pick, seed=7)
+    mixed = write_gguf(folder, tmp_path / "q4_k_m.gguf", raw=raw)
+    twin = write_gguf(folder, tmp_path / "twin.gguf", override=dense)
+    params = SamplingParams(max_tokens=8, logprobs=2)
+    for dtype in ("float32", "bfloat16"):
+        a, b = (_llm(p, dtype).generate(PROMPTS, params) for p in (mixed, twin))
+        assert [(o.token_ids, o.logprobs) for o in a] == [(o.token_ids, o.logprobs) for o in b], dtype
 
 
 def test_an_f32_file_runs_exactly_like_the_folder_it_came_from(folder: Path, files: dict[str, Path]) -> None:
@@ -234,16 +280,16 @@ def test_an_unsupported_tensor_type(tmp_path: Path, no_weight_reads: None) -> No
 
     path = tmp_path / "k-quant.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    block_bytes = gguf.GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K][1]
+    block_bytes = gguf.GGML_QUANT_SIZES[GGMLQuantizationType.Q3_K][1]
     w.add_tensor(
-        "token_embd.weight", np.zeros((4, block_bytes), np.uint8), raw_dtype=GGMLQuantizationType.Q4_K
+        "token_embd.weight", np.zeros((4, block_bytes), np.uint8), raw_dtype=GGMLQuantizationType.Q3_K
     )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(
-        GGUFError, match="type Q4_K, which pdkv does not dequantize; supported: F32, F16, BF16, Q8_0"
+        GGUFError, match="type Q3_K, which pdkv does not dequantize; supported: F32, F16, BF16, Q8_0"
     ):
         LLM(path, device="cpu")
 

@@ -36,6 +36,7 @@ from engine.native_linear import row_prefetch_default
 from engine.sampling_params import SamplingParams
 from tests.factories import store_tier_spec
 from tests.gguf_models import write_gguf
+from tests.kquants import kquant_tensors
 from tests.p2p_harness import assert_idle, run_until, tokens
 from tests.tiny_models import pdkv_tiny_model_dir
 
@@ -819,6 +820,37 @@ def test_a_file_with_a_type_without_kernel_runs_that_matrix_dequantized(
     ]
 
 
+def test_k_quant_matrices_run_dequantized_beside_the_packed_ones(kernel: QuantKernel, tmp_path: Path) -> None:
+    """Q8_0 attention with Q4_K / Q6_K MLPs (K-quants have no kernel): ``quantized`` packs the Q8_0
+    matrices and dequantizes the K-quants -- the same tokens and log-probabilities as a file whose MLPs
+    are F32 copies of the K-quants' values; a file of K-quants alone is refused by ``quantized`` (no
+    matrix it packs) and runs dequantized under ``auto``."""
+    folder = pdkv_tiny_model_dir(init_std=0.2, hidden=256, heads=4, kv_heads=2, intermediate_size=512)
+
+    def mlp(name: str) -> str | None:
+        if name.endswith("down_proj.weight"):
+            return "Q6_K"
+        return "Q4_K" if name.endswith(("gate_proj.weight", "up_proj.weight")) else None
+
+    raw, dense = kquant_tensors(folder, mlp, seed=3)
+    mixed = write_gguf(folder, tmp_path / "mixed.gguf", qtype="Q8_0", raw=raw)
+    f32 = {name: ("F32", values) for name, values in dense.items()}
+    twin = write_gguf(folder, tmp_path / "twin.gguf", qtype="Q8_0", raw=f32)
+    params = SamplingParams(max_tokens=8, logprobs=2)
+    a, b = (_llm(p) for p in (mixed, twin))
+    assert a.engine.model.quantized and b.engine.model.quantized
+    packed = {type(m).__name__ for m in a.engine.model.model.modules()}
+    assert "QuantLinear" in packed
+    got, want = a.generate(PROMPTS, params), b.generate(PROMPTS, params)
+    assert [(o.token_ids, o.logprobs) for o in got] == [(o.token_ids, o.logprobs) for o in want]
+
+    alone, _ = kquant_tensors(folder, lambda name: "Q4_K", seed=4)
+    only_k = write_gguf(folder, tmp_path / "only-k.gguf", raw=alone)
+    with pytest.raises(ValueError, match="weights 'quantized' cannot be served: the model has no Q8_0"):
+        _llm(only_k)
+    assert not _llm(only_k, weights="auto").engine.model.quantized
+
+
 # -- bad files ------------------------------------------------------------------------------------------
 
 
@@ -830,7 +862,7 @@ def test_a_file_cut_inside_a_block_is_refused(files: dict[str, Path], tmp_path: 
         LLM(path, weights="quantized", device="cpu")
 
 
-@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K", "IQ4_NL"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "IQ4_NL"])
 def test_a_type_without_a_reader_is_refused_by_name(qtype: str, tmp_path: Path) -> None:
     import gguf
     from gguf import GGMLQuantizationType
