@@ -54,15 +54,13 @@ def write_gguf(
     chat_template: str | None = CHATML,
     edit: Callable[[Any], None] | None = None,
     raw: Mapping[str, tuple[str, np.ndarray]] | None = None,
-    override: Mapping[str, np.ndarray] | None = None,
 ) -> Path:
     """``folder`` (make-model output) as a GGUF file; matrices in ``qtype``, norms in F32.
 
     ``edit(writer)`` may add or override metadata before the file is written (bad-input tests).
     ``raw`` (Hugging Face name -> (GGUF type, [rows, bytes] uint8 blocks in Hugging Face row order)) writes
     those matrices as the blocks given, whatever ``qtype`` -- types the ``gguf`` package cannot quantize
-    (the K-quants: tests/kquants.py) -- or, type "F32", as the float32 [rows, cols] given; ``override``
-    (name -> float array) replaces the folder's tensor, then written in ``qtype`` as the rest."""
+    (the K-quants: tests/kquants.py) -- or, type "F32", as the float32 [rows, cols] given."""
     import gguf
     from gguf import GGMLQuantizationType, quants
 
@@ -90,10 +88,9 @@ def write_gguf(
     q = GGMLQuantizationType[qtype]
     for hf_name, t in tensors.items():
         name = _gguf_name(hf_name)
-        a = t.to(torch.float32).numpy() if override is None or hf_name not in override else override[hf_name]
-        blocks = None if raw is None or hf_name not in raw else raw[hf_name]
-        if blocks is not None:
-            a = blocks[1]  # whole rows of blocks: permuted as the weights' rows are
+        blocks = None if raw is None else raw.get(hf_name)
+        # the given rows (of blocks: permuted as the weights' rows are), or the folder's tensor
+        a = blocks[1] if blocks is not None else t.to(torch.float32).numpy()
         if name.endswith("attn_q.weight"):
             a = permute(a, heads)
         elif name.endswith("attn_k.weight"):

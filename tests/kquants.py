@@ -101,7 +101,7 @@ def kquant_tensors(
 ) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, np.ndarray]]:
     """Random K-quant blocks for the matrices of a make-model ``folder`` that ``pick(name)`` gives a type
     (by Hugging Face name; None: left as they are) -- ``write_gguf``'s ``raw`` -- and their dequantized
-    float32 values (Hugging Face row order), ``write_gguf``'s ``override`` for a dense twin."""
+    float32 values (Hugging Face row order), for a dense twin: ``f32_matrices``."""
     from safetensors.torch import load_file
 
     rng = np.random.default_rng(seed)
@@ -116,3 +116,8 @@ def kquant_tensors(
         raw[name] = (qtype, blocks)
         dense[name] = dequantize(qtype, blocks)
     return raw, dense
+
+
+def f32_matrices(dense: dict[str, np.ndarray]) -> dict[str, tuple[str, np.ndarray]]:
+    """``write_gguf``'s ``raw`` writing each of ``dense``'s matrices as float32: a K-quant file's twin."""
+    return {name: ("F32", values) for name, values in dense.items()}

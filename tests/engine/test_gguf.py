@@ -22,7 +22,7 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from pdkv.cli import main
 from tests.gguf_models import WRITTEN_TYPES, write_gguf
-from tests.kquants import kquant_tensors
+from tests.kquants import f32_matrices, kquant_tensors
 from tests.tiny_models import pdkv_tiny_model_dir
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [100, 200, 300, 50, 60], [42] * 17]
@@ -105,7 +105,7 @@ def test_a_k_quant_file_runs_exactly_like_its_dequantized_twin(tmp_path: Path) -
 
     raw, dense = kquant_tensors(folder, pick, seed=7)
     mixed = write_gguf(folder, tmp_path / "q4_k_m.gguf", raw=raw)
-    twin = write_gguf(folder, tmp_path / "twin.gguf", override=dense)
+    twin = write_gguf(folder, tmp_path / "twin.gguf", raw=f32_matrices(dense))
     params = SamplingParams(max_tokens=8, logprobs=2)
     for dtype in ("float32", "bfloat16"):
         a, b = (_llm(p, dtype).generate(PROMPTS, params) for p in (mixed, twin))

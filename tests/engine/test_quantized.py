@@ -36,7 +36,7 @@ from engine.native_linear import row_prefetch_default
 from engine.sampling_params import SamplingParams
 from tests.factories import store_tier_spec
 from tests.gguf_models import write_gguf
-from tests.kquants import kquant_tensors
+from tests.kquants import f32_matrices, kquant_tensors
 from tests.p2p_harness import assert_idle, run_until, tokens
 from tests.tiny_models import pdkv_tiny_model_dir
 
@@ -834,13 +834,12 @@ def test_k_quant_matrices_run_dequantized_beside_the_packed_ones(kernel: QuantKe
 
     raw, dense = kquant_tensors(folder, mlp, seed=3)
     mixed = write_gguf(folder, tmp_path / "mixed.gguf", qtype="Q8_0", raw=raw)
-    f32 = {name: ("F32", values) for name, values in dense.items()}
-    twin = write_gguf(folder, tmp_path / "twin.gguf", qtype="Q8_0", raw=f32)
+    twin = write_gguf(folder, tmp_path / "twin.gguf", qtype="Q8_0", raw=f32_matrices(dense))
     params = SamplingParams(max_tokens=8, logprobs=2)
     a, b = (_llm(p) for p in (mixed, twin))
     assert a.engine.model.quantized and b.engine.model.quantized
-    packed = {type(m).__name__ for m in a.engine.model.model.modules()}
-    assert "QuantLinear" in packed
+    for layer in a.engine.model.model.layers:  # the attention's Q8_0 packed as the file ships it
+        assert [w.qtype for _, w in layer.self_attn.qkv_proj.parts] == ["Q8_0"]
     got, want = a.generate(PROMPTS, params), b.generate(PROMPTS, params)
     assert [(o.token_ids, o.logprobs) for o in got] == [(o.token_ids, o.logprobs) for o in want]
 
