@@ -32,7 +32,7 @@ from engine.metrics import SPECS, StatsSnapshot
 from engine.model.embedded import ensure_default_model
 from engine.model.gguf import GGUFModel
 from engine.model.loader import LoadedModel, inspect_model, load_model
-from engine.model.quantized import choose_weights
+from engine.model.quantized import choose_weights, packed_weights
 from engine.native import NativeKernels, native_kernels
 from engine.native_attention import PrefillKernel
 from engine.output_processor import OutputProcessor
@@ -169,6 +169,7 @@ class LLMEngine:
                 torch_linears=self.model.torch_linears,
                 attention_tiles=self._attention_tiles(kernels, dtype),
                 quantized=self.model.quantized,
+                packed_types=frozenset(w.qtype for w in packed_weights(self.model.model)),
                 bf16_dot=None if kernels is None else kernels.bf16_dot,
             ),
             block_size=config.block_size,

@@ -1,4 +1,4 @@
-/* Linears over GGUF's quantized block formats (Q8_0, Q4_0, Q4_1), run as the file ships them.
+/* Linears over GGUF's quantized block formats (Q8_0, Q4_0, Q4_1, Q4_K), run as the file ships them.
  *
  *   pdkv_qlinear        out[m, n] = sum_k x[m, k] w[n, k]      (w packed, x and out bfloat16 or float32)
  *   pdkv_qdequant_rows  rows of w as dense floats (embedding lookups, tests, the torch fallback)
@@ -16,6 +16,9 @@
  *                    byte [s][r][j] (s < 4, r < 16, j < 4) holds row r's quant of input 4s + j in its low
  *                    nibble and of input 16 + 4s + j in its high one -- GGUF's own byte qs[4s + j] of the
  *                    row's block, so repacking is a transpose.  w = q d + m (Q4_0: m = -8 d, exact).
+ *   Q4F (Q4_K)       the same 256 bytes, then 16 float32 scales d and 16 float32 mins m (384 bytes): a
+ *                    Q4_K super-block's eight sub-blocks of 32, each its own block here -- d = d_K sc and
+ *                    m = -dmin_K mn, float16 times a 6-bit integer, exact in float32 (not in float16).
  *   Q8 (Q8_0)        512 bytes, byte [s][r][j] (s < 8) = row r's signed quant of input 4s + j, then d
  *                    and m as above (m = 0): w = q d + m again.
  *
@@ -63,6 +66,7 @@
 #define FMT_Q8 0
 #define FMT_Q4 1
 #define FMT_BF16 2 /* dense bfloat16 weights: bf16_linear.c's layout and kernel */
+#define FMT_Q4F 3  /* Q4's quants with float32 scales and mins (Q4_K's sub-blocks) */
 #define GROUP 16
 #define QBLOCK 32
 #define MT 8        /* activation rows per tile: the unpacked weights are reused across them */
@@ -133,9 +137,12 @@ INLINE void prefetch_tile(const uint8_t *t, int64_t tb, int64_t near, int64_t fa
 }
 #endif
 
+/* Whether a format's quants are Q4's nibbles (Q4, Q4F), else Q8's bytes. */
+static inline int q4_quants(int64_t fmt) { return fmt == FMT_Q4 || fmt == FMT_Q4F; }
+
 /* Bytes of one (group, block) tile of the packed layout. */
-static int64_t tile_bytes(int64_t fmt) { return fmt == FMT_Q4 ? 320 : 576; }
-static int64_t quant_bytes(int64_t fmt) { return fmt == FMT_Q4 ? 256 : 512; }
+static int64_t tile_bytes(int64_t fmt) { return fmt == FMT_Q4 ? 320 : fmt == FMT_Q4F ? 384 : 576; }
+static int64_t quant_bytes(int64_t fmt) { return q4_quants(fmt) ? 256 : 512; }
 
 /* The quantized activations of rows j, j + 1, ... of a call (quantize_row's: the header's): row i's q at
  * q + 2 i k bytes, its per-block sums of qa, steps da and da * sum at i k / 32 floats on. */
@@ -157,7 +164,7 @@ int pdkv_bf16_rows(const void *packed, int64_t n, int64_t k, const int64_t *ids,
 
 int64_t pdkv_qpacked_bytes(int64_t fmt, int64_t n, int64_t k) {
     if (fmt == FMT_BF16) return (n > 0 && k > 0 && k % 2 == 0) ? ((n + GROUP - 1) / GROUP) * GROUP * k * 2 : -1;
-    if ((fmt != FMT_Q4 && fmt != FMT_Q8) || n <= 0 || k <= 0 || k % QBLOCK) return -1;
+    if ((fmt != FMT_Q4 && fmt != FMT_Q8 && fmt != FMT_Q4F) || n <= 0 || k <= 0 || k % QBLOCK) return -1;
     return ((n + GROUP - 1) / GROUP) * (k / QBLOCK) * tile_bytes(fmt);
 }
 
@@ -191,12 +198,18 @@ static void dequant_row(const uint8_t *packed, int64_t fmt, int64_t k, int64_t r
     const int64_t g = r / GROUP, lane = r % GROUP;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *t = packed + (g * blocks + b) * tb;
-        uint16_t dh, mh;
-        memcpy(&dh, t + qb + 2 * lane, 2);
-        memcpy(&mh, t + qb + 32 + 2 * lane, 2);
-        const float d = half_to_f32(dh), m = half_to_f32(mh);
+        float d, m;
+        if (fmt == FMT_Q4F) {
+            memcpy(&d, t + qb + 4 * lane, 4);
+            memcpy(&m, t + qb + 64 + 4 * lane, 4);
+        } else {
+            uint16_t dh, mh;
+            memcpy(&dh, t + qb + 2 * lane, 2);
+            memcpy(&mh, t + qb + 32 + 2 * lane, 2);
+            d = half_to_f32(dh), m = half_to_f32(mh);
+        }
         float *o = out + b * QBLOCK;
-        if (fmt == FMT_Q4) {
+        if (q4_quants(fmt)) {
             for (int p = 0; p < 4; p++)
                 for (int j = 0; j < 4; j++) {
                     const uint8_t byte = t[(p * GROUP + lane) * 4 + j];
@@ -379,7 +392,7 @@ INLINE __m512i dpbusd_bcast(__m512i acc, __m512i w, const int32_t *a) {
  * Q4 the low nibbles of the tile's 64-byte run p (p < 4) or the high ones of run p - 4, Q8 run p with
  * its sign bits flipped (q + 128: block_sum takes the 128 sum(qa) back out). */
 INLINE __m512i tile_quad(const uint8_t *t, int64_t fmt, int p) {
-    if (fmt == FMT_Q4) {
+    if (q4_quants(fmt)) {
         const __m512i v = _mm512_loadu_si512((const void *)(t + 64 * (p & 3))), low = _mm512_set1_epi8(0x0f);
         return _mm512_and_si512(p < 4 ? v : _mm512_srli_epi16(v, 4), low);
     }
@@ -390,13 +403,22 @@ INLINE __m512i tile_quad(const uint8_t *t, int64_t fmt, int p) {
  * for Q8 (tile_quad's offset). */
 INLINE __m512i block_sum(__m512i h, __m512i l, int64_t fmt, int32_t qsum) {
     const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
-    return fmt == FMT_Q4 ? s : _mm512_sub_epi32(s, _mm512_set1_epi32(128 * qsum));
+    return q4_quants(fmt) ? s : _mm512_sub_epi32(s, _mm512_set1_epi32(128 * qsum));
+}
+
+/* A tile's 16 scales d and mins m as floats (scales: its bytes after the quants; float16, or Q4F's
+ * float32). */
+INLINE __m512 tile_scales(const uint8_t *scales, int64_t fmt) {
+    return fmt == FMT_Q4F ? _mm512_loadu_ps(scales) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
+}
+
+INLINE __m512 tile_mins(const uint8_t *scales, int64_t fmt) {
+    return fmt == FMT_Q4F ? _mm512_loadu_ps(scales + 64)
+                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32)));
 }
 
 /* The block's scale term then its min term, per lane: every kernel's float operations, in this order. */
-INLINE __m512 add_block(__m512 acc, __m512i s, const uint8_t *scales, float dj, float sj) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32)));
+INLINE __m512 add_block(__m512 acc, __m512i s, __m512 d, __m512 m, float dj, float sj) {
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dj)), acc);
     return _mm512_fmadd_ps(m, _mm512_set1_ps(sj), acc);
 }
@@ -415,6 +437,7 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, i
         prefetch_tile(t, tb, PREFETCH, 0, 0); /* into L1 (non-temporal: batch 8 0.7-2.4 % slower on a Zen 5) */
         __m512i w[8];
         for (int p = 0; p < 8; p++) w[p] = tile_quad(t, fmt, p);
+        const __m512 d = tile_scales(t + qb, fmt), m = tile_mins(t + qb, fmt);
         for (int j = 0; j < nrows; j++) {
             const int32_t *hi = (const int32_t *)(a.q + 2 * j * k + b * QBLOCK), *lo = hi + k / 4;
             __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
@@ -426,8 +449,8 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, i
             }
             const int64_t s = j * blocks + b;
             acc[j] = add_block(acc[j],
-                               block_sum(_mm512_add_epi32(h0, h1), _mm512_add_epi32(l0, l1), fmt, a.is[s]),
-                               t + qb, a.da[s], a.sa[s]);
+                               block_sum(_mm512_add_epi32(h0, h1), _mm512_add_epi32(l0, l1), fmt, a.is[s]), d,
+                               m, a.da[s], a.sa[s]);
         }
     }
     store_tile(acc, nrows, out, ldo, col, ncols, out_bf16);
@@ -456,8 +479,8 @@ INLINE void row1_sums(const uint8_t *t, int64_t fmt, const int32_t *hi, const in
  * side give the core more streams and accumulators to overlap (an Intel Xeon, a batch-1 step of the Q4_1
  * model's linears: 5.2-5.4 ms one group at a time, 4.8 two, 4.1-4.3 four), or -- an AMD EPYC -- get in
  * its prefetchers' way: how many is row_groups (pdkv_quant_row_groups). */
-INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, int64_t k, void *out,
-                       int64_t col, int64_t n_out, int64_t out_bf16, const int NG) {
+INLINE void group_row1_as(const uint8_t *wg, const int64_t fmt, int64_t blocks, Acts a, int64_t k, void *out,
+                          int64_t col, int64_t n_out, int64_t out_bf16, const int NG) {
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt), near = row_prefetch[0], far = row_prefetch[1];
     const int nta = row_prefetch[2] != 0;
@@ -467,17 +490,24 @@ INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, i
             const uint8_t *t = wg + (gi * blocks + b) * tb;
             prefetch_tile(t, tb, near, far, nta);
             __m512i h, l;
-            if (fmt == FMT_Q4) /* a constant format each: tile_quad's branch out of the loop */
-                row1_sums(t, FMT_Q4, hi, lo, &h, &l);
-            else
-                row1_sums(t, FMT_Q8, hi, lo, &h, &l);
-            acc[gi] = add_block(acc[gi], block_sum(h, l, fmt, a.is[b]), t + qb, a.da[b], a.sa[b]);
+            row1_sums(t, fmt, hi, lo, &h, &l);
+            acc[gi] = add_block(acc[gi], block_sum(h, l, fmt, a.is[b]), tile_scales(t + qb, fmt),
+                                tile_mins(t + qb, fmt), a.da[b], a.sa[b]);
         }
     }
     for (int gi = 0; gi < NG; gi++) {
         const int64_t c = col + gi * GROUP;
         store_tile(acc + gi, 1, out, 0, c, n_out - c < GROUP ? n_out - c : GROUP, out_bf16);
     }
+}
+
+/* group_row1_as with the format a constant in each copy: tile_quad's and the scales' branches out of the
+ * loop. */
+INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, int64_t k, void *out, int64_t col,
+                       int64_t n_out, int64_t out_bf16, const int NG) {
+    if (fmt == FMT_Q4) group_row1_as(wg, FMT_Q4, blocks, a, k, out, col, n_out, out_bf16, NG);
+    else if (fmt == FMT_Q4F) group_row1_as(wg, FMT_Q4F, blocks, a, k, out, col, n_out, out_bf16, NG);
+    else group_row1_as(wg, FMT_Q8, blocks, a, k, out, col, n_out, out_bf16, NG);
 }
 
 /* acc[j] (16 columns from col, ncols of them real) into rows 0 .. nrows - 1 of out. */

@@ -42,7 +42,7 @@ static void qamx_weights(const uint8_t *wg, int64_t fmt, int64_t blocks, uint8_t
         const uint8_t *t = wg + b * tb;
         uint8_t *o = bt + b * 512;
         _mm_prefetch((const char *)t + PREFETCH, _MM_HINT_T0);
-        if (fmt == FMT_Q4) {
+        if (q4_quants(fmt)) {
             for (int i = 0; i < 4; i++) { /* inputs 4i .. 4i + 3 and 16 more */
                 const __m512i v = _mm512_loadu_si512((const void *)(t + 64 * i));
                 _mm512_store_si512((void *)(o + 64 * i), _mm512_and_si512(v, low));
@@ -73,8 +73,7 @@ static void qamx_weights(const uint8_t *wg, int64_t fmt, int64_t blocks, uint8_t
         _tile_stored(TH, sums, 64);                                                                        \
         _tile_stored(TL, sums + 256, 64);                                                                  \
         const uint8_t *t_ = wg + (b) * tb;                                                                 \
-        const __m512 d_ = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t_ + qb)));                 \
-        const __m512 m_ = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t_ + qb + 32)));            \
+        const __m512 d_ = tile_scales(t_ + qb, fmt), m_ = tile_mins(t_ + qb, fmt);                         \
         for (int j = 0; j < m; j++) {                                                                      \
             const __m512i s_ = _mm512_add_epi32(                                                           \
                 _mm512_slli_epi32(_mm512_load_si512((const void *)(sums + 16 * j)), 8),                    \

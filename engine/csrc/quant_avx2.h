@@ -98,13 +98,25 @@ INLINE __m256i q8_piece(const uint8_t *at) { return _mm256_cvtepi8_epi16(_mm_loa
  * 8h + 4i + 3's quants of inputs 4p .. 4p + 3 (p < 8), four to a row -- Q4's from the low nibbles of run
  * p (p < 4) or the high ones of run p - 4, Q8's from run p. */
 INLINE void load_quads_half(const uint8_t *t, int64_t fmt, int h, __m256i w[16]) {
-    if (fmt == FMT_Q4) {
+    if (q4_quants(fmt)) {
         for (int p = 0; p < 4; p++)
             for (int i = 0; i < 2; i++) q4_piece(t + 64 * p + 32 * h + 16 * i, &w[2 * p + i], &w[2 * (p + 4) + i]);
     } else {
         for (int p = 0; p < 8; p++)
             for (int i = 0; i < 2; i++) w[2 * p + i] = q8_piece(t + 64 * p + 32 * h + 16 * i);
     }
+}
+
+/* Lanes 8h .. 8h + 7's scales d and mins m of a tile as floats (scales: its bytes after the quants;
+ * float16, or Q4F's float32). */
+INLINE __m256 half_scales(const uint8_t *scales, int64_t fmt, int h) {
+    return fmt == FMT_Q4F ? _mm256_loadu_ps((const float *)(scales + 32 * h))
+                          : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 16 * h)));
+}
+
+INLINE __m256 half_mins(const uint8_t *scales, int64_t fmt, int h) {
+    return fmt == FMT_Q4F ? _mm256_loadu_ps((const float *)(scales + 64 + 32 * h))
+                          : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 32 + 16 * h)));
 }
 
 /* The 4 int16 activations of inputs 4p .. 4p + 3 in every 64-bit lane. */
@@ -168,8 +180,7 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, i
         for (int h = 0; h < 2; h++) {
             __m256i w[16];
             load_quads_half(t, fmt, h, w);
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + qb + 16 * h)));
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + qb + 32 + 16 * h)));
+            const __m256 d = half_scales(t + qb, fmt, h), m = half_mins(t + qb, fmt, h);
             for (int j = 0; j < nrows; j++) {
                 const int16_t *qa = (const int16_t *)(a.q + 2 * j * k) + b * QBLOCK;
                 __m256i x = _mm256_setzero_si256(), y = x;
@@ -199,7 +210,7 @@ INLINE void group_row1_one(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts 
         const int16_t *ab = qa + b * QBLOCK;
         __m256i s[4]; /* rows 4i .. 4i + 3 */
         for (int i = 0; i < 4; i++) s[i] = _mm256_setzero_si256();
-        if (fmt == FMT_Q4) {
+        if (q4_quants(fmt)) {
             for (int p = 0; p < 4; p++) { /* inputs 4p .. 4p + 3 (low nibbles) and 16 + 4p .. (high) */
                 const __m256i lo_quad = act_quad(ab, p), hi_quad = act_quad(ab, p + 4);
                 for (int i = 0; i < 4; i++) {
@@ -217,8 +228,7 @@ INLINE void group_row1_one(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts 
             }
         }
         for (int h = 0; h < 2; h++) {
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + qb + 16 * h)));
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + qb + 32 + 16 * h)));
+            const __m256 d = half_scales(t + qb, fmt, h), m = half_mins(t + qb, fmt, h);
             acc[0][h] = add_block(acc[0][h], row_sums(s[2 * h], s[2 * h + 1]), d, m, a.da[b], a.sa[b]);
         }
     }

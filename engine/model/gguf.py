@@ -21,9 +21,10 @@ adjacent pairs; per head the rows go from [x0..x(d/2-1), y0..y(d/2-1)] to [x0, y
 
 Tensor types dequantized (by the ``gguf`` package, llama.cpp's own reference code): see
 ``SUPPORTED_TENSOR_TYPES`` -- among them the K-quants of the common ``Q4_K_M`` / ``Q5_K_M`` / ``Q6_K``
-files (Q4_K, Q5_K, Q6_K: checked against a dequantizer written from ggml's C, tests/kquants.py), which no
-native kernel runs: under ``--weights quantized`` their matrices are dequantized beside the packed Q8_0 /
-Q4_0 / Q4_1 ones (engine/model/quantized.py).  Every other type (Q2_K, Q3_K, the IQ types, ternary and FP4
+files (Q4_K, Q5_K, Q6_K: checked against a dequantizer written from ggml's C, tests/kquants.py).  Under
+``--weights quantized`` Q4_K comes as raw blocks, packed for the native kernels with Q8_0, Q4_0, Q4_1,
+Q5_0 and Q5_1 (engine/model/quantized.py), and Q5_K and Q6_K, which no kernel runs, are dequantized
+beside them.  Every other type (Q2_K, Q3_K, the IQ types, ternary and FP4
 formats) is refused with the list of what is supported.
 """
 
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 GGUF_MAGIC = b"GGUF"
 # GGUF architecture -> the Hugging Face architecture it corresponds to.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # super-blocks of 256 weights, dequantized at load (the docstring)
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # super-blocks of 256 weights (the docstring: which run packed)
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", *K_QUANTS)
 # The tokenizer models pdkv builds (llama.cpp's "gpt2" is byte-level BPE) and their pre-tokenizers.
 TOKENIZER_MODELS = ("gpt2",)

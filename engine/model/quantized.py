@@ -1,8 +1,10 @@
 """GGUF's quantized matrices kept quantized: packed once at load, run by ``engine/csrc/quant.c``.
 
-A Q8_0, Q4_0 or Q4_1 matrix of a GGUF file is not dequantized (270 MB of bfloat16 for the built-in
-model's 98 MB file): its blocks are repacked into the kernel's layout (``quant.c``'s header; per 16 output
-rows and 32 inputs the same bytes the file holds, so the weights stay 1.0x the file) and the linear runs
+A Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or Q4_K matrix of a GGUF file is not dequantized (270 MB of bfloat16 for
+the built-in model's 98 MB file): its blocks are repacked into the kernel's layout (``quant.c``'s header;
+per 16 output rows and 32 inputs the same bytes the file holds, so the weights stay 1.0x the file --
+Q5_0 and Q5_1's five-bit quants as Q8's bytes, 1.64x and 1.5x theirs; Q4_K's sub-blocks with their scales
+and mins as float32, 1.33x, where float16 would round them) and the linear runs
 on them -- the activations quantized per row and block of 32 to int16 (1/65278 of the block's largest
 value: llama.cpp's int8 activations moved greedy picks at logit margins up to 0.4), exact integer dot
 products (AVX512-VNNI, or AVX2 with the same sums), float32 sums per block, every row's reduction order
@@ -36,9 +38,16 @@ from engine.native import QuantKernel
 if TYPE_CHECKING:
     from engine.model.llama import LlamaForCausalLM
 
-FMT_Q8, FMT_Q4, FMT_BF16 = 0, 1, 2  # quant.c's two layouts; bf16_linear.c's
-# GGUF type name -> (quant.c layout, bytes of one GGUF block of 32)
-KERNEL_TYPES = {"Q8_0": (FMT_Q8, 34), "Q4_0": (FMT_Q4, 18), "Q4_1": (FMT_Q4, 20)}
+FMT_Q8, FMT_Q4, FMT_BF16, FMT_Q4F = 0, 1, 2, 3  # quant.c's layouts; bf16_linear.c's
+# GGUF type name -> (quant.c layout, weights and bytes of one GGUF block)
+KERNEL_TYPES = {
+    "Q8_0": (FMT_Q8, 32, 34),
+    "Q4_0": (FMT_Q4, 32, 18),
+    "Q4_1": (FMT_Q4, 32, 20),
+    "Q5_0": (FMT_Q8, 32, 22),  # five-bit quants held as Q8's bytes: 1.64x the file's bytes
+    "Q5_1": (FMT_Q8, 32, 24),  # (1.5x), exact -- the kernels' w = q d + m as the file has it
+    "Q4_K": (FMT_Q4F, 256, 144),
+}
 GROUP, QBLOCK = 16, 32
 
 
@@ -68,34 +77,89 @@ def pack(raws: list[RawBlocks]) -> QuantWeight:
         raise PackError("parts of different types or widths are packed separately")
     if qtype not in KERNEL_TYPES:
         raise PackError(f"no kernel for {qtype}")
-    fmt, block_bytes = KERNEL_TYPES[qtype]
-    if cols % QBLOCK:
-        raise PackError(f"{cols} columns is not a whole number of blocks of {QBLOCK}")
+    fmt, block_weights, block_bytes = KERNEL_TYPES[qtype]
+    if cols % block_weights:
+        raise PackError(f"{cols} columns is not a whole number of blocks of {block_weights}")
     data = np.concatenate([r.data for r in raws]) if len(raws) > 1 else raws[0].data
     rows, nb = data.shape[0], cols // QBLOCK
-    if data.shape[1] != nb * block_bytes:
-        raise PackError(f"{data.shape[1]} bytes per row, expected {nb * block_bytes} for {qtype}")
+    expected = cols // block_weights * block_bytes
+    if data.shape[1] != expected:
+        raise PackError(f"{data.shape[1]} bytes per row, expected {expected} for {qtype}")
     padded = -(-rows // GROUP) * GROUP
-    blocks = np.zeros((padded, nb, block_bytes), dtype=np.uint8)  # zero rows pad the last group
-    blocks[:rows] = data.reshape(rows, nb, block_bytes)
-    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]  # [padded, nb]
-    if qtype == "Q4_1":
-        m, qs = blocks[:, :, 2:4].copy().view(np.float16)[..., 0], blocks[:, :, 4:20]
-    elif qtype == "Q4_0":
-        m, qs = d * np.float16(-8), blocks[:, :, 2:18]
-    else:  # Q8_0: the signed bytes as they are, no offset
-        m, qs = np.zeros_like(d), blocks[:, :, 2:34]
-    with np.errstate(over="ignore"):
-        if not np.all(np.isfinite(m)):
-            raise PackError("a block scale too large for its offset in float16")
+    if qtype == "Q4_K":
+        d, m, qs = _q4k_blocks(data, rows, padded, nb)
+    else:
+        blocks = np.zeros((padded, nb, block_bytes), dtype=np.uint8)  # zero rows pad the last group
+        blocks[:rows] = data.reshape(rows, nb, block_bytes)
+        d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]  # [padded, nb]
+        if qtype == "Q4_1":
+            m, qs = blocks[:, :, 2:4].copy().view(np.float16)[..., 0], blocks[:, :, 4:20]
+        elif qtype in ("Q5_0", "Q5_1"):
+            m, qs = _q5_blocks(blocks, qtype, d)
+        elif qtype == "Q4_0":
+            m, qs = d * np.float16(-8), blocks[:, :, 2:18]
+        else:  # Q8_0: the signed bytes as they are, no offset
+            m, qs = np.zeros_like(d), blocks[:, :, 2:34]
+    with np.errstate(over="ignore", invalid="ignore"):
+        if not (np.all(np.isfinite(m)) and np.all(np.isfinite(d))):
+            raise PackError("a block scale or min not finite (or too large for its offset in float16)")
     quads = qs.shape[2] // 4  # 4 (Q4) or 8 (Q8) runs of 4 bytes per row and block
     groups = padded // GROUP
     # [g, r, b, s, 4] -> [g, b, s, r, 4]: per (group, block) the quad-major bytes quant.c reads
     q = qs.reshape(groups, GROUP, nb, quads, 4).transpose(0, 2, 3, 1, 4).reshape(groups, nb, quads * 64)
     dm = np.stack([d, m], axis=-1).reshape(groups, GROUP, nb, 2).transpose(0, 2, 3, 1)  # [g, b, 2, r]
-    tile = np.concatenate([q, np.ascontiguousarray(dm).view(np.uint8).reshape(groups, nb, 64)], axis=2)
+    scale_bytes = 2 * GROUP * d.itemsize  # 64 (float16) or 128 (Q4F's float32)
+    scales = np.ascontiguousarray(dm).view(np.uint8).reshape(groups, nb, scale_bytes)
+    tile = np.concatenate([q, scales], axis=2)
     packed = torch.from_numpy(np.ascontiguousarray(tile).reshape(-1))
     return QuantWeight(qtype, fmt, rows, cols, packed)
+
+
+def _q5_blocks(blocks: np.ndarray, qtype: str, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q5_0 / Q5_1 blocks ([rows, nb, 22 or 24] bytes: float16 d, Q5_1's float16 m, 32 high bits, 16
+    bytes of nibbles) as Q8's: (m [rows, nb], the signed byte quants [rows, nb, 32]).  Weight j is
+    ((qs[j mod 16] nibble) | high bit j << 4) d, less 16 d for Q5_0 (ggml's dequantize_row_q5_0) or plus
+    m for Q5_1 -- so Q5_0's quant less 16, Q5_1's as it is, both within a signed byte."""
+    off = 2 if qtype == "Q5_0" else 4
+    m = np.zeros_like(d) if qtype == "Q5_0" else blocks[:, :, 2:4].copy().view(np.float16)[..., 0]
+    qh = blocks[:, :, off : off + 4].copy().view("<u4")[..., 0]  # [rows, nb]
+    nibbles = blocks[:, :, off + 4 : off + 20]
+    low = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=2).astype(np.int16)  # weights 0..15, 16..31
+    high = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4
+    q = low | high
+    if qtype == "Q5_0":
+        q -= 16
+    return m, q.astype(np.int8).view(np.uint8)
+
+
+def _q4k_blocks(
+    data: np.ndarray, rows: int, padded: int, nb: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks (144 bytes: float16 d and dmin, twelve bytes of 6-bit scales and mins, 128 of
+    nibbles) as Q4's blocks of 32 with float32 scales: (d [padded, nb], m [padded, nb], the Q4_0-order
+    nibbles [padded, nb, 16]).  Sub-block j's weights are d sc_j q - dmin mn_j (ggml's
+    dequantize_row_q4_K), so d = d sc_j and m = -dmin mn_j -- a float16 times a 6-bit integer, exact in
+    float32; its quants are the low nibbles of bytes 32 (j / 2) .. + 31 for j even, the high ones for j
+    odd.  Zero rows pad the last group."""
+    sb = data.reshape(rows, nb // 8, 144)
+    d = sb[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, nsb]
+    dmin = sb[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    sc = sb[:, :, 4:16].astype(np.uint8)
+    scale = np.empty((rows, nb // 8, 8), dtype=np.uint8)
+    mins = np.empty_like(scale)
+    scale[..., :4], mins[..., :4] = sc[..., 0:4] & 63, sc[..., 4:8] & 63
+    scale[..., 4:] = (sc[..., 8:12] & 0xF) | ((sc[..., 0:4] >> 6) << 4)
+    mins[..., 4:] = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
+    qs = sb[:, :, 16:144].reshape(rows, nb // 8, 4, 1, 32)
+    values = np.concatenate([qs & 0xF, qs >> 4], axis=3).reshape(rows, nb, QBLOCK)  # sub-block 2i, 2i + 1
+    out_d = np.zeros((padded, nb), dtype=np.float32)
+    out_m = np.zeros((padded, nb), dtype=np.float32)
+    out_q = np.zeros((padded, nb, 16), dtype=np.uint8)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out_d[:rows] = (d[..., None] * scale).reshape(rows, nb)
+        out_m[:rows] = -(dmin[..., None] * mins).reshape(rows, nb)
+    out_q[:rows] = values[..., :16] | (values[..., 16:] << 4)  # Q4_0's byte j: weights j and 16 + j
+    return out_d, out_m, out_q
 
 
 def pack_bf16(weight: torch.Tensor) -> QuantWeight:
@@ -195,7 +259,8 @@ def choose_weights(
         return False, f"--weights {choice}: dequantized at load"
     kinds = sorted(set(tensor_types) & set(KERNEL_TYPES))
     if not kinds:
-        why = "the model has no Q8_0, Q4_0 or Q4_1 matrices"
+        *most, last = KERNEL_TYPES
+        why = f"the model has no {', '.join(most)} or {last} matrices"
     elif device.type != "cpu":
         why = "the quantized kernels run on the CPU"
     elif not QuantKernel.supports(dtype):

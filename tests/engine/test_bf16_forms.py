@@ -136,17 +136,18 @@ def test_the_dense_linears_give_every_forms_bits(forms: dict[int, native.NativeK
     same(results, f"linear of {rows} rows")
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K"])
 @pytest.mark.parametrize("rows", [1, 3, 9, 32])
 def test_the_quantized_linears_give_every_forms_bits(
     forms: dict[int, native.NativeKernels], qtype: str, rows: int
 ) -> None:
     """quant.c on bfloat16 activations laced with denormals (integer dot products, the same float scaling
     in every build: no flush needed, and none set), batch 1 and batch tiles, out in bfloat16."""
-    from tests.engine.test_quantized import random_blocks
+    from tests.engine.test_quantized import random_blocks, width
 
-    weight = pack([random_blocks(qtype, 200, 576, seed=41)])
-    x = laced(rows, 576, seed=rows + 42)
+    k = width(qtype, 576)
+    weight = pack([random_blocks(qtype, 200, k, seed=41)])
+    x = laced(rows, k, seed=rows + 42)
     results = {}
     for form, k in forms.items():
         assert k.quant is not None

@@ -38,8 +38,11 @@ TRICKY = [
 ]
 
 
-def _llm(path: Path, dtype: str = "float32") -> LLM:
-    return LLM(path, dtype=dtype, device="cpu", block_size=4, num_blocks=64)
+def _llm(path: Path, dtype: str = "float32", weights: str = "auto") -> LLM:
+    return LLM(path, dtype=dtype, weights=weights, device="cpu", block_size=4, num_blocks=64)
+
+
+DENSE = {"float32": "float32", "bfloat16": "bf16"}  # --weights dequantizing at load, by dtype
 
 
 def _hf_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -83,7 +86,8 @@ def test_k_quant_matrices_read_as_ggml_dequantizes_them_and_match_transformers(
 ) -> None:
     """Every matrix (the embedding too) in ``qtype``: the loader's weights equal, bit for bit, a
     dequantizer written from ggml's C (tests/kquants.py), q/k rows back in Hugging Face order; the engine
-    then decodes as transformers does on the same file."""
+    on them (``--weights float32``: Q4_K's packed kernel is test_quantized.py's) then decodes as
+    transformers does on the same file."""
     folder = _kquant_folder()
     raw, dense = kquant_tensors(folder, lambda name: qtype, seed=K_QUANTS.index(qtype))
     path = write_gguf(folder, tmp_path / f"{qtype}.gguf", raw=raw)
@@ -91,13 +95,14 @@ def test_k_quant_matrices_read_as_ggml_dequantizes_them_and_match_transformers(
     assert set(dense) <= set(weights) and len(dense) > 10
     for name, want in dense.items():
         assert torch.equal(weights[name], torch.from_numpy(want)), name
-    ours = [o.token_ids for o in _llm(path).generate(PROMPTS, GREEDY)]
+    ours = [o.token_ids for o in _llm(path, weights="float32").generate(PROMPTS, GREEDY)]
     assert ours == _hf_greedy(path, PROMPTS, GREEDY.max_tokens)
 
 
 def test_a_k_quant_file_runs_exactly_like_its_dequantized_twin(tmp_path: Path) -> None:
     """A Q4_K_M-like mix (Q6_K embedding and down projections, Q4_K the rest) against an F32 file of
-    the reference dequantization: the same tokens and log-probabilities, in float32 and in bfloat16."""
+    the reference dequantization: the same tokens and log-probabilities, in float32 and in bfloat16, on
+    the weights dequantized at load (``--weights float32`` / ``bf16``)."""
     folder = _kquant_folder()
 
     def pick(name: str) -> str:
@@ -108,7 +113,7 @@ def test_a_k_quant_file_runs_exactly_like_its_dequantized_twin(tmp_path: Path) -
     twin = write_gguf(folder, tmp_path / "twin.gguf", raw=f32_matrices(dense))
     params = SamplingParams(max_tokens=8, logprobs=2)
     for dtype in ("float32", "bfloat16"):
-        a, b = (_llm(p, dtype).generate(PROMPTS, params) for p in (mixed, twin))
+        a, b = (_llm(p, dtype, DENSE[dtype]).generate(PROMPTS, params) for p in (mixed, twin))
         assert [(o.token_ids, o.logprobs) for o in a] == [(o.token_ids, o.logprobs) for o in b], dtype
 
 

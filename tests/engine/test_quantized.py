@@ -34,13 +34,15 @@ from engine.model.quantized import (
 from engine.native import QuantKernel, SiluMulKernel, native_kernels
 from engine.native_linear import row_prefetch_default
 from engine.sampling_params import SamplingParams
+from tests import kquants
 from tests.factories import store_tier_spec
 from tests.gguf_models import write_gguf
-from tests.kquants import f32_matrices, kquant_tensors
+from tests.kquants import kquant_tensors
 from tests.p2p_harness import assert_idle, run_until, tokens
 from tests.tiny_models import pdkv_tiny_model_dir
 
-FORMATS = tuple(KERNEL_TYPES)  # Q8_0, Q4_0, Q4_1
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # GGUF's blocks of 32: any width of whole blocks
+KERNEL_FORMATS = tuple(KERNEL_TYPES)  # and Q4_K's super-blocks of 256, widths rounded up to them (width)
 SHAPES = [(1, 32, 1), (17, 32, 3), (37, 96, 1), (48, 608, 9), (130, 256, 70), (16, 64, 8)]  # (n, k, rows)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [100, 200, 300, 50, 60], [42] * 17, list(range(30, 70))]
 BS = 4
@@ -54,9 +56,16 @@ def kernel() -> QuantKernel:
     return kernels.quant
 
 
+def width(qtype: str, k: int) -> int:
+    """``k`` for a test's matrix of ``qtype``: rounded up to whole Q4_K super-blocks of 256."""
+    return -(-k // 256) * 256 if qtype == "Q4_K" else k
+
+
 def random_blocks(qtype: str, n: int, k: int, seed: int) -> RawBlocks:
     from gguf import GGMLQuantizationType, quants
 
+    if qtype == "Q4_K":  # the gguf package cannot quantize K-quants: random blocks (tests/kquants.py)
+        return RawBlocks("w", qtype, n, k, kquants.random_blocks(qtype, n, k, np.random.default_rng(seed)))
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
     w[0, : min(k, 32)] = 0.0  # an all-zero block: scale 0
     return RawBlocks("w", qtype, n, k, quants.quantize(w, GGMLQuantizationType[qtype]))
@@ -71,12 +80,13 @@ def activation_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (step / 2) @ wsum.T
 
 
-@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("qtype", KERNEL_FORMATS)
 @pytest.mark.parametrize(("n", "k", "rows"), SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_is_dequantize_then_matmul_within_the_activation_rounding(
     kernel: QuantKernel, qtype: str, n: int, k: int, rows: int, dtype: torch.dtype
 ) -> None:
+    k = width(qtype, k)
     raw = random_blocks(qtype, n, k, seed=n * 1000 + k)
     linear = QuantLinear([pack([raw])], None, kernel)
     w = raw.dense(torch.float64)  # the gguf package's reference dequantizer
@@ -94,6 +104,24 @@ def integer_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> tupl
     range, extremes included: the blocks and their weights as integers [n, k]."""
     nb = k // 32
     one, zero = np.array([1.0], np.float16).view(np.uint8), np.array([0.0], np.float16).view(np.uint8)
+    if qtype == "Q4_K":  # d 1, dmin 0, every sub-block's 6-bit scale 1 and min 0
+        q = rng.integers(0, 16, size=(n, nb, 32))
+        q[:, :, :4] = [0, 15, 15, 0]
+        pairs = q.reshape(n, nb // 8, 4, 2, 32)  # sub-blocks 2i (low nibbles) and 2i + 1 (high)
+        body = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).astype(np.uint8).reshape(n, nb // 8, 128)
+        scales = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8)
+        head = np.broadcast_to(np.concatenate([one, zero, scales]), (n, nb // 8, 16))
+        data = np.concatenate([head, body], axis=2).reshape(n, -1)
+        return RawBlocks("w", qtype, n, k, np.ascontiguousarray(data)), q.reshape(n, k)
+    if qtype in ("Q5_0", "Q5_1"):  # 16 nibbles and 32 high bits; Q5_0's weights q - 16, Q5_1's q (m 0)
+        q = rng.integers(0, 32, size=(n, nb, 32))
+        q[:, :, :4] = [0, 31, 31, 0]
+        low = (q[:, :, :16] & 0xF | (q[:, :, 16:] & 0xF) << 4).astype(np.uint8)
+        qh = ((q >> 4) << np.arange(32)).sum(axis=2).astype("<u4").view(np.uint8).reshape(n, nb, 4)
+        head = one if qtype == "Q5_0" else np.concatenate([one, zero])
+        data = np.concatenate([np.broadcast_to(head, (n, nb, head.size)), qh, low], axis=2).reshape(n, -1)
+        w = q - 16 if qtype == "Q5_0" else q
+        return RawBlocks("w", qtype, n, k, np.ascontiguousarray(data)), w.reshape(n, k)
     if qtype == "Q8_0":
         q = rng.integers(-128, 128, size=(n, nb, 32))
         q[:, :, :4] = [-128, 127, -128, 127]
@@ -111,7 +139,7 @@ def integer_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> tupl
     return RawBlocks("w", qtype, n, k, np.ascontiguousarray(data)), w.reshape(n, k)
 
 
-@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("qtype", KERNEL_FORMATS)
 @pytest.mark.parametrize("rows", [1, 9])  # the batch-1 kernel; the batch tiles and a last row of its own
 def test_the_integer_sums_are_exact_at_the_ends_of_both_ranges(
     kernel: QuantKernel, qtype: str, rows: int
@@ -121,7 +149,7 @@ def test_the_integer_sums_are_exact_at_the_ends_of_both_ranges(
     their extremes (Q8's -128, which the byte dot products take as an offset) and activations whose low
     byte reads -128 or whose high byte is at +-127, where a split into two signed bytes could overflow."""
     rng = np.random.default_rng(7)
-    n, k = 40, 64
+    n, k = 40, width(qtype, 64)
     raw, w = integer_blocks(qtype, n, k, rng)
     x = rng.integers(-100, 101, size=(rows, k))
     edges = [128, -128, 384, -129, 255, -256, 32512 - 128, -32513]  # low bytes -128; 0x7e80: hi 127, lo -128
@@ -130,6 +158,8 @@ def test_the_integer_sums_are_exact_at_the_ends_of_both_ranges(
         x[r, 32 + 4 : 32 + 4 + len(edges)] = edges
         x[r, r % 4] = 32639 if r % 2 else -32639  # each block's maximum
         x[r, 32 + (r + 1) % 4] = -32639 if r % 2 else 32639
+        for b in range(2, k // 32):  # Q4_K's width: the other blocks' too
+            x[r, 32 * b + (r + b) % 4] = 32639 if (r + b) % 2 else -32639
     y = torch.empty(rows, n)
     kernel.linear(torch.from_numpy(x.astype(np.float32)), pack([raw]).packed, KERNEL_TYPES[qtype][0], n, y)
     exact = x.astype(np.int64) @ w.T.astype(np.int64)
@@ -137,9 +167,9 @@ def test_the_integer_sums_are_exact_at_the_ends_of_both_ranges(
     assert np.array_equal(y.numpy().astype(np.int64), exact)
 
 
-@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("qtype", KERNEL_FORMATS)
 def test_rows_dequantize_exactly_as_the_reference_does(kernel: QuantKernel, qtype: str) -> None:
-    raw = random_blocks(qtype, 37, 96, seed=3)  # 37 rows: the last group padded
+    raw = random_blocks(qtype, 37, width(qtype, 96), seed=3)  # 37 rows: the last group padded
     packed = pack([raw])
     assert torch.equal(dequantize(kernel, packed), raw.dense(torch.float32))
     ids = torch.tensor([36, 0, 17, 17])
@@ -149,14 +179,15 @@ def test_rows_dequantize_exactly_as_the_reference_does(kernel: QuantKernel, qtyp
         kernel.rows(packed.packed, packed.fmt, packed.rows, packed.cols, torch.tensor([37]), torch.float32)
 
 
-@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("qtype", KERNEL_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [200, 40])  # one row: groups in pairs, a pair ending in a part group
 def test_each_row_gets_the_same_bits_alone_and_in_any_batch(
     kernel: QuantKernel, qtype: str, dtype: torch.dtype, n: int
 ) -> None:
-    linear = QuantLinear([pack([random_blocks(qtype, n, 576, seed=5)])], None, kernel)
-    x = torch.randn(70, 576, generator=torch.Generator().manual_seed(1)).to(dtype)
+    k = width(qtype, 576)
+    linear = QuantLinear([pack([random_blocks(qtype, n, k, seed=5)])], None, kernel)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(1)).to(dtype)
     whole = linear(x)
     for count in (1, 2, 4, 5, 7, 8, 9, 33, 64, 65):  # 4 | 5: private activation buffers | shared
         assert torch.equal(linear(x[:count]), whole[:count])
@@ -164,7 +195,7 @@ def test_each_row_gets_the_same_bits_alone_and_in_any_batch(
         assert torch.equal(linear(x[i : i + 1]), whole[i : i + 1])
 
 
-@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("qtype", KERNEL_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), [(16, 32), (40, 576), (200, 576), (576, 1536), (130, 96)])
 def test_a_batch_1_call_gives_the_same_bits_with_1_to_4_groups_side_by_side(
@@ -174,6 +205,7 @@ def test_a_batch_1_call_gives_the_same_bits_with_1_to_4_groups_side_by_side(
     Intel CPU, 1 elsewhere) and how far ahead it prefetches (by the vendor) are speed only: each group's
     arithmetic is its own -- whole and part groups, a share per thread ending on any of them, prefetches
     reaching past the matrix's end."""
+    k = width(qtype, k)
     linear = QuantLinear([pack([random_blocks(qtype, n, k, seed=n * 3 + k)])], None, kernel)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(n)).to(dtype)
     was, was_prefetch = kernel.row_groups(), kernel.prefetch()
@@ -271,7 +303,7 @@ def int8_tiles(kernel: QuantKernel) -> Iterator[QuantKernel]:
     kernel.int8_tiles(was)
 
 
-@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("qtype", KERNEL_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (17, 32), (37, 96), (200, 608), (576, 1536), (130, 2048)])
 def test_the_int8_tiles_give_the_vectors_bits(
@@ -280,6 +312,7 @@ def test_the_int8_tiles_give_the_vectors_bits(
     """The tiles' byte sums are the vectors' int16 sums exactly, and the float operations after them the
     same in the same order: equal bits for every row count -- row blocks of 16 and their tails, the
     private and shared activation buffers, chunks of 128 rows -- the format, the dtype, odd widths."""
+    k = width(qtype, k)
     linear = QuantLinear([pack([random_blocks(qtype, n, k, seed=n + k)])], None, int8_tiles)
     x = torch.randn(150, k, generator=torch.Generator().manual_seed(k)).to(dtype)
     x[3] = 0.0  # a zero row: scale 0
@@ -528,12 +561,18 @@ def test_greedy_output_matches_transformers_or_parts_only_at_a_near_tie(
     """The quantized math in float32 activations: greedy tokens equal transformers' (float32, the same
     weights dequantized) on every prompt, or differ first at a step where transformers' top two logits
     lie within 0.05; the chosen tokens' log-probabilities within 0.01 (measured: under 0.002)."""
-    dtype = "float32"
-    llm = _llm(files[qtype], dtype)
+    llm = _llm(files[qtype], "float32")
     assert llm.engine.model.quantized
+    _assert_greedy_near_transformers(llm, files[qtype], qtype)
+
+
+def _assert_greedy_near_transformers(llm: LLM, path: Path, label: str) -> None:
+    """``llm``'s greedy tokens equal transformers' on ``path`` (float32, the weights dequantized), or part
+    only at a step whose top two logits lie within 0.05; the chosen tokens' log-probabilities within
+    0.01 before any parting."""
     params = SamplingParams(max_tokens=12, logprobs=1)
     outs = llm.generate(PROMPTS, params)
-    logits = _hf_logits(files[qtype], [p + o.token_ids for p, o in zip(PROMPTS, outs, strict=True)])
+    logits = _hf_logits(path, [p + o.token_ids for p, o in zip(PROMPTS, outs, strict=True)])
     worst = 0.0
     for prompt, out, lg in zip(PROMPTS, outs, logits, strict=True):
         steps = lg[len(prompt) - 1 : len(prompt) - 1 + len(out.token_ids)]  # the logits each token came from
@@ -542,12 +581,12 @@ def test_greedy_output_matches_transformers_or_parts_only_at_a_near_tie(
             first = next(i for i, (a, b) in enumerate(zip(theirs, out.token_ids, strict=True)) if a != b)
             top2 = steps[first].topk(2).values
             gap = float(top2[0] - top2[1])
-            assert gap < 0.05, f"{qtype} {dtype}: step {first} differs with transformers' margin {gap:.3f}"
+            assert gap < 0.05, f"{label}: step {first} differs with transformers' margin {gap:.3f}"
             steps = steps[:first]  # after a near-tie the sequences part: compare what came before
         ours = torch.tensor(out.logprobs)  # the chosen tokens' log-probabilities
         ref = steps.log_softmax(-1).gather(1, torch.tensor(out.token_ids[: len(steps)])[:, None])[:, 0]
         worst = max(worst, float((ours[: len(ref)] - ref).abs().max()))
-    print(f"{qtype} {dtype}: chosen-token log-probability max |diff| {worst:.4f}")
+    print(f"{label}: chosen-token log-probability max |diff| {worst:.4f}")
     assert worst < 0.01, worst
 
 
@@ -784,7 +823,7 @@ def test_quantized_is_refused_by_name_where_it_cannot_be_served(
     with pytest.raises(ValueError, match="weights 'quantized' cannot be served: the model has no Q8_0"):
         LLM(folder, weights="quantized", device="cpu")
     f16 = write_gguf(folder, tmp_path / "f16.gguf", qtype="F16")
-    with pytest.raises(ValueError, match="has no Q8_0, Q4_0 or Q4_1 matrices"):
+    with pytest.raises(ValueError, match="has no Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or Q4_K matrices"):
         LLM(f16, weights="quantized", device="cpu")
     with pytest.raises(ValueError, match="weights 'bf16' computes in bfloat16, but dtype is 'float32'"):
         LLM(files["Q8_0"], weights="bf16", dtype="float32", device="cpu")
@@ -806,25 +845,13 @@ def test_without_the_kernels_auto_falls_back_to_the_dequantized_weights(
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == dense
 
 
-def test_a_file_with_a_type_without_kernel_runs_that_matrix_dequantized(
-    kernel: QuantKernel, folder: Path, tmp_path: Path
-) -> None:
-    """Q5_0 has no kernel: its matrices are dequantized; the file runs, equal to --weights bf16."""
-    path = write_gguf(folder, tmp_path / "q5.gguf", qtype="Q5_0")
-    params = SamplingParams(max_tokens=8)
-    auto = _llm(path, weights="auto")
-    assert not auto.engine.model.quantized
-    dense = _llm(path, weights="bf16")
-    assert [o.token_ids for o in auto.generate(PROMPTS, params)] == [
-        o.token_ids for o in dense.generate(PROMPTS, params)
-    ]
-
-
-def test_k_quant_matrices_run_dequantized_beside_the_packed_ones(kernel: QuantKernel, tmp_path: Path) -> None:
-    """Q8_0 attention with Q4_K / Q6_K MLPs (K-quants have no kernel): ``quantized`` packs the Q8_0
-    matrices and dequantizes the K-quants -- the same tokens and log-probabilities as a file whose MLPs
-    are F32 copies of the K-quants' values; a file of K-quants alone is refused by ``quantized`` (no
-    matrix it packs) and runs dequantized under ``auto``."""
+def test_q4_k_runs_packed_and_q6_k_dequantized_beside_it(kernel: QuantKernel, tmp_path: Path) -> None:
+    """Q8_0 attention, Q4_K gate/up and Q6_K down (a Q4_K_M file's mix): ``quantized`` packs the Q8_0
+    and Q4_K matrices (Q4_K's sub-blocks with float32 scales: 4/3 of its bytes) and dequantizes the Q6_K
+    ones, which no kernel runs; greedy output as transformers' on the same file (float32, dequantized)
+    within the quantized math's tie rule; the fused decode layer gives the per-op path's bits.  A file of
+    Q4_K alone runs packed; one of Q6_K alone is refused by ``quantized`` (no matrix it packs) and runs
+    dequantized under ``auto``, as ``--weights bf16`` does."""
     folder = pdkv_tiny_model_dir(init_std=0.2, hidden=256, heads=4, kv_heads=2, intermediate_size=512)
 
     def mlp(name: str) -> str | None:
@@ -832,22 +859,46 @@ def test_k_quant_matrices_run_dequantized_beside_the_packed_ones(kernel: QuantKe
             return "Q6_K"
         return "Q4_K" if name.endswith(("gate_proj.weight", "up_proj.weight")) else None
 
-    raw, dense = kquant_tensors(folder, mlp, seed=3)
+    raw, _ = kquant_tensors(folder, mlp, seed=3)
     mixed = write_gguf(folder, tmp_path / "mixed.gguf", qtype="Q8_0", raw=raw)
-    twin = write_gguf(folder, tmp_path / "twin.gguf", qtype="Q8_0", raw=f32_matrices(dense))
-    params = SamplingParams(max_tokens=8, logprobs=2)
-    a, b = (_llm(p) for p in (mixed, twin))
-    assert a.engine.model.quantized and b.engine.model.quantized
-    for layer in a.engine.model.model.layers:  # the attention's Q8_0 packed as the file ships it
+    llm = _llm(mixed, "float32")
+    assert llm.engine.model.quantized
+    for i, layer in enumerate(llm.engine.model.model.layers):
         assert [w.qtype for _, w in layer.self_attn.qkv_proj.parts] == ["Q8_0"]
-    got, want = a.generate(PROMPTS, params), b.generate(PROMPTS, params)
-    assert [(o.token_ids, o.logprobs) for o in got] == [(o.token_ids, o.logprobs) for o in want]
+        [(_, gate_up)] = layer.mlp.gate_up_proj.parts
+        assert gate_up.qtype == "Q4_K" and gate_up.fmt == 3
+        file_bytes = sum(raw[f"model.layers.{i}.mlp.{m}.weight"][1].nbytes for m in ("gate_proj", "up_proj"))
+        assert 3 * gate_up.nbytes == 4 * file_bytes  # 1024 rows: whole groups of 16
+        assert not any(w.qtype == "Q6_K" for _, w in getattr(layer.mlp.down_proj, "parts", []))
+    _assert_greedy_near_transformers(llm, mixed, "Q8_0 + Q4_K + Q6_K")
+    # blocks made before Q4_K ran packed (dequantized, other bits) are another namespace
+    assert llm.engine.namespace.model_fingerprint.endswith(
+        ";weights=quantized;activations=int16/32639;packed=Q4_K"
+    )
+
+    bf16 = _llm(mixed, "bfloat16", max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=8, logprobs=1, ignore_eos=True)
+    prompts = [*PROMPTS, *([p[::-1] for p in PROMPTS] * 2)]
+    calls, _ = _fused_then_per_op(bf16, lambda: bf16.generate(prompts, params), "Q4_K decodes fused")
+    assert sum(calls) >= 6
 
     alone, _ = kquant_tensors(folder, lambda name: "Q4_K", seed=4)
-    only_k = write_gguf(folder, tmp_path / "only-k.gguf", raw=alone)
-    with pytest.raises(ValueError, match="weights 'quantized' cannot be served: the model has no Q8_0"):
-        _llm(only_k)
-    assert not _llm(only_k, weights="auto").engine.model.quantized
+    only_q4k = write_gguf(folder, tmp_path / "only-q4k.gguf", raw=alone)
+    for weights in ("quantized", "auto"):
+        model = _llm(only_q4k, weights=weights).engine.model
+        assert model.quantized and model.model.layers[0].mlp.down_proj.parts[0][1].qtype == "Q4_K"
+    q6k, _ = kquant_tensors(folder, lambda name: "Q6_K")
+    only_q6k = write_gguf(folder, tmp_path / "only-q6k.gguf", raw=q6k)
+    with pytest.raises(
+        ValueError, match="cannot be served: the model has no Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or Q4_K"
+    ):
+        _llm(only_q6k)
+    auto = _llm(only_q6k, weights="auto")
+    assert not auto.engine.model.quantized
+    params = SamplingParams(max_tokens=8)
+    assert [o.token_ids for o in auto.generate(PROMPTS, params)] == [
+        o.token_ids for o in _llm(only_q6k, weights="bf16").generate(PROMPTS, params)
+    ]
 
 
 # -- bad files ------------------------------------------------------------------------------------------
