@@ -1,4 +1,5 @@
-/* Linears over GGUF's quantized block formats (Q8_0, Q4_0, Q4_1, Q4_K), run as the file ships them.
+/* Linears over GGUF's quantized block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K), run as the file
+ * ships them (Q5_0 and Q5_1 in Q8's layout: engine/model/quantized.py).
  *
  *   pdkv_qlinear        out[m, n] = sum_k x[m, k] w[n, k]      (w packed, x and out bfloat16 or float32)
  *   pdkv_qdequant_rows  rows of w as dense floats (embedding lookups, tests, the torch fallback)
@@ -19,6 +20,9 @@
  *   Q4F (Q4_K)       the same 256 bytes, then 16 float32 scales d and 16 float32 mins m (384 bytes): a
  *                    Q4_K super-block's eight sub-blocks of 32, each its own block here -- d = d_K sc and
  *                    m = -dmin_K mn, float16 times a 6-bit integer, exact in float32 (not in float16).
+ *   Q8H (Q6_K)       Q8's 512 bytes (the quant less 32), then 16 float32 scales of inputs 0-15 and 16
+ *                    of inputs 16-31 (640 bytes): a Q6_K sub-block of 16 has a scale of its own, d_K sc,
+ *                    an 8-bit integer times a float16, exact in float32.  w = q d_half, no min.
  *   Q8 (Q8_0)        512 bytes, byte [s][r][j] (s < 8) = row r's signed quant of input 4s + j, then d
  *                    and m as above (m = 0): w = q d + m again.
  *
@@ -67,6 +71,7 @@
 #define FMT_Q4 1
 #define FMT_BF16 2 /* dense bfloat16 weights: bf16_linear.c's layout and kernel */
 #define FMT_Q4F 3  /* Q4's quants with float32 scales and mins (Q4_K's sub-blocks) */
+#define FMT_Q8H 4  /* Q8's quants with a float32 scale per half block (Q6_K's sub-blocks of 16) */
 #define GROUP 16
 #define QBLOCK 32
 #define MT 8        /* activation rows per tile: the unpacked weights are reused across them */
@@ -141,21 +146,27 @@ INLINE void prefetch_tile(const uint8_t *t, int64_t tb, int64_t near, int64_t fa
 static inline int q4_quants(int64_t fmt) { return fmt == FMT_Q4 || fmt == FMT_Q4F; }
 
 /* Bytes of one (group, block) tile of the packed layout. */
-static int64_t tile_bytes(int64_t fmt) { return fmt == FMT_Q4 ? 320 : fmt == FMT_Q4F ? 384 : 576; }
+static int64_t tile_bytes(int64_t fmt) {
+    return fmt == FMT_Q4 ? 320 : fmt == FMT_Q4F ? 384 : fmt == FMT_Q8H ? 640 : 576;
+}
+
+/* Whether a format's scales (and mins, or the second half's scales) are float32, else float16. */
+static inline int float_scales(int64_t fmt) { return fmt == FMT_Q4F || fmt == FMT_Q8H; }
 static int64_t quant_bytes(int64_t fmt) { return q4_quants(fmt) ? 256 : 512; }
 
 /* The quantized activations of rows j, j + 1, ... of a call (quantize_row's: the header's): row i's q at
- * q + 2 i k bytes, its per-block sums of qa, steps da and da * sum at i k / 32 floats on. */
+ * q + 2 i k bytes, its per-block sums of qa, of the first half's qa (Q8H's two scales), steps da and
+ * da * sum at i k / 32 on. */
 typedef struct {
     const uint8_t *q;
-    const int32_t *is;
+    const int32_t *is, *ih;
     const float *da, *sa;
 } Acts;
 
 /* Rows j, j + 1, ... of a. */
 static inline Acts acts_from(Acts a, int64_t j, int64_t k) {
     const int64_t s = j * (k / QBLOCK);
-    return (Acts){a.q + 2 * j * k, a.is + s, a.da + s, a.sa + s};
+    return (Acts){a.q + 2 * j * k, a.is + s, a.ih + s, a.da + s, a.sa + s};
 }
 
 int pdkv_bf16_linear(const void *x, int64_t rows, int64_t k, const void *packed, int64_t n, void *out,
@@ -164,7 +175,8 @@ int pdkv_bf16_rows(const void *packed, int64_t n, int64_t k, const int64_t *ids,
 
 int64_t pdkv_qpacked_bytes(int64_t fmt, int64_t n, int64_t k) {
     if (fmt == FMT_BF16) return (n > 0 && k > 0 && k % 2 == 0) ? ((n + GROUP - 1) / GROUP) * GROUP * k * 2 : -1;
-    if ((fmt != FMT_Q4 && fmt != FMT_Q8 && fmt != FMT_Q4F) || n <= 0 || k <= 0 || k % QBLOCK) return -1;
+    if ((fmt != FMT_Q4 && fmt != FMT_Q8 && fmt != FMT_Q4F && fmt != FMT_Q8H) || n <= 0 || k <= 0 || k % QBLOCK)
+        return -1;
     return ((n + GROUP - 1) / GROUP) * (k / QBLOCK) * tile_bytes(fmt);
 }
 
@@ -199,7 +211,7 @@ static void dequant_row(const uint8_t *packed, int64_t fmt, int64_t k, int64_t r
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *t = packed + (g * blocks + b) * tb;
         float d, m;
-        if (fmt == FMT_Q4F) {
+        if (float_scales(fmt)) {
             memcpy(&d, t + qb + 4 * lane, 4);
             memcpy(&m, t + qb + 64 + 4 * lane, 4);
         } else {
@@ -216,6 +228,9 @@ static void dequant_row(const uint8_t *packed, int64_t fmt, int64_t k, int64_t r
                     o[4 * p + j] = (float)(byte & 0xf) * d + m;
                     o[16 + 4 * p + j] = (float)(byte >> 4) * d + m;
                 }
+        } else if (fmt == FMT_Q8H) { /* d: inputs 0-15's scale, m: 16-31's; no min */
+            for (int p = 0; p < 8; p++)
+                for (int j = 0; j < 4; j++) o[4 * p + j] = (float)(int8_t)t[(p * GROUP + lane) * 4 + j] * (p < 4 ? d : m);
         } else {
             for (int p = 0; p < 8; p++)
                 for (int j = 0; j < 4; j++) o[4 * p + j] = (float)(int8_t)t[(p * GROUP + lane) * 4 + j] * d + m;
@@ -341,8 +356,8 @@ int pdkv_evict(const void *buf, int64_t bytes) {
 /* Row x (k values, bfloat16 or float32) quantized per block of 32 (the header's activations): q holds
  * the hi bytes [k] then the lo bytes [k], is[k/32] the blocks' sums of qa, da[k/32] their steps and
  * sa[k/32] = da * is. */
-static void quantize_row(const void *x, int64_t in_bf16, int64_t k, uint8_t *q, int32_t *is, float *da,
-                         float *sa) {
+static void quantize_row(const void *x, int64_t in_bf16, int64_t k, uint8_t *q, int32_t *is, int32_t *ih,
+                         float *da, float *sa) {
     const __m512i top = _mm512_set1_epi32(QA_MAX), bottom = _mm512_set1_epi32(-QA_MAX);
     for (int64_t b = 0; b < k / QBLOCK; b++) {
         __m512 v[2];
@@ -373,6 +388,7 @@ static void quantize_row(const void *x, int64_t in_bf16, int64_t k, uint8_t *q, 
         const __m512i sum = _mm512_add_epi32(q0, q1);
         const int32_t total = _mm512_reduce_add_epi32(sum);
         is[b] = total;
+        ih[b] = _mm512_reduce_add_epi32(q0);
         da[b] = d;
         sa[b] = d * (float)total;
     }
@@ -409,12 +425,21 @@ INLINE __m512i block_sum(__m512i h, __m512i l, int64_t fmt, int32_t qsum) {
 /* A tile's 16 scales d and mins m as floats (scales: its bytes after the quants; float16, or Q4F's
  * float32). */
 INLINE __m512 tile_scales(const uint8_t *scales, int64_t fmt) {
-    return fmt == FMT_Q4F ? _mm512_loadu_ps(scales) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
+    return float_scales(fmt) ? _mm512_loadu_ps(scales)
+                             : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
 }
 
+/* The mins, or Q8H's second scales (inputs 16-31). */
 INLINE __m512 tile_mins(const uint8_t *scales, int64_t fmt) {
-    return fmt == FMT_Q4F ? _mm512_loadu_ps(scales + 64)
-                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32)));
+    return float_scales(fmt) ? _mm512_loadu_ps(scales + 64)
+                             : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32)));
+}
+
+/* A Q8H block's two halves, sums s0 (inputs 0-15) and s1 (16-31) with scales d0 and d1: each half's
+ * scale term, in this order (quant_avx2.h's the same). */
+INLINE __m512 add_halves(__m512 acc, __m512i s0, __m512i s1, __m512 d0, __m512 d1, float dj) {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(d0, _mm512_set1_ps(dj)), acc);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(d1, _mm512_set1_ps(dj)), acc);
 }
 
 /* The block's scale term then its min term, per lane: every kernel's float operations, in this order. */
@@ -440,17 +465,23 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, i
         const __m512 d = tile_scales(t + qb, fmt), m = tile_mins(t + qb, fmt);
         for (int j = 0; j < nrows; j++) {
             const int32_t *hi = (const int32_t *)(a.q + 2 * j * k + b * QBLOCK), *lo = hi + k / 4;
+            /* quads 0-3 (inputs 0-15) and 4-7 apart: Q8H scales the halves apart (the others add them,
+             * exact integers) */
             __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
-            for (int p = 0; p < 8; p += 2) {
+            for (int p = 0; p < 4; p++) {
                 h0 = dpbusd_bcast(h0, w[p], hi + p);
                 l0 = dpbusd_bcast(l0, w[p], lo + p);
-                h1 = dpbusd_bcast(h1, w[p + 1], hi + p + 1);
-                l1 = dpbusd_bcast(l1, w[p + 1], lo + p + 1);
+                h1 = dpbusd_bcast(h1, w[p + 4], hi + p + 4);
+                l1 = dpbusd_bcast(l1, w[p + 4], lo + p + 4);
             }
             const int64_t s = j * blocks + b;
-            acc[j] = add_block(acc[j],
-                               block_sum(_mm512_add_epi32(h0, h1), _mm512_add_epi32(l0, l1), fmt, a.is[s]), d,
-                               m, a.da[s], a.sa[s]);
+            if (fmt == FMT_Q8H)
+                acc[j] = add_halves(acc[j], block_sum(h0, l0, fmt, a.ih[s]), block_sum(h1, l1, fmt, a.is[s] - a.ih[s]),
+                                    d, m, a.da[s]);
+            else
+                acc[j] = add_block(acc[j],
+                                   block_sum(_mm512_add_epi32(h0, h1), _mm512_add_epi32(l0, l1), fmt, a.is[s]),
+                                   d, m, a.da[s], a.sa[s]);
         }
     }
     store_tile(acc, nrows, out, ldo, col, ncols, out_bf16);
@@ -458,8 +489,8 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, i
 
 /* One tile's hi and lo byte sums for one activation row (hi, lo: its block's dwords), in four chains --
  * quads p and p + 4 side by side (Q4's one 64-byte run, its two nibbles). */
-INLINE void row1_sums(const uint8_t *t, int64_t fmt, const int32_t *hi, const int32_t *lo, __m512i *h,
-                      __m512i *l) {
+INLINE void row1_sums(const uint8_t *t, int64_t fmt, const int32_t *hi, const int32_t *lo, __m512i h[2],
+                      __m512i l[2]) {
     __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
     for (int p = 0; p < 4; p++) {
         const __m512i w0 = tile_quad(t, fmt, p), w1 = tile_quad(t, fmt, p + 4);
@@ -468,8 +499,7 @@ INLINE void row1_sums(const uint8_t *t, int64_t fmt, const int32_t *hi, const in
         h1 = dpbusd_bcast(h1, w1, hi + 4 + p);
         l1 = dpbusd_bcast(l1, w1, lo + 4 + p);
     }
-    *h = _mm512_add_epi32(h0, h1);
-    *l = _mm512_add_epi32(l0, l1);
+    h[0] = h0, h[1] = h1, l[0] = l0, l[1] = l1; /* inputs 0-15, 16-31 */
 }
 
 /* One activation row of NG (1 to 4) consecutive groups: group_tile's arithmetic for nrows = 1 -- the
@@ -489,10 +519,16 @@ INLINE void group_row1_as(const uint8_t *wg, const int64_t fmt, int64_t blocks, 
         for (int gi = 0; gi < NG; gi++) {
             const uint8_t *t = wg + (gi * blocks + b) * tb;
             prefetch_tile(t, tb, near, far, nta);
-            __m512i h, l;
-            row1_sums(t, fmt, hi, lo, &h, &l);
-            acc[gi] = add_block(acc[gi], block_sum(h, l, fmt, a.is[b]), tile_scales(t + qb, fmt),
-                                tile_mins(t + qb, fmt), a.da[b], a.sa[b]);
+            __m512i h[2], l[2];
+            row1_sums(t, fmt, hi, lo, h, l);
+            const __m512 d = tile_scales(t + qb, fmt), m = tile_mins(t + qb, fmt);
+            if (fmt == FMT_Q8H)
+                acc[gi] = add_halves(acc[gi], block_sum(h[0], l[0], fmt, a.ih[b]),
+                                     block_sum(h[1], l[1], fmt, a.is[b] - a.ih[b]), d, m, a.da[b]);
+            else
+                acc[gi] = add_block(acc[gi],
+                                    block_sum(_mm512_add_epi32(h[0], h[1]), _mm512_add_epi32(l[0], l[1]), fmt, a.is[b]),
+                                    d, m, a.da[b], a.sa[b]);
         }
     }
     for (int gi = 0; gi < NG; gi++) {
@@ -507,6 +543,7 @@ INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, i
                        int64_t n_out, int64_t out_bf16, const int NG) {
     if (fmt == FMT_Q4) group_row1_as(wg, FMT_Q4, blocks, a, k, out, col, n_out, out_bf16, NG);
     else if (fmt == FMT_Q4F) group_row1_as(wg, FMT_Q4F, blocks, a, k, out, col, n_out, out_bf16, NG);
+    else if (fmt == FMT_Q8H) group_row1_as(wg, FMT_Q8H, blocks, a, k, out, col, n_out, out_bf16, NG);
     else group_row1_as(wg, FMT_Q8, blocks, a, k, out, col, n_out, out_bf16, NG);
 }
 
@@ -567,18 +604,20 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
     }
     const int64_t blocks = k / QBLOCK, groups = (n_out + GROUP - 1) / GROUP, tb = tile_bytes(fmt);
 #ifdef PDKV_QUANT_AMX
-    const int tiles = qamx_on && rows >= QAMX_MIN_ROWS; /* quant_amx.h: the same bits in AMX tiles */
+    /* quant_amx.h: the same bits in AMX tiles -- for every format whose block has one scale (Q8H's halves
+     * take the vectors) */
+    const int tiles = qamx_on && rows >= QAMX_MIN_ROWS && fmt != FMT_Q8H;
 #else
     const int tiles = 0;
 #endif
     /* per row: its quantized activations (2 k bytes, the build's layout: quantize_row), then per block
-     * the sums of qa (int32), the steps da and sa (floats) */
+     * the sums of qa and of its first half's (int32), the steps da and sa (floats) */
     const size_t q_bytes = (size_t)(rows * 2 * k), s_bytes = (size_t)(rows * blocks) * sizeof(float);
     /* A few rows (a small batch's decode step): every thread quantizes them all into its own buffer, kept
      * across calls -- no allocation, and no barrier between quantizing and the groups.  More rows: one
      * shared buffer, each thread quantizing its share of the rows first. */
     const int private_rows = rows <= PRIVATE_ROWS;
-    const size_t buf_bytes = q_bytes + 3 * s_bytes;
+    const size_t buf_bytes = q_bytes + 4 * s_bytes;
     char *shared = private_rows ? NULL : (char *)malloc(buf_bytes);
     if (!private_rows && shared == NULL) return 3;
     const int64_t esize = in_bf16 ? 2 : 4, osize = out_bf16 ? 2 : 4;
@@ -598,12 +637,12 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
         }
         /* the rows' activations: row r's q at 2 r k bytes, its sums, da and sa at r blocks (Acts) */
         uint8_t *q = (uint8_t *)buf;
-        int32_t *is = buf ? (int32_t *)(buf + q_bytes) : NULL;
-        float *da = buf ? (float *)(buf + q_bytes + s_bytes) : NULL, *sa = buf ? da + rows * blocks : NULL;
-        const Acts a = {q, is, da, sa};
+        int32_t *is = buf ? (int32_t *)(buf + q_bytes) : NULL, *ih = buf ? is + rows * blocks : NULL;
+        float *da = buf ? (float *)(buf + q_bytes + 2 * s_bytes) : NULL, *sa = buf ? da + rows * blocks : NULL;
+        const Acts a = {q, is, ih, da, sa};
 #define QUANTIZE(r)                                                                                    \
     quantize_row((const char *)x + (r) * k * esize, in_bf16, k, q + (r) * 2 * k, is + (r) * blocks, \
-                 da + (r) * blocks, sa + (r) * blocks)
+                 ih + (r) * blocks, da + (r) * blocks, sa + (r) * blocks)
         if (private_rows) {
             for (int64_t r = 0; buf != NULL && r < rows; r++) QUANTIZE(r);
         } else {

@@ -49,9 +49,9 @@ INLINE float hmax8(__m256 v) {
 }
 
 /* quant.c's quantize_row: row x's blocks of 32 to int16 qa (at q: this build's layout), their sums in
- * is, their steps da and da * sum(qa) in sa. */
-static void quantize_row(const void *x, int64_t in_bf16, int64_t k, uint8_t *q, int32_t *is, float *da,
-                         float *sa) {
+ * is (and their first halves' in ih), their steps da and da * sum(qa) in sa. */
+static void quantize_row(const void *x, int64_t in_bf16, int64_t k, uint8_t *q, int32_t *is, int32_t *ih,
+                         float *da, float *sa) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i top = _mm256_set1_epi32(QA_MAX), bottom = _mm256_set1_epi32(-QA_MAX);
     int16_t *qa = (int16_t *)q;
@@ -78,6 +78,7 @@ static void quantize_row(const void *x, int64_t in_bf16, int64_t k, uint8_t *q, 
         _mm256_storeu_si256((__m256i *)(qa + b * QBLOCK + 16), pack16(qi[2], qi[3]));
         const int32_t sum = hsum8(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
         is[b] = sum;
+        ih[b] = hsum8(_mm256_add_epi32(qi[0], qi[1]));
         da[b] = d;
         sa[b] = d * (float)sum;
     }
@@ -110,13 +111,14 @@ INLINE void load_quads_half(const uint8_t *t, int64_t fmt, int h, __m256i w[16])
 /* Lanes 8h .. 8h + 7's scales d and mins m of a tile as floats (scales: its bytes after the quants;
  * float16, or Q4F's float32). */
 INLINE __m256 half_scales(const uint8_t *scales, int64_t fmt, int h) {
-    return fmt == FMT_Q4F ? _mm256_loadu_ps((const float *)(scales + 32 * h))
-                          : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 16 * h)));
+    return float_scales(fmt) ? _mm256_loadu_ps((const float *)(scales + 32 * h))
+                             : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 16 * h)));
 }
 
+/* The mins, or Q8H's second scales (inputs 16-31). */
 INLINE __m256 half_mins(const uint8_t *scales, int64_t fmt, int h) {
-    return fmt == FMT_Q4F ? _mm256_loadu_ps((const float *)(scales + 64 + 32 * h))
-                          : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 32 + 16 * h)));
+    return float_scales(fmt) ? _mm256_loadu_ps((const float *)(scales + 64 + 32 * h))
+                             : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 32 + 16 * h)));
 }
 
 /* The 4 int16 activations of inputs 4p .. 4p + 3 in every 64-bit lane. */
@@ -162,6 +164,12 @@ INLINE void store_tile2(__m256 acc[][2], int nrows, void *out, int64_t ldo, int6
     }
 }
 
+/* A Q8H block's two halves (sums s0 of inputs 0-15, s1 of 16-31): quant.c's add_halves. */
+INLINE __m256 add_halves(__m256 acc, __m256i s0, __m256i s1, __m256 d0, __m256 d1, float dj) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d0, _mm256_set1_ps(dj)), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, _mm256_set1_ps(dj)), acc);
+}
+
 /* The block's scale term then its min term, per lane as the AVX-512 kernels do them. */
 INLINE __m256 add_block(__m256 acc, __m256i s, __m256 d, __m256 m, float dj, float sj) {
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(dj)), acc);
@@ -183,13 +191,22 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, i
             const __m256 d = half_scales(t + qb, fmt, h), m = half_mins(t + qb, fmt, h);
             for (int j = 0; j < nrows; j++) {
                 const int16_t *qa = (const int16_t *)(a.q + 2 * j * k) + b * QBLOCK;
-                __m256i x = _mm256_setzero_si256(), y = x;
-                for (int p = 0; p < 8; p++) {
-                    const __m256i ap = act_quad(qa, p);
-                    x = _mm256_add_epi32(x, _mm256_madd_epi16(w[2 * p], ap));
-                    y = _mm256_add_epi32(y, _mm256_madd_epi16(w[2 * p + 1], ap));
+                __m256i x[2], y[2]; /* inputs 0-15, 16-31 (Q8H scales them apart; the others add them) */
+                for (int half = 0; half < 2; half++) {
+                    x[half] = y[half] = _mm256_setzero_si256();
+                    for (int p = 4 * half; p < 4 * half + 4; p++) {
+                        const __m256i ap = act_quad(qa, p);
+                        x[half] = _mm256_add_epi32(x[half], _mm256_madd_epi16(w[2 * p], ap));
+                        y[half] = _mm256_add_epi32(y[half], _mm256_madd_epi16(w[2 * p + 1], ap));
+                    }
                 }
-                acc[j][h] = add_block(acc[j][h], row_sums(x, y), d, m, a.da[j * blocks + b], a.sa[j * blocks + b]);
+                const int64_t s = j * blocks + b;
+                if (fmt == FMT_Q8H)
+                    acc[j][h] = add_halves(acc[j][h], row_sums(x[0], y[0]), row_sums(x[1], y[1]), d, m, a.da[s]);
+                else
+                    acc[j][h] = add_block(acc[j][h],
+                                          row_sums(_mm256_add_epi32(x[0], x[1]), _mm256_add_epi32(y[0], y[1])), d,
+                                          m, a.da[s], a.sa[s]);
             }
         }
     }
@@ -208,8 +225,8 @@ INLINE void group_row1_one(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts 
         const uint8_t *t = wg + b * tb;
         prefetch_tile(t, tb, near, far, nta); /* quant.c's row_prefetch, as the AVX-512 kernel does */
         const int16_t *ab = qa + b * QBLOCK;
-        __m256i s[4]; /* rows 4i .. 4i + 3 */
-        for (int i = 0; i < 4; i++) s[i] = _mm256_setzero_si256();
+        __m256i s[4], s1[4]; /* rows 4i .. 4i + 3; s1: Q8H's inputs 16-31 apart */
+        for (int i = 0; i < 4; i++) s[i] = s1[i] = _mm256_setzero_si256();
         if (q4_quants(fmt)) {
             for (int p = 0; p < 4; p++) { /* inputs 4p .. 4p + 3 (low nibbles) and 16 + 4p .. (high) */
                 const __m256i lo_quad = act_quad(ab, p), hi_quad = act_quad(ab, p + 4);
@@ -218,6 +235,14 @@ INLINE void group_row1_one(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts 
                     q4_piece(t + 64 * p + 16 * i, &lo, &hi);
                     s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(lo, lo_quad));
                     s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(hi, hi_quad));
+                }
+            }
+        } else if (fmt == FMT_Q8H) {
+            for (int p = 0; p < 4; p++) {
+                const __m256i lo_quad = act_quad(ab, p), hi_quad = act_quad(ab, p + 4);
+                for (int i = 0; i < 4; i++) {
+                    s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(q8_piece(t + 64 * p + 16 * i), lo_quad));
+                    s1[i] = _mm256_add_epi32(s1[i], _mm256_madd_epi16(q8_piece(t + 64 * (p + 4) + 16 * i), hi_quad));
                 }
             }
         } else {
@@ -229,7 +254,11 @@ INLINE void group_row1_one(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts 
         }
         for (int h = 0; h < 2; h++) {
             const __m256 d = half_scales(t + qb, fmt, h), m = half_mins(t + qb, fmt, h);
-            acc[0][h] = add_block(acc[0][h], row_sums(s[2 * h], s[2 * h + 1]), d, m, a.da[b], a.sa[b]);
+            if (fmt == FMT_Q8H)
+                acc[0][h] = add_halves(acc[0][h], row_sums(s[2 * h], s[2 * h + 1]), row_sums(s1[2 * h], s1[2 * h + 1]),
+                                       d, m, a.da[b]);
+            else
+                acc[0][h] = add_block(acc[0][h], row_sums(s[2 * h], s[2 * h + 1]), d, m, a.da[b], a.sa[b]);
         }
     }
     store_tile2(acc, 1, out, 0, col, ncols, out_bf16);

@@ -1,10 +1,11 @@
 """GGUF's quantized matrices kept quantized: packed once at load, run by ``engine/csrc/quant.c``.
 
-A Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or Q4_K matrix of a GGUF file is not dequantized (270 MB of bfloat16 for
-the built-in model's 98 MB file): its blocks are repacked into the kernel's layout (``quant.c``'s header;
-per 16 output rows and 32 inputs the same bytes the file holds, so the weights stay 1.0x the file --
-Q5_0 and Q5_1's five-bit quants as Q8's bytes, 1.64x and 1.5x theirs; Q4_K's sub-blocks with their scales
-and mins as float32, 1.33x, where float16 would round them) and the linear runs
+A Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q6_K matrix of a GGUF file is not dequantized (270 MB of bfloat16
+for the built-in model's 98 MB file): its blocks are repacked into the kernel's layout (``quant.c``'s
+header; per 16 output rows and 32 inputs the same bytes the file holds, so the weights stay 1.0x the file
+-- Q5_0 and Q5_1's five-bit quants as Q8's bytes, 1.64x and 1.5x theirs; Q4_K's sub-blocks with their
+scales and mins as float32, 1.33x, where float16 would round them; Q6_K's quants as Q8's bytes with a
+float32 scale per 16, 1.52x) and the linear runs
 on them -- the activations quantized per row and block of 32 to int16 (1/65278 of the block's largest
 value: llama.cpp's int8 activations moved greedy picks at logit margins up to 0.4), exact integer dot
 products (AVX512-VNNI, or AVX2 with the same sums), float32 sums per block, every row's reduction order
@@ -38,7 +39,7 @@ from engine.native import QuantKernel
 if TYPE_CHECKING:
     from engine.model.llama import LlamaForCausalLM
 
-FMT_Q8, FMT_Q4, FMT_BF16, FMT_Q4F = 0, 1, 2, 3  # quant.c's layouts; bf16_linear.c's
+FMT_Q8, FMT_Q4, FMT_BF16, FMT_Q4F, FMT_Q8H = 0, 1, 2, 3, 4  # quant.c's layouts; bf16_linear.c's
 # GGUF type name -> (quant.c layout, weights and bytes of one GGUF block)
 KERNEL_TYPES = {
     "Q8_0": (FMT_Q8, 32, 34),
@@ -47,6 +48,7 @@ KERNEL_TYPES = {
     "Q5_0": (FMT_Q8, 32, 22),  # five-bit quants held as Q8's bytes: 1.64x the file's bytes
     "Q5_1": (FMT_Q8, 32, 24),  # (1.5x), exact -- the kernels' w = q d + m as the file has it
     "Q4_K": (FMT_Q4F, 256, 144),
+    "Q6_K": (FMT_Q8H, 256, 210),
 }
 GROUP, QBLOCK = 16, 32
 
@@ -88,6 +90,8 @@ def pack(raws: list[RawBlocks]) -> QuantWeight:
     padded = -(-rows // GROUP) * GROUP
     if qtype == "Q4_K":
         d, m, qs = _q4k_blocks(data, rows, padded, nb)
+    elif qtype == "Q6_K":
+        d, m, qs = _q6k_blocks(data, rows, padded, nb)  # m: the second half's scales
     else:
         blocks = np.zeros((padded, nb, block_bytes), dtype=np.uint8)  # zero rows pad the last group
         blocks[:rows] = data.reshape(rows, nb, block_bytes)
@@ -130,6 +134,34 @@ def _q5_blocks(blocks: np.ndarray, qtype: str, d: np.ndarray) -> tuple[np.ndarra
     if qtype == "Q5_0":
         q -= 16
     return m, q.astype(np.int8).view(np.uint8)
+
+
+def _q6k_blocks(
+    data: np.ndarray, rows: int, padded: int, nb: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K super-blocks (210 bytes: 128 of low nibbles, 64 of high bit pairs, sixteen int8 scales, a
+    float16 d) as Q8H's blocks of 32: (the scales of inputs 0-15 [padded, nb], of inputs 16-31, the
+    quants less 32 as signed bytes [padded, nb, 32]).  Weight w of a super-block is d sc[w / 16] (q - 32)
+    (ggml's dequantize_row_q6_K): each 128 -- half h -- takes its quant j 32 + l (j < 4, l < 32) from the
+    low (j even) or high nibble of ql[64 h + 32 (j % 2) + l] and bits 2 j, 2 j + 1 of qh[32 h + l]; its
+    scale d sc, a float16 times an 8-bit integer, is exact in float32.  Zero rows pad the last group."""
+    sb = data.reshape(rows, nb // 8, 210)
+    ql = sb[:, :, 0:128].reshape(rows, nb // 8, 2, 1, 2, 32)  # [h][.][j % 2][l]
+    qh = sb[:, :, 128:192].reshape(rows, nb // 8, 2, 1, 32)
+    low = np.concatenate([ql & 0xF, ql >> 4], axis=3).reshape(
+        rows, nb // 8, 2, 4, 32
+    )  # j = 2 (j / 2) + j % 2
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [h][j][l]
+    q = ((low | (high << 4)).astype(np.int16) - 32).reshape(rows, nb, QBLOCK)
+    sc = sb[:, :, 192:208].copy().view(np.int8).astype(np.float32)  # [rows, nsb, 16]
+    d = sb[:, :, 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
+    out = np.zeros((2, padded, nb), dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        halves = (d[..., None] * sc).reshape(rows, nb, 2)
+    out[0, :rows], out[1, :rows] = halves[..., 0], halves[..., 1]
+    out_q = np.zeros((padded, nb, QBLOCK), dtype=np.uint8)
+    out_q[:rows] = q.astype(np.int8).view(np.uint8)
+    return out[0], out[1], out_q
 
 
 def _q4k_blocks(

@@ -42,7 +42,7 @@ from tests.p2p_harness import assert_idle, run_until, tokens
 from tests.tiny_models import pdkv_tiny_model_dir
 
 FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # GGUF's blocks of 32: any width of whole blocks
-KERNEL_FORMATS = tuple(KERNEL_TYPES)  # and Q4_K's super-blocks of 256, widths rounded up to them (width)
+KERNEL_FORMATS = tuple(KERNEL_TYPES)  # and Q4_K's, Q6_K's super-blocks of 256: widths rounded up (width)
 SHAPES = [(1, 32, 1), (17, 32, 3), (37, 96, 1), (48, 608, 9), (130, 256, 70), (16, 64, 8)]  # (n, k, rows)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [100, 200, 300, 50, 60], [42] * 17, list(range(30, 70))]
 BS = 4
@@ -57,14 +57,14 @@ def kernel() -> QuantKernel:
 
 
 def width(qtype: str, k: int) -> int:
-    """``k`` for a test's matrix of ``qtype``: rounded up to whole Q4_K super-blocks of 256."""
-    return -(-k // 256) * 256 if qtype == "Q4_K" else k
+    """``k`` for a test's matrix of ``qtype``: rounded up to whole K-quant super-blocks of 256."""
+    return -(-k // 256) * 256 if qtype in ("Q4_K", "Q6_K") else k
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int) -> RawBlocks:
     from gguf import GGMLQuantizationType, quants
 
-    if qtype == "Q4_K":  # the gguf package cannot quantize K-quants: random blocks (tests/kquants.py)
+    if qtype in ("Q4_K", "Q6_K"):  # the gguf package cannot quantize K-quants: random blocks (kquants.py)
         return RawBlocks("w", qtype, n, k, kquants.random_blocks(qtype, n, k, np.random.default_rng(seed)))
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
     w[0, : min(k, 32)] = 0.0  # an all-zero block: scale 0
@@ -113,6 +113,21 @@ def integer_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> tupl
         head = np.broadcast_to(np.concatenate([one, zero, scales]), (n, nb // 8, 16))
         data = np.concatenate([head, body], axis=2).reshape(n, -1)
         return RawBlocks("w", qtype, n, k, np.ascontiguousarray(data)), q.reshape(n, k)
+    if qtype == "Q6_K":  # d 1, every sub-block's scale 1: weights q - 32
+        q = rng.integers(
+            0, 64, size=(n, nb // 8, 2, 4, 32)
+        )  # [super-block][h][j][l]: weight 128 h + 32 j + l
+        q[..., 0, :4] = [0, 63, 63, 0]
+        ql = (q[:, :, :, 0:2] & 0xF) | ((q[:, :, :, 2:4] & 0xF) << 4)  # [h][j % 2][l]
+        qh = sum(((q[:, :, :, j] >> 4) & 3) << (2 * j) for j in range(4))  # [h][l]
+        tail = np.concatenate(
+            [np.ones((n, nb // 8, 16), np.uint8), np.broadcast_to(one, (n, nb // 8, 2))], axis=2
+        )
+        data = np.concatenate(
+            [ql.astype(np.uint8).reshape(n, nb // 8, 128), qh.astype(np.uint8).reshape(n, nb // 8, 64), tail],
+            axis=2,
+        )
+        return RawBlocks("w", qtype, n, k, np.ascontiguousarray(data.reshape(n, -1))), (q - 32).reshape(n, k)
     if qtype in ("Q5_0", "Q5_1"):  # 16 nibbles and 32 high bits; Q5_0's weights q - 16, Q5_1's q (m 0)
         q = rng.integers(0, 32, size=(n, nb, 32))
         q[:, :, :4] = [0, 31, 31, 0]
@@ -823,7 +838,7 @@ def test_quantized_is_refused_by_name_where_it_cannot_be_served(
     with pytest.raises(ValueError, match="weights 'quantized' cannot be served: the model has no Q8_0"):
         LLM(folder, weights="quantized", device="cpu")
     f16 = write_gguf(folder, tmp_path / "f16.gguf", qtype="F16")
-    with pytest.raises(ValueError, match="has no Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or Q4_K matrices"):
+    with pytest.raises(ValueError, match="has no Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q6_K matrices"):
         LLM(f16, weights="quantized", device="cpu")
     with pytest.raises(ValueError, match="weights 'bf16' computes in bfloat16, but dtype is 'float32'"):
         LLM(files["Q8_0"], weights="bf16", dtype="float32", device="cpu")
@@ -845,13 +860,15 @@ def test_without_the_kernels_auto_falls_back_to_the_dequantized_weights(
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == dense
 
 
-def test_q4_k_runs_packed_and_q6_k_dequantized_beside_it(kernel: QuantKernel, tmp_path: Path) -> None:
-    """Q8_0 attention, Q4_K gate/up and Q6_K down (a Q4_K_M file's mix): ``quantized`` packs the Q8_0
-    and Q4_K matrices (Q4_K's sub-blocks with float32 scales: 4/3 of its bytes) and dequantizes the Q6_K
-    ones, which no kernel runs; greedy output as transformers' on the same file (float32, dequantized)
+def test_a_q4_k_m_mix_runs_packed_and_a_type_without_kernel_dequantized(
+    kernel: QuantKernel, tmp_path: Path
+) -> None:
+    """Q8_0 attention, Q4_K gate/up and Q6_K down (a Q4_K_M file's mix): ``quantized`` packs every matrix
+    (Q4_K's sub-blocks with float32 scales and mins: 4/3 of its bytes; Q6_K's quants as bytes with a
+    float32 scale per 16: 32/21); greedy output as transformers' on the same file (float32, dequantized)
     within the quantized math's tie rule; the fused decode layer gives the per-op path's bits.  A file of
-    Q4_K alone runs packed; one of Q6_K alone is refused by ``quantized`` (no matrix it packs) and runs
-    dequantized under ``auto``, as ``--weights bf16`` does."""
+    Q5_K, which no kernel runs, is refused by ``quantized`` by name and runs dequantized under ``auto``, as
+    ``--weights bf16`` does."""
     folder = pdkv_tiny_model_dir(init_std=0.2, hidden=256, heads=4, kv_heads=2, intermediate_size=512)
 
     def mlp(name: str) -> str | None:
@@ -865,39 +882,34 @@ def test_q4_k_runs_packed_and_q6_k_dequantized_beside_it(kernel: QuantKernel, tm
     assert llm.engine.model.quantized
     for i, layer in enumerate(llm.engine.model.model.layers):
         assert [w.qtype for _, w in layer.self_attn.qkv_proj.parts] == ["Q8_0"]
-        [(_, gate_up)] = layer.mlp.gate_up_proj.parts
-        assert gate_up.qtype == "Q4_K" and gate_up.fmt == 3
+        [(_, gate_up)], [(_, down)] = layer.mlp.gate_up_proj.parts, layer.mlp.down_proj.parts
+        assert (gate_up.qtype, gate_up.fmt, down.qtype, down.fmt) == ("Q4_K", 3, "Q6_K", 4)
         file_bytes = sum(raw[f"model.layers.{i}.mlp.{m}.weight"][1].nbytes for m in ("gate_proj", "up_proj"))
         assert 3 * gate_up.nbytes == 4 * file_bytes  # 1024 rows: whole groups of 16
-        assert not any(w.qtype == "Q6_K" for _, w in getattr(layer.mlp.down_proj, "parts", []))
+        assert 21 * down.nbytes == 32 * raw[f"model.layers.{i}.mlp.down_proj.weight"][1].nbytes  # 256 rows
     _assert_greedy_near_transformers(llm, mixed, "Q8_0 + Q4_K + Q6_K")
-    # blocks made before Q4_K ran packed (dequantized, other bits) are another namespace
+    # blocks made before these types ran packed (dequantized, other bits) are another namespace
     assert llm.engine.namespace.model_fingerprint.endswith(
-        ";weights=quantized;activations=int16/32639;packed=Q4_K"
+        ";weights=quantized;activations=int16/32639;packed=Q4_K,Q6_K"
     )
 
     bf16 = _llm(mixed, "bfloat16", max_num_batched_tokens=64)
     params = SamplingParams(max_tokens=8, logprobs=1, ignore_eos=True)
     prompts = [*PROMPTS, *([p[::-1] for p in PROMPTS] * 2)]
-    calls, _ = _fused_then_per_op(bf16, lambda: bf16.generate(prompts, params), "Q4_K decodes fused")
+    calls, _ = _fused_then_per_op(bf16, lambda: bf16.generate(prompts, params), "K-quants decode fused")
     assert sum(calls) >= 6
 
-    alone, _ = kquant_tensors(folder, lambda name: "Q4_K", seed=4)
-    only_q4k = write_gguf(folder, tmp_path / "only-q4k.gguf", raw=alone)
-    for weights in ("quantized", "auto"):
-        model = _llm(only_q4k, weights=weights).engine.model
-        assert model.quantized and model.model.layers[0].mlp.down_proj.parts[0][1].qtype == "Q4_K"
-    q6k, _ = kquant_tensors(folder, lambda name: "Q6_K")
-    only_q6k = write_gguf(folder, tmp_path / "only-q6k.gguf", raw=q6k)
+    q5k, _ = kquant_tensors(folder, lambda name: "Q5_K")
+    only_q5k = write_gguf(folder, tmp_path / "only-q5k.gguf", raw=q5k)
     with pytest.raises(
-        ValueError, match="cannot be served: the model has no Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or Q4_K"
+        ValueError, match="cannot be served: the model has no Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or"
     ):
-        _llm(only_q6k)
-    auto = _llm(only_q6k, weights="auto")
+        _llm(only_q5k)
+    auto = _llm(only_q5k, weights="auto")
     assert not auto.engine.model.quantized
     params = SamplingParams(max_tokens=8)
     assert [o.token_ids for o in auto.generate(PROMPTS, params)] == [
-        o.token_ids for o in _llm(only_q6k, weights="bf16").generate(PROMPTS, params)
+        o.token_ids for o in _llm(only_q5k, weights="bf16").generate(PROMPTS, params)
     ]
 
 
