@@ -451,9 +451,11 @@ INLINE __m512 add_block(__m512 acc, __m512i s, __m512 d, __m512 m, float dj, flo
 INLINE void store_tile(const __m512 *acc, int nrows, void *out, int64_t ldo, int64_t col, int64_t ncols,
                        int64_t out_bf16);
 
-/* Rows 0 .. nrows - 1 (nrows <= MT) of a's rows over one group: acc[j] over every block, stored to out. */
-INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, int64_t k, int nrows, void *out,
-                       int64_t ldo, int64_t col, int64_t ncols, int64_t out_bf16) {
+/* Rows 0 .. nrows - 1 (nrows <= MT) of a's rows over one group: acc[j] over every block, stored to out.
+ * HALVES (a constant): Q8H, whose halves of a block are summed and scaled apart. */
+INLINE void group_tile_as(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, int64_t k, int nrows,
+                          void *out, int64_t ldo, int64_t col, int64_t ncols, int64_t out_bf16, const int HALVES,
+                          const int64_t SCALES) {
     __m512 acc[MT];
     for (int j = 0; j < MT; j++) acc[j] = _mm512_setzero_ps();
     const int64_t tb = tile_bytes(fmt), qb = quant_bytes(fmt);
@@ -462,20 +464,27 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, i
         prefetch_tile(t, tb, PREFETCH, 0, 0); /* into L1 (non-temporal: batch 8 0.7-2.4 % slower on a Zen 5) */
         __m512i w[8];
         for (int p = 0; p < 8; p++) w[p] = tile_quad(t, fmt, p);
-        const __m512 d = tile_scales(t + qb, fmt), m = tile_mins(t + qb, fmt);
+        const __m512 d = tile_scales(t + qb, SCALES), m = tile_mins(t + qb, SCALES);
         for (int j = 0; j < nrows; j++) {
             const int32_t *hi = (const int32_t *)(a.q + 2 * j * k + b * QBLOCK), *lo = hi + k / 4;
-            /* quads 0-3 (inputs 0-15) and 4-7 apart: Q8H scales the halves apart (the others add them,
-             * exact integers) */
             __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
-            for (int p = 0; p < 4; p++) {
-                h0 = dpbusd_bcast(h0, w[p], hi + p);
-                l0 = dpbusd_bcast(l0, w[p], lo + p);
-                h1 = dpbusd_bcast(h1, w[p + 4], hi + p + 4);
-                l1 = dpbusd_bcast(l1, w[p + 4], lo + p + 4);
+            if (HALVES) { /* quads 0-3 (inputs 0-15) and 4-7 apart: their scales differ */
+                for (int p = 0; p < 4; p++) {
+                    h0 = dpbusd_bcast(h0, w[p], hi + p);
+                    l0 = dpbusd_bcast(l0, w[p], lo + p);
+                    h1 = dpbusd_bcast(h1, w[p + 4], hi + p + 4);
+                    l1 = dpbusd_bcast(l1, w[p + 4], lo + p + 4);
+                }
+            } else {
+                for (int p = 0; p < 8; p += 2) {
+                    h0 = dpbusd_bcast(h0, w[p], hi + p);
+                    l0 = dpbusd_bcast(l0, w[p], lo + p);
+                    h1 = dpbusd_bcast(h1, w[p + 1], hi + p + 1);
+                    l1 = dpbusd_bcast(l1, w[p + 1], lo + p + 1);
+                }
             }
             const int64_t s = j * blocks + b;
-            if (fmt == FMT_Q8H)
+            if (HALVES)
                 acc[j] = add_halves(acc[j], block_sum(h0, l0, fmt, a.ih[s]), block_sum(h1, l1, fmt, a.is[s] - a.ih[s]),
                                     d, m, a.da[s]);
             else
@@ -485,6 +494,15 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, i
         }
     }
     store_tile(acc, nrows, out, ldo, col, ncols, out_bf16);
+}
+
+/* group_tile_as, Q8H's copy apart: a copy per format was 3-4 % slower at 8 rows (an AMD EPYC Zen 5, the
+ * Q4_1 model's 120 layer linears), a runtime test for the halves 25 % at 32. */
+INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, int64_t k, int nrows, void *out,
+                       int64_t ldo, int64_t col, int64_t ncols, int64_t out_bf16) {
+    if (fmt == FMT_Q8H) group_tile_as(wg, FMT_Q8H, blocks, a, k, nrows, out, ldo, col, ncols, out_bf16, 1, FMT_Q8H);
+    else if (fmt == FMT_Q4F) group_tile_as(wg, FMT_Q4F, blocks, a, k, nrows, out, ldo, col, ncols, out_bf16, 0, FMT_Q4F);
+    else group_tile_as(wg, fmt, blocks, a, k, nrows, out, ldo, col, ncols, out_bf16, 0, FMT_Q4); /* float16 scales */
 }
 
 /* One tile's hi and lo byte sums for one activation row (hi, lo: its block's dwords), in four chains --
