@@ -230,7 +230,8 @@ static void dequant_row(const uint8_t *packed, int64_t fmt, int64_t k, int64_t r
                 }
         } else if (fmt == FMT_Q8H) { /* d: inputs 0-15's scale, m: 16-31's; no min */
             for (int p = 0; p < 8; p++)
-                for (int j = 0; j < 4; j++) o[4 * p + j] = (float)(int8_t)t[(p * GROUP + lane) * 4 + j] * (p < 4 ? d : m);
+                for (int j = 0; j < 4; j++)
+                    o[4 * p + j] = (float)(int8_t)t[(p * GROUP + lane) * 4 + j] * (p < 4 ? d : m);
         } else {
             for (int p = 0; p < 8; p++)
                 for (int j = 0; j < 4; j++) o[4 * p + j] = (float)(int8_t)t[(p * GROUP + lane) * 4 + j] * d + m;
@@ -500,9 +501,12 @@ INLINE void group_tile_as(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a
  * Q4_1 model's 120 layer linears), a runtime test for the halves 25 % at 32. */
 INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, int64_t k, int nrows, void *out,
                        int64_t ldo, int64_t col, int64_t ncols, int64_t out_bf16) {
-    if (fmt == FMT_Q8H) group_tile_as(wg, FMT_Q8H, blocks, a, k, nrows, out, ldo, col, ncols, out_bf16, 1, FMT_Q8H);
-    else if (fmt == FMT_Q4F) group_tile_as(wg, FMT_Q4F, blocks, a, k, nrows, out, ldo, col, ncols, out_bf16, 0, FMT_Q4F);
-    else group_tile_as(wg, fmt, blocks, a, k, nrows, out, ldo, col, ncols, out_bf16, 0, FMT_Q4); /* float16 scales */
+    if (fmt == FMT_Q8H)
+        group_tile_as(wg, FMT_Q8H, blocks, a, k, nrows, out, ldo, col, ncols, out_bf16, 1, FMT_Q8H);
+    else if (fmt == FMT_Q4F)
+        group_tile_as(wg, FMT_Q4F, blocks, a, k, nrows, out, ldo, col, ncols, out_bf16, 0, FMT_Q4F);
+    else /* Q4, Q8: float16 scales */
+        group_tile_as(wg, fmt, blocks, a, k, nrows, out, ldo, col, ncols, out_bf16, 0, FMT_Q4);
 }
 
 /* One tile's hi and lo byte sums for one activation row (hi, lo: its block's dwords), in four chains --
