@@ -119,8 +119,8 @@ def kv_fingerprint(
     bfloat16 attention does (``attention_tiles``: engine/csrc/attn_amx.h), whether the weights run
     quantized (engine/model/quantized.py; with the rule its activations are quantized by, int16 at a
     step of max|a| / 32639 since 2026-12-06, so no node loads a block made under the old rule; and of
-    ``packed_types``, the GGUF types packed since 2026-12-07 -- Q5_0, Q5_1, Q4_K, Q6_K, dequantized before --
-    named: ``;packed=Q4_K,Q5_0``) and, for
+    ``packed_types``, the GGUF types packed since 2026-12-07 -- Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, dequantized
+    before -- named: ``;packed=Q4_K,Q5_0``) and, for
     bfloat16, the kernels' dot products: ``bf16_dot`` is
     ``NativeKernels.bf16_dot`` (engine/csrc/simd.h's PDKV_BF16: 1 vdpbf16ps, 2 its FMA emulation on
     AVX-512, 3 that emulation on AVX2's halves, 0 scalar loops), None where no native kernels run (torch's
@@ -136,7 +136,7 @@ def kv_fingerprint(
         linears = ";linears=torch"
     attention = ";attention=amx" if attention_tiles and dtype == torch.bfloat16 else ""
     weights = ";weights=quantized;activations=int16/32639" if quantized else ""
-    newly_packed = sorted(packed_types & {"Q5_0", "Q5_1", "Q4_K", "Q6_K"})
+    newly_packed = sorted(packed_types & {"Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
     if quantized and newly_packed:
         weights += f";packed={','.join(newly_packed)}"
     dots = ""

@@ -22,10 +22,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # dequantized at load to bfloat16 / float32.
 WEIGHT_FORMATS = ("auto", "quantized", "bf16", "float32")
 WEIGHTS_HELP = (
-    "how a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K matrices run: quantized (packed as the file "
-    "ships them, native AVX512-VNNI or AVX2 kernels: 1.0x the file's memory for Q8_0/Q4_0/Q4_1, 1.3-1.6x "
-    "for the others; the built-in model decodes at 2x llama.cpp's "
-    "batch-1 rate with AVX-512, 1.7x with AVX2 alone), bf16 or float32 (dequantized at load; that "
+    "how a GGUF file's quantized matrices (Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K) run: quantized "
+    "(packed as the file ships them, native AVX512-VNNI or AVX2 kernels: 1.0x the file's memory for "
+    "Q8_0/Q4_0/Q4_1, 1.3-1.8x for the others; the built-in model decodes at 2x llama.cpp's batch-1 "
+    "rate with AVX-512, 1.7x with AVX2 alone), bf16 or float32 (dequantized at load; that "
     "dtype); auto: quantized where the CPU, the file and the build allow it, unless --dtype float32 "
     "asks for the reference path (docs/quantized.md)"
 )

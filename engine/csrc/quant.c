@@ -1,5 +1,5 @@
-/* Linears over GGUF's quantized block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K), run as the file
- * ships them (Q5_0 and Q5_1 in Q8's layout: engine/model/quantized.py).
+/* Linears over GGUF's quantized block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), run as
+ * the file ships them (Q5_0 and Q5_1 in Q8's layout: engine/model/quantized.py).
  *
  *   pdkv_qlinear        out[m, n] = sum_k x[m, k] w[n, k]      (w packed, x and out bfloat16 or float32)
  *   pdkv_qdequant_rows  rows of w as dense floats (embedding lookups, tests, the torch fallback)
@@ -20,6 +20,8 @@
  *   Q4F (Q4_K)       the same 256 bytes, then 16 float32 scales d and 16 float32 mins m (384 bytes): a
  *                    Q4_K super-block's eight sub-blocks of 32, each its own block here -- d = d_K sc and
  *                    m = -dmin_K mn, float16 times a 6-bit integer, exact in float32 (not in float16).
+ *   Q8F (Q5_K)       Q8's 512 bytes (the 5-bit quant as it is), then 16 float32 scales and 16 float32
+ *                    mins (640 bytes): Q4F's scales over Q8's bytes.
  *   Q8H (Q6_K)       Q8's 512 bytes (the quant less 32), then 16 float32 scales of inputs 0-15 and 16
  *                    of inputs 16-31 (640 bytes): a Q6_K sub-block of 16 has a scale of its own, d_K sc,
  *                    an 8-bit integer times a float16, exact in float32.  w = q d_half, no min.
@@ -72,6 +74,7 @@
 #define FMT_BF16 2 /* dense bfloat16 weights: bf16_linear.c's layout and kernel */
 #define FMT_Q4F 3  /* Q4's quants with float32 scales and mins (Q4_K's sub-blocks) */
 #define FMT_Q8H 4  /* Q8's quants with a float32 scale per half block (Q6_K's sub-blocks of 16) */
+#define FMT_Q8F 5  /* Q8's quants with float32 scales and mins (Q5_K's sub-blocks) */
 #define GROUP 16
 #define QBLOCK 32
 #define MT 8        /* activation rows per tile: the unpacked weights are reused across them */
@@ -147,11 +150,11 @@ static inline int q4_quants(int64_t fmt) { return fmt == FMT_Q4 || fmt == FMT_Q4
 
 /* Bytes of one (group, block) tile of the packed layout. */
 static int64_t tile_bytes(int64_t fmt) {
-    return fmt == FMT_Q4 ? 320 : fmt == FMT_Q4F ? 384 : fmt == FMT_Q8H ? 640 : 576;
+    return fmt == FMT_Q4 ? 320 : fmt == FMT_Q4F ? 384 : fmt == FMT_Q8H || fmt == FMT_Q8F ? 640 : 576;
 }
 
 /* Whether a format's scales (and mins, or the second half's scales) are float32, else float16. */
-static inline int float_scales(int64_t fmt) { return fmt == FMT_Q4F || fmt == FMT_Q8H; }
+static inline int float_scales(int64_t fmt) { return fmt == FMT_Q4F || fmt == FMT_Q8H || fmt == FMT_Q8F; }
 static int64_t quant_bytes(int64_t fmt) { return q4_quants(fmt) ? 256 : 512; }
 
 /* The quantized activations of rows j, j + 1, ... of a call (quantize_row's: the header's): row i's q at
@@ -175,8 +178,7 @@ int pdkv_bf16_rows(const void *packed, int64_t n, int64_t k, const int64_t *ids,
 
 int64_t pdkv_qpacked_bytes(int64_t fmt, int64_t n, int64_t k) {
     if (fmt == FMT_BF16) return (n > 0 && k > 0 && k % 2 == 0) ? ((n + GROUP - 1) / GROUP) * GROUP * k * 2 : -1;
-    if ((fmt != FMT_Q4 && fmt != FMT_Q8 && fmt != FMT_Q4F && fmt != FMT_Q8H) || n <= 0 || k <= 0 || k % QBLOCK)
-        return -1;
+    if (fmt < FMT_Q8 || fmt > FMT_Q8F || fmt == FMT_BF16 || n <= 0 || k <= 0 || k % QBLOCK) return -1;
     return ((n + GROUP - 1) / GROUP) * (k / QBLOCK) * tile_bytes(fmt);
 }
 
@@ -505,6 +507,8 @@ INLINE void group_tile(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, i
         group_tile_as(wg, FMT_Q8H, blocks, a, k, nrows, out, ldo, col, ncols, out_bf16, 1, FMT_Q8H);
     else if (fmt == FMT_Q4F)
         group_tile_as(wg, FMT_Q4F, blocks, a, k, nrows, out, ldo, col, ncols, out_bf16, 0, FMT_Q4F);
+    else if (fmt == FMT_Q8F)
+        group_tile_as(wg, FMT_Q8F, blocks, a, k, nrows, out, ldo, col, ncols, out_bf16, 0, FMT_Q8F);
     else /* Q4, Q8: float16 scales */
         group_tile_as(wg, fmt, blocks, a, k, nrows, out, ldo, col, ncols, out_bf16, 0, FMT_Q4);
 }
@@ -566,6 +570,7 @@ INLINE void group_row1(const uint8_t *wg, int64_t fmt, int64_t blocks, Acts a, i
     if (fmt == FMT_Q4) group_row1_as(wg, FMT_Q4, blocks, a, k, out, col, n_out, out_bf16, NG);
     else if (fmt == FMT_Q4F) group_row1_as(wg, FMT_Q4F, blocks, a, k, out, col, n_out, out_bf16, NG);
     else if (fmt == FMT_Q8H) group_row1_as(wg, FMT_Q8H, blocks, a, k, out, col, n_out, out_bf16, NG);
+    else if (fmt == FMT_Q8F) group_row1_as(wg, FMT_Q8F, blocks, a, k, out, col, n_out, out_bf16, NG);
     else group_row1_as(wg, FMT_Q8, blocks, a, k, out, col, n_out, out_bf16, NG);
 }
 

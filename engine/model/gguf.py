@@ -22,10 +22,10 @@ adjacent pairs; per head the rows go from [x0..x(d/2-1), y0..y(d/2-1)] to [x0, y
 Tensor types dequantized (by the ``gguf`` package, llama.cpp's own reference code): see
 ``SUPPORTED_TENSOR_TYPES`` -- among them the K-quants of the common ``Q4_K_M`` / ``Q5_K_M`` / ``Q6_K``
 files (Q4_K, Q5_K, Q6_K: checked against a dequantizer written from ggml's C, tests/kquants.py).  Under
-``--weights quantized`` Q4_K and Q6_K come as raw blocks, packed for the native kernels with Q8_0, Q4_0,
-Q4_1, Q5_0 and Q5_1 (engine/model/quantized.py), and Q5_K, which no kernel runs, is dequantized beside
-them.  Every other type (Q2_K, Q3_K, the IQ types, ternary and FP4
-formats) is refused with the list of what is supported.
+``--weights quantized`` all three come as raw blocks, packed for the native kernels with Q8_0, Q4_0,
+Q4_1, Q5_0 and Q5_1 (engine/model/quantized.py); the float types are dequantized beside them.  Every
+other type (Q2_K, Q3_K, the IQ types, ternary and FP4 formats) is refused with the list of what is
+supported.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """GGUF's quantized matrices kept quantized: packed once at load, run by ``engine/csrc/quant.c``.
 
-A Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q6_K matrix of a GGUF file is not dequantized (270 MB of bfloat16
-for the built-in model's 98 MB file): its blocks are repacked into the kernel's layout (``quant.c``'s
+A Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K matrix of a GGUF file is not dequantized (270 MB of
+bfloat16 for the built-in model's 98 MB file): its blocks are repacked into the kernel's layout (``quant.c``'s
 header; per 16 output rows and 32 inputs the same bytes the file holds, so the weights stay 1.0x the file
 -- Q5_0 and Q5_1's five-bit quants as Q8's bytes, 1.64x and 1.5x theirs; Q4_K's sub-blocks with their
-scales and mins as float32, 1.33x, where float16 would round them; Q6_K's quants as Q8's bytes with a
-float32 scale per 16, 1.52x) and the linear runs
+scales and mins as float32, 1.33x, where float16 would round them; Q5_K's the same over Q8's bytes,
+1.82x; Q6_K's quants as Q8's bytes with a float32 scale per 16, 1.52x) and the linear runs
 on them -- the activations quantized per row and block of 32 to int16 (1/65278 of the block's largest
 value: llama.cpp's int8 activations moved greedy picks at logit margins up to 0.4), exact integer dot
 products (AVX512-VNNI, or AVX2 with the same sums), float32 sums per block, every row's reduction order
@@ -39,7 +39,7 @@ from engine.native import QuantKernel
 if TYPE_CHECKING:
     from engine.model.llama import LlamaForCausalLM
 
-FMT_Q8, FMT_Q4, FMT_BF16, FMT_Q4F, FMT_Q8H = 0, 1, 2, 3, 4  # quant.c's layouts; bf16_linear.c's
+FMT_Q8, FMT_Q4, FMT_BF16, FMT_Q4F, FMT_Q8H, FMT_Q8F = 0, 1, 2, 3, 4, 5  # quant.c's layouts; bf16_linear.c's
 # GGUF type name -> (quant.c layout, weights and bytes of one GGUF block)
 KERNEL_TYPES = {
     "Q8_0": (FMT_Q8, 32, 34),
@@ -48,6 +48,7 @@ KERNEL_TYPES = {
     "Q5_0": (FMT_Q8, 32, 22),  # five-bit quants held as Q8's bytes: 1.64x the file's bytes
     "Q5_1": (FMT_Q8, 32, 24),  # (1.5x), exact -- the kernels' w = q d + m as the file has it
     "Q4_K": (FMT_Q4F, 256, 144),
+    "Q5_K": (FMT_Q8F, 256, 176),
     "Q6_K": (FMT_Q8H, 256, 210),
 }
 GROUP, QBLOCK = 16, 32
@@ -88,8 +89,8 @@ def pack(raws: list[RawBlocks]) -> QuantWeight:
     if data.shape[1] != expected:
         raise PackError(f"{data.shape[1]} bytes per row, expected {expected} for {qtype}")
     padded = -(-rows // GROUP) * GROUP
-    if qtype == "Q4_K":
-        d, m, qs = _q4k_blocks(data, rows, padded, nb)
+    if qtype in ("Q4_K", "Q5_K"):
+        d, m, qs = _q45k_blocks(data, qtype, rows, padded, nb)
     elif qtype == "Q6_K":
         d, m, qs = _q6k_blocks(data, rows, padded, nb)  # m: the second half's scales
     else:
@@ -164,16 +165,18 @@ def _q6k_blocks(
     return out[0], out[1], out_q
 
 
-def _q4k_blocks(
-    data: np.ndarray, rows: int, padded: int, nb: int
+def _q45k_blocks(
+    data: np.ndarray, qtype: str, rows: int, padded: int, nb: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q4_K super-blocks (144 bytes: float16 d and dmin, twelve bytes of 6-bit scales and mins, 128 of
-    nibbles) as Q4's blocks of 32 with float32 scales: (d [padded, nb], m [padded, nb], the Q4_0-order
-    nibbles [padded, nb, 16]).  Sub-block j's weights are d sc_j q - dmin mn_j (ggml's
-    dequantize_row_q4_K), so d = d sc_j and m = -dmin mn_j -- a float16 times a 6-bit integer, exact in
-    float32; its quants are the low nibbles of bytes 32 (j / 2) .. + 31 for j even, the high ones for j
-    odd.  Zero rows pad the last group."""
-    sb = data.reshape(rows, nb // 8, 144)
+    nibbles) or Q5_K's (176: the same and 32 bytes of high bits before the nibbles) as blocks of 32 with
+    float32 scales: (d [padded, nb], m [padded, nb], the quants -- Q4_0-order nibbles [padded, nb, 16]
+    for Q4_K, bytes [padded, nb, 32] for Q5_K).  Sub-block j's weights are d sc_j q - dmin mn_j (ggml's
+    dequantize_row_q4_K / _q5_K), so d = d sc_j and m = -dmin mn_j -- a float16 times a 6-bit integer,
+    exact in float32; its quants are the low nibbles of bytes 32 (j / 2) .. + 31 for j even, the high
+    ones for j odd, and for Q5_K bit j of qh[l] their fifth.  Zero rows pad the last group."""
+    size = 144 if qtype == "Q4_K" else 176
+    sb = data.reshape(rows, nb // 8, size)
     d = sb[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, nsb]
     dmin = sb[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     sc = sb[:, :, 4:16].astype(np.uint8)
@@ -182,15 +185,23 @@ def _q4k_blocks(
     scale[..., :4], mins[..., :4] = sc[..., 0:4] & 63, sc[..., 4:8] & 63
     scale[..., 4:] = (sc[..., 8:12] & 0xF) | ((sc[..., 0:4] >> 6) << 4)
     mins[..., 4:] = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
-    qs = sb[:, :, 16:144].reshape(rows, nb // 8, 4, 1, 32)
-    values = np.concatenate([qs & 0xF, qs >> 4], axis=3).reshape(rows, nb, QBLOCK)  # sub-block 2i, 2i + 1
+    qs = sb[:, :, size - 128 :].reshape(rows, nb // 8, 4, 1, 32)
+    values = np.concatenate([qs & 0xF, qs >> 4], axis=3).reshape(rows, nb // 8, 8, 32)  # sub-block 2i, 2i + 1
+    if qtype == "Q5_K":
+        qh = sb[:, :, 16:48].reshape(rows, nb // 8, 1, 32)
+        values = values | (((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
+    values = values.reshape(rows, nb, QBLOCK)
     out_d = np.zeros((padded, nb), dtype=np.float32)
     out_m = np.zeros((padded, nb), dtype=np.float32)
-    out_q = np.zeros((padded, nb, 16), dtype=np.uint8)
     with np.errstate(over="ignore", invalid="ignore"):
         out_d[:rows] = (d[..., None] * scale).reshape(rows, nb)
         out_m[:rows] = -(dmin[..., None] * mins).reshape(rows, nb)
-    out_q[:rows] = values[..., :16] | (values[..., 16:] << 4)  # Q4_0's byte j: weights j and 16 + j
+    if qtype == "Q5_K":  # 0..31: Q8's bytes as they are
+        out_q = np.zeros((padded, nb, QBLOCK), dtype=np.uint8)
+        out_q[:rows] = values
+    else:
+        out_q = np.zeros((padded, nb, 16), dtype=np.uint8)
+        out_q[:rows] = values[..., :16] | (values[..., 16:] << 4)  # Q4_0's byte j: weights j and 16 + j
     return out_d, out_m, out_q
 
 

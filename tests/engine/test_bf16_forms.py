@@ -136,7 +136,7 @@ def test_the_dense_linears_give_every_forms_bits(forms: dict[int, native.NativeK
     same(results, f"linear of {rows} rows")
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 3, 9, 32])
 def test_the_quantized_linears_give_every_forms_bits(
     forms: dict[int, native.NativeKernels], qtype: str, rows: int

@@ -42,7 +42,8 @@ from tests.p2p_harness import assert_idle, run_until, tokens
 from tests.tiny_models import pdkv_tiny_model_dir
 
 FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # GGUF's blocks of 32: any width of whole blocks
-KERNEL_FORMATS = tuple(KERNEL_TYPES)  # and Q4_K's, Q6_K's super-blocks of 256: widths rounded up (width)
+KERNEL_FORMATS = tuple(KERNEL_TYPES)  # and the K-quants' super-blocks of 256: widths rounded up (width)
+K_FORMATS = ("Q4_K", "Q5_K", "Q6_K")
 SHAPES = [(1, 32, 1), (17, 32, 3), (37, 96, 1), (48, 608, 9), (130, 256, 70), (16, 64, 8)]  # (n, k, rows)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [100, 200, 300, 50, 60], [42] * 17, list(range(30, 70))]
 BS = 4
@@ -58,13 +59,13 @@ def kernel() -> QuantKernel:
 
 def width(qtype: str, k: int) -> int:
     """``k`` for a test's matrix of ``qtype``: rounded up to whole K-quant super-blocks of 256."""
-    return -(-k // 256) * 256 if qtype in ("Q4_K", "Q6_K") else k
+    return -(-k // 256) * 256 if qtype in K_FORMATS else k
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int) -> RawBlocks:
     from gguf import GGMLQuantizationType, quants
 
-    if qtype in ("Q4_K", "Q6_K"):  # the gguf package cannot quantize K-quants: random blocks (kquants.py)
+    if qtype in K_FORMATS:  # the gguf package cannot quantize K-quants: random blocks (tests/kquants.py)
         return RawBlocks("w", qtype, n, k, kquants.random_blocks(qtype, n, k, np.random.default_rng(seed)))
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
     w[0, : min(k, 32)] = 0.0  # an all-zero block: scale 0
@@ -104,14 +105,18 @@ def integer_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> tupl
     range, extremes included: the blocks and their weights as integers [n, k]."""
     nb = k // 32
     one, zero = np.array([1.0], np.float16).view(np.uint8), np.array([0.0], np.float16).view(np.uint8)
-    if qtype == "Q4_K":  # d 1, dmin 0, every sub-block's 6-bit scale 1 and min 0
-        q = rng.integers(0, 16, size=(n, nb, 32))
-        q[:, :, :4] = [0, 15, 15, 0]
-        pairs = q.reshape(n, nb // 8, 4, 2, 32)  # sub-blocks 2i (low nibbles) and 2i + 1 (high)
+    if qtype in ("Q4_K", "Q5_K"):  # d 1, dmin 0, every sub-block's 6-bit scale 1 and min 0
+        top = 16 if qtype == "Q4_K" else 32
+        q = rng.integers(0, top, size=(n, nb, 32))
+        q[:, :, :4] = [0, top - 1, top - 1, 0]
+        pairs = (q & 0xF).reshape(n, nb // 8, 4, 2, 32)  # sub-blocks 2i (low nibbles) and 2i + 1 (high)
         body = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).astype(np.uint8).reshape(n, nb // 8, 128)
         scales = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8)
-        head = np.broadcast_to(np.concatenate([one, zero, scales]), (n, nb // 8, 16))
-        data = np.concatenate([head, body], axis=2).reshape(n, -1)
+        parts = [np.broadcast_to(np.concatenate([one, zero, scales]), (n, nb // 8, 16))]
+        if qtype == "Q5_K":  # qh[l]'s bit j: the fifth bit of sub-block j's quant l
+            fifth = (q >> 4).reshape(n, nb // 8, 8, 32)
+            parts.append(sum(fifth[:, :, j] << j for j in range(8)).astype(np.uint8))
+        data = np.concatenate([*parts, body], axis=2).reshape(n, -1)
         return RawBlocks("w", qtype, n, k, np.ascontiguousarray(data)), q.reshape(n, k)
     if qtype == "Q6_K":  # d 1, every sub-block's scale 1: weights q - 32
         q = rng.integers(
@@ -838,7 +843,7 @@ def test_quantized_is_refused_by_name_where_it_cannot_be_served(
     with pytest.raises(ValueError, match="weights 'quantized' cannot be served: the model has no Q8_0"):
         LLM(folder, weights="quantized", device="cpu")
     f16 = write_gguf(folder, tmp_path / "f16.gguf", qtype="F16")
-    with pytest.raises(ValueError, match="has no Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q6_K matrices"):
+    with pytest.raises(ValueError, match="has no Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K matrices"):
         LLM(f16, weights="quantized", device="cpu")
     with pytest.raises(ValueError, match="weights 'bf16' computes in bfloat16, but dtype is 'float32'"):
         LLM(files["Q8_0"], weights="bf16", dtype="float32", device="cpu")
@@ -860,37 +865,45 @@ def test_without_the_kernels_auto_falls_back_to_the_dequantized_weights(
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == dense
 
 
-def test_a_q4_k_m_mix_runs_packed_and_a_type_without_kernel_dequantized(
+def test_k_quant_mixes_run_packed_and_a_file_without_a_packed_type_dequantized(
     kernel: QuantKernel, tmp_path: Path
 ) -> None:
-    """Q8_0 attention, Q4_K gate/up and Q6_K down (a Q4_K_M file's mix): ``quantized`` packs every matrix
-    (Q4_K's sub-blocks with float32 scales and mins: 4/3 of its bytes; Q6_K's quants as bytes with a
-    float32 scale per 16: 32/21); greedy output as transformers' on the same file (float32, dequantized)
-    within the quantized math's tie rule; the fused decode layer gives the per-op path's bits.  A file of
-    Q5_K, which no kernel runs, is refused by ``quantized`` by name and runs dequantized under ``auto``, as
-    ``--weights bf16`` does."""
+    """Q4_K q/k/v, Q8_0 o, Q5_K gate/up and Q6_K down (Q4_K_M / Q5_K_M files' mixes): ``quantized`` packs
+    every matrix (Q4_K's sub-blocks with float32 scales and mins: 4/3 of its bytes; Q5_K's over bytes:
+    20/11; Q6_K's quants as bytes with a float32 scale per 16: 32/21); greedy output as transformers' on
+    the same file (float32, dequantized) within the quantized math's tie rule; the fused decode layer
+    gives the per-op path's bits.  A file of F16
+    matrices, which no kernel runs, is refused by ``quantized`` by name and runs dequantized under
+    ``auto``, as ``--weights bf16`` does."""
     folder = pdkv_tiny_model_dir(init_std=0.2, hidden=256, heads=4, kv_heads=2, intermediate_size=512)
-
-    def mlp(name: str) -> str | None:
-        if name.endswith("down_proj.weight"):
-            return "Q6_K"
-        return "Q4_K" if name.endswith(("gate_proj.weight", "up_proj.weight")) else None
-
-    raw, _ = kquant_tensors(folder, mlp, seed=3)
+    mix = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q4_K", "gate_proj": "Q5_K", "up_proj": "Q5_K"}
+    mix["down_proj"] = "Q6_K"
+    raw, _ = kquant_tensors(folder, lambda name: mix.get(name.rsplit(".", 2)[-2]), seed=3)
     mixed = write_gguf(folder, tmp_path / "mixed.gguf", qtype="Q8_0", raw=raw)
     llm = _llm(mixed, "float32")
     assert llm.engine.model.quantized
+    # (module, its file matrices, type, quant.c layout, packed : file bytes -- whole groups of 16 rows)
+    expect = [
+        (
+            "self_attn.qkv_proj",
+            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "Q4_K",
+            3,
+            (3, 4),
+        ),
+        ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), "Q5_K", 5, (11, 20)),
+        ("mlp.down_proj", ("mlp.down_proj",), "Q6_K", 4, (21, 32)),
+    ]
     for i, layer in enumerate(llm.engine.model.model.layers):
-        assert [w.qtype for _, w in layer.self_attn.qkv_proj.parts] == ["Q8_0"]
-        [(_, gate_up)], [(_, down)] = layer.mlp.gate_up_proj.parts, layer.mlp.down_proj.parts
-        assert (gate_up.qtype, gate_up.fmt, down.qtype, down.fmt) == ("Q4_K", 3, "Q6_K", 4)
-        file_bytes = sum(raw[f"model.layers.{i}.mlp.{m}.weight"][1].nbytes for m in ("gate_proj", "up_proj"))
-        assert 3 * gate_up.nbytes == 4 * file_bytes  # 1024 rows: whole groups of 16
-        assert 21 * down.nbytes == 32 * raw[f"model.layers.{i}.mlp.down_proj.weight"][1].nbytes  # 256 rows
-    _assert_greedy_near_transformers(llm, mixed, "Q8_0 + Q4_K + Q6_K")
+        assert [w.qtype for _, w in layer.self_attn.o_proj.parts] == ["Q8_0"]
+        for path, names, qtype, fmt, (a, b) in expect:
+            [(_, w)] = layer.get_submodule(path).parts
+            assert (w.qtype, w.fmt) == (qtype, fmt)
+            assert a * w.nbytes == b * sum(raw[f"model.layers.{i}.{n}.weight"][1].nbytes for n in names)
+    _assert_greedy_near_transformers(llm, mixed, "Q8_0 + Q4_K + Q5_K + Q6_K")
     # blocks made before these types ran packed (dequantized, other bits) are another namespace
     assert llm.engine.namespace.model_fingerprint.endswith(
-        ";weights=quantized;activations=int16/32639;packed=Q4_K,Q6_K"
+        ";weights=quantized;activations=int16/32639;packed=Q4_K,Q5_K,Q6_K"
     )
 
     bf16 = _llm(mixed, "bfloat16", max_num_batched_tokens=64)
@@ -899,17 +912,14 @@ def test_a_q4_k_m_mix_runs_packed_and_a_type_without_kernel_dequantized(
     calls, _ = _fused_then_per_op(bf16, lambda: bf16.generate(prompts, params), "K-quants decode fused")
     assert sum(calls) >= 6
 
-    q5k, _ = kquant_tensors(folder, lambda name: "Q5_K")
-    only_q5k = write_gguf(folder, tmp_path / "only-q5k.gguf", raw=q5k)
-    with pytest.raises(
-        ValueError, match="cannot be served: the model has no Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or"
-    ):
-        _llm(only_q5k)
-    auto = _llm(only_q5k, weights="auto")
+    f16 = write_gguf(folder, tmp_path / "f16.gguf", qtype="F16")
+    with pytest.raises(ValueError, match="cannot be served: the model has no Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,"):
+        _llm(f16)
+    auto = _llm(f16, weights="auto")
     assert not auto.engine.model.quantized
     params = SamplingParams(max_tokens=8)
     assert [o.token_ids for o in auto.generate(PROMPTS, params)] == [
-        o.token_ids for o in _llm(only_q5k, weights="bf16").generate(PROMPTS, params)
+        o.token_ids for o in _llm(f16, weights="bf16").generate(PROMPTS, params)
     ]
 
 
