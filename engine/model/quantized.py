@@ -186,11 +186,11 @@ def _q45k_blocks(
     scale[..., 4:] = (sc[..., 8:12] & 0xF) | ((sc[..., 0:4] >> 6) << 4)
     mins[..., 4:] = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
     qs = sb[:, :, size - 128 :].reshape(rows, nb // 8, 4, 1, 32)
-    values = np.concatenate([qs & 0xF, qs >> 4], axis=3).reshape(rows, nb // 8, 8, 32)  # sub-block 2i, 2i + 1
+    subs = np.concatenate([qs & 0xF, qs >> 4], axis=3).reshape(rows, nb // 8, 8, 32)  # sub-block 2i, 2i + 1
     if qtype == "Q5_K":
         qh = sb[:, :, 16:48].reshape(rows, nb // 8, 1, 32)
-        values = values | (((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
-    values = values.reshape(rows, nb, QBLOCK)
+        subs = subs | (((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
+    values = subs.reshape(rows, nb, QBLOCK)
     out_d = np.zeros((padded, nb), dtype=np.float32)
     out_m = np.zeros((padded, nb), dtype=np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
