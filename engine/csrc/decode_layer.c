@@ -49,11 +49,21 @@ struct pdkv_lora_mod {
     int64_t parts, rank, num_slots;
 };
 
+/* A packed linear: up to PDKV_MAX_PARTS runs of output rows, each one format (a GGUF file may hold q/k
+ * and v, or gate and up, in different types: a Q4_K_M file's v in Q6_K), each part's outputs the next
+ * columns of the output, as QuantLinear.forward writes them. */
+#define PDKV_MAX_PARTS 3
+struct pdkv_linear {
+    int64_t parts;
+    const void *w[PDKV_MAX_PARTS]; /* packed (quant.c's layouts) */
+    int64_t fmt[PDKV_MAX_PARTS];   /* their quant.c formats */
+    int64_t rows[PDKV_MAX_PARTS];  /* their output rows */
+};
+
 /* Per layer, fixed at load (engine/model/fused_decode.py mirrors these structs with ctypes). */
 struct pdkv_layer {
     const void *norm1, *norm2;                /* RMSNorm weights [hidden] */
-    const void *wqkv, *wo, *wgu, *wd;         /* packed linears */
-    int64_t fqkv, fo, fgu, fd;                /* their quant.c formats */
+    struct pdkv_linear qkv, o, gu, d;         /* packed linears */
     int64_t layer, window;                    /* window 0: none */
     float eps, scale;
     const struct pdkv_lora_mod *lora;         /* [4]: q/k/v, o, gate/up, down; NULL without LoRA */
@@ -143,13 +153,26 @@ static int64_t layer_slabs(const struct pdkv_shape *s, const struct pdkv_step *s
     return m;
 }
 
+/* out [rows, n] = x [rows, k] through the linear's parts, part i into the columns after part i - 1's. */
+static int run_linear(const struct pdkv_linear *lin, const void *x, int64_t bf, int64_t rows, int64_t k,
+                      int64_t n, void *out) {
+    int64_t col = 0;
+    for (int64_t i = 0; i < lin->parts; i++) {
+        const int rc = pdkv_qlinear(x, bf, rows, k, lin->w[i], lin->fmt[i], lin->rows[i],
+                                    (char *)out + col * (bf ? 2 : 4), n, bf);
+        if (rc) return rc;
+        col += lin->rows[i];
+    }
+    return col == n ? 0 : 2;
+}
+
 /* Linear `which` of a layer (0 o, 1 gate/up, 2 down) with its share of the next layer's slabs. */
 static int linear_with_side(int which, int64_t slabs, int64_t bytes, const void *x, int64_t bf, int64_t rows,
-                            int64_t k, const void *w, int64_t fmt, int64_t n, void *out) {
+                            int64_t k, const struct pdkv_linear *lin, int64_t n, void *out) {
     static const int64_t upto[4] = {0, 12, 69, 100}; /* percent of the stream before each: work ~1 : 5 : 3 */
     const int64_t from = slabs * upto[which] / 100, to = slabs * upto[which + 1] / 100;
     pdkv_side_stream(slabs ? side_slabs + from : NULL, to - from, bytes);
-    const int rc = pdkv_qlinear(x, bf, rows, k, w, fmt, n, out, n, bf);
+    const int rc = run_linear(lin, x, bf, rows, k, n, out);
     pdkv_side_stream(NULL, 0, 0);
     return rc;
 }
@@ -178,7 +201,7 @@ int pdkv_decode_layer(const struct pdkv_layer *L, const struct pdkv_shape *s, co
         rc = pdkv_rms_norm(h, delta, h1, L->norm1, x, t, s->hidden, L->eps, bf);
     }
     if (rc) return rc;
-    if ((rc = pdkv_qlinear(x, bf, t, s->hidden, L->wqkv, L->fqkv, nqkv, qkv, nqkv, bf))) return rc;
+    if ((rc = run_linear(&L->qkv, x, bf, t, s->hidden, nqkv, qkv))) return rc;
     if ((rc = add_lora(L, st, 0, x, qkv, s->hidden, nqkv))) return rc;
     rc = pdkv_rope_write_kv(qkv, st->cos, st->sin, qk, st->kv_cache, st->slot_blocks, st->slot_offsets, t,
                             s->heads, s->kv_heads, hd, s->num_layers, L->layer, s->block_size, bf, st->num_blocks,
@@ -200,14 +223,14 @@ int pdkv_decode_layer(const struct pdkv_layer *L, const struct pdkv_shape *s, co
     const int64_t slab_bytes = 2 * s->block_size * s->kv_heads * hd * es;
     const int64_t slabs =
         t > 1 && L->layer + 1 < s->num_layers ? layer_slabs(s, st, L->layer + 1, slab_bytes) : 0;
-    if ((rc = linear_with_side(0, slabs, slab_bytes, attn, bf, t, nq, L->wo, L->fo, s->hidden, o))) return rc;
+    if ((rc = linear_with_side(0, slabs, slab_bytes, attn, bf, t, nq, &L->o, s->hidden, o))) return rc;
     if ((rc = add_lora(L, st, 1, attn, o, nq, s->hidden))) return rc;
     if ((rc = pdkv_rms_norm(h1, o, h_out, L->norm2, x, t, s->hidden, L->eps, bf))) return rc;
-    if ((rc = linear_with_side(1, slabs, slab_bytes, x, bf, t, s->hidden, L->wgu, L->fgu, 2 * s->inter, gu)))
+    if ((rc = linear_with_side(1, slabs, slab_bytes, x, bf, t, s->hidden, &L->gu, 2 * s->inter, gu)))
         return rc;
     if ((rc = add_lora(L, st, 2, x, gu, s->hidden, 2 * s->inter))) return rc;
     if ((rc = pdkv_silu_mul(gu, act, t, s->inter, bf))) return rc;
-    rc = linear_with_side(2, slabs, slab_bytes, act, bf, t, s->inter, L->wd, L->fd, s->hidden, delta_out);
+    rc = linear_with_side(2, slabs, slab_bytes, act, bf, t, s->inter, &L->d, s->hidden, delta_out);
     if (rc) return rc;
     return add_lora(L, st, 3, act, delta_out, s->inter, s->hidden);
 }

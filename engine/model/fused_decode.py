@@ -10,7 +10,8 @@ hooks still run between layers.
 It serves a decode-only step (any number of rows), or in deterministic mode every step (all rows'
 attention is the native prefill kernel's then, in both paths), in bfloat16 or float32 (quantized weights
 under ``--dtype float32``) with every native kernel the per-op path would use, where every layer's
-four linears are ``QuantLinear`` of one part without bias (no Qwen2 biases) -- under LoRA wrappers on
+four linears are ``QuantLinear`` of at most ``MAX_PARTS`` parts (runs of one format: a Q4_K_M file's v
+in Q6_K beside q and k in Q4_K) without bias (no Qwen2 biases) -- under LoRA wrappers on
 the native LoRA kernel, whose deltas the call adds where the step has adapters (csrc/lora.c, as
 LoRALinear.forward does), or on the torch path (no AVX-512 or AVX2), whose steps without adapter rows it
 serves (the wrappers add nothing then); any other step takes the per-op path.
@@ -38,11 +39,18 @@ class _LoRAModule(ctypes.Structure):
     _fields_ = [("a", _P), ("b", _P), ("part_start", _P), ("parts", _I), ("rank", _I), ("num_slots", _I)]
 
 
+MAX_PARTS = 3  # decode_layer.c's PDKV_MAX_PARTS
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("parts", _I), ("w", _P * MAX_PARTS), ("fmt", _I * MAX_PARTS), ("rows", _I * MAX_PARTS)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [
-        ("norm1", _P), ("norm2", _P), ("wqkv", _P), ("wo", _P), ("wgu", _P), ("wd", _P),
-        ("fqkv", _I), ("fo", _I), ("fgu", _I), ("fd", _I), ("layer", _I), ("window", _I),
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("lora", ctypes.POINTER(_LoRAModule)),
+        ("norm1", _P), ("norm2", _P), ("qkv", _Linear), ("o", _Linear), ("gu", _Linear), ("d", _Linear),
+        ("layer", _I), ("window", _I), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("lora", ctypes.POINTER(_LoRAModule)),
     ]  # fmt: skip
 
 
@@ -96,13 +104,12 @@ class FusedDecode:
             lora = (_LoRAModule * 4)(*map(_lora_module, mods)) if native else None
             if lora is not None:
                 self._lora_structs.append(lora)
-            w = [_only_part(_base(m)) for m in mods]
+            linears = [_linear(_base(m)) for m in mods]
             self.layers.append(
                 _Layer(
                     layer.input_layernorm.weight.data_ptr(),
                     layer.post_attention_layernorm.weight.data_ptr(),
-                    *(p.packed.data_ptr() for p in w),
-                    *(p.fmt for p in w),
+                    *linears,
                     i,
                     attn.window or 0,
                     layer.input_layernorm.eps,
@@ -142,7 +149,7 @@ class FusedDecode:
                 return False  # the native LoRA kernel on some of the linears only
             for m in mods:
                 base = _base(m)
-                if not isinstance(base, QuantLinear) or len(base.parts) != 1 or base.bias is not None:
+                if not isinstance(base, QuantLinear) or len(base.parts) > MAX_PARTS or base.bias is not None:
                     return False
         return True
 
@@ -248,6 +255,14 @@ def _base(m: Any) -> Any:
     return m.base if _is_wrapper(m) else m
 
 
-def _only_part(m: Any) -> Any:
-    assert isinstance(m, QuantLinear) and len(m.parts) == 1
-    return m.parts[0][1]
+def _linear(m: Any) -> _Linear:
+    """A ``QuantLinear``'s parts as decode_layer.c's struct (its packed tensors live as long as the model)."""
+    assert isinstance(m, QuantLinear) and 1 <= len(m.parts) <= MAX_PARTS
+    ws = [w for _, w in m.parts]
+    pad = MAX_PARTS - len(ws)
+    return _Linear(
+        len(ws),
+        (_P * MAX_PARTS)(*(w.packed.data_ptr() for w in ws), *[None] * pad),
+        (_I * MAX_PARTS)(*(w.fmt for w in ws), *[0] * pad),
+        (_I * MAX_PARTS)(*(w.rows for w in ws), *[0] * pad),
+    )

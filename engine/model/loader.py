@@ -188,7 +188,8 @@ def load_model(
     from engine.model.gguf import RawBlocks
     from engine.model.llama import LlamaForCausalLM
     from engine.model.packed import can_pack, pack_linears
-    from engine.model.quantized import KERNEL_TYPES, gather_packed, native_bf16_linears, quantize_model
+    from engine.model.quant_blocks import KERNEL_TYPES
+    from engine.model.quantized import gather_packed, native_bf16_linears, quantize_model
 
     source = path if isinstance(path, ModelFolder | GGUFModel) else inspect_model(path)
     model = LlamaForCausalLM(source.config, dtype=dtype, device=device)

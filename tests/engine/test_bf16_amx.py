@@ -20,7 +20,8 @@ import torch
 from connectors.registry import KVConnectorConfig
 from engine.determinism import kv_fingerprint
 from engine.llm import LLM
-from engine.model.quantized import QuantLinear, pack_bf16
+from engine.model.quant_blocks import pack_bf16
+from engine.model.quantized import QuantLinear
 from engine.native import AMX_ENV, ATTN_AMX_ENV, QuantKernel, native_kernels
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import tiny_model_dir

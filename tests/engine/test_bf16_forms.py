@@ -25,7 +25,7 @@ import torch
 from engine import native
 from engine.determinism import kv_fingerprint
 from engine.llm import LLM
-from engine.model.quantized import pack, pack_bf16
+from engine.model.quant_blocks import pack, pack_bf16
 from engine.native_attention import KV_CANONICAL, KV_PAIRED
 from engine.sampling_params import SamplingParams
 from tests.gguf_models import write_gguf
@@ -145,9 +145,9 @@ def test_the_quantized_linears_give_every_forms_bits(
     in every build: no flush needed, and none set), batch 1 and batch tiles, out in bfloat16."""
     from tests.engine.test_quantized import random_blocks, width
 
-    k = width(qtype, 576)
-    weight = pack([random_blocks(qtype, 200, k, seed=41)])
-    x = laced(rows, k, seed=rows + 42)
+    cols = width(qtype, 576)
+    weight = pack([random_blocks(qtype, 200, cols, seed=41)])
+    x = laced(rows, cols, seed=rows + 42)
     results = {}
     for form, k in forms.items():
         assert k.quant is not None

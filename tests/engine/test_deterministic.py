@@ -436,9 +436,9 @@ def test_auto_runs_bfloat16_where_the_cpu_or_the_native_kernels_make_it_fast(
 
 
 def test_the_namespace_names_the_gguf_types_packed_since_they_ran_dequantized() -> None:  # every host
-    """Q5_0, Q5_1, Q4_K and Q6_K ran dequantized before 2026-12-07 and packed since (other bits): a file with
-    any of them packed is named with them, so no node loads a block of the old rule; the types packed all
-    along (Q8_0, Q4_0, Q4_1) and a dequantized node add nothing."""
+    """Q5_0, Q5_1, Q4_K, Q5_K and Q6_K ran dequantized before 2026-12-07 and packed since (other bits): a
+    file with any of them packed is named with them, so no node loads a block of the old rule; the types
+    packed all along (Q8_0, Q4_0, Q4_1) and a dequantized node add nothing."""
     f32, types = torch.float32, frozenset({"Q8_0", "Q5_0", "Q4_K", "Q6_K", "BF16"})
     assert kv_fingerprint("m", f32, False, quantized=True, packed_types=types) == (
         "m;kv=float32;weights=quantized;activations=int16/32639;packed=Q4_K,Q5_0,Q6_K"

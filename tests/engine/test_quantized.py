@@ -22,15 +22,8 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.model.gguf import GGUFError, RawBlocks
 from engine.model.packed import PackedLinear
-from engine.model.quantized import (
-    KERNEL_TYPES,
-    QuantEmbedding,
-    QuantLinear,
-    dequantize,
-    pack,
-    pack_bf16,
-    weight_bytes,
-)
+from engine.model.quant_blocks import KERNEL_TYPES, pack, pack_bf16
+from engine.model.quantized import QuantEmbedding, QuantLinear, dequantize, weight_bytes
 from engine.native import QuantKernel, SiluMulKernel, native_kernels
 from engine.native_linear import row_prefetch_default
 from engine.sampling_params import SamplingParams
@@ -118,21 +111,19 @@ def integer_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> tupl
             parts.append(sum(fifth[:, :, j] << j for j in range(8)).astype(np.uint8))
         data = np.concatenate([*parts, body], axis=2).reshape(n, -1)
         return RawBlocks("w", qtype, n, k, np.ascontiguousarray(data)), q.reshape(n, k)
-    if qtype == "Q6_K":  # d 1, every sub-block's scale 1: weights q - 32
-        q = rng.integers(
-            0, 64, size=(n, nb // 8, 2, 4, 32)
-        )  # [super-block][h][j][l]: weight 128 h + 32 j + l
+    if qtype == "Q6_K":  # d 1; scales 1 and 2 by turns -- a block's halves: weights (q - 32) (1 or 2)
+        q = rng.integers(0, 64, size=(n, nb // 8, 2, 4, 32))  # [super-block][h][j][l]: weight 128h + 32j + l
         q[..., 0, :4] = [0, 63, 63, 0]
         ql = (q[:, :, :, 0:2] & 0xF) | ((q[:, :, :, 2:4] & 0xF) << 4)  # [h][j % 2][l]
         qh = sum(((q[:, :, :, j] >> 4) & 3) << (2 * j) for j in range(4))  # [h][l]
-        tail = np.concatenate(
-            [np.ones((n, nb // 8, 16), np.uint8), np.broadcast_to(one, (n, nb // 8, 2))], axis=2
-        )
+        scales = np.broadcast_to(np.arange(16, dtype=np.uint8) % 2 + 1, (n, nb // 8, 16))  # sc[w / 16]
+        tail = np.concatenate([scales, np.broadcast_to(one, (n, nb // 8, 2))], axis=2)
         data = np.concatenate(
             [ql.astype(np.uint8).reshape(n, nb // 8, 128), qh.astype(np.uint8).reshape(n, nb // 8, 64), tail],
             axis=2,
         )
-        return RawBlocks("w", qtype, n, k, np.ascontiguousarray(data.reshape(n, -1))), (q - 32).reshape(n, k)
+        w = (q - 32) * (np.arange(32) // 16 + 1)  # l < 16: the block's first half
+        return RawBlocks("w", qtype, n, k, np.ascontiguousarray(data.reshape(n, -1))), w.reshape(n, k)
     if qtype in ("Q5_0", "Q5_1"):  # 16 nibbles and 32 high bits; Q5_0's weights q - 16, Q5_1's q (m 0)
         q = rng.integers(0, 32, size=(n, nb, 32))
         q[:, :, :4] = [0, 31, 31, 0]
@@ -323,7 +314,7 @@ def int8_tiles(kernel: QuantKernel) -> Iterator[QuantKernel]:
     kernel.int8_tiles(was)
 
 
-@pytest.mark.parametrize("qtype", KERNEL_FORMATS)
+@pytest.mark.parametrize("qtype", [q for q in KERNEL_FORMATS if q != "Q6_K"])  # Q8H: vectors only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (17, 32), (37, 96), (200, 608), (576, 1536), (130, 2048)])
 def test_the_int8_tiles_give_the_vectors_bits(
@@ -868,39 +859,38 @@ def test_without_the_kernels_auto_falls_back_to_the_dequantized_weights(
 def test_k_quant_mixes_run_packed_and_a_file_without_a_packed_type_dequantized(
     kernel: QuantKernel, tmp_path: Path
 ) -> None:
-    """Q4_K q/k/v, Q8_0 o, Q5_K gate/up and Q6_K down (Q4_K_M / Q5_K_M files' mixes): ``quantized`` packs
-    every matrix (Q4_K's sub-blocks with float32 scales and mins: 4/3 of its bytes; Q5_K's over bytes:
-    20/11; Q6_K's quants as bytes with a float32 scale per 16: 32/21); greedy output as transformers' on
-    the same file (float32, dequantized) within the quantized math's tie rule; the fused decode layer
-    gives the per-op path's bits.  A file of F16
-    matrices, which no kernel runs, is refused by ``quantized`` by name and runs dequantized under
-    ``auto``, as ``--weights bf16`` does."""
+    """Q4_K q/k with a Q6_K v, Q8_0 o, Q5_K gate with a Q4_K up, Q6_K down (llama.cpp's Q4_K_M / Q5_K_M
+    mixes): ``quantized`` packs every matrix (Q4_K's sub-blocks with float32 scales and mins: 4/3 of its
+    bytes; Q5_K's over bytes: 20/11; Q6_K's quants as bytes with a float32 scale per 16: 32/21), a fused
+    linear's shards of two types as two parts; greedy output as transformers' on the same file (float32,
+    dequantized) within the quantized math's tie rule; the fused decode layer serves the parts and gives
+    the per-op path's bits.  A file of F16 matrices, which no kernel runs, is refused by ``quantized`` by
+    name and runs dequantized under ``auto``, as ``--weights bf16`` does."""
     folder = pdkv_tiny_model_dir(init_std=0.2, hidden=256, heads=4, kv_heads=2, intermediate_size=512)
-    mix = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q4_K", "gate_proj": "Q5_K", "up_proj": "Q5_K"}
+    mix = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "gate_proj": "Q5_K", "up_proj": "Q4_K"}
     mix["down_proj"] = "Q6_K"
     raw, _ = kquant_tensors(folder, lambda name: mix.get(name.rsplit(".", 2)[-2]), seed=3)
     mixed = write_gguf(folder, tmp_path / "mixed.gguf", qtype="Q8_0", raw=raw)
     llm = _llm(mixed, "float32")
     assert llm.engine.model.quantized
-    # (module, its file matrices, type, quant.c layout, packed : file bytes -- whole groups of 16 rows)
-    expect = [
-        (
-            "self_attn.qkv_proj",
-            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            "Q4_K",
-            3,
-            (3, 4),
-        ),
-        ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), "Q5_K", 5, (11, 20)),
-        ("mlp.down_proj", ("mlp.down_proj",), "Q6_K", 4, (21, 32)),
-    ]
+    # per module, its parts: (file matrices, type, quant.c layout)
+    expect = {
+        "self_attn.qkv_proj": [(("q_proj", "k_proj"), "Q4_K", 3), (("v_proj",), "Q6_K", 4)],
+        "self_attn.o_proj": [(("o_proj",), "Q8_0", 0)],
+        "mlp.gate_up_proj": [(("gate_proj",), "Q5_K", 5), (("up_proj",), "Q4_K", 3)],
+        "mlp.down_proj": [(("down_proj",), "Q6_K", 4)],
+    }
+    ratios = {"Q4_K": (3, 4), "Q5_K": (11, 20), "Q6_K": (21, 32)}  # packed : file bytes, whole groups of 16
     for i, layer in enumerate(llm.engine.model.model.layers):
-        assert [w.qtype for _, w in layer.self_attn.o_proj.parts] == ["Q8_0"]
-        for path, names, qtype, fmt, (a, b) in expect:
-            [(_, w)] = layer.get_submodule(path).parts
-            assert (w.qtype, w.fmt) == (qtype, fmt)
-            assert a * w.nbytes == b * sum(raw[f"model.layers.{i}.{n}.weight"][1].nbytes for n in names)
-    _assert_greedy_near_transformers(llm, mixed, "Q8_0 + Q4_K + Q5_K + Q6_K")
+        for path, parts in expect.items():
+            got = [w for _, w in layer.get_submodule(path).parts]
+            assert [(w.qtype, w.fmt) for w in got] == [(qtype, fmt) for _, qtype, fmt in parts]
+            prefix = f"model.layers.{i}.{path.split('.')[0]}"
+            for w, (names, qtype, _) in zip(got, parts, strict=True):
+                if qtype in ratios:
+                    a, b = ratios[qtype]
+                    assert a * w.nbytes == b * sum(raw[f"{prefix}.{n}.weight"][1].nbytes for n in names)
+    _assert_greedy_near_transformers(llm, mixed, "Q4_K_M-like mix")
     # blocks made before these types ran packed (dequantized, other bits) are another namespace
     assert llm.engine.namespace.model_fingerprint.endswith(
         ";weights=quantized;activations=int16/32639;packed=Q4_K,Q5_K,Q6_K"
@@ -909,7 +899,7 @@ def test_k_quant_mixes_run_packed_and_a_file_without_a_packed_type_dequantized(
     bf16 = _llm(mixed, "bfloat16", max_num_batched_tokens=64)
     params = SamplingParams(max_tokens=8, logprobs=1, ignore_eos=True)
     prompts = [*PROMPTS, *([p[::-1] for p in PROMPTS] * 2)]
-    calls, _ = _fused_then_per_op(bf16, lambda: bf16.generate(prompts, params), "K-quants decode fused")
+    calls, _ = _fused_then_per_op(bf16, lambda: bf16.generate(prompts, params), "linears of two parts fuse")
     assert sum(calls) >= 6
 
     f16 = write_gguf(folder, tmp_path / "f16.gguf", qtype="F16")
