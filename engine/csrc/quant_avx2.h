@@ -108,8 +108,8 @@ INLINE void load_quads_half(const uint8_t *t, int64_t fmt, int h, __m256i w[16])
     }
 }
 
-/* Lanes 8h .. 8h + 7's scales d and mins m of a tile as floats (scales: its bytes after the quants;
- * float16, or Q4F's float32). */
+/* Lanes 8h .. 8h + 7's scales d of a tile as floats (scales: its bytes after the quants; float16, or
+ * float32 for Q4F, Q8F and Q8H). */
 INLINE __m256 half_scales(const uint8_t *scales, int64_t fmt, int h) {
     return float_scales(fmt) ? _mm256_loadu_ps((const float *)(scales + 32 * h))
                              : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 16 * h)));
