@@ -78,7 +78,8 @@ def pack(raws: list[RawBlocks]) -> QuantWeight:
         elif qtype in ("Q5_0", "Q5_1"):
             m, qs = _q5_blocks(blocks, qtype, d)
         elif qtype == "Q4_0":
-            m, qs = d * np.float16(-8), blocks[:, :, 2:18]
+            with np.errstate(over="ignore"):  # an overflow is refused below, by name
+                m, qs = d * np.float16(-8), blocks[:, :, 2:18]
         else:  # Q8_0: the signed bytes as they are, no offset
             m, qs = np.zeros_like(d), blocks[:, :, 2:34]
     with np.errstate(over="ignore", invalid="ignore"):

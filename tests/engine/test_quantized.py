@@ -22,7 +22,7 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.model.gguf import GGUFError, RawBlocks
 from engine.model.packed import PackedLinear
-from engine.model.quant_blocks import KERNEL_TYPES, pack, pack_bf16
+from engine.model.quant_blocks import KERNEL_TYPES, PackError, pack, pack_bf16
 from engine.model.quantized import QuantEmbedding, QuantLinear, dequantize, weight_bytes
 from engine.native import QuantKernel, SiluMulKernel, native_kernels
 from engine.native_linear import row_prefetch_default
@@ -176,6 +176,21 @@ def test_the_integer_sums_are_exact_at_the_ends_of_both_ranges(
     exact = x.astype(np.int64) @ w.T.astype(np.int64)
     assert np.abs(exact).max() < 2**24  # every partial sum exact in float32 too
     assert np.array_equal(y.numpy().astype(np.int64), exact)
+
+
+@pytest.mark.parametrize(
+    ("qtype", "scale"), [("Q4_K", np.inf), ("Q6_K", np.nan), ("Q8_0", np.inf), ("Q4_0", 6e4)]
+)
+def test_a_block_whose_scale_is_not_finite_is_not_packed(qtype: str, scale: float) -> None:
+    """A non-finite float16 scale (or Q4_0's, whose min -8 d overflows float16) is refused by the packer
+    by name -- the loader then dequantizes that matrix (quantize_model's fallback) -- never packed into a
+    kernel that would spread it over every output."""
+    raw = random_blocks(qtype, 16, width(qtype, 64), seed=9)
+    data = raw.data.copy()
+    at = KERNEL_TYPES[qtype][2] - 2 if qtype == "Q6_K" else 0  # the float16 d: Q6_K's last, the others' first
+    data[0, at : at + 2] = np.array([scale], np.float16).view(np.uint8)
+    with pytest.raises(PackError, match="not finite"):
+        pack([RawBlocks("w", qtype, raw.rows, raw.cols, data)])
 
 
 @pytest.mark.parametrize("qtype", KERNEL_FORMATS)
