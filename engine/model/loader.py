@@ -16,14 +16,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.model.config import ModelConfig
 from engine.model.fingerprint import model_fingerprint
-from engine.model.gguf import GGUFModel, inspect_gguf
+from engine.model.gguf import GGUFError, GGUFModel, inspect_gguf
 
 if TYPE_CHECKING:
     import torch
@@ -181,14 +181,16 @@ def load_model(
     """Build the model for ``path`` on ``device`` in ``dtype`` and fill every parameter from its files.
 
     ``kernel``: the native linears (engine/native.py; None: torch's and oneDNN's).  With ``quantized`` a
-    GGUF file's Q8_0/Q4_0/Q4_1 matrices stay packed (engine/model/quantized.py); the other bfloat16
-    linears are packed for the native bfloat16 kernel where the build has it, else for oneDNN."""
+    GGUF file's matrices of the kernels' types (engine/model/quant_blocks.py's KERNEL_TYPES) stay packed
+    (engine/model/quantized.py); the other bfloat16 linears are packed for the native bfloat16 kernel where
+    the build has it, else for oneDNN.  A weight with an inf or NaN -- a corrupt block -- is refused by
+    name, packed or not."""
     import torch
 
     from engine.model.gguf import RawBlocks
     from engine.model.llama import LlamaForCausalLM
     from engine.model.packed import can_pack, pack_linears
-    from engine.model.quant_blocks import KERNEL_TYPES
+    from engine.model.quant_blocks import KERNEL_TYPES, CorruptBlocks
     from engine.model.quantized import gather_packed, native_bf16_linears, quantize_model
 
     source = path if isinstance(path, ModelFolder | GGUFModel) else inspect_model(path)
@@ -201,6 +203,20 @@ def load_model(
     else:
         stream = source.weights(dtype)
 
+    what = (
+        f"GGUF file {str(source.path)!r}"
+        if isinstance(source, GGUFModel)
+        else f"model folder {str(source.path)!r}"
+    )
+    refusal = GGUFError if isinstance(source, GGUFModel) else ValueError
+
+    def finite(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """A weight with an inf or NaN (a corrupt block or file) is refused by name, in every path."""
+        for name, tensor in pairs:
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise refusal(f"{what}: weight {name} has values that are not finite (inf or NaN): corrupt")
+            yield name, tensor
+
     def dense() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in stream:
             if isinstance(tensor, RawBlocks):
@@ -208,18 +224,16 @@ def load_model(
             else:
                 yield name, tensor
 
-    loaded, unknown = model.load_weights(dense())
+    loaded, unknown = model.load_weights(finite(dense()))
     if raw:
         assert kernel is not None
-        consumed, rest = quantize_model(model, raw, kernel, dtype)
-        more, unknown_more = model.load_weights(rest)
+        try:
+            consumed, rest = quantize_model(model, raw, kernel, dtype)
+        except CorruptBlocks as exc:
+            raise GGUFError(f"{what}: weight {exc}: corrupt") from exc
+        more, unknown_more = model.load_weights(finite(rest))
         loaded |= consumed | more
         unknown |= unknown_more
-    what = (
-        f"GGUF file {str(source.path)!r}"
-        if isinstance(source, GGUFModel)
-        else f"model folder {str(source.path)!r}"
-    )
     missing = expected - loaded
     if missing:
         raise ValueError(f"{what} is missing weights: {_few(missing)}")

@@ -34,6 +34,11 @@ class PackError(ValueError):
     """A matrix the kernels cannot hold as it is (the message says why); it is dequantized instead."""
 
 
+class CorruptBlocks(ValueError):
+    """A matrix whose file blocks store a scale or min that is not finite (inf or NaN): no path can run it
+    (dequantized, it is the same inf or NaN), so the loader refuses the file; the message names it."""
+
+
 @dataclass(frozen=True)
 class QuantWeight:
     """A [rows, cols] matrix in quant.c's packed layout."""
@@ -83,8 +88,17 @@ def pack(raws: list[RawBlocks]) -> QuantWeight:
         else:  # Q8_0: the signed bytes as they are, no offset
             m, qs = np.zeros_like(d), blocks[:, :, 2:34]
     with np.errstate(over="ignore", invalid="ignore"):
-        if not (np.all(np.isfinite(m)) and np.all(np.isfinite(d))):
-            raise PackError("a block scale or min not finite (or too large for its offset in float16)")
+        bad = ~(np.isfinite(d) & np.isfinite(m))
+    if bad.any():
+        if qtype == "Q4_0" and np.all(np.isfinite(d)):  # a finite d whose min -8 d overflows float16
+            raise PackError("a Q4_0 scale too large for its offset (-8 d) in float16")
+        row = int(np.argwhere(bad)[0][0])
+        for r in raws:  # the matrix whose rows hold the first bad block
+            if row < r.rows:
+                raise CorruptBlocks(
+                    f"{r.name} ({qtype}): row {row} has a block whose scale or min is not finite"
+                )
+            row -= r.rows
     quads = qs.shape[2] // 4  # 4 (Q4) or 8 (Q8) runs of 4 bytes per row and block
     groups = padded // GROUP
     # [g, r, b, s, 4] -> [g, b, s, r, 4]: per (group, block) the quad-major bytes quant.c reads
