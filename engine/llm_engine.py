@@ -160,6 +160,8 @@ class LLMEngine:
         )
         for name, path in config.loras:
             self.lora.add(name, path)
+        # the GGUF types the layers' linears run packed (not the bfloat16 kernel's dense "BF16")
+        layer_types = frozenset(w.qtype for w in packed_weights(self.model.model.layers)) - {"BF16"}
         self.namespace = HashNamespace(
             model_fingerprint=kv_fingerprint(
                 self.model.fingerprint,
@@ -168,8 +170,9 @@ class LLMEngine:
                 tiles=self.model.bf16_tiles,
                 torch_linears=self.model.torch_linears,
                 attention_tiles=self._attention_tiles(kernels, dtype),
-                quantized=self.model.quantized,
-                packed_types=frozenset(w.qtype for w in packed_weights(self.model.model)),
+                # the layers' linears make the KV bits; a packed LM head or embedding changes none of them
+                quantized=bool(layer_types),
+                packed_types=layer_types,
                 bf16_dot=None if kernels is None else kernels.bf16_dot,
             ),
             block_size=config.block_size,

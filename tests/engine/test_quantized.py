@@ -22,7 +22,7 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.model.gguf import GGUFError, RawBlocks
 from engine.model.packed import PackedLinear
-from engine.model.quant_blocks import KERNEL_TYPES, PackError, pack, pack_bf16
+from engine.model.quant_blocks import KERNEL_TYPES, CorruptBlocks, PackError, pack, pack_bf16
 from engine.model.quantized import QuantEmbedding, QuantLinear, dequantize, weight_bytes
 from engine.native import QuantKernel, SiluMulKernel, native_kernels
 from engine.native_linear import row_prefetch_default
@@ -182,15 +182,69 @@ def test_the_integer_sums_are_exact_at_the_ends_of_both_ranges(
     ("qtype", "scale"), [("Q4_K", np.inf), ("Q6_K", np.nan), ("Q8_0", np.inf), ("Q4_0", 6e4)]
 )
 def test_a_block_whose_scale_is_not_finite_is_not_packed(qtype: str, scale: float) -> None:
-    """A non-finite float16 scale (or Q4_0's, whose min -8 d overflows float16) is refused by the packer
-    by name -- the loader then dequantizes that matrix (quantize_model's fallback) -- never packed into a
-    kernel that would spread it over every output."""
+    """A non-finite float16 scale is a corrupt block: refused by the packer, naming the matrix and the row
+    (the loader refuses the file: below).  Q4_0's finite d whose min -8 d overflows float16 is only too
+    large for the packed layout: PackError, and the loader dequantizes that matrix instead."""
     raw = random_blocks(qtype, 16, width(qtype, 64), seed=9)
     data = raw.data.copy()
     at = KERNEL_TYPES[qtype][2] - 2 if qtype == "Q6_K" else 0  # the float16 d: Q6_K's last, the others' first
-    data[0, at : at + 2] = np.array([scale], np.float16).view(np.uint8)
-    with pytest.raises(PackError, match="not finite"):
-        pack([RawBlocks("w", qtype, raw.rows, raw.cols, data)])
+    row = 5 if qtype == "Q4_K" else 0
+    data[row, at : at + 2] = np.array([scale], np.float16).view(np.uint8)
+    first = RawBlocks("first", qtype, 3, raw.cols, raw.data[:3].copy())
+    bad = RawBlocks("w", qtype, raw.rows, raw.cols, data)
+    if qtype == "Q4_0":
+        with pytest.raises(PackError, match="too large for its offset"):
+            pack([bad])
+        return
+    with pytest.raises(
+        CorruptBlocks, match=f"^w \\({qtype}\\): row {row} has a block whose scale or min is not"
+    ):
+        pack([first, bad])  # the second matrix of a fused run, named as itself
+
+
+def _corrupt_file(tmp_path: Path, qtype: str, scale: float) -> Path:
+    """A tiny model's file whose first layer's up projection is ``qtype`` (Q4_K, or Q4_0) with ``scale`` as
+    the float16 d of its first block, every other matrix Q8_0."""
+    from gguf import GGMLQuantizationType, quants
+    from safetensors.torch import load_file
+
+    folder = pdkv_tiny_model_dir(init_std=0.2, hidden=256, heads=4, kv_heads=2, intermediate_size=512)
+    name = "model.layers.0.mlp.up_proj.weight"
+    if qtype == "Q4_K":
+        blocks = kquant_tensors(folder, lambda n: qtype if n == name else None)[0][name][1].copy()
+    else:
+        up = load_file(str(folder / "model.safetensors"))[name].float().numpy()
+        blocks = quants.quantize(up, GGMLQuantizationType[qtype])
+    blocks[0, 0:2] = np.array([scale], np.float16).view(np.uint8)
+    return write_gguf(folder, tmp_path / f"{qtype}.gguf", qtype="Q8_0", raw={name: (qtype, blocks)})
+
+
+@pytest.mark.parametrize("weights", ["quantized", "bf16", "float32"])
+def test_a_file_with_a_non_finite_block_scale_is_refused_by_name_in_every_path(
+    weights: str, tmp_path: Path
+) -> None:
+    """A Q4_K block whose d is inf: packed or dequantized, every output of that matrix would be inf or NaN
+    -- the file is refused at load, naming the weight, never served."""
+    path = _corrupt_file(tmp_path, "Q4_K", np.inf)
+    dtype = "float32" if weights == "float32" else "bfloat16"
+    with pytest.raises(GGUFError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*not finite.*corrupt"):
+        LLM(path, weights=weights, dtype=dtype, device="cpu")
+
+
+def test_a_q4_0_scale_too_large_for_its_packed_offset_runs_dequantized(
+    kernel: QuantKernel, tmp_path: Path
+) -> None:
+    """Q4_0's d = 6e4 is finite, its -8 d is not in float16: that fused linear runs dequantized (its Q8_0
+    gate shard too), every other one packed, and the model serves finite log-probs."""
+    path = _corrupt_file(tmp_path, "Q4_0", 6e4)
+    llm = _llm(path, "float32")
+    layers = llm.engine.model.model.layers
+    assert not isinstance(layers[0].mlp.gate_up_proj, QuantLinear)
+    assert isinstance(layers[0].self_attn.qkv_proj, QuantLinear)
+    assert isinstance(layers[1].mlp.gate_up_proj, QuantLinear)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, logprobs=1, ignore_eos=True))
+    assert all(len(o.token_ids) == 6 for o in outs)
+    assert all(o.logprobs is not None and np.isfinite(o.logprobs).all() for o in outs)
 
 
 @pytest.mark.parametrize("qtype", KERNEL_FORMATS)
@@ -329,7 +383,9 @@ def int8_tiles(kernel: QuantKernel) -> Iterator[QuantKernel]:
     kernel.int8_tiles(was)
 
 
-@pytest.mark.parametrize("qtype", [q for q in KERNEL_FORMATS if q != "Q6_K"])  # Q8H: vectors only
+# Q6_K (Q8H) stays in the vectors with the tiles on: the same bits, and a tile path that took its blocks
+# (one scale where Q8H has one per half) fails here
+@pytest.mark.parametrize("qtype", KERNEL_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (17, 32), (37, 96), (200, 608), (576, 1536), (130, 2048)])
 def test_the_int8_tiles_give_the_vectors_bits(
@@ -926,6 +982,53 @@ def test_k_quant_mixes_run_packed_and_a_file_without_a_packed_type_dequantized(
     assert [o.token_ids for o in auto.generate(PROMPTS, params)] == [
         o.token_ids for o in _llm(f16, weights="bf16").generate(PROMPTS, params)
     ]
+
+
+def test_a_linear_of_three_types_runs_packed_and_in_the_fused_decode_layer(
+    kernel: QuantKernel, tmp_path: Path
+) -> None:
+    """q, k and v in three types (the fused layer's most parts, decode_layer.c's PDKV_MAX_PARTS): three
+    parts in their own columns -- greedy output as transformers' within the tie rule -- and the fused
+    decode call serves them with the per-op path's bits."""
+    folder = pdkv_tiny_model_dir(init_std=0.2, hidden=256, heads=4, kv_heads=2, intermediate_size=512)
+    mix = {"q_proj": "Q4_K", "k_proj": "Q5_K", "v_proj": "Q6_K"}
+    raw, _ = kquant_tensors(folder, lambda name: mix.get(name.rsplit(".", 2)[-2]), seed=4)
+    path = write_gguf(folder, tmp_path / "three.gguf", qtype="Q8_0", raw=raw)
+    llm = _llm(path, "float32")
+    for layer in llm.engine.model.model.layers:
+        assert [w.qtype for _, w in layer.self_attn.qkv_proj.parts] == ["Q4_K", "Q5_K", "Q6_K"]
+    _assert_greedy_near_transformers(llm, path, "q/k/v in three types")
+    bf16 = _llm(path, "bfloat16", max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=8, logprobs=1, ignore_eos=True)
+    calls, _ = _fused_then_per_op(bf16, lambda: bf16.generate(PROMPTS, params), "three parts fuse")
+    assert sum(calls) >= 6
+
+
+def test_a_packed_lm_head_alone_leaves_the_kv_namespace_as_the_layers_make_it(
+    kernel: QuantKernel, tmp_path: Path
+) -> None:
+    """Only the layers' linears make the KV bits: a Q6_K output matrix (llama.cpp's usual head in a Q4_0 or
+    Q8_0 file) adds no ``packed=Q6_K``, and a file of F16 layers whose head alone is Q8_0 runs its layers
+    as --weights bf16 does and shares its namespace (and its tokens)."""
+    from gguf import GGMLQuantizationType, quants
+    from safetensors.torch import load_file
+
+    folder = pdkv_tiny_model_dir(init_std=0.2, hidden=256, heads=4, kv_heads=2, intermediate_size=512)
+    raw, _ = kquant_tensors(folder, lambda n: "Q6_K" if n == "lm_head.weight" else None)
+    llm = _llm(write_gguf(folder, tmp_path / "q6-head.gguf", qtype="Q8_0", raw=raw))
+    assert [w.qtype for _, w in llm.engine.model.model.lm_head.parts] == ["Q6_K"]
+    assert llm.engine.namespace.model_fingerprint.endswith(";weights=quantized;activations=int16/32639")
+
+    head = load_file(str(folder / "model.safetensors"))["lm_head.weight"].float().numpy()
+    q8 = ("Q8_0", quants.quantize(head, GGMLQuantizationType.Q8_0))
+    path = write_gguf(folder, tmp_path / "f16-q8-head.gguf", qtype="F16", raw={"lm_head.weight": q8})
+    packed_head, dense = _llm(path), _llm(path, weights="bf16")
+    assert isinstance(packed_head.engine.model.model.lm_head, QuantLinear)
+    assert not any(
+        isinstance(m, QuantLinear) and m.parts[0][1].qtype != "BF16"
+        for m in packed_head.engine.model.model.layers.modules()
+    )
+    assert packed_head.engine.namespace.model_fingerprint == dense.engine.namespace.model_fingerprint
 
 
 # -- bad files ------------------------------------------------------------------------------------------
