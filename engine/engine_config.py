@@ -60,7 +60,8 @@ class EngineConfig:
     CPU has AVX512_BF16 or AMX, or AVX-512 with pdkv's native bfloat16 kernels built
     (``engine/cpu_features.py``), else in float32.
     ``device="auto"``: CUDA when present, else the CPU.
-    ``weights``: how a GGUF file's Q8_0/Q4_0/Q4_1 matrices run (``engine/model/quantized.py``):
+    ``weights``: how a GGUF file's quantized matrices run (``engine/model/quantized.py``; the types:
+    ``quant_blocks.KERNEL_TYPES``):
     ``quantized`` as the file ships them (native kernels, AVX512-VNNI or AVX2), ``bf16`` / ``float32``
     dequantized at load (and that dtype); ``auto`` is quantized where it can be served unless the dtype
     is explicitly float32 (the reference path).

@@ -60,7 +60,7 @@ def row_prefetch_default() -> tuple[int, int, int]:
 @dataclass(frozen=True)
 class QuantKernel:
     """``engine/csrc/quant.c`` of the built library: linears over packed GGUF blocks (Q8_0, Q4_0, Q4_1,
-    Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; ``engine/model/quantized.py`` packs them) and over packed dense
+    Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; ``engine/model/quant_blocks.py`` packs them) and over packed dense
     bfloat16 weights (``engine/csrc/bf16_linear.c``), their rows as dense floats, and the read-bandwidth
     probe.  Needs AVX512-VNNI, or AVX2 + FMA + F16C (the same sums, the same bits); None in
     ``NativeKernels`` without either."""

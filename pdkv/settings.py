@@ -305,6 +305,18 @@ def env_variables(leaf: argparse.ArgumentParser) -> set[str]:
 
 DOC_BEGIN = "<!-- options:begin (python scripts/gen_config_doc.py writes this part) -->"
 DOC_END = "<!-- options:end -->"
+# --dtype's help says what auto picks on this machine's CPU; the page says it for any.
+ANY_CPU = (
+    "auto = bfloat16 on a CPU with avx512_bf16, amx_bf16 or avx512f/bw/vl (pdkv's native kernels) "
+    "(float32 checkpoints stay float32), else float32"
+)
+
+
+def doc_reference(parser: argparse.ArgumentParser) -> str:
+    """``reference`` as docs/config.md holds it: the same for every machine."""
+    from engine.cpu_features import auto_cpu_dtype_note
+
+    return reference(parser).replace(auto_cpu_dtype_note(), ANY_CPU)
 
 
 def reference(parser: argparse.ArgumentParser) -> str:

@@ -1,5 +1,5 @@
 /* Linears over GGUF's quantized block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), run as
- * the file ships them (Q5_0 and Q5_1 in Q8's layout: engine/model/quantized.py).
+ * the file ships them (Q5_0 and Q5_1 in Q8's layout: engine/model/quant_blocks.py).
  *
  *   pdkv_qlinear        out[m, n] = sum_k x[m, k] w[n, k]      (w packed, x and out bfloat16 or float32)
  *   pdkv_qdequant_rows  rows of w as dense floats (embedding lookups, tests, the torch fallback)
@@ -9,7 +9,7 @@
  * Format 2 (FMT_BF16) is dense bfloat16, handed to bf16_linear.c: one entry point for every packed
  * linear, so decode_layer.c runs a layer whatever its weights' format.
  *
- * The packed layout (engine/model/quantized.py writes it from the file's blocks, once, at load).  Output
+ * The packed layout (engine/model/quant_blocks.py writes it from the file's blocks, once, at load).  Output
  * rows go in groups of 16 (the 16 lanes of a vector), the inputs in GGUF's blocks of 32; per group g and
  * block b, contiguous, g-major (a thread streams its groups front to back):
  *
@@ -51,8 +51,9 @@
  *
  * Without AVX512-VNNI, a CPU with AVX2 (+ FMA, F16C) runs quant_avx2.h's kernels: the same integer sums
  * from the int16 qa by vpmaddwd, the same float operations, the same bits.
- * On a CPU with AMX-INT8, calls of QAMX_MIN_ROWS rows and more run quant_amx.h's tiles: the same integer
- * sums (the same hi and lo bytes), the same float operations after them, the same bits.
+ * On a CPU with AMX-INT8, calls of QAMX_MIN_ROWS rows and more run quant_amx.h's tiles (every format but
+ * Q8H, whose half-block scales stay in the vectors): the same integer sums (the same hi and lo bytes), the
+ * same float operations after them, the same bits.
  *
  * Returns 0; 1 when this build has neither (the caller keeps its dense path); 2 for a shape or
  * format it does not serve; 3 when memory for the activation buffers runs out.

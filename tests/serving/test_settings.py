@@ -112,6 +112,10 @@ def test_the_reference_lists_every_option_of_every_command_with_its_variable() -
         listed = {row.split("`")[1].removeprefix("--"): row.split("`")[3] for row in rows}
         want = {name: f"${settings.env_name(name)}" for name in settings.options(leaf)}
         assert listed == want, f"{command}: run python scripts/gen_config_doc.py"
+    # and every help text as the parsers say it now (a changed help went stale here once)
+    assert (
+        text[begin + len(settings.DOC_BEGIN) : end].strip() == settings.doc_reference(build_parser()).strip()
+    ), "run python scripts/gen_config_doc.py"
 
 
 # ---- errors that name the file and the key ----------------------------------------------------------
