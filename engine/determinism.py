@@ -120,7 +120,8 @@ def kv_fingerprint(
     quantized (engine/model/quantized.py; with the rule its activations are quantized by, int16 at a
     step of max|a| / 32639 since 2026-12-06, so no node loads a block made under the old rule; and of
     ``packed_types``, the GGUF types packed since 2026-12-07 -- Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, dequantized
-    before -- named: ``;packed=Q4_K,Q5_0``) and, for
+    before -- named: ``;packed=Q4_K,Q5_0``; both of the layers' linears only, as engine/llm_engine.py
+    passes them: an LM head or embedding makes no KV bit) and, for
     bfloat16, the kernels' dot products: ``bf16_dot`` is
     ``NativeKernels.bf16_dot`` (engine/csrc/simd.h's PDKV_BF16: 1 vdpbf16ps, 2 its FMA emulation on
     AVX-512, 3 that emulation on AVX2's halves, 0 scalar loops), None where no native kernels run (torch's
