@@ -59,6 +59,7 @@ class ResponseShape:
         self.tools = tools if chat else None
         self._streams = {i: self.tools.stream() for i in range(n)} if self.tools is not None else {}
         self._calls_sent = dict.fromkeys(range(n), 0)  # per choice
+        self._text_at = dict.fromkeys(range(n), 0)  # per choice: a stream's text_offset so far
 
     def envelope(self) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -86,7 +87,9 @@ class ResponseShape:
             self.echo.seen(d)
             ids, text = [*self.echo.token_ids, *ids], self.echo.text + text
             lps, tops = [*self.echo.logprobs(), *lps], [*self.echo.top_logprobs(), *tops]
-        lp = self._logprobs(ids, lps, tops) if self.logprobs else None
+        lp = self._logprobs(ids, lps, tops, self._text_at[d.index]) if self.logprobs else None
+        if lp is not None and not self.chat:  # completions' offsets run on through the stream
+            self._text_at[d.index] += sum(len(t) for t in lp["tokens"])
         stream = self._streams.get(d.index)
         if stream is None:
             return [self.chunk({"content": text} if self.chat else text, None, lp, d.index)]
@@ -158,31 +161,31 @@ class ResponseShape:
             choice["text"] = text
         return choice
 
-    def _logprobs(self, ids: list[int], lps: list[float | None], tops: list[TopLogprobs | None]) -> Any:
-        """OpenAI's logprobs object: chat's ``content`` entries (each with its ``top_logprobs``), or
-        completions' parallel lists (``top_logprobs``: one {token: logprob} map per token; None where a
-        position has none: an echoed prompt's first token)."""
+    def _logprobs(
+        self, ids: list[int], lps: list[float | None], tops: list[TopLogprobs | None], at: int = 0
+    ) -> Any:
+        """OpenAI's logprobs object: chat's ``content`` entries (each with its ``top_logprobs``; ``bytes``
+        the token's own, a piece of a UTF-8 character as it is), or completions' parallel lists
+        (``top_logprobs``: one {token: logprob} map per token; None where a position has none: an echoed
+        prompt's first token; ``text_offset`` from ``at``, where a stream's earlier chunks left it)."""
         tokens = [self._token(t) for t in ids]
         if self.chat:
+            raw = self.model.tokenizer.token_bytes
             return {
                 "content": [
                     {
                         "token": s,
                         "logprob": lp,
-                        "bytes": list(s.encode("utf-8")),
+                        "bytes": list(raw(t)),
                         "top_logprobs": [
-                            {
-                                "token": self._token(t),
-                                "logprob": v,
-                                "bytes": list(self._token(t).encode("utf-8")),
-                            }
-                            for t, v in ((tops[i] or ()) if i < len(tops) else ())
+                            {"token": self._token(alt), "logprob": v, "bytes": list(raw(alt))}
+                            for alt, v in ((tops[i] or ()) if i < len(tops) else ())
                         ],
                     }
-                    for i, (s, lp) in enumerate(zip(tokens, lps, strict=False))
+                    for i, (t, s, lp) in enumerate(zip(ids, tokens, lps, strict=False))
                 ]
             }
-        offsets, at = [], 0
+        offsets = []
         for s in tokens:
             offsets.append(at)
             at += len(s)
