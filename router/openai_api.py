@@ -29,6 +29,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.admission import Admission, ChatPrompt, GenerationRequest
 from router.auth import Access, Caller
@@ -45,6 +46,12 @@ from router.pipeline import Pipeline
 from router.streams import StreamWatch
 from router.tokenizer import RouterModel
 from serving.errors import ServingError
+
+
+def _union_branch(part: Any) -> bool:
+    """Whether a part of a pydantic error's path is the union branch it tried (``str``, ``list[str]``),
+    not a field or an index."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list") or "[" in part)
 
 
 def create_app(
@@ -75,8 +82,18 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": ("body",), "msg": "invalid body"}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        first: dict[str, Any] = (
+            dict(exc.errors()[0]) if exc.errors() else {"loc": ("body",), "msg": "invalid body"}
+        )
+        if first.get("type") == "json_invalid":  # its loc is the byte offset, not a field
+            at = [p for p in first.get("loc", ()) if p != "body"]
+            where = f" at byte {at[0]}" if at else ""
+            error = first.get("ctx", {}).get("error", first.get("msg"))
+            return JSONResponse(
+                ApiError.invalid("body", f"not valid JSON{where} ({error})").body(), status_code=400
+            )
+        # pydantic names a union's branch in the path (messages.0.content.str): the field is what counts
+        loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_branch(p)]
         param = ".".join(loc) or "body"
         message = str(first.get("msg"))
         if first.get("type") == "literal_error":  # say what was sent: a "custom" tool, a "web_search" ...
@@ -87,6 +104,14 @@ def create_app(
                 "see GET /docs for the fields served"
             )
         return JSONResponse(ApiError.invalid(param, message).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """FastAPI's own refusals (a body that is not UTF-8, an unknown path, a wrong method) in OpenAI's
+        error shape, as every other error of this API."""
+        kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+        error = ApiError(exc.status_code, str(exc.detail), kind=kind)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.get("/health")
     async def _health() -> JSONResponse:

@@ -64,6 +64,8 @@ def _refuse_unserved(body: ChatCompletionRequest | CompletionRequest) -> None:
     if unserved is not None:
         name, why = unserved
         raise ApiError.invalid(name, f"{why} (got {getattr(body, name)!r})")
+    if body.stream_options is not None and not body.stream:  # it would be accepted and do nothing
+        raise ApiError.invalid("stream_options", "only allowed with stream: true (as OpenAI requires)")
 
 
 def chat_request(

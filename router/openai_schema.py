@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutput
@@ -56,7 +56,9 @@ class NotServed:
 _NONE = (None,)
 # Refused with 400 naming the field unless off.  Serving one moves it out of this table.
 NOT_SERVED: dict[str, NotServed] = {
-    "best_of": NotServed(_NONE, "best_of is not served (vLLM dropped it too); use n, or several requests"),
+    "best_of": NotServed(
+        (None, 1), "best_of is not served (vLLM dropped it too); use n, or several requests"
+    ),
     "suffix": NotServed((None, ""), "suffix is not served"),
     "functions": NotServed((None, []), "the deprecated functions are not served; send tools"),
     "function_call": NotServed(
@@ -80,7 +82,18 @@ NOT_SERVED: dict[str, NotServed] = {
 
 class _Body(BaseModel):
     # Unknown fields are refused, naming them (see the module docstring): never accepted and ignored.
-    model_config = ConfigDict(extra="forbid")
+    # Strict types, as OpenAI's: "5" is not a number, true is not 1, "yes" is not a flag (an integer is
+    # still a float).
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """null for a field is that field unset, as OpenAI reads it (the SDK's types allow None for
+        ``n``, ``stream``, ``logprobs``, ``echo`` ...): its default applies."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
 
 
 class StreamOptions(_Body):
@@ -274,15 +287,27 @@ def structured_output(body: BaseModel) -> tuple[StructuredOutput | None, str]:
         raise ValueError(f"{where}: {str(exc).removeprefix('structured.')}") from None
 
 
+# Per response_format type, the keys it takes (another key is refused by name: never dropped); and
+# json_schema's own (``strict`` accepted: the reply is always held to the schema).
+_FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+_JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+
+
 def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
     kind = value.get("type")
+    if kind not in _FORMAT_KEYS:
+        raise ValueError(f"response_format.type: {kind!r} is not one of text, json_object, json_schema")
+    extra = sorted(set(value) - _FORMAT_KEYS[kind])
+    if extra:
+        raise ValueError(f"response_format.{extra[0]}: is not a key of a {kind!r} response_format")
     if kind == "text":
         return None
     if kind == "json_object":
         return StructuredOutput("json_object")
-    if kind != "json_schema":
-        raise ValueError(f"response_format.type: {kind!r} is not one of text, json_object, json_schema")
     spec = value.get("json_schema")
+    extra = sorted(set(spec) - _JSON_SCHEMA_KEYS) if isinstance(spec, dict) else []
+    if extra:
+        raise ValueError(f"response_format.json_schema.{extra[0]}: is not a key of a json_schema")
     schema = spec.get("schema") if isinstance(spec, dict) else None
     if not isinstance(schema, dict):
         raise ValueError("response_format.json_schema.schema: must be a JSON schema (an object)")

@@ -377,3 +377,106 @@ def test_min_tokens_over_max_tokens_and_top_logprobs_without_logprobs_are_400s(m
     with pytest.raises(ApiError) as err:
         chat_request(ChatCompletionRequest.model_validate({**CHAT, "top_logprobs": 3}), model)
     assert err.value.param == "top_logprobs"
+
+
+# ---- what the SDK may send, as OpenAI reads it (an outside probe found each) --------------------------
+
+
+def _admitted(model: RouterModel, body: dict[str, Any], chat: bool = True) -> Any:
+    from router.admission import Admission
+    from router.auth import OPEN, Caller
+
+    caller = Caller(OPEN, "peer:test", 8, cache_details=False)
+    request = (
+        chat_request(ChatCompletionRequest.model_validate(body), model)
+        if chat
+        else completion_request(CompletionRequest.model_validate(body), model)
+    )
+    return Admission(model).admit(request, caller)
+
+
+def test_null_is_the_field_unset(model: RouterModel) -> None:
+    """The SDK's types allow None for n, stream, logprobs, echo ...: null is the default, not a 400."""
+    nulls = {"n": None, "stream": None, "logprobs": None, "top_logprobs": None, "temperature": None}
+    nulls |= {
+        "stream_options": None,
+        "top_k": None,
+        "min_p": None,
+        "ignore_eos": None,
+        "stop_token_ids": None,
+    }
+    admitted = _admitted(model, {**CHAT, **nulls})
+    assert admitted.n == 1 and not admitted.params.logprobs and not admitted.params.ignore_eos
+    admitted = _admitted(model, {**TEXT, "echo": None, "n": None, "logprobs": None, "best_of": 1}, chat=False)
+    assert admitted.n == 1 and not admitted.params.logprobs  # best_of 1 is OpenAI's default: off
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_tokens", "5"), ("max_tokens", True), ("n", 1.5), ("stream", "yes"), ("temperature", "0"),
+     ("logprobs", 1), ("stop", 5)],
+)  # fmt: skip
+def test_types_are_as_strict_as_openai_s(http: TestClient, field: str, value: Any) -> None:
+    """ "5" is not a number and true is not 1 (pydantic's lax mode took both): a 400 naming the field --
+    the field, not the union branch pydantic tried (``stop.str``)."""
+    response = http.post("/v1/chat/completions", json={**CHAT, field: value})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+    ChatCompletionRequest.model_validate({**CHAT, "temperature": 1, "top_p": 1})  # an integer is a float
+
+
+def test_stream_options_without_a_stream_is_refused(model: RouterModel) -> None:
+    body = ChatCompletionRequest.model_validate({**CHAT, "stream_options": {"include_usage": True}})
+    with pytest.raises(ApiError) as info:
+        chat_request(body, model)
+    assert info.value.param == "stream_options" and "stream: true" in info.value.message
+    chat_request(ChatCompletionRequest.model_validate({**CHAT, "stream": True, "stream_options": {}}), model)
+
+
+@pytest.mark.parametrize(
+    ("response_format", "param"),
+    [
+        ({"type": "text", "json_schema": {"schema": {}}}, "response_format.json_schema"),
+        ({"type": "json_object", "schema": {}}, "response_format.schema"),
+        (
+            {"type": "json_schema", "json_schema": {"schema": {}, "stict": True}},
+            "response_format.json_schema.stict",
+        ),
+    ],
+)
+def test_a_response_format_key_its_type_does_not_take_is_refused(
+    model: RouterModel, response_format: dict[str, Any], param: str
+) -> None:
+    """Never dropped: a schema sent with type text would have been ignored."""
+    body = ChatCompletionRequest.model_validate({**CHAT, "response_format": response_format})
+    with pytest.raises(ApiError) as info:
+        chat_request(body, model)
+    assert info.value.param == param and "is not a key of" in info.value.message
+    ok = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}
+    chat_request(ChatCompletionRequest.model_validate({**CHAT, "response_format": ok}), model)
+
+
+def test_a_body_that_is_not_json_or_not_utf8_gets_openai_s_error_shape(http: TestClient) -> None:
+    cut = http.post("/v1/chat/completions", content=b'{"model": "x", "messages": [', headers=JSON_HEADERS)
+    error = cut.json()["error"]
+    assert (
+        cut.status_code == 400
+        and error["param"] == "body"
+        and "not valid JSON at byte 28" in error["message"]
+    )
+    raw = http.post("/v1/chat/completions", content=b'{"model": "\xff"}', headers=JSON_HEADERS)
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error", raw.text
+    missing = http.get("/v1/no-such-path")
+    assert missing.status_code == 404 and missing.json()["error"]["message"], missing.text
+
+
+JSON_HEADERS = {"content-type": "application/json"}
+
+
+def test_ignore_eos_in_a_chat_ignores_the_end_of_turn_tokens_too(model: RouterModel) -> None:
+    """The template's end-of-turn tokens are the chat's end of sequence: with ignore_eos they do not stop
+    the reply (it had stopped at <|im_end|> all the same); the request's own stop_token_ids still do."""
+    eot = set(model.tokenizer.end_of_turn_token_ids)
+    assert eot <= set(_admitted(model, CHAT).params.stop_token_ids)
+    params = _admitted(model, {**CHAT, "ignore_eos": True, "stop_token_ids": [5]}).params
+    assert params.ignore_eos and params.stop_token_ids == (5,)

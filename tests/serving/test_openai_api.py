@@ -14,6 +14,7 @@ import time
 import typing
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -418,3 +419,57 @@ def test_sdk_structured_outputs_through_the_cluster(client: openai.OpenAI) -> No
         extra_body={"structured_outputs": {"regex": "[0-9]{4}-[0-9]{2}"}},
     )
     assert re.fullmatch("[0-9]{4}-[0-9]{2}", date.choices[0].text)
+
+
+def test_sdk_ignore_eos_nulls_bytes_and_stream_offsets_through_the_cluster(
+    client: openai.OpenAI, local: LLM
+) -> None:
+    """What an outside probe found accepted and dropped, or wrong, each served now:
+
+    - ``ignore_eos`` on a chat: the end-of-turn token (forced here by logit_bias) no longer ends it;
+    - null for the SDK's Optional fields is their default;
+    - chat logprobs' ``bytes`` are each token's own (a piece of a UTF-8 character as it is: joined, they
+      are the reply's bytes), not U+FFFD's;
+    - a stream's completions ``text_offset`` runs on through its chunks, as the whole answer's does."""
+    tok = local.tokenizer
+    [eot] = [t for t in tok.end_of_turn_token_ids if t != tok.eos_token_id] or tok.end_of_turn_token_ids[:1]
+    ask: dict[str, Any] = {
+        "model": "tiny-chat",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "temperature": 0,
+    }
+    ended = client.chat.completions.create(**ask, max_tokens=6, logit_bias={str(eot): 100})
+    assert ended.choices[0].finish_reason == "stop" and ended.usage is not None
+    assert ended.usage.completion_tokens == 1
+    going = client.chat.completions.create(
+        **ask, max_tokens=6, logit_bias={str(eot): 100}, extra_body={"ignore_eos": True}
+    )
+    assert going.choices[0].finish_reason == "length" and going.usage is not None
+    assert going.usage.completion_tokens == 6
+
+    nulls = client.chat.completions.create(**ask, max_tokens=3, n=None, logprobs=None, stream=None)
+    assert len(nulls.choices) == 1 and nulls.choices[0].logprobs is None
+
+    word = "日本"  # 6 bytes: several byte tokens of this vocabulary, each a piece of a character
+    r = client.chat.completions.create(
+        **ask,
+        max_tokens=12,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"structured_outputs": {"choice": [word]}},
+    )
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == word and len(content) > 2
+    ended_by = tok.decode([eot], skip_special_tokens=False)  # the reply's end token has its entry too
+    assert b"".join(bytes(e.bytes) for e in content) == word.encode() + ended_by.encode()
+    alternatives = [a for e in content for a in e.top_logprobs]  # the raw model's: not held to the choice
+    assert len(alternatives) == 2 * len(content)
+    assert all(bytes(a.bytes) == a.token.encode() for a in alternatives if "\ufffd" not in a.token)
+
+    text = {"model": "tiny-chat", "prompt": QUESTION, "max_tokens": N, "temperature": 0, "logprobs": 0}
+    whole = client.completions.create(**text, extra_body={"ignore_eos": True}).choices[0].logprobs
+    chunks = client.completions.create(**text, stream=True, extra_body={"ignore_eos": True})
+    offsets = [
+        o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
+    ]
+    assert whole is not None and offsets == whole.text_offset and len(offsets) == N
