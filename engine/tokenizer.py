@@ -99,9 +99,8 @@ class Tokenizer:
         chat_template: ChatTemplate | None = None,
     ) -> None:
         self._tok = tokenizer
-        self._bytes: Any = (
-            None  # llguidance's table of the vocabulary's bytes (token_bytes), built on first use
-        )
+        # llguidance's table of the vocabulary's bytes (token_bytes), built on first use
+        self._bytes: Any = None
         self._bytes_lock = threading.Lock()
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id

@@ -148,9 +148,8 @@ class GGUFModel:
                 rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists dimensions innermost first
                 yield name, RawBlocks(name, t.tensor_type.name, rows, cols, np.ascontiguousarray(data))
                 continue
-            with np.errstate(
-                over="ignore", invalid="ignore"
-            ):  # a corrupt block's inf / NaN: the loader refuses it
+            # a corrupt block's inf or NaN (no warning here: the loader refuses the file, naming the weight)
+            with np.errstate(over="ignore", invalid="ignore"):
                 array = quants.dequantize(t.data, t.tensor_type)  # float32, numpy order [out, in]
             array = np.ascontiguousarray(array, dtype=np.float32)
             if not array.flags.writeable:  # an F32 tensor is a view of the read-only memory map
