@@ -190,12 +190,18 @@ def top_logprobs(msg: types_pb2.TopLogprobs) -> TopLogprobs:
     return tuple(zip(msg.token_ids, msg.logprobs, strict=True))
 
 
-def structured_output(msg: types_pb2.StructuredOutput) -> StructuredOutput | None:
-    """The constraint a ``StructuredOutput`` message names (None when it names none)."""
+def structured_output(msg: types_pb2.StructuredOutput) -> StructuredOutput:
+    """The constraint a ``StructuredOutput`` message names; a message that names none, or asks for
+    ``json_object: false``, is refused (``ValueError`` naming the field): it would be accepted and do
+    nothing."""
     kind = msg.WhichOneof("kind")
     if kind is None:
-        return None
+        raise ValueError("structured: names no constraint (set one of its fields, or leave it unset)")
     if kind == "json_object":
+        if not msg.json_object:
+            raise ValueError(
+                "structured.json_object: false asks for nothing (set it true, or leave structured unset)"
+            )
         return StructuredOutput("json_object")
     if kind == "choice":
         return StructuredOutput.choice(list(msg.choice.choices))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 import msgpack
 import pytest
@@ -40,6 +42,27 @@ def test_bad_sampling_params_name_the_field() -> None:
         convert.sampling_params(types_pb2.SamplingParams(top_p=1.5))
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.message.startswith("sampling.top_p")
+
+
+@pytest.mark.parametrize(
+    ("structured", "says"),
+    [
+        (
+            types_pb2.StructuredOutput(json_object=False),
+            "sampling.structured.json_object: false asks for nothing",
+        ),
+        (types_pb2.StructuredOutput(), "sampling.structured: names no constraint"),
+    ],
+)
+def test_a_structured_output_that_asks_for_nothing_is_refused_naming_it(structured: Any, says: str) -> None:
+    """An outside probe's find: json_object false ran the JSON constraint, an empty message none -- each
+    accepted; now refused.  True still constrains."""
+    with pytest.raises(ServingError, match=f"^{says}"):
+        convert.sampling_params(types_pb2.SamplingParams(structured=structured))
+    on = convert.sampling_params(
+        types_pb2.SamplingParams(structured=types_pb2.StructuredOutput(json_object=True))
+    )
+    assert on.structured is not None and on.structured.kind == "json_object"
 
 
 def test_transfer_params_travel_losslessly() -> None:
