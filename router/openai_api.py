@@ -148,7 +148,7 @@ def create_app(
             return model_card(model, created, numerics())
         return next(c for c in adapter_cards(model, admission.adapters, created) if c["id"] == name)
 
-    add_lora_routes(app, admission.adapters, authenticated)
+    add_lora_routes(app, admission.adapters, authenticated, model.name)
 
     @app.post("/tokenize")
     async def _tokenize(body: TokenizeRequest, caller: Caller = authenticated) -> dict[str, Any]:
@@ -189,6 +189,7 @@ def create_app(
             n=request.n,
             echo=echo_of(asked, request, model) if echo else None,
             tools=request.tools,
+            served_as=asked.adapter,
         )
         events = pipeline_events(pipeline, request, scope, pool, access, caller)
         if asked.stream:

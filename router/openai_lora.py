@@ -23,17 +23,18 @@ from serving.errors import ServingError
 
 
 class LoadLoraAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     lora_name: str = Field(min_length=1, max_length=128)
     lora_path: str = Field(min_length=1)
-    # vLLM's extra field: loading the same name again replaces it (pdkv always does).
-    load_inplace: bool = True
+    # vLLM's: false refuses a name already served (vLLM's default); true, or unset (pdkv's default),
+    # replaces it.
+    load_inplace: bool | None = None
 
 
 class UnloadLoraAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # vLLM's lora_int_id is not a field: names identify adapters here (it is refused, naming it).
+    model_config = ConfigDict(extra="forbid", strict=True)
     lora_name: str = Field(min_length=1, max_length=128)
-    lora_int_id: int | None = None  # vLLM's; names suffice here
 
 
 def adapter_cards(model: RouterModel, adapters: RouterAdapters | None, created: int) -> list[dict[str, Any]]:
@@ -57,10 +58,22 @@ def adapter_cards(model: RouterModel, adapters: RouterAdapters | None, created: 
     ]
 
 
-def add_lora_routes(app: Any, adapters: RouterAdapters | None, authenticated: Any) -> None:
+def add_lora_routes(
+    app: Any, adapters: RouterAdapters | None, authenticated: Any, base_name: str | None = None
+) -> None:
+    """The load and unload routes; ``base_name``: the served model's name, which no adapter may take
+    (requests naming it run the base model: the adapter could never be reached)."""
+
     @app.post("/v1/load_lora_adapter")
     async def _load(body: LoadLoraAdapterRequest, caller: Any = authenticated) -> dict[str, Any]:
         target = _require(adapters)
+        if body.lora_name == base_name:
+            raise ApiError.invalid("lora_name", f"{body.lora_name!r} is the base model's name: pick another")
+        if body.load_inplace is False and body.lora_name in target.served():
+            raise ApiError.invalid(
+                "lora_name",
+                f"adapter {body.lora_name!r} is already loaded; send load_inplace: true to replace it",
+            )
         try:
             info = await asyncio.to_thread(target.load, body.lora_name, body.lora_path)
         except ServingError as exc:
@@ -98,8 +111,9 @@ def _refusal(exc: ServingError) -> ApiError:
     code = exc.code.name
     if code == "NOT_FOUND":
         return ApiError(404, exc.message, kind="not_found_error", param="lora_name", code="lora_not_found")
-    if code == "INVALID_ARGUMENT":
-        return ApiError(400, exc.message, kind="invalid_request_error", param="lora_path")
+    if code == "INVALID_ARGUMENT":  # about the name, or else about the folder
+        param = "lora_name" if "adapter name" in exc.message else "lora_path"
+        return ApiError(400, exc.message, kind="invalid_request_error", param=param)
     if code == "FAILED_PRECONDITION":
         return ApiError(400, exc.message, kind="invalid_request_error")
     return ApiError.from_serving(exc)

@@ -25,6 +25,12 @@ from router.tokenizer import RouterModel
 from router.tool_parser import Piece, ToolParser
 from serving.errors import ServingError
 
+# What a client gets when the model produced a NaN or inf score (JSON has no such number): broken weights
+# or adapter, which the loaders refuse -- so never, short of a numerical fault.
+NON_FINITE = ApiError(
+    500, "the model produced a score that is not a finite number (NaN or inf)", kind="internal_error"
+)
+
 
 class ResponseShape:
     """Builds one request's response objects (chat.completion / text_completion, whole or chunked)."""
@@ -41,10 +47,13 @@ class ResponseShape:
         n: int = 1,
         echo: Echo | None = None,
         tools: ToolParser | None = None,
+        served_as: str | None = None,
     ) -> None:
-        """``n``: the request's choices (a stream's usage chunk waits for the last one's end); ``echo``:
-        the prompt every completion choice starts with (completions' ``echo``); ``tools``: how a chat
-        reply's tool calls are read (None: the reply is text), each choice's on its own."""
+        """``served_as``: the ``model`` the answer names -- the LoRA adapter the request ran under, as
+        vLLM answers (None: the base model).  ``n``: the request's choices (a stream's usage chunk waits
+        for the last one's end); ``echo``: the prompt every completion choice starts with (completions'
+        ``echo``); ``tools``: how a chat reply's tool calls are read (None: the reply is text), each
+        choice's on its own."""
         self.model, self.id, self.created, self.chat, self.logprobs = (
             model,
             request_id,
@@ -53,6 +62,7 @@ class ResponseShape:
             logprobs,
         )
         self.cache_details = cache_details
+        self.served_as = served_as or model.name
         self.n = n
         self.echo = echo
         self._echoed: set[int] = set()  # the choices whose stream has had the prompt
@@ -63,7 +73,7 @@ class ResponseShape:
 
     def envelope(self) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model.name}
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.served_as}
 
     def chunk(
         self, delta: Any, finish_reason: str | None, logprobs: Any = None, index: int = 0
@@ -131,7 +141,7 @@ class ResponseShape:
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
-            "model": self.model.name,
+            "model": self.served_as,
             "choices": [self._choice(deltas, done) for deltas, done in choices],
             "usage": self.usage(total_usage([done.usage for _, done in choices])),
         }
@@ -237,7 +247,10 @@ async def whole_response(
             raise ApiError.from_serving(exc) from None
         ended = [d for d in done if d is not None]
         assert len(ended) == shape.n, "the pipeline ended without every choice's Done"
-        return JSONResponse(shape.whole(list(zip(deltas, ended, strict=True))))
+        try:
+            return JSONResponse(shape.whole(list(zip(deltas, ended, strict=True))))
+        except ValueError:  # a NaN or inf (JSON has neither): a clear error, not a bare 500 or bad JSON
+            raise NON_FINITE from None
     finally:
         watcher.cancel()
 

@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from router.events import Delta, Event, Usage, total_usage
 from router.http_scope import HttpCallScope
 from router.openai_errors import ApiError
-from router.openai_responses import ResponseShape
+from router.openai_responses import NON_FINITE, ResponseShape
 from serving.errors import ServingError
 
 
@@ -53,7 +53,11 @@ async def _sse(
     include_usage: bool,
 ) -> AsyncIterator[bytes]:
     def data(obj: Any) -> bytes:
-        return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+        try:
+            text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        except ValueError:  # a NaN or inf: not JSON -- the error in-band instead of an invalid chunk
+            text = json.dumps(NON_FINITE.body())
+        return b"data: " + text.encode() + b"\n\n"
 
     usages: dict[int, Usage] = {}
 

@@ -217,6 +217,8 @@ def _tensor(tensors: dict[str, torch.Tensor], key: str, folder: Path) -> torch.T
         raise AdapterError(f"{folder / WEIGHTS_FILE}: {key} is missing (target_modules names its module)")
     if not t.is_floating_point():
         raise AdapterError(f"{folder / WEIGHTS_FILE}: {key} has dtype {t.dtype}, not a float type")
+    if not bool(t.isfinite().all()):  # it would turn every output of its module into NaN or inf
+        raise AdapterError(f"{folder / WEIGHTS_FILE}: {key} has values that are not finite (inf or NaN)")
     return t
 
 

@@ -187,6 +187,23 @@ def test_an_adapter_that_cannot_be_served_is_refused_naming_the_field(
         llm.engine.lora.resolve("bad")
 
 
+def test_an_adapter_with_a_non_finite_weight_is_refused_naming_it(tmp_path: Path) -> None:
+    """A NaN (or inf) in one LoRA matrix would make every output of its module NaN -- served as garbage
+    text, or a logprob JSON cannot carry (an outside probe's find): refused at load, naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _edited(tmp_path)
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    key = sorted(k for k in tensors if k.endswith("lora_B.weight"))[0]
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    llm = make_llm({}, enable_lora=True)
+    with pytest.raises(AdapterError, match=r"lora_B.* has values that are not finite"):
+        llm.engine.lora.add("nan", folder)
+    with pytest.raises(UnknownAdapter):
+        llm.engine.lora.resolve("nan")
+
+
 def test_rank_above_the_limit_wrong_shapes_and_bad_files_are_refused(tmp_path: Path) -> None:
     with pytest.raises(AdapterError, match="max_lora_rank 8"):
         make_llm({"big": peft_adapter_dir(BASE, "r16")}, max_lora_rank=8)

@@ -155,6 +155,29 @@ def test_adapters_load_and_unload_at_run_time_on_every_node() -> None:
             )
             assert bad.status_code == 400 and "another model" in bad.json()["error"]["message"]
             assert bad.json()["error"]["param"] == "lora_path"
+            # What an outside probe found accepted and dropped, or wrong: each refused naming the field.
+            base = sdk.models.list().data[0].id
+            for body, param, says in (
+                (
+                    {"lora_name": "C", "lora_path": folder, "load_inplace": False},
+                    "lora_name",
+                    "already loaded",
+                ),
+                ({"lora_name": base, "lora_path": folder}, "lora_name", "the base model's name"),
+                ({"lora_name": "a b", "lora_path": folder}, "lora_name", "without spaces"),
+                ({"lora_name": "E", "lora_path": folder, "load_inplace": "no"}, "load_inplace", "boolean"),
+            ):
+                r = httpx.post(f"http://{cluster.http_address}/v1/load_lora_adapter", json=body, timeout=60)
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+                assert says in r.json()["error"]["message"], r.text
+            r = httpx.post(
+                f"http://{cluster.http_address}/v1/unload_lora_adapter",
+                json={"lora_name": "C", "lora_int_id": 5},
+            )
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_int_id", r.text
+            assert [m.id for m in sdk.models.list().data] == [base, "C"]
+            # the answer names the adapter that served it (as vLLM's does)
+            assert sdk.completions.create(model="C", prompt="hi", max_tokens=2).model == "C"
             # Unloading while a stream runs under it: the stream finishes, new requests are refused.
             long = SamplingParams(max_tokens=150, ignore_eos=True)
             call = client.stream(generate_request(PROMPT, long, adapter="C"), timeout=120)
