@@ -64,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pdkv: error: {exc}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    # the options a config file or $PDKV_* set (not this command line): a command may read them differently
+    args.from_settings = frozenset(applied.sources) if applied is not None else frozenset()
     try:
         if applied is not None:
             applied.check(args)

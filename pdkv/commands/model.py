@@ -102,7 +102,7 @@ def register(subparsers: Any) -> None:
     engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--num-blocks", type=int, default=None)
-    gen.set_defaults(func=_generate)
+    gen.set_defaults(func=_generate, check=_check_generate)
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
@@ -161,6 +161,41 @@ def _sampling_params(args: argparse.Namespace) -> Any:
     )
 
 
+# generate's options that only local generation reads, with their defaults: with --server the router's
+# nodes run their own model and engine, so setting one there would be accepted and dropped.
+_LOCAL_ONLY = {
+    "model": None,
+    "dtype": "auto",
+    "weights": "auto",
+    "device": "auto",
+    "block_size": 16,
+    "num_blocks": None,
+}
+_REMOTE_ONLY = {"cache_salt": None, "timeout": None}
+
+
+def _check_generate(args: argparse.Namespace) -> None:
+    """An option the chosen mode does not read, given on the command line, is refused by name
+    (``ValueError``: rc 2), never ignored.  One set by a config file or $PDKV_* is not: those are shared by
+    every command and service (deploy/'s containers set $PDKV_MODEL for all of them)."""
+    if args.system is not None and not args.chat:
+        raise ValueError("--system is a system message of a chat: add --chat")
+    unread = _REMOTE_ONLY if args.server is None else _LOCAL_ONLY
+    shared: frozenset[str] = getattr(args, "from_settings", frozenset())
+    named = [
+        f"--{k.replace('_', '-')}"
+        for k, default in unread.items()
+        if getattr(args, k) != default and k not in shared
+    ]
+    if named and args.server is None:
+        raise ValueError(f"{', '.join(named)}: only with --server (a router); local generation has none")
+    if named:
+        raise ValueError(
+            f"{', '.join(named)}: local generation only; with --server the router's nodes run their own "
+            "model and engine (drop them, or drop --server)"
+        )
+
+
 def _generate(args: argparse.Namespace) -> int:
     if args.server:
         return _generate_remote(args)
@@ -176,9 +211,12 @@ def _generate_remote(args: argparse.Namespace) -> int:
     prompt: Any = chat_messages(args.prompt, args.system) if args.chat else args.prompt
     request = generate_request(prompt, _sampling_params(args), cache_salt=args.cache_salt)
 
+    shown: list[bool] = []
+
     def show(delta: Any) -> None:
         sys.stdout.write(delta.text)
         sys.stdout.flush()
+        shown.append(bool(delta.text))
 
     # A router with API keys wants one: from the environment, never from argv (``ps`` shows argv).
     from serving.tls import TLSFolder
@@ -191,7 +229,8 @@ def _generate_remote(args: argparse.Namespace) -> int:
         try:
             out = client.generate(request, timeout=args.timeout, on_delta=show)
         except grpc.RpcError as exc:
-            sys.stdout.write("\n")
+            if any(shown):  # end the text streamed so far; an error before any leaves stdout empty
+                sys.stdout.write("\n")
             code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
             details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
             print(f"pdkv generate: {args.server}: {code}: {details}", file=sys.stderr)

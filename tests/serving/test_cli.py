@@ -15,6 +15,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.serving.helpers import pdkv_model, wait_until
 
 PDKV = [sys.executable, "-m", "pdkv"]
@@ -201,3 +203,41 @@ def test_pdkv_up_configures_every_child_from_one_file(tmp_path: Path) -> None:
         if up.poll() is None:
             up.kill()
             up.wait(30)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--server", "127.0.0.1:1", "--model", "/x"], "--model: local generation only"),
+        (
+            ["--server", "127.0.0.1:1", "--dtype", "float32", "--block-size", "7"],
+            "--dtype, --block-size: local",
+        ),
+        (["--system", "be brief"], "--system is a system message of a chat: add --chat"),
+        (["--cache-salt", "t", "--timeout", "3"], "--cache-salt, --timeout: only with --server"),
+    ],
+)
+def test_generate_refuses_an_option_its_mode_does_not_read(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An outside probe's find: with --server the local engine's options were accepted and ignored (a user
+    could believe another model ran), --system without --chat dropped, --cache-salt / --timeout ignored
+    locally.  Each is refused by name before anything runs (rc 2, one line on stderr)."""
+    from pdkv.cli import main
+
+    assert main(["generate", *argv, "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdkv generate: error: ") and says in err and err.count("\n") == 1, err
+
+
+def test_generate_with_server_reads_past_a_model_the_environment_sets(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """deploy/'s containers set $PDKV_MODEL for every service: `pdkv generate --server` inside one is not
+    refused for it (only a flag on its own command line is); here it goes on to the (absent) router."""
+    from pdkv.cli import main
+
+    monkeypatch.setenv("PDKV_MODEL", "/models/x.gguf")
+    assert main(["generate", "--server", "127.0.0.1:1", "--timeout", "5", "hi"]) == 1
+    captured = capsys.readouterr()
+    assert "UNAVAILABLE" in captured.err and "--model" not in captured.err and captured.out == ""
