@@ -42,7 +42,7 @@ from prefill_node.servicer import PrefillNodeServicer
 from serving import convert
 from serving import lora as lora_rpc
 from serving.drain import DRAIN_PREFIX, Drain, DrainProgress, DrainReport
-from serving.errors import CallRecorder, rpc_errors
+from serving.errors import CallRecorder, UndecodableRequests, rpc_errors
 from serving.reflection import enable_reflection
 from serving.runtime import stop_on_signals
 from serving.signing import TransferSigner, load_cluster_secret
@@ -228,6 +228,7 @@ def create_server(node: NodeRuntime, address: str) -> tuple[grpc.Server, int]:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=node.config.max_workers, thread_name_prefix="node-rpc"),
         options=[("grpc.so_reuseport", 0)],
+        interceptors=[UndecodableRequests()],  # bytes that do not parse: INVALID_ARGUMENT, not INTERNAL
     )
     role = node.config.role
     if role in ("prefill", "colocated"):

@@ -28,6 +28,7 @@ from router.servicer import GenerationServicer
 from router.streams import StreamWatch
 from router.tokenizer import RouterModel, load_model, model_path
 from serving.drain import Drain, DrainProgress, DrainReport
+from serving.errors import UndecodableRequests
 from serving.reflection import enable_reflection
 from serving.runtime import stop_on_signals
 from serving.signing import load_cluster_secret
@@ -283,6 +284,7 @@ def create_server(runtime: RouterRuntime, address: str) -> tuple[grpc.Server, in
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=runtime.config.max_workers, thread_name_prefix="router-rpc"),
         options=[("grpc.so_reuseport", 0)],
+        interceptors=[UndecodableRequests()],  # bytes that do not parse: INVALID_ARGUMENT, not INTERNAL
     )
     servicer = GenerationServicer(
         runtime.pipeline,

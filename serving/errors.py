@@ -6,9 +6,10 @@ maps any exception to ``(code, message)`` in one place, and ``abort`` ends the R
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 import grpc
 
@@ -71,3 +72,56 @@ def rpc_errors(context: grpc.ServicerContext, calls: CallRecorder, method: str) 
         context.abort(code, message)
     else:
         calls.record(method, "OK")
+
+
+logger = logging.getLogger(__name__)
+
+
+class _Undecodable:
+    """A request whose bytes did not parse as its message (a string field that is not UTF-8, a cut
+    message): carried to the handler, which answers INVALID_ARGUMENT."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+
+class UndecodableRequests(grpc.ServerInterceptor):
+    """grpcio answers a request it cannot deserialize with INTERNAL "Exception deserializing request!",
+    which says neither that the caller is at fault nor why; this makes it INVALID_ARGUMENT naming the
+    message and the parser's reason.  Requests that stream in are left as grpcio handles them."""
+
+    def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse, method = handler.request_deserializer, handler_call_details.method
+
+        def tolerant(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except Exception as exc:  # protobuf's DecodeError, or a str field's UnicodeDecodeError
+                return _Undecodable(exc)
+
+        def checked(behavior: Any) -> Any:
+            def run(request: Any, context: grpc.ServicerContext) -> Any:
+                if isinstance(request, _Undecodable):
+                    # for the operator: once a minute, no traceback (telemetry/logs.py's Throttle)
+                    logger.warning("a request to %s did not parse", method, exc_info=request.exc)
+                    context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"the request to {method} does not parse ({request.exc}): a string field that is "
+                        "not UTF-8, or bytes that are not this message",
+                    )
+                return behavior(request, context)
+
+            return run
+
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if handler.response_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+        return make(
+            checked(behavior), request_deserializer=tolerant, response_serializer=handler.response_serializer
+        )

@@ -1,9 +1,10 @@
 """Logging that a flood of bad input cannot turn into a flood of log lines.
 
-gRPC logs every request it cannot deserialize with a full traceback; the ZeroMQ servers log every
-request that fails.  ``throttle_noisy_logs`` lets the first such record through each interval, without
-its traceback, and says how many like it were dropped since.  (Neither gRPC's record nor ZeroMQ's says
-who sent the bytes, so the key is the logger and the message, not the peer.)
+gRPC logs every request it cannot deserialize with a full traceback (serving/errors.py's
+``UndecodableRequests`` answers them now, and logs each); the ZeroMQ servers log every request that
+fails.  ``throttle_noisy_logs`` lets the first such record through each interval, without its traceback,
+and says how many like it were dropped since.  (Neither gRPC's record nor ZeroMQ's says who sent the
+bytes, so the key is the logger and the message, not the peer.)
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import threading
 import time
 
-NOISY_LOGGERS = ("grpc._common", "grpc._server", "kvstore.server", "connectors.p2p_server")
+NOISY_LOGGERS = ("grpc._common", "grpc._server", "serving.errors", "kvstore.server", "connectors.p2p_server")
 
 
 class Throttle(logging.Filter):

@@ -473,3 +473,30 @@ def test_sdk_ignore_eos_nulls_bytes_and_stream_offsets_through_the_cluster(
         o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
     ]
     assert whole is not None and offsets == whole.text_offset and len(offsets) == N
+
+
+def test_grpc_bytes_that_do_not_parse_are_invalid_argument_and_the_router_keeps_serving(
+    cluster: Cluster, client: openai.OpenAI
+) -> None:
+    """A prompt text that is not UTF-8 (protobuf strings must be), or bytes that are no message at all:
+    INVALID_ARGUMENT saying so -- grpcio's own answer was INTERNAL "Exception deserializing request!"
+    (an outside probe's find) -- and the next request is served."""
+    import grpc
+
+    from pdkv_proto.pdkv.v1 import generation_pb2
+
+    good = generation_pb2.GenerateRequest(text="Hello world").SerializeToString()
+    bad_text = good.replace(b"Hello world", b"Hello \xff\xfe world"[:11])
+    assert cluster.router_address is not None
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        for method in ("GenerateUnary", "Generate"):
+            call = (channel.unary_unary if method == "GenerateUnary" else channel.unary_stream)(
+                f"/pdkv.v1.Generation/{method}"
+            )
+            for payload in (bad_text, b"\xff\xff\xff\xff"):
+                with pytest.raises(grpc.RpcError) as info:
+                    result = call(payload, timeout=30)
+                    list(result) if method == "Generate" else None
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+                assert "does not parse" in (info.value.details() or "")
+    assert client.completions.create(model="tiny-chat", prompt="Hi", max_tokens=2).choices[0].text is not None
