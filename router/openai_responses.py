@@ -25,11 +25,13 @@ from router.tokenizer import RouterModel
 from router.tool_parser import Piece, ToolParser
 from serving.errors import ServingError
 
-# What a client gets when the model produced a NaN or inf score (JSON has no such number): broken weights
-# or adapter, which the loaders refuse -- so never, short of a numerical fault.
-NON_FINITE = ApiError(
-    500, "the model produced a score that is not a finite number (NaN or inf)", kind="internal_error"
-)
+
+def non_finite() -> ApiError:
+    """What a client gets when the model produced a NaN or inf score (JSON has no such number): broken
+    weights or adapter, which the loaders refuse -- so never, short of a numerical fault."""
+    return ApiError(
+        500, "the model produced a score that is not a finite number (NaN or inf)", kind="internal_error"
+    )
 
 
 class ResponseShape:
@@ -250,7 +252,7 @@ async def whole_response(
         try:
             return JSONResponse(shape.whole(list(zip(deltas, ended, strict=True))))
         except ValueError:  # a NaN or inf (JSON has neither): a clear error, not a bare 500 or bad JSON
-            raise NON_FINITE from None
+            raise non_finite() from None
     finally:
         watcher.cancel()
 

@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from router.events import Delta, Event, Usage, total_usage
 from router.http_scope import HttpCallScope
 from router.openai_errors import ApiError
-from router.openai_responses import NON_FINITE, ResponseShape
+from router.openai_responses import ResponseShape, non_finite
 from serving.errors import ServingError
 
 
@@ -56,7 +56,7 @@ async def _sse(
         try:
             text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         except ValueError:  # a NaN or inf: not JSON -- the error in-band instead of an invalid chunk
-            text = json.dumps(NON_FINITE.body())
+            text = json.dumps(non_finite().body())
         return b"data: " + text.encode() + b"\n\n"
 
     usages: dict[int, Usage] = {}

@@ -213,3 +213,28 @@ def test_the_sdk_stream_accumulator_builds_the_whole_answer() -> None:
     got = [(t.function.name, json.loads(t.function.arguments)) for t in final.message.tool_calls or ()]
     assert got == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": 1})]
     assert final.logprobs is not None and len(final.logprobs.content or ()) == len(_deltas(HERMES_TWO, 3))
+
+
+def test_a_non_finite_score_is_a_clear_error_not_a_bare_500_or_invalid_json() -> None:
+    """A NaN logprob (a broken adapter, before the loader refused one: an outside probe's find) made the
+    whole answer a 500 with no body; it is now an OpenAI-shaped error saying what happened."""
+    import asyncio
+
+    from router.http_scope import HttpCallScope
+    from router.openai_errors import ApiError
+    from router.openai_responses import whole_response
+
+    class _Client:
+        @staticmethod
+        async def is_disconnected() -> bool:
+            return False
+
+    async def events() -> Any:
+        yield Delta([1], "b", [float("nan")])
+        yield Done("length", None, Usage(prompt_tokens=1, completion_tokens=1))
+
+    model: Any = _Model()
+    shape = ResponseShape(model, "cmpl-1", created=0, chat=False, logprobs=True)
+    with pytest.raises(ApiError) as info:
+        asyncio.run(whole_response(events(), _Client(), HttpCallScope(None), shape))
+    assert info.value.status == 500 and "not a finite number" in info.value.message
