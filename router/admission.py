@@ -339,7 +339,9 @@ class Admission:
             return 0  # the prompt scored, nothing generated
         if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
             raise InvalidField(
-                name, f"must be a positive integer (0 only when the prompt is scored: echo), got {asked!r}"
+                name,
+                "must be a positive integer (0 only when the prompt is scored: echo on the OpenAI API, "
+                f"prompt_logprobs on gRPC), got {asked!r}",
             )
         if limit and asked > limit:
             raise InvalidField(
