@@ -261,15 +261,24 @@ class DiskTier(Tier):
                 self._ghosts.discard(key)
         return PutResult(len(run))
 
+    def _make_folders(self, folder: str) -> None:
+        # KV is the users' data: owner only (makedirs' mode covers the last level only, so each one)
+        for level in (self.root, os.path.dirname(folder), folder):
+            os.makedirs(level, mode=0o700, exist_ok=True)
+        self._dirs.add(folder)
+
     def _write_file(self, key: bytes, header: bytes, payload: memoryview) -> None:
         folder, path = self._path(key)
         if folder not in self._dirs:
-            # KV is the users' data: owner only (makedirs' mode covers the last level only, so each one)
-            os.makedirs(os.path.dirname(folder), mode=0o700, exist_ok=True)
-            os.makedirs(folder, mode=0o700, exist_ok=True)
-            self._dirs.add(folder)
+            self._make_folders(folder)
         tmp = f"{folder}/.{key[16:].hex()}.{os.getpid()}.{next(self._tmp_ids)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except FileNotFoundError:  # the folders went away under the tier (deleted by hand, a cleaner): again
+            self._dirs.clear()
+            self._make_folders(folder)
+            fd = os.open(tmp, flags, 0o600)
         try:
             try:
                 writev_all(fd, [header, payload])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -248,6 +249,23 @@ def test_a_file_deleted_behind_its_back_is_absent(tmp_path: Path, make_blocks: C
     block_file(tier, b, 0).unlink()
     assert tier.get_into(b.run(), b.out_views, LAYOUT).reason is MissReason.ABSENT
     assert tier.contains_prefix(b.run()) == 0
+
+
+def test_a_tier_whose_folder_is_deleted_writes_again(
+    tmp_path: Path, make_blocks: Callable[..., Blocks]
+) -> None:
+    """An outside fault drill deleted the tier's folder while it ran: every later write failed (ENOENT: the
+    shard folders it had made were remembered, not made again) while its health said it served.  Now the
+    next write makes the folders again, owner-only, and stores."""
+    root = tmp_path / "kv"
+    tier = disk(root, 16)
+    b = make_blocks(6)
+    assert tier.put(b.run(0, 3), b.units(0, 3)).stored == 3
+    shutil.rmtree(root)
+    assert tier.put(b.run(3, 6), b.units(3, 6)).stored == 3
+    assert block_file(tier, b, 3).is_file() and root.stat().st_mode & 0o777 == 0o700
+    assert tier.get_into(b.run(3), b.out_views[3:], LAYOUT).loaded == 3
+    tier.close()
 
 
 def test_a_full_disk_is_counted_and_never_raises(
