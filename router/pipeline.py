@@ -317,7 +317,7 @@ class Pipeline:
                 with self._lock:
                     self.resumed += 1
                 logger.warning(
-                    "request %s: decode node %s failed after %d tokens (%s); resuming where a node is healthy",
+                    "request %s: decode node %s failed after %d tokens (%s); resuming if a node is up",
                     request.request_id,
                     node.address,
                     len(sent.token_ids),
