@@ -165,6 +165,14 @@ class GrammarCompiler:
             self._tokenizer = LLTokenizer(text, n_vocab=vocab, eos_token=eos or None)
         return self._tokenizer
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for -- a token that is part of a UTF-8 character is that part, not
+        U+FFFD -- and a special token's text: OpenAI's logprobs ``bytes``.  From the same llguidance table
+        of the vocabulary the grammars use (byte-level and byte-fallback vocabularies alike)."""
+        with self._lock:
+            tokenizer = self._llg_tokenizer()
+        return bytes(tokenizer.decode_bytes([token_id]))
+
     def compile(self, spec: StructuredOutput) -> Any:
         """The template matcher of ``spec`` (cached); ``GrammarError`` naming what does not compile."""
         with self._lock:

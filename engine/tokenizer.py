@@ -14,7 +14,6 @@ of a character are complete, so a delta never ends in half a UTF-8 sequence.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -99,9 +98,6 @@ class Tokenizer:
         chat_template: ChatTemplate | None = None,
     ) -> None:
         self._tok = tokenizer
-        # llguidance's table of the vocabulary's bytes (token_bytes), built on first use
-        self._bytes: Any = None
-        self._bytes_lock = threading.Lock()
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.source = source
@@ -182,17 +178,6 @@ class Tokenizer:
             return params
         stops = tuple(dict.fromkeys((*params.stop_token_ids, *self.end_of_turn_token_ids)))
         return dataclasses.replace(params, stop_token_ids=stops)
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """The bytes ``token_id`` stands for -- a token that is part of a UTF-8 character is that part, not
-        U+FFFD -- and a special token's text: OpenAI's logprobs ``bytes``.  From llguidance's table of the
-        vocabulary (byte-level and byte-fallback vocabularies alike), built on first use (~0.3 s at 49k)."""
-        with self._bytes_lock:
-            if self._bytes is None:
-                from llguidance import LLTokenizer
-
-                self._bytes = LLTokenizer(self.to_json(), n_vocab=self.vocab_size)
-        return bytes(self._bytes.decode_bytes([token_id]))
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -33,7 +33,7 @@ import grpc
 from engine.chat_template import ChatTemplateError
 from engine.hashing import AdapterId
 from engine.sampling_params import SamplingParams
-from engine.structured import GrammarCompiler, GrammarError, StructuredOutput
+from engine.structured import GrammarError, StructuredOutput
 from router.adapters import RouterAdapters
 from router.auth import Caller
 from router.tokenizer import RouterModel
@@ -166,9 +166,8 @@ class Admission:
         self.max_tokens_limit = max_tokens_limit
         self.max_n = max_n
         # A constraint that does not compile is refused here, before any node call (engine/structured.py).
-        tok = model.tokenizer
-        self.grammars = GrammarCompiler(tok.to_json(), model.vocab_size, model.eos_token_ids)
-        template = tok.chat_template
+        self.grammars = model.grammars
+        template = model.tokenizer.chat_template
         self.tool_format = tool_format(template.source if template is not None else None)
 
     def admit(self, request: GenerationRequest, caller: Caller) -> AdmittedRequest:

@@ -182,7 +182,7 @@ class ResponseShape:
         prompt's first token; ``text_offset`` from ``at``, where a stream's earlier chunks left it)."""
         tokens = [self._token(t) for t in ids]
         if self.chat:
-            raw = self.model.tokenizer.token_bytes
+            raw = self.model.grammars.token_bytes
             return {
                 "content": [
                     {
