@@ -11,6 +11,7 @@ Torch and the engine are imported inside the command functions, so ``pdkv --help
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -69,7 +70,7 @@ def register(subparsers: Any) -> None:
         "(SmolLM2-135M-Instruct, fetched once under $PDKV_CACHE_DIR or ~/.cache/pdkv).",
     )
     gen.add_argument("prompt", metavar="PROMPT")
-    gen.add_argument("--model", metavar="PATH", help=MODEL_HELP)
+    model = gen.add_argument("--model", metavar="PATH", help=MODEL_HELP)
     gen.add_argument(
         "--chat", action="store_true", help="send PROMPT as a user message through the model's chat template"
     )
@@ -88,21 +89,28 @@ def register(subparsers: Any) -> None:
         metavar="HOST:PORT",
         help="send the request to this router over gRPC instead of running locally",
     )
-    remote.add_argument("--cache-salt", default=None, help="isolate prefix-cache entries (tenant)")
-    remote.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    remote_only = [
+        remote.add_argument("--cache-salt", default=None, help="isolate prefix-cache entries (tenant)"),
+        remote.add_argument("--timeout", type=float, default=None, help="deadline in seconds"),
+    ]
     from engine.engine_config import WEIGHT_FORMATS, WEIGHTS_HELP
 
     engine = gen.add_argument_group("engine (local generation)")
-    engine.add_argument(
-        "--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto", help=dtype_help()
-    )
-    engine.add_argument(
-        "--weights", choices=WEIGHT_FORMATS, default="auto", help=WEIGHTS_HELP.replace("%", "%%")
-    )
-    engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--num-blocks", type=int, default=None)
-    gen.set_defaults(func=_generate, check=_check_generate)
+    local_only = [
+        model,
+        engine.add_argument(
+            "--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto", help=dtype_help()
+        ),
+        engine.add_argument(
+            "--weights", choices=WEIGHT_FORMATS, default="auto", help=WEIGHTS_HELP.replace("%", "%%")
+        ),
+        engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N"),
+        engine.add_argument("--block-size", type=int, default=16),
+        engine.add_argument("--num-blocks", type=int, default=None),
+    ]
+    # the options only one mode reads, with their defaults (_check_generate)
+    local, remote_call = ({a.dest: a.default for a in group} for group in (local_only, remote_only))
+    gen.set_defaults(func=_generate, check=functools.partial(_check_generate, local, remote_call))
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
@@ -161,26 +169,16 @@ def _sampling_params(args: argparse.Namespace) -> Any:
     )
 
 
-# generate's options that only local generation reads, with their defaults: with --server the router's
-# nodes run their own model and engine, so setting one there would be accepted and dropped.
-_LOCAL_ONLY = {
-    "model": None,
-    "dtype": "auto",
-    "weights": "auto",
-    "device": "auto",
-    "block_size": 16,
-    "num_blocks": None,
-}
-_REMOTE_ONLY = {"cache_salt": None, "timeout": None}
-
-
-def _check_generate(args: argparse.Namespace) -> None:
-    """An option the chosen mode does not read, given on the command line, is refused by name
-    (``ValueError``: rc 2), never ignored.  One set by a config file or $PDKV_* is not: those are shared by
-    every command and service (deploy/'s containers set $PDKV_MODEL for all of them)."""
+def _check_generate(
+    local_only: dict[str, Any], remote_only: dict[str, Any], args: argparse.Namespace
+) -> None:
+    """An option the chosen mode does not read (``local_only``: the model and engine options, which with
+    --server the router's nodes decide; ``remote_only``: the call's), given on the command line, is refused
+    by name (``ValueError``: rc 2), never ignored.  One set by a config file or $PDKV_* is not: those are
+    shared by every command and service (deploy/'s containers set $PDKV_MODEL for all of them)."""
     if args.system is not None and not args.chat:
         raise ValueError("--system is a system message of a chat: add --chat")
-    unread = _REMOTE_ONLY if args.server is None else _LOCAL_ONLY
+    unread = remote_only if args.server is None else local_only
     shared: frozenset[str] = getattr(args, "from_settings", frozenset())
     named = [
         f"--{k.replace('_', '-')}"
