@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.lora.adapter import AdapterError, check_name
 from router.adapters import RouterAdapters
 from router.openai_errors import ApiError
 from router.tokenizer import RouterModel
@@ -67,6 +68,10 @@ def add_lora_routes(
     @app.post("/v1/load_lora_adapter")
     async def _load(body: LoadLoraAdapterRequest, caller: Any = authenticated) -> dict[str, Any]:
         target = _require(adapters)
+        try:
+            check_name(body.lora_name)  # the nodes' own rule, here so that the refusal names lora_name
+        except AdapterError as exc:
+            raise ApiError.invalid("lora_name", str(exc)) from None
         if body.lora_name == base_name:
             raise ApiError.invalid("lora_name", f"{body.lora_name!r} is the base model's name: pick another")
         if body.load_inplace is False and body.lora_name in target.served():
@@ -111,9 +116,8 @@ def _refusal(exc: ServingError) -> ApiError:
     code = exc.code.name
     if code == "NOT_FOUND":
         return ApiError(404, exc.message, kind="not_found_error", param="lora_name", code="lora_not_found")
-    if code == "INVALID_ARGUMENT":  # about the name, or else about the folder
-        param = "lora_name" if "adapter name" in exc.message else "lora_path"
-        return ApiError(400, exc.message, kind="invalid_request_error", param=param)
+    if code == "INVALID_ARGUMENT":
+        return ApiError(400, exc.message, kind="invalid_request_error", param="lora_path")
     if code == "FAILED_PRECONDITION":
         return ApiError(400, exc.message, kind="invalid_request_error")
     return ApiError.from_serving(exc)
