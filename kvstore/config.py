@@ -35,6 +35,7 @@ Every error names the offending value and says what would be accepted.  Building
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeAlias
@@ -132,10 +133,6 @@ class StoreConfig:
 
     @classmethod
     def from_toml(cls, text: str) -> StoreConfig:
-        try:
-            import tomllib
-        except ModuleNotFoundError:  # Python 3.10
-            import tomli as tomllib  # type: ignore[no-redef]
         return cls.from_mapping(tomllib.loads(text))
 
     @classmethod

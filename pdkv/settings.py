@@ -36,12 +36,11 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
+import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 CONFIG_ENV = "PDKV_CONFIG"
 # The tables a command reads, in order (a later one overrides an earlier one); any other command reads

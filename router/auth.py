@@ -31,13 +31,13 @@ import hmac
 import os
 import re
 import threading
+import tomllib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import tomllib
 
 from serving.errors import ServingError
 

@@ -5,6 +5,8 @@ a root .dockerignore, bounded Redis, unhurried health checks, the router publish
 
 from __future__ import annotations
 
+import fnmatch
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,31 @@ def test_services_and_files(compose: dict[str, Any]) -> None:
     for name, service in compose["services"].items():
         if name != "secrets":  # a one-shot job
             assert "healthcheck" in service, f"{name} has no healthcheck"
+
+
+def test_the_image_copies_every_installed_package() -> None:
+    """The Dockerfile copies each package by name before ``pip install .``: one it misses installs an image
+    whose ``pdkv`` cannot import (wire/, telemetry/, node/ and planner/ once were)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    installed = {pattern.rstrip("*") for pattern in include}
+    on_disk = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}
+    assert on_disk <= installed, f"packages pyproject.toml does not install: {sorted(on_disk - installed)}"
+    copies = [
+        line.split()[1:]
+        for line in (ROOT / "deploy" / "Dockerfile").read_text().splitlines()
+        if line.startswith("COPY ")
+    ]
+    copied = {src for *sources, _ in copies for src in sources}
+    assert installed <= copied, f"packages the image does not copy: {sorted(installed - copied)}"
+    assert {"pyproject.toml", "README.md"} <= copied  # pip reads both
+    ignored = [
+        line
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    for src in copied:
+        assert not any(fnmatch.fnmatch(src, pattern) for pattern in ignored), f"{src} is .dockerignore'd"
 
 
 def test_every_command_is_a_valid_pdkv_command(compose: dict[str, Any]) -> None:
