@@ -29,7 +29,13 @@ _END_OF_TURN = re.compile(r"^<\|?(im_end|eot_id|eom_id|end|end_of_turn)\|?>$")
 
 
 class ChatTemplateError(ValueError):
-    """The messages cannot be rendered: a bad message, or the template itself raised."""
+    """The messages cannot be rendered: a bad message, or the template itself raised.  A bad message's
+    error keeps where it is (``index``, ``key``) apart from what is wrong (``problem``), for a front end
+    that names the field in its own spelling."""
+
+    def __init__(self, problem: str, *, index: int | None = None, key: str | None = None) -> None:
+        super().__init__(problem if index is None else f"messages[{index}].{key} {problem}")
+        self.problem, self.index, self.key = problem, index, key
 
 
 @dataclass(frozen=True)
@@ -108,9 +114,9 @@ def _check_message(i: int, m: ChatMessage | Mapping[str, Any]) -> dict[str, Any]
     d = m.as_dict() if isinstance(m, ChatMessage) else dict(m)
     role, content = d.get("role"), d.get("content")
     if not isinstance(role, str) or role not in ROLES:
-        raise ChatTemplateError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+        raise ChatTemplateError(f"must be one of {', '.join(ROLES)}, got {role!r}", index=i, key="role")
     if not isinstance(content, str):
-        raise ChatTemplateError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        raise ChatTemplateError(f"must be a string, got {type(content).__name__}", index=i, key="content")
     out: dict[str, Any] = {"role": role, "content": content}
     for key, kind in _OPTIONAL_KEYS.items():
         value = d.get(key)
@@ -118,7 +124,7 @@ def _check_message(i: int, m: ChatMessage | Mapping[str, Any]) -> dict[str, Any]
             continue
         if not isinstance(value, kind):
             raise ChatTemplateError(
-                f"messages[{i}].{key} must be a {kind.__name__}, got {type(value).__name__}"
+                f"must be a {kind.__name__}, got {type(value).__name__}", index=i, key=key
             )
         out[key] = value
     return out

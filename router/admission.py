@@ -285,6 +285,10 @@ class Admission:
                 messages, add_generation_prompt=add_generation_prompt, tools=tools
             )
         except ChatTemplateError as exc:
+            if exc.index is not None:  # one message's field, in this front end's spelling
+                raise InvalidField(
+                    f"{names.tools.message.format(i=exc.index)}.{exc.key}", exc.problem
+                ) from None
             raise InvalidField(names.messages, str(exc)) from None
 
     def _tokens(
