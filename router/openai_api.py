@@ -94,6 +94,8 @@ def create_app(
             )
         # pydantic names a union's branch in the path (messages.0.content.str): the field is what counts
         loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_branch(p)]
+        if first.get("type") == "unencodable_text":  # found by the body's own check, below the body
+            loc.append(str(first.get("ctx", {}).get("path", "")))
         param = ".".join(loc) or "body"
         message = str(first.get("msg"))
         if first.get("type") == "literal_error":  # say what was sent: a "custom" tool, a "web_search" ...
@@ -106,11 +108,18 @@ def create_app(
         return JSONResponse(ApiError.invalid(param, message).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(http: Request, exc: StarletteHTTPException) -> JSONResponse:
         """FastAPI's own refusals (a body that is not UTF-8, an unknown path, a wrong method) in OpenAI's
         error shape, as every other error of this API."""
         kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
         error = ApiError(exc.status_code, str(exc.detail), kind=kind)
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            try:  # FastAPI's answer to bytes json.loads cannot decode: say where, as for bad JSON
+                (await http.body()).decode("utf-8")
+                where = ""
+            except UnicodeDecodeError as bad:
+                where = f" at byte {bad.start}"
+            error = ApiError.invalid("body", f"not valid JSON{where} (JSON text is UTF-8)")
         return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.get("/health")

@@ -14,17 +14,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from engine.lora.adapter import AdapterError, check_name
 from router.adapters import RouterAdapters
 from router.openai_errors import ApiError
+from router.openai_schema import RequestBody
 from router.tokenizer import RouterModel
 from serving.errors import ServingError
 
 
-class LoadLoraAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class LoadLoraAdapterRequest(RequestBody):
     lora_name: str = Field(min_length=1, max_length=128)
     lora_path: str = Field(min_length=1)
     # vLLM's: false refuses a name already served (vLLM's default); true, or unset (pdkv's default),
@@ -32,9 +32,8 @@ class LoadLoraAdapterRequest(BaseModel):
     load_inplace: bool | None = None
 
 
-class UnloadLoraAdapterRequest(BaseModel):
+class UnloadLoraAdapterRequest(RequestBody):
     # vLLM's lora_int_id is not a field: names identify adapters here (it is refused, naming it).
-    model_config = ConfigDict(extra="forbid", strict=True)
     lora_name: str = Field(min_length=1, max_length=128)
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutput
@@ -80,7 +81,7 @@ NOT_SERVED: dict[str, NotServed] = {
 }
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     # Unknown fields are refused, naming them (see the module docstring): never accepted and ignored.
     # Strict types, as OpenAI's: "5" is not a number, true is not 1, "yes" is not a flag (an integer is
     # still a float).
@@ -90,17 +91,45 @@ class _Body(BaseModel):
     @classmethod
     def _null_is_unset(cls, data: Any) -> Any:
         """null for a field is that field unset, as OpenAI reads it (the SDK's types allow None for
-        ``n``, ``stream``, ``logprobs``, ``echo`` ...): its default applies."""
+        ``n``, ``stream``, ``logprobs``, ``echo`` ...): its default applies.  And no string anywhere in
+        the body holds a lone UTF-16 surrogate (JSON's "\\ud800" escape decodes to one): such text has no
+        UTF-8 form, so no tokenizer, node message or log line could carry it -- refused naming the field
+        (the outermost body sees every nested field first)."""
         if isinstance(data, dict):
+            where = _unencodable(data)
+            if where is not None:
+                raise PydanticCustomError(
+                    "unencodable_text",
+                    "is not valid text: a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape)",
+                    {"path": ".".join(map(str, where))},
+                )
             return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
         return data
 
 
-class StreamOptions(_Body):
+def _unencodable(value: Any) -> tuple[Any, ...] | None:
+    """Where in a JSON value (keys, then indices) the first string without a UTF-8 form is; None: none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return ()
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and _unencodable(key) is not None:
+            return (key.encode("utf-8", "backslashreplace").decode(),)
+        inner = _unencodable(item)
+        if inner is not None:
+            return (key, *inner)
+    return None
+
+
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
+class _Sampling(RequestBody):
     model: str
     max_tokens: int | None = Field(default=None, ge=0)  # 0: completions with echo only (admission)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -163,7 +192,7 @@ class _Sampling(_Body):
         return options
 
 
-class FunctionDefinition(_Body):
+class FunctionDefinition(RequestBody):
     name: str
     description: str | None = None
     # The JSON schema of the arguments; unset: the function takes none.
@@ -173,23 +202,23 @@ class FunctionDefinition(_Body):
     strict: bool | None = None
 
 
-class ToolDefinition(_Body):
+class ToolDefinition(RequestBody):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionCall(_Body):
+class FunctionCall(RequestBody):
     name: str
     arguments: str  # a JSON object, as text
 
 
-class ToolCallItem(_Body):
+class ToolCallItem(RequestBody):
     id: str
     type: Literal["function"]
     function: FunctionCall
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     # A string, or a list of text parts ({"type": "text", "text": ...}) as newer SDKs send.
     content: str | list[dict[str, Any]] | None = None
@@ -322,7 +351,7 @@ def unserved_field(body: BaseModel) -> tuple[str, str] | None:
     return None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     """``POST /tokenize`` (vLLM's shape): a text prompt, or messages rendered with the chat template."""
 
     model: str | None = None
@@ -334,7 +363,7 @@ class TokenizeRequest(_Body):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     """``POST /detokenize`` (vLLM's shape): token ids back to text."""
 
     model: str | None = None

@@ -465,9 +465,49 @@ def test_a_body_that_is_not_json_or_not_utf8_gets_openai_s_error_shape(http: Tes
         and "not valid JSON at byte 28" in error["message"]
     )
     raw = http.post("/v1/chat/completions", content=b'{"model": "\xff"}', headers=JSON_HEADERS)
-    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error", raw.text
+    error = raw.json()["error"]
+    assert raw.status_code == 400 and error["type"] == "invalid_request_error", raw.text
+    assert error["param"] == "body" and "not valid JSON at byte 11" in error["message"], raw.text
     missing = http.get("/v1/no-such-path")
     assert missing.status_code == 404 and missing.json()["error"]["message"], missing.text
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", '{"model": "tiny-chat", "prompt": "a \\ud800 b"}', "prompt"),
+        (
+            "/v1/chat/completions",
+            '{"model": "tiny-chat", "messages": [{"role": "user", "content": "hi \\ud83d"}]}',
+            "messages.0.content",
+        ),
+        ("/v1/completions", '{"model": "tiny-chat", "prompt": "hi", "stop": ["ok", "\\udc00"]}', "stop.1"),
+        (
+            "/v1/completions",
+            '{"model": "tiny-chat", "prompt": "hi", "structured_outputs": {"regex": "\\ud800"}}',
+            "structured_outputs.regex",
+        ),
+        (
+            "/v1/completions",
+            '{"model": "tiny-chat", "prompt": "hi", "metadata": {"\\ud800": "x"}}',
+            "metadata.\\ud800",
+        ),
+        ("/tokenize", '{"model": "tiny-chat", "prompt": "\\ud800"}', "prompt"),
+        ("/v1/load_lora_adapter", '{"lora_name": "a", "lora_path": "/tmp/\\udc80"}', "lora_path"),
+    ],
+)
+def test_text_with_a_lone_surrogate_is_a_400_naming_it(
+    http: TestClient, path: str, body: str, param: str
+) -> None:
+    """JSON may escape half a surrogate pair ("\\ud800"): Python decodes it to a str with no UTF-8 form,
+    which the tokenizer, the node messages and the logs refuse -- a 500 and a traceback, before. Now the
+    field is named; a paired escape (an emoji) is text like any other."""
+    answer = http.post(path, content=body.encode(), headers=JSON_HEADERS)
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and error["param"] == param, answer.text
+    assert "lone UTF-16 surrogate" in error["message"]
+    emoji = '{"model": "tiny-chat", "prompt": "\\ud83d\\ude00"}'
+    assert http.post("/tokenize", content=emoji.encode(), headers=JSON_HEADERS).status_code == 200
 
 
 JSON_HEADERS = {"content-type": "application/json"}
