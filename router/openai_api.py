@@ -107,6 +107,15 @@ def create_app(
             )
         return JSONResponse(ApiError.invalid(param, message).body(), status_code=400)
 
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        """A fault of this server's own (a bug, never the request's): still OpenAI's error shape, with no
+        internals; the traceback goes to the router's log (Starlette re-raises it to uvicorn's logger)."""
+        error = ApiError(
+            500, f"internal error ({type(exc).__name__}; logged by the router)", kind="internal_error"
+        )
+        return JSONResponse(error.body(), status_code=500)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(http: Request, exc: StarletteHTTPException) -> JSONResponse:
         """FastAPI's own refusals (a body that is not UTF-8, an unknown path, a wrong method) in OpenAI's

@@ -510,6 +510,25 @@ def test_text_with_a_lone_surrogate_is_a_400_naming_it(
     assert http.post("/tokenize", content=emoji.encode(), headers=JSON_HEADERS).status_code == 200
 
 
+def test_a_fault_of_the_server_s_own_is_a_500_in_openai_s_shape(
+    model: RouterModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Never a plain-text "Internal Server Error": the SDK parses the shape (and no traceback is sent)."""
+    http = TestClient(
+        create_app(SimpleNamespace(max_inflight=1), model, healthy=lambda: True),
+        raise_server_exceptions=False,
+    )
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("a bug's secret detail")
+
+    monkeypatch.setattr(model.tokenizer, "encode", broken)
+    answer = http.post("/tokenize", json={"model": "tiny-chat", "prompt": "hi"})
+    error = answer.json()["error"]
+    assert answer.status_code == 500 and error["type"] == "internal_error", answer.text
+    assert "RuntimeError" in error["message"] and "secret" not in answer.text
+
+
 JSON_HEADERS = {"content-type": "application/json"}
 
 
