@@ -14,7 +14,8 @@ class RequestOutput:
 
     ``new_text`` never ends inside a UTF-8 character, and while a stop string could still be completing
     it holds back the characters that might belong to it.  When ``finished``, ``finish_reason`` is
-    "stop" (EOS, a stop token id or a stop string; ``stop_reason`` says which), "length", "abort" or
+    "stop" (EOS, a stop token id or a stop string; ``stop_reason`` is the stop token id or string, None
+    for EOS or a completed constraint, vLLM's rule), "length", "abort" or
     "error" (``error`` says why).
     """
 
