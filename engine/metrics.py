@@ -56,6 +56,10 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     counter("num_preemptions", "requests preempted for lack of KV blocks"),
     counter("kv_block_evictions", "cached KV blocks evicted to make room"),
     counter("kv_load_failures", "requests whose KV load from a connector failed (recomputed or failed)"),
+    counter(
+        "connector_lookup_failures",
+        "connector lookups that raised or stayed unanswered past LOOKUP_DEADLINE_S (counted as zero hits)",
+    ),
     counter("kv_hold_expiries", "holds (KV kept for a connector's transfer) past kv_hold_timeout_s"),
     counter(
         "kv_hold_stop_timeouts",

@@ -99,6 +99,7 @@ class Request:
         "error",
         "finished_kv_transfer_params",
         "kv_transfer_params",
+        "lookup_since",
         "matcher",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -156,6 +157,8 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
         # ... and those its connector returned when it finished (e.g. where the prefill node holds them).
         self.finished_kv_transfer_params: KVTransferParams | None = None
+        # When its connector first answered "still looking" (None) to the lookup now running, if it did.
+        self.lookup_since: float | None = None
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from connectors.registry import KVConnectorConfig
+from engine.connector.base import LOOKUP_DEADLINE_S
 
 # ``factory(shared) -> config``: the connector pointed at a backend rooted at ``shared`` (a fresh, empty
 # directory per check).  Two engines built from configs for the same ``shared`` must share the backend.
@@ -60,7 +61,7 @@ class ConformanceTarget:
     unreachable_factory: ConfigFactory | None = None
     corrupt: Callable[[Path], None] | None = None
     provides_hits: bool = True
-    lookup_deadline_s: float = 5.0
+    lookup_deadline_s: float = LOOKUP_DEADLINE_S  # the engine gives up on a lookup then too
     send_deadline_s: float = 5.0
     unreachable_deadline_s: float = 10.0
     evict: Callable[[Path, bytes], None] | None = None

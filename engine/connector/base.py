@@ -51,6 +51,9 @@ Rules every connector keeps (the conformance kit in ``connectors.testing`` check
 2. Hits are whole blocks, contiguous from the first block past ``num_computed_tokens``, and never cover
    the request's last token (it must be computed to produce logits).
 3. A backend that does not answer in time counts as zero hits; no call blocks the engine unboundedly.
+   The engine holds a lookup to that too: one that raises counts as zero hits, and one still answering
+   ``None`` after ``LOOKUP_DEADLINE_S`` is given up (zero hits) -- each logged and counted, never a hang
+   or a dead node.
 4. Load failures are reported through ``get_block_ids_with_load_errors``, never raised: the engine cuts
    the request back to the first bad block and recomputes from there.
 5. No block is reused while a transfer still reads or writes it: a connector whose saves outlive the
@@ -101,6 +104,11 @@ __all__ = [
     "KVTransferParams",
     "parse_options",
 ]
+
+
+# How long a lookup may keep answering None ("still looking") before the engine gives up on it: zero hits,
+# the prompt computed (rule 3).  The conformance kit's lookup_deadline_s defaults to the same.
+LOOKUP_DEADLINE_S = 5.0
 
 
 class KVConnectorBase:

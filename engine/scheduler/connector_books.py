@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.connector.base import KVConnectorBase
+from engine.connector.base import LOOKUP_DEADLINE_S, KVConnectorBase
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestId
 from telemetry.metrics import Counters
@@ -80,9 +80,39 @@ class ConnectorBooks:
     # -- external hits ------------------------------------------------------------------------------------
 
     def external_hit(self, request: Request, num_local: int) -> tuple[int | None, bool]:
-        """Ask the connector; clamp an answer that breaks the contract (and say so) rather than crash."""
-        num, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
-        if num is None or num == 0:
+        """Ask the connector; clamp an answer that breaks the contract (and say so) rather than crash.  A
+        lookup that raises, or answers None past ``LOOKUP_DEADLINE_S``, is zero hits (rule 3): the prompt
+        is computed, the node lives on."""
+        try:
+            num, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+        except Exception as exc:
+            request.lookup_since = None
+            self.counters.add("connector_lookup_failures")
+            logger.warning(
+                "connector %s: get_num_new_matched_tokens raised for %s (%r); counting zero hits",
+                self.connector.name,
+                request.request_id,
+                exc,
+                exc_info=logger.isEnabledFor(logging.DEBUG),
+            )
+            return 0, False
+        if num is None:
+            now = self.clock()
+            if request.lookup_since is None:
+                request.lookup_since = now
+            elif now - request.lookup_since > LOOKUP_DEADLINE_S:
+                request.lookup_since = None
+                self.counters.add("connector_lookup_failures")
+                logger.warning(
+                    "connector %s: the lookup for %s still had no answer after %gs; counting zero hits",
+                    self.connector.name,
+                    request.request_id,
+                    LOOKUP_DEADLINE_S,
+                )
+                return 0, False
+            return None, False
+        request.lookup_since = None
+        if num == 0:
             return num, False
         bs = self.kv.block_size
         limit = self.kv.max_hit_blocks(request) * bs - num_local

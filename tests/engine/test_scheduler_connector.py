@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from connectors.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
+from engine.connector.base import LOOKUP_DEADLINE_S
 from engine.request import Request, RequestStatus
 from engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
 from engine.scheduler.config import CacheConfig, SchedulerConfig
@@ -115,6 +116,48 @@ def test_none_means_ask_again_next_step_without_blocking_others() -> None:
     so, _ = step(s)
     assert [(sr.request_id, sr.start_position) for sr in so.scheduled] == [("slow", 4)]
     assert conn.lookups["slow"] == 2
+
+
+def test_a_lookup_still_looking_past_the_deadline_counts_as_zero_hits() -> None:
+    """A connector answering None for ever (a stuck backend, a bug) must not park the request for ever:
+    past LOOKUP_DEADLINE_S the prompt is computed, and the lookup counted as failed."""
+    conn, clock = ScriptedConnector(), Clock()
+    s = make(conn, clock=clock)
+    conn.answers["stuck"] = (None, False)
+    s.add_request(make_request("stuck", range(9), max_tokens=1))
+    for now in (0.0, LOOKUP_DEADLINE_S / 2, LOOKUP_DEADLINE_S - 0.01):  # the first None, then inside
+        clock.now = now
+        so, _ = step(s)
+        assert not so.scheduled
+    clock.now = LOOKUP_DEADLINE_S + 0.01
+    so, _ = step(s)
+    assert [(sr.request_id, sr.start_position, sr.num_tokens) for sr in so.scheduled] == [("stuck", 0, 9)]
+    assert s.stats().counter("connector_lookup_failures") == 1
+
+
+def test_a_lookup_that_raises_counts_as_zero_hits_and_the_scheduler_goes_on() -> None:
+    """A plugin's lookup that raises (rule 3's backend gone, a bug) was a dead engine loop, taking the node
+    down: now zero hits for that request, computed as without the connector; other requests unaffected."""
+
+    class Raising(ScriptedConnector):
+        def get_num_new_matched_tokens(
+            self, request: Request, num_computed_tokens: int
+        ) -> tuple[int | None, bool]:
+            if request.request_id == "bad":
+                raise OSError("index unreadable")
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    conn = Raising()
+    s = make(conn)
+    conn.answers["good"] = (4, False)
+    s.add_request(make_request("bad", range(9), max_tokens=2))
+    s.add_request(make_request("good", range(50, 59), max_tokens=2))
+    so, _ = step(s)
+    starts = {sr.request_id: (sr.start_position, sr.num_tokens) for sr in so.scheduled}
+    assert starts == {"bad": (0, 9), "good": (4, 5)}
+    assert s.stats().counter("connector_lookup_failures") == 1
+    while s.has_unfinished_requests():
+        step(s)
 
 
 def test_async_load_parks_the_request_until_the_worker_reports_it() -> None:
