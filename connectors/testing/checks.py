@@ -356,14 +356,20 @@ def check_freed_blocks_are_not_read(target: ConformanceTarget, shared: Path) -> 
                 if want is None:
                     continue
                 if not torch.equal(got, want):
-                    nan = bool(torch.isnan(got.view(b.engine.runner.kv_cache.dtype)).any())
-                    raise ConformanceError(
+                    if bool(torch.isnan(got.view(b.engine.runner.kv_cache.dtype)).any()):
+                        raise ConformanceError(
+                            item,
+                            f"prompt {i}, block {j}: engine B loaded NaN, which engine A wrote into the "
+                            "block when the engine freed it: the connector read the block after "
+                            "request_finished returned hold=False (an asynchronous save, or one flushed at "
+                            "shutdown).  Return hold=True until the save has read the block, and list the "
+                            "request in finished_sending then",
+                        )
+                    raise ConformanceError(  # not the poison: the bytes were wrong when stored or loaded
                         item,
-                        f"prompt {i}, block {j}: engine B loaded "
-                        + ("NaN" if nan else "bytes other than engine A computed")
-                        + ", which engine A wrote into the block when the engine freed it: the connector "
-                        "read the block after request_finished returned hold=False (an asynchronous save, "
-                        "or one flushed at shutdown).  Return hold=True until the save has read the "
-                        "block, and list the request in finished_sending then",
+                        f"prompt {i}, block {j}: engine B loaded bytes other than engine A computed for "
+                        "that block (and not the NaN A wrote into freed blocks): the connector stored or "
+                        "loaded the wrong bytes -- another block's, a partly written one, or under another "
+                        "key",
                     )
         expect_outputs(item, outs, reference(target, PROMPTS), "engine B (loading what A saved)")

@@ -183,6 +183,13 @@ CASES = [
         kit.LOADS,
         "the connector's blocks start at the local hit",
     ),
+    (  # wrong bytes that are not the freed blocks' poison: named as wrong bytes, not as a late save
+        "PerturbingLoadConnector",
+        {},
+        check_freed_blocks_are_not_read,
+        kit.FREED,
+        "stored or loaded the wrong bytes",
+    ),
     (
         "SilentLoadConnector",
         {"load_deadline_s": 0.5},

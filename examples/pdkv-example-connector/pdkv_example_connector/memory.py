@@ -7,7 +7,8 @@ Engines in one process whose configs name the same ``store`` share its blocks: w
 next loads instead of computing.  (A real plugin puts the store somewhere other processes reach: a
 directory, a server.  Only ``MemoryStore`` would change.)
 
-How the two halves split the work (the contract is the docstring of ``connectors/base.py``):
+How the two halves split the work (the contract is the docstring of ``engine/connector/base.py``; plugins
+import its names from ``connectors.base``):
 
 - scheduler half: answers lookups from ``request.block_hashes`` (whole blocks, never the last token);
   after allocation, remembers which blocks to load; each step, puts in the metadata the blocks to load
@@ -123,8 +124,9 @@ class MemoryConnector(KVConnectorBase):
         super().__init__(role, context, options)  # validates options into self.options
         self.store = get_store(self.options.store)
         self.block_size = context.block_size
-        # A block hash already names the model and the block size; the key adds the cache's dtype and
-        # geometry, so an engine running the same model in another dtype never loads these bytes.
+        # A block hash already names the model, the block size and what makes KV bits differ (the dtype
+        # among them: docs/hashing.md); the key adds the cache's layout anyway (rule 7), so a store read by
+        # engines of another geometry never hands them bytes of the wrong shape, whatever the hash says.
         spec = context.spec
         geometry = f"{spec.num_layers}x{spec.num_kv_heads}x{spec.head_dim}"
         self._key_prefix = f"{context.namespace.namespace_id}/{spec.dtype}/{geometry}/".encode()
