@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
+import time
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -157,6 +160,7 @@ class EngineDriver:
         self._draining = False
         self._error: str | None = None
         self._after_step = after_step
+        self._step_started: float | None = None  # monotonic time the running step began; None between
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
@@ -174,6 +178,17 @@ class EngineDriver:
     def error(self) -> str | None:
         """Why the engine loop died, if it did."""
         return self._error
+
+    def step_running_s(self) -> float:
+        """How long the step now running has run (0 between steps): a step that never returns -- a
+        connector call blocked for good -- shows here while nothing else moves."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def where(self) -> str:
+        """The driver thread's innermost frames, as a traceback prints them (for a log line)."""
+        frame = sys._current_frames().get(self._thread.ident or -1)
+        return "".join(traceback.format_stack(frame, limit=6)) if frame is not None else "(not running)"
 
     @property
     def num_requests(self) -> int:
@@ -281,7 +296,12 @@ class EngineDriver:
                 self._execute(command)
                 command = self._next_command(block=False)
             if engine.has_pending_work():
-                self._route(engine.step())
+                self._step_started = time.monotonic()
+                try:
+                    outputs = engine.step()
+                finally:
+                    self._step_started = None
+                self._route(outputs)
                 if self._after_step is not None:
                     self._after_step(engine)
 

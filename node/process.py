@@ -37,6 +37,7 @@ from engine.driver import EngineDriver, EngineSnapshot, snapshot
 from engine.llm_engine import LLMEngine
 from engine.metrics import SPECS
 from node.config import READY_PREFIX, NodeConfig
+from node.stall import StallWatch
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc, types_pb2
 from prefill_node.servicer import PrefillNodeServicer
 from serving import convert
@@ -286,8 +287,10 @@ def run_node(config: NodeConfig) -> int:
         f"threads={torch.get_num_threads()}",
         flush=True,
     )
+    stall = StallWatch(node.driver, node.set_serving)
     try:
         while not stop.wait(0.5):
+            stall.check()
             if node.driver.error is not None:
                 logger.error("engine loop died (%s); stopping the node", node.driver.error)
                 node.set_serving(False)

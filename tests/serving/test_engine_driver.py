@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -21,6 +23,7 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from node.stall import StallWatch
 from tests.serving.helpers import engine_idle, pdkv_model, wait_until
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Hello, world!", "What is the answer? " * 4]
@@ -248,3 +251,34 @@ def test_a_call_that_ended_before_its_callback_was_added_aborts_the_request(driv
     assert outs[-1].finish_reason == "abort"
     snap = driver.call(lambda e: snapshot(e, check_integrity=True))
     assert engine_idle(snap.stats.gauges)
+
+
+def test_a_step_that_never_returns_makes_the_node_not_serving_and_says_where(
+    driver: EngineDriver, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A plugin's lookup blocked for good holds the engine thread: the node cannot interrupt it, but it
+    stops serving (the router and health probes see it) and logs the frames it is stuck in; once the call
+    returns, it serves again and the request completes."""
+    release = threading.Event()
+    books = driver.engine.scheduler.books
+    lookup = books.connector.get_num_new_matched_tokens
+
+    def blocked_lookup(request: Any, num_computed: int) -> tuple[int | None, bool]:
+        release.wait(30)
+        return lookup(request, num_computed)
+
+    books.connector.get_num_new_matched_tokens = blocked_lookup  # type: ignore[method-assign]
+    serving: list[bool] = []
+    watch = StallWatch(driver, serving.append, stall_s=0.3)
+    stream = driver.submit(EngineRequest("stuck", PROMPTS[0], SamplingParams(max_tokens=4)))
+    try:
+        with caplog.at_level(logging.ERROR, logger="node.stall"):
+            wait_until(watch.check, timeout=10, what="the stall seen")
+        assert serving == [False]
+        assert "blocked_lookup" in caplog.text and "has not returned" in caplog.text
+        assert watch.check() and serving == [False]  # said once
+    finally:
+        release.set()
+    assert drain(stream)[-1].finish_reason == "length"
+    wait_until(lambda: not watch.check(), timeout=10, what="serving again")
+    assert serving == [False, True]
