@@ -69,6 +69,18 @@ class SamplerOutput:
     top_logprobs: list[TopLogprobs | None]  # None where it did not ask for alternatives
 
 
+def _alternatives(logits: torch.Tensor, table: torch.Tensor, n: int) -> TopLogprobs:
+    """A row's ``n`` most likely tokens and their log-probabilities (``table``), ordered by the logits as
+    greedy reads them: highest first, and among equal logits the lowest token id first -- argmax's rule, so
+    under greedy sampling the first alternative is the token chosen.  The row alone decides: ``topk``'s
+    order among ties (bfloat16 logits tie often) changed with the batch's largest ``k``."""
+    threshold = logits.topk(n).values[-1]
+    candidates = (logits >= threshold).nonzero()[:, 0]  # ascending token ids: every tie at the cut
+    order = torch.sort(logits[candidates], descending=True, stable=True).indices[:n]
+    ids = candidates[order]
+    return tuple(zip(ids.tolist(), table[ids].tolist(), strict=True))
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._generator = torch.Generator().manual_seed(seed)
@@ -106,13 +118,10 @@ class Sampler:
             lp = table.gather(1, chosen[idx, None])[:, 0]  # [n]
             for i, value in zip(want_lp, lp.tolist(), strict=True):
                 logprobs[i] = value
-            k = max(rows[i].params.top_logprobs for i in want_lp)
-            if k:
-                values, ids = table.topk(k, dim=-1)  # [n, k], most likely first
-                for j, i in enumerate(want_lp):
-                    n = rows[i].params.top_logprobs
-                    if n:
-                        top[i] = tuple(zip(ids[j, :n].tolist(), values[j, :n].tolist(), strict=True))
+            for j, i in enumerate(want_lp):
+                n = rows[i].params.top_logprobs
+                if n:
+                    top[i] = _alternatives(logits[i], table[j], n)
         return SamplerOutput(chosen.tolist(), logprobs, top)
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

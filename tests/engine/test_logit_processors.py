@@ -209,3 +209,30 @@ def test_top_logprobs_are_the_same_split_prefill_to_decode() -> None:
     assert [[t for t, _ in top] for top in got] == [[t for t, _ in top] for top in want]
     for a, b in zip(got, want, strict=True):
         assert [v for _, v in a] == pytest.approx([v for _, v in b], abs=1e-4)
+
+
+def test_top_logprobs_among_ties_follow_greedy_s_rule_whatever_the_batch() -> None:
+    """bfloat16 logits tie often.  The alternatives are ordered as greedy reads the logits -- highest
+    first, the lowest token id among equals -- so the first is the token greedy chose, and a row's
+    alternatives are its own: torch.topk picked among ties by the batch's largest k (an outside probe saw
+    '.' / ',' alone become '.' / ' and' beside requests asking for more)."""
+    vocab = 64
+    row = torch.linspace(-3.0, 0.0, vocab)  # distinct, below the ties
+    row[[10, 3]] = 5.0
+    row[[50, 20, 7]] = 4.0
+    history = TokenHistory(PROMPT, [], 0, ())
+
+    def alternatives(n: int, companions: list[int]) -> list[tuple[int, float]]:
+        params = [SamplingParams(max_tokens=4, top_logprobs=n)] + [
+            SamplingParams(max_tokens=4, top_logprobs=k) for k in companions
+        ]
+        logits = torch.stack([row] + [torch.randn(vocab) for _ in companions])
+        out = Sampler()(logits, [SamplingRow(p, 0, history) for p in params])
+        assert out.token_ids[0] == 3  # argmax: the first index of the maximum
+        return list(out.top_logprobs[0] or ())
+
+    for n, want in ((1, [3]), (2, [3, 10]), (3, [3, 10, 7]), (5, [3, 10, 7, 20, 50])):
+        alone = alternatives(n, [])
+        assert [t for t, _ in alone] == want
+        for companions in ([20], [1, 5], [n, 20, 7]):
+            assert alternatives(n, companions) == alone
