@@ -33,7 +33,7 @@ from engine.model.fused_decode import FusedDecode
 from engine.model.llama import ForwardContext, LlamaForCausalLM
 from engine.native import RopeKernel, native_kernels
 from engine.native_attention import DecodeKernel, PrefillKernel
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import Sampler, SamplingRow, alternatives
 from engine.sampling_params import TopLogprobs
 from engine.scheduler.output import ModelRunnerOutput, PromptScores, ScheduledRequest, SchedulerOutput
 
@@ -191,16 +191,12 @@ class ModelRunner:
         tops: list[TopLogprobs] = []
         for i in range(0, len(targets), SCORE_ROWS):
             chunk = targets[i : i + SCORE_ROWS]
-            logits = self.model.compute_logits(hidden[row + i : row + i + len(chunk)])
-            logp = torch.log_softmax(logits.float(), dim=-1)
+            logits = self.model.compute_logits(hidden[row + i : row + i + len(chunk)]).float()
+            logp = torch.log_softmax(logits, dim=-1)
             picked = logp.gather(1, self._tensor(chunk).unsqueeze(1)).squeeze(1)
             logprobs.extend(picked.tolist())
-            if k:
-                values, ids = logp.topk(k, dim=-1)
-                tops.extend(
-                    tuple(zip(i_row, v_row, strict=True))
-                    for i_row, v_row in zip(ids.tolist(), values.tolist(), strict=True)
-                )
+            if k:  # each position's own, ties as greedy breaks them (never by the slice's shape)
+                tops.extend(alternatives(logits[r], logp[r], k) for r in range(len(chunk)))
             else:
                 tops.extend(() for _ in chunk)
         return PromptScores(sr.start_position + 1, logprobs, tops)

@@ -69,7 +69,7 @@ class SamplerOutput:
     top_logprobs: list[TopLogprobs | None]  # None where it did not ask for alternatives
 
 
-def _alternatives(logits: torch.Tensor, table: torch.Tensor, n: int) -> TopLogprobs:
+def alternatives(logits: torch.Tensor, table: torch.Tensor, n: int) -> TopLogprobs:
     """A row's ``n`` most likely tokens and their log-probabilities (``table``), ordered by the logits as
     greedy reads them: highest first, and among equal logits the lowest token id first -- argmax's rule, so
     under greedy sampling the first alternative is the token chosen.  The row alone decides: ``topk``'s
@@ -121,7 +121,7 @@ class Sampler:
             for j, i in enumerate(want_lp):
                 n = rows[i].params.top_logprobs
                 if n:
-                    top[i] = _alternatives(logits[i], table[j], n)
+                    top[i] = alternatives(logits[i], table[j], n)
         return SamplerOutput(chosen.tolist(), logprobs, top)
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
