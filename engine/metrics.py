@@ -3,7 +3,7 @@ histograms.  The value types that carry them (``Counters``, ``Histogram``) are `
 
 Every figure flows one way::
 
-    counted (Counters / Histogram)  ->  EngineSnapshot (engine/driver.py)  ->  Node/Stats RPC
+    counted (Counters / Histogram)  ->  EngineSnapshot (engine/snapshot.py)  ->  Node/Stats RPC
                                                                         ->  /metrics (telemetry/exposition.py)
 
 A key is a declared name, or ``name.value`` for a metric with a label (``prompt_tokens.local_compute``):

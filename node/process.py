@@ -33,9 +33,10 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from decode_node.servicer import DecodeNodeServicer
-from engine.driver import EngineDriver, EngineSnapshot, snapshot
+from engine.driver import EngineDriver
 from engine.llm_engine import LLMEngine
 from engine.metrics import SPECS
+from engine.snapshot import EngineSnapshot, snapshot
 from node.config import READY_PREFIX, NodeConfig
 from node.stall import StallWatch
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc, types_pb2

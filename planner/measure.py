@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.driver import snapshot
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
+from engine.snapshot import snapshot
 from planner.profile import EngineShape, LinearCost, Profile, StepCost
 
 Progress = Callable[[str], None]

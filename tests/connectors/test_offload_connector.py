@@ -261,7 +261,7 @@ def test_bad_options_name_the_key() -> None:
 
 
 def test_stats_count_loads_saves_and_tier_traffic_for_the_node_metrics() -> None:
-    from engine.driver import snapshot
+    from engine.snapshot import snapshot
 
     llm = make_llm("cpu:64MiB?name=mem")  # the tier name keys its counters
     run(llm)

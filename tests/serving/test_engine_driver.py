@@ -16,13 +16,13 @@ from engine.driver import (
     EngineRequest,
     EngineStopped,
     RequestStream,
-    snapshot,
 )
 from engine.engine_config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.snapshot import snapshot
 from node.stall import StallWatch
 from tests.serving.helpers import engine_idle, pdkv_model, wait_until
 
