@@ -22,6 +22,7 @@ from router.auth import Access, Caller
 from router.events import Event
 from router.pipeline import Pipeline
 from router.streams import StreamWatch
+from serving.errors import CallRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -145,3 +146,59 @@ class IdleCutoff:
                 "http: a client read nothing of its response for %.0fs; cut",
                 self.streams.idle_timeout_s,
             )
+
+
+# gRPC's name for each HTTP status this API answers with: HTTP calls are counted in the router's
+# rpcs_total / errors_total beside the gRPC ones, in one vocabulary.
+_CODE_OF_STATUS = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    405: "UNIMPLEMENTED",
+    413: "INVALID_ARGUMENT",
+    422: "INVALID_ARGUMENT",
+    429: "RESOURCE_EXHAUSTED",
+    499: "CANCELLED",
+    500: "INTERNAL",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
+
+
+class CallCounting:
+    """ASGI wrapper: every HTTP call counted by ``"METHOD /route"`` (the route's template, never the
+    client's path: unknown paths are one "unrouted" label) and its status as gRPC names it; a response
+    the client left before its end (a stream it cancelled, or cut for not reading) is CANCELLED."""
+
+    def __init__(self, app: Any, calls: CallRecorder) -> None:
+        self.app = app
+        self.calls = calls
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        status: int | None = None
+        complete = False
+
+        async def watched(message: Any) -> None:
+            nonlocal status, complete
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        finally:
+            route = getattr(scope.get("route"), "path", None)
+            method = f"{scope.get('method', '')} {route}" if route else "unrouted"
+            if status is None or (status < 400 and not complete):
+                code = "CANCELLED"
+            elif status < 400:
+                code = "OK"
+            else:
+                code = _CODE_OF_STATUS.get(status, f"HTTP_{status}")
+            self.calls.record(method, code)

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.admission import Admission, ChatPrompt, GenerationRequest
 from router.auth import Access, Caller
-from router.http_scope import HttpCallScope, IdleCutoff, pipeline_events
+from router.http_scope import CallCounting, HttpCallScope, IdleCutoff, pipeline_events
 from router.nodes import pool_numerics
 from router.openai_errors import ApiError
 from router.openai_lora import adapter_cards, add_lora_routes
@@ -45,7 +45,7 @@ from router.openai_tokens import detokenize, tokenize, version
 from router.pipeline import Pipeline
 from router.streams import StreamWatch
 from router.tokenizer import RouterModel
-from serving.errors import ServingError
+from serving.errors import CallRecorder, ServingError
 
 
 def _union_branch(part: Any) -> bool:
@@ -63,10 +63,12 @@ def create_app(
     access: Access | None = None,
     streams: StreamWatch | None = None,
     admission: Admission | None = None,
+    calls: CallRecorder | None = None,
 ) -> Any:
     """The app; ``access`` decides who may call (open when None), ``streams`` cuts streams whose client
     reads nothing for its idle limit, ``admission`` is the router's one admission path, shared with the
-    gRPC front end (default: this model's, without a max_tokens_limit)."""
+    gRPC front end (default: this model's, without a max_tokens_limit), ``calls`` counts every call by
+    route and status (the router's rpcs_total)."""
     access = access if access is not None else Access()
     admission = admission if admission is not None else Admission(model)
     # The OpenAPI docs page (/docs, /openapi.json): every body's fields, served and refused alike.
@@ -214,9 +216,8 @@ def create_app(
             return await stream_response(events, scope, shape, asked.include_usage)
         return await whole_response(events, http, scope, shape)
 
-    if streams is None:
-        return app
-    return IdleCutoff(app, streams)
+    wrapped: Any = app if streams is None else IdleCutoff(app, streams)
+    return wrapped if calls is None else CallCounting(wrapped, calls)
 
 
 class HttpServer:

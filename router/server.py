@@ -200,6 +200,7 @@ class RouterRuntime:
             request_timeout_s=self.config.http_timeout_s,
             access=self.access,
             streams=self.streams,
+            calls=self.calls,
         )
 
     def update_health(self) -> None:

@@ -66,6 +66,9 @@ def rpc_errors(context: grpc.ServicerContext, calls: CallRecorder, method: str) 
     any exception maps to."""
     try:
         yield
+    except GeneratorExit:  # a streaming call's generator closed early: the client cancelled it
+        calls.record(method, grpc.StatusCode.CANCELLED.name)
+        raise
     except Exception as exc:
         code, message = status_for(exc)
         calls.record(method, code.name)

@@ -141,10 +141,12 @@ class RpcCounters:
         with self._lock:
             calls = sorted(self._calls.items())
         rpcs = CounterMetricFamily(
-            f"{prefix}_rpcs", "gRPC calls by method and status code", labels=["method", "code"]
+            f"{prefix}_rpcs",
+            "calls by method and status code (gRPC; HTTP on the router)",
+            labels=["method", "code"],
         )
         errors = CounterMetricFamily(
-            f"{prefix}_errors", "gRPC calls that ended with an error", labels=["method", "code"]
+            f"{prefix}_errors", "calls that ended with an error", labels=["method", "code"]
         )
         for (method, code), n in calls:
             rpcs.add_metric([method, code], float(n))

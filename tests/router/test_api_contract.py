@@ -26,6 +26,7 @@ from router.openai_schema import (
     CompletionRequest,
 )
 from router.tokenizer import RouterModel, load_model
+from telemetry.exposition import RpcCounters
 from tests.gguf_models import write_gguf
 from tests.tiny_models import pdkv_tiny_model_dir
 
@@ -527,6 +528,29 @@ def test_a_fault_of_the_server_s_own_is_a_500_in_openai_s_shape(
     error = answer.json()["error"]
     assert answer.status_code == 500 and error["type"] == "internal_error", answer.text
     assert "RuntimeError" in error["message"] and "secret" not in answer.text
+
+
+def test_http_calls_are_counted_by_route_and_status_beside_the_grpc_ones(model: RouterModel) -> None:
+    """The dashboard's "failed calls by code" reads rpcs_total: HTTP calls were counted nowhere, so every
+    refusal over the OpenAI API was invisible.  The route's template is the label, never the client's
+    path (unbounded), and the status goes by gRPC's name."""
+    calls = RpcCounters()
+    http = TestClient(create_app(SimpleNamespace(max_inflight=1), model, healthy=lambda: True, calls=calls))
+    assert http.get("/version").status_code == 200
+    assert http.post("/tokenize", json={"model": "tiny-chat", "prompt": "hi"}).status_code == 200
+    assert http.post("/v1/chat/completions", json={**CHAT, "best_of": 2}).status_code == 400
+    assert http.post("/tokenize", json={"model": "nope", "prompt": "hi"}).status_code == 404
+    assert http.get("/no/such/path/123").status_code == 404
+    [rpcs, errors] = calls.families("pdkv_router")
+    counted = {tuple(s.labels.values()): s.value for s in rpcs.samples}
+    assert counted == {
+        ("GET /version", "OK"): 1.0,
+        ("POST /tokenize", "OK"): 1.0,
+        ("POST /v1/chat/completions", "INVALID_ARGUMENT"): 1.0,
+        ("POST /tokenize", "NOT_FOUND"): 1.0,
+        ("unrouted", "NOT_FOUND"): 1.0,
+    }
+    assert {tuple(s.labels.values()) for s in errors.samples} == {k for k in counted if k[1] != "OK"}
 
 
 JSON_HEADERS = {"content-type": "application/json"}

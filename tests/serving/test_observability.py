@@ -9,6 +9,8 @@ pool is ``colocated``).  Nothing is timed: every wait is a condition with a dead
 
 from __future__ import annotations
 
+import json
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,6 +58,24 @@ def drive_disaggregated(cluster: Cluster) -> None:
         )
         for _ in range(2):
             client.generate(generate_request(PROMPT, PARAMS), timeout=60)
+    # The same once over HTTP, and one refusal: HTTP calls count in the router's rpcs_total too.
+    model = Path(pdkv_model()).name
+    assert http_post(cluster, {"model": model, "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True}) == 200
+    assert http_post(cluster, {"model": model, "prompt": PROMPT, "best_of": 2}) == 400
+
+
+def http_post(cluster: Cluster, body: dict[str, object]) -> int:
+    request = urllib.request.Request(
+        f"http://{cluster.http_address}/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            response.read()
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +130,17 @@ def test_every_process_serves_metrics_and_engines_and_routers_name_their_model(
             assert labels == ({None} if name == "kvstore" else {model}), name
     router = children["router"]
     # The router's length histograms count each request once, as the client was billed.
-    assert value(router, "pdkv_router_request_prompt_tokens_count") == 3
-    assert value(router, "pdkv_router_request_generation_tokens_sum") == 3 * PARAMS.max_tokens
+    assert value(router, "pdkv_router_request_prompt_tokens_count") == 4
+    assert value(router, "pdkv_router_request_generation_tokens_sum") == 4 * PARAMS.max_tokens
+    calls = {
+        (s.labels["method"], s.labels["code"]): s.value for s in router if s.name == "pdkv_router_rpcs_total"
+    }
+    assert calls[("Generate", "OK")] == 3 or calls[("GenerateUnary", "OK")] == 3, calls
+    assert (
+        calls[("POST /v1/completions", "OK")] == 1
+        and calls[("POST /v1/completions", "INVALID_ARGUMENT")] == 1
+    )
     # A decode node decodes (more than one token): it has decode times; a prefill node's one token none.
-    assert value(children["decode-0"], "pdkv_request_decode_time_seconds_count") == 3
+    assert value(children["decode-0"], "pdkv_request_decode_time_seconds_count") == 4
     assert value(children["prefill-0"], "pdkv_request_decode_time_seconds_count") == 0
     assert value(children["prefill-0"], "pdkv_request_prefill_time_seconds_count") >= 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -290,3 +291,26 @@ def test_round_robin_and_least_loaded() -> None:
     finally:
         for n in nodes:
             n.close()
+
+
+def test_a_streaming_call_the_client_cancels_is_counted_cancelled() -> None:
+    """grpcio closes a cancelled stream's generator (GeneratorExit, not an Exception): the call was counted
+    nowhere -- neither OK nor an error -- so a node's rpcs_total missed every cancelled Decode."""
+    from serving.errors import rpc_errors
+    from telemetry.exposition import RpcCounters
+
+    calls = RpcCounters()
+
+    def stream() -> Iterator[int]:
+        with rpc_errors(None, calls, "Decode"):  # type: ignore[arg-type]  # no abort on this path
+            yield 1
+            yield 2
+
+    whole = stream()
+    assert list(whole) == [1, 2]
+    cut = stream()
+    assert next(cut) == 1
+    cut.close()
+    families = {f.name: f for f in calls.families("pdkv_node")}
+    samples = {tuple(s.labels.values()): s.value for s in families["pdkv_node_rpcs"].samples}
+    assert samples == {("Decode", "OK"): 1.0, ("Decode", "CANCELLED"): 1.0}
