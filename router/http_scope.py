@@ -171,9 +171,11 @@ class CallCounting:
     client's path: unknown paths are one "unrouted" label) and its status as gRPC names it; a response
     the client left before its end (a stream it cancelled, or cut for not reading) is CANCELLED."""
 
-    def __init__(self, app: Any, calls: CallRecorder) -> None:
+    def __init__(self, app: Any, calls: CallRecorder, paths: set[str] | frozenset[str] = frozenset()) -> None:
+        """``paths``: the app's routes without parameters, to name a call answered before routing (a 401)."""
         self.app = app
         self.calls = calls
+        self.paths = paths
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope.get("type") != "http":
@@ -194,6 +196,8 @@ class CallCounting:
             await self.app(scope, receive, watched)
         finally:
             route = getattr(scope.get("route"), "path", None)
+            if route is None and scope.get("path") in self.paths:
+                route = scope["path"]
             method = f"{scope.get('method', '')} {route}" if route else "unrouted"
             if status is None or (status < 400 and not complete):
                 code = "CANCELLED"

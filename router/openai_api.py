@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.admission import Admission, ChatPrompt, GenerationRequest
 from router.auth import Access, Caller
+from router.http_gate import HttpGate
 from router.http_scope import CallCounting, HttpCallScope, IdleCutoff, pipeline_events
 from router.nodes import pool_numerics
 from router.openai_errors import ApiError
@@ -125,12 +126,11 @@ def create_app(
         kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
         error = ApiError(exc.status_code, str(exc.detail), kind=kind)
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
-            try:  # FastAPI's answer to bytes json.loads cannot decode: say where, as for bad JSON
+            try:  # FastAPI's answer to bytes json.loads cannot take: not UTF-8, or nested too deeply
                 (await http.body()).decode("utf-8")
-                where = ""
+                error = ApiError.invalid("body", "JSON this server cannot parse (nested too deeply)")
             except UnicodeDecodeError as bad:
-                where = f" at byte {bad.start}"
-            error = ApiError.invalid("body", f"not valid JSON{where} (JSON text is UTF-8)")
+                error = ApiError.invalid("body", f"not valid JSON at byte {bad.start} (JSON text is UTF-8)")
         return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.get("/health")
@@ -145,8 +145,9 @@ def create_app(
         except ServingError as exc:
             raise ApiError.from_serving(exc) from None
 
-    # A dependency: FastAPI resolves it before it validates the body, so a caller without a key learns
-    # nothing about the request's shape (a 401, never a detailed 400).
+    # The caller a route runs for.  HttpGate (router/http_gate.py) has refused a request without a valid
+    # key already, before its body was read: a caller without a key learns nothing about the request's
+    # shape (a 401, never a detailed 400) and costs no buffering.
     authenticated = Depends(caller_of)
 
     def numerics() -> tuple[str, bool]:
@@ -217,7 +218,11 @@ def create_app(
         return await whole_response(events, http, scope, shape)
 
     wrapped: Any = app if streams is None else IdleCutoff(app, streams)
-    return wrapped if calls is None else CallCounting(wrapped, calls)
+    wrapped = HttpGate(wrapped, access)  # the key, then the body's size, before FastAPI reads the body
+    if calls is None:
+        return wrapped
+    static = {path for path in (getattr(r, "path", "") for r in app.routes) if path and "{" not in path}
+    return CallCounting(wrapped, calls, static)
 
 
 class HttpServer:

@@ -6,6 +6,7 @@ so a field a new SDK adds fails here until it is classified.  Plus ``/tokenize``
 from __future__ import annotations
 
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,6 +17,8 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from pydantic import ValidationError
 
+from router.auth import Access, Tenant, key_digest
+from router.http_gate import HttpGate
 from router.openai_api import create_app
 from router.openai_errors import ApiError
 from router.openai_requests import chat_request, completion_request
@@ -551,6 +554,46 @@ def test_http_calls_are_counted_by_route_and_status_beside_the_grpc_ones(model: 
         ("unrouted", "NOT_FOUND"): 1.0,
     }
     assert {tuple(s.labels.values()) for s in errors.samples} == {k for k in counted if k[1] != "OK"}
+
+
+def test_the_key_and_the_body_s_size_are_checked_before_the_body_is_read(model: RouterModel) -> None:
+    """A caller without a key gets its 401 before the router reads (buffers) the body, whatever the body
+    holds (a security probe sent 400 MB and got a detailed 400); a body past the limit is a 413 naming it."""
+    key = "sk-test-gate"
+    access = Access({key_digest(key): Tenant("acme")})
+    served = create_app(SimpleNamespace(max_inflight=1), model, healthy=lambda: True, access=access)
+    assert isinstance(served, HttpGate)  # the app as the router serves it: gated
+    gated = HttpGate(served.app, access, max_body_bytes=1000)  # a small limit for the test
+    read: list[int] = []
+
+    async def reading(scope: Any, receive: Any, send: Any) -> None:
+        async def counted() -> Any:
+            message = await receive()
+            read.append(len(message.get("body", b"")))
+            return message
+
+        await gated(scope, counted, send)
+
+    http = TestClient(reading)
+    bad = http.post("/v1/completions", content=b"{not json", headers=JSON_HEADERS)
+    assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error", bad.text
+    assert "JSON" not in bad.text
+    body = {"model": "tiny-chat", "prompt": "hi"}
+    wrong = http.post("/tokenize", json=body, headers={"authorization": "Bearer no"})
+    assert wrong.status_code == 401 and read == [], "nothing of a refused call's body is read"
+    auth = {"authorization": f"Bearer {key}"}
+    ok = http.post("/tokenize", json={"model": "tiny-chat", "prompt": "hi"}, headers=auth)
+    assert ok.status_code == 200, ok.text
+    big = http.post("/tokenize", content=b"x" * 1001, headers={**auth, **JSON_HEADERS})
+    assert big.status_code == 413 and big.json()["error"]["param"] == "body", big.text
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        for _ in range(5):
+            yield b"y" * 300
+
+    streamed = http.post("/tokenize", content=chunks(), headers={**auth, **JSON_HEADERS})
+    assert streamed.status_code == 413, streamed.text
+    assert http.get("/health").status_code == 200  # probes need no key
 
 
 JSON_HEADERS = {"content-type": "application/json"}
