@@ -141,6 +141,10 @@ class HashNamespace:
         return self.root.hex()[:32]
 
 
+# The longest cache salt a front end takes (characters): a tenant's name and a client's own salt fit.
+MAX_CACHE_SALT_LEN = 256
+
+
 def extra_keys(block_index: int, *, cache_salt: str | None, adapter: AdapterId | None) -> bytes:
     """The canonical extra-key bytes of block ``block_index`` (empty for a plain block)."""
     out = b""

@@ -24,6 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from engine.hashing import MAX_CACHE_SALT_LEN
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutput
 
@@ -152,7 +153,7 @@ class _Sampling(RequestBody):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_LEN)
     # pdkv extensions (vLLM's names): top_k, min_p, ignore_eos, stop_token_ids, repetition_penalty,
     # min_tokens.
     repetition_penalty: float | None = None

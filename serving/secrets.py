@@ -5,12 +5,38 @@ variables naming files; no secret ever travels in argv)."""
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from secrets import token_hex, token_urlsafe
 
-from serving.tls import write_private
+from serving.tls import check_hosts, write_private
+
+# What a folder of credentials holds: any of them there means the folder is a cluster's already.
+ENTRIES = ("api-key", "api-keys.toml", "cluster-secret", "tls", "curve")
+
+
+def holds_credentials(folder: Path) -> bool:
+    return any((folder / name).exists() for name in ENTRIES)
+
+
+def own_folder(folder: Path, *, recursive: bool = True) -> None:
+    """Refuse to write secrets where another user could read or replace them: a folder (or anything in
+    it, when ``recursive``) this user does not own -- 0600 protects nothing in a file someone else owns
+    -- or a path that is not a folder.  A missing folder is fine (it is made 0700)."""
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        raise ValueError(f"{folder} is not a folder (or is a symbolic link): give a folder of your own")
+    if not folder.exists():
+        return
+    uid = os.geteuid()
+    for path in (folder, *(folder.rglob("*") if recursive else ())):
+        owner = path.lstat().st_uid
+        if owner != uid:
+            raise ValueError(
+                f"{path} belongs to uid {owner}, not to this user ({uid}): credentials written there could "
+                "be read or replaced by its owner; use a folder of your own"
+            )
 
 
 @dataclass(frozen=True)
@@ -37,6 +63,8 @@ class Secrets:
         from serving.tls import write_tls_folder
         from wire.curve import write_curve_folder
 
+        own_folder(folder)
+        check_hosts(hosts)  # before anything is written: a half-written folder would look kept
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         folder.chmod(0o700)
         write_tls_folder(folder / "tls", hosts)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,25 @@ def add_port(server: grpc.Server, address: str, tls: TLSFolder | None, *, mutual
     return int(server.add_secure_port(address, tls.server_credentials(mutual=mutual)))
 
 
+# A host name a certificate can carry: dot-separated labels of letters, digits and inner hyphens, an
+# optional leading wildcard label.
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_DNS_NAME = re.compile(rf"(\*\.)?{_LABEL}(\.{_LABEL})*\.?")
+
+
+def check_hosts(hosts: Sequence[str]) -> None:
+    """Each host an IP address or a DNS name: a certificate for "a b" or "1.2.3.4/24" names nothing."""
+    for host in hosts:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            if not _DNS_NAME.fullmatch(host):
+                raise ValueError(
+                    f"host {host!r} is neither an IP address nor a DNS name (letters, digits, '-', '.', "
+                    "a leading '*.')"
+                ) from None
+
+
 def write_tls_folder(folder: Path, hosts: Sequence[str], *, days: int = 365) -> TLSFolder:
     """A fresh CA, a server certificate for ``hosts`` (names or IPs; localhost and loopback always) and a
     client certificate, written 0600 into ``folder`` (0700).  The CA key is discarded."""
@@ -113,6 +133,7 @@ def write_tls_folder(folder: Path, hosts: Sequence[str], *, days: int = 365) -> 
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+    check_hosts(hosts)
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     folder.chmod(0o700)
     now = datetime.datetime.now(datetime.UTC)

@@ -38,10 +38,10 @@ def register(subparsers: Any) -> None:
 
 
 def _write(args: argparse.Namespace) -> int:
-    from serving.secrets import Secrets
+    from serving.secrets import Secrets, holds_credentials
 
     folder = Path(args.folder)
-    if (folder / "api-key").is_file():
+    if folder.is_dir() and holds_credentials(folder):
         if args.keep:
             print(f"pdkv secrets: {folder} already holds credentials; kept", file=sys.stderr)
             return 0

@@ -17,6 +17,7 @@ table may not set, and every child's settings are checked before anything starts
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from typing import Any
@@ -148,9 +149,13 @@ def _up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from pdkv.launcher import Cluster, Topology, run_until_signal
+    from router.auth import KEYS_ENV
     from wire.endpoints import parse_address
 
     host, port = parse_address(args.router_address, "--router-address")
+    if args.secure and os.environ.get(KEYS_ENV):
+        # The router would take these keys beside the cluster's own: tenants nobody asked for.
+        raise ValueError(f"${KEYS_ENV} is set and --secure uses the cluster's own API key; unset it")
     topology = Topology(
         mode=args.mode,
         num_prefill=args.prefill if args.mode == "disaggregated" else 0,
@@ -201,11 +206,13 @@ def _up(args: argparse.Namespace) -> int:
                 f'-H "Authorization: Bearer $(cat {s.folder}/api-key)" https://{c.http_address}/v1/models',
                 flush=True,
             )
-        print(
-            f'pdkv up: try: pdkv generate --server {c.router_address} "Hello"   (Ctrl-C stops everything)',
-            file=sys.stderr,
-            flush=True,
-        )
+        else:  # a secure cluster's try line is the one above, with its key and CA
+            print(
+                f'pdkv up: try: pdkv generate --server {c.router_address} "Hello"'
+                "   (Ctrl-C stops everything)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     return run_until_signal(cluster, ready)
 

@@ -51,7 +51,7 @@ from pdkv.launcher.topology import (
     connector_stack,
 )
 from serving.health import wait_healthy
-from serving.secrets import Secrets
+from serving.secrets import Secrets, own_folder
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class Cluster:
         # Logs and the store's disk tier go to log_dir when given (kept), else to a folder removed at stop.
         self._own_dir = topology.log_dir is None
         self.run_dir = Path(topology.log_dir or tempfile.mkdtemp(prefix="pdkv-up-"))
+        own_folder(self.run_dir, recursive=False)  # its logs, the disk tier's KV, --secure's credentials
         self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.run_dir.chmod(0o700)  # logs, the store's disk tier: the owner's only
         self.processes: list[Process] = []

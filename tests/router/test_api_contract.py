@@ -11,12 +11,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import pytest
 from fastapi.testclient import TestClient
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from pydantic import ValidationError
 
+from engine.hashing import MAX_CACHE_SALT_LEN
 from router.auth import Access, Tenant, key_digest
 from router.http_gate import HttpGate
 from router.openai_api import create_app
@@ -191,6 +193,22 @@ def _with_unknown_field(msg: Any, number: int = 1007) -> bytes:
         if not tag:
             break
     return bytes(msg.SerializeToString() + bytes(varint) + b"\x05")
+
+
+def test_a_cache_salt_past_the_limit_is_refused_on_grpc_as_over_http() -> None:
+    """HTTP caps the salt at MAX_CACHE_SALT_LEN; gRPC took a megabyte, which then failed past the prefill
+    as a decode-node outage ("retry later") once the node message outgrew gRPC's 4 MB."""
+    from pdkv_proto.pdkv.v1 import generation_pb2
+    from router.servicer import generation_request
+    from serving.errors import ServingError
+
+    ok = generation_request(generation_pb2.GenerateRequest(text="hi", cache_salt="s" * MAX_CACHE_SALT_LEN))
+    assert ok.cache_salt == "s" * MAX_CACHE_SALT_LEN
+    long = "s" * (MAX_CACHE_SALT_LEN + 1)
+    with pytest.raises(ServingError) as info:
+        generation_request(generation_pb2.GenerateRequest(text="hi", cache_salt=long))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.message.startswith("cache_salt: must be at most")
 
 
 def test_grpc_refuses_a_field_it_does_not_know_naming_it() -> None:

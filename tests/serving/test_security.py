@@ -357,3 +357,44 @@ def test_garbage_grpc_bytes_are_logged_once_without_a_traceback(cluster: Cluster
     # answered INVALID_ARGUMENT (serving/errors.py's UndecodableRequests), logged once a minute
     assert log.count("/pdkv.v1.Generation/GenerateUnary did not parse") == 1, log[-3000:]
     assert "Traceback" not in log
+
+
+def test_pdkv_up_secure_refuses_keys_inherited_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The router reads $PDKV_API_KEYS beside its keys file: under --secure an inherited variable added
+    tenants to the cluster's own key, silently (a probe got 200 with a stale dev key)."""
+    from pdkv.cli import main
+
+    monkeypatch.setenv("PDKV_API_KEYS", "sk-stale-dev-key=dev")
+    assert main(["up", "--secure", "--metrics-ports", "none"]) == 2
+    assert "PDKV_API_KEYS is set and --secure" in capsys.readouterr().err
+
+
+def test_secrets_write_keeps_any_folder_of_credentials_and_refuses_other_users_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--keep kept only a folder with an api-key file: one whose clients' key was removed (the keys file
+    holds digests) was overwritten, CA and all.  A folder another user owns is refused -- 0600 protects
+    nothing in a file its owner can read; and a file where the folder should be is a clear error."""
+    from pdkv.cli import main
+
+    folder = tmp_path / "sec"
+    assert main(["secrets", "write", str(folder)]) == 0
+    (folder / "api-key").unlink()
+    ca = (folder / "tls" / "ca.pem").read_bytes()
+    assert main(["secrets", "write", str(folder), "--keep"]) == 0
+    assert (folder / "tls" / "ca.pem").read_bytes() == ca and not (folder / "api-key").exists()
+    assert main(["secrets", "write", str(folder)]) == 1  # without --keep: refused, not overwritten
+    assert main(["secrets", "write", str(tmp_path / "hosts"), "--hosts", "router,a b"]) == 2
+    assert "'a b' is neither an IP address nor a DNS name" in capsys.readouterr().err
+    assert not (tmp_path / "hosts").exists()
+    (tmp_path / "afile").write_text("x")
+    assert main(["secrets", "write", str(tmp_path / "afile")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(theirs).st_uid + 1)  # as if another user made it
+    assert main(["secrets", "write", str(theirs)]) == 2
+    assert "not to this user" in capsys.readouterr().err
+    assert not any(theirs.iterdir())
