@@ -69,14 +69,22 @@ def _node_failed(code: grpc.StatusCode, cancellation: Cancellation) -> bool:
     return code in RETRYABLE or (code == grpc.StatusCode.CANCELLED and not cancellation.cancelled)
 
 
-def _observe_latency(latency: RequestLatency, event: Event) -> None:
-    """Tell one call's latency clock about an event it yields (the client's view, lengths included)."""
-    now = time.perf_counter()
-    if isinstance(event, Done):
-        u = event.usage
-        latency.finish(now, prompt_tokens=u.prompt_tokens, generation_tokens=u.completion_tokens)
-    elif event.token_ids:
-        latency.tokens(len(event.token_ids), now)
+def _observed(latency: RequestLatency, n: int, events: Iterator[Event]) -> Iterator[Event]:
+    """``events`` as they are, told to the request's latency clock on the way (the client's view): its
+    first token, each choice's gaps, and -- once every one of its ``n`` choices is done -- its end, its
+    prompt once and its choices' tokens summed, as the client is billed (``total_usage``)."""
+    done, prompt, generated = 0, 0, 0
+    for event in events:
+        now = time.perf_counter()
+        if isinstance(event, Done):
+            done += 1
+            prompt = prompt or event.usage.prompt_tokens
+            generated += event.usage.completion_tokens
+            if done == n:
+                latency.finish(now, prompt_tokens=prompt, generation_tokens=generated)
+        elif event.token_ids:
+            latency.tokens(len(event.token_ids), now, event.index)
+        yield event
 
 
 class Pipeline:
@@ -135,11 +143,14 @@ class Pipeline:
         to return.  ``request`` passed admission (``router/admission.py``: max_tokens_limit and max_n
         included).  Every choice counts against ``max_inflight``: each is a sequence in a batch."""
         self._admit(request.n)
+        latency = self.latency.start(time.perf_counter())
         if request.n > 1:
-            yield from run_choices(request, scope, self._run_choice, self._release)
+            yield from _observed(
+                latency, request.n, run_choices(request, scope, self._run_choice, self._release)
+            )
             return
         try:
-            yield from self._run(request, scope, Placement())
+            yield from _observed(latency, 1, self._run(request, scope, Placement()))
         finally:
             self._release()
 
@@ -157,11 +168,7 @@ class Pipeline:
         request = dataclasses.replace(request, request_id=f"pdkv-{uuid.uuid4().hex}")
         cancellation = Cancellation(scope)
         run = self._disaggregated if self.mode == "disaggregated" else self._colocated
-        start = time.perf_counter()
-        latency = self.latency.start(start)
-        for event in run(request, scope, cancellation, start, placement):
-            _observe_latency(latency, event)
-            yield event
+        yield from run(request, scope, cancellation, time.perf_counter(), placement)
         cancellation.finish()
 
     def _admit(self, n: int = 1) -> None:

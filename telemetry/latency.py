@@ -60,7 +60,7 @@ class LatencyTracker:
 class RequestLatency:
     """One request's clock.  Not thread-safe: the request's owner calls it."""
 
-    __slots__ = ("_h", "first", "last", "start", "tokens_seen")
+    __slots__ = ("_choices", "_h", "first", "last", "start", "tokens_seen")
 
     def __init__(self, tracker: LatencyTracker, start: float) -> None:
         self._h = tracker.histograms
@@ -68,14 +68,26 @@ class RequestLatency:
         self.first: float | None = None
         self.last = start
         self.tokens_seen = 0
+        self._choices: dict[int, float] | None = None  # choice -> its last token's time, once a 2nd shows
 
-    def tokens(self, n: int, now: float) -> None:
-        """``n`` (> 0) new tokens reached the request's consumer at ``now``."""
+    def tokens(self, n: int, now: float, choice: int = 0) -> None:
+        """``n`` (> 0) new tokens of the request's ``choice`` (of its n) reached its consumer at ``now``.
+        The request's first token is its time to first token; each choice's later tokens are that
+        choice's inter-token gaps (choices interleave: a gap between two of them is no gap of either)."""
         if self.first is None:
             self.first = now
             self._h[TTFT].observe(now - self.start)
-        else:
+            if choice:
+                self._choices = {choice: now}
+        elif choice == 0 and self._choices is None:
             self._h[ITL].observe(now - self.last)
+        else:
+            if self._choices is None:
+                self._choices = {0: self.last}
+            previous = self._choices.get(choice)
+            if previous is not None:
+                self._h[ITL].observe(now - previous)
+            self._choices[choice] = now
         self.last = now
         self.tokens_seen += n
 

@@ -60,7 +60,8 @@ def drive_disaggregated(cluster: Cluster) -> None:
             client.generate(generate_request(PROMPT, PARAMS), timeout=60)
     # The same once over HTTP, and one refusal: HTTP calls count in the router's rpcs_total too.
     model = Path(pdkv_model()).name
-    assert http_post(cluster, {"model": model, "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True}) == 200
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True, "n": 2}
+    assert http_post(cluster, body) == 200
     assert http_post(cluster, {"model": model, "prompt": PROMPT, "best_of": 2}) == 400
 
 
@@ -129,9 +130,12 @@ def test_every_process_serves_metrics_and_engines_and_routers_name_their_model(
             # The store keeps blocks of any model: its series carry none.
             assert labels == ({None} if name == "kvstore" else {model}), name
     router = children["router"]
-    # The router's length histograms count each request once, as the client was billed.
+    # The router's histograms count each request once, its prompt once and its choices' tokens summed, as
+    # the client was billed (the HTTP request has n=2: it counted twice, its prompt twice).
     assert value(router, "pdkv_router_request_prompt_tokens_count") == 4
-    assert value(router, "pdkv_router_request_generation_tokens_sum") == 4 * PARAMS.max_tokens
+    assert value(router, "pdkv_router_e2e_request_latency_seconds_count") == 4
+    assert value(router, "pdkv_router_time_to_first_token_seconds_count") == 4
+    assert value(router, "pdkv_router_request_generation_tokens_sum") == (3 + 2) * PARAMS.max_tokens
     calls = {
         (s.labels["method"], s.labels["code"]): s.value for s in router if s.name == "pdkv_router_rpcs_total"
     }
@@ -141,6 +145,6 @@ def test_every_process_serves_metrics_and_engines_and_routers_name_their_model(
         and calls[("POST /v1/completions", "INVALID_ARGUMENT")] == 1
     )
     # A decode node decodes (more than one token): it has decode times; a prefill node's one token none.
-    assert value(children["decode-0"], "pdkv_request_decode_time_seconds_count") == 4
+    assert value(children["decode-0"], "pdkv_request_decode_time_seconds_count") == 5  # a choice each
     assert value(children["prefill-0"], "pdkv_request_decode_time_seconds_count") == 0
     assert value(children["prefill-0"], "pdkv_request_prefill_time_seconds_count") >= 1

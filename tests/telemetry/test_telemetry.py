@@ -71,6 +71,22 @@ def test_a_request_clock_observes_ttft_itl_tpot_and_e2e() -> None:
     assert snap[TPOT].total == pytest.approx(1.0) and snap[TPOT].count == 1
 
 
+def test_a_request_of_several_choices_has_one_first_token_and_each_choice_s_own_gaps() -> None:
+    """n choices interleave: the request's first token is its TTFT, once; a gap is between two tokens of
+    one choice (one choice's token after another's is no inter-token latency of either)."""
+    tracker = LatencyTracker({name: Histogram((1.0, 10.0)) for name in REQUEST_LATENCIES})
+    latency = tracker.start(100.0)
+    latency.tokens(1, 100.5, choice=0)  # ttft 0.5
+    latency.tokens(1, 100.7, choice=1)  # choice 1's first token: no gap
+    latency.tokens(1, 101.5, choice=0)  # choice 0: 1.0
+    latency.tokens(1, 101.9, choice=1)  # choice 1: 1.2
+    latency.finish(102.0)
+    snap = tracker.snapshot()
+    assert snap[TTFT].count == 1 and snap[TTFT].total == 0.5
+    assert snap[ITL].count == 2 and snap[ITL].total == pytest.approx(2.2)
+    assert snap[E2E].count == 1
+
+
 def test_a_request_without_tokens_observes_only_its_end() -> None:
     tracker = LatencyTracker({name: Histogram((1.0,)) for name in REQUEST_LATENCIES})
     tracker.start(0.0).finish(3.0)
