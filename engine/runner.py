@@ -196,7 +196,7 @@ class ModelRunner:
             picked = logp.gather(1, self._tensor(chunk).unsqueeze(1)).squeeze(1)
             logprobs.extend(picked.tolist())
             if k:  # each position's own, ties as greedy breaks them (never by the slice's shape)
-                tops.extend(alternatives(logits[r], logp[r], k) for r in range(len(chunk)))
+                tops.extend(alternatives(logits, logp, [k] * len(chunk)))
             else:
                 tops.extend(() for _ in chunk)
         return PromptScores(sr.start_position + 1, logprobs, tops)

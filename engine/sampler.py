@@ -69,16 +69,32 @@ class SamplerOutput:
     top_logprobs: list[TopLogprobs | None]  # None where it did not ask for alternatives
 
 
-def alternatives(logits: torch.Tensor, table: torch.Tensor, n: int) -> TopLogprobs:
-    """A row's ``n`` most likely tokens and their log-probabilities (``table``), ordered by the logits as
-    greedy reads them: highest first, and among equal logits the lowest token id first -- argmax's rule, so
-    under greedy sampling the first alternative is the token chosen.  The row alone decides: ``topk``'s
-    order among ties (bfloat16 logits tie often) changed with the batch's largest ``k``."""
-    threshold = logits.topk(n).values[-1]
-    candidates = (logits >= threshold).nonzero()[:, 0]  # ascending token ids: every tie at the cut
-    order = torch.sort(logits[candidates], descending=True, stable=True).indices[:n]
-    ids = candidates[order]
-    return tuple(zip(ids.tolist(), table[ids].tolist(), strict=True))
+def alternatives(logits: torch.Tensor, table: torch.Tensor, counts: Sequence[int]) -> list[TopLogprobs]:
+    """Each row's ``counts[r]`` most likely tokens and their log-probabilities (``table``), ordered by the
+    logits as greedy reads them: highest first, and among equal logits the lowest token id first --
+    argmax's rule, so under greedy sampling the first alternative is the token chosen.  A row's answer is
+    its own: ``topk``'s order among ties (bfloat16 logits tie often) followed the batch's largest count.
+    One ``topk`` for the batch; a row whose first count + 1 values hold a tie takes the exact path."""
+    out: list[TopLogprobs] = [() for _ in counts]
+    k = min(max(counts, default=0) + 1, logits.shape[-1])
+    if k <= 1:
+        return out
+    values, ids = logits.topk(k, dim=-1)
+    picked = table.gather(1, ids)
+    rows = zip(values.tolist(), ids.tolist(), picked.tolist(), strict=True)
+    for r, (vals, row_ids, lps) in enumerate(rows):
+        n = counts[r]
+        if not n:
+            continue
+        if all(vals[i] != vals[i + 1] for i in range(min(n, k - 1))):  # no tie within or at the cut
+            out[r] = tuple(zip(row_ids[:n], lps[:n], strict=True))
+            continue
+        threshold = vals[n - 1]
+        candidates = (logits[r] >= threshold).nonzero()[:, 0]  # ascending ids: every tie at the cut
+        order = torch.sort(logits[r][candidates], descending=True, stable=True).indices[:n]
+        chosen = candidates[order]
+        out[r] = tuple(zip(chosen.tolist(), table[r][chosen].tolist(), strict=True))
+    return out
 
 
 class Sampler:
@@ -114,14 +130,16 @@ class Sampler:
         top: list[TopLogprobs | None] = [None] * len(rows)
         if want_lp:
             idx = torch.tensor(want_lp, device=logits.device)
-            table = logits[idx].log_softmax(dim=-1)  # [n, V]
+            selected = logits[idx]
+            table = selected.log_softmax(dim=-1)  # [n, V]
             lp = table.gather(1, chosen[idx, None])[:, 0]  # [n]
             for i, value in zip(want_lp, lp.tolist(), strict=True):
                 logprobs[i] = value
-            for j, i in enumerate(want_lp):
-                n = rows[i].params.top_logprobs
-                if n:
-                    top[i] = alternatives(logits[i], table[j], n)
+            counts = [rows[i].params.top_logprobs for i in want_lp]
+            if any(counts):
+                for i, alts in zip(want_lp, alternatives(selected, table, counts), strict=True):
+                    if rows[i].params.top_logprobs:
+                        top[i] = alts
         return SamplerOutput(chosen.tolist(), logprobs, top)
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -291,11 +291,11 @@ def run_node(config: NodeConfig) -> int:
     stall = StallWatch(node.driver, node.set_serving)
     try:
         while not stop.wait(0.5):
-            stall.check()
             if node.driver.error is not None:
                 logger.error("engine loop died (%s); stopping the node", node.driver.error)
                 node.set_serving(False)
                 return 1
+            stall.check()  # after the error: a stalled step that ends by raising never serves again
         node.drain()
         print(node.totals_line(), flush=True)
     finally:

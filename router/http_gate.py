@@ -3,10 +3,10 @@
 FastAPI reads and parses a request's whole body before it resolves a route's dependencies, so a key
 checked as a dependency came after the router had buffered whatever a caller sent -- a caller without a
 key could make it hold hundreds of megabytes, and learn the body's faults (a detailed 400) before its
-401.  This ASGI wrapper answers 401 from the headers alone, and 413 once a body passes
-``MAX_BODY_BYTES`` (by its Content-Length, or as it arrives), without reading further; a body within it
-is read here and handed to the app whole.  ``/health`` (for
-probes) and the API's schema pages stay open.
+401.  This ASGI wrapper answers 401 from the headers alone (the first Authorization header, as the
+routes read it), and 413 once a body passes ``MAX_BODY_BYTES`` (by its Content-Length, or as it
+arrives), without reading further; a body within it is read here and handed to the app whole.
+``/health`` (for probes), ``/version`` and the API's schema pages stay open, as vLLM's.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from serving.errors import ServingError
 # ids are ~1 MB of text), far below what would hurt the router to buffer.
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
-OPEN_PATHS = frozenset({"/health", "/docs", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/version", "/docs", "/openapi.json"})
 
 
 async def _answer(send: Any, error: ApiError) -> None:
@@ -54,7 +54,9 @@ class HttpGate:
         if scope.get("type") != "http" or scope.get("path") in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        headers: dict[str, str] = {}
+        for k, v in scope.get("headers", ()):  # the first of a repeated header, as the routes read it
+            headers.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
         client = scope.get("client")
         peer = f"{client[0]}:{client[1]}" if client else ""
         try:

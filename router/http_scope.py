@@ -166,6 +166,9 @@ _CODE_OF_STATUS = {
 }
 
 
+_METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH"})
+
+
 class CallCounting:
     """ASGI wrapper: every HTTP call counted by ``"METHOD /route"`` (the route's template, never the
     client's path: unknown paths are one "unrouted" label) and its status as gRPC names it; a response
@@ -198,7 +201,8 @@ class CallCounting:
             route = getattr(scope.get("route"), "path", None)
             if route is None and scope.get("path") in self.paths:
                 route = scope["path"]
-            method = f"{scope.get('method', '')} {route}" if route else "unrouted"
+            verb = scope.get("method", "")  # h11 takes any token as a method: never a label of its own
+            method = f"{verb} {route}" if route and verb in _METHODS else "unrouted"
             if status is None or (status < 400 and not complete):
                 code = "CANCELLED"
             elif status < 400:

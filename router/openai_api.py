@@ -128,7 +128,8 @@ def create_app(
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
             try:  # FastAPI's answer to bytes json.loads cannot take: not UTF-8, or nested too deeply
                 (await http.body()).decode("utf-8")
-                error = ApiError.invalid("body", "JSON this server cannot parse (nested too deeply)")
+                problem = "JSON this server cannot parse (nested too deeply, or a number too long)"
+                error = ApiError.invalid("body", problem)
             except UnicodeDecodeError as bad:
                 error = ApiError.invalid("body", f"not valid JSON at byte {bad.start} (JSON text is UTF-8)")
         return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))

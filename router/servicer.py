@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 
 from engine import structured
+from engine.hashing import MAX_CACHE_SALT_LEN
 from engine.tokenizer import Tokenizer
 from pdkv_proto.pdkv.v1 import generation_pb2, generation_pb2_grpc, types_pb2
 from router.adapters import RouterAdapters
@@ -244,10 +245,19 @@ def generation_request(request: generation_pb2.GenerateRequest) -> GenerationReq
         prompt=prompt,
         fields=FIELDS,
         sampling=convert.sampling_options(request.sampling),
-        cache_salt=convert.cache_salt(request),
+        cache_salt=_client_salt(request),
         n=request.n or 1,
         adapter=(request.adapter or None) if request.HasField("adapter") else None,
     )
+
+
+def _client_salt(request: generation_pb2.GenerateRequest) -> str | None:
+    """The client's salt, at most MAX_CACHE_SALT_LEN characters as over HTTP (a megabyte salt failed past
+    the prefill as a decode outage).  The nodes take what the router forwards: the tenant's tag too."""
+    salt = convert.cache_salt(request)
+    if salt is not None and len(salt) > MAX_CACHE_SALT_LEN:
+        raise invalid("cache_salt", f"must be at most {MAX_CACHE_SALT_LEN} characters, got {len(salt)}")
+    return salt
 
 
 def _prompt_logprobs(delta: Delta) -> types_pb2.PromptLogprobs:

@@ -19,7 +19,6 @@ from engine.connector.params import (
     TransferParamsError,
     decode_transfer_params,
 )
-from engine.hashing import MAX_CACHE_SALT_LEN
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, TopLogprobs
 from engine.structured import StructuredOutput
@@ -108,8 +107,6 @@ def cache_salt(msg: Any, field: str = "cache_salt") -> str | None:
         return None
     if not msg.cache_salt:
         raise invalid(field, "must be non-empty when set (leave it unset for no salt)")
-    if len(msg.cache_salt) > MAX_CACHE_SALT_LEN:  # as the HTTP API: a megabyte salt failed as an outage
-        raise invalid(field, f"must be at most {MAX_CACHE_SALT_LEN} characters, got {len(msg.cache_salt)}")
     return str(msg.cache_salt)
 
 

@@ -68,7 +68,8 @@ class RequestLatency:
         self.first: float | None = None
         self.last = start
         self.tokens_seen = 0
-        self._choices: dict[int, float] | None = None  # choice -> its last token's time, once a 2nd shows
+        # Once a second choice shows (a request of n): choice -> [its first token's time, its last's, tokens]
+        self._choices: dict[int, list[float]] | None = None
 
     def tokens(self, n: int, now: float, choice: int = 0) -> None:
         """``n`` (> 0) new tokens of the request's ``choice`` (of its n) reached its consumer at ``now``.
@@ -77,19 +78,29 @@ class RequestLatency:
         if self.first is None:
             self.first = now
             self._h[TTFT].observe(now - self.start)
-            if choice:
-                self._choices = {choice: now}
         elif choice == 0 and self._choices is None:
             self._h[ITL].observe(now - self.last)
-        else:
-            if self._choices is None:
-                self._choices = {0: self.last}
-            previous = self._choices.get(choice)
-            if previous is not None:
-                self._h[ITL].observe(now - previous)
-            self._choices[choice] = now
+        if choice or self._choices is not None:
+            if self._choices is None:  # choice 0's tokens so far, if any, as one run
+                seen = float(self.tokens_seen)
+                self._choices = {0: [self.first, self.last, seen]} if seen else {}
+            run = self._choices.get(choice)
+            if run is None:
+                self._choices[choice] = [now, now, float(n)]
+            else:
+                self._h[ITL].observe(now - run[1])
+                run[1], run[2] = now, run[2] + n
         self.last = now
         self.tokens_seen += n
+
+    def _per_token(self) -> float | None:
+        """Time per output token after the first: the request's, or its choices' mean (each its own)."""
+        if self._choices is None:
+            if self.first is None or self.tokens_seen <= 1:
+                return None
+            return (self.last - self.first) / (self.tokens_seen - 1)
+        each = [(last - first) / (count - 1) for first, last, count in self._choices.values() if count > 1]
+        return sum(each) / len(each) if each else None
 
     def finish(
         self,
@@ -102,8 +113,9 @@ class RequestLatency:
         """The request ended at ``now`` (call once).  ``scheduled``: when it was first scheduled (the
         prefill phase runs from there to the first token); the lengths: its prompt and its output."""
         self._h[E2E].observe(now - self.start)
-        if self.first is not None and self.tokens_seen > 1:
-            self._h[TPOT].observe((self.last - self.first) / (self.tokens_seen - 1))
+        per_token = self._per_token()
+        if per_token is not None and self.first is not None:
+            self._h[TPOT].observe(per_token)
             # One token is no decode phase (a prefill node's requests): nothing to observe, not a zero.
             if DECODE_TIME in self._h:
                 self._h[DECODE_TIME].observe(self.last - self.first)

@@ -209,6 +209,13 @@ def test_a_cache_salt_past_the_limit_is_refused_on_grpc_as_over_http() -> None:
         generation_request(generation_pb2.GenerateRequest(text="hi", cache_salt=long))
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.message.startswith("cache_salt: must be at most")
+    # The nodes take what the router forwards: the tenant's tag before a client salt of the full length.
+    from pdkv_proto.pdkv.v1 import node_pb2
+    from serving import convert
+
+    tagged = Tenant("acme").salt("s" * MAX_CACHE_SALT_LEN, key=b"k" * 32)
+    assert len(tagged) > MAX_CACHE_SALT_LEN
+    assert convert.cache_salt(node_pb2.PrefillRequest(cache_salt=tagged)) == tagged
 
 
 def test_grpc_refuses_a_field_it_does_not_know_naming_it() -> None:
@@ -562,6 +569,7 @@ def test_http_calls_are_counted_by_route_and_status_beside_the_grpc_ones(model: 
     assert http.post("/v1/chat/completions", json={**CHAT, "best_of": 2}).status_code == 400
     assert http.post("/tokenize", json={"model": "nope", "prompt": "hi"}).status_code == 404
     assert http.get("/no/such/path/123").status_code == 404
+    assert http.request("X0", "/tokenize").status_code == 405  # h11 takes any token: no label of its own
     [rpcs, errors] = calls.families("pdkv_router")
     counted = {tuple(s.labels.values()): s.value for s in rpcs.samples}
     assert counted == {
@@ -570,6 +578,7 @@ def test_http_calls_are_counted_by_route_and_status_beside_the_grpc_ones(model: 
         ("POST /v1/chat/completions", "INVALID_ARGUMENT"): 1.0,
         ("POST /tokenize", "NOT_FOUND"): 1.0,
         ("unrouted", "NOT_FOUND"): 1.0,
+        ("unrouted", "UNIMPLEMENTED"): 1.0,
     }
     assert {tuple(s.labels.values()) for s in errors.samples} == {k for k in counted if k[1] != "OK"}
 
@@ -599,6 +608,9 @@ def test_the_key_and_the_body_s_size_are_checked_before_the_body_is_read(model: 
     body = {"model": "tiny-chat", "prompt": "hi"}
     wrong = http.post("/tokenize", json=body, headers={"authorization": "Bearer no"})
     assert wrong.status_code == 401 and read == [], "nothing of a refused call's body is read"
+    twice = [("authorization", "Bearer no"), ("authorization", f"Bearer {key}")]  # the routes read the first
+    assert http.post("/tokenize", content=b"{not json", headers=twice).status_code == 401 and read == []
+    assert http.get("/version").status_code == 200  # open, as vLLM's
     auth = {"authorization": f"Bearer {key}"}
     ok = http.post("/tokenize", json={"model": "tiny-chat", "prompt": "hi"}, headers=auth)
     assert ok.status_code == 200, ok.text

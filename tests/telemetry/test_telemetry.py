@@ -85,6 +85,8 @@ def test_a_request_of_several_choices_has_one_first_token_and_each_choice_s_own_
     assert snap[TTFT].count == 1 and snap[TTFT].total == 0.5
     assert snap[ITL].count == 2 and snap[ITL].total == pytest.approx(2.2)
     assert snap[E2E].count == 1
+    # Time per output token: the choices' mean (1.0 and 1.2), not the request's span over all its tokens.
+    assert snap[TPOT].count == 1 and snap[TPOT].total == pytest.approx(1.1)
 
 
 def test_a_request_without_tokens_observes_only_its_end() -> None:
