@@ -13,12 +13,17 @@ from secrets import token_hex, token_urlsafe
 
 from serving.tls import check_hosts, write_private
 
-# What a folder of credentials holds: any of them there means the folder is a cluster's already.
+# What a folder of credentials holds: any of them there means the folder is a cluster's already; all of
+# REQUIRED, a whole one (api-key is the clients' copy: an operator may keep it elsewhere).
 ENTRIES = ("api-key", "api-keys.toml", "cluster-secret", "tls", "curve")
+REQUIRED = ("api-keys.toml", "cluster-secret", "tls/ca.pem", "tls/server.key", "curve/server.key")
 
 
-def holds_credentials(folder: Path) -> bool:
-    return any((folder / name).exists() for name in ENTRIES)
+def credentials_in(folder: Path) -> list[str] | None:
+    """None when ``folder`` holds no credentials; else what a whole folder has that it lacks ([]: whole)."""
+    if not any((folder / name).exists() for name in ENTRIES):
+        return None
+    return [name for name in REQUIRED if not (folder / name).is_file()]
 
 
 def own_folder(folder: Path, *, recursive: bool = True) -> None:

@@ -38,10 +38,18 @@ def register(subparsers: Any) -> None:
 
 
 def _write(args: argparse.Namespace) -> int:
-    from serving.secrets import Secrets, holds_credentials
+    from serving.secrets import Secrets, credentials_in
 
     folder = Path(args.folder)
-    if folder.is_dir() and holds_credentials(folder):
+    missing = credentials_in(folder) if folder.is_dir() else None
+    if missing:  # a write cut short, or files removed: neither kept nor overwritten blindly
+        print(
+            f"pdkv secrets: {folder} holds part of a cluster's credentials (no {', '.join(missing)}): "
+            "complete it, or empty it for a new set",
+            file=sys.stderr,
+        )
+        return 1
+    if missing is not None:
         if args.keep:
             print(f"pdkv secrets: {folder} already holds credentials; kept", file=sys.stderr)
             return 0

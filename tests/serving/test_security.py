@@ -386,6 +386,10 @@ def test_secrets_write_keeps_any_folder_of_credentials_and_refuses_other_users_f
     assert main(["secrets", "write", str(folder), "--keep"]) == 0
     assert (folder / "tls" / "ca.pem").read_bytes() == ca and not (folder / "api-key").exists()
     assert main(["secrets", "write", str(folder)]) == 1  # without --keep: refused, not overwritten
+    (folder / "cluster-secret").unlink()  # a write cut short: neither kept (broken) nor overwritten
+    assert main(["secrets", "write", str(folder), "--keep"]) == 1
+    assert "holds part of a cluster's credentials (no cluster-secret)" in capsys.readouterr().err
+    assert (folder / "tls" / "ca.pem").read_bytes() == ca
     assert main(["secrets", "write", str(tmp_path / "hosts"), "--hosts", "router,a b"]) == 2
     assert "'a b' is neither an IP address nor a DNS name" in capsys.readouterr().err
     assert not (tmp_path / "hosts").exists()
