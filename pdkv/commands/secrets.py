@@ -33,7 +33,11 @@ def register(subparsers: Any) -> None:
     write.add_argument(
         "--cache-details", action="store_true", help="the API key's tenant sees cached-token counts"
     )
-    write.add_argument("--keep", action="store_true", help="do nothing when DIR already holds credentials")
+    write.add_argument(
+        "--keep",
+        action="store_true",
+        help="do nothing when DIR holds a whole set of credentials (part of one: refused)",
+    )
     write.set_defaults(func=_write)
 
 
