@@ -8,11 +8,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.sampling_params import TopLogprobs
+from telemetry.latency import RequestLatency
 
 logger = logging.getLogger(__name__)
 
@@ -108,3 +110,21 @@ class Cancellation:
                 hook()
             except Exception:
                 logger.exception("cancel hook failed")
+
+
+def observed(latency: RequestLatency, n: int, events: Iterator[Event]) -> Iterator[Event]:
+    """``events`` as they are, told to the request's latency clock on the way (the client's view): its
+    first token, each choice's gaps, and -- once every one of its ``n`` choices is done -- its end, its
+    prompt once and its choices' tokens summed, as the client is billed (``total_usage``)."""
+    done, prompt, generated = 0, 0, 0
+    for event in events:
+        now = time.perf_counter()
+        if isinstance(event, Done):
+            done += 1
+            prompt = prompt or event.usage.prompt_tokens
+            generated += event.usage.completion_tokens
+            if done == n:
+                latency.finish(now, prompt_tokens=prompt, generation_tokens=generated)
+        elif event.token_ids:
+            latency.tokens(len(event.token_ids), now, event.index)
+        yield event

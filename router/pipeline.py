@@ -41,7 +41,7 @@ from pdkv_proto.pdkv.v1 import node_pb2, types_pb2
 from router.adapters import no_node_serves, prefer_resident, serves
 from router.admission import AdmittedRequest
 from router.choices import Placement, run_choices
-from router.events import CallScope, Cancellation, Delta, Done, Event, Usage
+from router.events import CallScope, Cancellation, Delta, Done, Event, Usage, observed
 from router.node_messages import (
     carried_tokens,
     decode_message,
@@ -55,7 +55,7 @@ from router.policy import NodeSelector, RoutingInfo
 from serving import convert
 from serving.calls import time_remaining
 from serving.errors import ServingError, invalid
-from telemetry.latency import REQUEST_LATENCIES, REQUEST_LENGTHS, LatencyTracker, RequestLatency
+from telemetry.latency import REQUEST_LATENCIES, REQUEST_LENGTHS, LatencyTracker
 from telemetry.metrics import Histogram
 
 logger = logging.getLogger(__name__)
@@ -67,24 +67,6 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 def _node_failed(code: grpc.StatusCode, cancellation: Cancellation) -> bool:
     """The node failed, another may serve: RETRYABLE, or a CANCELLED the router did not ask for."""
     return code in RETRYABLE or (code == grpc.StatusCode.CANCELLED and not cancellation.cancelled)
-
-
-def _observed(latency: RequestLatency, n: int, events: Iterator[Event]) -> Iterator[Event]:
-    """``events`` as they are, told to the request's latency clock on the way (the client's view): its
-    first token, each choice's gaps, and -- once every one of its ``n`` choices is done -- its end, its
-    prompt once and its choices' tokens summed, as the client is billed (``total_usage``)."""
-    done, prompt, generated = 0, 0, 0
-    for event in events:
-        now = time.perf_counter()
-        if isinstance(event, Done):
-            done += 1
-            prompt = prompt or event.usage.prompt_tokens
-            generated += event.usage.completion_tokens
-            if done == n:
-                latency.finish(now, prompt_tokens=prompt, generation_tokens=generated)
-        elif event.token_ids:
-            latency.tokens(len(event.token_ids), now, event.index)
-        yield event
 
 
 class Pipeline:
@@ -145,12 +127,12 @@ class Pipeline:
         self._admit(request.n)
         latency = self.latency.start(time.perf_counter())
         if request.n > 1:
-            yield from _observed(
+            yield from observed(
                 latency, request.n, run_choices(request, scope, self._run_choice, self._release)
             )
             return
         try:
-            yield from _observed(latency, 1, self._run(request, scope, Placement()))
+            yield from observed(latency, 1, self._run(request, scope, Placement()))
         finally:
             self._release()
 
