@@ -86,30 +86,13 @@ class ConnectorBooks:
         try:
             num, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
         except Exception as exc:
-            request.lookup_since = None
-            self.counters.add("connector_lookup_failures")
-            logger.warning(
-                "connector %s: get_num_new_matched_tokens raised for %s (%r); counting zero hits",
-                self.connector.name,
-                request.request_id,
-                exc,
-                exc_info=logger.isEnabledFor(logging.DEBUG),
-            )
-            return 0, False
+            return self._no_hits(request, f"get_num_new_matched_tokens raised ({exc!r})")
         if num is None:
             now = self.clock()
             if request.lookup_since is None:
                 request.lookup_since = now
             elif now - request.lookup_since > LOOKUP_DEADLINE_S:
-                request.lookup_since = None
-                self.counters.add("connector_lookup_failures")
-                logger.warning(
-                    "connector %s: the lookup for %s still had no answer after %gs; counting zero hits",
-                    self.connector.name,
-                    request.request_id,
-                    LOOKUP_DEADLINE_S,
-                )
-                return 0, False
+                return self._no_hits(request, f"the lookup still had no answer after {LOOKUP_DEADLINE_S:g}s")
             return None, False
         request.lookup_since = None
         if num == 0:
@@ -129,6 +112,15 @@ class ConnectorBooks:
                 clamped,
             )
         return clamped, bool(load_async) and clamped > 0
+
+    def _no_hits(self, request: Request, why: str) -> tuple[int, bool]:
+        """A lookup given up on (rule 3): zero hits, counted and logged."""
+        request.lookup_since = None
+        self.counters.add("connector_lookup_failures")
+        logger.warning(
+            "connector %s, request %s: %s; counting zero hits", self.connector.name, request.request_id, why
+        )
+        return 0, False
 
     # -- async loads --------------------------------------------------------------------------------------
 
