@@ -94,6 +94,8 @@ def chat_turns(messages: list[ChatMessage]) -> tuple[ChatTurn, ...]:
                     f"messages.{i}.{name}",
                     "is not served in a message (send it as content, or leave it null)",
                 )
+        if m.content is None and m.role != "assistant":  # OpenAI's rule: only an assistant's may be null
+            raise ApiError.invalid(f"messages.{i}.content", f"is required in a {m.role} message")
     return tuple(
         ChatTurn(m.role, message_text(m.content, i), m.name, message_calls(m), m.tool_call_id)
         for i, m in enumerate(messages)

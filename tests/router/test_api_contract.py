@@ -424,6 +424,24 @@ def _admitted(model: RouterModel, body: dict[str, Any], chat: bool = True) -> An
     return Admission(model).admit(request, caller)
 
 
+@pytest.mark.parametrize("role", ["user", "system", "tool", "developer"])
+def test_a_message_without_content_is_refused_unless_an_assistant_s(model: RouterModel, role: str) -> None:
+    """OpenAI's rule: only an assistant's content may be null (it called tools); a user message with
+    none was taken as an empty turn, silently."""
+    body = {
+        "model": "tiny-chat",
+        "messages": [{"role": role, "content": None}, {"role": "user", "content": "Hi"}],
+    }
+    with pytest.raises(ApiError) as info:
+        chat_request(ChatCompletionRequest.model_validate(body), model)
+    assert info.value.param == "messages.0.content" and "is required" in info.value.message
+    ok = {
+        "model": "tiny-chat",
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}],
+    }
+    chat_request(ChatCompletionRequest.model_validate(ok), model)
+
+
 def test_null_is_the_field_unset(model: RouterModel) -> None:
     """The SDK's types allow None for n, stream, logprobs, echo ...: null is the default, not a 400."""
     nulls = {"n": None, "stream": None, "logprobs": None, "top_logprobs": None, "temperature": None}
