@@ -11,6 +11,7 @@ cache can share.
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -83,8 +84,8 @@ def check_row(row: Any, where: str) -> dict[str, Any]:
         raise TraceError(f"{where}: a line must be a JSON object")
     for key, kind in (("timestamp", (int, float)), ("input_length", int), ("output_length", int)):
         value = row.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool) or value < 0:
-            raise TraceError(f"{where}: field {key!r} is missing or not a non-negative number")
+        if not isinstance(value, kind) or isinstance(value, bool) or not 0 <= value < math.inf:
+            raise TraceError(f"{where}: field {key!r} is missing or not a finite non-negative number")
     ids = row.get("hash_ids")
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise TraceError(f"{where}: field 'hash_ids' is missing or not a list of ints")
@@ -103,22 +104,33 @@ def read_trace(
         f = path.open(encoding="utf-8")
     except OSError as exc:
         raise TraceError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    last = -math.inf
     with f:
-        for number, line in enumerate(f, start=1):
-            if number <= start:
-                continue
-            if count is not None and len(rows) == count:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-            check_row(row, f"{path}:{number}")
-            if sampled(row["hash_ids"], number, sample):
-                row["line"] = number
-                rows.append(row)
+        number = 0
+        try:
+            for number, line in enumerate(f, start=1):
+                if number <= start:
+                    continue
+                if count is not None and len(rows) == count:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise TraceError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+                check_row(row, f"{path}:{number}")
+                if row["timestamp"] < last:  # arrivals are times from the first: one going back is lost
+                    raise TraceError(
+                        f"{path}:{number}: timestamp {row['timestamp']} is before the line above's ({last}): "
+                        "a trace is in time order"
+                    )
+                last = row["timestamp"]
+                if sampled(row["hash_ids"], number, sample):
+                    row["line"] = number
+                    rows.append(row)
+        except UnicodeDecodeError as exc:
+            raise TraceError(f"{path}: not UTF-8 text, near line {number + 1} ({exc.reason})") from None
     return rows
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,7 @@ def register(subparsers: Any) -> None:
 
 
 def _profile(args: argparse.Namespace) -> int:
+    from kvstore.config import StoreConfig
     from node.config import engine_config_from_args
     from planner.measure import measure_profile
 
@@ -90,9 +92,15 @@ def _profile(args: argparse.Namespace) -> int:
             kind, sep, spec = item.partition("=")
             if not sep or not kind or not spec:
                 raise SystemExit(f"pdkv profile: --tier {item!r}: give KIND=SPEC, e.g. cpu=cpu:1GiB")
+            try:  # before the step grid runs (minutes), not after it
+                StoreConfig.parse(spec)
+            except ValueError as exc:
+                raise SystemExit(f"pdkv profile: --tier {item!r}: {exc}") from None
             tiers[kind] = spec
     if args.repeat < 1:
         raise SystemExit("pdkv profile: --repeat must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit(f"pdkv profile: --threads must be at least 1, got {args.threads}")
     config = engine_config_from_args(args)
     profile = measure_profile(
         config,
@@ -118,6 +126,7 @@ def _plan(args: argparse.Namespace) -> int:
     from planner.trace import TraceError
 
     try:
+        _check_plan_options(args)
         profile = Profile.load(args.profile)
         targets = Targets(args.slo_ttft_p90, args.slo_itl_p90)
         arrivals, ceil, what = _workload(args, profile)
@@ -161,8 +170,54 @@ def _plan(args: argparse.Namespace) -> int:
         _table([o for o in (found, smaller) if o is not None], targets, ceil)
         report["shapes"][kind] = entry
     if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        try:  # a figure of no request is NaN, which JSON has not: null
+            text = json.dumps(_finite(report), indent=2, allow_nan=False)
+            args.json.write_text(text + "\n", encoding="utf-8")
+        except OSError as exc:
+            why = exc.strerror or exc
+            print(f"pdkv plan: --json {args.json}: cannot be written ({why})", file=sys.stderr)
+            return 2
     return 0
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _check_plan_options(args: argparse.Namespace) -> None:
+    """Every number an option takes, checked before anything runs: 0 is never "the default", and a rate
+    of 0 or NaN is no workload (it divided by zero, or planned nonsense)."""
+    if not (math.isfinite(args.rate) and args.rate > 0):
+        raise ValueError(f"--rate must be a positive number, got {args.rate}")
+    for name in ("max_input", "max_output", "node_kv_tokens", "requests"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.start < 0:
+        raise ValueError(f"--start must be a line number >= 0, got {args.start}")
+    if not 0 < args.sample <= 1:
+        raise ValueError(f"--sample must be a fraction in (0, 1], got {args.sample}")
+    least = 2 if args.shape in ("pd", "both") else 1  # a prefill and a decode node
+    if args.max_nodes < least:
+        raise ValueError(
+            f"--max-nodes must be at least {least} for --shape {args.shape}, got {args.max_nodes}"
+        )
+    if args.workload == "qa":
+        if args.trace is not None:
+            raise ValueError("--trace is read with --workload trace only (qa makes its own requests)")
+        if args.qa_users < 1 or args.qa_rounds < 1:
+            got = f"{args.qa_users}, {args.qa_rounds}"
+            raise ValueError(f"--qa-users and --qa-rounds must be at least 1, got {got}")
+        if not (math.isfinite(args.qa_gap_ms) and args.qa_gap_ms >= 0):
+            raise ValueError(f"--qa-gap-ms must be a number >= 0, got {args.qa_gap_ms}")
+    if args.json is not None and args.json.is_dir():
+        raise ValueError(f"--json {args.json} is a folder: give a file")
 
 
 def _workload(args: argparse.Namespace, profile: Any) -> tuple[list[Any], float, str]:
@@ -170,8 +225,8 @@ def _workload(args: argparse.Namespace, profile: Any) -> tuple[list[Any], float,
     from planner.trace import Scale, arrivals, ceiling, read_trace
     from planner.workload import as_arrivals, qa_workload
 
-    cap = args.max_input or profile.engine.max_model_len
-    outputs = args.max_output or (16 if args.workload == "qa" else 1 << 30)
+    cap = args.max_input if args.max_input is not None else profile.engine.max_model_len
+    outputs = args.max_output if args.max_output is not None else (16 if args.workload == "qa" else 1 << 30)
     if min(cap, outputs, args.tokens_per_block) < 1:
         raise ValueError("--max-input, --max-output and --tokens-per-block must be at least 1")
     scale = Scale(args.tokens_per_block, 1.0, outputs, cap)
@@ -213,6 +268,8 @@ def _store(spec: str, profile: Any) -> tuple[tuple[str, int], ...]:
 
 
 def _table(outcomes: list[Any], targets: Any, ceil: float) -> None:
+    if not outcomes:
+        return
     rows = [
         ("TTFT p50 / p90 / p99 (s)", "ttft", 1e-3),
         ("ITL p50 / p90 / p99 (ms)", "itl", 1.0),

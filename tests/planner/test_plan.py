@@ -146,6 +146,60 @@ def test_pdkv_plan_names_a_bad_trace_line_profile_or_store(
     assert what in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("options", "what"),
+    [
+        (["--rate", "0"], "--rate must be a positive number"),  # was a ZeroDivisionError traceback
+        (["--rate", "nan"], "--rate must be a positive number"),  # was "no cluster meets" after 256 nodes
+        (["--max-input", "0"], "--max-input must be at least 1"),  # 0 was silently the default
+        (["--node-kv-tokens", "-100"], "--node-kv-tokens must be at least 1"),
+        (["--requests", "-1"], "--requests must be at least 1"),  # was the whole trace
+        (["--start", "-5"], "--start must be a line number >= 0"),
+        (["--sample", "-1"], "--sample must be a fraction in (0, 1]"),
+        (["--shape", "pd", "--max-nodes", "1"], "--max-nodes must be at least 2 for --shape pd"),
+        (["--workload", "qa", "--qa-users", "0"], "--qa-users and --qa-rounds must be at least 1"),
+        (["--workload", "qa", "--qa-gap-ms", "nan"], "--qa-gap-ms must be a number >= 0"),
+        (["--json", "."], "is a folder: give a file"),  # was an IsADirectoryError after the simulation
+    ],
+)
+def test_pdkv_plan_checks_every_number_before_it_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], what: str
+) -> None:
+    from pdkv.cli import main
+
+    profile, trace = tmp_path / "profile.json", tmp_path / "trace.jsonl"
+    PROFILE.save(profile)
+    trace.write_text(
+        json.dumps({"timestamp": 0, "input_length": 20, "output_length": 2, "hash_ids": [1]}) + "\n"
+    )
+    source = [] if "qa" in options else ["--trace", str(trace)]
+    code = main(
+        ["plan", *source, "--profile", str(profile), "--slo-ttft-p90", "1", "--slo-itl-p90", "1", *options]
+    )
+    assert code == 2
+    assert what in capsys.readouterr().err
+
+
+def test_a_plan_s_json_is_strict_json_even_when_nothing_was_served(tmp_path: Path) -> None:
+    """A node too small for any request: every figure of no request is NaN, which JSON has not (strict
+    parsers refused the file); null now."""
+    from pdkv.cli import main
+
+    profile, trace, out = tmp_path / "profile.json", tmp_path / "trace.jsonl", tmp_path / "plan.json"
+    PROFILE.save(profile)
+    trace.write_text(
+        json.dumps({"timestamp": 0, "input_length": 2000, "output_length": 2, "hash_ids": [1, 2, 3, 4]})
+        + "\n"
+    )
+    code = main(
+        ["plan", "--trace", str(trace), "--profile", str(profile), "--slo-ttft-p90", "1",
+         "--slo-itl-p90", "1", "--node-kv-tokens", "16", "--max-nodes", "2", "--shape", "colocated",
+         "--json", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+
+
 def test_pdkv_profile_quick_writes_a_profile_plan_can_read(tmp_path: Path) -> None:
     from engine.model.make_model import TinyLlamaSpec, make_model
     from pdkv.cli import main

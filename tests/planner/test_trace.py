@@ -39,6 +39,22 @@ def test_a_bad_line_is_named_and_stops_the_replay(tmp_path: Path, bad: str, what
         read_trace(path, 0, 10)
 
 
+def test_a_line_going_back_in_time_or_not_finite_is_named(tmp_path: Path) -> None:
+    """Arrivals are times from the first line: one before it arrived at a negative time and was dropped
+    from the results, silently; NaN passed the non-negative check."""
+    path = write(tmp_path, [row(5000, 64, [0]), row(0, 64, [1])])
+    with pytest.raises(TraceError, match=r"trace.jsonl:2: timestamp 0 is before"):
+        read_trace(path, 0, 10)
+    path.write_text(
+        row(0, 64, [0]) + "\n" + '{"timestamp": NaN, "input_length": 1, "output_length": 1, "hash_ids": []}\n'
+    )
+    with pytest.raises(TraceError, match=r"trace.jsonl:2: field 'timestamp'"):
+        read_trace(path, 0, 10)
+    path.write_bytes(row(0, 64, [0]).encode() + b"\n\xff\xfe garbage\n")
+    with pytest.raises(TraceError, match=r"trace.jsonl: not UTF-8 text"):
+        read_trace(path, 0, 10)
+
+
 def test_tokens_come_from_hash_ids_deterministically_and_scale(tmp_path: Path) -> None:
     path = write(tmp_path, [row(0, 1024, [0, 1]), row(1000, 1200, [0, 1, 2]), row(3000, 700, [5, 6])])
     a, b, c = scale_trace(read_trace(path, 0, 10), SCALE, vocab=512)
