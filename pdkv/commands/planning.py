@@ -162,6 +162,11 @@ def _plan(args: argparse.Namespace) -> int:
         entry: dict[str, Any] = {}
         if found is None:
             print(f"  {kind}: no cluster of up to {args.max_nodes} nodes meets the targets")
+            if smaller is not None and smaller.result.refused:  # not a capacity answer: say why
+                print(
+                    f"  {kind}: {smaller.result.refused} of {len(arrivals)} requests need more KV than a "
+                    "node holds (prompt and output over its KV tokens): no number of nodes serves them"
+                )
         else:
             print(f"  {kind}: {found.spec.describe()} meets the targets")
             entry["chosen"] = {"cluster": found.spec.describe(), **found.result.figures()}

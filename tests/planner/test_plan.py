@@ -180,7 +180,9 @@ def test_pdkv_plan_checks_every_number_before_it_runs(
     assert what in capsys.readouterr().err
 
 
-def test_a_plan_s_json_is_strict_json_even_when_nothing_was_served(tmp_path: Path) -> None:
+def test_a_plan_s_json_is_strict_json_even_when_nothing_was_served(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A node too small for any request: every figure of no request is NaN, which JSON has not (strict
     parsers refused the file); null now."""
     from pdkv.cli import main
@@ -198,6 +200,7 @@ def test_a_plan_s_json_is_strict_json_even_when_nothing_was_served(tmp_path: Pat
     )  # fmt: skip
     assert code == 0
     json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert "1 of 1 requests need more KV than a node holds" in capsys.readouterr().out
 
 
 def test_pdkv_profile_quick_writes_a_profile_plan_can_read(tmp_path: Path) -> None:
