@@ -11,8 +11,9 @@ arrives), without reading further; a body within it is read here and handed to t
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from fastapi.responses import JSONResponse
 
 from router.auth import Access
 from router.openai_errors import ApiError
@@ -25,13 +26,10 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 OPEN_PATHS = frozenset({"/health", "/version", "/docs", "/openapi.json"})
 
 
-async def _answer(send: Any, error: ApiError) -> None:
-    body = json.dumps(error.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if error.status == 401:
-        headers.append((b"www-authenticate", b"Bearer"))
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+def _answer(error: ApiError) -> JSONResponse:
+    """``error`` as the app's own handlers answer it (an ASGI app: called with the gate's scope)."""
+    headers = {"www-authenticate": "Bearer"} if error.status == 401 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 def _too_large(size: int | None) -> ApiError:
@@ -62,11 +60,11 @@ class HttpGate:
         try:
             self.access.authenticate(headers.get("authorization"), peer)
         except ServingError as exc:
-            await _answer(send, ApiError.from_serving(exc))
+            await _answer(ApiError.from_serving(exc))(scope, receive, send)
             return
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
-            await _answer(send, _too_large(int(length)))
+            await _answer(_too_large(int(length)))(scope, receive, send)
             return
         # Read the body here, bounded, then hand it to the app whole (it would have buffered it anyway).
         chunks: list[bytes] = []
@@ -78,7 +76,7 @@ class HttpGate:
             chunk = message.get("body", b"")
             seen += len(chunk)
             if seen > self.max_body_bytes:
-                await _answer(send, _too_large(None))
+                await _answer(_too_large(None))(scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

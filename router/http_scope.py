@@ -20,6 +20,7 @@ from typing import Any
 from router.admission import AdmittedRequest
 from router.auth import Access, Caller
 from router.events import Event
+from router.openai_errors import HTTP_STATUS
 from router.pipeline import Pipeline
 from router.streams import StreamWatch
 from serving.errors import CallRecorder
@@ -149,20 +150,14 @@ class IdleCutoff:
 
 
 # gRPC's name for each HTTP status this API answers with: HTTP calls are counted in the router's
-# rpcs_total / errors_total beside the gRPC ones, in one vocabulary.
+# rpcs_total / errors_total beside the gRPC ones, in one vocabulary.  The statuses the gRPC codes map to
+# (openai_errors.HTTP_STATUS), read backwards, and those only FastAPI and the gate answer with.
 _CODE_OF_STATUS = {
-    400: "INVALID_ARGUMENT",
-    401: "UNAUTHENTICATED",
-    403: "PERMISSION_DENIED",
-    404: "NOT_FOUND",
+    **{status: code.name for code, (status, _) in HTTP_STATUS.items()},
     405: "UNIMPLEMENTED",
     413: "INVALID_ARGUMENT",
     422: "INVALID_ARGUMENT",
-    429: "RESOURCE_EXHAUSTED",
-    499: "CANCELLED",
     500: "INTERNAL",
-    503: "UNAVAILABLE",
-    504: "DEADLINE_EXCEEDED",
 }
 
 
