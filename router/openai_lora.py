@@ -19,12 +19,12 @@ from pydantic import Field
 from engine.lora.adapter import AdapterError, check_name
 from router.adapters import RouterAdapters
 from router.openai_errors import ApiError
-from router.openai_schema import RequestBody
+from router.openai_schema import WholeBody
 from router.tokenizer import RouterModel
 from serving.errors import ServingError
 
 
-class LoadLoraAdapterRequest(RequestBody):
+class LoadLoraAdapterRequest(WholeBody):
     lora_name: str = Field(min_length=1, max_length=128)
     lora_path: str = Field(min_length=1)
     # vLLM's: false refuses a name already served (vLLM's default); true, or unset (pdkv's default),
@@ -32,7 +32,7 @@ class LoadLoraAdapterRequest(RequestBody):
     load_inplace: bool | None = None
 
 
-class UnloadLoraAdapterRequest(RequestBody):
+class UnloadLoraAdapterRequest(WholeBody):
     # vLLM's lora_int_id is not a field: names identify adapters here (it is refused, naming it).
     lora_name: str = Field(min_length=1, max_length=128)
 

@@ -92,19 +92,28 @@ class RequestBody(BaseModel):
     @classmethod
     def _null_is_unset(cls, data: Any) -> Any:
         """null for a field is that field unset, as OpenAI reads it (the SDK's types allow None for
-        ``n``, ``stream``, ``logprobs``, ``echo`` ...): its default applies.  And no string anywhere in
-        the body holds a lone UTF-16 surrogate (JSON's "\\ud800" escape decodes to one): such text has no
-        UTF-8 form, so no tokenizer, node message or log line could carry it -- refused naming the field
-        (the outermost body sees every nested field first)."""
+        ``n``, ``stream``, ``logprobs``, ``echo`` ...): its default applies."""
         if isinstance(data, dict):
-            where = _unencodable(data)
-            if where is not None:
-                raise PydanticCustomError(
-                    "unencodable_text",
-                    "is not valid text: a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape)",
-                    {"path": ".".join(map(str, where))},
-                )
             return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+
+
+class WholeBody(RequestBody):
+    """A request's whole body (not a part nested in one): its every string is checked once, here."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_has_utf8(cls, data: Any) -> Any:
+        """No string anywhere in the body holds a lone UTF-16 surrogate (JSON's "\\ud800" escape decodes to
+        one): such text has no UTF-8 form, so no tokenizer, node message or log line could carry it --
+        refused naming the field, found from the body down."""
+        where = _unencodable(data) if isinstance(data, dict) else None
+        if where is not None:
+            raise PydanticCustomError(
+                "unencodable_text",
+                "is not valid text: a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape)",
+                {"path": ".".join(map(str, where))},
+            )
         return data
 
 
@@ -135,7 +144,7 @@ class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class _Sampling(RequestBody):
+class _Sampling(WholeBody):
     model: str
     max_tokens: int | None = Field(default=None, ge=0)  # 0: completions with echo only (admission)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -357,7 +366,7 @@ def unserved_field(body: BaseModel) -> tuple[str, str] | None:
     return None
 
 
-class TokenizeRequest(RequestBody):
+class TokenizeRequest(WholeBody):
     """``POST /tokenize`` (vLLM's shape): a text prompt, or messages rendered with the chat template."""
 
     model: str | None = None
@@ -369,7 +378,7 @@ class TokenizeRequest(RequestBody):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(RequestBody):
+class DetokenizeRequest(WholeBody):
     """``POST /detokenize`` (vLLM's shape): token ids back to text."""
 
     model: str | None = None
