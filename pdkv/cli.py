@@ -43,9 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Disaggregated LLM serving with a tiered KV cache.",
         epilog="Models: the embedded default is SmolLM2-135M-Instruct (fetched once by pdkv fetch-model); "
         f"--model takes a GGUF file or a Hugging Face folder.  dtype {auto_cpu_dtype_note()}.  "
-        "--deterministic auto|on|off (serve-prefill, serve-decode, serve-node; pdkv up --node-args): a "
+        "--deterministic auto|on|off (serve-prefill, serve-decode, serve-colocated; pdkv up --node-args): a "
         "request's bfloat16 tokens and logprobs the same bits whatever runs beside it. "
-        + DETERMINISTIC_COST.replace("%", "%%")
+        + DETERMINISTIC_COST  # argparse %-formats an epilog only where it names %(prog)
         + ".",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -314,3 +314,20 @@ def test_a_streaming_call_the_client_cancels_is_counted_cancelled() -> None:
     families = {f.name: f for f in calls.families("pdkv_node")}
     samples = {tuple(s.labels.values()): s.value for s in families["pdkv_node_rpcs"].samples}
     assert samples == {("Decode", "OK"): 1.0, ("Decode", "CANCELLED"): 1.0}
+
+
+def test_the_help_pages_print_percent_signs_once_and_name_only_real_commands() -> None:
+    """argparse %-formats ``help=`` strings but an epilog only where it names %(prog): the top page had
+    printed "1%%", and named a ``serve-node`` command that does not exist."""
+    import argparse
+    import re
+
+    from pdkv.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    pages = {"pdkv": parser.format_help()} | {name: p.format_help() for name, p in sub.choices.items()}
+    for name, page in pages.items():
+        assert "%%" not in page, name
+        for command in re.findall(r"\bserve-[a-z]+", page):
+            assert command in sub.choices, (name, command)
