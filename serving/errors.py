@@ -66,8 +66,8 @@ def rpc_errors(context: grpc.ServicerContext, calls: CallRecorder, method: str) 
     any exception maps to."""
     try:
         yield
-    except GeneratorExit:  # a streaming call's generator closed early: the client cancelled it
-        calls.record(method, grpc.StatusCode.CANCELLED.name)
+    except GeneratorExit:  # a streaming call's generator closed early: the client left, or its deadline
+        calls.record(method, _why_closed(context).name)
         raise
     except Exception as exc:
         code, message = status_for(exc)
@@ -75,6 +75,15 @@ def rpc_errors(context: grpc.ServicerContext, calls: CallRecorder, method: str) 
         context.abort(code, message)
     else:
         calls.record(method, "OK")
+
+
+def _why_closed(context: grpc.ServicerContext | None) -> grpc.StatusCode:
+    """Why grpcio closed a stream early: its deadline passed (the client sees DEADLINE_EXCEEDED), else the
+    client cancelled it.  ``time_remaining`` is 0 once the deadline has passed (huge without one)."""
+    remaining = context.time_remaining() if context is not None else None
+    if remaining is not None and remaining <= 0:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
 
 
 logger = logging.getLogger(__name__)

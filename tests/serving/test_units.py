@@ -316,6 +316,49 @@ def test_a_streaming_call_the_client_cancels_is_counted_cancelled() -> None:
     assert samples == {("Decode", "OK"): 1.0, ("Decode", "CANCELLED"): 1.0}
 
 
+def test_a_stream_whose_deadline_passed_is_counted_deadline_exceeded_not_cancelled() -> None:
+    """grpcio closes the generator alike for a client's cancel and a passed deadline; the client sees
+    DEADLINE_EXCEEDED for the second, and rpcs_total had counted it CANCELLED."""
+    import time
+    from concurrent import futures
+
+    from serving.errors import rpc_errors
+    from telemetry.exposition import RpcCounters
+
+    calls = RpcCounters()
+
+    def stream(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        with rpc_errors(context, calls, "Generate"):
+            for _ in range(100):
+                time.sleep(0.05)
+                yield b"x"
+
+    method = grpc.unary_stream_rpc_method_handler(stream)
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.S", {"G": method}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_stream("/t.S/G")
+            with pytest.raises(grpc.RpcError) as info:
+                list(call(b"", timeout=0.3))
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            cancelled = call(b"")
+            next(cancelled)
+            cancelled.cancel()
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline:
+                families = {f.name: f for f in calls.families("pdkv_node")}
+                samples = {tuple(s.labels.values()): s.value for s in families["pdkv_node_rpcs"].samples}
+                if len(samples) == 2:
+                    break
+                time.sleep(0.05)
+    finally:
+        server.stop(0)
+    assert samples == {("Generate", "DEADLINE_EXCEEDED"): 1.0, ("Generate", "CANCELLED"): 1.0}
+
+
 def test_the_help_pages_print_percent_signs_once_and_name_only_real_commands() -> None:
     """argparse %-formats ``help=`` strings but an epilog only where it names %(prog): the top page had
     printed "1%%", and named a ``serve-node`` command that does not exist."""
