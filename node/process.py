@@ -45,6 +45,7 @@ from serving import convert
 from serving import lora as lora_rpc
 from serving.drain import DRAIN_PREFIX, Drain, DrainProgress, DrainReport
 from serving.errors import CallRecorder, UndecodableRequests, rpc_errors
+from serving.health import HealthStatus
 from serving.reflection import enable_reflection
 from serving.runtime import stop_on_signals
 from serving.signing import TransferSigner, load_cluster_secret
@@ -71,7 +72,7 @@ class NodeRuntime:
     config: NodeConfig
     driver: EngineDriver
     calls: RpcCounters
-    health: health.HealthServicer
+    health: HealthStatus
     events: KVEventPublisher | None = None
     signer: TransferSigner | None = None  # seals / checks transfer params (with a cluster secret)
     tls: TLSFolder | None = None
@@ -106,7 +107,7 @@ class NodeRuntime:
             after_step=publish_events if events is not None else None,
         )
         signer = TransferSigner(secret) if secret is not None else None
-        node = cls(config, driver.start(), RpcCounters(), health.HealthServicer(), events, signer, tls)
+        node = cls(config, driver.start(), RpcCounters(), HealthStatus(), events, signer, tls)
         node.set_serving(False)  # the health servicer starts out SERVING; say so only once started
         node.drainer = Drain(config.node_id, node.drain_progress, config.drain_timeout_s)
         return node

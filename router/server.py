@@ -29,6 +29,7 @@ from router.streams import StreamWatch
 from router.tokenizer import RouterModel, load_model, model_path
 from serving.drain import Drain, DrainProgress, DrainReport
 from serving.errors import UndecodableRequests
+from serving.health import HealthStatus
 from serving.reflection import enable_reflection
 from serving.runtime import stop_on_signals
 from serving.signing import load_cluster_secret
@@ -58,7 +59,7 @@ class RouterRuntime:
     pools: tuple[NodePool, ...]
     pipeline: Pipeline
     monitor: HealthMonitor
-    health: health.HealthServicer
+    health: HealthStatus
     calls: RpcCounters
     access: Access
     streams: StreamWatch
@@ -120,7 +121,7 @@ class RouterRuntime:
             decode_attempts=config.decode_attempts,
             max_inflight=config.max_inflight,
         )
-        servicer = health.HealthServicer()
+        servicer = HealthStatus()
         _publish_health(servicer, pools, pipeline)  # NOT_SERVING until a health round found the nodes up
         adapters = RouterAdapters(pools, allow_runtime=config.allow_runtime_lora)
 
@@ -272,7 +273,7 @@ def _all_healthy(pools: tuple[NodePool, ...]) -> bool:
     return all(pool.healthy() for pool in pools)
 
 
-def _publish_health(servicer: health.HealthServicer, pools: tuple[NodePool, ...], pipeline: Pipeline) -> None:
+def _publish_health(servicer: HealthStatus, pools: tuple[NodePool, ...], pipeline: Pipeline) -> None:
     """SERVING when every pool has at least one healthy node, and the router is not draining."""
     ready = _all_healthy(pools) and not pipeline.draining
     status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING

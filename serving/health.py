@@ -1,19 +1,38 @@
-"""Client side of the standard gRPC health service: one check, or wait until serving (with a deadline).
-
-Used by ``pdkv health HOST:PORT`` (container health checks), the router's node monitor and ``pdkv up``.
+"""The standard gRPC health service.  Client side: one check, or wait until serving (with a deadline) --
+used by ``pdkv health HOST:PORT`` (container health checks), the router's node monitor and ``pdkv up``.
+Server side: ``HealthStatus``, the servicer the router and the nodes serve.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from serving.tls import TLSFolder
 from serving.tls import channel as make_channel
 
 SERVING = "SERVING"
+
+
+class HealthStatus(health.HealthServicer):
+    """grpcio's health servicer, telling ``Watch`` callers only of changes: its ``set`` sends every
+    watcher a message on each call, and the router and nodes set their status every health round -- a
+    watcher got "SERVING" twice a second where the protocol sends one message per change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._guard = threading.Lock()
+        self._set: dict[str, int] = {}
+
+    def set(self, service: str, status: int) -> None:
+        with self._guard:
+            if self._set.get(service) == status:
+                return
+            self._set[service] = status
+            super().set(service, status)
 
 
 def check(

@@ -119,6 +119,32 @@ def test_nodes_answer_health_and_reflection(cluster: Cluster) -> None:
         assert {service, "pdkv.v1.Node", "grpc.health.v1.Health"} <= services
 
 
+def test_health_watchers_hear_of_changes_only(cluster: Cluster) -> None:
+    """The router and the nodes set their status every health round; grpcio's servicer told each
+    ``Watch`` caller every time -- "SERVING" twice a second where the protocol sends one per change."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from serving.health import HealthStatus
+
+    for address in (cluster.router_address, cluster.decode_nodes[0].address):
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=2)
+            statuses: list[int] = []
+            with pytest.raises(grpc.RpcError) as info:
+                for reply in watch:  # the router's health rounds are 0.5 s apart: three or four in 2 s
+                    statuses.append(reply.status)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert statuses == [health_pb2.HealthCheckResponse.SERVING], address
+
+    servicer, heard = HealthStatus(), list[health_pb2.HealthCheckResponse]()
+    servicer._send_response_callbacks["x"] = [heard.append]  # what Watch registers
+    for status in ("SERVING", "SERVING", "NOT_SERVING", "NOT_SERVING", "SERVING"):
+        servicer.set("x", getattr(health_pb2.HealthCheckResponse, status))
+    assert [h.status for h in heard] == [1, 2, 1]
+
+
 def _v1_list_services(address: str) -> list[str]:
     """ListServices over ``grpc.reflection.v1`` (the messages are v1alpha's, byte for byte the same)."""
     import grpc
