@@ -195,6 +195,7 @@ class DiskTier(Tier):
         i, reason = bad
         if reason is not MissReason.ABSENT:
             self._discard(run.key(i), self._path(run.key(i))[1], reason)
+        self._drop_unreachable(run, i + 1)
         return GetResult(i, reason, tuple(recorded[:i]))
 
     def _read(self, run: KeyRun, deadline: Deadline, layout: BlockLayout | None) -> ReadResult:
@@ -210,6 +211,7 @@ class DiskTier(Tier):
                 fd = self._open_for_read(path)
             except FileNotFoundError:
                 self._forget(key)
+                self._drop_unreachable(run, i + 1)
                 return ReadResult(units, MissReason.ABSENT)
             try:
                 got = preadv_all(fd, [buf])
@@ -223,6 +225,7 @@ class DiskTier(Tier):
                 reason = verify_payload(header, view[HEADER_SIZE:got], got - HEADER_SIZE)
             if reason is not None:
                 self._discard(key, path, reason)
+                self._drop_unreachable(run, i + 1)
                 return ReadResult(units, reason)
             units.append(Unit(view[HEADER_SIZE:], bytes(view[:HEADER_SIZE])))
         return ReadResult(units)
@@ -234,9 +237,9 @@ class DiskTier(Tier):
             key = run.key(i)
             size = HEADER_SIZE + unit.payload.nbytes
             with self._lock:
-                if key in self._index:
+                if key in self._index and os.path.exists(self._path(key)[1]):
                     self._index.move_to_end(key)
-                    continue
+                    continue  # stored already (a file deleted behind the tier's back is written again)
                 if not self._make_room(size):
                     self.metrics.error(
                         f"put: a {size}-byte block does not fit in {self.capacity_bytes} bytes"
@@ -311,16 +314,7 @@ class DiskTier(Tier):
         return self._used + self._reserved + size <= self.capacity_bytes
 
     def _delete(self, run: KeyRun, deadline: Deadline) -> int:
-        deleted = 0
-        with self._lock:
-            for i in range(len(run)):
-                key = run.key(i)
-                size = self._index.pop(key, None)
-                if size is not None:
-                    self._used -= size
-                    unlink_quietly(self._path(key)[1])
-                    deleted += 1
-        return deleted
+        return len(self._remove([run.key(i) for i in range(len(run))]))
 
     def _open_for_read(self, path: str) -> int:
         """A block file opened for reading (``FileNotFoundError`` when it is gone), with ``O_NOATIME``
@@ -338,6 +332,26 @@ class DiskTier(Tier):
             size = self._index.pop(key, None)
             if size is not None:
                 self._used -= size
+
+    def _drop_unreachable(self, run: KeyRun, start: int) -> None:
+        """Forget (and delete) the indexed blocks of ``run`` from ``start`` on, after block ``start - 1``
+        was found missing or damaged: a chained hash is reached only through its parent, so until that
+        block is stored again they answer no lookup -- and if the fault took them too (a folder deleted,
+        a disk damaged), the tier would go on counting them and skip them at the next put, which is what
+        stores the recomputed run again; this way that put writes them all."""
+        self._changed("removed", self._remove([run.key(i) for i in range(start, len(run))]))
+
+    def _remove(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Drop ``keys`` from the index and their files from the folder: those that were indexed."""
+        removed = []
+        with self._lock:
+            for key in keys:
+                size = self._index.pop(key, None)
+                if size is not None:
+                    self._used -= size
+                    unlink_quietly(self._path(key)[1])
+                    removed.append(key)
+        return removed
 
     def _discard(self, key: bytes, path: str, reason: MissReason) -> None:
         """A file that failed its checks is garbage: drop it so the block can be stored again."""

@@ -208,9 +208,16 @@ def test_the_first_damaged_file_of_a_long_run_ends_the_get(
     assert (result.loaded, result.reason) == (first, reason)
     assert b.loaded(first)
     assert len(result.checksums) == first
-    assert not block_file(tier, b, first).exists()  # the damaged file is gone (the later one waits its turn)
+    assert not block_file(tier, b, first).exists()  # the damaged file is gone
     assert tier.contains_prefix(b.run()) == first
     assert tier.stats().missed(reason) == 1
+    # What follows it is reached only through it: forgotten too (damaged or not), so the put that stores
+    # the recomputed run writes every block again -- it had skipped the later damaged ones as stored,
+    # and a damaged disk healed one block per request.
+    assert len(files(tmp_path)) == first
+    assert tier.stats().to_dict()["backend"]["blocks"] == first
+    assert tier.put(b.run(), b.units()).stored == 40
+    assert tier.get_into(b.run(), b.out_views, LAYOUT).loaded == 40 and b.loaded(40)
 
 
 @pytest.mark.skipif(not getattr(os, "O_NOATIME", 0), reason="no O_NOATIME here")
@@ -265,6 +272,32 @@ def test_a_tier_whose_folder_is_deleted_writes_again(
     assert tier.put(b.run(3, 6), b.units(3, 6)).stored == 3
     assert block_file(tier, b, 3).is_file() and root.stat().st_mode & 0o777 == 0o700
     assert tier.get_into(b.run(3), b.out_views[3:], LAYOUT).loaded == 3
+    tier.close()
+
+
+@pytest.mark.parametrize("read", ["get_into", "read"])
+def test_a_folder_deleted_behind_the_tier_s_back_is_stored_again_by_the_next_put(
+    tmp_path: Path, make_blocks: Callable[..., Blocks], read: str
+) -> None:
+    """An outside fault drill deleted the folder: the get missed at the first block, the put of the
+    recomputed run said 8 stored and wrote one file (the index still named the other 7), and every
+    later lookup promised blocks that were not there."""
+    root = tmp_path / "kv"
+    tier = disk(root, 16)
+    b = make_blocks(8)
+    assert tier.put(b.run(), b.units()).stored == 8
+    shutil.rmtree(root)
+    if read == "get_into":
+        assert tier.get_into(b.run(), b.out_views, LAYOUT).loaded == 0
+    else:
+        assert tier.read(b.run()).units == []
+    assert tier.contains_prefix(b.run()) == 0 and tier.stats().to_dict()["backend"]["used_bytes"] == 0
+    assert tier.put(b.run(), b.units()).stored == 8
+    assert len(files(root)) == 8
+    assert tier.get_into(b.run(), b.out_views, LAYOUT).loaded == 8 and b.loaded(8)
+    # And a put before any read: the files it lists but lacks are written, not skipped.
+    shutil.rmtree(root)
+    assert tier.put(b.run(), b.units()).stored == 8 and len(files(root)) == 8
     tier.close()
 
 
