@@ -33,7 +33,7 @@ from kvstore.config import DiskTierConfig
 from kvstore.deadline import Deadline
 from kvstore.results import GetResult, MissReason, PutResult, ReadResult, Unit
 from kvstore.tiers.base import Ghosts, Tier, TierError, TierPolicy
-from kvstore.tiers.diskio import O_CLOEXEC, check_file, listdir, preadv_all, unlink_quietly, writev_all
+from kvstore.tiers.diskio import O_CLOEXEC, preadv_all, scan_blocks, unlink_quietly, writev_all
 from wire.codec import (
     HEADER_SIZE,
     HeaderMatcher,
@@ -46,7 +46,6 @@ from wire.layout import BlockLayout
 
 logger = logging.getLogger(__name__)
 
-_HEX = frozenset("0123456789abcdef")
 # Reads leave the access time alone: a cache has no use for it, and on a relatime mount the first read of
 # each new file would otherwise dirty its inode.  Only a file's owner may ask (EPERM otherwise).
 _O_NOATIME = getattr(os, "O_NOATIME", 0)
@@ -72,6 +71,10 @@ class DiskTier(Tier):
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, LRU first
         self._used = 0
         self._reserved = 0  # bytes of writes in progress
+        # Bytes the file system held for the tier when it filled up (ENOSPC) under its capacity: the tier
+        # keeps to that (evicting LRU blocks) until a health probe finds room again.  None: not full.
+        self._room: int | None = None
+        self._largest = 0  # the largest block file stored: what "room for a block" means
         self._ghosts = Ghosts()
         self._dirs: set[str] = set()
         self._tmp_ids = itertools.count()
@@ -94,8 +97,13 @@ class DiskTier(Tier):
         """The folder is there, writable, and its file system has room for a block."""
         if not os.path.isdir(self.root) or not os.access(self.root, os.W_OK | os.X_OK):
             raise TierError(f"{self.root} is not a writable folder")
-        if os.statvfs(self.root).f_bavail == 0:
-            raise TierError(f"the file system of {self.root} is full")
+        fs = os.statvfs(self.root)
+        free = fs.f_bavail * fs.f_frsize
+        if free < max(self._largest, 1):
+            raise TierError(f"the file system of {self.root} is full ({free} bytes free, under one block)")
+        if self._room is not None and free >= 2 * self._largest:
+            with self._lock:
+                self._room = None  # room again (files deleted, the volume grown): up to the capacity
 
     # ---- paths ---------------------------------------------------------------------------------------
 
@@ -247,7 +255,7 @@ class DiskTier(Tier):
                     return PutResult(i, MissReason.ERROR)
                 self._reserved += size
             try:
-                self._write_file(key, unit.seal(), unit.payload)
+                self._write_fitting(key, unit, size)
             except OSError as exc:
                 with self._lock:
                     self._reserved -= size
@@ -262,7 +270,33 @@ class DiskTier(Tier):
                 self._used += size - (previous or 0)
                 self._index[key] = size
                 self._ghosts.discard(key)
+                self._largest = max(self._largest, size)
         return PutResult(len(run))
+
+    def _write_fitting(self, key: bytes, unit: Unit, size: int) -> None:
+        """Write a block file; when the file system is full below the tier's capacity (ENOSPC), keep to
+        what it holds -- evict LRU blocks for this one -- and try once more: a full disk must not freeze
+        the tier with whatever it held when it filled."""
+        try:
+            self._write_file(key, unit.seal(), unit.payload)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            with self._lock:
+                first = self._room is None
+                self._room = self._used + self._reserved - size  # what it held, this block not counted
+                if not self._make_room(0):
+                    raise
+            if first:
+                logger.warning(
+                    "kvstore disk tier %s: the file system of %s is full with %d bytes of blocks (capacity "
+                    "%d): the tier keeps to that, evicting, until a health probe finds room",
+                    self.name,
+                    self.root,
+                    self._room,
+                    self.capacity_bytes,
+                )
+            self._write_file(key, unit.seal(), unit.payload)
 
     def _make_folders(self, folder: str) -> None:
         # KV is the users' data: owner only (makedirs' mode covers the last level only, so each one)
@@ -302,16 +336,17 @@ class DiskTier(Tier):
 
     def _make_room(self, size: int) -> bool:
         """Evict LRU files until ``size`` more bytes fit (caller holds the lock)."""
-        if size > self.capacity_bytes:
+        limit = self.capacity_bytes if self._room is None else min(self.capacity_bytes, self._room)
+        if size > limit:
             return False
-        while self._used + self._reserved + size > self.capacity_bytes and self._index:
+        while self._used + self._reserved + size > limit and self._index:
             key, victim_size = self._index.popitem(last=False)
             self._used -= victim_size
             self._ghosts.add(key)
             self.metrics.count(evictions=1)
             self._changed("removed", [key])
             unlink_quietly(self._path(key)[1])
-        return self._used + self._reserved + size <= self.capacity_bytes
+        return self._used + self._reserved + size <= limit
 
     def _delete(self, run: KeyRun, deadline: Deadline) -> int:
         return len(self._remove([run.key(i) for i in range(len(run))]))
@@ -368,35 +403,12 @@ class DiskTier(Tier):
 
     def _rebuild_index(self) -> int:
         """Index every block file under the root; delete temp files and files that fail their checks."""
-        found: list[tuple[int, bytes, int]] = []
-        discarded = 0
-        for ns_name in listdir(self.root):
-            if len(ns_name) != 32 or not set(ns_name) <= _HEX:
-                continue  # not ours
-            namespace = bytes.fromhex(ns_name)
-            for shard in listdir(f"{self.root}/{ns_name}"):
-                folder = f"{self.root}/{ns_name}/{shard}"
-                if len(shard) != 2 or not set(shard) <= _HEX or not os.path.isdir(folder):
-                    continue
-                self._dirs.add(folder)
-                for name in listdir(folder):
-                    path = f"{folder}/{name}"
-                    if name.startswith(".") and name.endswith(".tmp"):
-                        unlink_quietly(path)  # a write that never completed
-                        discarded += 1
-                        continue
-                    if len(name) not in (32, 64) or not set(name) <= _HEX or not name.startswith(shard):
-                        continue
-                    entry = check_file(path, namespace, bytes.fromhex(name))
-                    if entry is None:
-                        unlink_quietly(path)
-                        discarded += 1
-                    else:
-                        found.append((entry[0], namespace + bytes.fromhex(name), entry[1]))
-        found.sort()
+        found, folders, discarded = scan_blocks(self.root)
+        self._dirs.update(folders)
         for _, key, size in found:
             self._index[key] = size
             self._used += size
+            self._largest = max(self._largest, size)
         with self._lock:
             self._make_room(0)
         if discarded:
@@ -410,6 +422,7 @@ class DiskTier(Tier):
             return {
                 "path": self.root,
                 "capacity_bytes": self.capacity_bytes,
+                "full_at_bytes": self._room,  # None; or what the file system held when it filled
                 "used_bytes": self._used,
                 "blocks": len(self._index),
                 "discarded_on_start": self.discarded_on_start,

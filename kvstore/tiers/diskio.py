@@ -1,5 +1,6 @@
-"""The disk tier's file I/O: whole-buffer vectored reads and writes, a block file's header check, and
-the quiet forms of unlink and listdir the tier's bookkeeping wants (``kvstore/tiers/disk.py`` is the tier)."""
+"""The disk tier's file I/O: whole-buffer vectored reads and writes, a block file's header check, the scan
+of a folder at start, and the quiet forms of unlink and listdir the tier's bookkeeping wants
+(``kvstore/tiers/disk.py`` is the tier)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,40 @@ from kvstore.results import MissReason
 from wire.codec import HEADER_SIZE, parse_header
 
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_HEX = frozenset("0123456789abcdef")
+
+
+def scan_blocks(root: str) -> tuple[list[tuple[int, bytes, int]], list[str], int]:
+    """The block files under ``root`` as (mtime, key, size), oldest first; the shard folders found; and how
+    many files were deleted -- temp files of writes that never completed, and files failing their checks."""
+    found: list[tuple[int, bytes, int]] = []
+    folders: list[str] = []
+    discarded = 0
+    for ns_name in listdir(root):
+        if len(ns_name) != 32 or not set(ns_name) <= _HEX:
+            continue  # not ours
+        namespace = bytes.fromhex(ns_name)
+        for shard in listdir(f"{root}/{ns_name}"):
+            folder = f"{root}/{ns_name}/{shard}"
+            if len(shard) != 2 or not set(shard) <= _HEX or not os.path.isdir(folder):
+                continue
+            folders.append(folder)
+            for name in listdir(folder):
+                path = f"{folder}/{name}"
+                if name.startswith(".") and name.endswith(".tmp"):
+                    unlink_quietly(path)  # a write that never completed
+                    discarded += 1
+                    continue
+                if len(name) not in (32, 64) or not set(name) <= _HEX or not name.startswith(shard):
+                    continue
+                entry = check_file(path, namespace, bytes.fromhex(name))
+                if entry is None:
+                    unlink_quietly(path)
+                    discarded += 1
+                else:
+                    found.append((entry[0], namespace + bytes.fromhex(name), entry[1]))
+    found.sort()
+    return found, folders, discarded
 
 
 def check_file(path: str, namespace: bytes, block_hash: bytes) -> tuple[int, int] | None:

@@ -304,22 +304,70 @@ def test_a_folder_deleted_behind_the_tier_s_back_is_stored_again_by_the_next_put
 def test_a_full_disk_is_counted_and_never_raises(
     tmp_path: Path, make_blocks: Callable[..., Blocks], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    b = make_blocks(3)
+    """A disk that takes no write at all, its blocks' room evicted or not (something else filled it)."""
+    b = make_blocks(4)
     tier = disk(tmp_path)
-    tier.put(b.run(0, 1), b.units(0, 1))
+    tier.put(b.run(0, 2), b.units(0, 2))
 
     def full(fd: int, buffers: object) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "writev", full)
-    result = tier.put(b.run(1, 3), b.units(1, 3))
+    result = tier.put(b.run(2, 4), b.units(2, 4))
     assert (result.stored, result.reason) == (0, MissReason.ERROR)
     stats = tier.stats()
     assert stats.put_failures == {"error": 2} and "ENOSPC" in stats.last_error
     assert stats.breakers == {"read": "closed", "write": "open"}  # reads go on
-    assert [p.name for p in files(tmp_path)] == [block_file(tier, b, 0).name]  # no partial file left
-    assert tier.get_into(b.run(0, 1), b.out_views[:1], LAYOUT).loaded == 1
-    assert tier.put(b.run(1, 3), b.units(1, 3)).reason is MissReason.UNAVAILABLE  # skipped while open
+    # The oldest block made room for a second try (below), which failed too; no partial file is left.
+    assert [p.name for p in files(tmp_path)] == [block_file(tier, b, 1).name]
+    assert tier.get_into(b.run(1, 2), b.out_views[1:2], LAYOUT).loaded == 1
+    assert tier.put(b.run(2, 4), b.units(2, 4)).reason is MissReason.UNAVAILABLE  # skipped while open
+
+
+def test_a_file_system_that_fills_below_the_capacity_keeps_the_tier_storing(
+    tmp_path: Path, make_blocks: Callable[..., Blocks], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outside drill put a 64 MiB tier on a 1.2 MB tmpfs: the three blocks written before ENOSPC
+    stayed for good, nothing new was stored (the tier thought it had room, so it never evicted), and the
+    health probe said healthy with less than a block free (it counted only a 100 % full disk).  Now
+    ENOSPC makes the tier keep to what the file system held, evicting LRU blocks for new ones, and the
+    probe calls a disk with less than a block free full -- until room comes back."""
+    root = tmp_path / "kv"
+    tier = disk(root, 64)
+    holds = 3  # what the "file system" takes
+    real_writev = os.writev
+
+    def small_disk(fd: int, buffers: list[bytes]) -> int:
+        if len(files(root)) > holds:  # the temp file counts: a fourth block does not fit
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_writev(fd, buffers)
+
+    monkeypatch.setattr(os, "writev", small_disk)
+    b = make_blocks(6)
+    assert tier.put(b.run(0, 3), b.units(0, 3)).stored == 3
+    for i in range(3, 6):  # each new block evicts the oldest one
+        assert tier.put(b.run(i, i + 1), b.units(i, i + 1)).stored == 1
+    assert sorted(files(root)) == sorted(block_file(tier, b, i) for i in range(3, 6))
+    backend = tier.stats().to_dict()["backend"]
+    assert backend["full_at_bytes"] == 3 * FILE and backend["used_bytes"] == 3 * FILE
+    assert tier.stats().put_failures == {} and tier.write_breaker.state.value == "closed"
+    assert tier.get_into(b.run(3), b.out_views[3:], LAYOUT).loaded == 3
+
+    real = os.statvfs(root)
+
+    def free_bytes(n: int) -> Callable[[object], os.statvfs_result]:
+        fields = (real.f_bsize, 1, real.f_blocks, n, n, *real[5:])  # f_frsize 1: f_bavail is bytes
+        return lambda _path: os.statvfs_result(fields)
+
+    monkeypatch.setattr(os, "statvfs", free_bytes(FILE - 1))
+    assert "is full" in (tier.health() or "")
+    monkeypatch.setattr(os, "statvfs", free_bytes(FILE + 1))  # a block's room, not yet two: still keeps to 3
+    assert tier.health() is None and tier.stats().to_dict()["backend"]["full_at_bytes"] == 3 * FILE
+    monkeypatch.setattr(os, "statvfs", free_bytes(10 * FILE))  # room came back: up to the capacity again
+    assert tier.health() is None and tier.stats().to_dict()["backend"]["full_at_bytes"] is None
+    holds = 10
+    assert tier.put(b.run(0, 3), b.units(0, 3)).stored == 3 and len(files(root)) == 6
+    tier.close()
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
