@@ -78,7 +78,9 @@ class StructuredOutput:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | str) -> StructuredOutput:
-        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
+        # Key order kept: properties are written in the schema's order (as OpenAI's strict mode writes
+        # them) -- a schema that puts "reasoning" before "answer" means it.
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
 
     def grammar(self) -> str:
         """The constraint as llguidance's grammar text (not yet checked: compiling checks it)."""
