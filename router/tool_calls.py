@@ -140,6 +140,15 @@ def _schema(text: str, where: str, check: Callable[[Mapping[str, Any]], None]) -
         raise ToolFieldError(where, f"is not JSON: {exc}") from None
     if not isinstance(schema, dict):
         raise ToolFieldError(where, f"must be a JSON schema (an object), got {type(schema).__name__}")
+    kind = schema.get("type")
+    if kind is None or (isinstance(kind, list) and "object" in kind):
+        schema = {**schema, "type": "object"}  # `{}` and the like: the arguments are an object all the same
+    elif kind != "object":
+        raise ToolFieldError(
+            where,
+            f'must describe an object ("type": "object"), not {json.dumps(kind)}: a call\'s arguments are a '
+            "JSON object",
+        )
     try:
         check(schema)
     except ValueError as exc:

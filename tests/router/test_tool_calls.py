@@ -196,6 +196,24 @@ def test_required_and_a_named_function_constrain_the_call(models: dict[str, Rout
         assert follows(model, parallel, two) and not follows(model, required, two)
 
 
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "generic"])
+def test_parameters_that_leave_the_type_open_take_an_object_of_arguments(
+    models: dict[str, RouterModel], fmt: str
+) -> None:
+    """``"parameters": {}`` (a common client spelling) under ``required``: the grammar let any JSON
+    through as the arguments -- the model wrote a string, the reply parser read no call, and the client
+    got content and finish_reason "stop" where a call was promised."""
+    model = models[fmt]
+    key = "parameters" if fmt == "llama3_json" else "arguments"
+    for parameters in ({}, {"type": ["object", "null"]}, {"properties": {"x": {"type": "integer"}}}):
+        tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+        named = admit(model, tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}})
+        for arguments, ok in (({"x": 1}, True), ("f", False), ([1, 2], False), (None, False)):
+            call = json.dumps({"name": "f", key: arguments})
+            text = f"<tool_call>\n{call}\n</tool_call>" if fmt == "hermes" else call
+            assert follows(model, named, text) is ok, (parameters, arguments)
+
+
 def test_grpc_admits_what_http_admits(models: dict[str, RouterModel]) -> None:
     model = models["hermes"]
     http = admit(model, messages=HISTORY, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
@@ -266,6 +284,18 @@ BAD: list[tuple[dict[str, Any], str]] = [
             ]
         },
         "tools.1.function.parameters",
+    ),
+    (  # a call's arguments are an object: a grammar for a string forced replies no parser reads as calls
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+        "tools.0.function.parameters",
+    ),
+    (
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": {"type": ["array", "null"]}}}
+            ]
+        },
+        "tools.0.function.parameters",
     ),
     ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools.0.type"),
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools.0.function.name"),
