@@ -48,6 +48,12 @@ from router.streams import StreamWatch
 from router.tokenizer import RouterModel
 from serving.errors import CallRecorder, ServingError
 
+# Fields a body of another endpoint serves: the refusal says where (only chat has response_format).
+_ELSEWHERE = {
+    "response_format": "is served on /v1/chat/completions; on /v1/completions send structured_outputs "
+    "({json: SCHEMA}, {regex: ...}, {choice: [...]} or {grammar: ...})",
+}
+
 
 def _union_branch(part: Any) -> bool:
     """Whether a part of a pydantic error's path is the union branch it tried (``str``, ``list[str]``),
@@ -104,7 +110,7 @@ def create_app(
         if first.get("type") == "literal_error":  # say what was sent: a "custom" tool, a "web_search" ...
             message = f"{message}, got {first.get('input')!r}"
         if first.get("type") == "extra_forbidden":  # a field in none of openai_schema's three kinds
-            message = (
+            message = _ELSEWHERE.get(param) or (
                 "is not a field this server serves or can ignore (it could change the output); "
                 "see GET /docs for the fields served"
             )

@@ -66,6 +66,11 @@ def _refuse_unserved(body: ChatCompletionRequest | CompletionRequest) -> None:
         raise ApiError.invalid(name, f"{why} (got {getattr(body, name)!r})")
     if body.stream_options is not None and not body.stream:  # it would be accepted and do nothing
         raise ApiError.invalid("stream_options", "only allowed with stream: true (as OpenAI requires)")
+    if body.stream_options is not None and body.stream_options.include_obfuscation:
+        raise ApiError.invalid(
+            "stream_options.include_obfuscation",
+            "stream obfuscation (random padding on each chunk) is not served: send false or leave it out",
+        )
 
 
 def chat_request(

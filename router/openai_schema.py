@@ -142,6 +142,9 @@ _SCALARS = frozenset({int, float, bool, type(None)})
 
 class StreamOptions(RequestBody):
     include_usage: bool = False
+    # OpenAI pads each chunk with random "obfuscation" text against length side channels: not served --
+    # false (or unset) is what pdkv does, true is refused (openai_requests._refuse_unserved).
+    include_obfuscation: bool = False
 
 
 class _Sampling(WholeBody):

@@ -480,6 +480,25 @@ def test_stream_options_without_a_stream_is_refused(model: RouterModel) -> None:
     chat_request(ChatCompletionRequest.model_validate({**CHAT, "stream": True, "stream_options": {}}), model)
 
 
+def test_stream_obfuscation_is_refused_when_asked_for_and_off_is_accepted(model: RouterModel) -> None:
+    """The SDK's ``stream_options.include_obfuscation`` was refused as a field that "could change the
+    output", whatever its value: false asks for what pdkv does, true for padding it does not send."""
+    stream = {**CHAT, "stream": True}
+    off = {"include_usage": True, "include_obfuscation": False}
+    chat_request(ChatCompletionRequest.model_validate({**stream, "stream_options": off}), model)
+    body = ChatCompletionRequest.model_validate({**stream, "stream_options": {"include_obfuscation": True}})
+    with pytest.raises(ApiError) as info:
+        chat_request(body, model)
+    assert info.value.param == "stream_options.include_obfuscation" and "not served" in info.value.message
+
+
+def test_response_format_on_completions_points_to_structured_outputs(http: TestClient) -> None:
+    response = http.post("/v1/completions", json={**TEXT, "response_format": {"type": "json_object"}})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "response_format"
+    assert "structured_outputs" in error["message"] and "/v1/chat/completions" in error["message"]
+
+
 @pytest.mark.parametrize(
     ("response_format", "param"),
     [
