@@ -169,24 +169,28 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
 
     def Abort(self, request: node_pb2.AbortRequest, context: grpc.ServicerContext) -> node_pb2.AbortResponse:
         with rpc_errors(context, self.calls, "Abort"):
+            convert.known_fields_only(request)
             self.node.driver.abort(convert.request_id(request.request_id))
             return node_pb2.AbortResponse()
         raise AssertionError("unreachable: rpc_errors aborts the call")
 
     def Stats(self, request: node_pb2.StatsRequest, context: grpc.ServicerContext) -> node_pb2.NodeStats:
         with rpc_errors(context, self.calls, "Stats"):
+            convert.known_fields_only(request)
             snap = self.node.snapshot(check_integrity=request.check_integrity)
             return _stats_proto(self.node, snap)
         raise AssertionError("unreachable: rpc_errors aborts the call")
 
     def LoadAdapter(self, request: types_pb2.LoadAdapterRequest, context: grpc.ServicerContext) -> Any:
         with rpc_errors(context, self.calls, "LoadAdapter"):
+            convert.known_fields_only(request)
             lora, allowed = self.node.driver.engine.lora, self.node.config.runtime_lora
             return lora_rpc.load_adapter(lora, allowed, request.name, request.path)
         raise AssertionError("unreachable: rpc_errors aborts the call")
 
     def UnloadAdapter(self, request: types_pb2.UnloadAdapterRequest, context: grpc.ServicerContext) -> Any:
         with rpc_errors(context, self.calls, "UnloadAdapter"):
+            convert.known_fields_only(request)
             lora_rpc.unload_adapter(self.node.driver.engine.lora, self.node.config.runtime_lora, request.name)
             return types_pb2.UnloadAdapterResponse()
         raise AssertionError("unreachable: rpc_errors aborts the call")

@@ -66,6 +66,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> generation_pb2.ModelInfo:
         with rpc_errors(context, self.calls, "GetModelInfo"):
             self._caller(context)
+            convert.known_fields_only(request)
             m = self.model
             block_size = next(
                 (n.namespace.block_size for p in self.pools for n in p.nodes() if n.namespace is not None), 0
@@ -95,12 +96,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def LoadAdapter(self, request: types_pb2.LoadAdapterRequest, context: grpc.ServicerContext) -> Any:
         with rpc_errors(context, self.calls, "LoadAdapter"):
             self._caller(context)
+            convert.known_fields_only(request)
             return self._adapters().load(request.name, request.path)
         raise AssertionError("unreachable: rpc_errors aborts the call")
 
     def UnloadAdapter(self, request: types_pb2.UnloadAdapterRequest, context: grpc.ServicerContext) -> Any:
         with rpc_errors(context, self.calls, "UnloadAdapter"):
             self._caller(context)
+            convert.known_fields_only(request)
             self._adapters().unload(request.name)
             return types_pb2.UnloadAdapterResponse()
         raise AssertionError("unreachable: rpc_errors aborts the call")

@@ -42,6 +42,14 @@ def known_fields_only(msg: Message, where: str = "") -> None:
     from google.protobuf import unknown_fields
 
     unknown = sorted({f.field_number for f in unknown_fields.UnknownFieldSet(msg)})
+    known = msg.DESCRIPTOR.fields_by_number
+    for number in unknown:  # a map entry carrying an unknown field lands whole among its parent's
+        if number in known:
+            raise invalid(
+                f"{where}{known[number].name}",
+                "holds what this server's API does not have there (a map entry with a newer field, or the "
+                "wrong wire type); the request is refused rather than run without it",
+            )
     if unknown:
         raise invalid(
             f"{where}#{unknown[0]}",
@@ -60,7 +68,7 @@ def known_fields_only(msg: Message, where: str = "") -> None:
             known_fields_only(value, f"{name}.")
 
 
-def sampling_options(msg: types_pb2.SamplingParams) -> dict[str, Any]:
+def sampling_options(msg: types_pb2.SamplingParams, field: str = "sampling") -> dict[str, Any]:
     """The fields ``msg`` sets, by ``SamplingParams``'s names (the proto's fields share them, so a new
     sampling field needs no line here): every plain field, an ``optional`` one only when set."""
     options: dict[str, Any] = {}
@@ -69,7 +77,10 @@ def sampling_options(msg: types_pb2.SamplingParams) -> dict[str, Any]:
             continue  # unset: the default of whoever builds SamplingParams
         value = getattr(msg, name)
         if name == "structured":
-            options[name] = structured_output(value)
+            try:
+                options[name] = structured_output(value)
+            except ValueError as exc:  # its message starts with the field's name
+                raise ServingError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}.{exc}") from None
         elif proto_field.message_type is not None and proto_field.message_type.GetOptions().map_entry:
             options[name] = dict(value)  # a map (logit_bias): token id -> value
         else:
@@ -80,7 +91,7 @@ def sampling_options(msg: types_pb2.SamplingParams) -> dict[str, Any]:
 def sampling_params(msg: types_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
     """``SamplingParams`` from its proto; unset optional fields take the engine's defaults."""
     try:
-        return SamplingParams(**sampling_options(msg))
+        return SamplingParams(**sampling_options(msg, field))
     except ValueError as exc:  # the message starts with the field's name
         raise ServingError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}.{exc}") from exc
 

@@ -238,6 +238,19 @@ def test_grpc_refuses_a_field_it_does_not_know_naming_it() -> None:
             generation_request(msg)
         assert info.value.message.startswith(f"{field}: is not a field of this server's API")
     generation_request(generation_pb2.GenerateRequest(text="hi"))  # a known message passes
+    # A logit_bias entry with a newer field: protobuf files the whole entry among the parent's unknown
+    # fields under logit_bias's own number, and the refusal named "sampling.#15" -- a known field.
+    entry = _with_unknown_field(types_pb2.SamplingParams.LogitBiasEntry(key=5, value=0.5))
+    number = types_pb2.SamplingParams.DESCRIPTOR.fields_by_name["logit_bias"].number
+    raw = bytes([(number << 3) | 2, len(entry)]) + entry
+    biased = generation_pb2.GenerateRequest(text="hi", sampling=types_pb2.SamplingParams.FromString(raw))
+    with pytest.raises(ServingError) as info:
+        generation_request(biased)
+    assert info.value.message.startswith("sampling.logit_bias: holds what this server's API does not have")
+    empty = generation_pb2.GenerateRequest(text="hi", sampling={"structured": types_pb2.StructuredOutput()})
+    with pytest.raises(ServingError) as info:  # named from the request's top, as every sampling field
+        generation_request(empty)
+    assert info.value.message.startswith("sampling.structured: names no constraint")
     prefill = node_pb2.PrefillRequest.FromString(_with_unknown_field(node_pb2.PrefillRequest(request_id="r")))
     with pytest.raises(ServingError):
         convert.known_fields_only(prefill)

@@ -145,6 +145,26 @@ def test_health_watchers_hear_of_changes_only(cluster: Cluster) -> None:
     assert [h.status for h in heard] == [1, 2, 1]
 
 
+def test_every_rpc_refuses_a_field_it_does_not_know(cluster: Cluster) -> None:
+    """GetModelInfo (and the adapter and node calls) accepted a message carrying a newer client's field,
+    which docs/api.md says every service refuses: a LoadAdapter flag, say, would be dropped."""
+    import grpc
+
+    unknown = bytes([0xB8, 0x3E, 0x01])  # field 999, a varint 1: no message of the API has it
+    for address, method in (
+        (cluster.router_address, "/pdkv.v1.Generation/GetModelInfo"),
+        (cluster.router_address, "/pdkv.v1.Generation/UnloadAdapter"),
+        (cluster.decode_nodes[0].address, "/pdkv.v1.Node/Stats"),
+        (cluster.decode_nodes[0].address, "/pdkv.v1.Node/Abort"),
+    ):
+        with grpc.insecure_channel(address) as channel:
+            call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+            with pytest.raises(grpc.RpcError) as info:
+                call(unknown, timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+        assert "#999: is not a field of this server's API" in (info.value.details() or ""), method
+
+
 def _v1_list_services(address: str) -> list[str]:
     """ListServices over ``grpc.reflection.v1`` (the messages are v1alpha's, byte for byte the same)."""
     import grpc
