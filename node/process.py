@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,9 @@ _NODE_SERVICES = {
     "colocated": ("pdkv.v1.PrefillNode", "pdkv.v1.DecodeNode"),
 }
 STATS_TIMEOUT_S = 5.0
+# How long /metrics and Stats wait for the engine's figures before answering with the last ones read (a
+# prefill step of 2048 tokens takes seconds on two cores: a scrape must not fail for it).
+RECENT_WAIT_S = 0.5
 
 
 @dataclass
@@ -77,6 +81,7 @@ class NodeRuntime:
     signer: TransferSigner | None = None  # seals / checks transfer params (with a cluster secret)
     tls: TLSFolder | None = None
     drainer: Drain | None = None  # set by build
+    _last: tuple[float, EngineSnapshot] | None = None  # the last snapshot read, and when (monotonic)
 
     @classmethod
     def build(cls, config: NodeConfig) -> NodeRuntime:
@@ -109,6 +114,7 @@ class NodeRuntime:
         signer = TransferSigner(secret) if secret is not None else None
         node = cls(config, driver.start(), RpcCounters(), HealthStatus(), events, signer, tls)
         node.set_serving(False)  # the health servicer starts out SERVING; say so only once started
+        node.snapshot()  # the first figures: what a scrape during the first long step answers with
         node.drainer = Drain(config.node_id, node.drain_progress, config.drain_timeout_s)
         return node
 
@@ -123,10 +129,27 @@ class NodeRuntime:
         for name in ("", *self.service_names):
             self.health.set(name, status)
 
-    def snapshot(self, *, check_integrity: bool = False) -> EngineSnapshot:
-        return self.driver.call(
-            lambda e: snapshot(e, check_integrity=check_integrity), timeout=STATS_TIMEOUT_S
-        )
+    def snapshot(self, *, check_integrity: bool = False, wait_s: float = STATS_TIMEOUT_S) -> EngineSnapshot:
+        """The engine's figures now, read on its thread (after the step it runs): TimeoutError past
+        ``wait_s`` -- the read still happens, and is kept as the last one."""
+
+        def read(engine: LLMEngine) -> EngineSnapshot:
+            s = snapshot(engine, check_integrity=check_integrity)
+            self._last = (time.monotonic(), s)
+            return s
+
+        return self.driver.call(read, timeout=wait_s)
+
+    def recent_snapshot(self) -> tuple[EngineSnapshot, float]:
+        """The engine's figures and their age in seconds: now's if the engine answers within
+        ``RECENT_WAIT_S``, else the last ones read -- a long step must not fail a scrape or a Stats."""
+        try:
+            return self.snapshot(wait_s=RECENT_WAIT_S), 0.0
+        except TimeoutError:
+            last = self._last
+            if last is None:
+                return self.snapshot(), 0.0  # none read yet: wait as long as a fresh read may
+            return last[1], time.monotonic() - last[0]
 
     def drain_progress(self) -> DrainProgress:
         """Admitted unfinished requests, and finished ones whose KV a reader has yet to pull or release."""
@@ -177,8 +200,11 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
     def Stats(self, request: node_pb2.StatsRequest, context: grpc.ServicerContext) -> node_pb2.NodeStats:
         with rpc_errors(context, self.calls, "Stats"):
             convert.known_fields_only(request)
-            snap = self.node.snapshot(check_integrity=request.check_integrity)
-            return _stats_proto(self.node, snap)
+            if request.check_integrity:
+                snap, age = self.node.snapshot(check_integrity=True), 0.0
+            else:
+                snap, age = self.node.recent_snapshot()
+            return _stats_proto(self.node, snap, age)
         raise AssertionError("unreachable: rpc_errors aborts the call")
 
     def LoadAdapter(self, request: types_pb2.LoadAdapterRequest, context: grpc.ServicerContext) -> Any:
@@ -196,7 +222,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         raise AssertionError("unreachable: rpc_errors aborts the call")
 
 
-def _stats_proto(node: NodeRuntime, s: EngineSnapshot) -> node_pb2.NodeStats:
+def _stats_proto(node: NodeRuntime, s: EngineSnapshot, age_s: float) -> node_pb2.NodeStats:
     """The snapshot as the RPC carries it: counters and gauges by their declared keys, unchanged."""
     return node_pb2.NodeStats(
         node_id=node.config.node_id,
@@ -216,6 +242,7 @@ def _stats_proto(node: NodeRuntime, s: EngineSnapshot) -> node_pb2.NodeStats:
         adapters=[lora_rpc.adapter_info(a) for a in node.driver.engine.lora.adapters()],
         runtime_lora=node.config.runtime_lora,
         max_lora_rank=node.driver.engine.lora.max_lora_rank,
+        stats_age_s=age_s,
         kv_events_endpoint=node.events.endpoint if node.events is not None else "",
         kv_events_replay_endpoint=node.events.replay_endpoint if node.events is not None else "",
         kv_events_epoch=node.events.epoch if node.events is not None else "",
@@ -257,9 +284,15 @@ def node_metrics(node: NodeRuntime) -> list[Metric]:
     """The node's Prometheus metrics: every declared engine metric (``engine/metrics.py``) and the
     connector's histograms under their names, the connector's own counters as ``pdkv_connector_*``,
     the node's admitted requests and its gRPC calls."""
-    s = node.snapshot()
+    s, age = node.recent_snapshot()
     return [
         *stats_families(s.stats, s.histograms, specs=SPECS),
+        gauge(
+            "pdkv_node_stats_age_seconds",
+            "how old the engine's figures in this scrape are (0: read now; while a long step runs, the "
+            "last read)",
+            age,
+        ),
         gauge("pdkv_node_requests", "unfinished requests admitted by the node", node.driver.num_requests),
         *(node.drainer.metrics("pdkv_node") if node.drainer is not None else ()),
         *counter_families(s.connector.counters, "pdkv_connector_", "connector counter"),

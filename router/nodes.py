@@ -167,7 +167,8 @@ class NodeHandle:
             if stats.kv_events_endpoint
             else None
         )
-        self.costs = measure_costs(self.costs, self._last_stats, stats)
+        # A node in a long step answers with its last figures and their age: they are as of then.
+        self.costs = measure_costs(self.costs, self._last_stats, stats, time.monotonic() - stats.stats_age_s)
         self._last_stats = stats
 
     def note_adapter(self, info: types_pb2.AdapterInfo) -> None:

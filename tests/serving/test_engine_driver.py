@@ -282,3 +282,42 @@ def test_a_step_that_never_returns_makes_the_node_not_serving_and_says_where(
     assert drain(stream)[-1].finish_reason == "length"
     wait_until(lambda: not watch.check(), timeout=10, what="serving again")
     assert serving == [False, True]
+
+
+def test_a_scrape_during_a_long_step_answers_with_the_last_figures_and_their_age(
+    driver: EngineDriver,
+) -> None:
+    """An outside probe: a 2500-token prompt's prefill step ran ~9 s on two cores, and the node's
+    /metrics answered 503 after 5 s (its Stats alike) -- the gauges went missing when the node was
+    busiest.  Now /metrics and Stats wait half a second, then answer with the last figures read, and say
+    how old they are (``pdkv_node_stats_age_seconds``, NodeStats.stats_age_s)."""
+    import time
+
+    from node.config import NodeConfig
+    from node.process import NodeRuntime, node_metrics
+    from serving.health import HealthStatus
+    from telemetry.exposition import RpcCounters
+
+    node = NodeRuntime(NodeConfig("decode"), driver, RpcCounters(), HealthStatus())
+    node.snapshot()  # what NodeRuntime.build reads first
+    started, release = threading.Event(), threading.Event()
+
+    def long_step(engine: LLMEngine) -> None:
+        started.set()
+        release.wait(30)
+
+    threading.Thread(target=driver.call, args=(long_step,), kwargs={"timeout": 60}, daemon=True).start()
+    assert started.wait(10)
+    try:
+        time.sleep(0.3)
+        began = time.monotonic()
+        families = {f.name: f for f in node_metrics(node)}
+        assert time.monotonic() - began < 2.0  # not the 5 s a fresh read waits
+        [age] = families["pdkv_node_stats_age_seconds"].samples
+        assert age.value >= 0.3
+        assert "pdkv_node_requests" in families and "pdkv_num_requests_running" in families
+        snap, age_s = node.recent_snapshot()
+        assert age_s >= 0.3 and snap.engine_id == driver.engine.config.engine_id
+    finally:
+        release.set()
+    wait_until(lambda: node.recent_snapshot()[1] == 0.0, timeout=10, what="fresh figures again")
