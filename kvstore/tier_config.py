@@ -144,6 +144,13 @@ class RedisTierConfig:
             raise ValueError("redis tier: give password_env or password_file, not both")
         if (self.ssl_ca_certs or self.ssl_certfile) and parts.scheme != "rediss":
             raise ValueError("redis tier ssl_* options need a rediss:// url")
+        if parts.scheme != "unix" and parts.path.strip("/") and not parts.path.strip("/").isdigit():
+            raise ValueError(
+                f"redis tier url {self.url!r}: the database after the port must be a number "
+                f"(redis://host:port/0), got {parts.path.strip('/')!r}"
+            )
+        if self.cluster and parts.path.strip("/") not in ("", "0"):
+            raise ValueError("a Redis Cluster has database 0 only: drop the /db from the url")
         if self.cluster and parts.scheme == "unix":
             raise ValueError(
                 "a Redis Cluster is reached over TCP; drop cluster=true or use redis://host:port"

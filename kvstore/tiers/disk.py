@@ -79,6 +79,8 @@ class DiskTier(Tier):
         self._dirs: set[str] = set()
         self._tmp_ids = itertools.count()
         self._read_flags = os.O_RDONLY | O_CLOEXEC | _O_NOATIME
+        if os.path.exists(self.root) and not os.path.isdir(self.root):  # a mistake, not a passing fault
+            raise ValueError(f"disk tier {self.name}: {self.root} is not a folder (a file is in the way)")
         try:
             os.makedirs(self.root, mode=0o700, exist_ok=True)
             self.discarded_on_start = self._rebuild_index()

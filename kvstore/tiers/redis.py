@@ -30,6 +30,7 @@ saw an error, a timeout or an unexpected reply is disconnected, never reused out
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -81,7 +82,10 @@ class RedisTier(Tier):
             self._connection_kwargs["password"] = password
         for option in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
             if getattr(config, option):
-                self._connection_kwargs[option] = getattr(config, option)
+                path = getattr(config, option)
+                if not os.access(path, os.R_OK) or not os.path.isfile(path):  # else every connect fails
+                    raise ValueError(f"redis tier {option} {path}: not a readable file")
+                self._connection_kwargs[option] = path
         self._pool: redis.ConnectionPool | None = None
         self._cluster: Any = None  # redis.cluster.RedisCluster, created on first use
         self._topology_stale = False

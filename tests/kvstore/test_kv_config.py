@@ -30,14 +30,14 @@ def test_the_documented_example_parses() -> None:
 def test_options_and_synonyms() -> None:
     config = StoreConfig.parse(
         "cpu:512MiB?verify=true&pin=false, disk:/a:b:1GB?fsync=always,"
-        " valkey://h:7000/2?ttl_s=60&timeout_ms=20&cluster=true&prefix=kv,remote:ipc:///tmp/s?timeout_ms=5"
+        " valkey://h:7000/0?ttl_s=60&timeout_ms=20&cluster=true&prefix=kv,remote:ipc:///tmp/s?timeout_ms=5"
     )
     cpu, disk, redis, remote = config.tiers
     assert cpu == CpuTierConfig(512 << 20, verify_payload=True, pin_memory=False)
     assert disk == DiskTierConfig("/a:b", 10**9, fsync="always")  # a colon in the path is fine
     assert isinstance(redis, RedisTierConfig)
     assert (redis.url, redis.ttl_s, redis.timeout_s, redis.cluster, redis.prefix) == (
-        "redis://h:7000/2",
+        "redis://h:7000/0",
         60.0,
         0.02,
         True,
@@ -65,6 +65,8 @@ def test_repeated_kinds_get_distinct_names() -> None:
         ("redis://h:port/0", "'h:port'"),
         ("redis://h:6379/0?ttl_s=-5", "'-5'"),
         ("redis://h:6379/0?colour=red", "colour"),
+        ("redis://h:6379/abc", "database after the port must be a number"),  # was accepted
+        ("redis://h:6379/3?cluster=true", "database 0 only"),
         ("remote:localhost", "'localhost'"),
         ("gpu:1GiB", "'gpu'"),
         ("cpu:1GiB?speed=fast", "speed"),

@@ -301,6 +301,14 @@ def test_a_folder_deleted_behind_the_tier_s_back_is_stored_again_by_the_next_put
     tier.close()
 
 
+def test_a_path_that_is_a_file_is_refused_when_the_tier_opens(tmp_path: Path) -> None:
+    """``disk:/etc/passwd:1MiB`` started a store whose disk tier held nothing, with a warning: a file in
+    the way is a mistake in the configuration, refused naming the tier and the path."""
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(ValueError, match=r"disk tier disk: .*/file is not a folder"):
+        disk(tmp_path / "file")
+
+
 def test_a_full_disk_is_counted_and_never_raises(
     tmp_path: Path, make_blocks: Callable[..., Blocks], monkeypatch: pytest.MonkeyPatch
 ) -> None:

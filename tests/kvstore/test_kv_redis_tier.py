@@ -344,3 +344,6 @@ def test_redis_credentials_and_tls_options_parse_from_the_spec_and_toml(tmp_path
     assert (tls.password_file, tls.ssl_ca_certs) == ("/run/secrets/redis", "/run/secrets/ca.pem")
     with pytest.raises(ValueError, match="need a rediss:// url"):
         RedisTierConfig("redis://h:6379/0", ssl_ca_certs="/ca.pem")
+    # A file that is not there is refused when the tier opens (every connection would fail, counted).
+    with pytest.raises(ValueError, match=r"ssl_ca_certs /nonexistent/ca.pem: not a readable file"):
+        tier_for("rediss://127.0.0.1:1/0", ssl_ca_certs="/nonexistent/ca.pem")
