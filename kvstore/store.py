@@ -22,8 +22,8 @@ from the caller's buffers, into other tiers by a background copy.  Writes go to 
 tier that takes them, synchronously, and flow down in the background through a bounded queue
 (``write_policy="through"``); when the queue is full the write-down is dropped and counted, never waited
 for.  With ``write_policy="back"`` nothing flows down at write time; instead a memory tier *demotes* the
-blocks it evicts to the tier below (it does so under write-through too, for blocks whose write-down was
-dropped).
+blocks it evicts to the tier below (under write-through too, to every tier below, for blocks whose
+write-down was dropped or came too late).
 
 Every call has a deadline, shared by the tiers it visits.  A tier that fails or times out counts as zero
 hits for that call and its circuit breaker keeps it out of later calls until a probe succeeds; the engine
@@ -341,19 +341,25 @@ class TieredStore:
             batch.release()
 
     def _demote(self, index: int, evicted: list[tuple[KeyRun, Unit]]) -> None:
-        """Evict hook of memory tier ``index``: its evicted blocks go to the tier below, in the background."""
-        dest = self.tiers[index + 1]
-        if not self._offer(partial(self._demote_job, dest, evicted), [dest], len(evicted)):
+        """Evict hook of memory tier ``index``: its evicted blocks (those not yet written below) go down,
+        in the background -- under write-back to the tier below; under write-through to every tier below,
+        as the write-down they were evicted before would have (a disk tier demotes nothing further, so a
+        cpu tier smaller than a request's blocks had left the tiers under the disk all but empty)."""
+        dests = (
+            self.tiers[index + 1 :] if self.write_policy == "through" else self.tiers[index + 1 : index + 2]
+        )
+        if not self._offer(partial(self._demote_job, dests, evicted), dests, len(evicted)):
             release_all(unit for _, unit in evicted)
 
-    def _demote_job(self, dest: Tier, evicted: list[tuple[KeyRun, Unit]]) -> None:
+    def _demote_job(self, dests: Sequence[Tier], evicted: list[tuple[KeyRun, Unit]]) -> None:
         for run, unit in evicted:
             batch = UnitBatch([unit])
             try:
-                stored = dest.put(
-                    run, [unit], Deadline.after(self.policy.put_timeout_s), keepalive=batch
-                ).stored
-                dest.metrics.count(demotions=stored)
+                for dest in dests:
+                    stored = dest.put(
+                        run, [unit], Deadline.after(self.policy.put_timeout_s), keepalive=batch
+                    ).stored
+                    dest.metrics.count(demotions=stored)
             finally:
                 batch.release()
 

@@ -196,6 +196,27 @@ def test_blocks_written_down_are_not_demoted_again(
     store.close()
 
 
+def test_under_write_through_a_block_evicted_before_its_write_down_reaches_every_tier_below(
+    tmp_path: Path, make_blocks: Callable[..., Blocks]
+) -> None:
+    """An outside drill ran cpu:2MiB,disk,redis: the cpu tier evicted blocks before the background
+    write-down read them (lost_writes), their demotion went to the disk only, and Redis stayed all but
+    empty.  A demotion under write-through goes where the write-down would have."""
+    b = make_blocks(4)
+    top, middle, bottom = cpu(2), GateTier(), disk(tmp_path)
+    store = store_of(top, middle, bottom)
+    middle.open.clear()  # the write-down of block 0 waits in the middle tier
+    store.put(b.run(0, 1), b.units(0, 1))
+    wait_until(middle.entered.is_set, 5.0, "the writer to reach the middle tier")
+    for i in range(1, 4):  # blocks 0 and 1 are evicted before their write-down read them
+        store.put(b.run(i, i + 1), b.units(i, i + 1))
+    middle.open.set()
+    assert store.drain(5.0)
+    assert bottom.contains_prefix(b.run()) == 4 and middle.inner.contains_prefix(b.run()) == 4
+    assert bottom.stats().counter("lost_writes") >= 1 and bottom.stats().counter("demotions") >= 1
+    store.close()
+
+
 def test_a_put_falls_through_a_tier_that_is_down(make_blocks: Callable[..., Blocks]) -> None:
     b = make_blocks(2)
     top, bottom = GateTier("top"), cpu(4)
