@@ -186,7 +186,13 @@ def _up(args: argparse.Namespace) -> int:
     )
     settings = f", settings from {topology.config_file}" if topology.config_file else ""
     print(f"pdkv up: starting {_summary(topology)}{settings} ...", file=sys.stderr, flush=True)
-    cluster = Cluster.start(topology)
+    try:
+        cluster = Cluster.start(topology)
+    except (
+        RuntimeError
+    ) as exc:  # a child that did not come up (its log's tail is in the message): no traceback
+        print(f"pdkv up: error: {exc}", file=sys.stderr)
+        return 1
     if args.oneshot is not None:
         try:
             return _oneshot(cluster, args.oneshot, args.max_tokens, chat=args.chat)

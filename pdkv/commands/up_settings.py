@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pdkv import settings
 
@@ -104,7 +105,7 @@ def _children(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     router += ["--prefill", _PLACEHOLDER] if disaggregated else []
     model = ["--served-model-name", args.served_model_name] if args.served_model_name else []
     model += ["--max-model-len", str(args.max_model_len)] if args.max_model_len is not None else []
-    out = [(f"{role} nodes", [f"serve-{role}", *model]) for role in roles]
+    out = [(f"{role} nodes", [f"serve-{role}", *model, *shlex.split(args.node_args)]) for role in roles]
     out.append(("router", [*router, *model]))
     if args.kv_store.lower() != "none":
         tiers = args.kv_store.replace("{run_dir}", "/tmp/pdkv-up")  # the run folder pdkv up makes
@@ -118,8 +119,22 @@ def _check_child(what: str, argv: list[str], env: dict[str, str]) -> None:
     parser = build_parser()
     applied = settings.apply(parser, argv, env)
     assert applied is not None, argv
+    _raise_instead_of_exit(parser, what)  # a bad --node-args: an error of pdkv up's, before anything starts
     child: Any = parser.parse_args(argv)
     try:
         child.check(child)
     except ValueError as exc:
         raise settings.SettingsError(f"pdkv up's {what}: {applied.explain(str(exc), child)}") from None
+
+
+def _raise_instead_of_exit(parser: argparse.ArgumentParser, what: str) -> None:
+    """argparse exits on a bad option (printing the child's usage as pdkv up's): raise, naming the child."""
+
+    def error(message: str) -> NoReturn:
+        raise settings.SettingsError(f"pdkv up's {what}: {message}")
+
+    parser.error = error  # type: ignore[method-assign]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _raise_instead_of_exit(sub, what)

@@ -235,6 +235,33 @@ def test_pdkv_up_checks_what_its_children_inherit_but_not_its_own_variables(
     assert "PDKV_MAX_NUM_SEQS" not in args.unset_env and "PDKV_TLS_DIR" not in args.unset_env
 
 
+@pytest.mark.parametrize(
+    ("argv", "env", "says"),
+    [
+        (["--node-args", "--num-blokcs 64"], {}, "prefill nodes: unrecognized arguments: --num-blokcs 64"),
+        (["--node-args", "--threads lots"], {}, "pdkv up's prefill nodes: argument --threads: invalid"),
+        (["--node-args", "--num-blocks 0"], {}, "pdkv up's prefill nodes: num_blocks"),
+        # from the file: a key whose name the message contains is not blamed ("prefill" in "prefill nodes")
+        ([], {"PDKV_THREADS": "0"}, "pdkv up: error: pdkv up's prefill nodes: $PDKV_THREADS: threads"),
+    ],
+)  # fmt: skip
+def test_pdkv_up_checks_node_args_and_names_only_the_setting_at_fault(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    env: dict[str, str],
+    says: str,
+) -> None:
+    """An outside operator: a typo in --node-args started the store and the nodes, then pdkv up died with
+    a traceback; and $PDKV_THREADS=0 was reported as "[up] prefill: ..." because the file set prefill."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    config = write(tmp_path, "cluster.toml", "[up]\nprefill = 1\n")
+    err = up_fails(["--config", str(config), *argv], capsys)
+    assert says in err and "[up] prefill" not in err and "Traceback" not in err, err
+
+
 def test_pdkv_up_passes_the_model_settings_and_the_file_to_its_children(tmp_path: Path) -> None:
     from pdkv.launcher import Topology
 
