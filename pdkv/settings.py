@@ -157,7 +157,7 @@ def _scalar(action: argparse.Action, value: Any, where: str) -> Any:
     kind = action.type
     name = getattr(kind, "__name__", "value") if kind is not None else "string"
     if isinstance(value, bool | list | dict) or value is None:
-        raise SettingsError(f"{where}: {value!r} is not a {'string' if kind is None else name}")
+        raise SettingsError(f"{where}: {value!r} is not a valid {name}")
     try:
         if kind is None:
             result: Any = str(value)
@@ -215,9 +215,13 @@ def check_file(parser: argparse.ArgumentParser, path: Path, data: Mapping[str, A
         if section not in readers:
             hint = _did_you_mean(section, readers)
             raise SettingsError(f"config file {path}: unknown table [{section}]{hint}")
+        spelled: dict[str, str] = {}
         for key, value in table.items():
             name = option_key(str(key))
             where = f"config file {path}: [{section}] {key}"
+            if name in spelled:  # max-num-seqs and max_num_seqs: one option, two values
+                raise SettingsError(f"{where}: the same option as {spelled[name]}, set twice: keep one")
+            spelled[name] = str(key)
             for command, leaf in readers[section]:
                 action = options(leaf).get(name)
                 if action is None:

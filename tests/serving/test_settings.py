@@ -137,6 +137,9 @@ def test_the_reference_lists_every_option_of_every_command_with_its_variable() -
         ("i.yaml", "router: [1, 2\n", "not valid YAML"),
         ("j.json", "{}", "name it .toml, .yaml or .yml"),
         ("k.toml", "[kvstore-ping]\nconfig = \"x.toml\"\n", "`pdkv kvstore ping` has no option --config"),
+        ("l.toml", "[node]\nmax-num-seqs = 8\nmax_num_seqs = 16\n",
+         "[node] max_num_seqs: the same option as max-num-seqs, set twice"),  # 16 won, unsaid
+        ("m.toml", "[node]\nnum-blocks = true\n", "[node] num-blocks: True is not a valid int"),  # "a int"
     ],
 )  # fmt: skip
 def test_a_bad_file_is_an_error_naming_the_file_and_the_key(
