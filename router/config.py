@@ -71,6 +71,9 @@ class RouterConfig:
     decode_attempts: int = 2
     health_interval_s: float = 0.5
     health_timeout_s: float = 1.0
+    # A node whose health checks go unanswered this long (dead, or frozen: a stopped process holds its
+    # streams open) has its open calls cancelled and resumed on another node of its kind, if one serves.
+    reroute_after_s: float = 5.0
     # Resolve node host names to every address they have (one node per replica), on every health round.
     dns_discovery: bool = False
     # A planned stop (SIGTERM) drains first: new calls are refused UNAVAILABLE, the streams in flight
@@ -125,7 +128,7 @@ class RouterConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("health_interval_s", "health_timeout_s"):
+        for name in ("health_interval_s", "health_timeout_s", "reroute_after_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
 
@@ -232,6 +235,13 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--health-interval-s", type=float, default=0.5)
     parser.add_argument(
+        "--reroute-after-s",
+        type=float,
+        default=5.0,
+        help="a node that answers no health check for this long (dead, or frozen) has its open calls "
+        "resumed on another node of its kind, when one serves",
+    )
+    parser.add_argument(
         "--dns-discovery", action="store_true", help="one node per address a name resolves to"
     )
     parser.add_argument(
@@ -286,6 +296,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefill_attempts=args.prefill_attempts,
         decode_attempts=args.decode_attempts,
         health_interval_s=args.health_interval_s,
+        reroute_after_s=args.reroute_after_s,
         dns_discovery=args.dns_discovery,
         grace_s=args.grace_s,
         drain_timeout_s=args.drain_timeout_s,

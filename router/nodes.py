@@ -87,6 +87,9 @@ class NodeHandle:
         self._lock = threading.Lock()
         self._healthy = False
         self._inflight = 0
+        self._calls: set[Callable[[], object]] = set()  # cancel functions of the router's open calls
+        # When its health checks began to go unanswered (a dead or frozen node); None while it answers.
+        self.unreachable_since: float | None = None
         self.last_error = "not checked yet"
 
     def __repr__(self) -> str:
@@ -113,15 +116,28 @@ class NodeHandle:
             logger.info("node %s is up", self.address)
 
     @contextlib.contextmanager
-    def busy(self) -> Iterator[None]:
-        """Count one router call against this node while the block runs (least-loaded reads it)."""
+    def busy(self, cancel: Callable[[], object] | None = None) -> Iterator[None]:
+        """Count one router call against this node while the block runs (least-loaded reads it); ``cancel``
+        ends the call should the node stop answering (``cut_calls``)."""
         with self._lock:
             self._inflight += 1
+            if cancel is not None:
+                self._calls.add(cancel)
         try:
             yield
         finally:
             with self._lock:
                 self._inflight -= 1
+                self._calls.discard(cancel)  # type: ignore[arg-type]
+
+    def cut_calls(self) -> int:
+        """Cancel the router's open calls to this node: each fails as CANCELLED without the client having
+        asked, which the pipeline takes for the node's failure (a decode stream resumes elsewhere)."""
+        with self._lock:
+            calls = list(self._calls)
+        for cancel in calls:
+            cancel()
+        return len(calls)
 
     def abort_async(self, request_id: str) -> None:
         """Tell the node to abort ``request_id`` (and free what it holds for it); never blocks."""
@@ -136,6 +152,10 @@ class NodeHandle:
 
     def check(self, timeout: float) -> None:
         status = check(self.address, service=self.service, timeout=timeout, channel=self.channel)
+        if not status.startswith("UNREACHABLE"):  # it answers (NOT_SERVING while draining: calls finish)
+            self.unreachable_since = None
+        elif self.unreachable_since is None:
+            self.unreachable_since = time.monotonic()
         if status != SERVING:
             self.mark_down(status)
             return
@@ -292,6 +312,27 @@ class NodePool:
         for node in self.nodes():
             node.close()
 
+    def reroute_unreachable(self, after_s: float) -> None:
+        """Cancel the open calls of every node whose health checks went unanswered for ``after_s`` while
+        another node of the pool serves: the pipeline goes on there (a decode stream resumes).  A frozen
+        node (a stopped process, a hung VM) keeps its connections open and fails none of its calls: its
+        streams would wait for it, however long, with a healthy node beside it."""
+        if not self.healthy():
+            return  # nowhere to go: a node that thaws finishes them
+        now = time.monotonic()
+        for node in self.nodes():
+            since = node.unreachable_since
+            if since is not None and now - since >= after_s:
+                cut = node.cut_calls()
+                if cut:
+                    logger.warning(
+                        "node %s unanswered for %.1f s: its %d open call(s) go on on other %s nodes",
+                        node.address,
+                        now - since,
+                        cut,
+                        self.kind,
+                    )
+
 
 class HealthMonitor:
     """Checks every node of ``pools`` each ``interval`` seconds on a daemon thread; calls ``on_round``
@@ -303,11 +344,13 @@ class HealthMonitor:
         *,
         interval: float,
         timeout: float,
+        reroute_after_s: float = float("inf"),
         on_round: Callable[[], None] = lambda: None,
     ) -> None:
         self.pools = tuple(pools)
         self.interval = interval
         self.timeout = timeout
+        self.reroute_after_s = reroute_after_s
         self.on_round = on_round
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="health-monitor", daemon=True)
@@ -328,6 +371,8 @@ class HealthMonitor:
                 checks.append(t)
         for t in checks:
             t.join(self.timeout + 1.0)
+        for pool in self.pools:
+            pool.reroute_unreachable(self.reroute_after_s)
         self.on_round()
 
     def _run(self) -> None:

@@ -245,10 +245,13 @@ class Pipeline:
             future = node.prefill.Prefill.future(msg, timeout=time_remaining(scope))
             cancellation.on_cancel(future.cancel)
             try:
-                with node.busy():
+                with node.busy(future.cancel):
                     return node, future.result()
             except grpc.FutureCancelledError as exc:
-                raise ServingError(grpc.StatusCode.CANCELLED, "the client cancelled the request") from exc
+                if cancellation.cancelled or not scope.is_active():
+                    raise ServingError(grpc.StatusCode.CANCELLED, "the client cancelled the request") from exc
+                errors.append(f"{node.address}: CANCELLED by the router (it stopped answering)")
+                continue  # the node stopped answering (NodePool.reroute_unreachable): another one
             except grpc.RpcError as exc:
                 code, details = rpc_code_details(exc)
                 if not _node_failed(code, cancellation) or not scope.is_active():
@@ -324,7 +327,7 @@ class Pipeline:
         client.cancellation.on_cancel(stream.cancel)
         last: node_pb2.DecodeResponse | None = None
         skip = sent.chars
-        with node.busy():
+        with node.busy(stream.cancel):
             try:
                 for last in stream:
                     if not client.prompt_recorded and not msg.resume_output_token_ids:

@@ -130,7 +130,11 @@ class RouterRuntime:
             adapters.reconcile()
 
         monitor = HealthMonitor(
-            pools, interval=config.health_interval_s, timeout=config.health_timeout_s, on_round=after_round
+            pools,
+            interval=config.health_interval_s,
+            timeout=config.health_timeout_s,
+            reroute_after_s=config.reroute_after_s,
+            on_round=after_round,
         )
         subscriber = None
         if index is not None:

@@ -141,18 +141,61 @@ def test_a_decode_node_killed_mid_stream_hands_the_request_to_another(
         cluster.stop()
 
 
-def test_a_prefill_node_killed_while_it_computes_hands_the_request_to_another() -> None:
+def test_a_frozen_decode_node_s_stream_goes_on_on_another() -> None:
+    """An outside drill stopped (SIGSTOP) the decode node serving a stream: the router marked it down at
+    once, but the stream waited, tokenless, for as long as the node stayed frozen (its connection open,
+    no call failing) -- 61 s for a 60 s freeze, with another decode node idle.  Now a node that answers
+    no health check for --reroute-after-s has its calls cancelled and resumed elsewhere: same tokens."""
+    import os
+    import signal
+    import time
+
+    params = SamplingParams(max_tokens=STREAM_TOKENS, ignore_eos=True)
+    cluster = start_cluster(num_prefill=1, num_decode=2, router_args=("--reroute-after-s", "1"))
+    frozen: Process | None = None
+    try:
+        with GenerationClient(cluster.router_address) as client:
+            call = client.stream(generate_request(PROMPT, params), timeout=120)
+            token_ids: list[int] = []
+            for msg in call:
+                if msg.HasField("delta"):
+                    token_ids += msg.delta.token_ids
+                    if frozen is None and len(token_ids) >= 5:
+                        frozen = serving_node(cluster)
+                        os.kill(frozen.pid, signal.SIGSTOP)  # Cluster.kill would wait for it to exit
+                        stopped_at = time.monotonic()
+            assert frozen is not None
+            waited = time.monotonic() - stopped_at
+        assert waited < 30, f"the stream waited {waited:.0f} s for the frozen node"
+        expected = LLM(pdkv_model(), device="cpu", num_blocks=512).generate([PROMPT], params)[0]
+        assert token_ids == expected.token_ids
+        assert metric(cluster.router.info["metrics"], "pdkv_router_decode_resumes_total") == 1
+    finally:
+        if frozen is not None:
+            os.kill(frozen.pid, signal.SIGCONT)
+        cluster.stop()
+
+
+@pytest.mark.parametrize("fault", ["killed", "frozen"])
+def test_a_prefill_node_killed_while_it_computes_hands_the_request_to_another(fault: str) -> None:
     """Chunked prefill of 16 tokens a step makes a long prompt take many steps; the node computing it is
-    killed on the way, and the router runs the prefill again on the other node: the client sees one
-    complete, exact output."""
+    killed (or frozen: SIGSTOP, its connection open) on the way, and the router runs the prefill again on
+    the other node: the client sees one complete, exact output."""
+    import os
+    import signal
+
     prompt = PROMPT * 12
     params = SamplingParams(max_tokens=8)
+    # Killed: the failing call tells the router (no health round in time).  Frozen: nothing fails; the
+    # health rounds find it unanswering, and after --reroute-after-s its call is cancelled.
+    rounds = ("--health-interval-s", "60") if fault == "killed" else ("--reroute-after-s", "1")
     cluster = start_cluster(
         num_prefill=2,
         num_decode=1,
         node_args=(*NODE_ARGS, "--max-num-batched-tokens", "16"),
-        router_args=("--health-interval-s", "60"),
+        router_args=rounds,
     )
+    victim: Process | None = None
     try:
         with GenerationClient(cluster.router_address) as client:
             call = client.stream(generate_request(prompt, params), timeout=120)
@@ -169,7 +212,10 @@ def test_a_prefill_node_killed_while_it_computes_hands_the_request_to_another() 
                 computing, timeout=30, what="a prefill node to start computing", interval=0.01
             )
             assert node_stats(victim.address, check_integrity=False).num_requests == 1
-            cluster.kill(victim)
+            if fault == "killed":
+                cluster.kill(victim)
+            else:
+                os.kill(victim.pid, signal.SIGSTOP)
             token_ids: list[int] = []
             text = ""
             for msg in call:
@@ -182,6 +228,8 @@ def test_a_prefill_node_killed_while_it_computes_hands_the_request_to_another() 
         assert_node_idle(survivor.address)
         assert_node_idle(cluster.decode_nodes[0].address)
     finally:
+        if fault == "frozen" and victim is not None:
+            os.kill(victim.pid, signal.SIGCONT)
         cluster.stop()
 
 
