@@ -77,6 +77,10 @@ class NodeHandle:
         # Its LoRA adapters by name (from Stats, or at once after the router loaded one), which of them
         # sit in a slot now, and what each is.
         self.adapters: dict[str, AdapterId] = {}
+        # Every identity it has served since it started, replaced or unloaded ones too: it still runs the
+        # requests admitted with them (engine/lora/manager.py's resolve).
+        self.known_adapters: set[AdapterId] = set()
+        self._engine_id = ""  # the engine the above belong to (a restarted node knows only what it loads)
         self.resident_adapters: set[AdapterId] = set()
         self.adapter_infos: dict[AdapterId, types_pb2.AdapterInfo] = {}
         self.max_lora_rank = 0
@@ -174,6 +178,9 @@ class NodeHandle:
                 )
             self.dtype, self.deterministic = stats.dtype, stats.deterministic
             infos = {AdapterId(a.name, a.digest): a for a in stats.adapters}
+            if stats.engine_id != self._engine_id:
+                self._engine_id, self.known_adapters = stats.engine_id, set()
+            self.known_adapters = self.known_adapters | set(infos)
             self.adapters = {aid.name: aid for aid in infos}
             self.resident_adapters = {aid for aid, a in infos.items() if a.resident}
             self.adapter_infos, self.max_lora_rank = infos, stats.max_lora_rank
@@ -195,6 +202,7 @@ class NodeHandle:
         """The node loaded ``info`` (the router's call): route to it before the next health round."""
         aid = AdapterId(info.name, info.digest)
         self.adapters = {**self.adapters, info.name: aid}
+        self.known_adapters = self.known_adapters | {aid}
         self.adapter_infos = {**self.adapter_infos, aid: info}
 
     def forget_adapter(self, name: str) -> None:

@@ -154,9 +154,19 @@ class LoRAManager:
         return served
 
     def resolve(self, name: str, digest: bytes | None = None) -> AdapterId:
-        """The served identity of ``name`` (with ``digest``: only if it has that content)."""
+        """The served identity of ``name`` (with ``digest``: only if it has that content) -- or, with a
+        ``digest`` this engine has served under ``name`` before (replaced or unloaded since), that one: a
+        router admits requests only for what is served, so a request naming a retired identity was
+        admitted before the change, and finishes on the weights it began with (its decode phase, its
+        later choices)."""
         with self._lock:
             served = self._served.get(name)
+            retired = digest is not None and AdapterId(name, digest) in self._known
+        if retired and (served is None or served.digest != digest):
+            assert digest is not None
+            aid = AdapterId(name, digest)
+            self._get(aid)  # in memory from now until its requests finish (read again if evicted)
+            return aid
         if served is None:
             if not self.enabled:
                 raise UnknownAdapter(f"adapter {name!r}: this engine serves no adapters (LoRA is off)")

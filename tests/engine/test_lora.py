@@ -138,6 +138,38 @@ def test_an_unknown_adapter_is_refused_and_an_unloaded_one_lets_its_requests_fin
         plain.engine.add_request("x", PROMPTS[0], GREEDY, adapter="A")
 
 
+def test_a_request_admitted_under_a_replaced_or_unloaded_identity_runs_on_its_weights() -> None:
+    """An outside probe through P/D: an adapter replaced or unloaded while a request ran failed the
+    request's later parts -- its decode phase, its next choices -- which reach the nodes after the change
+    and resolved the name anew ("adapter 'A' is not loaded").  A request names the identity it was
+    admitted with (name and digest): one this engine has served runs on those weights; the name alone
+    resolves to what is served now, and an unloaded name without a digest is refused."""
+    a, b = peft_adapter_dir(BASE, "r4"), peft_adapter_dir(BASE, "r16")
+    llm = make_llm({"A": a})
+    engine = llm.engine
+
+    def run(rid: str, adapter: str, digest: bytes | None = None) -> list[int]:
+        engine.add_request(rid, PROMPTS[1], GREEDY, adapter=adapter, adapter_digest=digest)
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens += out.new_token_ids
+        return tokens
+
+    old = engine.lora.resolve("A")
+    with_a, with_b = (peft_greedy(BASE, f, [PROMPTS[1]], NEW)[0].token_ids for f in (a, b))
+    new = engine.lora.add("A", b)  # replaced
+    assert run("admitted-before", "A", old.digest) == with_a
+    assert run("admitted-after", "A", new.digest) == run("by-name", "A") == with_b
+    engine.lora.remove("A")  # unloaded
+    assert run("admitted-before-unload", "A", new.digest) == with_b
+    with pytest.raises(UnknownAdapter, match="'A' is not loaded"):
+        engine.add_request("late", PROMPTS[0], GREEDY, adapter="A")
+    with pytest.raises(UnknownAdapter):  # a digest never served here under the name
+        engine.add_request("other", PROMPTS[0], GREEDY, adapter="A", adapter_digest=b"\x01" * len(old.digest))
+    assert [a.id for a in engine.lora.adapters()] == []  # served: nothing; /v1/models lists nothing
+
+
 def test_adapters_beyond_max_cpu_loras_are_read_again_and_refused_if_changed(tmp_path: Path) -> None:
     names = ["r4", "attn_only", "patterns"]
     folders = {n: Path(shutil.copytree(peft_adapter_dir(BASE, n), tmp_path / n)) for n in names}

@@ -199,6 +199,46 @@ def test_adapters_load_and_unload_at_run_time_on_every_node() -> None:
         cluster.stop()
 
 
+@pytest.mark.parametrize("change", ["replaced", "unloaded"])
+def test_requests_admitted_before_an_adapter_changes_finish_on_its_old_weights(change: str) -> None:
+    """An outside probe through P/D: a request's parts that reach the nodes after a replace or an unload
+    -- its decode phase, the choices after the first (the router sends them once choice 0 has its first
+    token) -- failed ("no healthy decode node serves adapter A@..."; "adapter 'A' is not loaded"), where
+    docs/lora.md promises that admitted requests finish on the old weights.  Greedy, so every choice is
+    the old adapter's output."""
+    cluster = _cluster(num_prefill=1, num_decode=1, kv_store=None, loras=(), allow_runtime_lora=True)
+    old, new = (str(peft_adapter_dir(BASE, name)) for name in ("r16", "all_linear"))
+    long = SamplingParams(max_tokens=60, ignore_eos=True)
+    try:
+        with _openai(cluster) as sdk, GenerationClient(cluster.router_address) as client:
+            sdk.post("/load_lora_adapter", body={"lora_name": "A", "lora_path": old}, cast_to=httpx.Response)
+            msg = generate_request(PROMPT, long, adapter="A")
+            msg.n = 3
+            choices: dict[int, list[int]] = {0: [], 1: [], 2: []}
+            changed = False
+            for reply in client.stream(msg, timeout=120):
+                if reply.HasField("delta"):
+                    choices[reply.index] += reply.delta.token_ids
+                    if not changed:  # choice 0's first token: the other choices are not sent yet
+                        body = {"lora_name": "A"} | ({"lora_path": new} if change == "replaced" else {})
+                        path = "/load_lora_adapter" if change == "replaced" else "/unload_lora_adapter"
+                        done = sdk.post(path, body=body, cast_to=httpx.Response)
+                        assert done.status_code == 200, done.text
+                        changed = True
+            expected = peft_greedy(BASE, Path(old), [PROMPT], long.max_tokens)[0].token_ids
+            assert choices == {0: expected, 1: expected, 2: expected}
+            if change == "replaced":  # new requests: the new weights
+                assert _run(client, "A").token_ids == peft_greedy(BASE, Path(new), [PROMPT], NEW)[0].token_ids
+            else:
+                with pytest.raises(grpc.RpcError) as gone:
+                    _run(client, "A")
+                assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+        for node in [*cluster.prefill_nodes, *cluster.decode_nodes]:
+            assert_node_idle(node.address)
+    finally:
+        cluster.stop()
+
+
 def _stats(node: Process) -> node_pb2.NodeStats:
     with grpc.insecure_channel(node.address) as channel:
         return node_pb2_grpc.NodeStub(channel).Stats(node_pb2.StatsRequest(), timeout=10)
