@@ -71,6 +71,8 @@ def rpc_errors(context: grpc.ServicerContext, calls: CallRecorder, method: str) 
         raise
     except Exception as exc:
         code, message = status_for(exc)
+        if code == grpc.StatusCode.CANCELLED:  # the call's end cancelled what it waited on: which end?
+            code = _why_closed(context)
         calls.record(method, code.name)
         context.abort(code, message)
     else:

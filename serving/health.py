@@ -5,7 +5,6 @@ Server side: ``HealthStatus``, the servicer the router and the nodes serve.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import grpc
@@ -24,11 +23,12 @@ class HealthStatus(health.HealthServicer):
 
     def __init__(self) -> None:
         super().__init__()
-        self._guard = threading.Lock()
         self._set: dict[str, int] = {}
 
     def set(self, service: str, status: int) -> None:
-        with self._guard:
+        # grpcio's own lock (reentrant): its enter_graceful_shutdown holds it while it calls set; a lock
+        # of ours taken first would invert the order.
+        with self._lock:
             if self._set.get(service) == status:
                 return
             self._set[service] = status

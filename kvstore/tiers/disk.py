@@ -99,13 +99,22 @@ class DiskTier(Tier):
         """The folder is there, writable, and its file system has room for a block."""
         if not os.path.isdir(self.root) or not os.access(self.root, os.W_OK | os.X_OK):
             raise TierError(f"{self.root} is not a writable folder")
-        fs = os.statvfs(self.root)
-        free = fs.f_bavail * fs.f_frsize
+        free = self._room_again()
+        room = self._room
+        if room is not None and room >= self._largest:
+            return  # full, and storing within what it holds (evicting): it serves
         if free < max(self._largest, 1):
             raise TierError(f"the file system of {self.root} is full ({free} bytes free, under one block)")
-        if self._room is not None and free >= 2 * self._largest:
+
+    def _room_again(self) -> int:
+        """The file system's free bytes; with room for two blocks again (files deleted, the volume grown),
+        the tier stops keeping to what it held when it filled."""
+        fs = os.statvfs(self.root)
+        free = fs.f_bavail * fs.f_frsize
+        if self._room is not None and free >= 2 * max(self._largest, 1):
             with self._lock:
-                self._room = None  # room again (files deleted, the volume grown): up to the capacity
+                self._room = None  # up to the capacity again
+        return free
 
     # ---- paths ---------------------------------------------------------------------------------------
 
@@ -246,14 +255,18 @@ class DiskTier(Tier):
         for i, unit in enumerate(units):
             key = run.key(i)
             size = HEADER_SIZE + unit.payload.nbytes
+            # A file deleted behind the tier's back is written again (the stat outside the lock).
+            present = key in self._index and os.path.exists(self._path(key)[1])
+            if self._room is not None:
+                self._room_again()
             with self._lock:
-                if key in self._index and os.path.exists(self._path(key)[1]):
-                    self._index.move_to_end(key)
-                    continue  # stored already (a file deleted behind the tier's back is written again)
+                if key in self._index:
+                    if present:
+                        self._index.move_to_end(key)
+                        continue  # stored already
+                    self._used -= self._index.pop(key)  # its file has gone: not counted while rewritten
                 if not self._make_room(size):
-                    self.metrics.error(
-                        f"put: a {size}-byte block does not fit in {self.capacity_bytes} bytes"
-                    )
+                    self.metrics.error(f"put: a {size}-byte block does not fit in {self._limit()} bytes")
                     return PutResult(i, MissReason.ERROR)
                 self._reserved += size
             try:
@@ -282,7 +295,7 @@ class DiskTier(Tier):
         try:
             self._write_file(key, unit.seal(), unit.payload)
         except OSError as exc:
-            if exc.errno != errno.ENOSPC:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):  # the volume, or the user's quota, is full
                 raise
             with self._lock:
                 first = self._room is None
@@ -290,14 +303,8 @@ class DiskTier(Tier):
                 if not self._make_room(0):
                     raise
             if first:
-                logger.warning(
-                    "kvstore disk tier %s: the file system of %s is full with %d bytes of blocks (capacity "
-                    "%d): the tier keeps to that, evicting, until a health probe finds room",
-                    self.name,
-                    self.root,
-                    self._room,
-                    self.capacity_bytes,
-                )
+                why = f"{self.root} filled up at {self._room} bytes of blocks: keeping to that (evicting)"
+                logger.warning("kvstore disk tier %s: %s until there is room again", self.name, why)
             self._write_file(key, unit.seal(), unit.payload)
 
     def _make_folders(self, folder: str) -> None:
@@ -336,9 +343,13 @@ class DiskTier(Tier):
             finally:
                 os.close(dir_fd)
 
+    def _limit(self) -> int:
+        """The bytes the tier may hold: its capacity, or less while its file system is full."""
+        return self.capacity_bytes if self._room is None else min(self.capacity_bytes, self._room)
+
     def _make_room(self, size: int) -> bool:
         """Evict LRU files until ``size`` more bytes fit (caller holds the lock)."""
-        limit = self.capacity_bytes if self._room is None else min(self.capacity_bytes, self._room)
+        limit = self._limit()
         if size > limit:
             return False
         while self._used + self._reserved + size > limit and self._index:

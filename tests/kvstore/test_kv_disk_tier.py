@@ -338,20 +338,27 @@ def test_a_file_system_that_fills_below_the_capacity_keeps_the_tier_storing(
     """An outside drill put a 64 MiB tier on a 1.2 MB tmpfs: the three blocks written before ENOSPC
     stayed for good, nothing new was stored (the tier thought it had room, so it never evicted), and the
     health probe said healthy with less than a block free (it counted only a 100 % full disk).  Now
-    ENOSPC makes the tier keep to what the file system held, evicting LRU blocks for new ones, and the
-    probe calls a disk with less than a block free full -- until room comes back."""
+    ENOSPC makes the tier keep to what the file system held, evicting LRU blocks for new ones, until the
+    file system has room again; the probe calls a disk with less than a block free full unless the tier
+    is storing within what it holds."""
     root = tmp_path / "kv"
     tier = disk(root, 64)
     holds = 3  # what the "file system" takes
-    real_writev = os.writev
+    real_writev, real = os.writev, os.statvfs(tmp_path)
 
     def small_disk(fd: int, buffers: list[bytes]) -> int:
         if len(files(root)) > holds:  # the temp file counts: a fourth block does not fit
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_writev(fd, buffers)
 
-    monkeypatch.setattr(os, "writev", small_disk)
+    def free_bytes(n: int) -> Callable[[object], os.statvfs_result]:
+        fields = (real.f_bsize, 1, real.f_blocks, n, n, *real[5:])  # f_frsize 1: f_bavail is bytes
+        return lambda _path: os.statvfs_result(fields)
+
     b = make_blocks(6)
+    monkeypatch.setattr(os, "statvfs", free_bytes(0))
+    assert "is full" in (tier.health() or "")  # before it has met ENOSPC: a full disk takes nothing
+    monkeypatch.setattr(os, "writev", small_disk)
     assert tier.put(b.run(0, 3), b.units(0, 3)).stored == 3
     for i in range(3, 6):  # each new block evicts the oldest one
         assert tier.put(b.run(i, i + 1), b.units(i, i + 1)).stored == 1
@@ -360,21 +367,42 @@ def test_a_file_system_that_fills_below_the_capacity_keeps_the_tier_storing(
     assert backend["full_at_bytes"] == 3 * FILE and backend["used_bytes"] == 3 * FILE
     assert tier.stats().put_failures == {} and tier.write_breaker.state.value == "closed"
     assert tier.get_into(b.run(3), b.out_views[3:], LAYOUT).loaded == 3
-
-    real = os.statvfs(root)
-
-    def free_bytes(n: int) -> Callable[[object], os.statvfs_result]:
-        fields = (real.f_bsize, 1, real.f_blocks, n, n, *real[5:])  # f_frsize 1: f_bavail is bytes
-        return lambda _path: os.statvfs_result(fields)
-
-    monkeypatch.setattr(os, "statvfs", free_bytes(FILE - 1))
-    assert "is full" in (tier.health() or "")
+    assert tier.health() is None  # full, but storing within what it holds: it serves
     monkeypatch.setattr(os, "statvfs", free_bytes(FILE + 1))  # a block's room, not yet two: still keeps to 3
     assert tier.health() is None and tier.stats().to_dict()["backend"]["full_at_bytes"] == 3 * FILE
-    monkeypatch.setattr(os, "statvfs", free_bytes(10 * FILE))  # room came back: up to the capacity again
-    assert tier.health() is None and tier.stats().to_dict()["backend"]["full_at_bytes"] is None
+    # Room again (files deleted, the volume grown): the next put sees it, health probe or not.
+    monkeypatch.setattr(os, "statvfs", free_bytes(10 * FILE))
     holds = 10
     assert tier.put(b.run(0, 3), b.units(0, 3)).stored == 3 and len(files(root)) == 6
+    assert tier.stats().to_dict()["backend"]["full_at_bytes"] is None
+    tier.close()
+
+
+def test_a_tier_that_filled_up_holding_nothing_stores_again_when_room_comes_back(
+    tmp_path: Path, make_blocks: Callable[..., Blocks], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review's find: ENOSPC with nothing held made the tier's limit 0, every later put failed before
+    trying, and only a health probe (which the store embedded in a node never runs) could lift it."""
+    root = tmp_path / "kv"
+    tier = disk(root, 64)
+    real_writev, real = os.writev, os.statvfs(tmp_path)
+    full = True
+
+    def writev(fd: int, buffers: list[bytes]) -> int:
+        if full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_writev(fd, buffers)
+
+    monkeypatch.setattr(os, "writev", writev)
+    monkeypatch.setattr(os, "statvfs", lambda _p: os.statvfs_result((4096, 1, 1, 0, 0, *real[5:])))
+    b = make_blocks(2)
+    assert tier.put(b.run(0, 1), b.units(0, 1)).reason is MissReason.ERROR
+    assert tier.stats().to_dict()["backend"]["full_at_bytes"] == 0
+    full = False
+    monkeypatch.setattr(os, "statvfs", lambda _p: real)
+    tier.write_breaker.record_success()  # the breaker's cooldown is its own business
+    assert tier.put(b.run(), b.units()).stored == 2
+    assert tier.stats().to_dict()["backend"]["full_at_bytes"] is None
     tier.close()
 
 

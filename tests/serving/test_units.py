@@ -333,9 +333,21 @@ def test_a_stream_whose_deadline_passed_is_counted_deadline_exceeded_not_cancell
                 time.sleep(0.05)
                 yield b"x"
 
-    method = grpc.unary_stream_rpc_method_handler(stream)
+    def waits(request: bytes, context: grpc.ServicerContext) -> bytes:
+        # The router waiting on a node when the deadline passes: its call is cancelled, and the pipeline
+        # raises CANCELLED -- counted by why the call ended.
+        with rpc_errors(context, calls, "Unary"):
+            while context.time_remaining() > 0:
+                time.sleep(0.05)
+            raise ServingError(grpc.StatusCode.CANCELLED, "the client cancelled the request")
+        raise AssertionError("unreachable")
+
+    methods = {
+        "G": grpc.unary_stream_rpc_method_handler(stream),
+        "U": grpc.unary_unary_rpc_method_handler(waits),
+    }
     server = grpc.server(futures.ThreadPoolExecutor(2))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.S", {"G": method}),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.S", methods),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
@@ -347,16 +359,22 @@ def test_a_stream_whose_deadline_passed_is_counted_deadline_exceeded_not_cancell
             cancelled = call(b"")
             next(cancelled)
             cancelled.cancel()
+            with pytest.raises(grpc.RpcError):
+                channel.unary_unary("/t.S/U")(b"", timeout=0.3)
             deadline = time.monotonic() + 5.0
             while time.monotonic() < deadline:
                 families = {f.name: f for f in calls.families("pdkv_node")}
                 samples = {tuple(s.labels.values()): s.value for s in families["pdkv_node_rpcs"].samples}
-                if len(samples) == 2:
+                if len(samples) == 3:
                     break
                 time.sleep(0.05)
     finally:
         server.stop(0)
-    assert samples == {("Generate", "DEADLINE_EXCEEDED"): 1.0, ("Generate", "CANCELLED"): 1.0}
+    assert samples == {
+        ("Generate", "DEADLINE_EXCEEDED"): 1.0,
+        ("Generate", "CANCELLED"): 1.0,
+        ("Unary", "DEADLINE_EXCEEDED"): 1.0,
+    }
 
 
 def test_the_help_pages_print_percent_signs_once_and_name_only_real_commands() -> None:
