@@ -81,6 +81,7 @@ class NodeHandle:
         # requests admitted with them (engine/lora/manager.py's resolve).
         self.known_adapters: set[AdapterId] = set()
         self._engine_id = ""  # the engine the above belong to (a restarted node knows only what it loads)
+        self._adapter_changes = 0  # the router's own loads and unloads (a Stats read before one is stale)
         self.resident_adapters: set[AdapterId] = set()
         self.adapter_infos: dict[AdapterId, types_pb2.AdapterInfo] = {}
         self.max_lora_rank = 0
@@ -168,6 +169,7 @@ class NodeHandle:
 
     def _refresh_stats(self, timeout: float) -> None:
         """The node's namespace, its KV events endpoints, and its measured costs."""
+        changes = self._adapter_changes
         try:
             stats = self.control.Stats(node_pb2.StatsRequest(), timeout=timeout)
             if self.namespace is None:
@@ -178,12 +180,15 @@ class NodeHandle:
                 )
             self.dtype, self.deterministic = stats.dtype, stats.deterministic
             infos = {AdapterId(a.name, a.digest): a for a in stats.adapters}
-            if stats.engine_id != self._engine_id:
-                self._engine_id, self.known_adapters = stats.engine_id, set()
-            self.known_adapters = self.known_adapters | set(infos)
-            self.adapters = {aid.name: aid for aid in infos}
+            with self._lock:
+                if stats.engine_id != self._engine_id:
+                    self._engine_id, self.known_adapters = stats.engine_id, set()
+                self.known_adapters = self.known_adapters | set(infos)
+                if changes == self._adapter_changes:  # else the router's load/unload is newer: kept
+                    self.adapters = {aid.name: aid for aid in infos}
+                    self.adapter_infos = infos
             self.resident_adapters = {aid for aid, a in infos.items() if a.resident}
-            self.adapter_infos, self.max_lora_rank = infos, stats.max_lora_rank
+            self.max_lora_rank = stats.max_lora_rank
         except (grpc.RpcError, ValueError) as exc:
             logger.debug("no stats from %s yet: %r", self.address, exc)
             return
@@ -201,12 +206,18 @@ class NodeHandle:
     def note_adapter(self, info: types_pb2.AdapterInfo) -> None:
         """The node loaded ``info`` (the router's call): route to it before the next health round."""
         aid = AdapterId(info.name, info.digest)
-        self.adapters = {**self.adapters, info.name: aid}
-        self.known_adapters = self.known_adapters | {aid}
-        self.adapter_infos = {**self.adapter_infos, aid: info}
+        with self._lock:
+            self._adapter_changes += 1
+            self.adapters = {**self.adapters, info.name: aid}
+            self.known_adapters = self.known_adapters | {aid}
+            self.adapter_infos = {**self.adapter_infos, aid: info}
 
     def forget_adapter(self, name: str) -> None:
-        self.adapters = {k: v for k, v in self.adapters.items() if k != name}
+        """The node unloaded ``name`` (the router's call): no new request goes to it for that name, even
+        from a health round's Stats read before the unload."""
+        with self._lock:
+            self._adapter_changes += 1
+            self.adapters = {k: v for k, v in self.adapters.items() if k != name}
 
     def close(self) -> None:
         self.channel.close()

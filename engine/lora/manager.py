@@ -161,10 +161,9 @@ class LoRAManager:
         later choices)."""
         with self._lock:
             served = self._served.get(name)
-            retired = digest is not None and AdapterId(name, digest) in self._known
-        if retired and (served is None or served.digest != digest):
-            assert digest is not None
-            aid = AdapterId(name, digest)
+            known = {aid for aid in self._known if aid.name == name and aid.digest == digest}
+        if known and (served is None or served.digest != digest):
+            [aid] = known
             self._get(aid)  # in memory from now until its requests finish (read again if evicted)
             return aid
         if served is None:

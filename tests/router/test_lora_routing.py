@@ -84,3 +84,67 @@ def test_a_name_resolves_to_the_identity_most_nodes_serve_and_only_they_are_cand
     finally:
         for n in nodes:
             n.close()
+
+
+def test_a_request_admitted_under_a_retired_identity_still_has_candidates_new_ones_do_not() -> None:
+    """After a replace or an unload, the parts of a request admitted before it (its decode phase, its
+    later choices) go to nodes that served its identity since they started: no node served it any more
+    by name, and the request failed ("no healthy decode node serves adapter A@...").  A new request
+    resolves the name to what is served now, or NOT_FOUND after an unload."""
+    from pdkv_proto.pdkv.v1 import types_pb2
+
+    old, new = bytes(32), bytes([1] * 32)
+    replaced = _node("127.0.0.1:1", {"A": old})
+    replaced.known_adapters = {AdapterId("A", old)}
+    replaced.note_adapter(types_pb2.AdapterInfo(name="A", digest=new))  # the router loaded new weights
+    unloaded = _node("127.0.0.1:2", {"A": old})
+    unloaded.known_adapters = {AdapterId("A", old)}
+    unloaded.forget_adapter("A")
+    pool = NodePool("decode", [], "pdkv.v1.DecodeNode")
+    pool._nodes = {n.address: n for n in (replaced, unloaded)}
+    adapters = RouterAdapters([pool])
+    try:
+        admitted = AdapterId("A", old)
+        assert serves(replaced, admitted) and serves(unloaded, admitted)
+        assert adapters.resolve("A") == AdapterId("A", new)  # a new request: the new weights
+        assert not serves(unloaded, AdapterId("A", new))  # ... where they are
+        assert not serves(replaced, AdapterId("A", bytes([2] * 32)))  # weights it never had
+    finally:
+        for n in (replaced, unloaded):
+            n.close()
+
+
+def test_a_health_round_read_before_an_unload_does_not_bring_the_adapter_back() -> None:
+    """A review's find: a Stats call answered just before the router's unload, assigned after it, listed
+    the adapter again for a round -- new requests admitted after the unload returned 200."""
+    import threading
+    from unittest import mock
+
+    from pdkv_proto.pdkv.v1 import node_pb2, types_pb2
+
+    node = _node("127.0.0.1:1", {"A": bytes(32)})
+    node.namespace = mock.Mock()  # known already (a Stats of this test carries none)
+    before = node_pb2.NodeStats(engine_id="e", adapters=[types_pb2.AdapterInfo(name="A", digest=bytes(32))])
+    answered, unloaded = threading.Event(), threading.Event()
+
+    def stats(request: object, timeout: float) -> node_pb2.NodeStats:
+        answered.set()
+        unloaded.wait(10)  # the unload lands while this answer is on its way
+        return before
+
+    try:
+        with mock.patch.object(node, "control") as control:
+            control.Stats.side_effect = stats
+            round_ = threading.Thread(target=node._refresh_stats, args=(1.0,))
+            round_.start()
+            assert answered.wait(10)
+            node.forget_adapter("A")
+            unloaded.set()
+            round_.join(10)
+        assert "A" not in node.adapters and AdapterId("A", bytes(32)) in node.known_adapters
+        with mock.patch.object(node, "control") as control:  # the next round reads the truth
+            control.Stats.return_value = node_pb2.NodeStats(engine_id="e")
+            node._refresh_stats(1.0)
+        assert node.adapters == {}
+    finally:
+        node.close()

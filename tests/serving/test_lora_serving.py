@@ -219,7 +219,9 @@ def test_requests_admitted_before_an_adapter_changes_finish_on_its_old_weights(c
             for reply in client.stream(msg, timeout=120):
                 if reply.HasField("delta"):
                     choices[reply.index] += reply.delta.token_ids
-                    if not changed:  # choice 0's first token: the other choices are not sent yet
+                    if not changed:  # the first token: the other parts may or may not have reached
+                        # the nodes yet (the router starts them as choice 0's first token arrives); the
+                        # deterministic checks are tests/engine/test_lora.py's and test_lora_routing.py's
                         body = {"lora_name": "A"} | ({"lora_path": new} if change == "replaced" else {})
                         path = "/load_lora_adapter" if change == "replaced" else "/unload_lora_adapter"
                         done = sdk.post(path, body=body, cast_to=httpx.Response)
