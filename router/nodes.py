@@ -95,6 +95,7 @@ class NodeHandle:
         self._calls: set[Callable[[], object]] = set()  # cancel functions of the router's open calls
         # When its health checks began to go unanswered (a dead or frozen node); None while it answers.
         self.unreachable_since: float | None = None
+        self.stopping = False  # its last answer was NOT_SERVING: draining (its calls finish in its grace)
         self.last_error = "not checked yet"
 
     def __repr__(self) -> str:
@@ -158,7 +159,7 @@ class NodeHandle:
     def check(self, timeout: float) -> None:
         status = check(self.address, service=self.service, timeout=timeout, channel=self.channel)
         if not status.startswith("UNREACHABLE"):  # it answers (NOT_SERVING while draining: calls finish)
-            self.unreachable_since = None
+            self.unreachable_since, self.stopping = None, status == "NOT_SERVING"
         elif self.unreachable_since is None:
             self.unreachable_since = time.monotonic()
         if status != SERVING:
@@ -341,7 +342,7 @@ class NodePool:
         now = time.monotonic()
         for node in self.nodes():
             since = node.unreachable_since
-            if since is not None and now - since >= after_s:
+            if since is not None and now - since >= after_s and not node.stopping:  # (a stop ends its calls)
                 cut = node.cut_calls()
                 if cut:
                     logger.warning(

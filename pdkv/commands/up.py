@@ -188,9 +188,7 @@ def _up(args: argparse.Namespace) -> int:
     print(f"pdkv up: starting {_summary(topology)}{settings} ...", file=sys.stderr, flush=True)
     try:
         cluster = Cluster.start(topology)
-    except (
-        RuntimeError
-    ) as exc:  # a child that did not come up (its log's tail is in the message): no traceback
+    except (RuntimeError, TimeoutError) as exc:  # a child that did not come up: its log, no traceback
         print(f"pdkv up: error: {exc}", file=sys.stderr)
         return 1
     if args.oneshot is not None:

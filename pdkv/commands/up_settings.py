@@ -105,7 +105,11 @@ def _children(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     router += ["--prefill", _PLACEHOLDER] if disaggregated else []
     model = ["--served-model-name", args.served_model_name] if args.served_model_name else []
     model += ["--max-model-len", str(args.max_model_len)] if args.max_model_len is not None else []
-    out = [(f"{role} nodes", [f"serve-{role}", *model, *shlex.split(args.node_args)]) for role in roles]
+    try:
+        node_args = shlex.split(args.node_args)
+    except ValueError as exc:  # an unbalanced quote
+        raise settings.SettingsError(f"--node-args {args.node_args!r}: {exc}") from None
+    out = [(f"{role} nodes", [f"serve-{role}", *model, *node_args]) for role in roles]
     out.append(("router", [*router, *model]))
     if args.kv_store.lower() != "none":
         tiers = args.kv_store.replace("{run_dir}", "/tmp/pdkv-up")  # the run folder pdkv up makes

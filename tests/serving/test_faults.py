@@ -151,7 +151,7 @@ def test_a_frozen_decode_node_s_stream_goes_on_on_another() -> None:
     import time
 
     params = SamplingParams(max_tokens=STREAM_TOKENS, ignore_eos=True)
-    cluster = start_cluster(num_prefill=1, num_decode=2, router_args=("--reroute-after-s", "1"))
+    cluster = start_cluster(num_prefill=1, num_decode=2, router_args=("--reroute-after-s", "3"))
     frozen: Process | None = None
     try:
         with GenerationClient(cluster.router_address) as client:
@@ -188,7 +188,7 @@ def test_a_prefill_node_killed_while_it_computes_hands_the_request_to_another(fa
     params = SamplingParams(max_tokens=8)
     # Killed: the failing call tells the router (no health round in time).  Frozen: nothing fails; the
     # health rounds find it unanswering, and after --reroute-after-s its call is cancelled.
-    rounds = ("--health-interval-s", "60") if fault == "killed" else ("--reroute-after-s", "1")
+    rounds = ("--health-interval-s", "60") if fault == "killed" else ("--reroute-after-s", "3")
     cluster = start_cluster(
         num_prefill=2,
         num_decode=1,

@@ -244,6 +244,7 @@ def test_pdkv_up_checks_what_its_children_inherit_but_not_its_own_variables(
         (["--node-args", "--num-blokcs 64"], {}, "prefill nodes: unrecognized arguments: --num-blokcs 64"),
         (["--node-args", "--threads lots"], {}, "pdkv up's prefill nodes: argument --threads: invalid"),
         (["--node-args", "--num-blocks 0"], {}, "pdkv up's prefill nodes: num_blocks"),
+        (["--node-args", "--served-model-name 'a"], {}, "--node-args \"--served-model-name 'a\": No closing"),
         # from the file: a key whose name the message contains is not blamed ("prefill" in "prefill nodes")
         ([], {"PDKV_THREADS": "0"}, "pdkv up: error: pdkv up's prefill nodes: $PDKV_THREADS: threads"),
     ],
