@@ -6,6 +6,7 @@ number of blocks follows once the model's per-block size is known (``num_blocks_
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING
 from engine.connector.spec import KVConnectorSpec
 from engine.hashing import SUPPORTED_ALGOS
 from engine.scheduler.config import QUEUE_POLICIES, CacheConfig, SchedulerConfig
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -66,7 +69,7 @@ class EngineConfig:
     dequantized at load (and that dtype); ``auto`` is quantized where it can be served unless the dtype
     is explicitly float32 (the reference path).
     ``max_model_len``: the longest request (prompt + output); defaults to the model's
-    ``max_position_embeddings`` and may not exceed it.
+    ``max_position_embeddings``, cut to what the KV cache holds (with a warning), and may exceed neither.
     """
 
     model: str | Path | None = None
@@ -203,6 +206,38 @@ class EngineConfig:
                 f"kv_cache_bytes {budget} holds no block of {bytes_per_block} bytes; raise kv_cache_bytes"
             )
         return blocks
+
+    def context_length(self, max_positions: int, num_blocks: int, block_size: int) -> tuple[int, str]:
+        """The longest request (prompt and output): ``max_model_len``, at most the model's positions and
+        what the KV cache holds -- a request's blocks are all in the cache while it runs, and one longer
+        was admitted and failed mid-stream.  An explicit ``max_model_len`` past either is refused; the
+        model's own context is cut to the cache, with a warning.  With what set it, for errors."""
+        capacity = num_blocks * block_size
+        if self.max_model_len is None:
+            if max_positions > capacity:
+                logger.warning(
+                    "the model's context (%d tokens) is more than the KV cache holds (%d blocks, %d tokens): "
+                    "requests of at most %d tokens are served; raise num_blocks (or kv_cache_bytes) for more",
+                    max_positions,
+                    num_blocks,
+                    capacity,
+                    capacity,
+                )
+            if max_positions > capacity:
+                return capacity, f"what the KV cache holds: num_blocks {num_blocks} of {block_size} tokens"
+            return max_positions, "the model's context, max_position_embeddings"
+        if self.max_model_len > max_positions:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{max_positions}"
+            )
+        if self.max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} is more than the KV cache holds ({num_blocks} blocks of "
+                f"{block_size} tokens: {capacity}); a request that long could never finish -- raise "
+                "num_blocks (or kv_cache_bytes) or lower max_model_len"
+            )
+        return self.max_model_len, "as configured"
 
     def torch_device(self) -> torch.device:
         import torch

@@ -134,7 +134,6 @@ class LLMEngine:
             source, dtype=dtype, device=device, kernel=kernel, quantized=quantized
         )
         model_config = self.model.config
-        self.max_model_len = self._max_model_len(config, model_config.max_position_embeddings)
         self.eos_token_ids = model_config.eos_token_ids
         self.determinism = enable_determinism(
             self.model.model,
@@ -180,6 +179,9 @@ class LLMEngine:
         )
         probe = KVCacheSpec.for_model(model_config, num_blocks=1, block_size=config.block_size, dtype=dtype)
         self.kv_spec = dataclasses.replace(probe, num_blocks=config.num_blocks_for(probe.bytes_per_block))
+        self.max_model_len, self._context_note = config.context_length(
+            model_config.max_position_embeddings, self.kv_spec.num_blocks, self.kv_spec.block_size
+        )
         if connectors is None:
             context = ConnectorContext(self.namespace, self.kv_spec, engine_id=config.engine_id)
             spec = config.kv_connector
@@ -220,17 +222,6 @@ class LLMEngine:
             return False
         c = self.model.config
         return PrefillKernel.supports(dtype, c.num_heads, c.num_kv_heads, c.head_dim)
-
-    @staticmethod
-    def _max_model_len(config: EngineConfig, max_positions: int) -> int:
-        if config.max_model_len is None:
-            return max_positions
-        if config.max_model_len > max_positions:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
-                f"{max_positions}"
-            )
-        return config.max_model_len
 
     # -- requests in --------------------------------------------------------------------------------------
 
@@ -311,10 +302,10 @@ class LLMEngine:
         for i, t in enumerate(token_ids):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token id {t!r} at index {i} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) > self.max_model_len:
+        if len(token_ids) >= self.max_model_len:  # the prompt and at least one output token
             raise ValueError(
-                f"prompt has {len(token_ids)} tokens, more than max_model_len {self.max_model_len} "
-                "(the model's context, max_position_embeddings)"
+                f"prompt has {len(token_ids)} tokens: max_model_len {self.max_model_len} "
+                f"({self._context_note}) leaves no room for an output token"
             )
         blocks_needed = cdiv(len(token_ids) + 1, self.kv_spec.block_size)
         if blocks_needed > self.kv_spec.num_blocks:

@@ -255,7 +255,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-cache-bytes", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the longest request, prompt and output (default: the model's context, cut to what the KV "
+        "cache holds; more than either is refused)",
+    )
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument(
         "--kv-hold-timeout-s",

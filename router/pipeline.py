@@ -292,7 +292,7 @@ class Pipeline:
             except ServingError as exc:
                 if not errors:
                     raise
-                raise ServingError(exc.code, _gave_up(sent, exc.message)) from None
+                raise ServingError(exc.code, _gave_up(sent, exc.message, exc.code)) from None
             tried.append(node)
             carried = carried_tokens(msg)
             try:
@@ -302,7 +302,8 @@ class Pipeline:
                 errors.append(f"{node.address}: {failed.code.name} {failed.details}")
                 if len(tried) >= self.decode_attempts:
                     raise ServingError(
-                        failed.code, _gave_up(sent, f"decode node {node.address}: {failed.details}")
+                        failed.code,
+                        _gave_up(sent, f"decode node {node.address}: {failed.details}", failed.code),
                     ) from None
             if sent.token_ids != carried:  # the client got more than the message carries: resume after it
                 msg = decode_message(request, resume_output_token_ids=sent.token_ids)
@@ -361,7 +362,9 @@ class Pipeline:
                     node.mark_down(details)
                 if _node_failed(code, client.cancellation) and scope.is_active():
                     raise _Interrupted(code, details) from exc
-                raise ServingError(code, _gave_up(sent, f"decode node {node.address}: {details}")) from exc
+                raise ServingError(
+                    code, _gave_up(sent, f"decode node {node.address}: {details}", code)
+                ) from exc
         if last is None or not last.finished:
             if scope.is_active():
                 raise _Interrupted(grpc.StatusCode.UNAVAILABLE, "it ended the stream early")
@@ -436,7 +439,10 @@ class _Interrupted(Exception):
         self.code, self.details = code, details
 
 
-def _gave_up(sent: _Sent, why: str) -> str:
-    if sent.token_ids:
-        return f"{why}; the output is incomplete ({len(sent.token_ids)} tokens sent), retry the request"
-    return why
+def _gave_up(sent: _Sent, why: str, code: grpc.StatusCode) -> str:
+    """``why``, and where output had reached the client, that it is incomplete -- with "retry" only where
+    a retry may succeed (a node down or busy), not after the engine refused or failed the request."""
+    if not sent.token_ids:
+        return why
+    retry = ", retry the request" if code in (*RETRYABLE, grpc.StatusCode.CANCELLED) else ""
+    return f"{why}; the output is incomplete ({len(sent.token_ids)} tokens sent){retry}"

@@ -38,7 +38,7 @@ def run(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
 @pytest.mark.parametrize(
     ("prompt", "params", "field"),
     [
-        ([1] * 257, None, "max_model_len"),  # max_position_embeddings is 256
+        ([1] * 257, None, "max_model_len"),  # max_position_embeddings is 256 (the cache holds 256 too)
         ([], None, "prompt is empty"),
         ("", None, "prompt is empty"),
         ([5, 320], None, "prompt token id 320 at index 1 is outside the vocabulary"),
@@ -62,6 +62,42 @@ def test_request_larger_than_the_cache() -> None:
     engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), device="cpu", block_size=4, num_blocks=8))
     with pytest.raises(ValueError, match="num_blocks 8"):
         engine.add_request("big", [1] * 40)
+
+
+def test_a_cache_smaller_than_the_context_caps_requests_instead_of_failing_them_mid_stream(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An outside probe: a node with 12 blocks of 16 tokens and the model's context of 256 admitted a
+    191-token prompt with max_tokens 4, sent 2 tokens and failed it ("needs more KV blocks than the cache
+    has ... retry the request"; the same every time).  The context is cut to what the cache holds, with a
+    warning: such a request ends "length" at the cache's size; a longer max_model_len asked for is
+    refused at start; a prompt of max_model_len tokens (no room for an output token) is refused."""
+    with caplog.at_level("WARNING", logger="engine.engine_config"):
+        engine = LLMEngine(
+            EngineConfig(model=tiny_model_dir("llama"), device="cpu", block_size=4, num_blocks=8)
+        )
+    assert engine.max_model_len == 32 and "requests of at most 32 tokens" in caplog.text
+    engine.add_request("fits", [1] * 20, SamplingParams(max_tokens=100, ignore_eos=True))
+    outs = run(engine)["fits"]
+    assert outs[-1].finish_reason == "length" and sum(len(o.new_token_ids) for o in outs) == 12
+    with pytest.raises(ValueError, match=r"max_model_len 32 \(what the KV cache holds: num_blocks 8"):
+        engine.add_request("full", [1] * 32)
+    with pytest.raises(ValueError, match="max_model_len 64 is more than the KV cache holds"):
+        LLMEngine(
+            EngineConfig(
+                model=tiny_model_dir("llama"), device="cpu", block_size=4, num_blocks=8, max_model_len=64
+            )
+        )
+
+
+def test_a_prompt_of_max_model_len_tokens_is_refused(engine: LLMEngine) -> None:
+    """The engine took a prompt of exactly max_model_len tokens and returned one more (65 of 64); the
+    router refuses it: the context holds the prompt and at least one output token."""
+    with pytest.raises(ValueError, match=r"max_model_len 256 .*leaves no room for an output token"):
+        engine.add_request("at-context", [1] * 256)
+    engine.add_request("one-less", [1] * 255, SamplingParams(max_tokens=5))
+    outs = run(engine)["one-less"]
+    assert sum(len(o.new_token_ids) for o in outs) == 1 and outs[-1].finish_reason == "length"
 
 
 @pytest.mark.parametrize("max_tokens", [0, -1])

@@ -177,3 +177,18 @@ def test_more_choices_than_the_router_has_slots_is_refused_by_name_not_retried_f
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.message == "n: 3 choices take 3 slots; this router has 2"
     assert pipeline.inflight == 0
+
+
+def test_an_incomplete_output_says_retry_only_where_a_retry_may_succeed() -> None:
+    """An outside probe: a request the engine failed for good (its KV could never fit) ended with
+    "the output is incomplete (2 tokens sent), retry the request" -- and failed the same way each retry."""
+    import grpc
+
+    from router.pipeline import _gave_up, _Sent
+
+    sent = _Sent([5, 6])
+    assert _gave_up(sent, "down", grpc.StatusCode.UNAVAILABLE).endswith("(2 tokens sent), retry the request")
+    assert _gave_up(sent, "cut", grpc.StatusCode.CANCELLED).endswith("retry the request")
+    failed = _gave_up(sent, "the engine failed", grpc.StatusCode.INTERNAL)
+    assert failed == "the engine failed; the output is incomplete (2 tokens sent)"
+    assert _gave_up(_Sent(), "down", grpc.StatusCode.UNAVAILABLE) == "down"
