@@ -130,6 +130,7 @@ class LLMEngine:
         kernel = kernels.quant if kernels is not None else None
         quantized, weights_note = choose_weights(config.weights, config.dtype, types, device, dtype, kernel)
         logger.info("weights: %s", weights_note)
+        self.weights_note = weights_note  # what ran and why (pdkv generate prints it)
         self.model: LoadedModel = load_model(
             source, dtype=dtype, device=device, kernel=kernel, quantized=quantized
         )

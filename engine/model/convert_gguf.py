@@ -27,18 +27,25 @@ def convert_gguf(path: str | Path, out_dir: str | Path, *, dtype: str = "float32
 
     from engine.model.gguf import inspect_gguf
     from engine.model.gguf_tokenizer import build_gguf_tokenizer
+    from engine.model.loader import finite_weights
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
     out = Path(out_dir).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"OUT_DIR {str(out)!r} is a file, not a folder")
+    if out.exists() and any(out.iterdir()):
         raise ValueError(f"OUT_DIR {str(out)!r} already exists and is not empty")
     model = inspect_gguf(path)  # every check before any weight is read
     tokenizer = build_gguf_tokenizer(model.tokenizer, source=str(model.path))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        tensors = {name: t.contiguous() for name, t in model.weights(getattr(torch, dtype))}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as exc:  # a file in the way, no permission, a read-only place
+        raise ValueError(f"OUT_DIR {str(out)!r} cannot be made there: {exc.strerror or exc}") from None
+    try:
+        weights = finite_weights(model.weights(getattr(torch, dtype)), f"GGUF file {str(model.path)!r}")
+        tensors = {name: t.contiguous() for name, t in weights}  # a corrupt block: refused, as at load
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config = {**model.hf_config, "torch_dtype": dtype}
         _write_json(tmp / "config.json", config)

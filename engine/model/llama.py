@@ -303,6 +303,6 @@ class LlamaForCausalLM(nn.Module):
 def _copy_checked(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dest.shape) != tuple(src.shape):
         raise ValueError(
-            f"weight {name!r} has shape {tuple(src.shape)} but config.json implies {tuple(dest.shape)}"
+            f"weight {name!r} has shape {tuple(src.shape)} but the model's config implies {tuple(dest.shape)}"
         )
     dest.copy_(src)

@@ -108,6 +108,8 @@ def inspect_model(path: str | Path) -> ModelSource:
     p = Path(path).expanduser()
     if p.is_file() or (not p.exists() and p.suffix.lower() == ".gguf"):
         return inspect_gguf(p)
+    if p.exists() and not p.is_dir():  # a FIFO, a socket, a device: neither a file nor a folder
+        raise ValueError(f"model {str(p)!r} is neither a GGUF file nor a model folder (a special file)")
     return inspect_model_folder(p)
 
 
@@ -125,9 +127,41 @@ def inspect_model_folder(path: str | Path) -> ModelFolder:
         raise ValueError(f"{config_path}: cannot be read as JSON ({exc})") from exc
     if not isinstance(raw, dict):
         raise ValueError(f"{config_path}: expected a JSON object")
+    quantization = raw.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise ValueError(
+            f"{config_path}: a quantized checkpoint (quantization_config, quant_method {method!r}) is not "
+            "served: give a GGUF file (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, K-quants) or float weights"
+        )
     config = ModelConfig.from_hf(raw, source=str(config_path))
     config = _with_generation_eos(folder, config)
-    return ModelFolder(folder, raw, config, _weight_files(folder))
+    files = _weight_files(folder)
+    _check_weight_files(files)
+    return ModelFolder(folder, raw, config, files)
+
+
+FLOAT_DTYPES = frozenset({"F32", "F16", "BF16"})  # safetensors' names of the dtypes a folder's weights take
+
+
+def _check_weight_files(files: Iterable[Path]) -> None:
+    """Each file's header parses, covers the file, and stores float tensors only: a damaged file is an
+    error naming it before any weight is read (safetensors reads the header alone here)."""
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                names = list(f.keys())
+                dtypes = {name: f.get_slice(name).get_dtype() for name in names}
+        except Exception as exc:  # safetensors' SafetensorError (damaged, cut short), OSError
+            raise ValueError(f"weight file {file}: cannot be read as safetensors ({exc})") from None
+        for name, dtype in dtypes.items():
+            if dtype not in FLOAT_DTYPES:
+                raise ValueError(
+                    f"weight file {file}: tensor {name} is stored as {dtype}; weights of a model folder are "
+                    "float32, float16 or bfloat16 (quantized checkpoints: give a GGUF file)"
+                )
 
 
 def _with_generation_eos(folder: Path, config: ModelConfig) -> ModelConfig:
@@ -159,7 +193,7 @@ def _weight_files(folder: Path) -> tuple[Path, ...]:
         if missing:
             raise FileNotFoundError(f"{index_path} lists weight files the folder lacks: {', '.join(missing)}")
         return tuple(folder / n for n in names)
-    files = sorted(folder.glob("*.safetensors"))
+    files = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
     if files:
         return tuple(files)
     if any(folder.glob("*.bin")):
@@ -211,11 +245,7 @@ def load_model(
     refusal = GGUFError if isinstance(source, GGUFModel) else ValueError
 
     def finite(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """A weight with an inf or NaN (a corrupt block or file) is refused by name, in every path."""
-        for name, tensor in pairs:
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise refusal(f"{what}: weight {name} has values that are not finite (inf or NaN): corrupt")
-            yield name, tensor
+        return finite_weights(pairs, what, refusal)
 
     def dense() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in stream:
@@ -224,7 +254,12 @@ def load_model(
             else:
                 yield name, tensor
 
-    loaded, unknown = model.load_weights(finite(dense()))
+    try:
+        loaded, unknown = model.load_weights(finite(dense()))
+    except ValueError as exc:  # a shape the config does not imply (llama.py): name the file it is in
+        if str(exc).startswith(what):
+            raise
+        raise refusal(f"{what}: {exc}") from None
     if raw:
         assert kernel is not None
         try:
@@ -267,6 +302,19 @@ def load_model(
         bf16_tiles=native_bf16 and kernel is not None and kernel.amx,
         torch_linears=dtype == torch.bfloat16 and not native_bf16,
     )
+
+
+def finite_weights(
+    pairs: Iterable[tuple[str, torch.Tensor]], what: str, refusal: type[ValueError] = ValueError
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``pairs``, refusing a weight with an inf or NaN (a corrupt block or file) by name: every load and
+    every conversion reads its weights through this."""
+    import torch
+
+    for name, tensor in pairs:
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise refusal(f"{what}: weight {name} has values that are not finite (inf or NaN): corrupt")
+        yield name, tensor
 
 
 def _few(names: set[str], limit: int = 5) -> str:

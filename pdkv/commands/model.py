@@ -229,9 +229,10 @@ def _generate_remote(args: argparse.Namespace) -> int:
         except grpc.RpcError as exc:
             if any(shown):  # end the text streamed so far; an error before any leaves stdout empty
                 sys.stdout.write("\n")
-            code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
-            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-            print(f"pdkv generate: {args.server}: {code}: {details}", file=sys.stderr)
+            from router.node_messages import rpc_code_details
+
+            code, details = rpc_code_details(exc)
+            print(f"pdkv generate: {args.server}: {code.name}: {details}", file=sys.stderr)
             return 1
     sys.stdout.write("\n")
     u = out.usage
@@ -263,6 +264,8 @@ def _generate_local(args: argparse.Namespace) -> int:
             num_blocks=args.num_blocks,
         )
     )
+    dtype = str(engine.model.dtype).removeprefix("torch.")
+    print(f"[pdkv] {dtype}, weights {engine.weights_note}", file=sys.stderr)  # what --weights/--dtype chose
     prompt: Any = args.prompt
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template(chat_messages(args.prompt, args.system))

@@ -153,6 +153,10 @@ def _up(args: argparse.Namespace) -> int:
     from wire.endpoints import parse_address
 
     host, port = parse_address(args.router_address, "--router-address")
+    if args.model:  # a bad model is refused before anything starts (headers only: no weight is read)
+        from engine.model.loader import inspect_model
+
+        inspect_model(args.model)
     if args.secure and os.environ.get(KEYS_ENV):
         # The router would take these keys beside the cluster's own: tenants nobody asked for.
         raise ValueError(f"${KEYS_ENV} is set and --secure uses the cluster's own API key; unset it")
@@ -259,7 +263,10 @@ def _oneshot(cluster: Any, prompt: str, max_tokens: int, *, chat: bool) -> int:
         try:
             out = client.generate(request, timeout=120.0, on_delta=show)
         except grpc.RpcError as exc:
-            print(f"\npdkv up: generate failed: {exc}", file=sys.stderr)
+            from router.node_messages import rpc_code_details
+
+            code, details = rpc_code_details(exc)  # one line, as pdkv generate --server prints it
+            print(f"\npdkv up: generate failed: {code.name}: {details}", file=sys.stderr)
             return 1
     sys.stdout.write("\n")
     u = out.usage

@@ -85,7 +85,7 @@ class Cluster:
         try:
             cluster._start()
         except BaseException:
-            cluster.stop()
+            cluster.stop(keep_logs=True)  # the error names a child's log: it stays (nothing else does)
             raise
         return cluster
 
@@ -385,9 +385,10 @@ class Cluster:
             proc.popen.send_signal(sig)
             proc.popen.wait(30)
 
-    def stop(self) -> None:
+    def stop(self, *, keep_logs: bool = False) -> None:
         """Router first (no new work), then nodes (in-flight calls get the grace period), then the store
-        and Redis.  SIGTERM, then SIGKILL after the grace period."""
+        and Redis.  SIGTERM, then SIGKILL after the grace period.  The run folder pdkv up made goes, but
+        with ``keep_logs`` its children's logs."""
         order = {"router": 0, "prefill": 1, "decode": 1, "colocated": 1, "store": 2, "redis": 3}
         with self._lock:
             self._stopping = True  # supervise() restarts nothing from here on
@@ -406,7 +407,13 @@ class Cluster:
                     p.popen.kill()
                     p.popen.wait(10)
         self._spawner.shutdown(wait=False)
-        if self._own_dir:
+        if self._own_dir and keep_logs:
+            for entry in self.run_dir.iterdir():  # secrets, sockets, the store's files: not the logs
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                elif entry.suffix != ".log":
+                    entry.unlink(missing_ok=True)
+        elif self._own_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def describe(self) -> str:

@@ -229,10 +229,54 @@ def test_wrong_tensor_shape(tmp_path: Path) -> None:
     config = json.loads((folder / "config.json").read_text())
     config["intermediate_size"] = 96
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(
-        ValueError, match=r"mlp\.\w+_proj\.weight' has shape \(\d+, \d+\) but config\.json implies"
+    with pytest.raises(  # the file named: a GGUF file has no config.json to blame
+        ValueError,
+        match=r"model folder .*: weight 'model\.layers\.0\.mlp\.\w+_proj\.weight' has shape \(\d+, \d+\) "
+        r"but the model's config implies",
     ):
         LLM(folder, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "damage", ["cut_in_half", "cut_to_50_bytes", "a_folder", "fp8", "int32", "quantized"]
+)
+def test_a_damaged_or_quantized_weight_file_is_an_error_naming_it(tmp_path: Path, damage: str) -> None:
+    """An outside probe: a cut safetensors file, one that is a folder, and an FP8 checkpoint each ended in
+    a traceback (SafetensorError, OSError, NotImplementedError) -- now refused before any weight is read."""
+    import torch
+
+    folder = copy_model(tmp_path)
+    weights = folder / "model.safetensors"
+    says = "cannot be read as safetensors"
+    if damage.startswith("cut"):
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) // 2] if damage == "cut_in_half" else data[:50])
+    elif damage == "a_folder":
+        weights.unlink()
+        weights.mkdir()
+        says = r"no \*\.safetensors weights"
+    elif damage in ("fp8", "int32"):
+        tensors = load_file(weights)
+        dtype = torch.float8_e4m3fn if damage == "fp8" else torch.int32
+        tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].to(dtype)
+        save_file(tensors, weights)
+        says = r"tensor model\.layers\.0\.mlp\.up_proj\.weight is stored as (F8_E4M3|I32)"
+    else:
+        config = json.loads((folder / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "fp8"}
+        (folder / "config.json").write_text(json.dumps(config))
+        says = "a quantized checkpoint .*'fp8'.* is not served"
+    with pytest.raises((ValueError, FileNotFoundError), match=says):
+        LLM(folder, device="cpu")
+
+
+def test_a_special_file_as_the_model_is_named_so(tmp_path: Path) -> None:
+    import os
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="neither a GGUF file nor a model folder"):  # and no hang
+        LLM(fifo, device="cpu")
 
 
 def test_missing_shard(tmp_path: Path) -> None:

@@ -231,6 +231,24 @@ def test_a_file_with_a_non_finite_block_scale_is_refused_by_name_in_every_path(
         LLM(path, weights=weights, dtype=dtype, device="cpu")
 
 
+def test_convert_gguf_refuses_a_corrupt_file_as_loading_it_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An outside probe: convert-gguf wrote a folder of inf weights from the file every load refuses
+    (rc 0); and an OUT_DIR that is a file, or under one, was "not empty" or a traceback."""
+    from pdkv.cli import main
+
+    path = _corrupt_file(tmp_path, "Q4_K", np.inf)
+    assert main(["convert-gguf", str(path), str(tmp_path / "out")]) == 2
+    assert "model.layers.0.mlp.up_proj.weight has values that are not finite" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+    (tmp_path / "afile").write_text("x")
+    assert main(["convert-gguf", str(path), str(tmp_path / "afile")]) == 2
+    assert "'afile' is a file, not a folder" in capsys.readouterr().err.replace(str(tmp_path) + "/", "")
+    assert main(["convert-gguf", str(path), str(tmp_path / "afile" / "sub")]) == 2
+    assert "cannot be made there" in capsys.readouterr().err
+
+
 def test_a_q4_0_scale_too_large_for_its_packed_offset_runs_dequantized(
     kernel: QuantKernel, tmp_path: Path
 ) -> None:

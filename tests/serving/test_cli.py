@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -241,3 +242,28 @@ def test_generate_with_server_reads_past_a_model_the_environment_sets(
     assert main(["generate", "--server", "127.0.0.1:1", "--timeout", "5", "hi"]) == 1
     captured = capsys.readouterr()
     assert "UNAVAILABLE" in captured.err and "--model" not in captured.err and captured.out == ""
+
+
+def test_pdkv_up_refuses_a_bad_model_first_and_keeps_the_log_a_failed_child_names(tmp_path: Path) -> None:
+    """An outside probe: pdkv up started the store and the nodes for a file that is no model, failing
+    seconds later; and a child that failed to start was reported with a log path pdkv up had deleted."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"PK not a model")
+    ports = ["--http-port", "none", "--router-address", "127.0.0.1:0", "--metrics-ports", "none"]
+    first = subprocess.run(
+        [*PDKV, "up", "--model", str(bad), *ports], capture_output=True, text=True, timeout=60
+    )
+    assert first.returncode == 2 and "not a GGUF file" in first.stderr and "starting" not in first.stderr
+    # A node that cannot start (its KV cache holds less than the length asked for), found only by it:
+    failed = subprocess.run(
+        [
+            *PDKV, "up", "--model", str(pdkv_model()), "--kv-store", "none", *ports,
+            "--node-args", "--num-blocks 2 --max-model-len 256",
+        ],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr.split("its log")[0], failed.stderr
+    log = Path(failed.stderr.split("its log (")[1].split(")")[0])
+    assert log.is_file() and "more than the KV cache holds" in log.read_text()
+    assert [p.suffix for p in log.parent.iterdir()] == [".log"] * len(list(log.parent.iterdir()))
+    shutil.rmtree(log.parent)
