@@ -26,7 +26,6 @@ from engine.determinism import enable_determinism, kv_fingerprint
 from engine.engine_config import EngineConfig
 from engine.hashing import AdapterId, HashNamespace
 from engine.kv_cache import KVCacheSpec
-from engine.kv_cache_manager import cdiv
 from engine.lora.manager import LoRAManager
 from engine.metrics import SPECS, StatsSnapshot
 from engine.model.embedded import ensure_default_model
@@ -131,6 +130,12 @@ class LLMEngine:
         quantized, weights_note = choose_weights(config.weights, config.dtype, types, device, dtype, kernel)
         logger.info("weights: %s", weights_note)
         self.weights_note = weights_note  # what ran and why (pdkv generate prints it)
+        # The cache's size and the longest request, before any weight is read (a refusal costs no load).
+        probe = KVCacheSpec.for_model(source.config, num_blocks=1, block_size=config.block_size, dtype=dtype)
+        self.kv_spec = dataclasses.replace(probe, num_blocks=config.num_blocks_for(probe.bytes_per_block))
+        self.max_model_len, self._context_note = config.context_length(
+            source.config.max_position_embeddings, self.kv_spec.num_blocks, self.kv_spec.block_size
+        )
         self.model: LoadedModel = load_model(
             source, dtype=dtype, device=device, kernel=kernel, quantized=quantized
         )
@@ -177,11 +182,6 @@ class LLMEngine:
             ),
             block_size=config.block_size,
             algo=config.hash_algo,
-        )
-        probe = KVCacheSpec.for_model(model_config, num_blocks=1, block_size=config.block_size, dtype=dtype)
-        self.kv_spec = dataclasses.replace(probe, num_blocks=config.num_blocks_for(probe.bytes_per_block))
-        self.max_model_len, self._context_note = config.context_length(
-            model_config.max_position_embeddings, self.kv_spec.num_blocks, self.kv_spec.block_size
         )
         if connectors is None:
             context = ConnectorContext(self.namespace, self.kv_spec, engine_id=config.engine_id)
@@ -307,12 +307,6 @@ class LLMEngine:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens: max_model_len {self.max_model_len} "
                 f"({self._context_note}) leaves no room for an output token"
-            )
-        blocks_needed = cdiv(len(token_ids) + 1, self.kv_spec.block_size)
-        if blocks_needed > self.kv_spec.num_blocks:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens, needing {blocks_needed} KV blocks; the cache has only "
-                f"num_blocks {self.kv_spec.num_blocks}"
             )
         return token_ids
 

@@ -59,6 +59,9 @@ def _smooth(old: float | None, new: float) -> float:
     return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
 
 
+STOPPING_GRACE_S = 30.0  # what reroute_unreachable allows a stopping node beyond --reroute-after-s
+
+
 class NodeHandle:
     """One node: stubs over one channel, whether it is healthy, and how many router calls it serves."""
 
@@ -342,7 +345,9 @@ class NodePool:
         now = time.monotonic()
         for node in self.nodes():
             since = node.unreachable_since
-            if since is not None and now - since >= after_s and not node.stopping:  # (a stop ends its calls)
+            # A node that said it was stopping ends its calls within its grace: cut them only well after.
+            wait = after_s + (STOPPING_GRACE_S if node.stopping else 0.0)
+            if since is not None and now - since >= wait:
                 cut = node.cut_calls()
                 if cut:
                     logger.warning(

@@ -127,13 +127,6 @@ def inspect_model_folder(path: str | Path) -> ModelFolder:
         raise ValueError(f"{config_path}: cannot be read as JSON ({exc})") from exc
     if not isinstance(raw, dict):
         raise ValueError(f"{config_path}: expected a JSON object")
-    quantization = raw.get("quantization_config")
-    if quantization is not None:
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
-        raise ValueError(
-            f"{config_path}: a quantized checkpoint (quantization_config, quant_method {method!r}) is not "
-            "served: give a GGUF file (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, K-quants) or float weights"
-        )
     config = ModelConfig.from_hf(raw, source=str(config_path))
     config = _with_generation_eos(folder, config)
     files = _weight_files(folder)
@@ -145,13 +138,15 @@ FLOAT_DTYPES = frozenset({"F32", "F16", "BF16"})  # safetensors' names of the dt
 
 
 def _check_weight_files(files: Iterable[Path]) -> None:
-    """Each file's header parses, covers the file, and stores float tensors only: a damaged file is an
-    error naming it before any weight is read (safetensors reads the header alone here)."""
+    """Each file's header parses, covers the file, and stores float tensors only: a damaged file, or a
+    quantized checkpoint's (FP8, GPTQ/AWQ int packs, bitsandbytes bytes), is an error naming it before any
+    weight is read (safetensors reads the header alone here; "np" imports no torch, for the router).  A
+    ``quantization_config`` over float tensors (a merged 16-bit export) is served: the tensors decide."""
     from safetensors import safe_open
 
     for file in files:
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
+            with safe_open(str(file), framework="np") as f:
                 names = list(f.keys())
                 dtypes = {name: f.get_slice(name).get_dtype() for name in names}
         except Exception as exc:  # safetensors' SafetensorError (damaged, cut short), OSError
@@ -256,19 +251,19 @@ def load_model(
 
     try:
         loaded, unknown = model.load_weights(finite(dense()))
+        if raw:
+            assert kernel is not None
+            try:
+                consumed, rest = quantize_model(model, raw, kernel, dtype)
+            except CorruptBlocks as exc:
+                raise GGUFError(f"{what}: weight {exc}: corrupt") from exc
+            more, unknown_more = model.load_weights(finite(rest))
+            loaded |= consumed | more
+            unknown |= unknown_more
     except ValueError as exc:  # a shape the config does not imply (llama.py): name the file it is in
         if str(exc).startswith(what):
             raise
-        raise refusal(f"{what}: {exc}") from None
-    if raw:
-        assert kernel is not None
-        try:
-            consumed, rest = quantize_model(model, raw, kernel, dtype)
-        except CorruptBlocks as exc:
-            raise GGUFError(f"{what}: weight {exc}: corrupt") from exc
-        more, unknown_more = model.load_weights(finite(rest))
-        loaded |= consumed | more
-        unknown |= unknown_more
+        raise refusal(f"{what}: {exc}") from exc
     missing = expected - loaded
     if missing:
         raise ValueError(f"{what} is missing weights: {_few(missing)}")

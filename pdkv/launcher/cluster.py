@@ -84,8 +84,9 @@ class Cluster:
         cluster = cls(topology)
         try:
             cluster._start()
-        except BaseException:
-            cluster.stop(keep_logs=True)  # the error names a child's log: it stays (nothing else does)
+        except BaseException as exc:
+            # A child that did not come up: the error names its log, which stays (nothing else does).
+            cluster.stop(keep_logs=isinstance(exc, RuntimeError | TimeoutError))
             raise
         return cluster
 
