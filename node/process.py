@@ -243,6 +243,7 @@ def _stats_proto(node: NodeRuntime, s: EngineSnapshot, age_s: float) -> node_pb2
         runtime_lora=node.config.runtime_lora,
         max_lora_rank=node.driver.engine.lora.max_lora_rank,
         stats_age_s=age_s,
+        max_model_len=node.driver.engine.max_model_len,
         kv_events_endpoint=node.events.endpoint if node.events is not None else "",
         kv_events_replay_endpoint=node.events.replay_endpoint if node.events is not None else "",
         kv_events_epoch=node.events.epoch if node.events is not None else "",

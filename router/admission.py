@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -158,10 +158,13 @@ class Admission:
         *,
         max_n: int = 16,
         adapters: RouterAdapters | None = None,
+        node_context: Callable[[], int] | None = None,
     ) -> None:
         """``max_n``: the most choices (``n``) one request may ask for.  ``adapters``: the nodes' LoRA
-        adapters (None: no adapter is served)."""
+        adapters (None: no adapter is served).  ``node_context``: the longest request every node serves
+        (0: none said yet) -- a node whose KV cache holds less than the model's context serves less."""
         self.model = model
+        self.node_context = node_context
         self.adapters = adapters
         self.max_tokens_limit = max_tokens_limit
         self.max_n = max_n
@@ -169,6 +172,13 @@ class Admission:
         self.grammars = model.grammars
         template = model.tokenizer.chat_template
         self.tool_format = tool_format(template.source if template is not None else None)
+
+    @property
+    def context_length(self) -> int:
+        """The longest request admitted: the model's context (or --max-model-len), or less where the
+        nodes serve less."""
+        nodes = self.node_context() if self.node_context is not None else 0
+        return min(self.model.context_length, nodes) if nodes else self.model.context_length
 
     def admit(self, request: GenerationRequest, caller: Caller) -> AdmittedRequest:
         """The request as the pipeline runs it; ``InvalidField`` when the client must change it."""
@@ -312,7 +322,7 @@ class Admission:
                     )
         if not token_ids:
             raise InvalidField(where, "has no tokens: a prompt needs at least one")
-        context = self.model.context_length
+        context = self.context_length
         if len(token_ids) >= context:  # refused here, before any node call
             raise InvalidField(
                 where,
@@ -333,7 +343,8 @@ class Admission:
         """The client's max_tokens, checked; or the default of the prompt's kind, cut to what fits.  0
         only when the request scores its prompt (``scoring``: prompt_logprobs, OpenAI's echo)."""
         name = f"{names.sampling}max_tokens"
-        room = self.model.context_length - prompt_len
+        context = self.context_length
+        room = context - prompt_len
         limit = self.max_tokens_limit
         if asked is None:
             default = MAX_DEFAULT_CHAT_TOKENS if chat else DEFAULT_MAX_TOKENS
@@ -355,7 +366,7 @@ class Admission:
             raise InvalidField(
                 name,
                 f"{asked} does not fit: {prompt_field} has {prompt_len} tokens and the model's context "
-                f"(max_model_len) holds {self.model.context_length}; ask for at most {room}",
+                f"(max_model_len) holds {context}; ask for at most {room}",
             )
         return asked
 

@@ -88,6 +88,7 @@ class NodeHandle:
         self.resident_adapters: set[AdapterId] = set()
         self.adapter_infos: dict[AdapterId, types_pb2.AdapterInfo] = {}
         self.max_lora_rank = 0
+        self.max_model_len = 0  # the longest request it serves (from Stats; 0 until it answered)
         # Its measured costs and where it publishes KV events (from Stats, each health round).
         self.costs = NodeCosts()
         self.kv_events: Publisher | None = None
@@ -192,7 +193,7 @@ class NodeHandle:
                     self.adapters = {aid.name: aid for aid in infos}
                     self.adapter_infos = infos
             self.resident_adapters = {aid for aid, a in infos.items() if a.resident}
-            self.max_lora_rank = stats.max_lora_rank
+            self.max_lora_rank, self.max_model_len = stats.max_lora_rank, stats.max_model_len
         except (grpc.RpcError, ValueError) as exc:
             logger.debug("no stats from %s yet: %r", self.address, exc)
             return
@@ -424,3 +425,10 @@ def numerics(nodes: Iterable[NodeHandle]) -> tuple[str, bool]:
 def pool_numerics(*pools: NodePool | None) -> tuple[str, bool]:
     """``numerics`` of every node of ``pools`` (None: a pool the mode has not)."""
     return numerics(n for pool in pools if pool is not None for n in pool.nodes())
+
+
+def served_context(pools: Iterable[NodePool]) -> int:
+    """The longest request every healthy node serves (its ``max_model_len`` from Stats); 0 when none has
+    said.  A node whose KV cache holds less than the model's context serves less."""
+    lengths = [n.max_model_len for pool in pools for n in pool.healthy() if n.max_model_len]
+    return min(lengths, default=0)

@@ -165,16 +165,17 @@ def create_app(
         return {
             "object": "list",
             "data": [
-                model_card(model, created, numerics()),
-                *adapter_cards(model, admission.adapters, created),
+                model_card(model, created, numerics(), admission.context_length),
+                *adapter_cards(model, admission.adapters, created, admission.context_length),
             ],
         }
 
     @app.get("/v1/models/{name:path}")
     async def _model(name: str, caller: Caller = authenticated) -> dict[str, Any]:
         if check_model(model, name, admission.adapters) is None:
-            return model_card(model, created, numerics())
-        return next(c for c in adapter_cards(model, admission.adapters, created) if c["id"] == name)
+            return model_card(model, created, numerics(), admission.context_length)
+        cards = adapter_cards(model, admission.adapters, created, admission.context_length)
+        return next(c for c in cards if c["id"] == name)
 
     add_lora_routes(app, admission.adapters, authenticated, model.name)
 

@@ -37,7 +37,9 @@ class UnloadLoraAdapterRequest(WholeBody):
     lora_name: str = Field(min_length=1, max_length=128)
 
 
-def adapter_cards(model: RouterModel, adapters: RouterAdapters | None, created: int) -> list[dict[str, Any]]:
+def adapter_cards(
+    model: RouterModel, adapters: RouterAdapters | None, created: int, context: int = 0
+) -> list[dict[str, Any]]:
     """Each served adapter as ``/v1/models`` lists it (vLLM: ``parent`` and ``root``)."""
     if adapters is None:
         return []
@@ -49,7 +51,7 @@ def adapter_cards(model: RouterModel, adapters: RouterAdapters | None, created: 
             "owned_by": "pdkv",
             "root": a.name,
             "parent": model.name,
-            "max_model_len": model.context_length,
+            "max_model_len": context or model.context_length,
             "lora_digest": a.digest.hex(),
             "lora_max_rank": a.max_rank,
             "lora_modules": list(a.modules),

@@ -281,16 +281,20 @@ class Echo:
         return [None, *self._tops]
 
 
-def model_card(model: RouterModel, created: int, numerics: tuple[str, bool] = ("", False)) -> dict[str, Any]:
-    """``numerics``: the nodes' dtype and whether they all run deterministic (``router.nodes.numerics``)."""
+def model_card(
+    model: RouterModel, created: int, numerics: tuple[str, bool] = ("", False), context: int = 0
+) -> dict[str, Any]:
+    """``numerics``: the nodes' dtype and whether they all run deterministic (``router.nodes.numerics``);
+    ``context``: the longest request admitted (``Admission.context_length``; 0: the model's)."""
     dtype, deterministic = numerics
+    context = context or model.context_length
     return {
         "id": model.name,
         "object": "model",
         "created": created,
         "owned_by": "pdkv",
-        "max_model_len": model.context_length,
-        "context_length": model.context_length,
+        "max_model_len": context,
+        "context_length": context,
         "dtype": dtype,
         "deterministic": deterministic,
     }

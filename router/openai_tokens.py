@@ -39,7 +39,7 @@ def tokenize(body: TokenizeRequest, model: RouterModel, admission: Admission) ->
             raise ApiError.invalid("tools", "a text prompt is not rendered with tools; send messages")
         assert body.prompt is not None
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    out: dict[str, Any] = {"count": len(tokens), "max_model_len": model.context_length, "tokens": tokens}
+    out: dict[str, Any] = {"count": len(tokens), "max_model_len": admission.context_length, "tokens": tokens}
     if body.return_token_strs:
         out["token_strs"] = [tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
     return out

@@ -21,7 +21,7 @@ from router.admission import Admission
 from router.auth import Access, load_access
 from router.config import READY_PREFIX, RouterConfig
 from router.kv_index import KVEventSubscriber, KVIndex, Publisher
-from router.nodes import HealthMonitor, NodePool
+from router.nodes import HealthMonitor, NodePool, served_context
 from router.pipeline import Pipeline
 from router.policy import STORE, NodeSelector, pool_selector
 from router.servicer import GenerationServicer
@@ -164,6 +164,7 @@ class RouterRuntime:
                 config.max_tokens_limit,
                 max_n=min(config.max_n, config.max_inflight),
                 adapters=adapters,
+                node_context=lambda: served_context(pools),
             ),
             tls,
             index,

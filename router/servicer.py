@@ -76,7 +76,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return generation_pb2.ModelInfo(
                 name=m.name,
                 vocab_size=m.vocab_size,
-                context_length=m.context_length,
+                context_length=self.admission.context_length,
                 eos_token_ids=list(m.eos_token_ids),
                 block_size=block_size,
                 has_chat_template=self.tokenizer.chat_template is not None,

@@ -686,3 +686,43 @@ def test_ignore_eos_in_a_chat_ignores_the_end_of_turn_tokens_too(model: RouterMo
     assert eot <= set(_admitted(model, CHAT).params.stop_token_ids)
     params = _admitted(model, {**CHAT, "ignore_eos": True, "stop_token_ids": [5]}).params
     assert params.ignore_eos and params.stop_token_ids == (5,)
+
+
+def test_the_router_admits_and_advertises_the_context_its_nodes_serve(model: RouterModel) -> None:
+    """An outside probe: nodes whose KV cache held less than the model's context admitted requests that
+    could never finish.  The nodes now serve at most what their cache holds and say so in Stats; the
+    router admits by the smallest (a longer prompt: a 400 from the router, not a node's error) and lists
+    it in /v1/models, /tokenize and GetModelInfo."""
+    from router.admission import Admission
+    from router.auth import OPEN, Caller
+    from router.nodes import NodeHandle, NodePool, served_context
+
+    nodes = [NodeHandle(f"127.0.0.1:{i}", "pdkv.v1.DecodeNode") for i in (1, 2)]
+    for node, length in zip(nodes, (100, 64), strict=True):
+        node.max_model_len = length
+        node.mark_up()
+    pool = NodePool("decode", [], "pdkv.v1.DecodeNode")
+    pool._nodes = {n.address: n for n in nodes}
+    try:
+        assert served_context([pool]) == 64
+        nodes[1].mark_down("gone")  # only what healthy nodes serve counts
+        assert served_context([pool]) == 100
+        nodes[1].mark_up()
+        admission = Admission(model, node_context=lambda: served_context([pool]))
+        assert model.context_length > 64 and admission.context_length == 64
+        assert Admission(model, node_context=lambda: 0).context_length == model.context_length  # none said
+        caller = Caller(OPEN, "peer:test", 8, cache_details=False)
+        text = {**TEXT, "prompt": list(range(5, 69))}  # 64 tokens: no room for one more
+        with pytest.raises(Exception, match="more than max_model_len 64"):
+            admission.admit(completion_request(CompletionRequest.model_validate(text), model), caller)
+        asked = {**TEXT, "prompt": list(range(5, 15)), "max_tokens": 60}
+        with pytest.raises(Exception, match="ask for at most 54"):
+            admission.admit(completion_request(CompletionRequest.model_validate(asked), model), caller)
+        pipeline: Any = SimpleNamespace(max_inflight=1, prefill_pool=None, decode_pool=pool)
+        with TestClient(create_app(pipeline, model, healthy=lambda: True, admission=admission)) as http:
+            [card] = http.get("/v1/models").json()["data"]
+            assert card["max_model_len"] == card["context_length"] == 64
+            assert http.post("/tokenize", json={"prompt": "hi"}).json()["max_model_len"] == 64
+    finally:
+        for n in nodes:
+            n.close()

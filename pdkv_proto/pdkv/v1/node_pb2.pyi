@@ -120,7 +120,7 @@ class StatsRequest(_message.Message):
     def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("node_id", "role", "engine_id", "num_requests", "integrity_checked", "integrity_ok", "integrity_error", "kv_endpoint", "connector_stats", "model_fingerprint", "block_size", "hash_algo", "counters", "gauges", "histograms", "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_epoch", "dtype", "deterministic", "adapters", "runtime_lora", "max_lora_rank", "stats_age_s")
+    __slots__ = ("node_id", "role", "engine_id", "num_requests", "integrity_checked", "integrity_ok", "integrity_error", "kv_endpoint", "connector_stats", "model_fingerprint", "block_size", "hash_algo", "counters", "gauges", "histograms", "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_epoch", "dtype", "deterministic", "adapters", "runtime_lora", "max_lora_rank", "stats_age_s", "max_model_len")
     class ConnectorStatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,7 @@ class NodeStats(_message.Message):
     RUNTIME_LORA_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     STATS_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     engine_id: str
@@ -197,7 +198,8 @@ class NodeStats(_message.Message):
     runtime_lora: bool
     max_lora_rank: int
     stats_age_s: float
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., engine_id: _Optional[str] = ..., num_requests: _Optional[int] = ..., integrity_checked: _Optional[bool] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., connector_stats: _Optional[_Mapping[str, float]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algo: _Optional[str] = ..., counters: _Optional[_Mapping[str, float]] = ..., gauges: _Optional[_Mapping[str, float]] = ..., histograms: _Optional[_Mapping[str, Histogram]] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., kv_events_epoch: _Optional[str] = ..., dtype: _Optional[str] = ..., deterministic: _Optional[bool] = ..., adapters: _Optional[_Iterable[_Union[_types_pb2.AdapterInfo, _Mapping]]] = ..., runtime_lora: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., stats_age_s: _Optional[float] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., engine_id: _Optional[str] = ..., num_requests: _Optional[int] = ..., integrity_checked: _Optional[bool] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., connector_stats: _Optional[_Mapping[str, float]] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algo: _Optional[str] = ..., counters: _Optional[_Mapping[str, float]] = ..., gauges: _Optional[_Mapping[str, float]] = ..., histograms: _Optional[_Mapping[str, Histogram]] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., kv_events_epoch: _Optional[str] = ..., dtype: _Optional[str] = ..., deterministic: _Optional[bool] = ..., adapters: _Optional[_Iterable[_Union[_types_pb2.AdapterInfo, _Mapping]]] = ..., runtime_lora: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., stats_age_s: _Optional[float] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class Histogram(_message.Message):
     __slots__ = ("bounds", "counts", "sum")
