@@ -342,7 +342,9 @@ def measure_profile(
             max_num_seqs=config.max_num_seqs,
             num_blocks=spec.num_blocks,
             kv_bytes_per_token=spec.bytes_per_block // spec.block_size,
-            max_model_len=engine.max_model_len,
+            # The model's context (or the one asked for), not this node's cache's cut of it: a plan may
+            # size nodes with more KV than the profiled one.
+            max_model_len=config.max_model_len or engine.model.config.max_position_embeddings,
         )
         model = {
             "path": str(config.model or "embedded"),

@@ -210,12 +210,14 @@ def test_pdkv_profile_quick_writes_a_profile_plan_can_read(tmp_path: Path) -> No
     model = make_model(tmp_path / "model", TinyLlamaSpec(layers=2, hidden=64, heads=4, kv_heads=2, vocab=300))
     out = tmp_path / "node.json"
     code = main(
-        ["profile", "--model", str(model), "--device", "cpu", "--dtype", "float32", "--num-blocks", "256",
+        ["profile", "--model", str(model), "--device", "cpu", "--dtype", "float32", "--num-blocks", "128",
          "--threads", "1", "--quick", "--repeat", "1", "--out", str(out), "--tier", "cpu=cpu:64MiB"]
     )  # fmt: skip
     assert code == 0
     profile = Profile.load(out)
-    assert profile.engine.block_size == 16 and profile.engine.num_blocks == 256
+    assert profile.engine.block_size == 16 and profile.engine.num_blocks == 128
+    # the model's context, not the 2048 tokens this node's cache cut it to: a plan sizes other nodes
+    assert profile.engine.max_model_len == 4096
     assert profile.engine.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # layers x K,V x heads x dim x fp32
     assert set(profile.loads) == {"cpu"} and profile.loads["cpu"].samples >= 2
     assert profile.step.samples > 10
