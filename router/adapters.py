@@ -35,10 +35,8 @@ RETRY_S = 30.0  # a node that refused to load an adapter again is asked again af
 
 
 def serves(node: NodeHandle, adapter: AdapterId | None) -> bool:
-    """Whether ``node`` runs a request admitted under ``adapter``: it serves it, or served it since it
-    started (replaced or unloaded since: what was admitted before finishes on it).  New requests only
-    ever name what is served now (``RouterAdapters.resolve``)."""
-    return adapter is None or node.adapters.get(adapter.name) == adapter or adapter in node.known_adapters
+    """Whether ``node`` runs a request admitted under ``adapter`` (``NodeHandle.runs``)."""
+    return node.runs(adapter)
 
 
 def prefer_resident(nodes: Sequence[NodeHandle], adapter: AdapterId | None) -> list[NodeHandle]:

@@ -96,7 +96,8 @@ class NodeHandle:
         self._lock = threading.Lock()
         self._healthy = False
         self._inflight = 0
-        self._calls: set[Callable[[], object]] = set()  # cancel functions of the router's open calls
+        # The router's open calls to it: each one's cancel function and the adapter it runs under.
+        self._calls: dict[Callable[[], object], AdapterId | None] = {}
         # When its health checks began to go unanswered (a dead or frozen node); None while it answers.
         self.unreachable_since: float | None = None
         self.stopping = False  # its last answer was NOT_SERVING: draining (its calls finish in its grace)
@@ -125,26 +126,36 @@ class NodeHandle:
         if not was_up:
             logger.info("node %s is up", self.address)
 
+    def runs(self, adapter: AdapterId | None) -> bool:
+        """Whether it runs a request admitted under ``adapter``: it serves it, or served it since it
+        started (replaced or unloaded since: what was admitted before finishes on it).  New requests only
+        ever name what is served now (``RouterAdapters.resolve``)."""
+        return adapter is None or self.adapters.get(adapter.name) == adapter or adapter in self.known_adapters
+
     @contextlib.contextmanager
-    def busy(self, cancel: Callable[[], object] | None = None) -> Iterator[None]:
+    def busy(
+        self, cancel: Callable[[], object] | None = None, adapter: AdapterId | None = None
+    ) -> Iterator[None]:
         """Count one router call against this node while the block runs (least-loaded reads it); ``cancel``
-        ends the call should the node stop answering (``cut_calls``)."""
+        ends the call (under ``adapter``) should the node stop answering (``cut_calls``)."""
         with self._lock:
             self._inflight += 1
             if cancel is not None:
-                self._calls.add(cancel)
+                self._calls[cancel] = adapter
         try:
             yield
         finally:
             with self._lock:
                 self._inflight -= 1
-                self._calls.discard(cancel)  # type: ignore[arg-type]
+                if cancel is not None:
+                    self._calls.pop(cancel, None)
 
-    def cut_calls(self) -> int:
-        """Cancel the router's open calls to this node: each fails as CANCELLED without the client having
-        asked, which the pipeline takes for the node's failure (a decode stream resumes elsewhere)."""
+    def cut_calls(self, elsewhere: Sequence[NodeHandle]) -> int:
+        """Cancel the router's open calls to this node that one of ``elsewhere`` can run (its adapter):
+        each fails as CANCELLED without the client having asked, which the pipeline takes for the node's
+        failure (a decode stream resumes on another node).  The others wait for it."""
         with self._lock:
-            calls = list(self._calls)
+            calls = [c for c, adapter in self._calls.items() if any(n.runs(adapter) for n in elsewhere)]
         for cancel in calls:
             cancel()
         return len(calls)
@@ -341,7 +352,8 @@ class NodePool:
         another node of the pool serves: the pipeline goes on there (a decode stream resumes).  A frozen
         node (a stopped process, a hung VM) keeps its connections open and fails none of its calls: its
         streams would wait for it, however long, with a healthy node beside it."""
-        if not self.healthy():
+        healthy = self.healthy()
+        if not healthy:
             return  # nowhere to go: a node that thaws finishes them
         now = time.monotonic()
         for node in self.nodes():
@@ -349,7 +361,7 @@ class NodePool:
             # A node that said it was stopping ends its calls within its grace: cut them only well after.
             wait = after_s + (STOPPING_GRACE_S if node.stopping else 0.0)
             if since is not None and now - since >= wait:
-                cut = node.cut_calls()
+                cut = node.cut_calls(healthy)
                 if cut:
                     logger.warning(
                         "node %s unanswered for %.1f s: its %d open call(s) go on on other %s nodes",

@@ -245,7 +245,7 @@ class Pipeline:
             future = node.prefill.Prefill.future(msg, timeout=time_remaining(scope))
             cancellation.on_cancel(future.cancel)
             try:
-                with node.busy(future.cancel):
+                with node.busy(future.cancel, request.adapter):
                     return node, future.result()
             except grpc.FutureCancelledError as exc:
                 if cancellation.cancelled or not scope.is_active():
@@ -328,7 +328,7 @@ class Pipeline:
         client.cancellation.on_cancel(stream.cancel)
         last: node_pb2.DecodeResponse | None = None
         skip = sent.chars
-        with node.busy(stream.cancel):
+        with node.busy(stream.cancel, client.request.adapter):
             try:
                 for last in stream:
                     if not client.prompt_recorded and not msg.resume_output_token_ids:

@@ -148,3 +148,24 @@ def test_a_health_round_read_before_an_unload_does_not_bring_the_adapter_back() 
         assert node.adapters == {}
     finally:
         node.close()
+
+
+def test_a_frozen_node_s_calls_are_cut_only_where_another_node_can_run_them() -> None:
+    """A review's find: the router cut every open call of a node unanswering for --reroute-after-s when
+    any node of its kind served -- a call under an adapter only the frozen node had then failed ("no
+    healthy decode node serves adapter") where waiting for the node to thaw would have served it."""
+    only_here = AdapterId("X", bytes(32))
+    frozen, other = _node("127.0.0.1:1", {"X": bytes(32)}), _node("127.0.0.1:2", {})
+    pool = NodePool("decode", [], "pdkv.v1.DecodeNode")
+    pool._nodes = {n.address: n for n in (frozen, other)}
+    cut: list[str] = []
+    try:
+        with frozen.busy(lambda: cut.append("base")), frozen.busy(lambda: cut.append("X"), only_here):
+            frozen.mark_down("UNREACHABLE: DEADLINE_EXCEEDED")
+            frozen.unreachable_since = time.monotonic() - 10
+            pool.reroute_unreachable(5.0)
+            assert cut == ["base"]  # X waits for the node: no other runs it
+        assert frozen.inflight == 0
+    finally:
+        for n in (frozen, other):
+            n.close()
