@@ -44,7 +44,7 @@ from planner.measure import measure_profile
 from planner.plan import Targets, at_rate, max_rate
 from planner.profile import Profile
 from planner.sim import ClusterSpec, SimResult, simulate
-from planner.trace import DEFAULT_TRACE, Arrival, Scale, arrivals, ceiling, read_trace
+from planner.trace import DEFAULT_TRACE, Arrival, Scale, TraceError, arrivals, ceiling, read_trace
 from planner.workload import as_arrivals, scale_trace
 
 POLICY_MODES = {"round-robin": "rr", "kv-aware": "kv"}
@@ -229,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-ttft-p90", type=float, default=None, help="seconds (default: from the profile)")
     p.add_argument("--slo-itl-p90", type=float, default=None, help="seconds (default: from the profile)")
     args: Any = p.parse_args(argv)
+    try:  # a trace that is not there: a line saying so, before any model is made or measured
+        read_trace(args.trace, 0, 1)
+    except TraceError as exc:
+        raise SystemExit(f"bench.simulate: {exc}") from None
     v = QUICK if args.quick else FULL
     model_name = "tiny" if args.quick else "smollm2"
     r = Report(f"bench.simulate: {'quick, ' if args.quick else ''}model {model_name}")

@@ -23,6 +23,16 @@ def test_a_window_with_no_requests_stops_the_bench(tmp_path: Path) -> None:
         main(["--trace", str(path), "--start", "5"])
 
 
+def test_a_missing_trace_stops_each_trace_bench_with_a_line(tmp_path: Path) -> None:
+    """bench.simulate ended in a TraceError traceback (bench.replay already said it in a line)."""
+    from bench.replay import main as replay
+    from bench.simulate import main as simulate
+
+    for main in (replay, simulate):
+        with pytest.raises(SystemExit, match=r"nowhere.jsonl: cannot be read"):
+            main(["--quick", "--trace", str(tmp_path / "nowhere.jsonl")])
+
+
 def test_a_bad_line_is_named_even_where_the_sample_leaves_it_out(tmp_path: Path) -> None:
     path = write(tmp_path, [row(0, 1024, [0, 1]), row(1, 1024, [0, 2]), "{broken"])
     with pytest.raises(TraceError, match=r"trace.jsonl:3: not valid JSON"):
