@@ -276,3 +276,26 @@ def test_pdkv_up_passes_the_model_settings_and_the_file_to_its_children(tmp_path
     with pytest.raises(ValueError, match="--api-keys-file and --secure"):
         Topology(secure=True, api_keys_file=tmp_path / "keys.toml")
     assert parse(["up", "--config", str(config)]).config == str(config)
+
+
+def test_the_documented_cluster_file_passes_pdkv_up_s_checks(tmp_path: Path) -> None:
+    """docs/config.md's example put grace-s in [node], which pdkv up sets itself: the file an operator
+    copies from the docs was refused.  The example, as written there, passes every check pdkv up runs
+    before it starts anything."""
+    import re
+
+    from pdkv import settings
+    from pdkv.cli import build_parser
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
+    example = re.search(r"```toml\n# cluster.toml: pdkv up --config cluster.toml\n(.*?)```", doc, re.S)
+    assert example is not None
+    (tmp_path / "keys.toml").write_text('[tenants.a]\nkey_sha256 = ["' + "0" * 64 + '"]\n')
+    config = write(tmp_path, "cluster.toml", example.group(1))
+    argv = ["up", "--config", str(config)]
+    parser = build_parser()
+    applied = settings.apply(parser, argv, {})
+    args = parser.parse_args(argv)
+    assert applied is not None
+    applied.check(args)
+    args.check(args)  # the children's settings, as pdkv up checks them before starting any
