@@ -213,18 +213,17 @@ class EngineConfig:
         was admitted and failed mid-stream.  An explicit ``max_model_len`` past either is refused; the
         model's own context is cut to the cache, with a warning.  With what set it, for errors."""
         capacity = num_blocks * block_size
+        if self.max_model_len is None and max_positions > capacity:
+            logger.warning(
+                "the model's context (%d tokens) is more than the KV cache holds (%d blocks, %d tokens): "
+                "requests of at most %d tokens are served; raise num_blocks (or kv_cache_bytes) for more",
+                max_positions,
+                num_blocks,
+                capacity,
+                capacity,
+            )
+            return capacity, f"what the KV cache holds: num_blocks {num_blocks} of {block_size} tokens"
         if self.max_model_len is None:
-            if max_positions > capacity:
-                logger.warning(
-                    "the model's context (%d tokens) is more than the KV cache holds (%d blocks, %d tokens): "
-                    "requests of at most %d tokens are served; raise num_blocks (or kv_cache_bytes) for more",
-                    max_positions,
-                    num_blocks,
-                    capacity,
-                    capacity,
-                )
-            if max_positions > capacity:
-                return capacity, f"what the KV cache holds: num_blocks {num_blocks} of {block_size} tokens"
             return max_positions, "the model's context, max_position_embeddings"
         if self.max_model_len > max_positions:
             raise ValueError(

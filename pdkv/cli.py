@@ -78,8 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, FetchError) as exc:
         # A SettingsError names where its setting came from already: explaining it again would prefix
         # any file key whose name the message happens to contain ("[up] prefill" for "prefill nodes").
-        explain = applied is not None and not isinstance(exc, settings.SettingsError)
-        message = applied.explain(str(exc), args) if explain and applied is not None else str(exc)
+        if applied is not None and not isinstance(exc, settings.SettingsError):
+            message = applied.explain(str(exc), args)
+        else:
+            message = str(exc)
         print(f"pdkv {args.command}: error: {message}", file=sys.stderr)
         return 2
 

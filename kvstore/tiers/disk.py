@@ -203,7 +203,7 @@ class DiskTier(Tier):
         if bad is None and short is not None:
             i, path, got = short
             if got < 0:
-                self._forget(run.key(i))
+                self._remove([run.key(i)])  # gone from under the index
                 bad = (i, MissReason.ABSENT)
             else:
                 head = headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
@@ -229,7 +229,7 @@ class DiskTier(Tier):
             try:
                 fd = self._open_for_read(path)
             except FileNotFoundError:
-                self._forget(key)
+                self._remove([key])  # gone from under the index
                 self._drop_unreachable(run, i + 1)
                 return ReadResult(units, MissReason.ABSENT)
             try:
@@ -252,13 +252,13 @@ class DiskTier(Tier):
     # ---- writes ----------------------------------------------------------------------------------------
 
     def _put(self, run: KeyRun, units: Sequence[Unit], deadline: Deadline) -> PutResult:
+        if self._room is not None:  # full when it last wrote: room again? (once a put, not per block)
+            self._room_again()
         for i, unit in enumerate(units):
             key = run.key(i)
             size = HEADER_SIZE + unit.payload.nbytes
             # A file deleted behind the tier's back is written again (the stat outside the lock).
             present = key in self._index and os.path.exists(self._path(key)[1])
-            if self._room is not None:
-                self._room_again()
             with self._lock:
                 if key in self._index:
                     if present:
@@ -374,12 +374,6 @@ class DiskTier(Tier):
                 raise
             self._read_flags &= ~_O_NOATIME
             return os.open(path, self._read_flags)
-
-    def _forget(self, key: bytes) -> None:
-        with self._lock:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._used -= size
 
     def _drop_unreachable(self, run: KeyRun, start: int) -> None:
         """Forget (and delete) the indexed blocks of ``run`` from ``start`` on, after block ``start - 1``
