@@ -141,6 +141,9 @@ class NodeConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0):
             raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
+        for name, _ in self.engine.loras:
+            if name == self.model_name:  # requests naming it run the base: the adapter could never be reached
+                raise ValueError(f"--lora {name}=...: {name!r} is the base model's name; pick another")
         if not self.node_id:
             object.__setattr__(self, "node_id", f"{self.role}-{socket.gethostname()}-{os.getpid()}")
 

@@ -9,7 +9,9 @@ decode node of a request always run the same weights, and the request carries th
 
 ``load`` / ``unload`` (behind ``--allow-runtime-lora``) call every node of every pool, prefill and
 decode alike: an adapter is served where all of them can run it.  A node that comes back without an
-adapter loaded that way (it restarted) is asked to load it again after the next health round.
+adapter loaded that way (it restarted) is asked to load it again after the next health round; one that
+comes back with an adapter unloaded that way (a ``--lora`` of its command line) is asked to unload it
+again, and the name stays unserved meanwhile -- until a load of that name.
 """
 
 from __future__ import annotations
@@ -55,14 +57,21 @@ def no_node_serves(kind: str, adapter: AdapterId) -> ServingError:
 
 
 class RouterAdapters:
-    """``pools``: every pool of the router; ``allow_runtime``: take load / unload calls."""
+    """``pools``: every pool of the router; ``allow_runtime``: take load / unload calls; ``base_name``:
+    the served model's name, which no adapter may take (requests naming it run the base model)."""
 
-    def __init__(self, pools: Sequence[NodePool], *, allow_runtime: bool = False) -> None:
+    def __init__(
+        self, pools: Sequence[NodePool], *, allow_runtime: bool = False, base_name: str | None = None
+    ) -> None:
         self.pools = tuple(pools)
         self.allow_runtime = allow_runtime
+        self.base_name = base_name
         # What was loaded through the router (name -> path, digest): a node that comes back without it
         # (restarted: it serves only its --lora adapters) loads it again (``reconcile``).
         self._runtime: dict[str, tuple[str, bytes]] = {}
+        # Names unloaded through the router and not loaded since: never served, whatever a node that
+        # restarted with them on its command line says (``served``, ``reconcile``).
+        self._unloaded: set[str] = set()
         # (node, name) -> when it may be asked again (in flight: never; after a refusal: a while later)
         self._pending: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()
@@ -73,10 +82,13 @@ class RouterAdapters:
     def served(self) -> dict[str, AdapterId]:
         """Each adapter name some healthy node serves, as the identity most of them have."""
         votes: dict[str, Counter[AdapterId]] = {}
+        with self._lock:
+            unloaded = set(self._unloaded)
         for node in self._nodes():
             if node.healthy:
                 for name, aid in node.adapters.items():
-                    votes.setdefault(name, Counter())[aid] += 1
+                    if name not in unloaded:
+                        votes.setdefault(name, Counter())[aid] += 1
         return {name: max(c, key=lambda a: (c[a], a.digest)) for name, c in sorted(votes.items())}
 
     def info(self) -> list[types_pb2.AdapterInfo]:
@@ -109,6 +121,10 @@ class RouterAdapters:
         """Load ``path`` as ``name`` on every node; the first node's refusal (which names the field) is
         the answer when any refuses.  Nodes that loaded it keep it (a retry replaces it everywhere)."""
         self._check_allowed()
+        if name == self.base_name:
+            raise ServingError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"name: {name!r} is the base model's name: pick another"
+            )
         msg = types_pb2.LoadAdapterRequest(name=name, path=path)
         answers = self._fan_out(lambda n: n.control.LoadAdapter(msg, timeout=ADMIN_TIMEOUT_S))
         _raise_first_error(answers, f"load of adapter {name!r}")
@@ -125,6 +141,7 @@ class RouterAdapters:
             node.note_adapter(info)
         with self._lock:
             self._runtime[name] = (path, infos[0].digest)
+            self._unloaded.discard(name)
         return infos[0]
 
     def unload(self, name: str) -> None:
@@ -132,6 +149,7 @@ class RouterAdapters:
         msg = types_pb2.UnloadAdapterRequest(name=name)
         with self._lock:
             self._runtime.pop(name, None)
+            self._unloaded.add(name)
         answers = self._fan_out(lambda n: n.control.UnloadAdapter(msg, timeout=ADMIN_TIMEOUT_S))
         for node, _ in answers:
             node.forget_adapter(name)
@@ -140,31 +158,47 @@ class RouterAdapters:
 
     def reconcile(self) -> None:
         """After a health round: each healthy node lacking an adapter loaded through the router (it
-        restarted) is asked to load it again, in the background."""
+        restarted) is asked to load it again, and each one serving an adapter unloaded through the router
+        (a ``--lora`` of the command line it restarted with) to unload it again, in the background."""
         with self._lock:
             runtime = dict(self._runtime)
+            unloaded = set(self._unloaded)
         for node in self._nodes():
+            if not node.healthy:
+                continue
             for name, (path, digest) in runtime.items():
                 have = node.adapters.get(name)
-                key = (node.address, name)
-                if not node.healthy or (have is not None and have.digest == digest):
-                    continue
-                with self._lock:
-                    if self._pending.get(key, 0.0) > time.monotonic():
-                        continue
-                    self._pending[key] = math.inf
-                logger.info("adapter %s: loading it again on %s (back without it)", name, node.address)
-                msg = types_pb2.LoadAdapterRequest(name=name, path=path)
-                future = node.control.LoadAdapter.future(msg, timeout=ADMIN_TIMEOUT_S)
-                future.add_done_callback(lambda f, n=node, k=key: self._reloaded(f, n, k))
+                if have is None or have.digest != digest:
+                    load = types_pb2.LoadAdapterRequest(name=name, path=path)
+                    self._again(node, name, "load", node.control.LoadAdapter.future, load)
+            for name in unloaded & node.adapters.keys():
+                unload = types_pb2.UnloadAdapterRequest(name=name)
+                self._again(node, name, "unload", node.control.UnloadAdapter.future, unload)
 
-    def _reloaded(self, future: grpc.Future, node: NodeHandle, key: tuple[str, str]) -> None:
+    def _again(
+        self, node: NodeHandle, name: str, verb: str, call: Callable[..., grpc.Future], msg: object
+    ) -> None:
+        """``call(msg)`` on ``node`` in the background, unless one is in flight or refused lately."""
+        key = (node.address, name)
+        with self._lock:
+            if self._pending.get(key, 0.0) > time.monotonic():
+                return
+            self._pending[key] = math.inf
+        logger.info("adapter %s: asking %s to %s it again (it restarted)", name, node.address, verb)
+        future = call(msg, timeout=ADMIN_TIMEOUT_S)
+        future.add_done_callback(lambda f: self._done_again(f, node, key, verb))
+
+    def _done_again(self, future: grpc.Future, node: NodeHandle, key: tuple[str, str], verb: str) -> None:
         try:
-            node.note_adapter(future.result())
+            answer = future.result()
+            if isinstance(answer, types_pb2.AdapterInfo):
+                node.note_adapter(answer)
+            else:
+                node.forget_adapter(key[1])
             with self._lock:
                 self._pending.pop(key, None)
         except grpc.RpcError as exc:
-            logger.warning("adapter %s: %s did not load it again: %s", key[1], node.address, exc)
+            logger.warning("adapter %s: %s did not %s it again: %s", key[1], node.address, verb, exc)
             with self._lock:
                 self._pending[key] = time.monotonic() + RETRY_S
 

@@ -12,6 +12,8 @@ With API keys (``--api-keys-file`` or ``$PDKV_API_KEYS``; never argv)::
                                 another tenant's cached prefixes, whatever salt it sends
     calls in flight             at most the tenant's ``max_inflight`` (default ``client_max_inflight``)
     cached-token details        in the usage only where the operator enabled them
+    adapter loads / unloads     only tenants with ``manage_adapters = true`` (one tenant's load would
+                                replace or remove an adapter every other tenant runs)
 
 The keys file (TOML; keep it 0600)::
 
@@ -19,6 +21,7 @@ The keys file (TOML; keep it 0600)::
     keys = ["sk-..."]                 # or key_sha256 = ["<hex digest>"], so the file holds no secret
     max_inflight = 32                 # optional
     cache_details = true              # optional: show this tenant its cached-token counts
+    manage_adapters = true            # optional: may load and unload LoRA adapters (--allow-runtime-lora)
 
 ``$PDKV_API_KEYS`` holds ``KEY=TENANT`` pairs, comma-separated.  Keys are kept as SHA-256 digests and
 looked up by digest.
@@ -54,6 +57,7 @@ class Tenant:
     name: str
     max_inflight: int | None = None  # None: the router's client_max_inflight
     cache_details: bool | None = None  # None: the router's cache_details
+    manage_adapters: bool = False  # may load and unload adapters (every tenant's, by name)
 
     def salt(self, client_salt: str | None, key: bytes | None = None) -> str | None:
         """The cache salt a request of this tenant hashes with.  ``key`` (the router's salt key): the
@@ -82,6 +86,16 @@ class Caller:
 
     def salt(self, client_salt: str | None) -> str | None:
         return self.tenant.salt(client_salt, self.salt_key)
+
+    def may_manage_adapters(self) -> None:
+        """PERMISSION_DENIED unless this caller may load and unload adapters: the open router's one
+        tenant, or a tenant the keys file gives ``manage_adapters = true``."""
+        if self.tenant.name and not self.tenant.manage_adapters:
+            raise ServingError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"tenant {self.tenant.name!r} may not load or unload adapters (the keys file's "
+                "manage_adapters = true allows it)",
+            )
 
 
 class Access:
@@ -209,7 +223,7 @@ def _read_keys_file(path: Path) -> dict[str, Tenant]:
         where = f"{path}: tenants.{name}"
         if not isinstance(table, dict):
             raise ValueError(f"{where} must be a table")
-        unknown = set(table) - {"keys", "key_sha256", "max_inflight", "cache_details"}
+        unknown = set(table) - {"keys", "key_sha256", "max_inflight", "cache_details", "manage_adapters"}
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
         limit = table.get("max_inflight")
@@ -218,7 +232,10 @@ def _read_keys_file(path: Path) -> dict[str, Tenant]:
         details = table.get("cache_details")
         if details is not None and not isinstance(details, bool):
             raise ValueError(f"{where}.cache_details must be true or false")
-        tenant = Tenant(_tenant_name(name, where), limit, details)
+        manage = table.get("manage_adapters", False)
+        if not isinstance(manage, bool):
+            raise ValueError(f"{where}.manage_adapters must be true or false")
+        tenant = Tenant(_tenant_name(name, where), limit, details, manage)
         keys = table.get("keys", [])
         hashed = table.get("key_sha256", [])
         if not isinstance(keys, list) or not isinstance(hashed, list) or not (keys or hashed):

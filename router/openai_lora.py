@@ -18,6 +18,7 @@ from pydantic import Field
 
 from engine.lora.adapter import AdapterError, check_name
 from router.adapters import RouterAdapters
+from router.auth import Caller
 from router.openai_errors import ApiError
 from router.openai_schema import WholeBody
 from router.tokenizer import RouterModel
@@ -69,6 +70,7 @@ def add_lora_routes(
     @app.post("/v1/load_lora_adapter")
     async def _load(body: LoadLoraAdapterRequest, caller: Any = authenticated) -> dict[str, Any]:
         target = _require(adapters)
+        _may_manage(caller)
         try:
             check_name(body.lora_name)  # the nodes' own rule, here so that the refusal names lora_name
         except AdapterError as exc:
@@ -94,6 +96,7 @@ def add_lora_routes(
     @app.post("/v1/unload_lora_adapter")
     async def _unload(body: UnloadLoraAdapterRequest, caller: Any = authenticated) -> dict[str, Any]:
         target = _require(adapters)
+        _may_manage(caller)
         try:
             await asyncio.to_thread(target.unload, body.lora_name)
         except ServingError as exc:
@@ -109,6 +112,13 @@ def _require(adapters: RouterAdapters | None) -> RouterAdapters:
     if adapters is None:
         raise ApiError(400, "this server serves no adapters", kind="invalid_request_error")
     return adapters
+
+
+def _may_manage(caller: Caller) -> None:
+    try:
+        caller.may_manage_adapters()
+    except ServingError as exc:
+        raise ApiError.from_serving(exc) from None
 
 
 def _refusal(exc: ServingError) -> ApiError:

@@ -123,7 +123,7 @@ class RouterRuntime:
         )
         servicer = HealthStatus()
         _publish_health(servicer, pools, pipeline)  # NOT_SERVING until a health round found the nodes up
-        adapters = RouterAdapters(pools, allow_runtime=config.allow_runtime_lora)
+        adapters = RouterAdapters(pools, allow_runtime=config.allow_runtime_lora, base_name=model.name)
 
         def after_round() -> None:
             _publish_health(servicer, pools, pipeline)

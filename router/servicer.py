@@ -95,14 +95,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def LoadAdapter(self, request: types_pb2.LoadAdapterRequest, context: grpc.ServicerContext) -> Any:
         with rpc_errors(context, self.calls, "LoadAdapter"):
-            self._caller(context)
+            self._caller(context).may_manage_adapters()
             convert.known_fields_only(request)
             return self._adapters().load(request.name, request.path)
         raise AssertionError("unreachable: rpc_errors aborts the call")
 
     def UnloadAdapter(self, request: types_pb2.UnloadAdapterRequest, context: grpc.ServicerContext) -> Any:
         with rpc_errors(context, self.calls, "UnloadAdapter"):
-            self._caller(context)
+            self._caller(context).may_manage_adapters()
             convert.known_fields_only(request)
             self._adapters().unload(request.name)
             return types_pb2.UnloadAdapterResponse()

@@ -5,9 +5,13 @@ served: ``peft_type`` LORA on any of q/k/v/o/gate/up/down (``target_modules`` as
 regular expression, or ``all-linear``; ``exclude_modules`` and ``layers_to_transform`` narrow it), ``r``,
 ``lora_alpha``, ``use_rslora``, ``rank_pattern`` and ``alpha_pattern``.  What changes the output and is
 not served is refused by name before anything is used: ``use_dora``, ``modules_to_save``, ``bias`` other
-than ``none``, ``lora_bias``, ``fan_in_fan_out``, ``target_parameters``, ``trainable_token_indices``, a
-target outside those seven (``lm_head``, ``embed_tokens``), a rank above the engine's ``max_lora_rank``,
-tensors that are missing, extra or of the wrong shape, a missing or truncated file.
+than ``none``, ``lora_bias``, ``fan_in_fan_out``, ``target_parameters``, ``trainable_token_indices``, an
+``init_lora_weights`` that rewrites the base weights (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA: the adapter is
+for that rewritten base), any other key set to something but nothing (``alora_invocation_tokens``,
+``use_qalora``, ``layer_replication``, ... and keys of PEFT versions to come) unless it is known to leave
+inference alone (``_INERT``), a target outside those seven (``lm_head``, ``embed_tokens``), a rank above
+the engine's ``max_lora_rank``, tensors that are missing, extra or of the wrong shape, a missing or
+truncated file.
 
 The adapter's identity (``AdapterId``: name and digest) is what every cache key carries: the digest is
 SHA-256 over the canonical form of everything that changes its output -- each module's rank and scaling
@@ -49,7 +53,21 @@ _REFUSED = {
     "modules_to_save": (None, []),
     "target_parameters": (None, []),
     "trainable_token_indices": (None, [], {}),
+    "layers_pattern": (None, "layers", ["layers"]),  # the base model's own layer list: the same layers
 }
+# What the loader reads (the docstring's served fields).
+_SERVED = frozenset(
+    {"peft_type", "r", "lora_alpha", "use_rslora", "target_modules", "exclude_modules", "layers_to_transform"}
+    | {"rank_pattern", "alpha_pattern"}
+)
+# Keys that leave inference alone (metadata, training-only settings, and sub-settings of refused switches).
+_INERT = frozenset(
+    {"task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode"}
+    | {"lora_dropout", "megatron_config", "megatron_core", "qalora_group_size", "ensure_weight_tying"}
+)
+# PEFT's initializations: those that rewrite the base weights leave an adapter made for that new base
+# (unless converted at save, which writes an ordinary adapter and init_lora_weights true).
+_INIT_SERVED = (True, False, "gaussian", "eva", "orthogonal")
 
 
 class AdapterError(ValueError):
@@ -150,9 +168,15 @@ def _read_config(folder: Path) -> dict[str, Any]:
         raise AdapterError(f"{file}: not a JSON object")
     if raw.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{file}: peft_type {raw.get('peft_type')!r} is not served (LORA only)")
-    for field, allowed in _REFUSED.items():
-        if field in raw and raw[field] not in allowed:
-            raise AdapterError(f"{file}: {field}={raw[field]!r} is not served (pdkv serves plain LoRA)")
+    for field, value in raw.items():
+        if field in _REFUSED:
+            served = value in _REFUSED[field]
+        elif field == "init_lora_weights":
+            served = any(value is v or (isinstance(v, str) and value == v) for v in _INIT_SERVED)
+        else:  # a key unknown here is served only as the absence of what it would switch on
+            served = field in _SERVED or field in _INERT or value in (None, False, [], {}, "")
+        if not served:
+            raise AdapterError(f"{file}: {field}={value!r} is not served (pdkv serves plain LoRA)")
     return raw
 
 

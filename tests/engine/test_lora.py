@@ -203,6 +203,15 @@ def _edited(tmp_path: Path, **config: object) -> Path:
         ({"target_modules": ["q_proj", "lm_head"]}, "target_modules includes 'lm_head'"),
         ({"r": 0}, "r must be a positive integer"),
         ({"rank_pattern": {"q_proj": 8}}, "has shape"),
+        # An outside probe's find: PEFT fields that change the output, accepted and dropped (aLoRA's
+        # invocation tokens gave other text under peft, the same as plain LoRA here)
+        ({"alora_invocation_tokens": [1, 2]}, "alora_invocation_tokens"),
+        ({"use_qalora": True}, "use_qalora"),
+        ({"use_bdlora": {"block": 2}}, "use_bdlora"),
+        ({"layer_replication": [[0, 2]]}, "layer_replication"),
+        ({"init_lora_weights": "pissa"}, "init_lora_weights"),
+        ({"layers_pattern": "h"}, "layers_pattern"),
+        ({"a_future_switch": 3}, "a_future_switch"),
     ],
 )
 def test_an_adapter_that_cannot_be_served_is_refused_naming_the_field(
@@ -217,6 +226,20 @@ def test_an_adapter_that_cannot_be_served_is_refused_naming_the_field(
         llm.engine.lora.add("bad", _edited(tmp_path, **config))
     with pytest.raises(UnknownAdapter):
         llm.engine.lora.resolve("bad")
+
+
+def test_keys_that_leave_inference_alone_or_switch_nothing_on_are_served(tmp_path: Path) -> None:
+    """What peft writes for a plain LoRA (its defaults, metadata, training-only settings) loads, with the
+    same identity as without those keys."""
+    from peft import LoraConfig
+
+    defaults = LoraConfig(target_modules=["q_proj"]).to_dict()
+    inert = {k: v for k, v in defaults.items() if k not in ("target_modules", "peft_type", "r", "lora_alpha")}
+    inert.update(lora_dropout=0.1, init_lora_weights="gaussian", peft_version="9.9", a_future_switch=None)
+    llm = make_llm({}, enable_lora=True)
+    plain = llm.engine.lora.add("plain", peft_adapter_dir(BASE, "r4"))
+    edited = llm.engine.lora.add("edited", _edited(tmp_path, **json.loads(json.dumps(inert, default=list))))
+    assert edited.digest == plain.digest
 
 
 def test_an_adapter_with_a_non_finite_weight_is_refused_naming_it(tmp_path: Path) -> None:

@@ -726,3 +726,51 @@ def test_the_router_admits_and_advertises_the_context_its_nodes_serve(model: Rou
     finally:
         for n in nodes:
             n.close()
+
+
+def test_only_a_tenant_allowed_to_manage_adapters_loads_or_unloads_them(model: RouterModel) -> None:
+    """An outside probe's find: with API keys, any tenant could replace (load_inplace) or unload the
+    adapters every other tenant runs -- one tenant's reload of A gave another B's weights.  Loads and
+    unloads now need the keys file's ``manage_adapters = true`` (403 otherwise); the open router's one
+    tenant may, as before."""
+    from unittest import mock
+
+    from pdkv_proto.pdkv.v1 import types_pb2
+    from router.adapters import RouterAdapters
+    from router.admission import Admission
+    from router.nodes import NodeHandle, NodePool
+
+    user, ops = "sk-test-tenant-user", "sk-test-tenant-ops"
+    access = Access({key_digest(user): Tenant("acme"), key_digest(ops): Tenant("ops", manage_adapters=True)})
+    node = NodeHandle("127.0.0.1:1", "pdkv.v1.DecodeNode")
+    node.mark_up()
+    pool = NodePool("decode", [], "pdkv.v1.DecodeNode")
+    pool._nodes = {node.address: node}
+    admission = Admission(model, adapters=RouterAdapters([pool], allow_runtime=True, base_name=model.name))
+    pipeline: Any = SimpleNamespace(max_inflight=4, prefill_pool=None, decode_pool=pool)
+    app = create_app(pipeline, model, healthy=lambda: True, access=access, admission=admission)
+    load = {"lora_name": "A", "lora_path": "/adapters/a"}
+    try:
+        with mock.patch.object(node, "control") as control, TestClient(app) as http:
+            control.LoadAdapter.return_value = types_pb2.AdapterInfo(name="A", digest=bytes(32))
+            control.UnloadAdapter.return_value = types_pb2.UnloadAdapterResponse()
+            for path, body in (
+                ("/v1/load_lora_adapter", load),
+                ("/v1/unload_lora_adapter", {"lora_name": "A"}),
+            ):
+                denied = http.post(path, json=body, headers={"authorization": f"Bearer {user}"})
+                assert denied.status_code == 403, denied.text
+                assert denied.json()["error"]["type"] == "permission_error"
+                assert "manage_adapters" in denied.json()["error"]["message"]
+            assert control.LoadAdapter.call_count == control.UnloadAdapter.call_count == 0
+            allowed = http.post(
+                "/v1/load_lora_adapter", json=load, headers={"authorization": f"Bearer {ops}"}
+            )
+            assert allowed.status_code == 200, allowed.text
+            gone = http.post(
+                "/v1/unload_lora_adapter", json={"lora_name": "A"}, headers={"authorization": f"Bearer {ops}"}
+            )
+            assert gone.status_code == 200, gone.text
+            assert control.LoadAdapter.call_count == control.UnloadAdapter.call_count == 1
+    finally:
+        node.close()

@@ -32,6 +32,15 @@ def test_keys_file_maps_keys_and_digests_to_tenants(tmp_path: Path) -> None:
     assert (acme.tenant.name, acme.max_inflight, acme.cache_details) == ("acme", 3, True)
     globex = access.authenticate(f"bearer  {other} ")
     assert (globex.tenant.name, globex.max_inflight, globex.cache_details) == ("globex", 7, False)
+    # adapter loads and unloads: only a tenant given manage_adapters (and the open router's one)
+    with pytest.raises(ServingError, match="'globex' may not load or unload adapters") as denied:
+        globex.may_manage_adapters()
+    assert denied.value.code == grpc.StatusCode.PERMISSION_DENIED
+    ops = load_access(
+        write(tmp_path, f'[tenants.ops]\nkeys = ["{KEY}"]\nmanage_adapters = true\n'), environ={}
+    )
+    ops.authenticate(f"Bearer {KEY}").may_manage_adapters()
+    load_access(None, environ={}).authenticate(None).may_manage_adapters()
 
 
 def test_keys_from_the_environment(tmp_path: Path) -> None:
@@ -54,6 +63,7 @@ def test_keys_from_the_environment(tmp_path: Path) -> None:
         ("[tenants.acme]\n", "needs keys = [...] or key_sha256"),
         ('[tenants.acme]\nkeys = ["sk-test-0123456789abcdef"]\nmax_inflight = 0\n', "max_inflight"),
         ('[tenants.acme]\nkeys = ["sk-test-0123456789abcdef"]\nlimit = 3\n', "unknown field(s) limit"),
+        ('[tenants.acme]\nkeys = ["sk-test-0123456789abcdef"]\nmanage_adapters = 1\n', "manage_adapters"),
         ('[tenants.acme]\nkey_sha256 = ["abc"]\n', "not a sha256 hex digest"),
     ],
 )

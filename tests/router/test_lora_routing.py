@@ -169,3 +169,52 @@ def test_a_frozen_node_s_calls_are_cut_only_where_another_node_can_run_them() ->
     finally:
         for n in (frozen, other):
             n.close()
+
+
+def test_an_adapter_unloaded_through_the_router_stays_unloaded_when_a_node_restarts_with_it() -> None:
+    """An outside probe's find: after an unload of a ``--lora`` adapter, a node restarted (with that
+    adapter on its command line) listed it again, and new requests naming it ran (200) -- docs/lora.md
+    says new ones get 404.  The name stays unserved, the node is asked to unload it again, and a load of
+    the name serves it again."""
+    from concurrent.futures import Future
+    from unittest import mock
+
+    from pdkv_proto.pdkv.v1 import types_pb2
+
+    digest = bytes([3] * 32)
+    node = _node("127.0.0.1:1", {"B": digest})
+    pool = NodePool("decode", [], "pdkv.v1.DecodeNode")
+    pool._nodes = {node.address: node}
+    adapters = RouterAdapters([pool], allow_runtime=True)
+    try:
+        with mock.patch.object(node, "control") as control:
+            control.UnloadAdapter.return_value = types_pb2.UnloadAdapterResponse()
+            adapters.unload("B")
+            assert "B" not in adapters.served()
+            node.adapters = {"B": AdapterId("B", digest)}  # it restarted: a health round lists B again
+            with pytest.raises(ServingError) as refused:
+                adapters.resolve("B")
+            assert refused.value.code == grpc.StatusCode.NOT_FOUND and adapters.info() == []
+            done: Future[object] = Future()
+            control.UnloadAdapter.future.return_value = done
+            adapters.reconcile()
+            adapters.reconcile()  # in flight: asked once
+            assert control.UnloadAdapter.future.call_count == 1
+            assert control.UnloadAdapter.future.call_args.args[0].name == "B"
+            done.set_result(types_pb2.UnloadAdapterResponse())
+            assert "B" not in node.adapters
+            control.LoadAdapter.return_value = types_pb2.AdapterInfo(name="B", digest=digest)
+            adapters.load("B", "/adapters/b")  # loaded again by name: served again
+            assert adapters.resolve("B") == AdapterId("B", digest)
+            adapters.reconcile()
+            assert control.UnloadAdapter.future.call_count == 1 and control.LoadAdapter.future.call_count == 0
+            # The base model's name, which gRPC's LoadAdapter took (HTTP refused it): requests naming it
+            # ran the base over HTTP and the adapter over gRPC.
+            adapters.base_name = "m"
+            with pytest.raises(ServingError, match="'m' is the base model's name") as refused:
+                adapters.load("m", "/adapters/b")
+            assert (
+                refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and control.LoadAdapter.call_count == 1
+            )
+    finally:
+        node.close()

@@ -13,6 +13,7 @@ from connectors.registry import KVConnectorConfig
 from decode_node.decode import decode_request
 from engine.connector.params import KVTransferParams, RemoteDecode, RemotePrefill, encode_transfer_params
 from engine.driver import EngineOverloaded, EngineStopped
+from engine.engine_config import EngineConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from node.config import NodeConfig, parse_connector_spec
@@ -204,6 +205,10 @@ def test_configs_validate_at_construction() -> None:
         NodeConfig(role="decode", threads=0)
     with pytest.raises(ValueError, match="HOST:PORT"):
         NodeConfig(role="prefill", address="nowhere")
+    # An outside probe's find: --lora under the base model's name started (requests naming it ran the base)
+    with pytest.raises(ValueError, match="'m' is the base model's name"):
+        NodeConfig(role="decode", served_model_name="m", engine=EngineConfig(loras=(("m", "/a"),)))
+    NodeConfig(role="decode", served_model_name="m", engine=EngineConfig(loras=(("a", "/a"),)))
     with pytest.raises(ValueError, match="needs at least one prefill node"):
         RouterConfig(decode_nodes=("127.0.0.1:1",))
     with pytest.raises(ValueError, match="drop --prefill"):
