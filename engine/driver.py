@@ -43,6 +43,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+# How an EngineOverloaded's message begins: a caller that sees it (the router, over gRPC's
+# RESOURCE_EXHAUSTED) knows the node is well, only full, and waits for room (serving/errors.py node_full).
+NODE_FULL = "the node is full:"
+
+
 class EngineOverloaded(RuntimeError):
     """The driver already holds ``max_num_requests`` unfinished requests."""
 
@@ -233,7 +238,7 @@ class EngineDriver:
             self._check_accepting()
             if self._num_admitted >= self.max_num_requests:
                 raise EngineOverloaded(
-                    f"the node already runs {self._num_admitted} requests (max_num_requests "
+                    f"{NODE_FULL} it already runs {self._num_admitted} requests (max_num_requests "
                     f"{self.max_num_requests}); retry later or send it to another node"
                 )
             self._num_admitted += 1

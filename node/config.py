@@ -192,7 +192,12 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         help="publish the engine's KV cache events on this ZeroMQ endpoint, e.g. tcp://0.0.0.0:5557 (port "
         "0 picks one; Node/Stats names it); a kv-aware router subscribes (default: off)",
     )
-    parser.add_argument("--max-num-requests", type=int, default=64, help="requests before RESOURCE_EXHAUSTED")
+    parser.add_argument(
+        "--max-num-requests",
+        type=int,
+        default=64,
+        help="requests before RESOURCE_EXHAUSTED (the router waits for room)",
+    )
     parser.add_argument(
         "--threads",
         type=int,

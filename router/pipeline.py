@@ -32,7 +32,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import grpc
 
@@ -41,6 +40,7 @@ from pdkv_proto.pdkv.v1 import node_pb2, types_pb2
 from router.adapters import no_node_serves, prefer_resident, serves
 from router.admission import AdmittedRequest
 from router.choices import Placement, run_choices
+from router.client_stream import ClientStream, Interrupted, Sent, gave_up, node_failed
 from router.events import CallScope, Cancellation, Delta, Done, Event, Usage, observed
 from router.node_messages import (
     carried_tokens,
@@ -52,21 +52,14 @@ from router.node_messages import (
 )
 from router.nodes import NodeHandle, NodePool
 from router.policy import NodeSelector, RoutingInfo
+from router.room import RoomWait
 from serving import convert
 from serving.calls import time_remaining
-from serving.errors import ServingError, invalid
+from serving.errors import ServingError, invalid, node_full
 from telemetry.latency import REQUEST_LATENCIES, REQUEST_LENGTHS, LatencyTracker
 from telemetry.metrics import Histogram
 
 logger = logging.getLogger(__name__)
-
-# A node failing so (or cancelling a call as it stops) is skipped; a decode node's stream is resumed.
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-
-
-def _node_failed(code: grpc.StatusCode, cancellation: Cancellation) -> bool:
-    """The node failed, another may serve: RETRYABLE, or a CANCELLED the router did not ask for."""
-    return code in RETRYABLE or (code == grpc.StatusCode.CANCELLED and not cancellation.cancelled)
 
 
 class Pipeline:
@@ -214,11 +207,11 @@ class Pipeline:
             yield Done(convert.finish_reason(first.finish_reason), convert.stop_reason(first), usage)
             return
         decode_msg = decode_message(request, prefilled=first)
-        sent = _Sent([first.first_token_id], len(first.text))
+        sent = Sent([first.first_token_id], len(first.text))
         completed = False
         try:
             yield from self._decode(
-                _ClientStream(request, scope, cancellation, usage, start, sent, placement), decode_msg
+                ClientStream(request, scope, cancellation, usage, start, sent, placement), decode_msg
             )
             completed = True
         finally:
@@ -238,8 +231,9 @@ class Pipeline:
         assert self.prefill_pool is not None
         tried: list[NodeHandle] = []
         errors: list[str] = []
-        for _ in range(self.prefill_attempts):
-            node = self._choose(self.prefill_pool, request, tried, errors, placement.prefill_hint())
+        room = RoomWait(self.prefill_pool.kind, scope, cancellation)
+        while len(errors) < self.prefill_attempts:
+            node = self._choose(self.prefill_pool, request, tried, errors, placement.prefill_hint(), room)
             placement.prefill = node
             tried.append(node)
             future = node.prefill.Prefill.future(msg, timeout=time_remaining(scope))
@@ -254,7 +248,10 @@ class Pipeline:
                 continue  # the node stopped answering (NodePool.reroute_unreachable): another one
             except grpc.RpcError as exc:
                 code, details = rpc_code_details(exc)
-                if not _node_failed(code, cancellation) or not scope.is_active():
+                if node_full(code, details):
+                    room.note_full(node)  # well, only busy: tried again once no other node is left
+                    continue
+                if not node_failed(code, cancellation) or not scope.is_active():
                     raise ServingError(code, f"prefill node {node.address}: {details}") from exc
                 if code == grpc.StatusCode.UNAVAILABLE:
                     node.mark_down(details)
@@ -275,35 +272,41 @@ class Pipeline:
         placement: Placement,
     ) -> Iterator[Event]:
         usage = Usage(prompt_tokens=len(request.prompt_token_ids))
-        client = _ClientStream(request, scope, cancellation, usage, start, _Sent(), placement)
+        client = ClientStream(request, scope, cancellation, usage, start, Sent(), placement)
         yield from self._decode(client, decode_message(request))
 
     # -- shared -------------------------------------------------------------------------------------------
 
-    def _decode(self, client: _ClientStream, msg: node_pb2.DecodeRequest) -> Iterator[Event]:
+    def _decode(self, client: ClientStream, msg: node_pb2.DecodeRequest) -> Iterator[Event]:
         """Stream ``msg`` from a decode node; when a node fails on the way, go on on another one."""
         request, sent = client.request, client.sent
         tried: list[NodeHandle] = []
         errors: list[str] = []
+        room = RoomWait(self.decode_pool.kind, client.scope, client.cancellation)
         while True:
             try:
-                node = self._choose(self.decode_pool, request, tried, errors, client.placement.decode_hint())
+                node = self._choose(
+                    self.decode_pool, request, tried, errors, client.placement.decode_hint(), room
+                )
                 client.placement.decode = node
             except ServingError as exc:
                 if not errors:
                     raise
-                raise ServingError(exc.code, _gave_up(sent, exc.message, exc.code)) from None
+                raise ServingError(exc.code, gave_up(sent, exc.message, exc.code)) from None
             tried.append(node)
             carried = carried_tokens(msg)
             try:
                 yield from self._relay(client, node, msg)
                 return
-            except _Interrupted as failed:
+            except Interrupted as failed:
+                if node_full(failed.code, failed.details):  # refused before its first token: no resume
+                    room.note_full(node)
+                    continue
                 errors.append(f"{node.address}: {failed.code.name} {failed.details}")
-                if len(tried) >= self.decode_attempts:
+                if len(errors) >= self.decode_attempts:
                     raise ServingError(
                         failed.code,
-                        _gave_up(sent, f"decode node {node.address}: {failed.details}", failed.code),
+                        gave_up(sent, f"decode node {node.address}: {failed.details}", failed.code),
                     ) from None
             if sent.token_ids != carried:  # the client got more than the message carries: resume after it
                 msg = decode_message(request, resume_output_token_ids=sent.token_ids)
@@ -317,10 +320,10 @@ class Pipeline:
                     errors[-1],
                 )
 
-    def _relay(self, client: _ClientStream, node: NodeHandle, msg: node_pb2.DecodeRequest) -> Iterator[Event]:
+    def _relay(self, client: ClientStream, node: NodeHandle, msg: node_pb2.DecodeRequest) -> Iterator[Event]:
         """Stream ``node``'s Decode as deltas, then Done; record what reached the client in ``client.sent``.
 
-        A retryable failure while the client still waits raises ``_Interrupted``.  The node re-emits the
+        A retryable failure while the client still waits raises ``Interrupted``.  The node re-emits the
         text of the output tokens the message carries (``sent.chars`` of it already reached the client),
         which is dropped here."""
         scope, usage, sent = client.scope, client.usage, client.sent
@@ -360,14 +363,14 @@ class Pipeline:
                     raise ServingError(grpc.StatusCode.CANCELLED, "the client cancelled the request") from exc
                 if code == grpc.StatusCode.UNAVAILABLE:
                     node.mark_down(details)
-                if _node_failed(code, client.cancellation) and scope.is_active():
-                    raise _Interrupted(code, details) from exc
+                if node_failed(code, client.cancellation) and scope.is_active():
+                    raise Interrupted(code, details) from exc
                 raise ServingError(
-                    code, _gave_up(sent, f"decode node {node.address}: {details}", code)
+                    code, gave_up(sent, f"decode node {node.address}: {details}", code)
                 ) from exc
         if last is None or not last.finished:
             if scope.is_active():
-                raise _Interrupted(grpc.StatusCode.UNAVAILABLE, "it ended the stream early")
+                raise Interrupted(grpc.StatusCode.UNAVAILABLE, "it ended the stream early")
             raise ServingError(
                 grpc.StatusCode.UNAVAILABLE, f"decode node {node.address} ended the stream early"
             )
@@ -388,14 +391,19 @@ class Pipeline:
         self,
         pool: NodePool,
         request: AdmittedRequest,
-        tried: Sequence[NodeHandle],
+        tried: list[NodeHandle],
         errors: Sequence[str] = (),
         prefer: NodeHandle | None = None,
+        room: RoomWait | None = None,
     ) -> NodeHandle:
         """A healthy untried node of ``pool`` serving the request's adapter: ``prefer`` where it is one,
-        else the policy's (those with the adapter in a slot first)."""
+        else the policy's (those with the adapter in a slot first).  None left but some that were full
+        (``room``): those again, after a pause."""
         healthy = pool.healthy(exclude=tried)
         candidates = [n for n in healthy if serves(n, request.adapter)]
+        while not candidates and room is not None and room.again(tried):
+            healthy = pool.healthy(exclude=tried)
+            candidates = [n for n in healthy if serves(n, request.adapter)]
         if prefer is not None and prefer in candidates:
             return prefer
         if healthy and not candidates and request.adapter is not None:
@@ -407,42 +415,3 @@ class Pipeline:
             raise ServingError(grpc.StatusCode.UNAVAILABLE, why + "; retry later")
         info = RoutingInfo(request.request_id, request.prompt_token_ids, request.cache_salt, request.adapter)
         return self._selectors[id(pool)].choose(prefer_resident(candidates, request.adapter), info)
-
-
-@dataclass
-class _Sent:
-    """What reached the client so far: every token id, and how many characters of text."""
-
-    token_ids: list[int] = field(default_factory=list)
-    chars: int = 0
-
-
-@dataclass
-class _ClientStream:
-    """One client call's decode phase: what it asked, how long it may take, what it has been sent."""
-
-    request: AdmittedRequest
-    scope: CallScope
-    cancellation: Cancellation
-    usage: Usage
-    start: float
-    sent: _Sent
-    placement: Placement
-    prompt_recorded: bool = False  # usage holds the prompt figures of the first node that saw the prompt
-
-
-class _Interrupted(Exception):
-    """A node failed with a retryable status (or ended its stream early) while the client still waits."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code, self.details = code, details
-
-
-def _gave_up(sent: _Sent, why: str, code: grpc.StatusCode) -> str:
-    """``why``, and where output had reached the client, that it is incomplete -- with "retry" only where
-    a retry may succeed (a node down or busy), not after the engine refused or failed the request."""
-    if not sent.token_ids:
-        return why
-    retry = ", retry the request" if code in (*RETRYABLE, grpc.StatusCode.CANCELLED) else ""
-    return f"{why}; the output is incomplete ({len(sent.token_ids)} tokens sent){retry}"

@@ -13,7 +13,7 @@ from typing import Any, NoReturn, Protocol
 
 import grpc
 
-from engine.driver import EngineOverloaded, EngineStopped
+from engine.driver import NODE_FULL, EngineOverloaded, EngineStopped
 from engine.lora.manager import UnknownAdapter
 
 
@@ -29,6 +29,11 @@ class ServingError(Exception):
 def invalid(field: str, problem: str) -> ServingError:
     """INVALID_ARGUMENT naming ``field``: ``invalid("sampling.top_p", "must be in (0, 1]")``."""
     return ServingError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem}")
+
+
+def node_full(code: grpc.StatusCode, details: str) -> bool:
+    """Whether a node's answer says it is full (``EngineOverloaded``): well, and with room later."""
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(NODE_FULL)
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -184,7 +184,8 @@ def test_an_incomplete_output_says_retry_only_where_a_retry_may_succeed() -> Non
     "the output is incomplete (2 tokens sent), retry the request" -- and failed the same way each retry."""
     import grpc
 
-    from router.pipeline import _gave_up, _Sent
+    from router.client_stream import Sent as _Sent
+    from router.client_stream import gave_up as _gave_up
 
     sent = _Sent([5, 6])
     assert _gave_up(sent, "down", grpc.StatusCode.UNAVAILABLE).endswith("(2 tokens sent), retry the request")

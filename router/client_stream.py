@@ -1,0 +1,59 @@
+"""A client call's decode phase as the pipeline relays it: what reached the client, why a node's stream
+ended, and how the router says it gave up (``router/pipeline.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from router.admission import AdmittedRequest
+from router.choices import Placement
+from router.events import CallScope, Cancellation, Usage
+
+# A node failing so (or cancelling a call as it stops) is skipped; a decode node's stream is resumed.
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def node_failed(code: grpc.StatusCode, cancellation: Cancellation) -> bool:
+    """The node failed, another may serve: RETRYABLE, or a CANCELLED the router did not ask for."""
+    return code in RETRYABLE or (code == grpc.StatusCode.CANCELLED and not cancellation.cancelled)
+
+
+@dataclass
+class Sent:
+    """What reached the client so far: every token id, and how many characters of text."""
+
+    token_ids: list[int] = field(default_factory=list)
+    chars: int = 0
+
+
+@dataclass
+class ClientStream:
+    """One client call's decode phase: what it asked, how long it may take, what it has been sent."""
+
+    request: AdmittedRequest
+    scope: CallScope
+    cancellation: Cancellation
+    usage: Usage
+    start: float
+    sent: Sent
+    placement: Placement
+    prompt_recorded: bool = False  # usage holds the prompt figures of the first node that saw the prompt
+
+
+class Interrupted(Exception):
+    """A node failed with a retryable status (or ended its stream early) while the client still waits."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+def gave_up(sent: Sent, why: str, code: grpc.StatusCode) -> str:
+    """``why``, and where output had reached the client, that it is incomplete -- with "retry" only where
+    a retry may succeed (a node down or busy), not after the engine refused or failed the request."""
+    if not sent.token_ids:
+        return why
+    retry = ", retry the request" if code in (*RETRYABLE, grpc.StatusCode.CANCELLED) else ""
+    return f"{why}; the output is incomplete ({len(sent.token_ids)} tokens sent){retry}"
