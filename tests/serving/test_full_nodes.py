@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -36,28 +37,29 @@ class _Scope:
 
 
 def test_a_wait_for_room_retries_the_full_nodes_and_ends_at_its_limit_or_the_client_s_cancel() -> None:
-    scope = _Scope(None)
-    cancellation = Cancellation(scope)  # type: ignore[arg-type]
-    room = RoomWait("decode", scope, cancellation, limit_s=0.3)  # type: ignore[arg-type]
-    tried: list[object] = ["down", "full"]
-    assert not room.again(tried)  # type: ignore[arg-type]  # no node was full: nothing to wait for
-    room.note_full("full")  # type: ignore[arg-type]
-    assert room.again(tried) and tried == ["down"]  # type: ignore[arg-type]  # the full one, again
-    room.note_full("full")  # type: ignore[arg-type]
-    with pytest.raises(ServingError, match="every decode node that serves the request is full") as full:
-        while room.again([*tried, "full"]):  # type: ignore[arg-type]
-            room.note_full("full")  # type: ignore[arg-type]
-    assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    scope: Any = _Scope(None)
+    cancellation = Cancellation(scope)
+    room = RoomWait("decode", scope, cancellation, limit_s=0.3)
+    full: Any = "full"  # nodes as RoomWait compares them: by identity
+    tried: list[Any] = ["down", full]
+    assert not room.again(tried)  # no node was full: nothing to wait for
+    room.note_full(full)
+    assert room.again(tried) and tried == ["down"]  # the full one, again
+    room.note_full(full)
+    with pytest.raises(ServingError, match="every decode node that serves the request is full") as gave_up:
+        while room.again([*tried, full]):
+            room.note_full(full)
+    assert gave_up.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     # The client's deadline bounds the wait; a client that leaves ends it at once.
-    short = RoomWait("prefill", _Scope(0.05), cancellation, limit_s=60)  # type: ignore[arg-type]
+    short = RoomWait("prefill", cast(Any, _Scope(0.05)), cancellation, limit_s=60)
     assert short.deadline - short.started <= 0.06
-    left = RoomWait("prefill", scope, cancellation, limit_s=60)  # type: ignore[arg-type]
-    left.note_full("full")  # type: ignore[arg-type]
+    left = RoomWait("prefill", scope, cancellation, limit_s=60)
+    left.note_full(full)
     left.pause = 30.0
-    threading.Timer(0.1, scope.callbacks[0]).start()  # type: ignore[arg-type]
+    threading.Timer(0.1, scope.callbacks[0]).start()
     started = time.monotonic()
     with pytest.raises(ServingError, match="cancelled") as cancelled:
-        left.again(["full"])  # type: ignore[list-item]
+        left.again(cast(Any, ["full"]))
     assert cancelled.value.code == grpc.StatusCode.CANCELLED and time.monotonic() - started < 5
 
 
