@@ -200,7 +200,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
             ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.long, device=device)
             bias = torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=x.dtype, device=device)
             x.index_add_(0, ids, bias)
-        if p.min_tokens and row.output_index < p.min_tokens and (row.matcher is None or not row.matcher.done):
+        if p.min_tokens and row.output_index < p.min_tokens:  # never with a constraint (SamplingParams)
             stops = [t for t in history.stop_token_ids if t < vocab]
             if stops:
                 x[torch.tensor(stops, dtype=torch.long, device=device)] = float("-inf")

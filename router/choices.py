@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from router.events import CallScope, Event
+from router.events import CallScope, Delta, Event
 
 if TYPE_CHECKING:
     from router.admission import AdmittedRequest
@@ -62,7 +62,7 @@ RunChoice = Callable[["AdmittedRequest", CallScope, Placement], Iterator[Event]]
 def choice_request(request: AdmittedRequest, i: int) -> AdmittedRequest:
     """Choice ``i`` of ``request``: one sequence, seeded ``seed + i`` where the client set a seed.  The
     prompt's scores (prompt_logprobs) are the first choice's: the others do not score it again, and so
-    find its blocks cached."""
+    find its blocks cached (``fork_choices`` hands them its scores)."""
     params = request.params
     if params.seed is not None:
         params = dataclasses.replace(params, seed=(params.seed + i) % 2**64)  # gRPC seeds are uint64
@@ -103,6 +103,8 @@ def fork_choices(
         threading.Thread(target=worker, args=(i, placement), name=f"choice-{i}", daemon=True).start()
 
     started, finished = 0, 0  # started: threads that did start (each gives back its own slot)
+    scores: Delta | None = None  # choice 0's first delta: the prompt's scores, for every choice's first
+    unscored = set(range(1, n))  # the choices whose first delta has not gone out yet
     try:
         start(0, first)
         started = 1
@@ -114,9 +116,18 @@ def fork_choices(
             if isinstance(item, BaseException):
                 raise item
             if started == 1:  # choice 0's first event: its prompt is computed and cached
+                scores = item if isinstance(item, Delta) and item.prompt_logprobs is not None else None
                 for j in range(1, n):
                     start(j, Placement(leader=first))
                     started += 1
+            elif i in unscored and isinstance(item, Delta):
+                unscored.discard(i)
+                if scores is not None:
+                    item = dataclasses.replace(
+                        item,
+                        prompt_logprobs=scores.prompt_logprobs,
+                        prompt_top_logprobs=scores.prompt_top_logprobs,
+                    )
             yield dataclasses.replace(item, index=i)
     finally:
         release(n - started)

@@ -400,6 +400,8 @@ def test_structured_outputs_reach_sampling_params(model: RouterModel, extra: dic
             {"structured_outputs": {"json": {}}, "response_format": {"type": "json_object"}},
             "structured_outputs",
         ),
+        # min_tokens past a complete constraint could not be kept (it was dropped, silently)
+        ({"response_format": {"type": "json_object"}, "min_tokens": 3}, "min_tokens"),
     ],
 )
 def test_a_bad_constraint_is_a_400_naming_it(http: TestClient, extra: dict, param: str) -> None:

@@ -61,7 +61,8 @@ class _Runs:
                 self.first_sent.set()
             if request.params.seed is not None and request.params.seed - 10 in self.fail:
                 raise ServingError(grpc.StatusCode.UNAVAILABLE, "node gone")
-            yield Delta([1], "a", [])
+            scored = request.params.prompt_logprobs is not None
+            yield Delta([1], "a", [], prompt_logprobs=[-1.0, -2.0] if scored else None)
             if i == 0:
                 placement.decode = DECODE_NODE  # type: ignore[assignment]
                 self.first_decoding.set()
@@ -127,6 +128,19 @@ def test_choices_that_generate_nothing_score_the_prompt_once() -> None:
     assert [e.index for e in events] == [0, 1, 2, 0, 1, 2]
     assert [type(e) for e in events] == [Delta] * 3 + [Done] * 3
     assert runs.held == 0  # the two unused slots given back at once, choice 0's when it ended
+
+
+def test_every_choice_s_first_delta_carries_the_prompt_s_scores_choice_0_computed() -> None:
+    """An outside probe's find: with n > 1 and tokens to generate, prompt_logprobs reached choice 0 only
+    (the proto promises them in each choice's first delta; echo and max_tokens 0 had them in all)."""
+    runs = _Runs()
+    runs.held = 3
+    request = AdmittedRequest("r", [1, 2, 3], SamplingParams(max_tokens=1, prompt_logprobs=1, seed=10), n=3)
+    events = list(fork_choices(request, _Scope(), runs.run, runs.release))
+    firsts = {e.index: e for e in reversed(events) if isinstance(e, Delta)}
+    assert sorted(firsts) == [0, 1, 2]
+    assert all(firsts[i].prompt_logprobs == [-1.0, -2.0] for i in range(3))
+    assert [choice_request(request, i).params.prompt_logprobs for i in range(3)] == [1, None, None]
 
 
 def test_a_choice_without_a_seed_stays_unseeded() -> None:
