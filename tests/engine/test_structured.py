@@ -133,4 +133,4 @@ def test_ignore_eos_with_a_constraint_adds_no_stray_token_and_min_tokens_is_refu
     params = SamplingParams(max_tokens=20, structured=StructuredOutput.choice(choices), ignore_eos=True)
     [out] = llm.generate(["Is it?"], params)
     assert out.text in choices and out.finish_reason == "stop"
-        assert 0 not in out.token_ids[:-1] and len(out.token_ids) <= 4, (extra, out.token_ids)
+    assert 0 not in out.token_ids[:-1] and len(out.token_ids) <= 4, out.token_ids
