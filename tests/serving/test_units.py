@@ -321,6 +321,20 @@ def test_a_streaming_call_the_client_cancels_is_counted_cancelled() -> None:
     assert samples == {("Decode", "OK"): 1.0, ("Decode", "CANCELLED"): 1.0}
 
 
+def test_a_call_that_ends_at_its_deadline_by_the_client_s_clock_is_deadline_exceeded() -> None:
+    """The client's deadline passes a little before the server's (which starts when the call arrives):
+    its cancel at its deadline was counted CANCELLED."""
+    from types import SimpleNamespace
+
+    from serving.errors import _why_closed
+
+    def closed(remaining: float | None) -> grpc.StatusCode:
+        return _why_closed(SimpleNamespace(time_remaining=lambda: remaining))  # type: ignore[arg-type]
+
+    assert closed(0.0) == closed(0.02) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert closed(2.0) == closed(None) == grpc.StatusCode.CANCELLED
+
+
 def test_a_stream_whose_deadline_passed_is_counted_deadline_exceeded_not_cancelled() -> None:
     """grpcio closes the generator alike for a client's cancel and a passed deadline; the client sees
     DEADLINE_EXCEEDED for the second, and rpcs_total had counted it CANCELLED."""
