@@ -15,7 +15,7 @@ of a character are complete, so a delta never ends in half a UTF-8 sequence.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -136,6 +136,13 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for, at most: the longest token string of the
+        vocabulary (a byte-level token spells each of its bytes as one character).  A text of N
+        characters has at least N / max_token_chars tokens."""
+        return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1) or 1
 
     def to_json(self) -> str:
         """The tokenizer as tokenizers' JSON (what a grammar engine builds its token table from)."""

@@ -19,7 +19,7 @@ from openai.types.chat import completion_create_params as chat_create_params
 from pydantic import ValidationError
 
 from engine.hashing import MAX_CACHE_SALT_LEN
-from router.auth import Access, Tenant, key_digest
+from router.auth import OPEN, Access, Caller, Tenant, key_digest
 from router.http_gate import HttpGate
 from router.openai_api import create_app
 from router.openai_errors import ApiError
@@ -776,3 +776,35 @@ def test_only_a_tenant_allowed_to_manage_adapters_loads_or_unloads_them(model: R
             assert control.LoadAdapter.call_count == control.UnloadAdapter.call_count == 1
     finally:
         node.close()
+
+
+def test_a_text_too_long_for_any_tokenization_is_refused_before_it_is_tokenized(
+    model: RouterModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outside probe's find: a 4 MB prompt was tokenized (1.9 s, the GIL held: every other call
+    waited) before its refusal.  Text longer than the context could hold at the vocabulary's longest
+    token (twice over) is refused at once, naming the field; text that might fit is tokenized."""
+    from router.admission import Admission, InvalidField
+
+    admission = Admission(model)
+    caller = Caller(OPEN, "peer:test", 8, cache_details=False)
+    limit = 2 * admission.context_length * model.tokenizer.max_token_chars
+    encoded: list[int] = []
+    real_encode = model.tokenizer.encode
+    monkeypatch.setattr(
+        model.tokenizer, "encode", lambda text, **kw: encoded.append(len(text)) or real_encode(text, **kw)
+    )
+    for body, param in (
+        ({**TEXT, "prompt": "x" * (limit + 1)}, "prompt"),
+        ({**CHAT, "messages": [{"role": "user", "content": "y" * (limit + 1)}]}, "messages"),
+    ):
+        parse = completion_request if param == "prompt" else chat_request
+        schema = CompletionRequest if param == "prompt" else ChatCompletionRequest
+        with pytest.raises(InvalidField, match="characters: more than max_model_len") as refused:
+            admission.admit(parse(schema.model_validate(body), model), caller)
+        assert refused.value.field == param
+    assert encoded == []
+    admission.admit(
+        completion_request(CompletionRequest.model_validate({**TEXT, "prompt": "hi"}), model), caller
+    )
+    assert encoded == [2]
