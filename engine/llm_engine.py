@@ -59,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 
 QUEUE_TIME = "request_queue_time_seconds"
+# How the error of a request failed with its step begins (the forward pass or a connector call raised).
+STEP_FAILED = "model step failed:"
 
 
 class RequestTimer:
@@ -372,7 +374,7 @@ class LLMEngine:
         except Exception as exc:
             cause = exc.__cause__ if isinstance(exc, StepFailed) and exc.__cause__ is not None else exc
             logger.error("model step failed; failing the requests it scheduled", exc_info=cause)
-            self._fail_step(outputs, step, f"model step failed: {cause!r}")
+            self._fail_step(outputs, step, f"{STEP_FAILED} {cause!r}")
             if isinstance(exc, StepFailed):
                 # The step's requests are finished now; what the connector reported still applies.
                 self.scheduler.update_from_output(step, exc.output)

@@ -279,7 +279,7 @@ class Pipeline:
 
     def _decode(self, client: ClientStream, msg: node_pb2.DecodeRequest) -> Iterator[Event]:
         """Stream ``msg`` from a decode node; when a node fails on the way, go on on another one."""
-        request, sent = client.request, client.sent
+        request, sent, kind = client.request, client.sent, self.decode_pool.kind
         tried: list[NodeHandle] = []
         errors: list[str] = []
         room = RoomWait(self.decode_pool.kind, client.scope, client.cancellation)
@@ -306,7 +306,11 @@ class Pipeline:
                 if len(errors) >= self.decode_attempts:
                     raise ServingError(
                         failed.code,
-                        gave_up(sent, f"decode node {node.address}: {failed.details}", failed.code),
+                        gave_up(
+                            sent,
+                            f"{kind} node {node.address}: {failed.details}",
+                            failed.code,
+                        ),
                     ) from None
             if sent.token_ids != carried:  # the client got more than the message carries: resume after it
                 msg = decode_message(request, resume_output_token_ids=sent.token_ids)
@@ -326,7 +330,7 @@ class Pipeline:
         A retryable failure while the client still waits raises ``Interrupted``.  The node re-emits the
         text of the output tokens the message carries (``sent.chars`` of it already reached the client),
         which is dropped here."""
-        scope, usage, sent = client.scope, client.usage, client.sent
+        scope, usage, sent, kind = client.scope, client.usage, client.sent, self.decode_pool.kind
         stream = node.decode.Decode(msg, timeout=time_remaining(scope))
         client.cancellation.on_cancel(stream.cancel)
         last: node_pb2.DecodeResponse | None = None
@@ -366,13 +370,14 @@ class Pipeline:
                 if node_failed(code, client.cancellation) and scope.is_active():
                     raise Interrupted(code, details) from exc
                 raise ServingError(
-                    code, gave_up(sent, f"decode node {node.address}: {details}", code)
+                    code, gave_up(sent, f"{kind} node {node.address}: {details}", code)
                 ) from exc
         if last is None or not last.finished:
             if scope.is_active():
                 raise Interrupted(grpc.StatusCode.UNAVAILABLE, "it ended the stream early")
             raise ServingError(
-                grpc.StatusCode.UNAVAILABLE, f"decode node {node.address} ended the stream early"
+                grpc.StatusCode.UNAVAILABLE,
+                f"{self.decode_pool.kind} node {node.address} ended the stream early",
             )
         if not client.prompt_recorded:  # only resumed nodes answered (their prompt has the resumed tokens)
             self._record_prompt(usage, last.prompt)

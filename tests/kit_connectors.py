@@ -411,3 +411,35 @@ class DtypelessKeyConnector(TokenKeyedConnector):
 
     def _keyed(self, request: Request) -> _TokenKeyedRequest:
         return _TokenKeyedRequest(request, self.block_size, seed=(request.cache_salt or "").encode())
+
+
+class AdapterBlindKeyConnector(SharedDirConnector):
+    """Keys blocks by block hashes it computes again from the namespace, the salt and the tokens -- and
+    not the LoRA adapter: an engine running an adapter is offered the base model's KV (an outside
+    author's plugin did this, and the kit passed it)."""
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return super().get_num_new_matched_tokens(self._keyed(request), num_computed_tokens)  # type: ignore[arg-type]
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        super().update_state_after_alloc(self._keyed(request), block_ids, num_external_tokens)  # type: ignore[arg-type]
+
+    def _keyed(self, request: Request) -> Any:
+        from engine.hashing import hash_blocks
+
+        keyed = _TokenKeyedRequest(request, self.block_size)
+        namespace, salt = self.context.namespace, request.cache_salt
+        blocks = hash_blocks(request.all_token_ids, namespace=namespace, cache_salt=salt)  # bug: no adapter
+        keyed.block_hashes = list(blocks)[: len(request.block_hashes)]
+        return keyed
+
+
+class RaisingSaveConnector(SharedDirConnector):
+    """Lets a failed save (a full disk) raise out of ``wait_for_save`` (rule 6: caught and counted)."""
+
+    def wait_for_save(self) -> None:
+        raise OSError(28, "No space left on device")

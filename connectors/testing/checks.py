@@ -12,7 +12,8 @@ import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from connectors.testing.harness import KitEngine, kit_model_dir, max_hit_tokens, reference
+from connectors.testing.adapter import ADAPTER_NAME, adapter_options
+from connectors.testing.harness import KitEngine, kit_model_dir, max_hit_tokens
 from connectors.testing.items import (
     FREED,
     HOLES,
@@ -24,6 +25,7 @@ from connectors.testing.items import (
     WHOLE_BLOCKS,
     ConformanceError,
 )
+from connectors.testing.reference import reference
 from connectors.testing.steps import (
     LONG_PARAMS,
     call_hook,
@@ -240,7 +242,8 @@ def check_load_errors_are_reported(target: ConformanceTarget, shared: Path) -> N
 
 def check_blocks_are_keyed_by_the_namespace(target: ConformanceTarget, shared: Path) -> None:
     """What engine A saved is never offered to another tenant (another cache salt), another model of the
-    same geometry (other weights), or the same model in another dtype, all on one shared backend."""
+    same geometry (other weights), the same model in another dtype, or the same model under a LoRA
+    adapter, all on one shared backend."""
     item = NAMESPACE
     save(target, shared, item)
     with KitEngine(target, target.config(shared), item=item, engine_id="kit-salt") as b:
@@ -257,6 +260,14 @@ def check_blocks_are_keyed_by_the_namespace(target: ConformanceTarget, shared: P
         why = f"its KV cache is {dtype}, engine A's another dtype (ConnectorContext.spec.dtype)"
         outs = offered_nothing(item, d, PROMPTS, "engine D", why)
         expect_outputs(item, outs, reference(target, PROMPTS, dtype=dtype), f"engine D ({dtype})")
+    # An outside probe's find: a connector that hashed the tokens again without the adapter served the base
+    # model's KV to an adapter's requests (other tokens, no error), and this check passed it.
+    lora = adapter_options()
+    with KitEngine(target, target.config(shared), item=item, engine_id="kit-adapter", **lora) as e:
+        why = f"its requests run LoRA adapter {ADAPTER_NAME!r} (Request.block_hashes carry it)"
+        outs = offered_nothing(item, e, PROMPTS, "engine E", why, adapter=ADAPTER_NAME)
+        want = reference(target, PROMPTS, adapter=ADAPTER_NAME, **lora)
+        expect_outputs(item, outs, want, f"engine E (adapter {ADAPTER_NAME!r})")
 
 
 def check_a_hit_ends_at_the_first_missing_block(target: ConformanceTarget, shared: Path) -> None:

@@ -25,6 +25,7 @@ from connectors.testing.items import (
     HOLD_ENDS,
     NONE_ANSWER,
     STOP_CONFIRMED,
+    WORKER_RAISES,
     ConformanceError,
 )
 from connectors.testing.spy import SchedulerSpy, WorkerSpy
@@ -32,7 +33,7 @@ from connectors.testing.target import MIN_KIT_BLOCKS, ConformanceTarget
 from connectors.testing.workload import BLOCK_SIZE, KIT_MODEL_SPEC, PARAMS
 from engine.engine_config import EngineConfig
 from engine.hashing import BlockHash
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import STEP_FAILED, LLMEngine
 from engine.model.make_model import make_model
 from engine.outputs import GenerationOutput
 from engine.request import Request
@@ -150,13 +151,14 @@ class KitEngine:
         *,
         cache_salt: str | None = None,
         decoys: Mapping[int, bytes] | None = None,
+        adapter: str | None = None,
     ) -> str:
-        """Submit ``prompt``.  ``decoys`` (block index -> hash) replace those blocks' hashes before the
-        connector sees the request: the connector saves them under keys no other request has, so an
-        engine asking for the real prompt later finds a hole there (the kit's own, no hook needed)."""
+        """Submit ``prompt`` (under LoRA ``adapter``).  ``decoys`` (block index -> hash) replace those
+        blocks' hashes before the connector sees the request: the connector saves them under keys no other
+        request has, so an engine asking for the real prompt later finds a hole there (the kit's own)."""
         rid = f"{self.engine.config.engine_id}-{self._ids}"
         self._ids += 1
-        self.engine.add_request(rid, prompt, params, cache_salt=cache_salt)
+        self.engine.add_request(rid, prompt, params, cache_salt=cache_salt, adapter=adapter)
         self.results[rid] = GenerationOutput(rid, list(prompt))
         if decoys:
             hashes = self.request(rid).block_hashes
@@ -218,6 +220,12 @@ class KitEngine:
         outs = self._guard(self.engine.step, "engine.step()")
         for out in outs:
             self.results[out.request_id].add(out)
+            if out.error is not None and out.error.startswith(STEP_FAILED):  # the runner caught a raise
+                raise ConformanceError(
+                    WORKER_RAISES,
+                    f"request {out.request_id} failed with {out.error!r}: a worker call raised, and the "
+                    "engine failed every request of the step (the kit's other checks stop here)",
+                )
         return len(outs)
 
     def wait(self, rids: Sequence[str], *, deadline_s: float = 60.0) -> list[GenerationOutput]:
@@ -409,40 +417,3 @@ class KitEngine:
 def max_hit_tokens(prompt_len: int, num_hashes: int, block_size: int) -> int:
     """Whole blocks, never the last token: the most a connector may offer for a fresh request."""
     return min(num_hashes, (prompt_len - 1) // block_size) * block_size
-
-
-@functools.cache
-def _reference(
-    prompts: tuple[tuple[int, ...], ...], params: SamplingParams, options: tuple[tuple[str, Any], ...]
-) -> tuple[tuple[int, ...], ...]:
-    engine = LLMEngine(engine_config(None, "kit-reference", **dict(options)))
-    out = []
-    for i, prompt in enumerate(prompts):  # one at a time: nothing shared, nothing preempted
-        rid = f"ref-{i}"
-        engine.add_request(rid, list(prompt), params)
-        tokens: list[int] = []
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                tokens.extend(o.new_token_ids)
-        out.append(tuple(tokens))
-    return tuple(out)
-
-
-def reference(
-    target: ConformanceTarget,
-    prompts: Sequence[Sequence[int]],
-    params: SamplingParams = PARAMS,
-    **engine_options: Any,
-) -> list[list[int]]:
-    """Greedy outputs of an engine with no connector: what every connector run must reproduce
-    (``engine_options``: another model or dtype)."""
-    options = tuple(sorted({**_output_options(target.engine_options), **engine_options}.items()))
-    ref = _reference(tuple(tuple(p) for p in prompts), params, options)
-    return [list(t) for t in ref]
-
-
-def _output_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """The target's engine options that may change outputs (device, dtype), not just the pool's size."""
-    return {
-        k: v for k, v in options.items() if k not in ("num_blocks", "kv_hold_timeout_s", "kv_stop_timeout_s")
-    }

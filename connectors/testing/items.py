@@ -17,10 +17,11 @@ STOP_CONFIRMED = "a stopped hold is confirmed within a step, and nothing leaks"
 UNREACHABLE = "an unreachable backend costs bounded time and gives zero hits"
 BOUNDED_CALLS = "every connector call returns in bounded time"
 ASYNC_LOADS = "an async load ends with finished_recving, in bounded time"
-NAMESPACE = "blocks are keyed by the whole namespace: salt, model and dtype"
+NAMESPACE = "blocks are keyed by the whole namespace: salt, model, dtype and adapter"
 HOLES = "a hit is a contiguous prefix: a missing block ends it"
 FREED = "a block is not read after request_finished returned hold=False"
 RELEASED = "nothing is kept for a finished request"
+WORKER_RAISES = "a worker call never raises: load errors are reported, a failed save is caught and counted"
 
 
 class ConformanceError(AssertionError):

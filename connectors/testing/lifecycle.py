@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from connectors.testing.harness import KitEngine, engine_config, reference
+from connectors.testing.harness import KitEngine, engine_config
 from connectors.testing.items import (
     ABORT_LEAK,
     FINISHED_ONCE,
@@ -19,6 +19,7 @@ from connectors.testing.items import (
     UNREACHABLE,
     ConformanceError,
 )
+from connectors.testing.reference import reference
 from connectors.testing.runner import run_with_deadline
 from connectors.testing.steps import (
     LONG_HOLD_S,
@@ -32,6 +33,7 @@ from connectors.testing.workload import (
     PARAMS,
     PROMPTS,
 )
+from engine.outputs import GenerationOutput
 
 
 def check_request_finished_exactly_once(target: ConformanceTarget, shared: Path) -> None:
@@ -181,26 +183,42 @@ def check_unreachable_backend(target: ConformanceTarget, shared: Path) -> None:
     ref = reference(target, PROMPTS)
     engine_config(target, "kit-unreachable")  # the model is written before the clock starts
     deadline = target.unreachable_deadline_s
-    box: dict[str, Any] = {}
 
-    def work() -> None:
-        try:
-            with KitEngine(target, config, item=item, engine_id="kit-unreachable") as b:
-                box["outs"] = b.generate(PROMPTS, deadline_s=deadline)
-        except BaseException as exc:
-            box["error"] = exc
+    def run(engine_id: str, what: str) -> list[GenerationOutput]:
+        box: dict[str, Any] = {}
 
-    run_with_deadline(work, deadline, item, f"engine start + {len(PROMPTS)} short prompts")
-    if "error" in box:
-        error = box["error"]
-        if isinstance(error, ConformanceError):
-            raise error
-        raise ConformanceError(item, f"raised {error!r}") from error
-    outs = box["outs"]
-    expect_outputs(item, outs, ref, "engine with the backend down")
-    loaded = [o.num_external_tokens for o in outs]
+        def work() -> None:
+            try:
+                with KitEngine(target, config, item=item, engine_id=engine_id) as b:
+                    box["outs"] = b.generate(PROMPTS, deadline_s=deadline)
+            except BaseException as exc:
+                box["error"] = exc
+
+        run_with_deadline(work, deadline, item, f"{what} start + {len(PROMPTS)} short prompts")
+        if "error" in box:
+            error = box["error"]
+            if isinstance(error, ConformanceError):
+                raise error
+            raise ConformanceError(item, f"raised {error!r}") from error
+        outs: list[GenerationOutput] = box["outs"]
+        expect_outputs(item, outs, ref, f"{what} with the backend down")
+        return outs
+
+    loaded = [o.num_external_tokens for o in run("kit-unreachable", "engine")]
     if any(loaded):
         raise ConformanceError(item, f"an unreachable backend provided {loaded} tokens")
+    if target.nothing_to_reach:
+        return
+    # A config that reaches a backend after all (an outside author passed the connector's own factory)
+    # passes the above with an empty store: a second engine from it must not find what the first saved.
+    again = [o.num_external_tokens for o in run("kit-unreachable-2", "a second engine")]
+    if any(again):
+        raise ConformanceError(
+            item,
+            f"a second engine from unreachable_factory was provided {again} tokens that the first saved "
+            "through it: that backend is reachable -- give a config whose backend cannot be reached (a "
+            "path under a regular file, a closed port), or nothing_to_reach=True for in-process memory",
+        )
 
 
 def check_nothing_is_kept_for_finished_requests(target: ConformanceTarget, shared: Path) -> None:

@@ -8,10 +8,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from connectors.testing.harness import KitEngine, max_hit_tokens, reference
+from connectors.testing.harness import KitEngine, max_hit_tokens
 from connectors.testing.items import (
     ConformanceError,
 )
+from connectors.testing.reference import reference
 from connectors.testing.target import ConformanceTarget
 from connectors.testing.workload import (
     PROMPTS,
@@ -137,9 +138,10 @@ def expect_no_hits(item: str, tokens: Sequence[int], who: str, why: str, verb: s
         raise ConformanceError(
             item,
             f"{who}: the connector {verb} {list(tokens)} tokens of what engine A saved, although {why}; the "
-            "block hashes carry the namespace (model, block size) and the cache salt, and the layout "
+            "block hashes (Request.block_hashes: key by them, never hash the tokens again) carry the "
+            "namespace (model, block size), the cache salt and the LoRA adapter, and the layout "
             "(ConnectorContext.spec: dtype, geometry) is the connector's to key by -- a block is only "
-            "ever offered to an engine with the same namespace, salt and layout",
+            "ever offered to an engine with the same namespace, salt, adapter and layout",
         )
 
 

@@ -30,7 +30,9 @@ class ConformanceTarget:
     ``factory``              ``shared -> KVConnectorConfig`` (see ``ConfigFactory``).
     ``unreachable_factory``  ``shared -> KVConnectorConfig`` for a backend that cannot be reached (a dead
                              address, a path that cannot be a directory).  Required.  A connector with
-                             nothing to reach (in-process memory) passes its ``factory`` here.
+                             nothing to reach (in-process memory) passes its ``factory`` here and says
+                             ``nothing_to_reach=True``; otherwise the kit checks that a second engine from
+                             it is not offered what a first one saved (a reachable backend fails).
     ``corrupt``              ``shared -> None``: damage every block stored under ``shared`` (flip bytes,
                              truncate).  Required unless ``provides_hits`` is False.
     ``provides_hits``        False for a connector that never loads (e.g. ``null``): the load checks then
@@ -61,6 +63,7 @@ class ConformanceTarget:
     unreachable_factory: ConfigFactory | None = None
     corrupt: Callable[[Path], None] | None = None
     provides_hits: bool = True
+    nothing_to_reach: bool = False
     lookup_deadline_s: float = LOOKUP_DEADLINE_S  # the engine gives up on a lookup then too
     send_deadline_s: float = 5.0
     unreachable_deadline_s: float = 10.0

@@ -64,9 +64,10 @@ Rules every connector keeps (the conformance kit in ``connectors.testing`` check
    soon as its transfer stopped.
 6. A failed save costs the save, never the step: catch it, log it, count it (``get_stats``).  A worker
    call that raises fails every request of the step.
-7. Blocks are keyed by the whole namespace: the block hash (model, block size, cache salt, tokens) and
-   the cache's layout (``context.spec``: dtype, geometry).  A hit is the prefix up to the first block the
-   backend lacks; nothing is kept for a request after it ended (``request_finished``, or its hold's end).
+7. Blocks are keyed by the whole namespace: the block hash (model, block size, cache salt, LoRA adapter,
+   tokens: ``Request.block_hashes``, never hashes of the connector's own) and the cache's layout
+   (``context.spec``: dtype, geometry).  A hit is the prefix up to the first block the backend lacks;
+   nothing is kept for a request after it ended (``request_finished``, or its hold's end).
 """
 
 from __future__ import annotations

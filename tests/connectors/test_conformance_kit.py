@@ -80,8 +80,15 @@ CASES = [
         "RaisingLoadConnector",
         {"corrupt": corrupt_block_files},
         check_load_errors_are_reported,
-        kit.LOAD_ERRORS,
-        "not raised",
+        kit.WORKER_RAISES,
+        "a worker call raised",
+    ),
+    (  # a full disk raised out of wait_for_save: named as the raise it is, whichever check meets it
+        "RaisingSaveConnector",
+        {},
+        check_lookups_are_idempotent,
+        kit.WORKER_RAISES,
+        "OSError",
     ),
     (
         "TrustingLoadConnector",
@@ -110,6 +117,13 @@ CASES = [
         check_unreachable_backend,
         kit.UNREACHABLE,
         "did not finish within 0.3s",
+    ),
+    (  # an outside author gave the connector's own factory as the unreachable one: an empty store passed
+        "AsyncSharedDirConnector",
+        {"unreachable_factory": same_backend("AsyncSharedDirConnector")},
+        check_unreachable_backend,
+        kit.UNREACHABLE,
+        "that backend is reachable",
     ),
     # The classes an outside author's defects showed the kit missed:
     (
@@ -161,6 +175,13 @@ CASES = [
         check_blocks_are_keyed_by_the_namespace,
         kit.NAMESPACE,
         "engine D: the connector offered",
+    ),
+    (  # an outside author's plugin: the base model's KV offered under an adapter
+        "AdapterBlindKeyConnector",
+        {},
+        check_blocks_are_keyed_by_the_namespace,
+        kit.NAMESPACE,
+        "engine E: the connector offered",
     ),
     (
         "BlockingLookupConnector",

@@ -123,7 +123,8 @@ def cpu_spec(shared: Path, size: str = "64MiB") -> str:
 TestOffloadCpu = conformance_suite(
     lambda shared: offload(cpu_spec(shared)),
     corrupt=corrupt_cpu_tier,
-    unreachable_factory=lambda shared: offload(cpu_spec(shared)),  # in-process memory: nothing to reach
+    unreachable_factory=lambda shared: offload(cpu_spec(shared)),
+    nothing_to_reach=True,  # in-process memory
 )
 
 TestOffloadDisk = conformance_suite(
@@ -156,4 +157,5 @@ TestOffloadCpuOverDisk = conformance_suite(
     unreachable_factory=lambda shared: offload(
         f"{cpu_spec(shared, '8MiB')},disk:{unreachable(shared)}:64MiB"
     ),
+    nothing_to_reach=True,  # the cpu tier above the dead disk is in-process memory, reachable by design
 )

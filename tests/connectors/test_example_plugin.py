@@ -76,7 +76,9 @@ def example(shared: object) -> KVConnectorConfig:
 
 
 # In-process memory has nothing to reach: its own factory stands in for the unreachable backend.
-TestExampleMemory = conformance_suite(example, corrupt=damage, evict=evict, unreachable_factory=example)
+TestExampleMemory = conformance_suite(
+    example, corrupt=damage, evict=evict, unreachable_factory=example, nothing_to_reach=True
+)
 
 
 def test_blocks_computed_over_a_failed_load_are_not_stored() -> None:
