@@ -85,6 +85,10 @@ class ChatTemplate:
         import jinja2
 
         checked = [_check_message(i, m) for i, m in enumerate(messages)]
+        if "developer" not in self.source:  # OpenAI's newer name for the system role, where the template
+            for m in checked:  # knows no such role (it rendered a default system prompt, then the turn)
+                if m["role"] == "developer":
+                    m["role"] = "system"
         if not checked:
             raise ChatTemplateError("messages: at least one message is needed")
         try:

@@ -100,8 +100,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0.0 <= self.top_p <= 1.0:  # 0 (OpenAI's range starts there): the most likely token only
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):

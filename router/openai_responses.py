@@ -16,6 +16,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from engine.sampling_params import TopLogprobs
+from engine.tokenizer import IncrementalDetokenizer
 from router.admission import AdmittedRequest, GenerationRequest, TextPrompt
 from router.events import Delta, Done, Event, Usage, total_usage
 from router.http_scope import HttpCallScope, watch_disconnect
@@ -71,7 +72,7 @@ class ResponseShape:
         self.tools = tools if chat else None
         self._streams = {i: self.tools.stream() for i in range(n)} if self.tools is not None else {}
         self._calls_sent = dict.fromkeys(range(n), 0)  # per choice
-        self._text_at = dict.fromkeys(range(n), 0)  # per choice: a stream's text_offset so far
+        self._offsets = {i: _Offsets(model) for i in range(n)}  # per choice: a stream's text_offset so far
 
     def envelope(self) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -99,9 +100,8 @@ class ResponseShape:
             self.echo.seen(d)
             ids, text = [*self.echo.token_ids, *ids], self.echo.text + text
             lps, tops = [*self.echo.logprobs(), *lps], [*self.echo.top_logprobs(), *tops]
-        lp = self._logprobs(ids, lps, tops, self._text_at[d.index]) if self.logprobs else None
-        if lp is not None and not self.chat:  # completions' offsets run on through the stream
-            self._text_at[d.index] += sum(len(t) for t in lp["tokens"])
+        # completions' offsets run on through the stream
+        lp = self._logprobs(ids, lps, tops, self._offsets[d.index]) if self.logprobs else None
         stream = self._streams.get(d.index)
         if stream is None:
             return [self.chunk({"content": text} if self.chat else text, None, lp, d.index)]
@@ -159,7 +159,7 @@ class ResponseShape:
         choice: dict[str, Any] = {
             "index": done.index,
             "finish_reason": done.finish_reason,
-            "logprobs": self._logprobs(ids, lps, tops) if self.logprobs else None,
+            "logprobs": self._logprobs(ids, lps, tops, _Offsets(self.model)) if self.logprobs else None,
         }
         if self.chat and self.tools is not None:
             reply = self.tools.parse(text)
@@ -174,12 +174,12 @@ class ResponseShape:
         return choice
 
     def _logprobs(
-        self, ids: list[int], lps: list[float | None], tops: list[TopLogprobs | None], at: int = 0
+        self, ids: list[int], lps: list[float | None], tops: list[TopLogprobs | None], offsets: _Offsets
     ) -> Any:
         """OpenAI's logprobs object: chat's ``content`` entries (each with its ``top_logprobs``; ``bytes``
         the token's own, a piece of a UTF-8 character as it is), or completions' parallel lists
         (``top_logprobs``: one {token: logprob} map per token; None where a position has none: an echoed
-        prompt's first token; ``text_offset`` from ``at``, where a stream's earlier chunks left it)."""
+        prompt's first token; ``text_offset`` from ``offsets``, where a stream's earlier chunks left it)."""
         tokens = [self._token(t) for t in ids]
         if self.chat:
             raw = self.model.grammars.token_bytes
@@ -197,16 +197,21 @@ class ResponseShape:
                     for i, (t, s, lp) in enumerate(zip(ids, tokens, lps, strict=False))
                 ]
             }
-        offsets = []
-        for s in tokens:
-            offsets.append(at)
-            at += len(s)
+        # OpenAI's rule: the sampled token's logprob is always in its map ("up to logprobs+1 elements")
         top_maps = (
             [None if top is None else {self._token(t): v for t, v in top} for top in tops]
             if any(tops)
             else None
         )
-        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top_maps, "text_offset": offsets}
+        for token, lp, top_map in zip(tokens, lps, top_maps or (), strict=False):
+            if top_map is not None and lp is not None:
+                top_map.setdefault(token, lp)
+        return {
+            "tokens": tokens,
+            "token_logprobs": lps,
+            "top_logprobs": top_maps,
+            "text_offset": offsets.of(ids),
+        }
 
     def _token(self, token_id: int) -> str:
         return self.model.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -255,6 +260,27 @@ async def whole_response(
             raise non_finite() from None
     finally:
         watcher.cancel()
+
+
+class _Offsets:
+    """Completions' ``text_offset``: where each token's text starts in the choice's text, counted as the
+    text was made -- by decoding the tokens in order.  A token that holds only part of a character's
+    UTF-8 bytes adds nothing until the character is whole: an outside probe found each piece of a split
+    emoji moving every later offset by one (each piece, decoded alone, is U+FFFD)."""
+
+    def __init__(self, model: RouterModel) -> None:
+        self._model = model
+        self._text: IncrementalDetokenizer | None = None  # made on first use: completions' logprobs only
+        self._at = 0
+
+    def of(self, ids: list[int]) -> list[int]:
+        if self._text is None:
+            self._text = self._model.tokenizer.stream(skip_special_tokens=True)
+        out = []
+        for token_id in ids:
+            out.append(self._at)
+            self._at += len(self._text.push(token_id))
+        return out
 
 
 class Echo:

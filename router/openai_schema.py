@@ -151,7 +151,7 @@ class _Sampling(WholeBody):
     model: str
     max_tokens: int | None = Field(default=None, ge=0)  # 0: completions with echo only (admission)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1)  # choices; the router's max_n caps it (400 naming n above it)

@@ -27,7 +27,7 @@ class ServingError(Exception):
 
 
 def invalid(field: str, problem: str) -> ServingError:
-    """INVALID_ARGUMENT naming ``field``: ``invalid("sampling.top_p", "must be in (0, 1]")``."""
+    """INVALID_ARGUMENT naming ``field``: ``invalid("sampling.top_p", "must be in [0, 1]")``."""
     return ServingError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem}")
 
 

@@ -153,6 +153,20 @@ def test_the_chat_template_renders_and_stops_at_its_end_of_turn_token(files: dic
         tok.apply_chat_template([])
 
 
+def test_a_developer_message_is_a_system_message_where_the_template_knows_no_developer_role(
+    files: dict[str, Path], folder: Path, tmp_path: Path
+) -> None:
+    """OpenAI's newer name for the system role (an outside probe: SmolLM2's template rendered its default
+    system prompt, then a 'developer' turn the model never saw).  A template that names the role gets it."""
+    tok = Tokenizer.for_model(inspect_model(files["F32"]))
+    turns = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(turns) == tok.apply_chat_template(system)
+    knows = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{# developer #}"
+    own = Tokenizer.for_model(inspect_model(write_gguf(folder, tmp_path / "dev.gguf", chat_template=knows)))
+    assert "[developer]Be brief." in own.decode(own.apply_chat_template(turns))
+
+
 def test_the_template_runs_sandboxed(files: dict[str, Path], tmp_path: Path, folder: Path) -> None:
     """A template is data from the model file: it cannot reach Python internals."""
     evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"

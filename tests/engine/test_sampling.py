@@ -101,6 +101,7 @@ def test_sampler_filters_restrict_the_support() -> None:
     assert support(top_k=2) == {0, 1}
     # softmax: [0.64, 0.24, 0.09, ...]: the top two hold 0.87 >= 0.8
     assert support(top_p=0.8) == {0, 1}
+    assert support(top_p=0.0) == {0}  # OpenAI's range starts at 0: the most likely token only
     # min_p 0.3: keep tokens with p >= 0.3 * 0.64, i.e. tokens 0 and 1
     assert support(min_p=0.3) == {0, 1}
 

@@ -808,3 +808,24 @@ def test_a_text_too_long_for_any_tokenization_is_refused_before_it_is_tokenized(
         completion_request(CompletionRequest.model_validate({**TEXT, "prompt": "hi"}), model), caller
     )
     assert encoded == [2]
+
+
+def test_text_offsets_point_at_each_token_s_text_when_tokens_split_a_character(model: RouterModel) -> None:
+    """An outside probe's find: a character split over tokens (an emoji's UTF-8 bytes) moved every later
+    text_offset by one per piece -- each piece, decoded alone, is U+FFFD -- so offsets pointed past the
+    text.  They come from decoding the tokens in order now."""
+    from router.openai_responses import _Offsets
+
+    text = "I like \U0001f31f stars and \u65e5\u672c\u8a9e text"
+    ids = model.tokenizer.encode(text, add_special_tokens=False)
+    assert model.tokenizer.decode(ids) == text
+    pieces = [model.tokenizer.decode([t]) for t in ids]
+    assert any("\ufffd" in p for p in pieces), "the test needs a character split over tokens"
+    offsets = _Offsets(model).of(ids)
+    assert offsets == sorted(offsets) and offsets[-1] < len(text)
+    for at, piece in zip(offsets, pieces, strict=True):
+        if "\ufffd" not in piece:
+            assert text[at : at + len(piece)] == piece, (at, piece)
+    assert offsets[-1] + len(pieces[-1]) == len(text)
+    streamed = _Offsets(model)  # a stream's chunks: the offsets run on
+    assert streamed.of(ids[:5]) + streamed.of(ids[5:]) == offsets

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -158,6 +159,10 @@ class _Model:
         @staticmethod
         def decode(ids: list[int], skip_special_tokens: bool = False) -> str:
             return "".join(chr(97 + i % 26) for i in ids)
+
+        @staticmethod
+        def stream(skip_special_tokens: bool = True) -> Any:  # completions' text offsets
+            return SimpleNamespace(push=lambda i: chr(97 + i % 26))
 
     class grammars:  # stands in for its grammar compiler's token bytes
         @staticmethod

@@ -153,7 +153,7 @@ def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
     [
         ({"n": 17}, "n"),  # over the router's max_n (16 by default)
         ({"temperature": 5.0}, "temperature"),
-        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": -0.1}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 10**6}, "max_tokens"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
