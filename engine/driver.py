@@ -46,6 +46,9 @@ T = TypeVar("T")
 # How an EngineOverloaded's message begins: a caller that sees it (the router, over gRPC's
 # RESOURCE_EXHAUSTED) knows the node is well, only full, and waits for room (serving/errors.py node_full).
 NODE_FULL = "the node is full:"
+# How an EngineDraining's message begins: the router waits for the node's return where it was the last of
+# its kind (a planned restart), rather than failing requests.
+NODE_DRAINING = "the node is draining"
 
 
 class EngineOverloaded(RuntimeError):
@@ -269,7 +272,7 @@ class EngineDriver:
         if self._stopping:
             raise EngineStopped("the node is shutting down")
         if self._draining and not calls:
-            raise EngineDraining("the node is draining (a planned stop): send the request to another node")
+            raise EngineDraining(f"{NODE_DRAINING} (a planned stop): send the request to another node")
 
     # -- the loop (driver thread) -------------------------------------------------------------------------
 

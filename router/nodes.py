@@ -19,6 +19,7 @@ from typing import Protocol
 
 import grpc
 
+from engine.driver import NODE_DRAINING
 from engine.hashing import AdapterId, HashNamespace
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc, types_pb2
 from router.kv_index import Publisher
@@ -117,6 +118,8 @@ class NodeHandle:
     def mark_down(self, reason: str) -> None:
         with self._lock:
             was_up, self._healthy, self.last_error = self._healthy, False, reason
+            if reason.startswith(NODE_DRAINING):  # its refusal says so before a health round does
+                self.stopping = True
         if was_up:
             logger.warning("node %s is down: %s", self.address, reason)
 

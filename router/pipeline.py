@@ -55,7 +55,7 @@ from router.policy import NodeSelector, RoutingInfo
 from router.room import RoomWait
 from serving import convert
 from serving.calls import time_remaining
-from serving.errors import ServingError, invalid, node_full
+from serving.errors import ServingError, invalid, node_draining, node_full
 from telemetry.latency import REQUEST_LATENCIES, REQUEST_LENGTHS, LatencyTracker
 from telemetry.metrics import Histogram
 
@@ -251,6 +251,9 @@ class Pipeline:
                 if node_full(code, details):
                     room.note_full(node)  # well, only busy: tried again once no other node is left
                     continue
+                if node_draining(code, details):  # a planned stop: another node, or its return
+                    node.mark_down(details)
+                    continue
                 if not node_failed(code, cancellation) or not scope.is_active():
                     raise ServingError(code, f"prefill node {node.address}: {details}") from exc
                 if code == grpc.StatusCode.UNAVAILABLE:
@@ -301,6 +304,8 @@ class Pipeline:
             except Interrupted as failed:
                 if node_full(failed.code, failed.details):  # refused before its first token: no resume
                     room.note_full(node)
+                    continue
+                if node_draining(failed.code, failed.details):  # also before its first token
                     continue
                 errors.append(f"{node.address}: {failed.code.name} {failed.details}")
                 if len(errors) >= self.decode_attempts:
@@ -406,7 +411,7 @@ class Pipeline:
         (``room``): those again, after a pause."""
         healthy = pool.healthy(exclude=tried)
         candidates = [n for n in healthy if serves(n, request.adapter)]
-        while not candidates and room is not None and room.again(tried):
+        while not candidates and room is not None and room.again(tried, pool):
             healthy = pool.healthy(exclude=tried)
             candidates = [n for n in healthy if serves(n, request.adapter)]
         if prefer is not None and prefer in candidates:

@@ -13,7 +13,7 @@ from typing import Any, NoReturn, Protocol
 
 import grpc
 
-from engine.driver import NODE_FULL, EngineOverloaded, EngineStopped
+from engine.driver import NODE_DRAINING, NODE_FULL, EngineOverloaded, EngineStopped
 from engine.lora.manager import UnknownAdapter
 
 
@@ -34,6 +34,11 @@ def invalid(field: str, problem: str) -> ServingError:
 def node_full(code: grpc.StatusCode, details: str) -> bool:
     """Whether a node's answer says it is full (``EngineOverloaded``): well, and with room later."""
     return code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(NODE_FULL)
+
+
+def node_draining(code: grpc.StatusCode, details: str) -> bool:
+    """Whether a node refused a call because it is draining (``EngineDraining``): a planned stop."""
+    return code == grpc.StatusCode.UNAVAILABLE and details.startswith(NODE_DRAINING)
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

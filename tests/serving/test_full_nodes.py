@@ -82,3 +82,50 @@ def test_requests_beyond_what_the_nodes_take_wait_for_room_and_all_complete_exac
         assert_node_idle(cluster.decode_nodes[0].address)
     finally:
         cluster.stop()
+
+
+def test_a_planned_restart_of_the_only_node_of_a_kind_pauses_requests_and_fails_none() -> None:
+    """An outside probe's find: ``pdkv restart prefill-0`` with one prefill node answered 503 to every
+    request for the 15 s it was away (8,749 refusals).  While no node of the pool is up and one is
+    stopping, a request waits for its return: the restart costs latency, not requests."""
+    from pdkv.launcher import RollingRestarts
+
+    cluster = start_cluster(num_prefill=1, num_decode=1, drain_timeout_s=5.0)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    stop = threading.Event()
+    outputs: list[tuple[str, list[int]]] = []
+    failures: list[str] = []
+
+    def client_loop(k: int) -> None:
+        with GenerationClient(cluster.router_address) as client:
+            i = 0
+            while not stop.is_set():
+                prompt = f"Client {k} asks question {i % 3} while a node restarts."
+                try:
+                    outputs.append(
+                        (prompt, client.generate(generate_request(prompt, params), timeout=120).token_ids)
+                    )
+                except grpc.RpcError as exc:
+                    failures.append(f"{exc.code()}: {exc.details()}")
+                i += 1
+
+    threads = [threading.Thread(target=client_loop, args=(k,), daemon=True) for k in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for name in ("prefill-0", "decode-0"):
+            before = len(outputs)
+            RollingRestarts(cluster).restart(name, lambda line: None)
+            deadline = time.monotonic() + 60
+            while len(outputs) < before + 6 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        stop.set()
+        for t in threads:
+            t.join(150)
+        assert failures == [], failures[:3]
+        llm = LLM(pdkv_model(), device="cpu", num_blocks=512)
+        expected = {p: llm.generate([p], params)[0].token_ids for p in {p for p, _ in outputs}}
+        assert len(outputs) >= 12 and all(ids == expected[p] for p, ids in outputs)
+    finally:
+        stop.set()
+        cluster.stop()
