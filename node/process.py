@@ -44,7 +44,7 @@ from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc, types_pb2
 from prefill_node.servicer import PrefillNodeServicer
 from serving import convert
 from serving import lora as lora_rpc
-from serving.drain import DRAIN_PREFIX, Drain, DrainProgress, DrainReport
+from serving.drain import DRAIN_PREFIX, LINGER_S, Drain, DrainProgress, DrainReport
 from serving.errors import CallRecorder, UndecodableRequests, rpc_errors
 from serving.health import HealthStatus
 from serving.reflection import enable_reflection
@@ -82,6 +82,7 @@ class NodeRuntime:
     tls: TLSFolder | None = None
     drainer: Drain | None = None  # set by build
     _last: tuple[float, EngineSnapshot] | None = None  # the last snapshot read, and when (monotonic)
+    _drain_started: float = 0.0  # monotonic
 
     @classmethod
     def build(cls, config: NodeConfig) -> NodeRuntime:
@@ -154,12 +155,14 @@ class NodeRuntime:
     def drain_progress(self) -> DrainProgress:
         """Admitted unfinished requests, and finished ones whose KV a reader has yet to pull or release."""
         holds = self.driver.call(lambda e: len(e.scheduler.holds), timeout=STATS_TIMEOUT_S)
-        return DrainProgress(requests=self.driver.num_requests, holds=holds)
+        seen = self.health.told_stopping.is_set() or time.monotonic() - self._drain_started >= LINGER_S
+        return DrainProgress(requests=self.driver.num_requests, holds=holds, seen=seen)
 
     def drain(self) -> DrainReport:
         """A planned stop's first half: NOT_SERVING, refuse new requests, wait for the admitted ones and
         the holds (at most ``drain_timeout_s``).  ``stop`` is the second half."""
         assert self.drainer is not None
+        self._drain_started = time.monotonic()
         self.set_serving(False)
         self.driver.drain()
         return self.drainer.run()

@@ -126,34 +126,45 @@ class RouterAdapters:
                 grpc.StatusCode.INVALID_ARGUMENT, f"name: {name!r} is the base model's name: pick another"
             )
         msg = types_pb2.LoadAdapterRequest(name=name, path=path)
-        answers = self._fan_out(lambda n: n.control.LoadAdapter(msg, timeout=ADMIN_TIMEOUT_S))
-        _raise_first_error(answers, f"load of adapter {name!r}")
-        infos = [info for _, info in answers if isinstance(info, types_pb2.AdapterInfo)]
-        digests = {i.digest for i in infos}
-        if len(digests) != 1:
-            raise ServingError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"adapter {name!r}: the nodes read different files at {path!r} (digests differ); give every "
-                "node the same folder",
-            )
+        with self._lock:  # before the nodes load it: a health round meanwhile must not unload it again
+            was_unloaded = name in self._unloaded
+            self._unloaded.discard(name)
+        try:
+            answers = self._fan_out(lambda n: n.control.LoadAdapter(msg, timeout=ADMIN_TIMEOUT_S))
+            _raise_first_error(answers, f"load of adapter {name!r}")
+            infos = [info for _, info in answers if isinstance(info, types_pb2.AdapterInfo)]
+            if len({i.digest for i in infos}) != 1:
+                raise ServingError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"adapter {name!r}: the nodes read different files at {path!r} (digests differ); give "
+                    "every node the same folder",
+                )
+        except ServingError:
+            if was_unloaded:  # a failed load serves nothing under the name
+                with self._lock:
+                    self._unloaded.add(name)
+            raise
         for node, info in answers:
             assert isinstance(info, types_pb2.AdapterInfo)
             node.note_adapter(info)
         with self._lock:
             self._runtime[name] = (path, infos[0].digest)
-            self._unloaded.discard(name)
         return infos[0]
 
     def unload(self, name: str) -> None:
         self._check_allowed()
         msg = types_pb2.UnloadAdapterRequest(name=name)
+        served = name in self.served()
         with self._lock:
             self._runtime.pop(name, None)
-            self._unloaded.add(name)
         answers = self._fan_out(lambda n: n.control.UnloadAdapter(msg, timeout=ADMIN_TIMEOUT_S))
         for node, _ in answers:
             node.forget_adapter(name)
-        if all(isinstance(answer, Exception) for _, answer in answers):
+        unloaded = not all(isinstance(answer, Exception) for _, answer in answers)
+        if unloaded or served:  # a name no node had (a typo) leaves no mark
+            with self._lock:
+                self._unloaded.add(name)
+        if not unloaded:
             _raise_first_error(answers, f"unload of adapter {name!r}")
 
     def reconcile(self) -> None:

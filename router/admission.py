@@ -237,6 +237,7 @@ class Admission:
         self, prompt: ChatPrompt, names: FieldNames, *, add_generation_prompt: bool = True
     ) -> list[int]:
         """The conversation as the model reads it (``POST /tokenize`` counts it the way a request would)."""
+        self.not_hopeless(sum(len(m.content) for m in prompt.messages), names.messages)
         plan, called = self._tool_plan(prompt, names)
         return self._render(prompt, names, plan, called, add_generation_prompt)
 
@@ -309,10 +310,10 @@ class Admission:
         if isinstance(prompt, TextPrompt):
             if not prompt.text:
                 raise InvalidField(names.text, "is empty")
-            self._not_hopeless(len(prompt.text), names.text)
+            self.not_hopeless(len(prompt.text), names.text)
             token_ids, where = tokenizer.encode(prompt.text), names.text
         elif isinstance(prompt, ChatPrompt):
-            self._not_hopeless(sum(len(m.content) for m in prompt.messages), names.messages)
+            self.not_hopeless(sum(len(m.content) for m in prompt.messages), names.messages)
             token_ids, where = self._render(prompt, names, plan, called), names.messages
         else:
             token_ids, where = list(prompt.token_ids), names.token_ids
@@ -333,7 +334,7 @@ class Admission:
             )
         return token_ids, where
 
-    def _not_hopeless(self, chars: int, where: str) -> None:
+    def not_hopeless(self, chars: int, where: str) -> None:
         """Refuse, before tokenizing it, text that cannot fit the context whatever its tokens: the
         tokenizer holds the GIL, and an outside probe's 4 MB prompt held up every other call for 1.9 s
         before its refusal.  Twice the bound, so no text that might fit is refused here."""

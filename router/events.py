@@ -95,6 +95,12 @@ class Cancellation:
                 return
         hook()  # already cancelled: run it now
 
+    def off(self, hook: Callable[[], None]) -> None:
+        """``hook`` is no longer wanted (its call ended): a request that tries many nodes keeps no list."""
+        with self._lock:
+            if hook in self._hooks:
+                self._hooks.remove(hook)
+
     def finish(self) -> None:
         with self._lock:
             self._done = True

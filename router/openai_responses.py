@@ -95,13 +95,15 @@ class ResponseShape:
         ids, text = d.token_ids, d.text
         lps: list[float | None] = list(d.logprobs)
         tops: list[TopLogprobs | None] = list(d.top_logprobs)
+        echoed = 0
         if self.echo is not None and d.index not in self._echoed:  # a choice's first chunk: the prompt first
             self._echoed.add(d.index)
             self.echo.seen(d)
+            echoed = len(self.echo.token_ids)
             ids, text = [*self.echo.token_ids, *ids], self.echo.text + text
             lps, tops = [*self.echo.logprobs(), *lps], [*self.echo.top_logprobs(), *tops]
         # completions' offsets run on through the stream
-        lp = self._logprobs(ids, lps, tops, self._offsets[d.index]) if self.logprobs else None
+        lp = self._logprobs(ids, lps, tops, self._offsets[d.index], echoed) if self.logprobs else None
         stream = self._streams.get(d.index)
         if stream is None:
             return [self.chunk({"content": text} if self.chat else text, None, lp, d.index)]
@@ -153,13 +155,16 @@ class ResponseShape:
         ids = [t for d in deltas for t in d.token_ids]
         lps: list[float | None] = [x for d in deltas for x in d.logprobs]
         tops: list[TopLogprobs | None] = [x for d in deltas for x in d.top_logprobs]
+        echoed = 0
         if self.echo is not None:
+            echoed = len(self.echo.token_ids)
             ids, text = [*self.echo.token_ids, *ids], self.echo.text + text
             lps, tops = [*self.echo.logprobs(), *lps], [*self.echo.top_logprobs(), *tops]
+        offsets = _Offsets(self.model)
         choice: dict[str, Any] = {
             "index": done.index,
             "finish_reason": done.finish_reason,
-            "logprobs": self._logprobs(ids, lps, tops, _Offsets(self.model)) if self.logprobs else None,
+            "logprobs": self._logprobs(ids, lps, tops, offsets, echoed) if self.logprobs else None,
         }
         if self.chat and self.tools is not None:
             reply = self.tools.parse(text)
@@ -174,12 +179,18 @@ class ResponseShape:
         return choice
 
     def _logprobs(
-        self, ids: list[int], lps: list[float | None], tops: list[TopLogprobs | None], offsets: _Offsets
+        self,
+        ids: list[int],
+        lps: list[float | None],
+        tops: list[TopLogprobs | None],
+        offsets: _Offsets,
+        echoed: int = 0,
     ) -> Any:
         """OpenAI's logprobs object: chat's ``content`` entries (each with its ``top_logprobs``; ``bytes``
         the token's own, a piece of a UTF-8 character as it is), or completions' parallel lists
         (``top_logprobs``: one {token: logprob} map per token; None where a position has none: an echoed
-        prompt's first token; ``text_offset`` from ``offsets``, where a stream's earlier chunks left it)."""
+        prompt's first token; ``text_offset`` from ``offsets``, where a stream's earlier chunks left it; the
+        first ``echoed`` tokens are the echoed prompt's)."""
         tokens = [self._token(t) for t in ids]
         if self.chat:
             raw = self.model.grammars.token_bytes
@@ -210,7 +221,8 @@ class ResponseShape:
             "tokens": tokens,
             "token_logprobs": lps,
             "top_logprobs": top_maps,
-            "text_offset": offsets.of(ids),
+            "text_offset": offsets.echo(ids[:echoed], self.echo.text if self.echo else "")
+            + offsets.of(ids[echoed:]),
         }
 
     def _token(self, token_id: int) -> str:
@@ -272,6 +284,17 @@ class _Offsets:
         self._model = model
         self._text: IncrementalDetokenizer | None = None  # made on first use: completions' logprobs only
         self._at = 0
+
+    def echo(self, ids: list[int], text: str) -> list[int]:
+        """The echoed prompt's offsets, decoded as its echo was made (special tokens kept: ``echo_of``)
+        and kept within its ``text`` (the client's own, where a decode would not give it back exactly);
+        the completion's offsets then start at the text's end, from a fresh decode as the engine's."""
+        stream, at, out = self._model.tokenizer.stream(skip_special_tokens=False), 0, []
+        for token_id in ids:
+            out.append(min(at, len(text)))
+            at += len(stream.push(token_id))
+        self._at, self._text = len(text), None
+        return out
 
     def of(self, ids: list[int]) -> list[int]:
         if self._text is None:

@@ -38,6 +38,10 @@ def tokenize(body: TokenizeRequest, model: RouterModel, admission: Admission) ->
         if body.tools is not None:
             raise ApiError.invalid("tools", "a text prompt is not rendered with tools; send messages")
         assert body.prompt is not None
+        try:
+            admission.not_hopeless(len(body.prompt), "prompt")  # the tokenizer holds the GIL
+        except ServingError as exc:
+            raise ApiError.from_serving(exc) from None
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     out: dict[str, Any] = {"count": len(tokens), "max_model_len": admission.context_length, "tokens": tokens}
     if body.return_token_strs:

@@ -32,6 +32,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -52,7 +53,7 @@ from router.node_messages import (
 )
 from router.nodes import NodeHandle, NodePool
 from router.policy import NodeSelector, RoutingInfo
-from router.room import RoomWait
+from router.room import FULL_WAIT_S, RoomWait
 from serving import convert
 from serving.calls import time_remaining
 from serving.errors import ServingError, invalid, node_draining, node_full
@@ -259,6 +260,8 @@ class Pipeline:
                 if code == grpc.StatusCode.UNAVAILABLE:
                     node.mark_down(details)
                 errors.append(f"{node.address}: {code.name} {details}")
+            finally:
+                cancellation.off(future.cancel)  # a request that waits for room tries many times
         raise ServingError(
             grpc.StatusCode.UNAVAILABLE,
             f"prefill failed on {len(tried)} node(s) ({'; '.join(errors)}); retry later",
@@ -285,7 +288,9 @@ class Pipeline:
         request, sent, kind = client.request, client.sent, self.decode_pool.kind
         tried: list[NodeHandle] = []
         errors: list[str] = []
-        room = RoomWait(self.decode_pool.kind, client.scope, client.cancellation)
+        # one wait for both phases: what the prefill's took is gone from the decode's
+        left = FULL_WAIT_S - (time.perf_counter() - client.start)
+        room = RoomWait(self.decode_pool.kind, client.scope, client.cancellation, max(0.0, left))
         while True:
             try:
                 node = self._choose(
@@ -293,7 +298,7 @@ class Pipeline:
                 )
                 client.placement.decode = node
             except ServingError as exc:
-                if not errors:
+                if not errors and not sent.token_ids:
                     raise
                 raise ServingError(exc.code, gave_up(sent, exc.message, exc.code)) from None
             tried.append(node)
@@ -335,9 +340,17 @@ class Pipeline:
         A retryable failure while the client still waits raises ``Interrupted``.  The node re-emits the
         text of the output tokens the message carries (``sent.chars`` of it already reached the client),
         which is dropped here."""
-        scope, usage, sent, kind = client.scope, client.usage, client.sent, self.decode_pool.kind
-        stream = node.decode.Decode(msg, timeout=time_remaining(scope))
+        stream = node.decode.Decode(msg, timeout=time_remaining(client.scope))
         client.cancellation.on_cancel(stream.cancel)
+        try:
+            yield from self._relay_stream(client, node, msg, stream)
+        finally:
+            client.cancellation.off(stream.cancel)  # a request that waits for room tries many times
+
+    def _relay_stream(
+        self, client: ClientStream, node: NodeHandle, msg: node_pb2.DecodeRequest, stream: Any
+    ) -> Iterator[Event]:
+        scope, usage, sent, kind = client.scope, client.usage, client.sent, self.decode_pool.kind
         last: node_pb2.DecodeResponse | None = None
         skip = sent.chars
         with node.busy(stream.cancel, client.request.adapter):

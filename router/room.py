@@ -16,6 +16,7 @@ prefill node's restart).
 
 from __future__ import annotations
 
+import random
 import time
 
 import grpc
@@ -67,7 +68,7 @@ class RoomWait:
             for node in [n for n in tried if n.healthy]:  # back: it may be tried again
                 tried.remove(node)
             return True
-        end = min(time.monotonic() + self.pause, self.deadline)
+        end = min(time.monotonic() + self.pause * random.uniform(0.5, 1.0), self.deadline)  # waiters apart
         while not self.cancellation.cancelled and (left := end - time.monotonic()) > 0:
             time.sleep(min(left, FIRST_PAUSE_S))
         if self.cancellation.cancelled:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from telemetry.exposition import Metric, gauge
 
 DRAIN_PREFIX = "pdkv drain: "
+LINGER_S = 3.0  # the longest a drained node waits for a health check to see it stopping
 
 
 @dataclass(frozen=True)
@@ -38,13 +39,17 @@ class DrainProgress:
 
     requests: int = 0  # admitted and unfinished (streams in flight, prefills computing)
     holds: int = 0  # finished requests whose KV a reader has yet to pull or release
+    # A health check has seen it stopping (or LINGER_S passed): the router waits for its return then,
+    # where it is the last node of its kind, instead of taking its exit for a failure (router/room.py).
+    seen: bool = True
 
     @property
     def done(self) -> bool:
-        return self.requests == 0 and self.holds == 0
+        return self.requests == 0 and self.holds == 0 and self.seen
 
     def __str__(self) -> str:
-        return f"{self.requests} requests, {self.holds} holds left"
+        unseen = "" if self.seen else ", not yet seen stopping by a health check"
+        return f"{self.requests} requests, {self.holds} holds left{unseen}"
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ Server side: ``HealthStatus``, the servicer the router and the nodes serve.
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,6 +26,15 @@ class HealthStatus(health.HealthServicer):
     def __init__(self) -> None:
         super().__init__()
         self._set: dict[str, int] = {}
+        # A Check answered NOT_SERVING since the last ``set`` to it: a health monitor (the router) knows
+        # this process is stopping -- a drain lingers until then (``serving/drain.py``'s ``seen``).
+        self.told_stopping = threading.Event()
+
+    def Check(self, request: Any, context: Any) -> Any:
+        reply = super().Check(request, context)
+        if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+            self.told_stopping.set()
+        return reply
 
     def set(self, service: str, status: int) -> None:
         # grpcio's own lock (reentrant): its enter_graceful_shutdown holds it while it calls set; a lock
@@ -32,6 +43,8 @@ class HealthStatus(health.HealthServicer):
             if self._set.get(service) == status:
                 return
             self._set[service] = status
+            if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                self.told_stopping.clear()
             super().set(service, status)
 
 

@@ -82,7 +82,8 @@ class Secrets:
         digest = hashlib.sha256(key.encode()).hexdigest()
         write_private(
             folder / "api-keys.toml",
-            f'[tenants.default]\nkey_sha256 = ["{digest}"]\ncache_details = {details}\n',
+            f'[tenants.default]\nkey_sha256 = ["{digest}"]\ncache_details = {details}\n'
+            "manage_adapters = true\n",  # the operator's own key: --allow-runtime-lora's loads
         )
         return cls(folder, key)
 

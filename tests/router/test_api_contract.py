@@ -779,7 +779,7 @@ def test_only_a_tenant_allowed_to_manage_adapters_loads_or_unloads_them(model: R
 
 
 def test_a_text_too_long_for_any_tokenization_is_refused_before_it_is_tokenized(
-    model: RouterModel, monkeypatch: pytest.MonkeyPatch
+    model: RouterModel, http: TestClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An outside probe's find: a 4 MB prompt was tokenized (1.9 s, the GIL held: every other call
     waited) before its refusal.  Text longer than the context could hold at the vocabulary's longest
@@ -803,6 +803,13 @@ def test_a_text_too_long_for_any_tokenization_is_refused_before_it_is_tokenized(
         with pytest.raises(InvalidField, match="characters: more than max_model_len") as refused:
             admission.admit(parse(schema.model_validate(body), model), caller)
         assert refused.value.field == param
+    # /tokenize too (a review's find: it went round the check)
+    for body, param in (
+        ({"prompt": "x" * (limit + 1)}, "prompt"),
+        ({"messages": [{"role": "user", "content": "y" * (limit + 1)}]}, "messages"),
+    ):
+        answer = http.post("/tokenize", json=body)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
     assert encoded == []
     admission.admit(
         completion_request(CompletionRequest.model_validate({**TEXT, "prompt": "hi"}), model), caller
@@ -829,3 +836,25 @@ def test_text_offsets_point_at_each_token_s_text_when_tokens_split_a_character(m
     assert offsets[-1] + len(pieces[-1]) == len(text)
     streamed = _Offsets(model)  # a stream's chunks: the offsets run on
     assert streamed.of(ids[:5]) + streamed.of(ids[5:]) == offsets
+
+
+def test_an_echoed_prompt_s_offsets_count_its_special_tokens_as_its_text_shows_them(
+    model: RouterModel,
+) -> None:
+    """A review's find: the offsets decoded without special tokens, while a token-id prompt's echo shows
+    them -- the completion's offsets then started inside the echoed text."""
+    from router.openai_responses import _Offsets
+
+    special = model.eos_token_ids[0]
+    ids = [special, *model.tokenizer.encode("Hello world, caf\u00e9", add_special_tokens=False)]
+    text = model.tokenizer.decode(ids, skip_special_tokens=False)  # as echo_of shows a token-id prompt
+    assert len(text) > len(model.tokenizer.decode(ids))
+    generated = model.tokenizer.encode(" and more", add_special_tokens=False)
+    offsets = _Offsets(model)
+    prompt_offsets = offsets.echo(ids, text)
+    assert prompt_offsets[0] == 0 and prompt_offsets == sorted(prompt_offsets)
+    for at, t in zip(prompt_offsets, ids, strict=True):
+        piece = model.tokenizer.decode([t], skip_special_tokens=False)
+        if "\ufffd" not in piece:
+            assert text[at : at + len(piece)] == piece
+    assert offsets.of(generated)[0] == len(text)  # the completion starts where the echo ends

@@ -121,3 +121,15 @@ def test_with_a_cluster_secret_the_tenant_part_of_the_salt_is_keyed(tmp_path: Pa
     other = load_access(path, environ={}, cluster_secret=b"another secret of the same size")
     assert other.authenticate(f"Bearer {KEY}").salt("team") != salt
     assert load_access(path, environ={}).authenticate(f"Bearer {KEY}").salt("team") == "acme/team"
+
+
+def test_the_cluster_s_own_key_from_secrets_write_may_manage_adapters(tmp_path: Path) -> None:
+    """A review's find: pdkv up --secure --allow-runtime-lora refused its own operator's loads (403) once
+    loads needed manage_adapters: the one tenant secrets write makes has it."""
+    from serving.secrets import Secrets
+
+    secrets = Secrets.write(tmp_path / "s", ["router", "node"], ["localhost"], cache_details=False)
+    access = load_access(str(tmp_path / "s" / "api-keys.toml"), environ={})
+    caller = access.authenticate(f"Bearer {secrets.api_key}")
+    assert caller.tenant.name == "default" and not caller.cache_details
+    caller.may_manage_adapters()

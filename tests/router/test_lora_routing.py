@@ -208,6 +208,12 @@ def test_an_adapter_unloaded_through_the_router_stays_unloaded_when_a_node_resta
             assert adapters.resolve("B") == AdapterId("B", digest)
             adapters.reconcile()
             assert control.UnloadAdapter.future.call_count == 1 and control.LoadAdapter.future.call_count == 0
+            # A name no node has (a typo): the unload fails and leaves no mark that would keep a later
+            # --lora of that name unserved (a review's find).
+            control.UnloadAdapter.side_effect = grpc.RpcError()
+            with pytest.raises(ServingError):
+                adapters.unload("typo")
+            assert "typo" not in adapters._unloaded
             # The base model's name, which gRPC's LoadAdapter took (HTTP refused it): requests naming it
             # ran the base over HTTP and the adapter over gRPC.
             adapters.base_name = "m"
