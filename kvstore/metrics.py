@@ -27,6 +27,25 @@ from kvstore.results import MissReason
 from telemetry.metrics import Histogram, HistogramSnapshot
 
 OPS = ("lookup", "get", "read", "put", "delete")
+# The counters every tier keeps (a kind may add its own: evictions, discarded files), exported from 0 --
+# a dashboard's rate() over a counter that appears only at its first use reads "no data" until then.
+COUNTERS = (
+    "lookups",
+    "lookup_blocks",
+    "lookup_hits",
+    "gets",
+    "get_blocks",
+    "hit_blocks",
+    "reads",
+    "read_blocks",
+    "bytes_in",
+    "puts",
+    "put_blocks",
+    "stored_blocks",
+    "bytes_out",
+    "deletes",
+    "deleted_blocks",
+)
 # Log2 buckets in microseconds: bucket ``i`` ends at ``2**(i+1)`` µs, 1 µs .. 2**26 µs (about 67 s);
 # slower calls land in the last (+Inf) bucket.
 LATENCY_BOUNDS = tuple(2 ** (i + 1) / 1e6 for i in range(26))
@@ -94,7 +113,7 @@ class TierMetrics:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counters: Counter[str] = Counter()
+        self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self._misses: Counter[str] = Counter()
         self._put_failures: Counter[str] = Counter()
         self._latency = {op: Histogram(LATENCY_BOUNDS) for op in OPS}

@@ -62,6 +62,7 @@ from wire.framing import (
     send_frames,
 )
 from wire.memory import tune_malloc_for_tensors
+from wire.store_protocol import OPS as STORE_OPS
 from wire.store_protocol import (
     CountReply,
     Delete,
@@ -282,7 +283,8 @@ class StoreServer:
         """``/metrics``: requests by op, and every tier's counters, misses and latencies."""
         stats = self.store.stats()
         requests = CounterMetricFamily("pdkv_kvstore_requests", "requests served, by op", labels=["op"])
-        for op, n in sorted(self.request_counts().items()):
+        counts = dict.fromkeys((*STORE_OPS, "refused", "failed"), 0) | self.request_counts()  # all from 0
+        for op, n in sorted(counts.items()):
             requests.add_metric([op], float(n))
         families: list[Metric] = [
             requests,

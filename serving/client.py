@@ -60,6 +60,17 @@ def generate_request(
     return msg
 
 
+def cached_summary(usage: generation_pb2.Usage | None) -> str:
+    """The usage's cached tokens by source, as the CLI prints them -- or that the router hides them (cache
+    details off: zeros would say nothing was cached)."""
+    if usage is None:
+        return "cached(?)"
+    if not usage.HasField("cached"):
+        return "cached(not shown: cache details are off)"
+    c = usage.cached
+    return f"cached(local={c.local_prefix}, store={c.store}, remote_prefill={c.remote_prefill})"
+
+
 class GenerationClient:
     """``api_key``: sent as ``authorization: Bearer KEY`` on every call (a router with API keys needs
     it); ``credentials``: TLS (``serving.tls.channel_credentials``), else a plain channel."""

@@ -204,7 +204,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     """Stream the completion from a router, printing text as it arrives."""
     import grpc
 
-    from serving.client import GenerationClient, generate_request
+    from serving.client import GenerationClient, cached_summary, generate_request
 
     prompt: Any = chat_messages(args.prompt, args.system) if args.chat else args.prompt
     request = generate_request(prompt, _sampling_params(args), cache_salt=args.cache_salt)
@@ -237,12 +237,9 @@ def _generate_remote(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     u = out.usage
     ttft_ms = (out.time_to_first_token_s or float("nan")) * 1e3
-    cached = (
-        f"local={u.cached.local_prefix},store={u.cached.store},remote={u.cached.remote_prefill}" if u else "-"
-    )
     print(
         f"[pdkv] request_id={out.request_id} prompt_tokens={u.prompt_tokens if u else '?'} "
-        f"cached_tokens={cached} output_tokens={len(out.token_ids)} ttft_ms={ttft_ms:.1f} "
+        f"{cached_summary(u)} output_tokens={len(out.token_ids)} ttft_ms={ttft_ms:.1f} "
         f"finish_reason={out.finish_reason}",
         file=sys.stderr,
     )

@@ -30,7 +30,13 @@ def register(subparsers: Any) -> None:
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
     parser.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
-    parser.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill nodes (default 1)")
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prefill nodes (default 1; disaggregated mode only)",
+    )
     parser.add_argument("--decode", type=int, default=1, metavar="M", help="decode (or colocated) nodes")
     parser.add_argument(
         "--model",
@@ -160,9 +166,11 @@ def _up(args: argparse.Namespace) -> int:
     if args.secure and os.environ.get(KEYS_ENV):
         # The router would take these keys beside the cluster's own: tenants nobody asked for.
         raise ValueError(f"${KEYS_ENV} is set and --secure uses the cluster's own API key; unset it")
+    if args.mode == "colocated" and args.prefill is not None:  # it was dropped without a word
+        raise ValueError("--prefill: colocated nodes prefill and decode; give their number with --decode")
     topology = Topology(
         mode=args.mode,
-        num_prefill=args.prefill if args.mode == "disaggregated" else 0,
+        num_prefill=(1 if args.prefill is None else args.prefill) if args.mode == "disaggregated" else 0,
         num_decode=args.decode,
         model=args.model,
         kv_store=None if args.kv_store.lower() == "none" else args.kv_store,
@@ -249,7 +257,7 @@ def _oneshot(cluster: Any, prompt: str, max_tokens: int, *, chat: bool) -> int:
     import grpc
 
     from engine.sampling_params import SamplingParams
-    from serving.client import generate_request
+    from serving.client import cached_summary, generate_request
 
     _addresses(cluster, sys.stderr)
     what: Any = [{"role": "user", "content": prompt}] if chat else prompt
@@ -271,15 +279,9 @@ def _oneshot(cluster: Any, prompt: str, max_tokens: int, *, chat: bool) -> int:
     sys.stdout.write("\n")
     u = out.usage
     assert u is not None
-    cached = (
-        f"cached(local={u.cached.local_prefix}, store={u.cached.store}, "
-        f"remote_prefill={u.cached.remote_prefill})"
-        if u.HasField("cached")
-        else "cached(not shown: cache details are off)"
-    )
     print(
         f"[pdkv] via router {cluster.router_address}: prompt_tokens={u.prompt_tokens} output_tokens="
-        f"{u.completion_tokens} {cached} ttft_ms={u.time_to_first_token_s * 1e3:.1f} "
+        f"{u.completion_tokens} {cached_summary(u)} ttft_ms={u.time_to_first_token_s * 1e3:.1f} "
         f"finish_reason={out.finish_reason}",
         file=sys.stderr,
     )

@@ -299,3 +299,10 @@ def test_the_documented_cluster_file_passes_pdkv_up_s_checks(tmp_path: Path) -> 
     assert applied is not None
     applied.check(args)
     args.check(args)  # the children's settings, as pdkv up checks them before starting any
+
+
+def test_pdkv_up_refuses_prefill_nodes_in_colocated_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    """An outside probe's find: --mode colocated --prefill 3 started one colocated node, --prefill dropped
+    without a word."""
+    err = up_fails(["--mode", "colocated", "--prefill", "3", "--kv-store", "none"], capsys)
+    assert "--prefill: colocated nodes prefill and decode; give their number with --decode" in err

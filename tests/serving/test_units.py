@@ -411,3 +411,16 @@ def test_the_help_pages_print_percent_signs_once_and_name_only_real_commands() -
         assert "%%" not in page, name
         for command in re.findall(r"\bserve-[a-z]+", page):
             assert command in sub.choices, (name, command)
+
+
+def test_the_cli_says_when_the_router_hides_cached_tokens_instead_of_printing_zeros() -> None:
+    """An outside probe's find: pdkv generate --server printed cached_tokens=local=0,store=0,remote=0 for
+    a request served from cache, because the router hid the details (they are off by default there)."""
+    from pdkv_proto.pdkv.v1 import generation_pb2
+    from serving.client import cached_summary
+
+    hidden = generation_pb2.Usage(prompt_tokens=40)
+    assert cached_summary(hidden) == "cached(not shown: cache details are off)"
+    shown = generation_pb2.Usage(prompt_tokens=40, cached=generation_pb2.CachedTokens(local_prefix=32))
+    assert cached_summary(shown) == "cached(local=32, store=0, remote_prefill=0)"
+    assert cached_summary(None) == "cached(?)"
