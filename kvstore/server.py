@@ -391,7 +391,8 @@ def run_server(args: argparse.Namespace) -> int:
         if metrics_address(args):
             metrics = MetricsServer(metrics_address(args), server.metrics).start()
         if args.kv_events:
-            refuse_open_wide_bind(args.kv_events, "KV events", curve is not None, args.insecure, "CURVE")
+            for endpoint in filter(None, (args.kv_events, args.kv_events_replay)):  # the replay socket too
+                refuse_open_wide_bind(endpoint, "KV events", curve is not None, args.insecure, "CURVE")
             server.publish_events(args.kv_events, args.kv_events_replay or None)
     except BaseException:
         store.close()

@@ -332,6 +332,24 @@ def test_a_node_refuses_a_wide_address_without_tls_unless_insecure(tmp_path: Pat
         env={k: v for k, v in os.environ.items() if k != "PDKV_CURVE_DIR"},
     )
     assert proc.returncode != 0 and "refusing to serve the KV store on tcp://0.0.0.0:0" in proc.stderr
+    # The events' replay socket too (an outside probe read a store's event history over 0.0.0.0, no CURVE)
+    replay = subprocess.run(
+        [
+            *proc.args[:-1],
+            "tcp://127.0.0.1:0",
+            "--metrics-address",
+            "none",
+            "--kv-events",
+            "tcp://127.0.0.1:0",
+            "--kv-events-replay",
+            "tcp://0.0.0.0:0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "PDKV_CURVE_DIR"},
+    )
+    assert replay.returncode != 0 and "refusing to serve KV events on tcp://0.0.0.0:0" in replay.stderr
 
 
 def test_max_tokens_above_the_router_s_limit_is_refused_naming_it(cluster: Cluster) -> None:
