@@ -22,8 +22,9 @@ and always return by their deadline:
     stats() -> TierStats
 
 A block that fails its check -- damaged, truncated, or a header for another namespace, block or layout --
-is *dropped* from the tier (``dropped_blocks``): left in place it would hold its key, so the right block
-could never be stored there and every later request for that prefix would miss.
+is *dropped* from the tier (``dropped_blocks``), with the run's blocks after it: left in place it would
+hold its key, so the right block could never be stored there and every later request for that prefix
+would miss; the blocks after it are put again with it.
 
 Failures become counted misses (``MissReason.TIMEOUT``/``ERROR``) and feed two circuit breakers, one for
 reads (lookup, get, read) and one for writes (put, delete): a full disk does not stop reads.  While a
@@ -253,12 +254,20 @@ class Tier(ABC):
         return result
 
     def _drop(self, run: KeyRun, i: int, reason: MissReason) -> None:
-        """Block ``i`` of ``run`` is not what its key says: remove it from this tier (never served again)."""
+        """Block ``i`` of ``run`` is not what its key says: remove it from this tier (never served again),
+        with the run's blocks after it -- unreachable until it is stored again, and stored again with
+        them (the reader recomputes from ``i`` and puts the rest), where a put keeps a block already held:
+        kept, each bad one among them cost a request of its own (an outside probe's poisoned run of 6
+        blocks took 6 requests to heal, one block each)."""
         logger.warning(
-            "kvstore tier %s: dropping block %s (%s)", self.name, run.hashes[i].hex()[:16], reason.value
+            "kvstore tier %s: dropping block %s (%s) and the %d after it in the run",
+            self.name,
+            run.hashes[i].hex()[:16],
+            reason.value,
+            len(run) - i - 1,
         )
-        self.metrics.count(dropped_blocks=1)
-        self.delete(run.slice(i, i + 1))
+        self.metrics.count(dropped_blocks=len(run) - i)
+        self.delete(run.slice(i, len(run)))
 
     def put(
         self,

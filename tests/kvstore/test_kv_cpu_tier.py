@@ -245,3 +245,23 @@ def test_slots_are_pinned_in_a_process_that_uses_cuda(make_blocks: Callable[...,
     device_block.copy_(host, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(device_block.cpu(), b.data[0])
+
+
+def test_a_damaged_run_is_dropped_from_its_first_bad_block_so_one_put_heals_it(
+    make_blocks: Callable[..., Blocks],
+) -> None:
+    """An outside probe's find: six blocks stored with payloads that fail their checksum took six
+    requests to heal -- each get dropped the first bad block only, and the put of the recomputed run kept
+    every later one (a put keeps a block already held).  The run's blocks from the first bad one are
+    dropped together: the next put stores them all."""
+    b = make_blocks(6)
+    tier = CpuTier(CpuTierConfig(capacity_bytes=16 * BLOCK, verify_payload=True))  # as a reader checks
+    codec = BlockCodec(NAMESPACE, LAYOUT)
+    poison = torch.full((BLOCK,), 0x55, dtype=torch.uint8).numpy().tobytes()
+    bad = [Unit(memoryview(poison), header=codec.header_of(b.hashes[i], b.views[i])) for i in range(6)]
+    assert tier.put(b.run(), bad).stored == 6
+    result = tier.get_into(b.run(), b.out_views, LAYOUT)
+    assert (result.loaded, result.reason) == (0, MissReason.CORRUPT)
+    assert tier.contains_prefix(b.run()) == 0 and tier.stats().counter("dropped_blocks") == 6
+    assert tier.put(b.run(), b.units()).stored == 6  # the recomputed run, all of it
+    assert tier.get_into(b.run(), b.out_views, LAYOUT).loaded == 6 and b.loaded(6)
