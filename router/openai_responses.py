@@ -217,12 +217,12 @@ class ResponseShape:
         for token, lp, top_map in zip(tokens, lps, top_maps or (), strict=False):
             if top_map is not None and lp is not None:
                 top_map.setdefault(token, lp)
+        prompt = offsets.echo(ids[:echoed], self.echo.text) if echoed and self.echo is not None else []
         return {
             "tokens": tokens,
             "token_logprobs": lps,
             "top_logprobs": top_maps,
-            "text_offset": offsets.echo(ids[:echoed], self.echo.text if self.echo else "")
-            + offsets.of(ids[echoed:]),
+            "text_offset": prompt + offsets.of(ids[echoed:]),
         }
 
     def _token(self, token_id: int) -> str:

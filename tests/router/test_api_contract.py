@@ -858,3 +858,27 @@ def test_an_echoed_prompt_s_offsets_count_its_special_tokens_as_its_text_shows_t
         if "\ufffd" not in piece:
             assert text[at : at + len(piece)] == piece
     assert offsets.of(generated)[0] == len(text)  # the completion starts where the echo ends
+
+
+def test_a_completion_stream_s_text_offsets_run_on_across_its_chunks(model: RouterModel) -> None:
+    """The stream's offsets equal the whole answer's: a chunk's clock must not restart (a regression the
+    cluster test caught: every chunk's offsets began at 0 again)."""
+    from router.events import Delta
+    from router.openai_responses import ResponseShape
+
+    ids = model.tokenizer.encode("one two three four five six", add_special_tokens=False)
+    pieces = [model.tokenizer.decode([t]) for t in ids]
+    deltas = [Delta([t], p, [-0.5]) for t, p in zip(ids, pieces, strict=True)]
+    stream = ResponseShape(model, "cmpl-1", created=0, chat=False, logprobs=True)
+    streamed = [
+        o for d in deltas for c in stream.delta_chunks(d) for o in c["choices"][0]["logprobs"]["text_offset"]
+    ]
+    whole = ResponseShape(model, "cmpl-2", created=0, chat=False, logprobs=True)
+    assert streamed == whole._logprobs(ids, [-0.5] * len(ids), [], _fresh_offsets(model))["text_offset"]
+    assert streamed == sorted(streamed) and streamed[-1] == len("".join(pieces[:-1]))
+
+
+def _fresh_offsets(model: RouterModel) -> Any:
+    from router.openai_responses import _Offsets
+
+    return _Offsets(model)
