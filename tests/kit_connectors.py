@@ -247,7 +247,24 @@ class _TokenKeyedRequest:
         return getattr(self._request, name)
 
 
-class TokenKeyedConnector(SharedDirConnector):
+class _RekeyedConnector(SharedDirConnector):
+    """Looks requests up and saves them under keys of its own making (``_keyed``), not their hashes."""
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return super().get_num_new_matched_tokens(self._keyed(request), num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        super().update_state_after_alloc(self._keyed(request), block_ids, num_external_tokens)
+
+    def _keyed(self, request: Request) -> Any:
+        raise NotImplementedError
+
+
+class TokenKeyedConnector(_RekeyedConnector):
     """Keys blocks by a hash of their tokens, in one flat folder: another tenant's salt, another model or
     another dtype with the same tokens gets this one's KV."""
 
@@ -265,16 +282,6 @@ class TokenKeyedConnector(SharedDirConnector):
         self._kv = kv_cache
         # bug: one namespace for every model, and a layout the header is not checked against
         self._codec = BlockCodec(b"\0" * 16, BlockLayout.from_kv_cache(kv_cache))
-
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        return super().get_num_new_matched_tokens(self._keyed(request), num_computed_tokens)  # type: ignore[arg-type]
-
-    def update_state_after_alloc(
-        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
-    ) -> None:
-        super().update_state_after_alloc(self._keyed(request), block_ids, num_external_tokens)  # type: ignore[arg-type]
 
     def _keyed(self, request: Request) -> _TokenKeyedRequest:
         return _TokenKeyedRequest(request, self.block_size)
@@ -413,20 +420,10 @@ class DtypelessKeyConnector(TokenKeyedConnector):
         return _TokenKeyedRequest(request, self.block_size, seed=(request.cache_salt or "").encode())
 
 
-class AdapterBlindKeyConnector(SharedDirConnector):
+class AdapterBlindKeyConnector(_RekeyedConnector):
     """Keys blocks by block hashes it computes again from the namespace, the salt and the tokens -- and
     not the LoRA adapter: an engine running an adapter is offered the base model's KV (an outside
     author's plugin did this, and the kit passed it)."""
-
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        return super().get_num_new_matched_tokens(self._keyed(request), num_computed_tokens)  # type: ignore[arg-type]
-
-    def update_state_after_alloc(
-        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
-    ) -> None:
-        super().update_state_after_alloc(self._keyed(request), block_ids, num_external_tokens)  # type: ignore[arg-type]
 
     def _keyed(self, request: Request) -> Any:
         from engine.hashing import hash_blocks
@@ -434,7 +431,7 @@ class AdapterBlindKeyConnector(SharedDirConnector):
         keyed = _TokenKeyedRequest(request, self.block_size)
         namespace, salt = self.context.namespace, request.cache_salt
         blocks = hash_blocks(request.all_token_ids, namespace=namespace, cache_salt=salt)  # bug: no adapter
-        keyed.block_hashes = list(blocks)[: len(request.block_hashes)]
+        keyed.block_hashes = [bytes(h) for h in blocks][: len(request.block_hashes)]
         return keyed
 
 

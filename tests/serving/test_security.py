@@ -314,40 +314,28 @@ def test_a_node_refuses_a_wide_address_without_tls_unless_insecure(tmp_path: Pat
             refuse_open_wide_bind(address, "gRPC", False, False, "TLS")
         refuse_open_wide_bind(address, "gRPC", True, False, "TLS")  # secured
         refuse_open_wide_bind(address, "gRPC", False, True, "TLS")  # told so
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pdkv",
-            "kvstore",
-            "serve",
-            "--kv-store",
-            "cpu:1MiB",
-            "--bind",
-            "tcp://0.0.0.0:0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={k: v for k, v in os.environ.items() if k != "PDKV_CURVE_DIR"},
-    )
+
+    def store_serve(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "pdkv", "kvstore", "serve", "--kv-store", "cpu:1MiB", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={k: v for k, v in os.environ.items() if k != "PDKV_CURVE_DIR"},
+        )
+
+    proc = store_serve("--bind", "tcp://0.0.0.0:0")
     assert proc.returncode != 0 and "refusing to serve the KV store on tcp://0.0.0.0:0" in proc.stderr
     # The events' replay socket too (an outside probe read a store's event history over 0.0.0.0, no CURVE)
-    replay = subprocess.run(
-        [
-            *proc.args[:-1],
-            "tcp://127.0.0.1:0",
-            "--metrics-address",
-            "none",
-            "--kv-events",
-            "tcp://127.0.0.1:0",
-            "--kv-events-replay",
-            "tcp://0.0.0.0:0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={k: v for k, v in os.environ.items() if k != "PDKV_CURVE_DIR"},
+    replay = store_serve(
+        "--bind",
+        "tcp://127.0.0.1:0",
+        "--metrics-address",
+        "none",
+        "--kv-events",
+        "tcp://127.0.0.1:0",
+        "--kv-events-replay",
+        "tcp://0.0.0.0:0",
     )
     assert replay.returncode != 0 and "refusing to serve KV events on tcp://0.0.0.0:0" in replay.stderr
 
