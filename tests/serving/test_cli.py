@@ -138,7 +138,8 @@ def http(
 def test_pdkv_up_configures_every_child_from_one_file(tmp_path: Path) -> None:
     """One TOML file: pdkv up's own options ([up]), the nodes' ([node]) and the router's ([router]);
     pdkv up passes the served name, the context and the API keys file on; a node's variable reaches
-    the nodes over [node], and pdkv up's own ($PDKV_PREFILL, a count) does not reach the router."""
+    the nodes over [node].  (pdkv up's own $PDKV_PREFILL, a count, is refused in colocated mode:
+    tests/serving/test_settings.py.)"""
     key = "sk-config-file-0123456789"
     keys = tmp_path / "keys.toml"
     keys.write_text(f'[tenants.acme]\nkeys = ["{key}"]\n')
@@ -160,7 +161,7 @@ def test_pdkv_up_configures_every_child_from_one_file(tmp_path: Path) -> None:
         "[router]\n"
         "max-tokens-limit = 5\n"
     )
-    env = dict(os.environ, PDKV_NUM_BLOCKS="320", PDKV_PREFILL="2")
+    env = dict(os.environ, PDKV_NUM_BLOCKS="320")
     up = subprocess.Popen(
         [*PDKV, "up", "--config", str(config)],
         env=env,

@@ -306,3 +306,11 @@ def test_pdkv_up_refuses_prefill_nodes_in_colocated_mode(capsys: pytest.CaptureF
     without a word."""
     err = up_fails(["--mode", "colocated", "--prefill", "3", "--kv-store", "none"], capsys)
     assert "--prefill: colocated nodes prefill and decode; give their number with --decode" in err
+
+
+def test_pdkv_up_refuses_its_prefill_variable_in_colocated_mode_naming_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PDKV_PREFILL", "2")
+    err = up_fails(["--mode", "colocated", "--kv-store", "none"], capsys)
+    assert err.startswith("pdkv up: error: $PDKV_PREFILL: --prefill: colocated nodes prefill and decode")
