@@ -44,7 +44,7 @@ from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc, types_pb2
 from prefill_node.servicer import PrefillNodeServicer
 from serving import convert
 from serving import lora as lora_rpc
-from serving.drain import DRAIN_PREFIX, LINGER_S, Drain, DrainProgress, DrainReport
+from serving.drain import DRAIN_PREFIX, LINGER_S, UNWATCHED_S, Drain, DrainProgress, DrainReport
 from serving.errors import CallRecorder, UndecodableRequests, rpc_errors
 from serving.health import HealthStatus
 from serving.reflection import enable_reflection
@@ -155,7 +155,12 @@ class NodeRuntime:
     def drain_progress(self) -> DrainProgress:
         """Admitted unfinished requests, and finished ones whose KV a reader has yet to pull or release."""
         holds = self.driver.call(lambda e: len(e.scheduler.holds), timeout=STATS_TIMEOUT_S)
-        seen = self.health.told_stopping.is_set() or time.monotonic() - self._drain_started >= LINGER_S
+        now = time.monotonic()
+        seen = (
+            self.health.told_stopping.is_set()
+            or now - self._drain_started >= LINGER_S
+            or now - self.health.last_check >= UNWATCHED_S  # a cluster's stop: its router went first
+        )
         return DrainProgress(requests=self.driver.num_requests, holds=holds, seen=seen)
 
     def drain(self) -> DrainReport:

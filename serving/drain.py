@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from telemetry.exposition import Metric, gauge
 
 DRAIN_PREFIX = "pdkv drain: "
-LINGER_S = 3.0  # the longest a drained node waits for a health check to see it stopping
+LINGER_S = 1.5  # the longest a drained node waits for a health check to see it stopping (rounds: 0.5 s)
+UNWATCHED_S = 1.0  # no health check for this long: nobody watches (the router stopped first): no wait
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,10 @@ class HealthStatus(health.HealthServicer):
         # A Check answered NOT_SERVING since the last ``set`` to it: a health monitor (the router) knows
         # this process is stopping -- a drain lingers until then (``serving/drain.py``'s ``seen``).
         self.told_stopping = threading.Event()
+        self.last_check = 0.0  # monotonic time of the last Check: is anyone watching?
 
     def Check(self, request: Any, context: Any) -> Any:
+        self.last_check = time.monotonic()
         reply = super().Check(request, context)
         if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
             self.told_stopping.set()
