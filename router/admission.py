@@ -237,7 +237,6 @@ class Admission:
         self, prompt: ChatPrompt, names: FieldNames, *, add_generation_prompt: bool = True
     ) -> list[int]:
         """The conversation as the model reads it (``POST /tokenize`` counts it the way a request would)."""
-        self.not_hopeless(sum(len(m.content) for m in prompt.messages), names.messages)
         plan, called = self._tool_plan(prompt, names)
         return self._render(prompt, names, plan, called, add_generation_prompt)
 
@@ -290,6 +289,8 @@ class Admission:
         called: Mapping[str, str],
         add_generation_prompt: bool = True,
     ) -> list[int]:
+        """The conversation's token ids (a request's, or /tokenize's count)."""
+        self.not_hopeless(sum(len(m.content) for m in prompt.messages), names.messages)
         messages, tools = template_inputs(prompt.messages, self.tool_format, plan, called)
         try:
             return self.model.tokenizer.apply_chat_template(
@@ -313,7 +314,6 @@ class Admission:
             self.not_hopeless(len(prompt.text), names.text)
             token_ids, where = tokenizer.encode(prompt.text), names.text
         elif isinstance(prompt, ChatPrompt):
-            self.not_hopeless(sum(len(m.content) for m in prompt.messages), names.messages)
             token_ids, where = self._render(prompt, names, plan, called), names.messages
         else:
             token_ids, where = list(prompt.token_ids), names.token_ids

@@ -290,7 +290,7 @@ class Pipeline:
         errors: list[str] = []
         # one wait for both phases: what the prefill's took is gone from the decode's
         left = FULL_WAIT_S - (time.perf_counter() - client.start)
-        room = RoomWait(self.decode_pool.kind, client.scope, client.cancellation, max(0.0, left))
+        room = RoomWait(kind, client.scope, client.cancellation, max(0.0, left))
         while True:
             try:
                 node = self._choose(
@@ -395,7 +395,7 @@ class Pipeline:
                 raise Interrupted(grpc.StatusCode.UNAVAILABLE, "it ended the stream early")
             raise ServingError(
                 grpc.StatusCode.UNAVAILABLE,
-                f"{self.decode_pool.kind} node {node.address} ended the stream early",
+                f"{kind} node {node.address} ended the stream early",
             )
         if not client.prompt_recorded:  # only resumed nodes answered (their prompt has the resumed tokens)
             self._record_prompt(usage, last.prompt)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -55,48 +56,43 @@ class RoomWait:
         is stopping (a planned restart): pause, then let them be tried again (True).  False otherwise.
         Raises CANCELLED when the client leaves meanwhile, RESOURCE_EXHAUSTED (full) or UNAVAILABLE
         (restarting) past the wait's limit."""
-        restarting = (
-            not self.full
-            and pool is not None
-            and not pool.healthy()
-            and any(n.stopping for n in pool.nodes())
-        )
-        if not self.full and not restarting:
-            return False
-        if restarting:
-            self._wait_restart()
-            for node in [n for n in tried if n.healthy]:  # back: it may be tried again
-                tried.remove(node)
-            return True
-        end = min(time.monotonic() + self.pause * random.uniform(0.5, 1.0), self.deadline)  # waiters apart
-        while not self.cancellation.cancelled and (left := end - time.monotonic()) > 0:
-            time.sleep(min(left, FIRST_PAUSE_S))
-        if self.cancellation.cancelled:
-            raise ServingError(grpc.StatusCode.CANCELLED, "the client cancelled the request")
-        if time.monotonic() >= self.deadline:
-            raise ServingError(
+        if self.full:
+            self._pause(
+                self.deadline,
+                random.uniform(0.5, 1.0),  # full nodes' waiters apart
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"every {self.kind} node that serves the request is full (max_num_requests); waited "
-                f"{time.monotonic() - self.started:.1f}s for room; retry later",
+                lambda waited: (
+                    f"every {self.kind} node that serves the request is full (max_num_requests); "
+                    f"waited {waited:.1f}s for room; retry later"
+                ),
             )
-        self.pause = min(2 * self.pause, MAX_PAUSE_S)
-        for node in self.full:
-            if node in tried:
-                tried.remove(node)
-        self.full.clear()
+            back = [n for n in tried if n in self.full]
+            self.full.clear()
+        elif pool is not None and not pool.healthy() and any(n.stopping for n in pool.nodes()):
+            self._pause(
+                self.started + min(RESTART_WAIT_S, self.remaining),
+                1.0,
+                grpc.StatusCode.UNAVAILABLE,
+                lambda waited: (
+                    f"no {self.kind} node is up: waited {waited:.1f}s for one stopping to come "
+                    "back; retry later"
+                ),
+            )
+            back = [n for n in tried if n.healthy]  # back up: it may be tried again
+        else:
+            return False
+        for node in back:
+            tried.remove(node)
         return True
 
-    def _wait_restart(self) -> None:
-        limit = self.started + min(RESTART_WAIT_S, self.remaining)
-        end = min(time.monotonic() + self.pause, limit)
+    def _pause(self, limit: float, jitter: float, code: grpc.StatusCode, why: Callable[[float], str]) -> None:
+        """Sleep the pause (times ``jitter``, never past ``limit``), doubling it for the next; CANCELLED if
+        the client leaves meanwhile, ``code`` with ``why(seconds waited)`` at ``limit``."""
+        end = min(time.monotonic() + self.pause * jitter, limit)
         while not self.cancellation.cancelled and (left := end - time.monotonic()) > 0:
             time.sleep(min(left, FIRST_PAUSE_S))
         if self.cancellation.cancelled:
             raise ServingError(grpc.StatusCode.CANCELLED, "the client cancelled the request")
         if time.monotonic() >= limit:
-            raise ServingError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"no {self.kind} node is up: waited {time.monotonic() - self.started:.1f}s for one stopping "
-                "to come back; retry later",
-            )
+            raise ServingError(code, why(time.monotonic() - self.started))
         self.pause = min(2 * self.pause, MAX_PAUSE_S)
