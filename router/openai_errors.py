@@ -19,6 +19,7 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error"),  # the server's state (a changed adapter)
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.CANCELLED: (499, "cancelled"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),

@@ -14,7 +14,7 @@ from typing import Any, NoReturn, Protocol
 import grpc
 
 from engine.driver import NODE_DRAINING, NODE_FULL, EngineOverloaded, EngineStopped
-from engine.lora.manager import UnknownAdapter
+from engine.lora.manager import AdapterUnavailable, UnknownAdapter
 
 
 class ServingError(Exception):
@@ -50,6 +50,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, UnknownAdapter):
         return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, AdapterUnavailable):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, TimeoutError):

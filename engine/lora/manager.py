@@ -5,8 +5,8 @@
   its KV is never the old one's), while requests already admitted finish on the weights they started
   with.  ``remove(name)`` stops serving it the same way.
 - ``resolve(name)`` is what a request is admitted with: the served ``AdapterId``, or ``UnknownAdapter``;
-  its tensors are in memory from then on (read again if they were evicted: ``AdapterError`` if they
-  changed), so a step never waits for a file or fails on one.
+  its tensors are in memory from then on (read again if they were evicted: ``AdapterUnavailable`` if
+  they changed or cannot be read), so a step never waits for a file or fails on one.
 - Memory: at most ``max_cpu_loras`` adapters' tensors are kept (least recently used first out, never one
   an unfinished request uses); an evicted one is read again from its folder when next needed, and
   refused if its content changed meanwhile (the digest says so).
@@ -58,6 +58,12 @@ class UnknownAdapter(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "unknown adapter"
+
+
+class AdapterUnavailable(RuntimeError):
+    """A served adapter evicted from memory whose folder no longer gives the weights it was loaded with
+    (changed, gone, unreadable): the server's state, not the request's fault -- FAILED_PRECONDITION (409
+    over HTTP) until an operator loads it again.  The message names no server path (the node logs it)."""
 
 
 @dataclass(frozen=True)
@@ -206,10 +212,18 @@ class LoRAManager:
                 self._loaded.move_to_end(aid)
                 return adapter
             path = self._known[aid][0]
-        again = load_adapter(aid.name, path, self.config, max_rank=self.max_lora_rank)
+        try:
+            again = load_adapter(aid.name, path, self.config, max_rank=self.max_lora_rank)
+        except AdapterError as exc:
+            logger.warning("adapter %s: its folder %s cannot be read again: %s", aid.name, path, exc)
+            raise AdapterUnavailable(
+                f"adapter {aid.name}: its files cannot be read again since it was loaded; an operator must "
+                "load it again"
+            ) from exc
         if again.id != aid:
-            raise AdapterError(
-                f"adapter {aid.name}: its files in {path} changed since it was loaded; load it again"
+            logger.warning("adapter %s: the files in %s changed since it was loaded", aid.name, path)
+            raise AdapterUnavailable(
+                f"adapter {aid.name}: its files changed since it was loaded; an operator must load it again"
             )
         with self._lock:
             self._keep(again)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from engine import LLM, SamplingParams
 from engine.lora.adapter import AdapterError
 from engine.lora.layers import FUSED_B_ROWS
-from engine.lora.manager import UnknownAdapter
+from engine.lora.manager import AdapterUnavailable, UnknownAdapter
 from engine.outputs import GenerationOutput
 from tests.tiny_adapters import ADAPTERS, peft_adapter_dir, peft_greedy
 from tests.tiny_models import Reference, random_prompts, tiny_model_dir
@@ -178,8 +178,14 @@ def test_adapters_beyond_max_cpu_loras_are_read_again_and_refused_if_changed(tmp
         [out] = llm.generate([PROMPTS[0]], GREEDY, adapters=n)
         assert out.token_ids == peft_greedy(BASE, folders[n], [PROMPTS[0]], NEW)[0].token_ids
     shutil.copy(peft_adapter_dir(BASE, "r4", seed=3) / "adapter_model.safetensors", folders["r4"])
-    with pytest.raises(AdapterError, match="changed since it was loaded"):
+    with pytest.raises(AdapterUnavailable, match="changed since it was loaded") as changed:
         llm.generate([PROMPTS[0]], GREEDY, adapters="r4")
+    assert str(tmp_path) not in str(changed.value)  # a client reads it: no server path
+    shutil.rmtree(folders["r4"])  # still out of memory, and now gone: refused as well
+    with pytest.raises(AdapterUnavailable, match="cannot be read again"):
+        llm.generate([PROMPTS[0]], GREEDY, adapters="r4")
+    [out] = llm.generate([PROMPTS[0]], GREEDY, adapters="patterns")  # the others serve on
+    assert out.token_ids == peft_greedy(BASE, folders["patterns"], [PROMPTS[0]], NEW)[0].token_ids
 
 
 # ---- refusals ------------------------------------------------------------------------------------------

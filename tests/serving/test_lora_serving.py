@@ -5,6 +5,7 @@ or the base model's; unknown adapters are 404 / NOT_FOUND; adapters load and unl
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import grpc
@@ -125,6 +126,38 @@ def test_clients_name_adapters_as_models_and_unknown_ones_are_404_and_not_found(
             assert refused.value.code() == grpc.StatusCode.NOT_FOUND
             assert "'nope' is not served" in (refused.value.details() or "")
             assert _run(client, "B").token_ids == _reference("B")
+    finally:
+        cluster.stop()
+
+
+def test_an_adapter_whose_files_changed_is_refused_as_server_state(tmp_path: Path) -> None:
+    """An adapter dropped from memory (--max-cpu-loras 1) whose files then changed: its requests are
+    FAILED_PRECONDITION over gRPC and 409 over HTTP (nothing the client could fix), the message names no
+    server path; the other adapter and the base model serve on."""
+    three = (*_adapters(), ("C", str(peft_adapter_dir(BASE, "r4"))))
+    folders = {n: shutil.copytree(f, tmp_path / n) for n, f in three}
+    cluster = start_cluster(
+        mode="colocated",
+        model=hf_model(),
+        node_args=(*F32_ARGS, "--max-loras", "1", "--max-cpu-loras", "1"),
+        loras=tuple((n, str(f)) for n, f in folders.items()),
+    )
+    try:
+        with GenerationClient(cluster.router_address) as client:
+            assert _run(client, "A").token_ids == _reference("A")
+            assert _run(client, "B").token_ids == _reference("B")
+            assert len(_run(client, "C").token_ids) == NEW  # A, in no slot now, leaves memory
+            weights = "adapter_model.safetensors"
+            shutil.copy(peft_adapter_dir(BASE, "r16", seed=3) / weights, Path(folders["A"]) / weights)
+            with pytest.raises(grpc.RpcError) as refused:
+                _run(client, "A")
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.value.details()
+            details = refused.value.details() or ""
+            assert "changed since it was loaded" in details and str(tmp_path) not in details
+            with _openai(cluster) as sdk, pytest.raises(openai.ConflictError, match="changed since"):
+                sdk.completions.create(model="A", prompt="hi", max_tokens=2)
+            assert _run(client, "B").token_ids == _reference("B")
+            assert _run(client, None).token_ids == _reference(None)
     finally:
         cluster.stop()
 
