@@ -50,7 +50,7 @@ from telemetry.exposition import (
 from telemetry.logs import throttle_noisy_logs
 from wire.codec import HEADER_SIZE, HeaderMatcher, verify_payload
 from wire.curve import CurveKeys, server_socket, stop_authenticator
-from wire.endpoints import refuse_open_wide_bind
+from wire.endpoints import check_endpoint, refuse_open_wide_bind
 from wire.event_publisher import KVEventPublisher
 from wire.framing import (
     PROTOCOL_VERSION,
@@ -102,12 +102,12 @@ class StoreServer:
         self._socket.setsockopt(zmq.MAXMSGSIZE, 2 * self.limits.max_unit_bytes)
         try:
             self._socket.bind(bind)
-        except zmq.ZMQError:
+        except zmq.ZMQError as exc:
             self._socket.close(linger=0)
             if self._own_context:
                 stop_authenticator(self._context)
                 self._context.term()
-            raise
+            raise OSError(exc.errno, f"cannot listen on {bind}: {exc.strerror}") from exc
         self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._in_flight: list[tuple[zmq.MessageTracker, list[Unit]]] = []
         self.requests: Counter[str] = Counter()
@@ -374,6 +374,14 @@ def run_server(args: argparse.Namespace) -> int:
     )
     throttle_noisy_logs()  # bad input: one line a minute per kind, not a traceback per request
     curve = CurveKeys.from_env()
+    endpoints = (
+        ("--bind", args.bind),
+        ("--kv-events", args.kv_events),
+        ("--kv-events-replay", args.kv_events_replay),
+    )
+    for option, endpoint in endpoints:
+        if endpoint:  # its form first: a refusal for security would mislead about an address that is none
+            check_endpoint(endpoint, option)
     refuse_open_wide_bind(
         args.bind, "the KV store", curve is not None, args.insecure, "CURVE ($PDKV_CURVE_DIR)"
     )

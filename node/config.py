@@ -32,7 +32,7 @@ from engine.model.embedded import model_name
 from serving.drain import add_drain_arguments
 from serving.lora_flags import add_lora_arguments, lora_engine_options
 from telemetry.ports import metrics_port
-from wire.endpoints import parse_address
+from wire.endpoints import check_endpoint, parse_address
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -129,10 +129,8 @@ class NodeConfig:
         parse_address(self.address, "address")
         if self.metrics_address:
             parse_address(self.metrics_address, "metrics_address")
-        if self.kv_events_bind and not self.kv_events_bind.startswith(("tcp://", "ipc://")):
-            raise ValueError(
-                f"kv_events_bind must be a tcp:// or ipc:// endpoint, got {self.kv_events_bind!r}"
-            )
+        if self.kv_events_bind:
+            check_endpoint(self.kv_events_bind, "kv_events_bind")
         if not isinstance(self.max_num_requests, int) or self.max_num_requests <= 0:
             raise ValueError(f"max_num_requests must be a positive integer, got {self.max_num_requests!r}")
         if not self.grace_s >= 0:

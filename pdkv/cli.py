@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -84,6 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             message = str(exc)
         print(f"pdkv {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the machine's answer (an address in use, a disk full): one line, not a traceback
+        logging.getLogger("pdkv").debug("pdkv %s failed", args.command, exc_info=True)
+        message = exc.strerror if exc.strerror and exc.filename is None else str(exc)
+        print(f"pdkv {args.command}: error: {message}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

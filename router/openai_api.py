@@ -249,7 +249,11 @@ class HttpServer:
         # Accepted sockets inherit it: uvicorn writes a response's head and body separately, and with
         # Nagle on, the body waits for the client's delayed ACK (40 ms on Linux) -- every small response.
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock.bind((host, port))
+        try:
+            self._sock.bind((host, port))
+        except OSError as exc:
+            self._sock.close()
+            raise OSError(exc.errno, f"cannot listen on {address} for HTTP: {exc.strerror}") from exc
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         ssl: dict[str, Any] = {}
         if tls is not None:

@@ -100,10 +100,14 @@ def channel(
 
 
 def add_port(server: grpc.Server, address: str, tls: TLSFolder | None, *, mutual: bool = False) -> int:
-    """Bind ``server`` to ``address`` (TLS when ``tls`` is set); the port bound (0: failed)."""
-    if tls is None:
-        return int(server.add_insecure_port(address))
-    return int(server.add_secure_port(address, tls.server_credentials(mutual=mutual)))
+    """Bind ``server`` to ``address`` (TLS when ``tls`` is set); the port bound (0: failed -- grpcio
+    returns 0 or raises RuntimeError, by version)."""
+    try:
+        if tls is None:
+            return int(server.add_insecure_port(address))
+        return int(server.add_secure_port(address, tls.server_credentials(mutual=mutual)))
+    except RuntimeError:  # "Failed to bind to address ...": in use, or not this machine's
+        return 0
 
 
 # A host name a certificate can carry: dot-separated labels of letters, digits and inner hyphens, an

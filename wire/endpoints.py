@@ -26,6 +26,22 @@ def parse_address(text: str, what: str = "address") -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def check_endpoint(text: str, what: str = "endpoint") -> str:
+    """A ZeroMQ endpoint a process of ours binds: ``tcp://HOST:PORT`` (PORT 0-65535, or ``*``: any) or
+    ``ipc://PATH``; ``text`` itself, else ValueError naming ``what`` (ZeroMQ itself would take
+    ``tcp://h:99999`` as port 34463, and a bare ``h:PORT`` raise deep in a bind)."""
+    scheme, sep, rest = text.partition("://")
+    if sep and scheme == "ipc" and rest:
+        return text
+    if sep and scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if colon and host.strip("[]") and (port == "*" or (port.isdigit() and int(port) <= 65535)):
+            return text
+    raise ValueError(
+        f"{what} {text!r} must be a ZeroMQ endpoint: tcp://HOST:PORT (port 0-65535 or *) or ipc://PATH"
+    )
+
+
 def refuse_open_wide_bind(address: str, what: str, secured: bool, insecure: bool, how: str) -> None:
     """A listener on a non-loopback ``address`` (HOST:PORT, or a ZeroMQ tcp:// endpoint) with its
     security off is refused unless ``insecure``.  ipc:// endpoints are files: never "wide"."""

@@ -76,10 +76,10 @@ class KVEventPublisher:
         try:
             self._pub.bind(bind)
             self._replay.bind(replay_bind)
-        except zmq.ZMQError:
+        except zmq.ZMQError as exc:
             self._pub.close(linger=0)
             self._replay.close(linger=0)
-            raise
+            raise OSError(exc.errno, f"cannot listen on {bind} or {replay_bind}: {exc.strerror}") from exc
         self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint: str = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._lock = threading.Lock()

@@ -51,7 +51,9 @@ def register(subparsers: Any) -> None:
         "plan",
         help="the smallest cluster meeting latency targets on a trace, by simulation",
         description="Simulate the workload on clusters of the profiled node (the router's own policy "
-        "code routes) and print the smallest that meets the targets beside the next smaller.",
+        "code routes) and print the smallest that meets the targets beside the next smaller.  Exits 0 "
+        "when every shape asked has one, 1 when one has none (the figures are printed all the same), 2 on "
+        "bad input.",
     )
     plan.add_argument("--trace", type=Path, default=None, help="a Mooncake-format trace (JSON lines)")
     plan.add_argument("--workload", choices=("trace", "qa"), default="trace")
@@ -99,6 +101,10 @@ def _profile(args: argparse.Namespace) -> int:
             tiers[kind] = spec
     if args.repeat < 1:
         raise SystemExit("pdkv profile: --repeat must be at least 1")
+    try:
+        check_output_file(args.out, "--out")
+    except ValueError as exc:
+        raise SystemExit(f"pdkv profile: {exc}") from None
     if args.threads is not None and args.threads < 1:
         raise SystemExit(f"pdkv profile: --threads must be at least 1, got {args.threads}")
     config = engine_config_from_args(args)
@@ -148,6 +154,7 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"pdkv plan: {what}; {len(arrivals)} requests, infinite-cache ceiling {ceil:.1%}")
     print(f"  targets: TTFT p90 <= {targets.ttft_p90_s:g} s, ITL p90 <= {targets.itl_p90_s:g} s")
     report: dict[str, Any] = {"workload": what, "ceiling": ceil, "shapes": {}}
+    unmet = 0
     kinds = ("colocated", "pd") if args.shape == "both" else (args.shape,)
     for kind in kinds:
         found, smaller = smallest(
@@ -161,6 +168,7 @@ def _plan(args: argparse.Namespace) -> int:
         )
         entry: dict[str, Any] = {}
         if found is None:
+            unmet += 1
             print(f"  {kind}: no cluster of up to {args.max_nodes} nodes meets the targets")
             if smaller is not None and smaller.result.refused:  # not a capacity answer: say why
                 print(
@@ -182,7 +190,7 @@ def _plan(args: argparse.Namespace) -> int:
             why = exc.strerror or exc
             print(f"pdkv plan: --json {args.json}: cannot be written ({why})", file=sys.stderr)
             return 2
-    return 0
+    return 1 if unmet else 0  # a script tells "no cluster meets the targets" from a plan
 
 
 def _finite(value: Any) -> Any:
@@ -221,8 +229,16 @@ def _check_plan_options(args: argparse.Namespace) -> None:
             raise ValueError(f"--qa-users and --qa-rounds must be at least 1, got {got}")
         if not (math.isfinite(args.qa_gap_ms) and args.qa_gap_ms >= 0):
             raise ValueError(f"--qa-gap-ms must be a number >= 0, got {args.qa_gap_ms}")
-    if args.json is not None and args.json.is_dir():
-        raise ValueError(f"--json {args.json} is a folder: give a file")
+    if args.json is not None:
+        check_output_file(args.json, "--json")
+
+
+def check_output_file(path: Path, option: str) -> None:
+    """A file a command writes at its end, checked before it runs (minutes): not a folder, and in one."""
+    if path.is_dir():
+        raise ValueError(f"{option} {path} is a folder: give a file")
+    if not path.absolute().parent.is_dir():
+        raise ValueError(f"{option} {path}: its folder {path.absolute().parent} does not exist")
 
 
 def _workload(args: argparse.Namespace, profile: Any) -> tuple[list[Any], float, str]:

@@ -160,6 +160,7 @@ def test_pdkv_plan_names_a_bad_trace_line_profile_or_store(
         (["--workload", "qa", "--qa-users", "0"], "--qa-users and --qa-rounds must be at least 1"),
         (["--workload", "qa", "--qa-gap-ms", "nan"], "--qa-gap-ms must be a number >= 0"),
         (["--json", "."], "is a folder: give a file"),  # was an IsADirectoryError after the simulation
+        (["--json", "/nonexistent/x.json"], "does not exist"),  # was found after the simulation
     ],
 )
 def test_pdkv_plan_checks_every_number_before_it_runs(
@@ -198,7 +199,7 @@ def test_a_plan_s_json_is_strict_json_even_when_nothing_was_served(
          "--slo-itl-p90", "1", "--node-kv-tokens", "16", "--max-nodes", "2", "--shape", "colocated",
          "--json", str(out)]
     )  # fmt: skip
-    assert code == 0
+    assert code == 1  # no cluster meets the targets: a script can tell (it was 0, as for a plan)
     json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
     assert "1 of 1 requests need more KV than a node holds" in capsys.readouterr().out
 
@@ -248,3 +249,12 @@ def test_pdkv_plan_on_the_qa_workload_is_the_same_for_a_seed(tmp_path: Path) -> 
     assert first["workload"].endswith("seed 3") and first["ceiling"] > 0.5  # histories repeat
     assert first["shapes"]["colocated"]["chosen"]["hit_local"] > 0
     assert "chosen" in first["shapes"]["pd"]
+
+
+def test_pdkv_profile_refuses_an_out_file_it_could_not_write_before_it_measures(tmp_path: Path) -> None:
+    """An outside probe: an --out in a missing folder was found after the whole profile (minutes), as a
+    raw ``[Errno 2]``."""
+    from pdkv.cli import main
+
+    with pytest.raises(SystemExit, match=r"--out .*does not exist"):
+        main(["profile", "--model", str(tmp_path / "never-read"), "--out", str(tmp_path / "no" / "p.json")])
