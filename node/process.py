@@ -22,6 +22,7 @@ planned stop must leave at zero (``kv_load_failures``: prompts a decode node rec
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -82,6 +83,7 @@ class NodeRuntime:
     tls: TLSFolder | None = None
     drainer: Drain | None = None  # set by build
     _last: tuple[float, EngineSnapshot] | None = None  # the last snapshot read, and when (monotonic)
+    _holds: int = 1  # the holds a drain last read (1 until one was read: not done)
     _drain_started: float = 0.0  # monotonic
 
     @classmethod
@@ -153,8 +155,12 @@ class NodeRuntime:
             return last[1], time.monotonic() - last[0]
 
     def drain_progress(self) -> DrainProgress:
-        """Admitted unfinished requests, and finished ones whose KV a reader has yet to pull or release."""
-        holds = self.driver.call(lambda e: len(e.scheduler.holds), timeout=STATS_TIMEOUT_S)
+        """Admitted unfinished requests, and finished ones whose KV a reader has yet to pull or release
+        (the last count read while the engine is inside a step longer than ``RECENT_WAIT_S``: a long
+        prefill on a loaded host took over 5 s, and the drain died of the wait's TimeoutError)."""
+        with contextlib.suppress(TimeoutError):  # asked again at the drain's next poll
+            self._holds = self.driver.call(lambda e: len(e.scheduler.holds), timeout=RECENT_WAIT_S)
+        holds = self._holds
         now = time.monotonic()
         seen = (
             self.health.told_stopping.is_set()
@@ -175,7 +181,10 @@ class NodeRuntime:
     def totals_line(self) -> str:
         """What the node's life cost that a planned stop must not: prompts recomputed because their KV
         failed to load, holds that expired unread."""
-        counters = self.snapshot().stats.counters
+        try:  # a drain cut by its deadline leaves a step running: the last figures then
+            counters = self.recent_snapshot()[0].stats.counters
+        except TimeoutError:  # none read yet, and the step outlasts a fresh read's wait
+            return f"{DRAIN_PREFIX}{self.config.node_id} totals: unknown (the engine is inside a step)"
         keys = ("kv_load_failures", "kv_hold_expiries")
         totals = ", ".join(f"{k} {int(counters.get(k, 0))}" for k in keys)
         return f"{DRAIN_PREFIX}{self.config.node_id} totals: {totals}"

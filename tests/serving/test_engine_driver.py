@@ -321,3 +321,33 @@ def test_a_scrape_during_a_long_step_answers_with_the_last_figures_and_their_age
     finally:
         release.set()
     wait_until(lambda: node.recent_snapshot()[1] == 0.0, timeout=10, what="fresh figures again")
+
+
+def test_a_drain_during_a_long_step_waits_it_out_instead_of_dying(driver: EngineDriver) -> None:
+    """An outside probe: a prefill node restarted (SIGTERM) while 2000-token prompts prefilled on a loaded
+    host exited 1 after 19 s -- its drain read the holds with a 5 s wait, and a longer step's TimeoutError
+    ended the drain (and the process) with the prefills and held KV thrown away.  Now the drain keeps the
+    last count through a long step and finishes once the step does; the totals line answers too."""
+    import time
+
+    from node.config import NodeConfig
+    from node.process import STATS_TIMEOUT_S, NodeRuntime
+    from serving.drain import Drain
+    from serving.health import HealthStatus
+    from telemetry.exposition import RpcCounters
+
+    node = NodeRuntime(NodeConfig("prefill"), driver, RpcCounters(), HealthStatus())
+    node.drainer = Drain("prefill-x", node.drain_progress, 60.0, poll_s=0.05, out=lambda line: None)
+    started = threading.Event()
+    step_s = STATS_TIMEOUT_S + 1.0  # longer than any read of the engine waits
+
+    def long_step(engine: LLMEngine) -> None:
+        started.set()
+        time.sleep(step_s)
+
+    threading.Thread(target=driver.call, args=(long_step,), kwargs={"timeout": 60}, daemon=True).start()
+    assert started.wait(10)
+    began = time.monotonic()
+    report = node.drain()  # raised TimeoutError when the step outlasted the read's wait
+    assert report.left.done and time.monotonic() - began < 30, report.summary()
+    assert "totals: kv_load_failures 0, kv_hold_expiries 0" in node.totals_line()
