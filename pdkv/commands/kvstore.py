@@ -41,7 +41,7 @@ def _check_serve(args: argparse.Namespace) -> None:
     """The tiers and limits, as the server will read them, before it starts."""
     from kvstore.config import StoreConfig
 
-    StoreConfig.parse(args.kv_store)
+    StoreConfig.load(args.kv_store)  # a string of tiers, or @file.toml (the store-wide options too)
     if args.health_interval_ms <= 0:
         raise ValueError(f"health_interval_ms must be positive, got {args.health_interval_ms}")
 

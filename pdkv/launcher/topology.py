@@ -93,6 +93,11 @@ class Topology:
             raise ValueError(f"--prefill must be at least 1 in disaggregated mode, got {self.num_prefill}")
         if self.redis and self.kv_store is None:
             raise ValueError("--redis adds a tier to the KV store: it needs --kv-store (not 'none')")
+        if self.redis and self.kv_store is not None and self.kv_store.startswith("@"):
+            raise ValueError(
+                f"--redis adds a tier to a --kv-store string, not to a file ({self.kv_store}): list the "
+                "redis tier in the file"
+            )
         for name, port in (("router", self.router_port), ("http", self.http_port)):
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name} port {port} is not a port")

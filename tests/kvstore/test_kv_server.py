@@ -275,6 +275,36 @@ def test_pdkv_kvstore_command_line(store_server: StartServer, capsys: pytest.Cap
     assert args.func(args) == 1
 
 
+def test_pdkv_kvstore_serve_takes_a_toml_file_as_its_help_says(
+    store_server: StartServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An outside probe: ``--kv-store @store.toml`` (the help's and docs/kvstore.md's way to the store-wide
+    options) was refused by the command's check before the server, which reads it, could start."""
+    from pdkv.commands import kvstore as command
+
+    parser = argparse.ArgumentParser(prog="pdkv")
+    command.register(parser.add_subparsers(dest="command", required=True))
+    good, bad = tmp_path / "Store.toml", tmp_path / "bad.toml"
+    good.write_text(
+        '[kv_store]\nwrite_policy = "back"\n[[kv_store.tiers]]\nkind = "cpu"\ncapacity = "1MiB"\n'
+    )
+    bad.write_text('[[kv_store.tiers]]\nkind = "tape"\n')
+    for spec, refused in (
+        (f"@{good}", None),
+        (f"@{bad}", "tape"),
+        (f"@{tmp_path / 'none.toml'}", "none.toml"),
+    ):
+        args = parser.parse_args(["kvstore", "serve", "--kv-store", spec, "--bind", "tcp://127.0.0.1:0"])
+        if refused is None:
+            args.check(args)
+        else:
+            with pytest.raises((ValueError, FileNotFoundError), match=refused):
+                args.check(args)
+    server = store_server(f"@{good}")
+    args = parser.parse_args(["kvstore", "ping", "--connect", server.endpoint])
+    assert args.func(args) == 0
+
+
 @requires_redis
 def test_ping_is_not_green_while_a_tier_cannot_serve(
     store_server: StartServer, redis_server: RedisProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]

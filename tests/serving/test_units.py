@@ -217,6 +217,8 @@ def test_configs_validate_at_construction() -> None:
         Topology(num_prefill=0)
     with pytest.raises(ValueError, match="node_threads must be at least 1"):
         Topology(node_threads=0)
+    with pytest.raises(ValueError, match="list the redis tier in the file"):  # was "@f.toml,redis://..."
+        Topology(kv_store="@store.toml", redis=True)
 
 
 def test_metrics_ports_are_the_documented_ones_node_i_on_base_plus_i() -> None:
