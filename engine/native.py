@@ -390,8 +390,6 @@ def _load(extra_flags: tuple[str, ...] = ()) -> NativeKernels | None:
     scratch = lib.pdkv_decode_scratch_bytes
     scratch.argtypes = [_PTR, _INT64]
     scratch.restype = _INT64
-    row1_region = lib.pdkv_decode_row1_region
-    row1_region.argtypes, row1_region.restype = [ctypes.c_int], ctypes.c_int
     # the AMX tiles' switches, set once here
     amx, int8_tiles, attn_tiles = lib.pdkv_bf16_amx, lib.pdkv_quant_amx, lib.pdkv_attn_amx
     for switch, env in ((amx, AMX_ENV), (int8_tiles, QUANT_AMX_ENV), (attn_tiles, ATTN_AMX_ENV)):
@@ -434,6 +432,6 @@ def _load(extra_flags: tuple[str, ...] = ()) -> NativeKernels | None:
         ArgmaxKernel(argmax, argmax_bf16),
         LoRAKernel(lora) if lib.pdkv_lora_built() else None,
         quant if built else None,
-        DecodeLayerKernel(layer, scratch, row1_region) if built else None,
+        DecodeLayerKernel(layer, scratch) if built else None,
         bf16_dot=bf16_dot,
     )

@@ -165,14 +165,6 @@ class DecodeLayerKernel:
 
     layer_fn: Any  # pdkv_decode_layer
     scratch_fn: Any  # pdkv_decode_scratch_bytes
-    row1_region_fn: Any = None  # pdkv_decode_row1_region
-
-    def row1_region(self, want: bool | None = None) -> bool:
-        """decode_layer.c's batch-1 layers in one parallel region (the same bits): set with ``want``, and
-        as it is now."""
-        if self.row1_region_fn is None:
-            return False
-        return bool(self.row1_region_fn(-1 if want is None else int(want)))
 
 
 def _check_quant(failed: int, name: str) -> None:

@@ -17,7 +17,6 @@
 #include <stdint.h>
 #include <stddef.h>
 #include <stdlib.h>
-#include <omp.h>
 
 int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const void *packed, int64_t fmt,
                  int64_t n_out, void *out, int64_t ldo, int64_t out_bf16);
@@ -29,10 +28,6 @@ int pdkv_rope_write_kv(const void *qkv, const void *cos, const void *sin, void *
                        int64_t num_kv_heads, int64_t head_dim, int64_t num_layers, int64_t layer,
                        int64_t block_size, int64_t bf16, int64_t num_blocks, int64_t kv_order);
 void pdkv_side_stream(const char *const *base, int64_t n, int64_t bytes);
-int pdkv_qlinear_row1_share(const void *x, int64_t in_bf16, int64_t k, const void *packed, int64_t fmt,
-                            int64_t n_out, void *out, int64_t out_bf16, int64_t tid, int64_t nt);
-void pdkv_qprefetch_share(const void *packed, int64_t fmt, int64_t n_out, int64_t k, int64_t tid, int64_t nt,
-                          const int *stop, int until, int64_t max_bytes);
 int pdkv_lora_bf16(const void *x_, void *y_, const int64_t *slot, const void *a_, const void *b_,
                    int64_t rows, int64_t in, int64_t out, int64_t parts, const int64_t *part_start,
                    int64_t rank, int64_t num_slots);
@@ -182,134 +177,6 @@ static int linear_with_side(int which, int64_t slabs, int64_t bytes, const void 
     return rc;
 }
 
-/* A batch-1 layer of quantized linears in one parallel region.  Called kernel by kernel, each linear is
- * a fork and a join, its threads' weight streams start cold, and between the linears (the norms, RoPE,
- * attention, SiLU: one thread's work at one row) the memory idles: 120 calls of SmolLM2's Q4_1 linears
- * read their 66 MB at 24-30 GB/s where one call over as many bytes reads at 41-59 (AMD EPYC Zen 5, the
- * same minutes).  Here the threads stay in one region, each streams its share of every linear
- * (quant.c's pdkv_qlinear_row1_share: the same groups, the same bits), and while thread 0 runs the
- * one-thread work the others pull their share of the next linear toward L2 (at most ROW1_AHEAD bytes a
- * part).  Every kernel is the per-call path's, in the same order: the same bits (a test compares). */
-#define FMT_BF16 2 /* quant.c's dense bfloat16: its linears keep their own kernel and path */
-#define ROW1_AHEAD ((int64_t)256 << 10)
-static int row1_region = 1;
-
-/* 0 / 1: the batch-1 region from now on (a benchmark's A/B, a test's comparison); else no change.
- * Returns the setting in use. */
-int pdkv_decode_row1_region(int want) {
-    if (want == 0 || want == 1) __atomic_store_n(&row1_region, want, __ATOMIC_RELAXED);
-    return __atomic_load_n(&row1_region, __ATOMIC_RELAXED);
-}
-
-static int quantized_linear(const struct pdkv_linear *lin) {
-    for (int64_t i = 0; i < lin->parts; i++)
-        if (lin->fmt[i] == FMT_BF16) return 0;
-    return lin->parts > 0;
-}
-
-/* This thread's share of one row through a linear's parts (run_linear's columns). */
-static int linear_share(const struct pdkv_linear *lin, const void *x, int64_t bf, int64_t k, int64_t n, void *out,
-                        int64_t tid, int64_t nt) {
-    int64_t col = 0;
-    for (int64_t i = 0; i < lin->parts; i++) {
-        const int rc = pdkv_qlinear_row1_share(x, bf, k, lin->w[i], lin->fmt[i], lin->rows[i],
-                                               (char *)out + col * (bf ? 2 : 4), bf, tid, nt);
-        if (rc) return rc;
-        col += lin->rows[i];
-    }
-    return col == n ? 0 : 2;
-}
-
-static void prefetch_linear(const struct pdkv_linear *lin, int64_t k, int64_t tid, int64_t nt, const int *phase,
-                            int until) {
-    for (int64_t i = 0; i < lin->parts; i++)
-        pdkv_qprefetch_share(lin->w[i], lin->fmt[i], lin->rows[i], k, tid, nt, phase, until, ROW1_AHEAD);
-}
-
-static inline void note_failure(int *failed, int rc) {
-    int none = 0;
-    if (rc) __atomic_compare_exchange_n(failed, &none, rc, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
-}
-
-static int rope_and_attention(const struct pdkv_layer *L, const struct pdkv_shape *s,
-                              const struct pdkv_step *st, const void *qkv, void *qk, void *attn);
-
-static int decode_layer_row1(const struct pdkv_layer *L, const struct pdkv_shape *s, const struct pdkv_step *st,
-                             const void *h, const void *delta, void *h_out, void *delta_out) {
-    const int64_t es = s->bf16 ? 2 : 4, bf = s->bf16;
-    const int64_t hd = s->head_dim, nq = s->heads * hd, nkv = s->kv_heads * hd, nqkv = nq + 2 * nkv;
-    char *p = (char *)st->scratch;
-    void *x = p;                 p += s->hidden * es;
-    void *h1 = p;                p += s->hidden * es;
-    void *o = p;                 p += s->hidden * es;
-    void *qkv = p;               p += nqkv * es;
-    void *qk = p;                p += (nq + nkv) * es;
-    void *attn = p;              p += nq * es;
-    void *gu = p;                p += 2 * s->inter * es;
-    void *act = p;
-    if (delta == NULL) h1 = (void *)h;
-    int failed = 0, phase = 0;
-#pragma omp parallel
-    {
-        const int64_t tid = omp_get_thread_num(), nt = omp_get_num_threads();
-#define FAILED() __atomic_load_n(&failed, __ATOMIC_ACQUIRE)
-/* thread 0's one-thread work (then phase n), the others readying `next` meanwhile */
-#define ALONE(n, next, k, work)                                                                         \
-    do {                                                                                                \
-        if (tid == 0) {                                                                                 \
-            if (!FAILED()) note_failure(&failed, (work));                                               \
-            __atomic_store_n(&phase, (n), __ATOMIC_RELEASE);                                            \
-        } else {                                                                                        \
-            prefetch_linear((next), (k), tid, nt, &phase, (n));                                         \
-        }                                                                                               \
-    } while (0)
-        ALONE(1, &L->qkv, s->hidden,
-              delta == NULL ? pdkv_rms_norm(h, NULL, NULL, L->norm1, x, 1, s->hidden, L->eps, bf)
-                            : pdkv_rms_norm(h, delta, h1, L->norm1, x, 1, s->hidden, L->eps, bf));
-#pragma omp barrier
-        if (!FAILED()) note_failure(&failed, linear_share(&L->qkv, x, bf, s->hidden, nqkv, qkv, tid, nt));
-#pragma omp barrier
-        ALONE(2, &L->o, nq, rope_and_attention(L, s, st, qkv, qk, attn));
-#pragma omp barrier
-        if (!FAILED()) note_failure(&failed, linear_share(&L->o, attn, bf, nq, s->hidden, o, tid, nt));
-#pragma omp barrier
-        ALONE(3, &L->gu, s->hidden, pdkv_rms_norm(h1, o, h_out, L->norm2, x, 1, s->hidden, L->eps, bf));
-#pragma omp barrier
-        if (!FAILED()) note_failure(&failed, linear_share(&L->gu, x, bf, s->hidden, 2 * s->inter, gu, tid, nt));
-#pragma omp barrier
-        ALONE(4, &L->d, s->inter, pdkv_silu_mul(gu, act, 1, s->inter, bf));
-#pragma omp barrier
-        if (!FAILED()) note_failure(&failed, linear_share(&L->d, act, bf, s->inter, s->hidden, delta_out, tid, nt));
-#undef ALONE
-#undef FAILED
-    }
-    return failed;
-}
-
-/* The step's attention for this layer: the prefill kernel over chunks, or the decode kernel. */
-static int attention(const struct pdkv_layer *L, const struct pdkv_shape *s, const struct pdkv_step *st,
-                     const void *qk, void *attn) {
-    const int64_t hd = s->head_dim, nq = s->heads * hd, nkv = s->kv_heads * hd;
-    if (st->chunks > 0)
-        return pdkv_paged_prefill_many(qk, nq + nkv, st->kv_cache, attn, st->block_table, st->table_width,
-                                       st->positions, st->counts, st->chunks, s->num_layers, L->layer,
-                                       s->block_size, s->heads, s->kv_heads, hd, L->window, L->scale,
-                                       st->num_blocks, s->kv_order);
-    if (s->kv_order != 0) return 2; /* the decode kernel reads the canonical order only */
-    return pdkv_paged_decode(qk, st->kv_cache, attn, st->block_table, st->positions, st->rows, st->table_width,
-                             s->num_layers, L->layer, s->block_size, s->heads, s->kv_heads, hd, L->window,
-                             L->scale, s->bf16, nq + nkv, st->num_blocks);
-}
-
-/* RoPE with the step's K/V written into the cache, then the attention over it. */
-static int rope_and_attention(const struct pdkv_layer *L, const struct pdkv_shape *s,
-                              const struct pdkv_step *st, const void *qkv, void *qk, void *attn) {
-    const int rc = pdkv_rope_write_kv(qkv, st->cos, st->sin, qk, st->kv_cache, st->slot_blocks, st->slot_offsets,
-                                      st->rows, s->heads, s->kv_heads, s->head_dim, s->num_layers, L->layer,
-                                      s->block_size, s->bf16, st->num_blocks, s->kv_order);
-    return rc ? rc : attention(L, s, st, qk, attn);
-}
-
 /* h_out = h + delta + attention (the residual after this layer's attention; h + delta is the input's
  * residual, h itself when delta is NULL), delta_out = this layer's MLP output: DecoderLayer.forward's
  * (h, delta) contract. */
@@ -327,10 +194,6 @@ int pdkv_decode_layer(const struct pdkv_layer *L, const struct pdkv_shape *s, co
     void *gu = p;                p += t * 2 * s->inter * es;
     void *act = p;
     int rc;
-    if (t == 1 && st->lora_rows == NULL && __atomic_load_n(&row1_region, __ATOMIC_RELAXED) && !omp_in_parallel() &&
-        omp_get_max_threads() > 1 && quantized_linear(&L->qkv) && quantized_linear(&L->o) &&
-        quantized_linear(&L->gu) && quantized_linear(&L->d))
-        return decode_layer_row1(L, s, st, h, delta, h_out, delta_out);
     if (delta == NULL) {
         h1 = (void *)h;
         rc = pdkv_rms_norm(h, NULL, NULL, L->norm1, x, t, s->hidden, L->eps, bf);
@@ -340,7 +203,22 @@ int pdkv_decode_layer(const struct pdkv_layer *L, const struct pdkv_shape *s, co
     if (rc) return rc;
     if ((rc = run_linear(&L->qkv, x, bf, t, s->hidden, nqkv, qkv))) return rc;
     if ((rc = add_lora(L, st, 0, x, qkv, s->hidden, nqkv))) return rc;
-    if ((rc = rope_and_attention(L, s, st, qkv, qk, attn))) return rc;
+    rc = pdkv_rope_write_kv(qkv, st->cos, st->sin, qk, st->kv_cache, st->slot_blocks, st->slot_offsets, t,
+                            s->heads, s->kv_heads, hd, s->num_layers, L->layer, s->block_size, bf, st->num_blocks,
+                            s->kv_order);
+    if (rc) return rc;
+    if (st->chunks > 0)
+        rc = pdkv_paged_prefill_many(qk, nq + nkv, st->kv_cache, attn, st->block_table, st->table_width,
+                                     st->positions, st->counts, st->chunks, s->num_layers, L->layer,
+                                     s->block_size, s->heads, s->kv_heads, hd, L->window, L->scale,
+                                     st->num_blocks, s->kv_order);
+    else if (s->kv_order != 0)
+        rc = 2; /* the decode kernel reads the canonical order only */
+    else
+        rc = pdkv_paged_decode(qk, st->kv_cache, attn, st->block_table, st->positions, t, st->table_width,
+                               s->num_layers, L->layer, s->block_size, s->heads, s->kv_heads, hd, L->window,
+                               L->scale, bf, nq + nkv, st->num_blocks);
+    if (rc) return rc;
     /* the next layer's KV blocks under this one's batch linears (a decode batch's attention waits on them) */
     const int64_t slab_bytes = 2 * s->block_size * s->kv_heads * hd * es;
     const int64_t slabs =

@@ -617,28 +617,6 @@ int64_t pdkv_quant_row_groups(int64_t want) {
     return row_groups;
 }
 
-#if PDKV_QUANT_BUILT
-/* One activation row (a) through thread tid's even share (of nt) of the groups of a packed [n_out, k]
- * matrix, rg groups side by side at a time (group_row1): the batch-1 arithmetic, whoever calls it. */
-static void row1_share(const void *packed, int64_t fmt, int64_t k, int64_t n_out, Acts a, void *out,
-                       int64_t out_bf16, int64_t rg, int64_t tid, int64_t nt) {
-    const int64_t blocks = k / QBLOCK, groups = (n_out + GROUP - 1) / GROUP, tb = tile_bytes(fmt);
-    const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
-    for (int64_t g = g0; g < g1; g += rg) {
-        const uint8_t *wg = (const uint8_t *)packed + g * blocks * tb;
-        const int64_t ng = g1 - g < rg ? g1 - g : rg;
-        if (ng == 4)
-            group_row1(wg, fmt, blocks, a, k, out, g * GROUP, n_out, out_bf16, 4);
-        else if (ng == 3)
-            group_row1(wg, fmt, blocks, a, k, out, g * GROUP, n_out, out_bf16, 3);
-        else if (ng == 2)
-            group_row1(wg, fmt, blocks, a, k, out, g * GROUP, n_out, out_bf16, 2);
-        else
-            group_row1(wg, fmt, blocks, a, k, out, g * GROUP, n_out, out_bf16, 1);
-    }
-}
-#endif
-
 /* out[m, col0 + n] (row stride ldo elements) = sum_k x[m, k] w[n, k] for m < rows, n < n_out; x [rows, k]
  * contiguous.  in_bf16 / out_bf16: bfloat16 (else float32) input / output. */
 int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const void *packed, int64_t fmt,
@@ -712,8 +690,23 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
             }
         }
 #endif
-        if (rows == 1 && buf != NULL && !tiles) /* one row: this thread's even share of the groups */
-            row1_share(packed, fmt, k, n_out, a, out, out_bf16, rg, omp_get_thread_num(), omp_get_num_threads());
+        if (rows == 1 && buf != NULL && !tiles) {
+            /* one row: this thread's even share of the groups, row_groups at a time (group_row1) */
+            const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+            const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
+            for (int64_t g = g0; g < g1; g += rg) {
+                const uint8_t *wg = (const uint8_t *)packed + g * blocks * tb;
+                const int64_t ng = g1 - g < rg ? g1 - g : rg;
+                if (ng == 4)
+                    group_row1(wg, fmt, blocks, a, k, out, g * GROUP, n_out, out_bf16, 4);
+                else if (ng == 3)
+                    group_row1(wg, fmt, blocks, a, k, out, g * GROUP, n_out, out_bf16, 3);
+                else if (ng == 2)
+                    group_row1(wg, fmt, blocks, a, k, out, g * GROUP, n_out, out_bf16, 2);
+                else
+                    group_row1(wg, fmt, blocks, a, k, out, g * GROUP, n_out, out_bf16, 1);
+            }
+        }
         for (int64_t m0 = 0; rows > 1 && !tiles && m0 < rows; m0 += MCHUNK) {
             const int64_t m1 = m0 + MCHUNK < rows ? m0 + MCHUNK : rows;
 #pragma omp for schedule(static)
@@ -738,53 +731,5 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
     }
     free(shared);
     return failed;
-#endif
-}
-
-/* pdkv_qlinear for one row (out [1, n_out], its row stride n_out), thread tid's share of nt -- called by
- * every thread of a parallel region its caller opened (decode_layer.c's batch-1 layer), each quantizing
- * the row itself: pdkv_qlinear's rows == 1 bits.  Quantized formats only (FMT_BF16: 2).  0, or 2 / 3. */
-int pdkv_qlinear_row1_share(const void *x, int64_t in_bf16, int64_t k, const void *packed, int64_t fmt,
-                            int64_t n_out, void *out, int64_t out_bf16, int64_t tid, int64_t nt) {
-#if !PDKV_QUANT_BUILT
-    (void)x; (void)in_bf16; (void)k; (void)packed; (void)fmt; (void)n_out; (void)out; (void)out_bf16;
-    (void)tid; (void)nt;
-    return 1;
-#else
-    if (fmt == FMT_BF16 || pdkv_qpacked_bytes(fmt, n_out, k) < 0 || nt < 1 || tid < 0 || tid >= nt) return 2;
-    const int64_t blocks = k / QBLOCK;
-    const size_t q_bytes = (size_t)(2 * k), s_bytes = (size_t)blocks * sizeof(float);
-    char *buf = grow_scratch(&private_acts, &private_bytes, q_bytes + 4 * s_bytes);
-    if (buf == NULL) return 3;
-    uint8_t *q = (uint8_t *)buf;
-    int32_t *is = (int32_t *)(buf + q_bytes), *ih = is + blocks;
-    float *da = (float *)(buf + q_bytes + 2 * s_bytes), *sa = da + blocks;
-    quantize_row(x, in_bf16, k, q, is, ih, da, sa);
-    const Acts a = {q, is, ih, da, sa};
-    row1_share(packed, fmt, k, n_out, a, out, out_bf16, __atomic_load_n(&row_groups, __ATOMIC_RELAXED), tid, nt);
-    return 0;
-#endif
-}
-
-/* Thread tid's share (of nt) of a packed [n_out, k] matrix pulled toward its caches, from the start, until
- * *stop reaches `until` or max_bytes were asked for: a thread that would wait while another computes
- * readies the weights it streams next (into L2: prefetcht1), as row1_share splits them.  Quantized
- * formats only; the bytes are prefetched, never read. */
-void pdkv_qprefetch_share(const void *packed, int64_t fmt, int64_t n_out, int64_t k, int64_t tid, int64_t nt,
-                          const int *stop, int until, int64_t max_bytes) {
-#if PDKV_QUANT_BUILT
-    const int64_t total = pdkv_qpacked_bytes(fmt, n_out, k);
-    if (total <= 0 || fmt == FMT_BF16 || nt < 1) return;
-    const int64_t blocks = k / QBLOCK, groups = (n_out + GROUP - 1) / GROUP, tb = tile_bytes(fmt);
-    const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
-    const char *from = (const char *)packed + g0 * blocks * tb;
-    int64_t bytes = (g1 - g0) * blocks * tb;
-    if (bytes > max_bytes) bytes = max_bytes;
-    for (int64_t off = 0; off < bytes; off += 64) {
-        if ((off & 1023) == 0 && __atomic_load_n(stop, __ATOMIC_ACQUIRE) >= until) return;
-        _mm_prefetch(from + off, _MM_HINT_T1);
-    }
-#else
-    (void)packed; (void)fmt; (void)n_out; (void)k; (void)tid; (void)nt; (void)stop; (void)until; (void)max_bytes;
 #endif
 }

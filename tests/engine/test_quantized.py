@@ -736,48 +736,6 @@ def test_the_fused_decode_layer_is_the_per_op_path_bit_for_bit(
         assert all(calls), "in deterministic mode every step does"
 
 
-@pytest.mark.parametrize(
-    ("qtype", "dtype", "deterministic"),
-    [*((q, "bfloat16", False) for q in FORMATS), ("Q4_1", "bfloat16", True), ("Q4_0", "float32", False)],
-)
-def test_batch1_layers_in_one_parallel_region_are_the_per_op_path_bit_for_bit(
-    kernel: QuantKernel, qtype: str, dtype: str, deterministic: bool, files: dict[str, Path], tmp_path: Path
-) -> None:
-    """One request at a time, so that every decode step is batch 1: decode_layer.c's layer in one
-    parallel region (two threads at least; on by default), the layer called kernel by kernel, and the
-    per-op path give the same tokens and log-probabilities."""
-    if dtype == "bfloat16" and not SiluMulKernel.supports(torch.bfloat16):
-        pytest.skip("the bfloat16 SiLU kernel needs AVX-512 or AVX2: the per-op path has torch's SiLU")
-    if deterministic and not _deterministic_here():
-        pytest.skip("deterministic mode needs the native prefill attention (AVX-512 or AVX2)")
-    if deterministic:  # the native prefill attention (deterministic mode's) takes head_dim 64, not 16
-        folder = pdkv_tiny_model_dir(init_std=0.2, hidden=128, heads=2, kv_heads=1)
-        files = {"Q4_1": write_gguf(folder, tmp_path / "hd64.gguf", qtype="Q4_1")}
-    layer = native_kernels().decode_layer  # type: ignore[union-attr]
-    assert layer is not None and layer.row1_region(), "on by default"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(2, threads))  # the region runs where there are two threads or more
-    try:
-        llm = _llm(files[qtype], dtype, deterministic=deterministic)
-        params = SamplingParams(max_tokens=10, logprobs=1, ignore_eos=True)
-
-        def run() -> list[Any]:
-            return [llm.generate([p], params)[0] for p in PROMPTS]
-
-        calls, region = _fused_then_per_op(llm, run, f"{qtype} {dtype}: the fused call serves batch 1")
-        assert sum(calls) >= len(PROMPTS) * 9, "the batch-1 decode steps took the fused call"
-        layer.row1_region(False)
-        try:
-            assert llm.engine.reset_prefix_cache()
-            per_call = run()
-        finally:
-            layer.row1_region(True)
-        for x, y in zip(region, per_call, strict=True):
-            assert x.token_ids == y.token_ids and x.logprobs == y.logprobs
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_the_fused_decode_layer_adds_lora_deltas_as_the_per_op_path_does(kernel: QuantKernel) -> None:
     """bfloat16 with two adapters on the native LoRA kernel: steps with adapter rows, without, and mixed
     take the fused call and give the per-op path's bits."""
