@@ -107,7 +107,7 @@ class StoreServer:
             if self._own_context:
                 stop_authenticator(self._context)
                 self._context.term()
-            raise OSError(exc.errno, f"cannot listen on {bind}: {exc.strerror}") from exc
+            raise OSError(f"cannot listen on {bind}: {exc.strerror}") from exc
         self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._in_flight: list[tuple[zmq.MessageTracker, list[Unit]]] = []
         self.requests: Counter[str] = Counter()

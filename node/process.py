@@ -83,7 +83,6 @@ class NodeRuntime:
     tls: TLSFolder | None = None
     drainer: Drain | None = None  # set by build
     _last: tuple[float, EngineSnapshot] | None = None  # the last snapshot read, and when (monotonic)
-    _holds: int = 1  # the holds a drain last read (1 until one was read: not done)
     _drain_started: float = 0.0  # monotonic
 
     @classmethod
@@ -155,19 +154,21 @@ class NodeRuntime:
             return last[1], time.monotonic() - last[0]
 
     def drain_progress(self) -> DrainProgress:
-        """Admitted unfinished requests, and finished ones whose KV a reader has yet to pull or release
-        (the last count read while the engine is inside a step longer than ``RECENT_WAIT_S``: a long
-        prefill on a loaded host took over 5 s, and the drain died of the wait's TimeoutError)."""
+        """Admitted unfinished requests, and finished ones whose KV a reader has yet to pull or release.
+        While the engine is inside a step longer than ``RECENT_WAIT_S`` the holds are unknown: 1, not done
+        (a long prefill on a loaded host took over 5 s, and the drain died of the read's TimeoutError)."""
+        # the requests first: a step ending between the two reads made its holds before it finished them
+        requests = self.driver.num_requests
+        holds = 1
         with contextlib.suppress(TimeoutError):  # asked again at the drain's next poll
-            self._holds = self.driver.call(lambda e: len(e.scheduler.holds), timeout=RECENT_WAIT_S)
-        holds = self._holds
+            holds = self.driver.call(lambda e: len(e.scheduler.holds), timeout=RECENT_WAIT_S)
         now = time.monotonic()
         seen = (
             self.health.told_stopping.is_set()
             or now - self._drain_started >= LINGER_S
             or now - self.health.last_check >= UNWATCHED_S  # a cluster's stop: its router went first
         )
-        return DrainProgress(requests=self.driver.num_requests, holds=holds, seen=seen)
+        return DrainProgress(requests=requests, holds=holds, seen=seen)
 
     def drain(self) -> DrainReport:
         """A planned stop's first half: NOT_SERVING, refuse new requests, wait for the admitted ones and

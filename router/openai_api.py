@@ -87,7 +87,9 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        # 409: the server's state, which a retry would meet again (the openai SDK retries 409s unless told)
+        headers = {"x-should-retry": "false"} if exc.status == 409 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -253,7 +255,7 @@ class HttpServer:
             self._sock.bind((host, port))
         except OSError as exc:
             self._sock.close()
-            raise OSError(exc.errno, f"cannot listen on {address} for HTTP: {exc.strerror}") from exc
+            raise OSError(f"cannot listen on {address} for HTTP: {exc.strerror}") from exc
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         ssl: dict[str, Any] = {}
         if tls is not None:

@@ -196,7 +196,7 @@ class MetricsServer:
         try:
             self._server = ThreadingHTTPServer((host, port), _handler(self.registry))
         except OSError as exc:  # the flag's address named: the bare "[Errno 98]" does not say which
-            raise OSError(exc.errno, f"cannot listen on {address} for /metrics: {exc.strerror}") from exc
+            raise OSError(f"cannot listen on {address} for /metrics: {exc.strerror}") from exc
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics", daemon=True)
 

@@ -35,7 +35,8 @@ def check_endpoint(text: str, what: str = "endpoint") -> str:
         return text
     if sep and scheme == "tcp":
         host, colon, port = rest.rpartition(":")
-        if colon and host.strip("[]") and (port == "*" or (port.isdigit() and int(port) <= 65535)):
+        number = port.isascii() and port.isdigit() and int(port) <= 65535
+        if colon and host.strip("[]") and (port == "*" or number):
             return text
     raise ValueError(
         f"{what} {text!r} must be a ZeroMQ endpoint: tcp://HOST:PORT (port 0-65535 or *) or ipc://PATH"

@@ -79,7 +79,7 @@ class KVEventPublisher:
         except zmq.ZMQError as exc:
             self._pub.close(linger=0)
             self._replay.close(linger=0)
-            raise OSError(exc.errno, f"cannot listen on {bind} or {replay_bind}: {exc.strerror}") from exc
+            raise OSError(f"cannot listen on {bind} or {replay_bind}: {exc.strerror}") from exc
         self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint: str = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._lock = threading.Lock()

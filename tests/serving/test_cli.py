@@ -295,6 +295,7 @@ def test_an_address_in_use_or_malformed_is_one_line_for_every_server(tmp_path: P
         "port": ([*store, "none", "--bind", "tcp://127.0.0.1:99999"], 2, "tcp://HOST:PORT (port 0-65535"),
         "form": ([*store, "none", "--bind", "nonsense"], 2, "must be a ZeroMQ endpoint"),
         "no scheme": ([*store, "none", "--bind", "127.0.0.1:5555", "--insecure"], 2, "ZeroMQ endpoint"),
+        "no folder": ([*store, "none", "--bind", f"ipc://{tmp_path}/none/s"], 1, "cannot listen on ipc://"),
     }
     try:
         for name, (args, code, said) in cases.items():

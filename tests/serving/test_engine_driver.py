@@ -339,7 +339,7 @@ def test_a_drain_during_a_long_step_waits_it_out_instead_of_dying(driver: Engine
     node = NodeRuntime(NodeConfig("prefill"), driver, RpcCounters(), HealthStatus())
     node.drainer = Drain("prefill-x", node.drain_progress, 60.0, poll_s=0.05, out=lambda line: None)
     started = threading.Event()
-    step_s = STATS_TIMEOUT_S + 1.0  # longer than any read of the engine waits
+    step_s = STATS_TIMEOUT_S + 2.0  # longer than any read of the engine waits
 
     def long_step(engine: LLMEngine) -> None:
         started.set()
@@ -348,6 +348,10 @@ def test_a_drain_during_a_long_step_waits_it_out_instead_of_dying(driver: Engine
     threading.Thread(target=driver.call, args=(long_step,), kwargs={"timeout": 60}, daemon=True).start()
     assert started.wait(10)
     began = time.monotonic()
-    report = node.drain()  # raised TimeoutError when the step outlasted the read's wait
+    during = node.drain_progress()  # raised TimeoutError when the step outlasted the read's wait
+    assert not during.done and during.holds == 1  # unknown while the step runs: not done
+    assert node.totals_line().endswith("totals: unknown (the engine is inside a step)")  # no figures yet
+    assert time.monotonic() - began < step_s - 0.5, "both answered inside the step"
+    report = node.drain()
     assert report.left.done and time.monotonic() - began < 30, report.summary()
     assert "totals: kv_load_failures 0, kv_hold_expiries 0" in node.totals_line()

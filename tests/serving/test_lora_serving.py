@@ -156,6 +156,12 @@ def test_an_adapter_whose_files_changed_is_refused_as_server_state(tmp_path: Pat
             assert "changed since it was loaded" in details and str(tmp_path) not in details
             with _openai(cluster) as sdk, pytest.raises(openai.ConflictError, match="changed since"):
                 sdk.completions.create(model="A", prompt="hi", max_tokens=2)
+            raw = httpx.post(
+                f"http://{cluster.http_address}/v1/completions",
+                json={"model": "A", "prompt": "hi", "max_tokens": 2},
+                timeout=60,
+            )
+            assert raw.status_code == 409 and raw.headers["x-should-retry"] == "false"  # the SDK's retries
             assert _run(client, "B").token_ids == _reference("B")
             assert _run(client, None).token_ids == _reference(None)
     finally:
