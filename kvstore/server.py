@@ -393,6 +393,7 @@ def run_server(args: argparse.Namespace) -> int:
     tune_malloc_for_tensors()
     store = TieredStore.from_config(args.kv_store)
     metrics: MetricsServer | None = None
+    server: StoreServer | None = None
     try:
         server = StoreServer(store, args.bind, limits=limits, verify_puts=args.verify_puts)
         server.watch_health(args.health_interval_ms / 1000)
@@ -402,7 +403,11 @@ def run_server(args: argparse.Namespace) -> int:
             for endpoint in filter(None, (args.kv_events, args.kv_events_replay)):  # the replay socket too
                 refuse_open_wide_bind(endpoint, "KV events", curve is not None, args.insecure, "CURVE")
             server.publish_events(args.kv_events, args.kv_events_replay or None)
-    except BaseException:
+    except BaseException:  # a later bind failed: what is up already goes too (its sockets, its threads)
+        if metrics is not None:
+            metrics.close()
+        if server is not None:
+            server.close()
         store.close()
         raise
     stop = threading.Event()

@@ -295,11 +295,13 @@ def test_an_address_in_use_or_malformed_is_one_line_for_every_server(
         ),
         "zmq": ([*store, "none", "--bind", f"tcp://127.0.0.1:{port}"], "Address already in use"),
     }
-    refused = {  # refused before anything binds: in this process
+    refused = {  # refused before anything serves: in this process
         "port": ([*store, "none", "--bind", "tcp://127.0.0.1:99999"], 2, "tcp://HOST:PORT (port 0-65535"),
         "form": ([*store, "none", "--bind", "nonsense"], 2, "must be a ZeroMQ endpoint"),
         "no scheme": ([*store, "none", "--bind", "127.0.0.1:5555", "--insecure"], 2, "ZeroMQ endpoint"),
         "no folder": ([*store, "none", "--bind", f"ipc://{tmp_path}/none/s"], 1, "cannot listen on ipc://"),
+        # the store's socket is up when its /metrics bind fails: closed again (it was left open)
+        "metrics": ([*store, f"127.0.0.1:{port}", "--bind", f"ipc://{tmp_path}/s"], 1, "for /metrics"),
     }
     try:
         for name, (args, said) in started.items():
