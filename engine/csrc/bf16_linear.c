@@ -113,6 +113,14 @@ void pdkv_side_stream(const char *const *base, int64_t n, int64_t bytes) {
     side_bytes = bytes;
 }
 
+/* The calling thread's side stream, as pdkv_side_stream set it: quant.c's calls take it too (its
+ * batch-1 calls as well, a few lines after each run of groups). */
+void pdkv_side_stream_of(const char *const **base, int64_t *n, int64_t *bytes) {
+    *base = side_base;
+    *n = side_n;
+    *bytes = side_bytes;
+}
+
 #if PDKV_BF16
 /* The two forms of the vector kernel (the same bits, simd.h):
  *   FORM_VDP  vdpbf16ps on the pairs as they come, each row's pair broadcast as one dword (PDKV_BF16 1);

@@ -116,7 +116,14 @@ int64_t pdkv_decode_scratch_bytes(const struct pdkv_shape *s, int64_t rows) {
  * -- keys then values, contiguous -- into L2 and L3 (bf16_linear.c's side stream), shares in proportion
  * to their work, at most SIDE_MAX_BYTES a layer (rows in order; the rest is read as before).  Batch-32
  * step of the built-in model, 128-token prompts (AMD EPYC Zen 5, instrumented layers): attention 3.1-3.3
- * -> 2.0-2.1 ms a step, RoPE's K/V writes 0.40 -> 0.27 ms, the three linears +0.2-0.3 ms. */
+ * -> 2.0-2.1 ms a step, RoPE's K/V writes 0.40 -> 0.27 ms, the three linears +0.2-0.3 ms.
+ * A batch-1 step streams too, under its quantized linears (quant.c: a few lines after each run of groups;
+ * bf16_linear.c's batch-1 calls take none): its one row's KV is a few hundred KB a layer, but the weights
+ * streamed since the layer's last step have pushed it out of every cache, and its attention waited on it
+ * line by line.  An AMD EPYC Zen 4, the Q4_1 model's batch-1 step with its weights evicted, in-process
+ * A/B with the stream switched between rounds (16 rounds, medians): 128-token prompt attention 0.385 ->
+ * 0.326 ms a step, the step 4.40 -> 4.29 ms; 512 tokens 0.972 -> 0.684 and 5.59 -> 5.47 ms (the
+ * linears give back part: they share the memory). */
 #define SIDE_MAX_BYTES ((int64_t)8 << 20)
 
 static _Thread_local const char **side_slabs;
@@ -219,10 +226,10 @@ int pdkv_decode_layer(const struct pdkv_layer *L, const struct pdkv_shape *s, co
                                s->num_layers, L->layer, s->block_size, s->heads, s->kv_heads, hd, L->window,
                                L->scale, bf, nq + nkv, st->num_blocks);
     if (rc) return rc;
-    /* the next layer's KV blocks under this one's batch linears (a decode batch's attention waits on them) */
+    /* the next layer's KV blocks under this one's linears (the next attention would wait on them) */
     const int64_t slab_bytes = 2 * s->block_size * s->kv_heads * hd * es;
     const int64_t slabs =
-        t > 1 && L->layer + 1 < s->num_layers ? layer_slabs(s, st, L->layer + 1, slab_bytes) : 0;
+        L->layer + 1 < s->num_layers ? layer_slabs(s, st, L->layer + 1, slab_bytes) : 0;
     if ((rc = linear_with_side(0, slabs, slab_bytes, attn, bf, t, nq, &L->o, s->hidden, o))) return rc;
     if ((rc = add_lora(L, st, 1, attn, o, nq, s->hidden))) return rc;
     if ((rc = pdkv_rms_norm(h1, o, h_out, L->norm2, x, t, s->hidden, L->eps, bf))) return rc;

@@ -173,6 +173,7 @@ static inline Acts acts_from(Acts a, int64_t j, int64_t k) {
     return (Acts){a.q + 2 * j * k, a.is + s, a.ih + s, a.da + s, a.sa + s};
 }
 
+void pdkv_side_stream_of(const char *const **base, int64_t *n, int64_t *bytes);
 int pdkv_bf16_linear(const void *x, int64_t rows, int64_t k, const void *packed, int64_t n, void *out,
                      int64_t ldo, int64_t col0);
 int pdkv_bf16_rows(const void *packed, int64_t n, int64_t k, const int64_t *ids, int64_t count, void *out);
@@ -654,6 +655,9 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
     const int parallel = rows * n_out * k >= PARALLEL_MIN_WORK;
     /* read once: another thread may change it meanwhile (a benchmark's switch) */
     const int64_t rg = __atomic_load_n(&row_groups, __ATOMIC_RELAXED);
+    const char *const *sbase;
+    int64_t sn, sbytes;
+    pdkv_side_stream_of(&sbase, &sn, &sbytes); /* the caller's side stream (decode_layer.c), if any */
     int failed = 0;
 #pragma omp parallel if (parallel)
     {
@@ -694,7 +698,16 @@ int pdkv_qlinear(const void *x, int64_t in_bf16, int64_t rows, int64_t k, const 
             /* one row: this thread's even share of the groups, row_groups at a time (group_row1) */
             const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
             const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
+            /* this thread's share of the side stream, a few lines after each run of groups */
+            const int64_t s0 = sn * tid / nt, s1 = sn * (tid + 1) / nt, runs = (g1 - g0 + rg - 1) / rg;
+            LineStream side = line_stream(sbase ? sbase + s0 : NULL, s1 - s0, sbytes);
+            const int64_t per_run = runs > 0 ? ((s1 - s0) * ((sbytes + 63) / 64) + runs - 1) / runs : 0;
             for (int64_t g = g0; g < g1; g += rg) {
+                for (int64_t i = 0; i < per_run; i++) {
+                    const char *line = line_stream_next(&side);
+                    if (line == NULL) break;
+                    _mm_prefetch(line, _MM_HINT_T2);
+                }
                 const uint8_t *wg = (const uint8_t *)packed + g * blocks * tb;
                 const int64_t ng = g1 - g < rg ? g1 - g : rg;
                 if (ng == 4)

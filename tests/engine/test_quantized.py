@@ -634,10 +634,13 @@ def _fused_then_per_op(llm: LLM, run: Callable[[], list[Any]], why: str) -> tupl
         return out
 
     runs = []
-    for use in (counted, None):
-        model.fused_decode = use
-        assert llm.engine.reset_prefix_cache()
-        runs.append(run())
+    try:
+        for use in (counted, None):
+            model.fused_decode = use
+            assert llm.engine.reset_prefix_cache()
+            runs.append(run())
+    finally:
+        model.fused_decode = fused  # the engine as it was, for the caller's next run
     for x, y in zip(*runs, strict=True):
         assert x.token_ids == y.token_ids and x.logprobs == y.logprobs
     return calls, runs[0]
@@ -710,9 +713,10 @@ def test_the_fused_decode_layer_is_the_per_op_path_bit_for_bit(
     tmp_path: Path,
 ) -> None:
     """Quantized weights, and a safetensors folder's bfloat16 weights on the native bfloat16 kernel;
-    decode steps of one group and of several (12 requests: groups of 8), and in deterministic mode every
-    step, prefill chunks included.  float32 activations on quantized weights too (an AVX2 host's
-    ``--dtype auto``): the per-op path then takes the native float32 SiLU as the fused call does."""
+    decode steps of one group and of several (12 requests: groups of 8) and of one request alone, and in
+    deterministic mode every step, prefill chunks included.  float32 activations on quantized weights too
+    (an AVX2 host's ``--dtype auto``): the per-op path then takes the native float32 SiLU as the fused call
+    does."""
     if qtype == "bf16 folder" and not kernel.bf16:
         pytest.skip("this build has neither AVX-512 nor AVX2 code (the bfloat16 kernel)")
     if dtype == "bfloat16" and not SiluMulKernel.supports(torch.bfloat16):
@@ -734,6 +738,12 @@ def test_the_fused_decode_layer_is_the_per_op_path_bit_for_bit(
     assert sum(calls) >= 9, "decode steps took the fused call"
     if deterministic:
         assert all(calls), "in deterministic mode every step does"
+    # one request alone: batch-1 calls, whose quantized linears stream the next layer's KV blocks in
+    # (decode_layer.c's side stream) -- over a dozen blocks of a 40-token prompt and its output
+    calls, _ = _fused_then_per_op(
+        llm, lambda: llm.generate([PROMPTS[3]], params), "a lone request decodes one call per layer"
+    )
+    assert sum(calls) >= 9, "batch-1 decode steps took the fused call"
 
 
 def test_the_fused_decode_layer_adds_lora_deltas_as_the_per_op_path_does(kernel: QuantKernel) -> None:
