@@ -233,7 +233,13 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         default=2,
         help="decode nodes per request: a failed one hands it to the next, which resumes the stream",
     )
-    parser.add_argument("--health-interval-s", type=float, default=0.5)
+    parser.add_argument(
+        "--health-interval-s",
+        type=float,
+        default=0.5,
+        help="seconds between the rounds of health checks of every node (each waits 1 s for its answer; "
+        "two late in a row, or a refused connection, mark the node down)",
+    )
     parser.add_argument(
         "--reroute-after-s",
         type=float,

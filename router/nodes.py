@@ -1,7 +1,8 @@
 """The router's view of its nodes: one channel and stubs per node, health, and in-flight counts.
 
 A ``NodePool`` holds the nodes of one kind (prefill, or decode/colocated).  ``HealthMonitor`` asks every
-node's health service each ``interval`` and marks it up or down; a call that fails with UNAVAILABLE marks
+node's health service each ``interval`` and marks it up or down (down where its checks run past their
+deadline ``LATE_CHECKS_DOWN`` times in a row, or it refuses them); a call that fails with UNAVAILABLE marks
 its node down at once, so the next request avoids it without waiting for the monitor.  With DNS discovery
 a configured ``name:port`` stands for every address the name resolves to (compose replicas).
 """
@@ -13,15 +14,14 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import grpc
 
 from engine.driver import NODE_DRAINING
 from engine.hashing import AdapterId, HashNamespace
 from pdkv_proto.pdkv.v1 import node_pb2, node_pb2_grpc, types_pb2
+from router.costs import NodeCosts, measure_costs
 from router.kv_index import Publisher
 from serving.health import SERVING, check
 from serving.tls import TLSFolder, channel
@@ -42,24 +42,10 @@ CHANNEL_OPTIONS = [
 ABORT_TIMEOUT_S = 2.0
 
 
-@dataclass(frozen=True)
-class NodeCosts:
-    """What a node's own figures say a request will cost there (``kv-aware`` routing), measured from the
-    deltas of its ``Stats`` between two health rounds (smoothed), never set by hand."""
-
-    prefill_s_per_token: float | None = None  # runner seconds per prompt token computed
-    load_s_per_token: float | None = None  # seconds per prompt token loaded from its store
-    queued_prefill_tokens: float = 0.0  # prompt tokens its waiting and running requests still compute
-    measured_at: float = 0.0  # time.monotonic() of the Stats the queue comes from (it drains from then)
-
-
-SMOOTHING = 0.3  # weight of the newest window in the moving averages
-
-
-def _smooth(old: float | None, new: float) -> float:
-    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
-
-
+# A node up until now is marked down when this many health checks in a row run past their deadline (one
+# late answer on a loaded host is not a dead node); a refused connection marks it down at once.
+LATE_CHECKS_DOWN = 2
+LATE = "UNREACHABLE: DEADLINE_EXCEEDED"
 STOPPING_GRACE_S = 30.0  # what reroute_unreachable allows a stopping node beyond --reroute-after-s
 
 
@@ -101,6 +87,7 @@ class NodeHandle:
         self._calls: dict[Callable[[], object], AdapterId | None] = {}
         # When its health checks began to go unanswered (a dead or frozen node); None while it answers.
         self.unreachable_since: float | None = None
+        self.late_checks = 0  # health checks in a row that ran past their deadline
         self.stopping = False  # its last answer was NOT_SERVING: draining (its calls finish in its grace)
         self.last_error = "not checked yet"
 
@@ -177,9 +164,16 @@ class NodeHandle:
     def check(self, timeout: float) -> None:
         status = check(self.address, service=self.service, timeout=timeout, channel=self.channel)
         if not status.startswith("UNREACHABLE"):  # it answers (NOT_SERVING while draining: calls finish)
-            self.unreachable_since, self.stopping = None, status == "NOT_SERVING"
+            self.unreachable_since, self.stopping, self.late_checks = None, status == "NOT_SERVING", 0
         elif self.unreachable_since is None:
             self.unreachable_since = time.monotonic()
+        if status.startswith(LATE) and self._healthy:
+            # A live node on a loaded host can answer one check late; a dead one refuses the connection
+            # (UNAVAILABLE: down at once), and a frozen one misses check after check.
+            self.late_checks += 1
+            if self.late_checks < LATE_CHECKS_DOWN:
+                logger.info("node %s answered no health check in %.1f s; still up", self.address, timeout)
+                return
         if status != SERVING:
             self.mark_down(status)
             return
@@ -240,50 +234,6 @@ class NodeHandle:
 
     def close(self) -> None:
         self.channel.close()
-
-
-class HistogramSum(Protocol):
-    @property
-    def sum(self) -> float: ...
-
-
-class CostFigures(Protocol):
-    """What ``measure_costs`` reads of a node's ``NodeStats`` (a simulated node has the same)."""
-
-    @property
-    def counters(self) -> Mapping[str, float]: ...
-
-    @property
-    def gauges(self) -> Mapping[str, float]: ...
-
-    @property
-    def histograms(self) -> Mapping[str, HistogramSum]: ...
-
-
-def measure_costs(
-    costs: NodeCosts, before: CostFigures | None, now: CostFigures, at: float | None = None
-) -> NodeCosts:
-    """``costs`` updated with what the node did between two Stats: prefill seconds per computed token,
-    store-load seconds per loaded token (the ``offload`` connector's load histogram over the prompt
-    tokens it loaded), and the prefill work it has queued now (as of ``at``, default now on the
-    monotonic clock)."""
-    prefill, load = costs.prefill_s_per_token, costs.load_s_per_token
-    if before is not None:
-        c, b = now.counters, before.counters
-        tokens = c["prefill_compute_tokens"] - b["prefill_compute_tokens"]
-        if tokens > 0:
-            prefill = _smooth(prefill, (c["prefill_compute_seconds"] - b["prefill_compute_seconds"]) / tokens)
-        key = "prompt_tokens.external_kv_transfer"
-        loaded = c[key] - b[key]
-        if loaded > 0 and "kv_load_seconds.offload" in now.histograms:
-            old = (
-                before.histograms["kv_load_seconds.offload"].sum
-                if "kv_load_seconds.offload" in before.histograms
-                else 0.0
-            )
-            load = _smooth(load, (now.histograms["kv_load_seconds.offload"].sum - old) / loaded)
-    measured_at = time.monotonic() if at is None else at
-    return NodeCosts(prefill, load, now.gauges["prefill_tokens_queued"], measured_at)
 
 
 def _log_abort_failure(address: str, request_id: str, future: grpc.Future) -> None:
@@ -363,7 +313,7 @@ class NodePool:
             since = node.unreachable_since
             # A node that said it was stopping ends its calls within its grace: cut them only well after.
             wait = after_s + (STOPPING_GRACE_S if node.stopping else 0.0)
-            if since is not None and now - since >= wait:
+            if since is not None and not node.healthy and now - since >= wait:  # one late check: still up
                 cut = node.cut_calls(healthy)
                 if cut:
                     logger.warning(

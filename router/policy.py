@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from engine.hashing import AdapterId, BlockHash, HashNamespace, hash_blocks
+from router.costs import NodeCosts
 from router.kv_index import KVIndex
-from router.nodes import NodeCosts
 
 logger = logging.getLogger(__name__)
 

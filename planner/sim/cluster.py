@@ -27,8 +27,8 @@ from planner.sim.job import Job, Record
 from planner.sim.node import SimNode
 from planner.sim.results import SimResult
 from planner.trace import Arrival
+from router.costs import measure_costs
 from router.kv_index import KVIndex
-from router.nodes import measure_costs
 from router.policy import POLICIES, STORE, NodeSelector, RoutingInfo, pool_selector
 from wire.keys import BlockHash
 from wire.kv_events import BlockRemoved, BlockStored, EventBatch, KVCacheEvent

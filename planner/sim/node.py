@@ -21,7 +21,7 @@ from engine.hashing import HashNamespace
 from planner.profile import Profile
 from planner.sim.cache import NodeCache, StoreSim
 from planner.sim.job import Job
-from router.nodes import NodeCosts
+from router.costs import NodeCosts
 
 DECODE_ROW = 1
 

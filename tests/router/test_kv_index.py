@@ -10,8 +10,9 @@ import pytest
 import zmq
 
 from engine.hashing import BlockHash, HashNamespace, hash_blocks
+from router.costs import NodeCosts
 from router.kv_index import KVEventSubscriber, KVIndex, Publisher
-from router.nodes import NodeCosts, NodeHandle
+from router.nodes import NodeHandle
 from router.policy import STORE, KVAware, RoutingInfo
 from wire.event_publisher import KVEventPublisher
 from wire.kv_events import BlockRemoved, BlockStored, EventBatch

@@ -1,0 +1,70 @@
+"""The router's health rounds (``NodeHandle.check``): a live node that answers one check late stays up, a
+frozen one (every check late) and a dead one (its connection refused) go down."""
+
+from __future__ import annotations
+
+import pytest
+
+from router import nodes
+from router.nodes import LATE_CHECKS_DOWN, NodeHandle
+
+LATE = "UNREACHABLE: DEADLINE_EXCEEDED Deadline Exceeded"
+REFUSED = "UNREACHABLE: UNAVAILABLE failed to connect to all addresses"
+
+
+@pytest.fixture
+def answers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The health answers the next checks get, in order (the Stats call after a SERVING one fails: no
+    node listens -- the handle keeps its figures and stays up)."""
+    queue: list[str] = []
+    monkeypatch.setattr(nodes, "check", lambda *a, **k: queue.pop(0))
+    return queue
+
+
+def _node() -> NodeHandle:
+    node = NodeHandle("127.0.0.1:1", "pdkv.v1.DecodeNode")
+    node.mark_up()
+    return node
+
+
+def test_one_late_answer_keeps_a_node_up_and_an_answer_in_time_forgets_it(answers: list[str]) -> None:
+    node = _node()
+    answers += [LATE, "SERVING", LATE, "SERVING"]
+    for _ in range(4):
+        node.check(0.05)
+        assert node.healthy
+    assert node.late_checks == 0 and node.unreachable_since is None
+
+
+def test_late_answers_in_a_row_mark_a_frozen_node_down(answers: list[str]) -> None:
+    node = _node()
+    answers += [LATE] * LATE_CHECKS_DOWN
+    for _ in range(LATE_CHECKS_DOWN - 1):
+        node.check(0.05)
+        assert node.healthy
+    since = node.unreachable_since
+    assert since is not None  # the reroute clock runs from the first late check
+    node.check(0.05)
+    assert not node.healthy and node.last_error == LATE and node.unreachable_since == since
+
+
+def test_a_refused_connection_marks_a_node_down_at_once(answers: list[str]) -> None:
+    node = _node()
+    answers.append(REFUSED)
+    node.check(0.05)
+    assert not node.healthy and node.last_error == REFUSED
+
+
+def test_a_node_down_stays_down_on_a_late_answer(answers: list[str]) -> None:
+    node = _node()
+    answers += [REFUSED, LATE]
+    node.check(0.05)
+    node.check(0.05)
+    assert not node.healthy and node.last_error == LATE
+
+
+def test_a_draining_node_is_down_at_its_first_not_serving(answers: list[str]) -> None:
+    node = _node()
+    answers.append("NOT_SERVING")
+    node.check(0.05)
+    assert not node.healthy and node.stopping
