@@ -35,6 +35,7 @@ Every error names the offending value and says what would be accepted.  Building
 
 from __future__ import annotations
 
+import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -80,6 +81,7 @@ class StoreConfig:
             raise ValueError(
                 f"tier names must be unique; {', '.join(dupes)} appears more than once (set name=...)"
             )
+        _distinct_folders([t for t in self.tiers if isinstance(t, DiskTierConfig)])
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(
                 f"write_policy {self.write_policy!r} is unknown; choose one of {', '.join(WRITE_POLICIES)}"
@@ -145,6 +147,19 @@ class StoreConfig:
 
 
 # ---- the string form ----------------------------------------------------------------------------------
+
+
+def _distinct_folders(disks: list[DiskTierConfig]) -> None:
+    """Two disk tiers in one folder (or one inside the other) would index, evict and delete each other's
+    files: refused by name."""
+    folders = [(t.name, os.path.realpath(t.path)) for t in disks]
+    for i, (name, path) in enumerate(folders):
+        for other, other_path in folders[i + 1 :]:
+            if os.path.commonpath([path, other_path]) in (path, other_path):
+                raise ValueError(
+                    f"disk tiers {name!r} and {other!r} share a folder ({path} and {other_path}); "
+                    "give each its own"
+                )
 
 
 def _split_options(text: str, where: str) -> tuple[str, dict[str, str]]:

@@ -213,3 +213,18 @@ def test_breaker_opens_backs_off_and_closes() -> None:
 def test_breaker_config_is_validated(kwargs: dict[str, float], named: str) -> None:
     with pytest.raises(ValueError, match=named):
         BreakerConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "disk:/tmp/pdkv-a:1GB,disk:/tmp/pdkv-a:1GB?name=cold",
+        "disk:/tmp/pdkv-a:1GB,disk:/tmp/pdkv-a/../pdkv-a/:1GB?name=cold",
+        "disk:/tmp/pdkv-a:1GB,disk:/tmp/pdkv-a/inner:1GB?name=cold",
+    ],
+)
+def test_two_disk_tiers_in_one_folder_are_refused_by_name(spec: str) -> None:
+    """Each would index, evict and delete the other's files."""
+    with pytest.raises(ValueError, match="disk tiers 'disk' and 'cold' share a folder"):
+        StoreConfig.parse(spec)
+    StoreConfig.parse("disk:/tmp/pdkv-a:1GB,disk:/tmp/pdkv-ab:1GB?name=cold")  # a sibling is its own
