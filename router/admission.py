@@ -114,6 +114,7 @@ class FieldNames:
     sampling: str  # the prefix of a sampling field ("sampling." -> "sampling.top_p")
     structured: str = "sampling.structured"  # the field that carries the output's constraint
     n: str = "n"  # how many choices
+    max_tokens: str = "max_tokens"  # after the prefix; OpenAI chat's max_completion_tokens where it set that
     tools: ToolFields = field(default_factory=ToolFields)  # the tool fields (OpenAI's by default)
 
 
@@ -205,7 +206,7 @@ class Admission:
         if isinstance(min_tokens, int) and isinstance(max_tokens, int) and min_tokens > max_tokens:
             raise InvalidField(
                 f"{names.sampling}min_tokens",
-                f"{min_tokens} is more than max_tokens ({options['max_tokens']})",
+                f"{min_tokens} is more than {names.max_tokens} ({options['max_tokens']})",
             )
         try:
             params = SamplingParams(**options)  # type: ignore[arg-type]
@@ -357,7 +358,7 @@ class Admission:
     ) -> int:
         """The client's max_tokens, checked; or the default of the prompt's kind, cut to what fits.  0
         only when the request scores its prompt (``scoring``: prompt_logprobs, OpenAI's echo)."""
-        name = f"{names.sampling}max_tokens"
+        name = f"{names.sampling}{names.max_tokens}"
         context = self.context_length
         room = context - prompt_len
         limit = self.max_tokens_limit

@@ -153,9 +153,10 @@ def _neutral(
 ) -> GenerationRequest:
     sampling, fields = _sampling(body)
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
-        sampling["max_tokens"] = body.max_completion_tokens  # the newer name wins
+        sampling["max_tokens"] = body.max_completion_tokens  # the newer name wins, and errors name it
+        fields = dataclasses.replace(fields, max_tokens="max_completion_tokens")
     if sampling.get("max_tokens") == 0 and not getattr(body, "echo", False):
-        raise ApiError.invalid("max_tokens", "must be at least 1 (0 only with echo on completions)")
+        raise ApiError.invalid(fields.max_tokens, "must be at least 1 (0 only with echo on completions)")
     return GenerationRequest(
         request_id=f"{kind}-{uuid.uuid4().hex}",
         prompt=prompt,

@@ -209,14 +209,17 @@ class ResponseShape:
                 ]
             }
         # OpenAI's rule: the sampled token's logprob is always in its map ("up to logprobs+1 elements")
-        top_maps = (
-            [None if top is None else {self._token(t): v for t, v in top} for top in tops]
-            if any(tops)
-            else None
-        )
-        for token, lp, top_map in zip(tokens, lps, top_maps or (), strict=False):
-            if top_map is not None and lp is not None:
-                top_map.setdefault(token, lp)
+        # -- logprobs 0 too (no alternatives: the map holds the token alone), so that a harness may always
+        # read top_logprobs[i][tokens[i]]
+        top_maps: list[dict[str, float] | None] = []
+        for i, (token, lp) in enumerate(zip(tokens, lps, strict=False)):
+            top = tops[i] if i < len(tops) else ()
+            if top is None or lp is None:
+                top_maps.append(None)
+                continue
+            top_map = {self._token(t): v for t, v in top}
+            top_map.setdefault(token, lp)
+            top_maps.append(top_map)
         prompt = offsets.echo(ids[:echoed], self.echo.text) if echoed and self.echo is not None else []
         return {
             "tokens": tokens,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -338,6 +339,7 @@ def structured_output(body: BaseModel) -> tuple[StructuredOutput | None, str]:
 # json_schema's own (``strict`` accepted: the reply is always held to the schema).
 _FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
 _JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
@@ -355,6 +357,12 @@ def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
     extra = sorted(set(spec) - _JSON_SCHEMA_KEYS) if isinstance(spec, dict) else []
     if extra:
         raise ValueError(f"response_format.json_schema.{extra[0]}: is not a key of a json_schema")
+    name = spec.get("name") if isinstance(spec, dict) else None
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+        # OpenAI's rule (required, its pattern): a request OpenAI refuses is not served here either
+        raise ValueError(
+            f"response_format.json_schema.name: is required, 1-64 letters, digits, _ or -; got {name!r}"
+        )
     schema = spec.get("schema") if isinstance(spec, dict) else None
     if not isinstance(schema, dict):
         raise ValueError("response_format.json_schema.schema: must be a JSON schema (an object)")

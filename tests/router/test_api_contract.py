@@ -882,3 +882,94 @@ def _fresh_offsets(model: RouterModel) -> Any:
     from router.openai_responses import _Offsets
 
     return _Offsets(model)
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_completions_logprobs_0_maps_each_token_to_its_own_logprob(model: RouterModel, echo: bool) -> None:
+    """An eval harness reads top_logprobs[i][tokens[i]]: with logprobs 0 (no alternatives) each map holds
+    the token alone -- a probe found top_logprobs null, plain and echoed; an echoed prompt's first token,
+    which has no logprob, keeps None."""
+    from router.events import Delta, Done, Usage
+    from router.openai_responses import ResponseShape
+
+    delta = Delta([5, 6], "xy", [-0.1, -0.2])  # logprobs 0: no alternatives come with the tokens
+    done = Done("length", None, Usage(prompt_tokens=3, completion_tokens=2))
+    shape = ResponseShape(model, "id", created=0, chat=False, logprobs=True)
+    offsets = _fresh_offsets(model)
+    ids, lps, tops = [5, 6], [-0.1, -0.2], []
+    if echo:  # an echoed prompt [7, 8] before them: its first token has no logprob
+        ids, lps, tops = [7, 8, *ids], [None, -1.5, *lps], [None, ()]
+    got = shape._logprobs(ids, lps, tops, offsets, echoed=2 if echo else 0)
+    maps = zip(got["top_logprobs"], got["tokens"], strict=True)
+    assert [None if m is None else m[t] for m, t in maps] == lps
+    whole = shape.whole([([delta], done)])["choices"][0]["logprobs"]
+    assert [m[t] for m, t in zip(whole["top_logprobs"], whole["tokens"], strict=True)] == [-0.1, -0.2]
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_max_tokens_that_cannot_be_served_is_refused_under_the_name_the_client_used(
+    model: RouterModel, field: str
+) -> None:
+    """A probe sent max_completion_tokens 100000 and was refused naming max_tokens, a field it never sent."""
+    from router.admission import Admission, InvalidField
+    from router.auth import OPEN, Caller
+
+    caller = Caller(OPEN, "p", 8, cache_details=False)
+    for extra in ({field: 10**6}, {field: 4, "min_tokens": 9}):
+        body = ChatCompletionRequest.model_validate({**CHAT, **extra})
+        with pytest.raises(InvalidField) as info:
+            Admission(model).admit(chat_request(body, model), caller)
+        assert info.value.field == (field if "min_tokens" not in extra else "min_tokens")
+        message = info.value.message
+        assert field in message and (field == "max_tokens" or "max_tokens " not in message)
+    limited = Admission(model, max_tokens_limit=8)
+    with pytest.raises(InvalidField) as info:
+        limited.admit(chat_request(ChatCompletionRequest.model_validate({**CHAT, field: 9}), model), caller)
+    assert info.value.field == field
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"structured_outputs": {"choice": ["yes", "no"]}},
+        {"response_format": {"type": "json_object"}},
+        {"tools": [TOOL], "tool_choice": "required"},
+    ],
+)
+@pytest.mark.parametrize("field", [{"ignore_eos": True}, {"min_tokens": 3}])
+def test_a_constrained_output_refuses_ignore_eos_and_min_tokens_by_name(
+    model: RouterModel, constraint: dict[str, Any], field: dict[str, Any]
+) -> None:
+    """A completed constraint ends the output: min_tokens could not be kept and ignore_eos would change
+    nothing (a probe: ignore_eos accepted with a choice, the output ended at "no" all the same)."""
+    from router.admission import InvalidField
+
+    with pytest.raises(InvalidField) as info:
+        _admitted(model, {**CHAT, "max_tokens": 5, **constraint, **field})
+    assert info.value.field == next(iter(field)) and "structured output" in info.value.message
+    _admitted(model, {**CHAT, "max_tokens": 5, **constraint})  # without it: served
+
+
+@pytest.mark.parametrize("name", [None, "", "a b!", "x" * 65, 7])
+def test_a_json_schema_without_a_valid_name_is_refused_naming_it(model: RouterModel, name: Any) -> None:
+    """OpenAI requires json_schema.name (1-64 of [A-Za-z0-9_-]); a probe's request without one, or with
+    "a b!", was served -- one OpenAI refuses."""
+    spec: dict[str, Any] = {"schema": {"type": "object"}}
+    if name is not None:
+        spec["name"] = name
+    body = ChatCompletionRequest.model_validate(
+        {**CHAT, "response_format": {"type": "json_schema", "json_schema": spec}}
+    )
+    with pytest.raises(ApiError) as info:
+        chat_request(body, model)
+    assert info.value.param == "response_format.json_schema.name", info.value.body()
+    spec["name"] = "a-B_9" * 12 + "abcd"  # 64 characters
+    chat_request(
+        ChatCompletionRequest.model_validate(
+            {**CHAT, "response_format": {"type": "json_schema", "json_schema": spec}}
+        ),
+        model,
+    )
