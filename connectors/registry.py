@@ -99,6 +99,10 @@ def _import_target(target: str) -> type[KVConnectorBase]:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConnectorNotFoundError(f"cannot import connector module {module_name!r}: {exc}") from exc
+    except Exception as exc:  # the module's own code failed (a SyntaxError, its configuration): one line
+        raise ConnectorNotFoundError(
+            f"connector module {module_name!r} failed while importing: {type(exc).__name__}: {exc}"
+        ) from exc
     cls = getattr(module, attr, None)
     if cls is None:
         raise ConnectorNotFoundError(f"module {module_name!r} has no attribute {attr!r}")

@@ -60,6 +60,12 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
         "connector_lookup_failures",
         "connector lookups that raised or stayed unanswered past LOOKUP_DEADLINE_S (counted as zero hits)",
     ),
+    counter(
+        "connector_call_failures",
+        "scheduler-side connector calls that raised (request_finished, build_connector_meta) or reported "
+        "load errors for blocks no request was loading; each logged (docs/connectors.md)",
+        label="call",
+    ),
     counter("kv_hold_expiries", "holds (KV kept for a connector's transfer) past kv_hold_timeout_s"),
     counter(
         "kv_hold_stop_timeouts",

@@ -440,3 +440,42 @@ class RaisingSaveConnector(SharedDirConnector):
 
     def wait_for_save(self) -> None:
         raise OSError(28, "No space left on device")
+
+
+class RaisingFinishConnector(SharedDirConnector):
+    """Raises from ``request_finished`` (an outside plugin did: its node's engine loop died)."""
+
+    def request_finished(
+        self, request: Request, block_ids: Sequence[int]
+    ) -> tuple[bool, KVTransferParams | None]:
+        super().request_finished(request, block_ids)
+        raise RuntimeError("boom from request_finished")
+
+
+class RaisingMetaConnector(SharedDirConnector):
+    """Raises from ``build_connector_meta`` once a request has been admitted."""
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if scheduler_output.scheduled:
+            raise RuntimeError("boom from build_connector_meta")
+        return super().build_connector_meta(scheduler_output)
+
+
+class ForeignLoadErrorsConnector(SharedDirConnector):
+    """Reports block 0 and the pool's last block as failed loads every step, whatever it loaded."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return super().get_block_ids_with_load_errors() | {0, 1, 2, 3}
+
+
+class ForeignFinishedConnector(SharedDirConnector):
+    """Lists a request id it never held in ``finished_sending``, once."""
+
+    said = False
+
+    def get_finished(self, finished_req_ids: set[RequestId]) -> tuple[set[RequestId], set[RequestId]]:
+        sending, recving = super().get_finished(finished_req_ids)
+        if finished_req_ids and not self.said:
+            self.said = True
+            return sending | {RequestId("not-a-request")}, recving
+        return sending, recving

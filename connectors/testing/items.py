@@ -21,6 +21,8 @@ NAMESPACE = "blocks are keyed by the whole namespace: salt, model, dtype and ada
 HOLES = "a hit is a contiguous prefix: a missing block ends it"
 FREED = "a block is not read after request_finished returned hold=False"
 RELEASED = "nothing is kept for a finished request"
+SCHEDULER_RAISES = "a scheduler call never raises into the engine"
+REPORTS = "a report names only what the engine handed over: its requests, the blocks it was loading"
 WORKER_RAISES = "a worker call never raises: load errors are reported, a failed save is caught and counted"
 
 

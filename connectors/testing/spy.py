@@ -132,6 +132,17 @@ class SchedulerSpy(_Proxy):
         # When each request was first asked about, and first got a number (not None) back.
         self.first_asked: dict[str, float] = {}
         self.first_answered: dict[str, float] = {}
+        # Calls that raised (the engine survives them: the harness fails the check on them)
+        self.raised: list[tuple[str, BaseException]] = []
+
+    @contextmanager
+    def _call(self, name: str) -> Iterator[None]:
+        with CLOCK.call(name):
+            try:
+                yield
+            except Exception as exc:
+                self.raised.append((name, exc))
+                raise
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -161,28 +172,28 @@ class SchedulerSpy(_Proxy):
         self.allocs.append(
             Alloc(request.request_id, tuple(block_ids), request.num_computed_tokens, num_external_tokens)
         )
-        with CLOCK.call("update_state_after_alloc"):
+        with self._call("update_state_after_alloc"):
             self.inner.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        with CLOCK.call("build_connector_meta"):
+        with self._call("build_connector_meta"):
             return self.inner.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        with CLOCK.call("update_connector_output"):
+        with self._call("update_connector_output"):
             self.inner.update_connector_output(output)
 
     def request_finished(
         self, request: Request, block_ids: Sequence[int]
     ) -> tuple[bool, KVTransferParams | None]:
         self.finished[request.request_id] += 1
-        with CLOCK.call("request_finished"):
+        with self._call("request_finished"):
             result = self.inner.request_finished(request, block_ids)
         self.finish_results[request.request_id] = result
         return result
 
     def take_events(self) -> list[KVCacheEvent]:
-        with CLOCK.call("take_events"):
+        with self._call("take_events"):
             return self.inner.take_events()
 
     def lookups_of(self, request_id: str) -> list[Lookup]:

@@ -39,6 +39,7 @@ from engine.metrics import SPECS, StatsSnapshot
 from engine.request import Request, RequestId, RequestStatus
 from engine.scheduler.config import CacheConfig, SchedulerConfig
 from engine.scheduler.connector_books import ConnectorBooks, Hold, HoldKind
+from engine.scheduler.connector_results import ConnectorResults
 from engine.scheduler.observe import check_scheduler_integrity, scheduler_stats
 from engine.scheduler.output import (
     EngineCoreOutputs,
@@ -53,7 +54,7 @@ from engine.scheduler.stopping import stop_status
 from telemetry.metrics import Counters
 
 
-class Scheduler:
+class Scheduler(ConnectorResults):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -92,6 +93,7 @@ class Scheduler:
             stop_timeout_s=scheduler_config.kv_stop_timeout_s,
         )
         self._finished_since_last_step: set[RequestId] = set()
+        self._step_loads: set[RequestId] = set()
         self.sources = PromptSources(self.kv, self.counters, clock)
 
     @property
@@ -167,6 +169,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.books.expire()
+        self._step_loads = set()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted_request_ids:
@@ -175,7 +178,7 @@ class Scheduler:
             self.requests[sr.request_id].num_computed_tokens += sr.num_tokens
         out.finished_request_ids = self._finished_since_last_step
         self._finished_since_last_step = set()
-        meta = self.connector.build_connector_meta(out)
+        meta = self._build_meta(out)
         # The engine's own instructions to the worker half, whatever the connector built.
         meta.preempted_request_ids = list(out.preempted_request_ids)
         meta.stop_request_ids = self.books.take_stops()
@@ -255,6 +258,8 @@ class Scheduler:
                 request, self.kv.get_block_ids(request.request_id), num_external
             )
             admitted.add(request.request_id)
+            if num_external:
+                self._step_loads.add(request.request_id)
             if load_async:
                 request.set_status(RequestStatus.WAITING_FOR_REMOTE_KV)
                 self.books.start_loading(request, computed)
@@ -376,7 +381,7 @@ class Scheduler:
             self.running.remove(request)
         request.set_status(status)
         self.sources.count(request)
-        hold, params = self.connector.request_finished(request, self.kv.get_block_ids(rid))
+        hold, params = self._request_finished(request, self.kv.get_block_ids(rid))
         request.finished_kv_transfer_params = params
         if was_loading:
             # Its load is still writing the blocks: they are kept until the worker stopped it.
@@ -388,59 +393,6 @@ class Scheduler:
             self.kv.free(request)
         del self.requests[rid]
         self._finished_since_last_step.add(rid)
-
-    # -- connector results --------------------------------------------------------------------------------
-
-    def _finish_loading(self, rid: RequestId, result: EngineCoreOutputs) -> None:
-        """An async load landed: cache the good blocks, then the request waits to compute the rest."""
-        if self.books.end_hold(rid, HoldKind.RECV):
-            return  # it ended while loading; the receive is over now
-        landed = self.books.land(rid)
-        if landed is None:
-            return
-        request, loaded_end, first_bad = landed.request, landed.loaded_end, landed.first_bad
-        bs = self.kv.block_size
-        if first_bad is not None and first_bad * bs < loaded_end:
-            self.counters.add("kv_load_failures")
-            if self.config.kv_load_failure_policy == "fail":
-                self._fail_load(request, result)
-                return
-            # The bad block may come before this request's own load: a local hit on a block that another
-            # request's load failed to fill.  Recompute from it, and let nobody else take it as cached.
-            self.kv.uncache_from(request, first_bad)
-            loaded_end = first_bad * bs
-            self.sources.correct(request, loaded_end)
-        request.num_computed_tokens = loaded_end
-        self.kv.cache_blocks(request, loaded_end)
-        request.set_status(RequestStatus.WAITING_LOADED)
-        self.waiting.prepend(request)
-
-    def _apply_load_errors(self, invalid: set[int], result: EngineCoreOutputs) -> set[RequestId]:
-        """Cut running requests back to their first bad block; return those whose sample is void."""
-        if not invalid:
-            return set()
-        self.books.record_failed(invalid)
-        tainted: set[RequestId] = set()
-        bs = self.kv.block_size
-        for request in list(self.running):
-            first_bad = self.kv.first_block_in(request.request_id, invalid)
-            if first_bad is None:
-                continue
-            tainted.add(request.request_id)
-            self.counters.add("kv_load_failures")
-            self.kv.uncache_from(request, first_bad)
-            if self.config.kv_load_failure_policy == "fail":
-                self._fail_load(request, result)
-                continue
-            request.num_computed_tokens = min(request.num_computed_tokens, first_bad * bs)
-            self.sources.correct(request, first_bad * bs)
-        self.books.forget_failed_outside_loads()
-        return tainted
-
-    def _fail_load(self, request: Request, result: EngineCoreOutputs) -> None:
-        request.error = "loading the prompt's KV from the connector failed (kv_load_failure_policy=fail)"
-        self._finish(request, RequestStatus.FINISHED_ERROR)
-        result.updates.append(RequestUpdate(request.request_id, [], [], True, "error", error=request.error))
 
     def stats(self) -> StatsSnapshot:  # observability: engine/scheduler/observe.py
         return scheduler_stats(self)

@@ -3,6 +3,7 @@ paths, and errors that name what is wrong -- an unknown name, a name defined twi
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -201,3 +202,27 @@ def test_multi_builds_its_children(tmp_path: Path) -> None:
     )
     assert isinstance(multi, MultiConnector)
     assert [type(c) for c in multi.children] == [SharedDirConnector, NullConnector]
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ('raise RuntimeError("plugin config missing")', "RuntimeError: plugin config missing"),
+        ("def broken(:\n    pass", "SyntaxError: "),
+    ],
+)
+def test_a_plugin_module_that_fails_while_importing_is_one_line_naming_it(
+    tmp_path: Path, source: str, message: str
+) -> None:
+    """An outside plugin whose module raised at import (anything but ImportError) printed a 25-line
+    traceback from ``pdkv serve-colocated``; now the same one-line error as a missing module."""
+    (tmp_path / "failing_plugin.py").write_text(source + "\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "pdkv.cli", "serve-colocated", "--address", "127.0.0.1:0",
+         "--metrics-address", "none", "--kv-connector", "failing_plugin:X"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) <= 2 and "Traceback" not in run.stderr, run.stderr
+    assert "connector module 'failing_plugin' failed while importing" in run.stderr and message in run.stderr

@@ -380,3 +380,101 @@ def test_request_finished_exactly_once_on_every_path() -> None:
     while s.has_unfinished_requests():
         step(s)
     assert conn.finished == Counter({"done": 1, "aborted": 1, "waiting": 1})
+
+
+# ---- a plugin that breaks the contract: the node goes on (an outside probe of a plugin's failures) -----
+
+
+def test_request_finished_that_raises_frees_the_blocks_and_the_engine_goes_on() -> None:
+    """A probe's plugin raised from request_finished: the request was already marked finished, the
+    engine loop died, its cleanup asserted "finished twice", and pdkv up restarted the node into the same
+    crash.  Now: the blocks are freed (no hold), the call counted, every other request unaffected."""
+
+    class Raising(ScriptedConnector):
+        def request_finished(
+            self, request: Request, block_ids: Sequence[int]
+        ) -> tuple[bool, dict[str, Any] | None]:
+            super().request_finished(request, block_ids)
+            raise RuntimeError("boom from request_finished")
+
+    conn = Raising()
+    conn.hold = True
+    s = make(conn)
+    s.add_request(make_request("a", range(9), max_tokens=2))
+    s.add_request(make_request("b", range(50, 59), max_tokens=4))
+    finished = []
+    while s.has_unfinished_requests():
+        _, out = step(s)
+        finished += [(u.request_id, u.finish_reason) for u in out.updates if u.finished]
+    assert finished == [("a", "length"), ("b", "length")]
+    assert conn.finished == Counter({"a": 1, "b": 1}) and not s.holds
+    assert s.stats().counter("connector_call_failures.request_finished") == 2
+    s.check_integrity()
+    assert s.kv.num_free_blocks == 32
+    assert s.abort_request("a") is None  # an abort after it: nothing to finish twice
+
+
+def test_build_connector_meta_that_raises_fails_the_step_s_requests_by_name() -> None:
+    """The step's loads and saves are in no metadata then: its requests fail, naming the connector, and
+    the next step (the connector well again) serves new requests."""
+
+    class Raising(ScriptedConnector):
+        broken = True
+
+        def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+            if self.broken:
+                raise RuntimeError("boom from build_connector_meta")
+            return super().build_connector_meta(scheduler_output)
+
+    conn = Raising()
+    s = make(conn)
+    conn.answers["loads"] = (8, True)  # an async load admitted in the failing step
+    for rid, tokens in (("a", range(9)), ("loads", range(20, 30))):
+        s.add_request(make_request(rid, tokens, max_tokens=2))
+    so = s.schedule()
+    assert not so.scheduled and sorted(so.errored_request_ids) == ["a", "loads"]
+    for rid in ("a", "loads"):
+        assert s.get_request(rid) is None
+    assert s.stats().counter("connector_call_failures.build_connector_meta") == 1
+    conn.broken = False
+    s.add_request(make_request("c", range(60, 65), max_tokens=1))
+    for _ in range(20):
+        _, out = step(s, KVConnectorOutput(finished_recving={"loads"}))  # type: ignore[arg-type]
+        if not s.has_unfinished_requests() and not s.holds:
+            break
+    assert not s.has_unfinished_requests() and not s.holds
+    s.check_integrity()
+    assert s.kv.num_free_blocks == 32
+
+
+def test_load_errors_for_blocks_nobody_was_loading_are_ignored() -> None:
+    """A probe's plugin reported blocks it never loaded as failed loads, every step: each running request
+    holding one was cut back and recomputed, for ever.  Only the blocks of requests admitted with
+    external tokens (this step's, or an async load's) count now; the rest are logged and counted."""
+    conn = ScriptedConnector()
+    s = make(conn)
+    s.add_request(make_request("plain", range(9), max_tokens=6))
+    so, _ = step(s)
+    plain_blocks = so.scheduled[0].block_ids
+    conn.answers["loads"] = (8, False)
+    s.add_request(make_request("loads", range(20, 30), max_tokens=2))
+    so = s.schedule()
+    loaded = next(sr for sr in so.scheduled if sr.request_id == "loads").block_ids
+    bad = {plain_blocks[0], loaded[1]}  # one foreign block, one the load filled
+    out = s.update_from_output(
+        so,
+        ModelRunnerOutput(
+            {sr.request_id: 7 for sr in so.scheduled if sr.sample},  # type: ignore[misc]
+            kv_connector_output=KVConnectorOutput(invalid_block_ids=bad),
+        ),
+    )
+    assert s.get_request("loads").num_computed_tokens == 4  # type: ignore[union-attr]  # cut back to block 1
+    assert [u.request_id for u in out.updates] == ["plain"]  # its token stands
+    assert s.stats().counter("connector_call_failures.get_block_ids_with_load_errors") == 1
+    assert s.stats().counter("kv_load_failures") == 1
+    steps = 0
+    while s.has_unfinished_requests():
+        step(s, KVConnectorOutput(invalid_block_ids={plain_blocks[0]}))  # every step, as the probe's
+        steps += 1
+        assert steps < 20, "a foreign load error kept a request from finishing"
+    s.check_integrity()
