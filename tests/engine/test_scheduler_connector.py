@@ -439,7 +439,7 @@ def test_build_connector_meta_that_raises_fails_the_step_s_requests_by_name() ->
     conn.broken = False
     s.add_request(make_request("c", range(60, 65), max_tokens=1))
     for _ in range(20):
-        _, out = step(s, KVConnectorOutput(finished_recving={"loads"}))  # type: ignore[arg-type]
+        step(s, KVConnectorOutput(finished_recving={"loads"}))  # type: ignore[arg-type]
         if not s.has_unfinished_requests() and not s.holds:
             break
     assert not s.has_unfinished_requests() and not s.holds
