@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(default_model_path(), device="cpu")
     prompts = [f"Write a short note number {i} about the sea, in JSON." for i in range(args.batch)]
     free = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    constrained = SamplingParams(max_tokens=tokens, structured=StructuredOutput.json_schema(LONG))
+    constrained = SamplingParams(
+        max_tokens=tokens, ignore_eos=True, structured=StructuredOutput.json_schema(LONG)
+    )
     decode_rate(llm, prompts, constrained)  # warm-up: compiles the schema, touches every path
     free_rates, constrained_rates, constrained_tokens = [], [], 0
     for _ in range(rounds):

@@ -130,6 +130,8 @@ class ModelRunner:
         connector = self.connector
         meta = step.kv_connector_metadata
         out = ModelRunnerOutput()
+        if step.kv_connector_failed:  # no metadata of its own to hand the worker: nothing runs
+            return out
         connector.bind_step_metadata(meta)  # the worker half reads it as step_metadata until get_finished
         try:
             connector.handle_preemptions(meta)  # before this forward can overwrite preempted blocks

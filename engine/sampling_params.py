@@ -126,14 +126,12 @@ class SamplingParams:
             )
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
-        # A completed constraint allows only the end, and ends the output there: min_tokens could not be
-        # kept, and ignore_eos would change nothing -- each refused, not accepted and dropped
-        for name in ("min_tokens", "ignore_eos"):
-            if self.structured is not None and getattr(self, name):
-                raise ValueError(
-                    f"{name} is not served with a structured output or a forced tool call: the "
-                    "constraint ends the output once it is complete"
-                )
+        if self.structured is not None and self.min_tokens:
+            # A completed constraint allows only the end: min_tokens could not be kept, so it is refused
+            raise ValueError(
+                "min_tokens is not served with a structured output or a forced tool call: the "
+                "constraint ends the output once it is complete"
+            )
         if self.top_logprobs and not self.logprobs:
             object.__setattr__(self, "logprobs", True)  # the alternatives come with the chosen token's
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):

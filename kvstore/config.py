@@ -150,16 +150,16 @@ class StoreConfig:
 
 
 def _distinct_folders(disks: list[DiskTierConfig]) -> None:
-    """Two disk tiers in one folder (or one inside the other) would index, evict and delete each other's
-    files: refused by name."""
-    folders = [(t.name, os.path.realpath(t.path)) for t in disks]
-    for i, (name, path) in enumerate(folders):
-        for other, other_path in folders[i + 1 :]:
-            if os.path.commonpath([path, other_path]) in (path, other_path):
-                raise ValueError(
-                    f"disk tiers {name!r} and {other!r} share a folder ({path} and {other_path}); "
-                    "give each its own"
-                )
+    """Two disk tiers in one folder would index, evict and delete each other's files: refused by name (a
+    folder inside another's is its own: a tier reads only its namespace folders)."""
+    seen: dict[str, str] = {}
+    for t in disks:
+        path = os.path.realpath(t.path)
+        if path in seen:
+            raise ValueError(
+                f"disk tiers {seen[path]!r} and {t.name!r} share the folder {path}; give each its own"
+            )
+        seen[path] = t.name
 
 
 def _split_options(text: str, where: str) -> tuple[str, dict[str, str]]:

@@ -238,7 +238,7 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.5,
         help="seconds between the rounds of health checks of every node (each waits 1 s for its answer; "
-        "two late in a row, or a refused connection, mark the node down)",
+        "any answer but SERVING marks the node down at once, a missing one only twice in a row)",
     )
     parser.add_argument(
         "--reroute-after-s",

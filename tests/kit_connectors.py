@@ -462,7 +462,7 @@ class RaisingMetaConnector(SharedDirConnector):
 
 
 class ForeignLoadErrorsConnector(SharedDirConnector):
-    """Reports block 0 and the pool's last block as failed loads every step, whatever it loaded."""
+    """Reports blocks 0-3 as failed loads every step, whatever it loaded."""
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return super().get_block_ids_with_load_errors() | {0, 1, 2, 3}

@@ -26,8 +26,9 @@ def check_reports(engine: LLMEngine, spy: SchedulerSpy, worker: WorkerSpy) -> No
     if engine.scheduler.counters.get("connector_call_failures.get_block_ids_with_load_errors"):
         raise ConformanceError(
             REPORTS,
-            f"get_block_ids_with_load_errors reported {sorted(worker.load_errors)[:8]}, blocks of no "
-            "request the connector was loading: only a block a load was filling can fail to load",
+            "get_block_ids_with_load_errors reported blocks of requests the connector was not loading (the "
+            f"engine's log names them; all it reported so far: {sorted(worker.load_errors)[:8]}): only a "
+            "block a load was filling can fail to load",
         )
     # ids the engine never handed over at all (a request id made up, or another engine's): ignored
     known = {lk.request_id for lk in spy.lookups} | set(spy.finished) | {a.request_id for a in spy.allocs}

@@ -4,10 +4,11 @@ keeps the state).
 
 A connector must never raise into the engine nor report what it was not asked (docs/connectors.md; the
 kit fails both), but a node outlives a broken plugin: a lookup that raises counts as zero hits
-(``ConnectorBooks.lookup``), ``request_finished`` that raises frees the request's blocks (no hold), and
-``build_connector_meta`` that raises fails the step's requests -- as a worker call that raises does --
-with the connector named; a load error for a block no request was loading is ignored.  Each is logged and
-counted (``connector_call_failures``, by call).
+(``ConnectorBooks.external_hit``), ``request_finished`` that raises holds the request's blocks and asks
+the worker to stop (freed once it confirms), and ``build_connector_meta`` that raises fails the step's
+requests -- as a worker call that raises does -- with the connector named, and no worker call runs that
+step; a load error for a block no request was loading is ignored.  Each is logged and counted
+(``connector_call_failures``, by call).
 """
 
 from __future__ import annotations
@@ -52,17 +53,21 @@ class ConnectorResults:
 
     def _request_finished(
         self, request: Request, block_ids: Sequence[int]
-    ) -> tuple[bool, KVTransferParams | None]:
-        """The connector told of a finished request: whether it holds the blocks, and its params."""
+    ) -> tuple[bool, KVTransferParams | None, bool]:
+        """The connector told of a finished request: whether it holds the blocks, its params, and whether
+        the call raised -- then the blocks are held and the worker asked to stop (a transfer it started
+        may still read them: ``multi`` with one child holding and another raising)."""
         try:
-            return self.connector.request_finished(request, block_ids)
+            return (*self.connector.request_finished(request, block_ids), False)
         except Exception:
-            self._connector_failed("request_finished", f"for {request.request_id}; its blocks are freed")
-            return False, None
+            self._connector_failed("request_finished", f"for {request.request_id}; its hold is stopped")
+            return True, None, True
 
-    def _build_meta(self, out: SchedulerOutput) -> KVConnectorMetadata:
-        """The connector's instructions for the step; where it raises, the step's requests fail (their
-        loads and saves are not in any metadata) and the step computes nothing."""
+    def _build_meta(self, out: SchedulerOutput) -> KVConnectorMetadata | None:
+        """The connector's instructions for the step; None where it raised: the step's requests fail
+        (their loads and saves are in no metadata), the step computes nothing and no worker call runs
+        (the worker would be handed metadata not its own), and the scheduler carries the step's
+        preemptions and the books their stops to the next step's metadata."""
         try:
             return self.connector.build_connector_meta(out)
         except Exception as exc:
@@ -74,20 +79,25 @@ class ConnectorResults:
         for rid in victims:
             request = self.requests.get(rid)
             if request is not None:
+                self.books.stop_loading(rid)  # its load never started: nothing to wait for
                 request.error = error
                 self._finish(request, RequestStatus.FINISHED_ERROR)
                 out.errored_request_ids.append(rid)
         out.scheduled, out.num_scheduled_tokens, out.total_num_scheduled_tokens = [], {}, 0
+        out.kv_connector_failed = True
         self._step_loads = set()
-        return KVConnectorMetadata()
+        return None
 
     def _loaded_blocks(self, invalid: set[int]) -> set[int]:
         """Of the blocks reported as failed loads, those of requests the connector was loading (an async
-        load, or the last schedule's admissions with external tokens); the rest logged, counted, dropped."""
+        load, one stopped while it ran, or the last schedule's admissions with external tokens).  A
+        reported block another request holds is a broken report: logged, counted, dropped; a free one
+        (its request failed with the step meanwhile) is dropped quietly."""
         if not invalid:
             return invalid
-        loading = self.kv.blocks_of([*self.books.loading, *self._step_loads])
-        foreign = invalid - loading
+        recv = [rid for rid, hold in self.books.holds.items() if hold.waits_for is HoldKind.RECV]
+        loading = self.kv.blocks_of([*self.books.loading, *self._step_loads, *recv])
+        foreign = (invalid - loading) & self.kv.blocks_of([*self.requests, *self.books.holds])
         if foreign:
             logger.error(
                 "KV connector %s reported load errors for blocks no request was loading (%s): ignored",

@@ -98,6 +98,8 @@ class SchedulerOutput:
     finished_request_ids: set[RequestId] = field(default_factory=set)
     # The connector's per-step instructions for its worker half (see engine/connector/base.py).
     kv_connector_metadata: KVConnectorMetadata = field(default_factory=KVConnectorMetadata)
+    # The connector raised building it: the runner calls no worker hook this step (connector_results.py)
+    kv_connector_failed: bool = False
 
     @property
     def is_empty(self) -> bool:

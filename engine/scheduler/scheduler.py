@@ -94,6 +94,7 @@ class Scheduler(ConnectorResults):
         )
         self._finished_since_last_step: set[RequestId] = set()
         self._step_loads: set[RequestId] = set()
+        self._carried_preemptions: list[RequestId] = []  # of a step whose metadata the connector failed
         self.sources = PromptSources(self.kv, self.counters, clock)
 
     @property
@@ -179,8 +180,12 @@ class Scheduler(ConnectorResults):
         out.finished_request_ids = self._finished_since_last_step
         self._finished_since_last_step = set()
         meta = self._build_meta(out)
+        if meta is None:  # it raised: no worker call this step; its preemptions and stops wait for the next
+            self._carried_preemptions += out.preempted_request_ids
+            return out
         # The engine's own instructions to the worker half, whatever the connector built.
-        meta.preempted_request_ids = list(out.preempted_request_ids)
+        meta.preempted_request_ids = [*self._carried_preemptions, *out.preempted_request_ids]
+        self._carried_preemptions = []
         meta.stop_request_ids = self.books.take_stops()
         out.kv_connector_metadata = meta
         return out
@@ -381,7 +386,7 @@ class Scheduler(ConnectorResults):
             self.running.remove(request)
         request.set_status(status)
         self.sources.count(request)
-        hold, params = self._request_finished(request, self.kv.get_block_ids(rid))
+        hold, params, raised = self._request_finished(request, self.kv.get_block_ids(rid))
         request.finished_kv_transfer_params = params
         if was_loading:
             # Its load is still writing the blocks: they are kept until the worker stopped it.
@@ -389,6 +394,8 @@ class Scheduler(ConnectorResults):
             self.books.stop(rid)
         elif hold and self.kv.owns_blocks(rid):
             self.books.hold(request, HoldKind.SEND)
+            if raised:  # a transfer may still read the blocks: freed once the worker confirms its stop
+                self.books.stop(rid)
         else:
             self.kv.free(request)
         del self.requests[rid]

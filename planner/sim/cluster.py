@@ -4,7 +4,7 @@ its own.
 The router's part is the router's code: each pool's selector comes from ``router.policy.pool_selector``
 (round-robin, least-loaded, or kv-aware over a ``router.kv_index.KVIndex``), the index is fed the nodes'
 and the store's KV events as ``wire.kv_events.EventBatch`` -- applied the way ``KVEventSubscriber``
-applies them -- and each health round updates a node's costs with ``router.nodes.measure_costs`` from
+applies them -- and each health round updates a node's costs with ``router.costs.measure_costs`` from
 the node's engine counters.  The nodes are ``planner.sim.node.SimNode``s stepping by the profile.
 
 Colocated: a node computes the prompt and decodes.  P/D: a prefill node computes the prompt and the

@@ -65,7 +65,7 @@ class SimNode:
         self._retry = False
         self.itl: list[tuple[float, int]] = []  # (gap, how many tokens had it)
         self.landings: list[float] = []  # when pulls started since the caller last looked will land
-        # Engine counters a router's cost model reads (``router.nodes.measure_costs``).
+        # Engine counters a router's cost model reads (``router.costs.measure_costs``).
         self.counters = {
             "prefill_compute_tokens": 0.0,
             "prefill_compute_seconds": 0.0,

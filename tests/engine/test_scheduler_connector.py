@@ -385,10 +385,11 @@ def test_request_finished_exactly_once_on_every_path() -> None:
 # ---- a plugin that breaks the contract: the node goes on (an outside probe of a plugin's failures) -----
 
 
-def test_request_finished_that_raises_frees_the_blocks_and_the_engine_goes_on() -> None:
+def test_request_finished_that_raises_stops_the_hold_and_the_engine_goes_on() -> None:
     """A probe's plugin raised from request_finished: the request was already marked finished, the
     engine loop died, its cleanup asserted "finished twice", and pdkv up restarted the node into the same
-    crash.  Now: the blocks are freed (no hold), the call counted, every other request unaffected."""
+    crash.  Now: the call counted, the blocks held and the worker asked to stop (a transfer it started may
+    still read them: ``multi`` with one child holding and another raising), freed once it confirms."""
 
     class Raising(ScriptedConnector):
         def request_finished(
@@ -398,25 +399,31 @@ def test_request_finished_that_raises_frees_the_blocks_and_the_engine_goes_on() 
             raise RuntimeError("boom from request_finished")
 
     conn = Raising()
-    conn.hold = True
     s = make(conn)
     s.add_request(make_request("a", range(9), max_tokens=2))
     s.add_request(make_request("b", range(50, 59), max_tokens=4))
-    finished = []
+    finished, stops = [], []
     while s.has_unfinished_requests():
-        _, out = step(s)
+        so, out = step(s)
+        stops += so.kv_connector_metadata.stop_request_ids
         finished += [(u.request_id, u.finish_reason) for u in out.updates if u.finished]
     assert finished == [("a", "length"), ("b", "length")]
-    assert conn.finished == Counter({"a": 1, "b": 1}) and not s.holds
+    assert conn.finished == Counter({"a": 1, "b": 1})
     assert s.stats().counter("connector_call_failures.request_finished") == 2
+    assert s.abort_request("a") is None  # an abort after it: nothing to finish twice
+    so, _ = step(s, KVConnectorOutput(finished_sending={"b"}))  # type: ignore[arg-type]
+    stops += so.kv_connector_metadata.stop_request_ids
+    assert sorted(stops) == ["a", "b"] and set(s.holds) == {"a"}  # the worker confirmed b's stop
+    step(s, KVConnectorOutput(finished_sending={"a"}))  # type: ignore[arg-type]
+    assert not s.holds
     s.check_integrity()
     assert s.kv.num_free_blocks == 32
-    assert s.abort_request("a") is None  # an abort after it: nothing to finish twice
 
 
 def test_build_connector_meta_that_raises_fails_the_step_s_requests_by_name() -> None:
-    """The step's loads and saves are in no metadata then: its requests fail, naming the connector, and
-    the next step (the connector well again) serves new requests."""
+    """The step's loads and saves are in no metadata then: its requests fail, naming the connector, no
+    worker call runs (``kv_connector_failed``: the runner hands the worker nothing), the step's
+    preemptions and stops go in the next step's metadata, and the next step serves new requests."""
 
     class Raising(ScriptedConnector):
         broken = True
@@ -427,21 +434,28 @@ def test_build_connector_meta_that_raises_fails_the_step_s_requests_by_name() ->
             return super().build_connector_meta(scheduler_output)
 
     conn = Raising()
+    conn.broken = False
+    conn.hold = True
     s = make(conn)
+    s.add_request(make_request("held", range(9), max_tokens=1))
+    step(s)  # it finishes, held for a send
+    assert set(s.holds) == {"held"}
+    s.abort_request("held")  # a stop is owed to the worker now
+    conn.broken = True
+    conn.hold = False
     conn.answers["loads"] = (8, True)  # an async load admitted in the failing step
-    for rid, tokens in (("a", range(9)), ("loads", range(20, 30))):
+    for rid, tokens in (("a", range(20, 29)), ("loads", range(40, 50))):
         s.add_request(make_request(rid, tokens, max_tokens=2))
     so = s.schedule()
-    assert not so.scheduled and sorted(so.errored_request_ids) == ["a", "loads"]
-    for rid in ("a", "loads"):
-        assert s.get_request(rid) is None
+    assert so.kv_connector_failed and not so.scheduled and sorted(so.errored_request_ids) == ["a", "loads"]
+    assert s.get_request("a") is None and s.get_request("loads") is None and not s.loading
     assert s.stats().counter("connector_call_failures.build_connector_meta") == 1
+    assert set(s.holds) == {"held"}  # the load never started: no hold waits for it
     conn.broken = False
     s.add_request(make_request("c", range(60, 65), max_tokens=1))
-    for _ in range(20):
-        step(s, KVConnectorOutput(finished_recving={"loads"}))  # type: ignore[arg-type]
-        if not s.has_unfinished_requests() and not s.holds:
-            break
+    so, _ = step(s, KVConnectorOutput(finished_sending={"held"}))  # type: ignore[arg-type]
+    assert so.kv_connector_metadata.stop_request_ids == ["held"]  # carried from the failed step
+    assert [sr.request_id for sr in so.scheduled] == ["c"]
     assert not s.has_unfinished_requests() and not s.holds
     s.check_integrity()
     assert s.kv.num_free_blocks == 32

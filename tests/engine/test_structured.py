@@ -61,6 +61,10 @@ def test_json_object_regex_choice_and_grammar_hold(llm: LLM) -> None:
         assert re.fullmatch(r"\([0-9]{1,3}(,[0-9]{1,3})*\)", text)
 
 
+def test_ignore_eos_still_stops_when_the_constraint_is_complete(llm: LLM) -> None:
+    assert _generate(llm, StructuredOutput.choice(["yes", "no"]), ignore_eos=True)[0] in ("yes", "no")
+
+
 def test_the_mask_only_removes_tokens(llm: LLM) -> None:
     """Greedy with a constraint the unconstrained output satisfies is the unconstrained output."""
     prompts = [*PROMPTS, "One two three", "The capital of", "Once upon a time", "Numbers: 1, 2,"]
@@ -119,16 +123,14 @@ def test_a_constraint_holds_across_a_prefill_decode_split() -> None:
     assert run.decoded[-1].finish_reason == "stop"
 
 
-def test_a_constraint_ends_at_its_eos_and_min_tokens_and_ignore_eos_are_refused(llm: LLM) -> None:
-    """A complete constraint allows only EOS: the request ends at that EOS, not at a second one.
-    min_tokens could not be kept past a complete constraint (an outside probe: 3 tokens served for
-    min_tokens 5, silently), and ignore_eos would change nothing (another probe: accepted, and the output
-    ended at the constraint's end all the same): each refused by name."""
+def test_ignore_eos_with_a_constraint_adds_no_stray_token_and_min_tokens_is_refused(llm: LLM) -> None:
+    """A complete constraint allows only EOS: with ignore_eos the request ends at that EOS, not at a
+    second one.  min_tokens could not be kept past a complete constraint (an outside probe: 3 tokens
+    served for min_tokens 5, silently): refused by name."""
     choices = ["yes", "no"]
-    for extra in ({"min_tokens": 5}, {"ignore_eos": True}):
-        with pytest.raises(ValueError, match=f"{next(iter(extra))} is not served with a structured output"):
-            SamplingParams(max_tokens=20, structured=StructuredOutput.choice(choices), **extra)  # type: ignore[arg-type]
-    params = SamplingParams(max_tokens=20, structured=StructuredOutput.choice(choices))
+    with pytest.raises(ValueError, match="min_tokens is not served with a structured output"):
+        SamplingParams(max_tokens=20, structured=StructuredOutput.choice(choices), min_tokens=5)
+    params = SamplingParams(max_tokens=20, structured=StructuredOutput.choice(choices), ignore_eos=True)
     [out] = llm.generate(["Is it?"], params)
     assert out.text in choices and out.finish_reason == "stop"
     assert 0 not in out.token_ids[:-1] and len(out.token_ids) <= 4, out.token_ids

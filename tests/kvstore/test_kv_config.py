@@ -220,11 +220,11 @@ def test_breaker_config_is_validated(kwargs: dict[str, float], named: str) -> No
     [
         "disk:/tmp/pdkv-a:1GB,disk:/tmp/pdkv-a:1GB?name=cold",
         "disk:/tmp/pdkv-a:1GB,disk:/tmp/pdkv-a/../pdkv-a/:1GB?name=cold",
-        "disk:/tmp/pdkv-a:1GB,disk:/tmp/pdkv-a/inner:1GB?name=cold",
     ],
 )
 def test_two_disk_tiers_in_one_folder_are_refused_by_name(spec: str) -> None:
     """Each would index, evict and delete the other's files."""
-    with pytest.raises(ValueError, match="disk tiers 'disk' and 'cold' share a folder"):
+    with pytest.raises(ValueError, match="disk tiers 'disk' and 'cold' share the folder"):
         StoreConfig.parse(spec)
     StoreConfig.parse("disk:/tmp/pdkv-a:1GB,disk:/tmp/pdkv-ab:1GB?name=cold")  # a sibling is its own
+    StoreConfig.parse("disk:/tmp/pdkv-a:1GB,disk:/tmp/pdkv-a/cold:1GB?name=cold")  # so is a subfolder

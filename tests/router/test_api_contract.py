@@ -939,18 +939,17 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
         {"tools": [TOOL], "tool_choice": "required"},
     ],
 )
-@pytest.mark.parametrize("field", [{"ignore_eos": True}, {"min_tokens": 3}])
-def test_a_constrained_output_refuses_ignore_eos_and_min_tokens_by_name(
-    model: RouterModel, constraint: dict[str, Any], field: dict[str, Any]
+def test_a_constrained_output_refuses_min_tokens_by_name_and_serves_ignore_eos(
+    model: RouterModel, constraint: dict[str, Any]
 ) -> None:
-    """A completed constraint ends the output: min_tokens could not be kept and ignore_eos would change
-    nothing (a probe: ignore_eos accepted with a choice, the output ended at "no" all the same)."""
+    """A completed constraint ends the output: min_tokens could not be kept (refused); ignore_eos is
+    served until the constraint completes (load generators send it with every request)."""
     from router.admission import InvalidField
 
     with pytest.raises(InvalidField) as info:
-        _admitted(model, {**CHAT, "max_tokens": 5, **constraint, **field})
-    assert info.value.field == next(iter(field)) and "structured output" in info.value.message
-    _admitted(model, {**CHAT, "max_tokens": 5, **constraint})  # without it: served
+        _admitted(model, {**CHAT, "max_tokens": 5, **constraint, "min_tokens": 3})
+    assert info.value.field == "min_tokens" and "structured output" in info.value.message
+    assert _admitted(model, {**CHAT, "max_tokens": 5, **constraint, "ignore_eos": True}).params.ignore_eos
 
 
 @pytest.mark.parametrize("name", [None, "", "a b!", "x" * 65, 7])
