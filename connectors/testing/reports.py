@@ -31,6 +31,8 @@ def check_reports(engine: LLMEngine, spy: SchedulerSpy, worker: WorkerSpy) -> No
             "block a load was filling can fail to load",
         )
     # ids the engine never handed over at all (a request id made up, or another engine's): ignored
+    if not worker.finished_sending and not worker.finished_recving:
+        return
     known = {lk.request_id for lk in spy.lookups} | set(spy.finished) | {a.request_id for a in spy.allocs}
     for what in ("finished_sending", "finished_recving"):
         foreign = sorted(set(getattr(worker, what)) - known)

@@ -48,7 +48,7 @@ class ConnectorResults:
         raise NotImplementedError  # Scheduler's
 
     def _connector_failed(self, call: str, detail: str) -> None:
-        logger.exception("KV connector %s: %s raised %s", self.connector.name, call, detail)
+        logger.exception("KV connector %s: %s raised (%s)", self.connector.name, call, detail)
         self.counters.add(f"connector_call_failures.{call}")
 
     def _request_finished(
@@ -71,7 +71,7 @@ class ConnectorResults:
         try:
             return self.connector.build_connector_meta(out)
         except Exception as exc:
-            self._connector_failed("build_connector_meta", "; the step's requests fail")
+            self._connector_failed("build_connector_meta", "the step's requests fail")
             error = f"the KV connector {self.connector.name} failed to plan the step: {exc!r}"
         victims = dict.fromkeys(
             [*(sr.request_id for sr in out.scheduled), *out.new_request_ids, *self._step_loads]
@@ -85,7 +85,6 @@ class ConnectorResults:
                 out.errored_request_ids.append(rid)
         out.scheduled, out.num_scheduled_tokens, out.total_num_scheduled_tokens = [], {}, 0
         out.kv_connector_failed = True
-        self._step_loads = set()
         return None
 
     def _loaded_blocks(self, invalid: set[int]) -> set[int]:
