@@ -488,78 +488,101 @@ int pdkv_paged_decode(const void *q, const void *cache, void *out, const int64_t
  * With delta, h is written to h_out: the residual add of a decoder layer and the norm after it in one
  * call.  The sum of squares is accumulated 16 lanes at a time, so the mean may differ from torch's in its
  * last bit; everything else rounds exactly as torch does. */
+#define NORM_STACK 2048
+
+/* Rows [r0, r1) of pdkv_rms_norm on the calling thread; returns 1 where its buffers could not be had. */
+static int rms_norm_rows(const void *x, const void *delta, void *h_out, const void *weight, void *out, int64_t r0,
+                         int64_t r1, int n, float eps, int64_t bf16) {
+    const size_t elem = bf16 ? 2 : 4;
+    const unsigned csr = bf16_mode_enter(bf16);
+    float stack[3 * NORM_STACK]; /* a model's rows up to NORM_STACK wide: no allocation per call */
+    const int small = n <= NORM_STACK;
+    float *row = small ? stack : malloc(sizeof(float) * (size_t)n);
+    float *w = small ? stack + NORM_STACK : malloc(sizeof(float) * (size_t)n);
+    float *d = delta == NULL ? NULL : small ? stack + 2 * NORM_STACK : malloc(sizeof(float) * (size_t)n);
+    const int bad = row == NULL || w == NULL || (delta != NULL && d == NULL);
+    if (!bad) load_row(weight, (int)bf16, w, n);
+    for (int64_t r = r0; r < r1 && !bad; r++) {
+        const size_t at = (size_t)r * (size_t)n;
+        load_row((const char *)x + at * elem, (int)bf16, row, n);
+        if (delta != NULL) {
+            load_row((const char *)delta + at * elem, (int)bf16, d, n);
+            if (bf16) {
+                uint16_t *h = (uint16_t *)h_out + at;
+                int i = 0;
+#if PDKV_BF16
+                for (; i + 16 <= n; i += 16) {
+                    const __m256i sum = to_bf16x16(_mm512_add_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(d + i)));
+                    _mm256_storeu_si256((__m256i *)(h + i), sum);
+                    _mm512_storeu_ps(row + i, from_bf16x16(sum));
+                }
+#endif
+                for (; i < n; i++) {
+                    h[i] = f32_to_bf16(row[i] + d[i]);
+                    row[i] = bf16_to_f32(h[i]);
+                }
+            } else {
+                float *h = (float *)h_out + at;
+                for (int i = 0; i < n; i++) h[i] = row[i] = row[i] + d[i];
+            }
+        }
+        const float inv = 1.0f / sqrtf(dot(row, row, n) / (float)n + eps);
+        if (bf16) {
+            uint16_t *o = (uint16_t *)out + at;
+            int i = 0;
+#if PDKV_BF16
+            /* to_bf16x16 rounds to nearest even, as torch does (NaN stays NaN) */
+            const __m512 iv = _mm512_set1_ps(inv);
+            for (; i + 16 <= n; i += 16) {
+                const __m512 yf = round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(row + i), iv));
+                const __m512 yw = _mm512_mul_ps(_mm512_loadu_ps(w + i), yf);
+                _mm256_storeu_si256((__m256i *)(o + i), to_bf16x16(yw));
+            }
+#endif
+            for (; i < n; i++) o[i] = f32_to_bf16(w[i] * bf16_to_f32(f32_to_bf16(row[i] * inv)));
+        } else {
+            float *o = (float *)out + at;
+            for (int i = 0; i < n; i++) o[i] = w[i] * (row[i] * inv);
+        }
+    }
+    if (!small) {
+        free(row);
+        free(w);
+        free(d);
+    }
+    bf16_mode_leave(bf16, csr);
+    return bad;
+}
+
 int pdkv_rms_norm(const void *x, const void *delta, void *h_out, const void *weight, void *out, int64_t rows,
                   int64_t hidden, float eps, int64_t bf16) {
     const int n = (int)hidden;
     if (n <= 0 || n > 65536) return 2;
-    const size_t elem = bf16 ? 2 : 4;
+    /* a call too small to share out runs here, without an OpenMP region (~0.35 us even when serial) */
+    if (rows * hidden < PARALLEL_MIN) return rms_norm_rows(x, delta, h_out, weight, out, 0, rows, n, eps, bf16);
     int failed = 0;
-#pragma omp parallel if (rows * hidden >= PARALLEL_MIN)
+#pragma omp parallel
     {
-        const unsigned csr = bf16_mode_enter(bf16);
-        float *row = malloc(sizeof(float) * (size_t)n), *w = malloc(sizeof(float) * (size_t)n);
-        float *d = delta != NULL ? malloc(sizeof(float) * (size_t)n) : NULL;
-        const int bad = row == NULL || w == NULL || (delta != NULL && d == NULL);
-        if (bad) {
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        if (rms_norm_rows(x, delta, h_out, weight, out, rows * tid / nt, rows * (tid + 1) / nt, n, eps, bf16)) {
 #pragma omp atomic write
             failed = 1;
-        } else {
-            load_row(weight, (int)bf16, w, n);
         }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            if (bad) continue;
-            const size_t at = (size_t)r * (size_t)n;
-            load_row((const char *)x + at * elem, (int)bf16, row, n);
-            if (delta != NULL) {
-                load_row((const char *)delta + at * elem, (int)bf16, d, n);
-                if (bf16) {
-                    uint16_t *h = (uint16_t *)h_out + at;
-                    int i = 0;
-#if PDKV_BF16
-                    for (; i + 16 <= n; i += 16) {
-                        const __m256i sum = to_bf16x16(_mm512_add_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(d + i)));
-                        _mm256_storeu_si256((__m256i *)(h + i), sum);
-                        _mm512_storeu_ps(row + i, from_bf16x16(sum));
-                    }
-#endif
-                    for (; i < n; i++) {
-                        h[i] = f32_to_bf16(row[i] + d[i]);
-                        row[i] = bf16_to_f32(h[i]);
-                    }
-                } else {
-                    float *h = (float *)h_out + at;
-                    for (int i = 0; i < n; i++) h[i] = row[i] = row[i] + d[i];
-                }
-            }
-            const float inv = 1.0f / sqrtf(dot(row, row, n) / (float)n + eps);
-            if (bf16) {
-                uint16_t *o = (uint16_t *)out + at;
-                int i = 0;
-#if PDKV_BF16
-                /* to_bf16x16 rounds to nearest even, as torch does (NaN stays NaN) */
-                const __m512 iv = _mm512_set1_ps(inv);
-                for (; i + 16 <= n; i += 16) {
-                    const __m512 yf = round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(row + i), iv));
-                    const __m512 yw = _mm512_mul_ps(_mm512_loadu_ps(w + i), yf);
-                    _mm256_storeu_si256((__m256i *)(o + i), to_bf16x16(yw));
-                }
-#endif
-                for (; i < n; i++) o[i] = f32_to_bf16(w[i] * bf16_to_f32(f32_to_bf16(row[i] * inv)));
-            } else {
-                float *o = (float *)out + at;
-                for (int i = 0; i < n; i++) o[i] = w[i] * (row[i] * inv);
-            }
-        }
-        free(row);
-        free(w);
-        free(d);
-        bf16_mode_leave(bf16, csr);
     }
     return failed;
 }
 
-#if PDKV_V512
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* silu16 on 8 lanes (float32 activations on AVX2; the bfloat16 ones on both halves, below). */
+INLINE __m256 silu8(__m256 x) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)));
+    const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    return _mm256_mul_ps(x, _mm256_blendv_ps(sig, _mm256_mul_ps(sig, e), neg));
+}
+#endif
+#if PDKV_V512 && !defined(PDKV_ON_AVX2)
 /* x * sigmoid(x): exp(-|x|) from the polynomial (its range is x <= 0), then 1 / (1 + exp(-x)) either
  * way -- x >= 0: x / (1 + e);  x < 0: x * e / (1 + e)  (= x / (1 + 1/e)). */
 INLINE __m512 silu16(__m512 x) {
@@ -570,29 +593,17 @@ INLINE __m512 silu16(__m512 x) {
     return _mm512_mul_ps(x, _mm512_mask_mul_ps(sig, neg, sig, e));
 }
 #endif
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-/* silu16 on 8 lanes (float32 activations on AVX2). */
-INLINE __m256 silu8(__m256 x) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)));
-    const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
-    const __m256 one = _mm256_set1_ps(1.0f);
-    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, e));
-    return _mm256_mul_ps(x, _mm256_blendv_ps(sig, _mm256_mul_ps(sig, e), neg));
-}
+#ifdef PDKV_ON_AVX2
+/* silu16 on the halves: the compare's lanes blend directly (the same bits: each lane's operations are
+ * silu16's, and exp512 is exp256 on each half here). */
+INLINE __m512 silu16(__m512 x) { return (__m512){silu8(x.lo), silu8(x.hi)}; }
 #endif
 
-/* SwiGLU's activation: gate_up [rows, 2 * inter] (gate, then up) -> out [rows, inter] with
- *     out = dtype(silu(gate)) * up,   silu(x) = x / (1 + exp(-x))
- * rounded where torch rounds (after the SiLU, after the product).  exp is the polynomial above for
- * -x <= 0 and exp(-x) = 1 / exp(x) otherwise; it may differ from torch's in the last bit of float32. */
-int pdkv_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int64_t bf16) {
-    if (inter <= 0) return 2;
+/* Rows [r0, r1) of pdkv_silu_mul on the calling thread. */
+static void silu_mul_rows(const void *gate_up, void *out, int64_t r0, int64_t r1, int64_t inter, int64_t bf16) {
     const size_t elem = bf16 ? 2 : 4;
-#pragma omp parallel if (rows * inter >= PARALLEL_MIN)
-    {
     const unsigned csr = bf16_mode_enter(bf16);
-#pragma omp for schedule(static) nowait /* the region's end is the barrier */
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t r = r0; r < r1; r++) {
         const char *g = (const char *)gate_up + (size_t)(r * 2 * inter) * elem;
         const char *u = g + (size_t)inter * elem;
         char *o = (char *)out + (size_t)(r * inter) * elem;
@@ -628,39 +639,35 @@ int pdkv_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, i
         }
     }
     bf16_mode_leave(bf16, csr);
+}
+
+/* SwiGLU's activation: gate_up [rows, 2 * inter] (gate, then up) -> out [rows, inter] with
+ *     out = dtype(silu(gate)) * up,   silu(x) = x / (1 + exp(-x))
+ * rounded where torch rounds (after the SiLU, after the product).  exp is the polynomial above for
+ * -x <= 0 and exp(-x) = 1 / exp(x) otherwise; it may differ from torch's in the last bit of float32. */
+int pdkv_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int64_t bf16) {
+    if (inter <= 0) return 2;
+    if (rows * inter < PARALLEL_MIN) { /* here, without an OpenMP region (see pdkv_rms_norm) */
+        silu_mul_rows(gate_up, out, 0, rows, inter, bf16);
+        return 0;
+    }
+#pragma omp parallel
+    {
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        silu_mul_rows(gate_up, out, rows * tid / nt, rows * (tid + 1) / nt, inter, bf16);
     }
     return 0;
 }
 
-/* Rotary embedding of the queries and keys of a step, and the keys and values into their cache slots:
- *     qkv [T, (H + 2 Hkv) * D]  (the fused projection's output, contiguous)
- *     cos, sin [T, D / 2]       (in the activation dtype)
- *     qk [T, H + Hkv, D]        out: rotated queries, then rotated keys
- *     cache slot of row t: block slot_blocks[t], offset slot_offsets[t]: rotated K and V of every KV head
- * Rotation in the half-split convention, each product and the sum rounded to the dtype as torch does:
- *     out[i] = x[i] cos[i] - x[i + D/2] sin[i],   out[i + D/2] = x[i + D/2] cos[i] + x[i] sin[i]. */
-int pdkv_rope_write_kv(const void *qkv, const void *cos, const void *sin, void *qk, void *cache,
-                       const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t rows, int64_t num_heads,
-                       int64_t num_kv_heads, int64_t head_dim, int64_t num_layers, int64_t layer,
-                       int64_t block_size, int64_t bf16, int64_t num_blocks, int64_t kv_order) {
-    if (head_dim <= 0 || head_dim % 2 || head_dim > MAX_HEAD_DIM) return 2;
-    if (kv_order != KV_CANONICAL && (kv_order != KV_PAIRED || !bf16 || block_size % 2)) return 2;
-    if (layer < 0 || layer >= num_layers) return 3; /* 3: a slot outside the cache; nothing written */
-    for (int64_t t = 0; t < rows; t++)
-        if (slot_blocks[t] < 0 || slot_blocks[t] >= num_blocks || slot_offsets[t] < 0 || slot_offsets[t] >= block_size)
-            return 3;
+/* Rows [r0, r1) of pdkv_rope_write_kv on the calling thread (its arguments checked there). */
+static void rope_rows(const void *qkv, const void *cos, const void *sin, void *qk, void *cache,
+                      const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t r0, int64_t r1,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_layers, int64_t layer,
+                      int64_t block_size, int64_t bf16, int64_t kv_order) {
     const int64_t D = head_dim, half = D / 2, heads = num_heads + num_kv_heads;
     const size_t elem = bf16 ? 2 : 4, token = (size_t)(num_kv_heads * D) * elem;
-    /* In the paired order a row's keys go to every line of its block's K slab (one dword each): writes
-     * that wait on their lines' reads, the slabs long gone from the caches since the last step, so a
-     * few rows already take both threads (an Emerald Rapids Xeon, batch 8, 30 layers: 0.26 -> 0.17 ms). */
-    const int parallel = rows * heads * head_dim >= PARALLEL_MIN || (kv_order == KV_PAIRED && rows >= 4);
-    const int threads = rows < omp_get_max_threads() ? (int)rows : omp_get_max_threads(); /* a row each */
-#pragma omp parallel if (parallel) num_threads(threads)
-    {
     const unsigned csr = bf16_mode_enter(bf16);
-#pragma omp for schedule(static) nowait /* the region's end is the barrier */
-    for (int64_t t = 0; t < rows; t++) {
+    for (int64_t t = r0; t < r1; t++) {
         const size_t at = (size_t)(t * (heads + num_kv_heads) * D), cs = (size_t)(t * half);
         const size_t slot = (size_t)(((slot_blocks[t] * num_layers + layer) * 2) * block_size + slot_offsets[t]);
         char *k_slot = (char *)cache + slot * token, *v_slot = (char *)cache + (slot + (size_t)block_size) * token;
@@ -712,6 +719,41 @@ int pdkv_rope_write_kv(const void *qkv, const void *cos, const void *sin, void *
         }
     }
     bf16_mode_leave(bf16, csr);
+}
+
+/* Rotary embedding of the queries and keys of a step, and the keys and values into their cache slots:
+ *     qkv [T, (H + 2 Hkv) * D]  (the fused projection's output, contiguous)
+ *     cos, sin [T, D / 2]       (in the activation dtype)
+ *     qk [T, H + Hkv, D]        out: rotated queries, then rotated keys
+ *     cache slot of row t: block slot_blocks[t], offset slot_offsets[t]: rotated K and V of every KV head
+ * Rotation in the half-split convention, each product and the sum rounded to the dtype as torch does:
+ *     out[i] = x[i] cos[i] - x[i + D/2] sin[i],   out[i + D/2] = x[i + D/2] cos[i] + x[i] sin[i]. */
+int pdkv_rope_write_kv(const void *qkv, const void *cos, const void *sin, void *qk, void *cache,
+                       const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t rows, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, int64_t num_layers, int64_t layer,
+                       int64_t block_size, int64_t bf16, int64_t num_blocks, int64_t kv_order) {
+    if (head_dim <= 0 || head_dim % 2 || head_dim > MAX_HEAD_DIM) return 2;
+    if (kv_order != KV_CANONICAL && (kv_order != KV_PAIRED || !bf16 || block_size % 2)) return 2;
+    if (layer < 0 || layer >= num_layers) return 3; /* 3: a slot outside the cache; nothing written */
+    for (int64_t t = 0; t < rows; t++)
+        if (slot_blocks[t] < 0 || slot_blocks[t] >= num_blocks || slot_offsets[t] < 0 || slot_offsets[t] >= block_size)
+            return 3;
+    const int64_t heads = num_heads + num_kv_heads;
+    /* In the paired order a row's keys go to every line of its block's K slab (one dword each): writes
+     * that wait on their lines' reads, the slabs long gone from the caches since the last step, so a
+     * few rows already take both threads (an Emerald Rapids Xeon, batch 8, 30 layers: 0.26 -> 0.17 ms). */
+    const int parallel = rows * heads * head_dim >= PARALLEL_MIN || (kv_order == KV_PAIRED && rows >= 4);
+    const int threads = rows < omp_get_max_threads() ? (int)rows : omp_get_max_threads(); /* a row each */
+    if (!parallel) { /* here, without an OpenMP region (see pdkv_rms_norm) */
+        rope_rows(qkv, cos, sin, qk, cache, slot_blocks, slot_offsets, 0, rows, num_heads, num_kv_heads, head_dim,
+                  num_layers, layer, block_size, bf16, kv_order);
+        return 0;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        rope_rows(qkv, cos, sin, qk, cache, slot_blocks, slot_offsets, rows * tid / nt, rows * (tid + 1) / nt,
+                  num_heads, num_kv_heads, head_dim, num_layers, layer, block_size, bf16, kv_order);
     }
     return 0;
 }

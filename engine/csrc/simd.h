@@ -229,6 +229,24 @@ INLINE void widen_bf16(const uint16_t *src, float *dst, int64_t n) {
 #if (defined(__AVX512F__) && defined(__AVX512BW__)) || defined(PDKV_ON_AVX2)
 /* 16 floats rounded to bfloat16, nearest even (as torch), in integer arithmetic: what a CPU without
  * AVX512-BF16 has (quant.c's outputs on any CPU; every kernel's below where PDKV_BF16 is 2). */
+#ifdef PDKV_ON_AVX2
+/* A half's 8 floats rounded as below, NaN blended in by the compare's own lanes (no mask round trip). */
+INLINE __m256i bf16_rne8_dwords(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    const __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x400000)); /* NaN stays NaN */
+    return _mm256_srli_epi32(_mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r),
+                                                                   _mm256_castsi256_ps(quiet), nan)), 16);
+}
+/* The same bits as the AVX-512 form below, lane for lane: each dword holds its word zero-extended, so
+ * the unsigned-saturating pack is exact; the pack interleaves 128-bit halves, the permute puts them back. */
+INLINE __m256i bf16_rne16(__m512 x) {
+    const __m256i packed = _mm256_packus_epi32(bf16_rne8_dwords(x.lo), bf16_rne8_dwords(x.hi));
+    return _mm256_permute4x64_epi64(packed, 0xd8);
+}
+#else
 INLINE __m256i bf16_rne16(__m512 x) {
     __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -237,6 +255,7 @@ INLINE __m256i bf16_rne16(__m512 x) {
     r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000)); /* NaN stays NaN */
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
+#endif
 #endif
 
 /* The bfloat16 dot products of the attention, LoRA and dense-linear kernels (PDKV_BF16):

@@ -262,6 +262,39 @@ def test_the_residual_add_and_norm_in_one_call(dtype: torch.dtype) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+def test_the_residual_add_rounds_ties_overflow_and_nans_as_torch() -> None:
+    """The bfloat16 add of the residual and the delta, rounded to nearest even in every vector form (AVX2's
+    halves blend a NaN by the compare's lanes): exact ties either way, sums that overflow to an infinity,
+    infinities and NaNs in, in the 16-wide vector part and in the scalar tail (71 columns)."""
+    from engine.model.llama import RMSNorm
+
+    kernels = native.native_kernels()
+    assert kernels is not None
+    bf = torch.bfloat16
+    one, odd = 1.0, 1.0078125  # odd: the next bfloat16 after 1.0, its last mantissa bit set
+    half_ulp, big = 2.0**-8, float(torch.finfo(bf).max)
+    pairs = [(one, half_ulp), (odd, half_ulp), (-odd, -half_ulp), (big, big), (-big, -big)]
+    pairs += [(float("inf"), 1.0), (float("-inf"), -1.0), (float("nan"), 1.0), (1.0, float("nan"))]
+    pairs += [(3.0, 0.25), (-2.5, 0.0078125), (0.0, -0.0)]
+    cols = 71
+    h = torch.empty(3, cols)
+    delta = torch.empty(3, cols)
+    for i in range(3 * cols):
+        h.view(-1)[i], delta.view(-1)[i] = pairs[(i * 7) % len(pairs)]
+    h, delta = h.to(bf), delta.to(bf)
+    norm = RMSNorm(cols, 1e-5)
+    norm.weight.data = torch.ones(cols)
+    norm.to(bf)
+    with torch.inference_mode():
+        want_h, _ = norm.add_forward(h, delta)
+        norm.kernel = kernels.rms_norm
+        got_h, _ = norm.add_forward(h, delta)
+    nan = torch.isnan(want_h)
+    assert torch.equal(torch.isnan(got_h), nan), "a NaN in stays a NaN out, and only there"
+    assert torch.equal(got_h[~nan].view(torch.int16), want_h[~nan].view(torch.int16))
+    assert torch.isinf(got_h).sum() >= 4, "the cases that overflow and the infinities in"
+
+
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (40, 64), (3, 20)])
 def test_the_silu_mul_kernel_matches_the_torch_ops(rows: int, inter: int) -> None:
     kernels = native.native_kernels()
