@@ -81,9 +81,9 @@ class ChatTemplate:
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """``tools``: the functions the model may call, in OpenAI's shape (``{"type": "function",
-        "function": {...}}``), as Hugging Face hands them to a template; None (no tools) otherwise."""
-        import jinja2
-
+        "function": {...}}``), as Hugging Face hands them to a template; None (no tools) otherwise.
+        A message's ``name`` the template does not show the model is refused (ChatTemplateError on its
+        ``name``): the template is rendered once with a marker for each name to find out."""
         checked = [_check_message(i, m) for i, m in enumerate(messages)]
         if "developer" not in self.source:  # OpenAI's newer name for the system role, where the template
             for m in checked:  # knows no such role (it rendered a default system prompt, then the turn)
@@ -91,6 +91,28 @@ class ChatTemplate:
                     m["role"] = "system"
         if not checked:
             raise ChatTemplateError("messages: at least one message is needed")
+        named = [i for i, m in enumerate(checked) if "name" in m]
+        if named:  # a name the template never shows the model is refused, not dropped
+            marked = [{**m, "name": _name_marker(i)} if i in named else m for i, m in enumerate(checked)]
+            shown = self._render(marked, add_generation_prompt, tools).lower()
+            for i in named:
+                if _name_marker(i).lower() not in shown:
+                    raise ChatTemplateError(
+                        f"this model's chat template does not show a {checked[i]['role']} message's name to "
+                        "the model: leave it out, or put it in the content",
+                        index=i,
+                        key="name",
+                    )
+        return self._render(checked, add_generation_prompt, tools)
+
+    def _render(
+        self,
+        checked: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None,
+    ) -> str:
+        import jinja2
+
         try:
             return str(
                 self._compiled.render(  # type: ignore[attr-defined]
@@ -109,6 +131,12 @@ class ChatTemplate:
             raise ChatTemplateError(
                 f"the chat template failed on these messages: {type(exc).__name__}: {exc}"
             ) from exc
+
+
+def _name_marker(i: int) -> str:
+    """Message ``i``'s name while the template is asked whether it shows names: letters and digits only
+    (a template may check a name's characters), found again whatever case the template writes it in."""
+    return f"PdkvName{i}Marker"
 
 
 def _check_message(i: int, m: ChatMessage | Mapping[str, Any]) -> dict[str, Any]:

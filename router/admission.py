@@ -95,6 +95,18 @@ class ChatPrompt:
     parallel_tool_calls: bool = True
 
 
+def rendered_chars(prompt: ChatPrompt) -> tuple[int, int]:
+    """The characters of every field the template or the tool format renders into the prompt -- the
+    messages' contents, names, calls and call ids; the tools' names, descriptions and parameters -- as
+    (in the messages, in the tools): what ``Admission.not_hopeless`` bounds before anything is tokenized
+    (an outside probe's 3 MB tool description held every other call up for 3.7 s)."""
+    chars = 0
+    for m in prompt.messages:
+        chars += len(m.content) + len(m.name or "") + len(m.tool_call_id or "")
+        chars += sum(len(c.id) + len(c.name) + len(c.arguments) for c in m.tool_calls)
+    return chars, sum(len(t.name) + len(t.description) + len(t.parameters) for t in prompt.tools)
+
+
 @dataclass(frozen=True)
 class TokenPrompt:
     token_ids: tuple[int, ...]
@@ -291,16 +303,20 @@ class Admission:
         add_generation_prompt: bool = True,
     ) -> list[int]:
         """The conversation's token ids (a request's, or /tokenize's count)."""
-        self.not_hopeless(sum(len(m.content) for m in prompt.messages), names.messages)
+        in_messages, in_tools = rendered_chars(prompt)  # the field that holds more is named
+        where = names.messages if in_messages >= in_tools else names.tools.tools
+        self.not_hopeless(in_messages + in_tools, where)
         messages, tools = template_inputs(prompt.messages, self.tool_format, plan, called)
+        # the tools' system message the generic format puts first: a message's error names the client's index
+        added = len(messages) - len(prompt.messages)
         try:
             return self.model.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tools=tools
             )
         except ChatTemplateError as exc:
-            if exc.index is not None:  # one message's field, in this front end's spelling
+            if exc.index is not None and exc.index >= added:  # a message's field, in the front end's spelling
                 raise InvalidField(
-                    f"{names.tools.message.format(i=exc.index)}.{exc.key}", exc.problem
+                    f"{names.tools.message.format(i=exc.index - added)}.{exc.key}", exc.problem
                 ) from None
             raise InvalidField(names.messages, str(exc)) from None
 

@@ -189,8 +189,10 @@ class HistoryTurn(Protocol):
 def check_history(turns: Sequence[HistoryTurn], fields: ToolFields) -> dict[str, str]:
     """The conversation's calls and results, checked as OpenAI checks them: only an assistant calls, each
     call has an id, a name and arguments that are a JSON object; a tool message answers an earlier call
-    by its ``tool_call_id``.  Returns each call id's function name (a tool result is rendered with it)."""
+    by its ``tool_call_id``, and no two calls share an id.  Returns each call id's function name (a tool
+    result is rendered with it)."""
     called: dict[str, str] = {}
+    first_at: dict[str, str] = {}  # each call id's field, where it first appears
     for i, turn in enumerate(turns):
         where = fields.message.format(i=i)
         if turn.tool_calls and turn.role != "assistant":
@@ -198,7 +200,13 @@ def check_history(turns: Sequence[HistoryTurn], fields: ToolFields) -> dict[str,
                 f"{where}.tool_calls", f"only an assistant message calls tools, not {turn.role}"
             )
         for j, call in enumerate(turn.tool_calls):
-            _check_call(call, fields.tool_call.format(i=i, j=j), fields.tool_call_function.format(i=i, j=j))
+            at = fields.tool_call.format(i=i, j=j)
+            _check_call(call, at, fields.tool_call_function.format(i=i, j=j))
+            if call.id in first_at:  # a tool message answers a call by its id: which one would it be?
+                raise ToolFieldError(
+                    f"{at}.id", f"{call.id!r} is also the id of {first_at[call.id]}: each call needs its own"
+                )
+            first_at[call.id] = at
             called[call.id] = call.name
         if turn.role == "tool":
             if not turn.tool_call_id:

@@ -38,7 +38,8 @@ _FINISH_FROM_PROTO: dict[int, str] = {int(v): k for k, v in _FINISH_TO_PROTO.ite
 def known_fields_only(msg: Message, where: str = "") -> None:
     """Refuse a message carrying fields this build's ``.proto`` does not have (a newer client's): protobuf
     would keep them aside and the request would run without them -- a field accepted and dropped.
-    INVALID_ARGUMENT names the field by its number and where it sits."""
+    INVALID_ARGUMENT names the field by its number and where it sits, as the router names the fields it
+    checks (a member of a oneof under the oneof's name: ``prompt.messages.messages[0].#50``)."""
     from google.protobuf import unknown_fields
 
     unknown = sorted({f.field_number for f in unknown_fields.UnknownFieldSet(msg)})
@@ -59,7 +60,11 @@ def known_fields_only(msg: Message, where: str = "") -> None:
     for descriptor, value in msg.ListFields():
         if descriptor.message_type is None:
             continue
-        name = f"{where}{descriptor.name}"
+        # a member of a oneof as the router's errors name it: under the oneof (prompt.messages.messages[0]);
+        # proto3's `optional` fields sit in synthetic oneofs, named "_" + the field
+        oneof = descriptor.containing_oneof
+        under = f"{oneof.name}." if oneof is not None and not oneof.name.startswith("_") else ""
+        name = f"{where}{under}{descriptor.name}"
         if descriptor.is_repeated:
             for i, item in enumerate(value):
                 if isinstance(item, Message):

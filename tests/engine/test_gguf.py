@@ -167,6 +167,33 @@ def test_a_developer_message_is_a_system_message_where_the_template_knows_no_dev
     assert "[developer]Be brief." in own.decode(own.apply_chat_template(turns))
 
 
+def test_a_name_the_template_does_not_show_is_refused_not_dropped(
+    files: dict[str, Path], folder: Path, tmp_path: Path
+) -> None:
+    """An outside probe's find: a message's ``name`` was accepted and had no effect (SmolLM2's template
+    never renders it).  A name the template does not show the model is refused, naming that message's
+    ``name``; a template that renders names gets them, in whatever case it writes them; one that shows
+    only users' names refuses an assistant's."""
+    tok = Tokenizer.for_model(inspect_model(files["F32"]))  # ChatML: no names
+    named = [{"role": "user", "content": "hi", "name": "Ada"}]
+    with pytest.raises(ChatTemplateError, match=r"messages\[0\]\.name.*does not show a user message's name"):
+        tok.apply_chat_template(named)
+    loop = (
+        "{%% for m in messages %%}[{{ m.role }}{%% if %s %%} {{ m.name%s }}{%% endif %%}]"
+        "{{ m.content }}{%% endfor %%}"
+    )
+    shows = loop % ("m.name", " | upper")
+    own = Tokenizer.for_model(inspect_model(write_gguf(folder, tmp_path / "names.gguf", chat_template=shows)))
+    assert "[user ADA]hi" in own.decode(own.apply_chat_template(named))
+    users_only = loop % ("m.role == 'user' and m.name", "")
+    path = write_gguf(folder, tmp_path / "users.gguf", chat_template=users_only)
+    users = Tokenizer.for_model(inspect_model(path))
+    turns = [*named, {"role": "assistant", "content": "hello", "name": "Bot"}]
+    with pytest.raises(ChatTemplateError, match=r"messages\[1\]\.name.*assistant"):
+        users.apply_chat_template(turns)
+    assert "[user Ada]hi" in users.decode(users.apply_chat_template(named))
+
+
 def test_the_template_runs_sandboxed(files: dict[str, Path], tmp_path: Path, folder: Path) -> None:
     """A template is data from the model file: it cannot reach Python internals."""
     evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"

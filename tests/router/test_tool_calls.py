@@ -256,6 +256,11 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ),
     ({"messages": [{**USER, "tool_call_id": "call_1"}]}, "messages.0.tool_call_id"),
     ({"messages": [{**USER, "tool_calls": [CALL]}]}, "messages.0.tool_calls"),
+    (  # two calls with one id: a tool message answering it would be ambiguous
+        {"messages": [USER, {"role": "assistant", "tool_calls": [CALL, CALL]}]},
+        "messages.1.tool_calls.1.id",
+    ),
+    ({"messages": [*HISTORY, {"role": "assistant", "tool_calls": [CALL]}]}, "messages.3.tool_calls.0.id"),
     (
         {
             "messages": [
@@ -330,6 +335,23 @@ def test_bad_tool_input_is_a_400_naming_the_field_and_the_server_keeps_serving(
         assert response.json()["error"]["param"] == param, response.json()
         still = http.post("/tokenize", json={"messages": HISTORY, "tools": [WEATHER]})
         assert still.status_code == 200 and still.json()["count"] > 0
+
+
+@pytest.mark.parametrize("fmt", ["generic", "hermes"])
+def test_a_name_the_template_drops_is_a_400_naming_the_client_s_message(
+    models: dict[str, RouterModel], fmt: str
+) -> None:
+    """An outside probe's find: a message's ``name`` was accepted and dropped.  Neither template shows
+    names: the 400 names the client's message -- not the index the generic format's tools message (put
+    first) moved it to."""
+    model = models[fmt]
+    pipeline: Any = SimpleNamespace(max_inflight=1)
+    body = {"model": model.name, "messages": [{**USER, "name": "Ada"}], "tools": [WEATHER]}
+    with TestClient(create_app(pipeline, model, healthy=lambda: True)) as http:
+        response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "messages.0.name", response.json()
+        assert "does not show a user message's name" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(
