@@ -159,6 +159,7 @@ class AdmittedRequest:
     n: int = 1  # choices (the pipeline forks them after one prefill: router/choices.py)
     tools: ToolParser | None = None  # how the reply's tool calls are read (None: the reply is text)
     adapter: AdapterId | None = None  # the LoRA adapter, as the nodes serve it (name and digest)
+    streamed: bool = False  # the client reads the output as it comes (else whole, at the end)
 
 
 class Admission:
@@ -236,7 +237,14 @@ class Admission:
             parser = ToolParser(plan.format, frozenset(plan.schemas), plan.parallel)
         salt = caller.salt(request.cache_salt)
         return AdmittedRequest(
-            request.request_id, token_ids, params, salt, n=request.n, tools=parser, adapter=adapter
+            request.request_id,
+            token_ids,
+            params,
+            salt,
+            n=request.n,
+            tools=parser,
+            adapter=adapter,
+            streamed=request.stream,
         )
 
     def _adapter(self, name: str, field_name: str) -> AdapterId:

@@ -50,10 +50,14 @@ class Interrupted(Exception):
         self.code, self.details = code, details
 
 
-def gave_up(sent: Sent, why: str, code: grpc.StatusCode) -> str:
-    """``why``, and where output had reached the client, that it is incomplete -- with "retry" only where
-    a retry may succeed (a node down or busy), not after the engine refused or failed the request."""
+def gave_up(sent: Sent, why: str, code: grpc.StatusCode, streamed: bool = True) -> str:
+    """``why``, and where output had reached a streaming client (``streamed``), that it is incomplete --
+    with "retry" only where a retry may succeed (a node down or busy), not after the engine refused or
+    failed the request.  A client that reads the output whole got none of it: no count is given (an
+    outside probe's non-streamed call was told "8 tokens sent" with no token in the reply)."""
+    retry = ", retry the request" if code in (*RETRYABLE, grpc.StatusCode.CANCELLED) else ""
     if not sent.token_ids:
         return why
-    retry = ", retry the request" if code in (*RETRYABLE, grpc.StatusCode.CANCELLED) else ""
+    if not streamed:
+        return f"{why}; no output is returned{retry}"
     return f"{why}; the output is incomplete ({len(sent.token_ids)} tokens sent){retry}"

@@ -3,6 +3,7 @@ pipeline; the pipeline's events out as proto."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -117,7 +118,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[generation_pb2.GenerateResponse]:
         with rpc_errors(context, self.calls, "Generate"), self._call(context) as caller:
-            admitted = self._admitted(request, caller)
+            admitted = self._admitted(request, caller, streamed=True)
             rid = admitted.request_id
             # A client that stops reading holds its send here: past the idle limit, the call is cut
             # (and its request aborted on the nodes) instead of holding a slot for ever.
@@ -200,9 +201,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         with self.access.admitted(caller):
             yield caller
 
-    def _admitted(self, request: generation_pb2.GenerateRequest, caller: Caller) -> AdmittedRequest:
-        """Proto -> the neutral request -> the one admission path."""
-        return self.admission.admit(generation_request(request), caller)
+    def _admitted(
+        self, request: generation_pb2.GenerateRequest, caller: Caller, streamed: bool = False
+    ) -> AdmittedRequest:
+        """Proto -> the neutral request -> the one admission path (``streamed``: the streaming RPC)."""
+        return self.admission.admit(dataclasses.replace(generation_request(request), stream=streamed), caller)
 
 
 # How this front end names a request's fields in INVALID_ARGUMENT.

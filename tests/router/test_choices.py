@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import pytest
@@ -207,3 +209,33 @@ def test_an_incomplete_output_says_retry_only_where_a_retry_may_succeed() -> Non
     failed = _gave_up(sent, "the engine failed", grpc.StatusCode.INTERNAL)
     assert failed == "the engine failed; the output is incomplete (2 tokens sent)"
     assert _gave_up(_Sent(), "down", grpc.StatusCode.UNAVAILABLE) == "down"
+    # Another probe: a non-streamed call got "(8 tokens sent)" with no token in its reply.  A client that
+    # reads the output whole is told none is returned, and to retry where a retry may succeed.
+    whole = _gave_up(sent, "down", grpc.StatusCode.UNAVAILABLE, streamed=False)
+    assert whole == "down; no output is returned, retry the request"
+    assert (
+        _gave_up(sent, "failed", grpc.StatusCode.INTERNAL, streamed=False) == "failed; no output is returned"
+    )
+
+
+def test_the_admitted_request_says_whether_the_client_streams(tmp_path: Path) -> None:
+    """What ``gave_up`` is told: the OpenAI API's ``stream``, and which gRPC method the call came by."""
+    from pdkv_proto.pdkv.v1 import generation_pb2
+    from router.admission import Admission
+    from router.auth import OPEN, Caller
+    from router.openai_requests import completion_request
+    from router.openai_schema import CompletionRequest
+    from router.servicer import GenerationServicer
+    from router.tokenizer import load_model
+    from tests.gguf_models import write_gguf
+    from tests.tiny_models import pdkv_tiny_model_dir
+
+    model = load_model(write_gguf(pdkv_tiny_model_dir(), tmp_path / "tiny.gguf", qtype="F32"))
+    admission, caller = Admission(model), Caller(OPEN, "peer:test", 8, cache_details=False)
+    for stream in (True, False):
+        body = CompletionRequest.model_validate({"model": "tiny", "prompt": "hi", "stream": stream})
+        assert admission.admit(completion_request(body, model), caller).streamed is stream
+    servicer: Any = SimpleNamespace(admission=admission)
+    request = generation_pb2.GenerateRequest(text="hi")
+    assert GenerationServicer._admitted(servicer, request, caller, streamed=True).streamed
+    assert not GenerationServicer._admitted(servicer, request, caller).streamed
