@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -83,8 +84,10 @@ class ChatTemplate:
         """``tools``: the functions the model may call, in OpenAI's shape (``{"type": "function",
         "function": {...}}``), as Hugging Face hands them to a template; None (no tools) otherwise.
         A message's ``name`` the template does not show the model is refused (ChatTemplateError on its
-        ``name``): the template is rendered once with a marker for each name to find out."""
+        ``name``): the template is rendered once more with a marker for each name to find out (a second
+        render only for conversations with names)."""
         checked = [_check_message(i, m) for i, m in enumerate(messages)]
+        roles = [m["role"] for m in checked]  # as the client sent them (for an error)
         if "developer" not in self.source:  # OpenAI's newer name for the system role, where the template
             for m in checked:  # knows no such role (it rendered a default system prompt, then the turn)
                 if m["role"] == "developer":
@@ -93,13 +96,16 @@ class ChatTemplate:
             raise ChatTemplateError("messages: at least one message is needed")
         named = [i for i, m in enumerate(checked) if "name" in m]
         if named:  # a name the template never shows the model is refused, not dropped
-            marked = [{**m, "name": _name_marker(i)} if i in named else m for i, m in enumerate(checked)]
+            nonce = secrets.token_hex(8)  # no text of the request can hold it
+            marked = [
+                {**m, "name": _name_marker(i, nonce)} if i in named else m for i, m in enumerate(checked)
+            ]
             shown = self._render(marked, add_generation_prompt, tools).lower()
             for i in named:
-                if _name_marker(i).lower() not in shown:
+                if _name_marker(i, nonce).lower() not in shown:
                     raise ChatTemplateError(
-                        f"this model's chat template does not show a {checked[i]['role']} message's name to "
-                        "the model: leave it out, or put it in the content",
+                        f"this model's chat template does not show a {roles[i]} message's name to the model: "
+                        "leave it out, or put it in the content",
                         index=i,
                         key="name",
                     )
@@ -133,10 +139,11 @@ class ChatTemplate:
             ) from exc
 
 
-def _name_marker(i: int) -> str:
+def _name_marker(i: int, nonce: str) -> str:
     """Message ``i``'s name while the template is asked whether it shows names: letters and digits only
-    (a template may check a name's characters), found again whatever case the template writes it in."""
-    return f"PdkvName{i}Marker"
+    (a template may check a name's characters), found again whatever case the template writes it in;
+    ``nonce`` is the call's own, so no content can hold a marker and pass for a shown name."""
+    return f"PdkvName{i}x{nonce}"
 
 
 def _check_message(i: int, m: ChatMessage | Mapping[str, Any]) -> dict[str, Any]:

@@ -261,12 +261,14 @@ class Admission:
         plan, called = self._tool_plan(prompt, names)
         return self._render(prompt, names, plan, called, add_generation_prompt)
 
-    def _tool_plan(self, prompt: Prompt, names: FieldNames) -> tuple[ToolPlan | None, dict[str, str]]:
-        """A conversation's tools, checked (None: no tools, or no template to show them), and each call
-        id of its history with the function it called."""
+    def _tool_plan(self, prompt: Prompt, names: FieldNames) -> tuple[ToolPlan | None, dict[int, str]]:
+        """A conversation's tools, checked (None: no tools, or no template to show them), and each tool
+        message of its history with the function it answers."""
         if not isinstance(prompt, ChatPrompt):
             return None, {}
         fields = names.tools
+        # no schema compiled for tools that could never be shown (each compile holds the GIL)
+        self.not_hopeless(rendered_chars(prompt)[1], fields.tools)
         try:
             called = check_history(prompt.messages, fields)
             schemas = check_tools(prompt.tools, fields, self._check_schema)
@@ -307,11 +309,12 @@ class Admission:
         prompt: ChatPrompt,
         names: FieldNames,
         plan: ToolPlan | None,
-        called: Mapping[str, str],
+        called: Mapping[int, str],
         add_generation_prompt: bool = True,
     ) -> list[int]:
         """The conversation's token ids (a request's, or /tokenize's count)."""
         in_messages, in_tools = rendered_chars(prompt)  # the field that holds more is named
+        in_tools = in_tools if plan is not None and plan.calls_allowed else 0  # shown only then
         where = names.messages if in_messages >= in_tools else names.tools.tools
         self.not_hopeless(in_messages + in_tools, where)
         messages, tools = template_inputs(prompt.messages, self.tool_format, plan, called)
@@ -329,7 +332,7 @@ class Admission:
             raise InvalidField(names.messages, str(exc)) from None
 
     def _tokens(
-        self, prompt: Prompt, names: FieldNames, plan: ToolPlan | None, called: Mapping[str, str]
+        self, prompt: Prompt, names: FieldNames, plan: ToolPlan | None, called: Mapping[int, str]
     ) -> tuple[list[int], str]:
         """The prompt's token ids, and the field that names the prompt in an error."""
         tokenizer = self.model.tokenizer

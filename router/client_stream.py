@@ -50,7 +50,7 @@ class Interrupted(Exception):
         self.code, self.details = code, details
 
 
-def gave_up(sent: Sent, why: str, code: grpc.StatusCode, streamed: bool = True) -> str:
+def gave_up(sent: Sent, why: str, code: grpc.StatusCode, *, streamed: bool) -> str:
     """``why``, and where output had reached a streaming client (``streamed``), that it is incomplete --
     with "retry" only where a retry may succeed (a node down or busy), not after the engine refused or
     failed the request.  A client that reads the output whole got none of it: no count is given (an

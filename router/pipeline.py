@@ -300,7 +300,9 @@ class Pipeline:
             except ServingError as exc:
                 if not errors and not sent.token_ids:
                     raise
-                raise ServingError(exc.code, gave_up(sent, exc.message, exc.code, request.streamed)) from None
+                raise ServingError(
+                    exc.code, gave_up(sent, exc.message, exc.code, streamed=request.streamed)
+                ) from None
             tried.append(node)
             carried = carried_tokens(msg)
             try:
@@ -320,7 +322,7 @@ class Pipeline:
                             sent,
                             f"{kind} node {node.address}: {failed.details}",
                             failed.code,
-                            request.streamed,
+                            streamed=request.streamed,
                         ),
                     ) from None
             if sent.token_ids != carried:  # the client got more than the message carries: resume after it
@@ -390,7 +392,9 @@ class Pipeline:
                     raise Interrupted(code, details) from exc
                 raise ServingError(
                     code,
-                    gave_up(sent, f"{kind} node {node.address}: {details}", code, client.request.streamed),
+                    gave_up(
+                        sent, f"{kind} node {node.address}: {details}", code, streamed=client.request.streamed
+                    ),
                 ) from exc
         if last is None or not last.finished:
             if scope.is_active():

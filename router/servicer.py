@@ -154,7 +154,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> generation_pb2.GenerateResult:
         with rpc_errors(context, self.calls, "GenerateUnary"), self._call(context) as caller:
-            admitted = self._admitted(request, caller)
+            admitted = self._admitted(request, caller, streamed=False)
             choices = [generation_pb2.Choice(index=i) for i in range(admitted.n)]
             usages: list[Usage] = [Usage()] * admitted.n
             for event in self.pipeline.generate(admitted, context):
@@ -202,7 +202,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             yield caller
 
     def _admitted(
-        self, request: generation_pb2.GenerateRequest, caller: Caller, streamed: bool = False
+        self, request: generation_pb2.GenerateRequest, caller: Caller, *, streamed: bool
     ) -> AdmittedRequest:
         """Proto -> the neutral request -> the one admission path (``streamed``: the streaming RPC)."""
         return self.admission.admit(dataclasses.replace(generation_request(request), stream=streamed), caller)

@@ -184,30 +184,37 @@ class HistoryTurn(Protocol):
     def tool_calls(self) -> tuple[ToolCall, ...]: ...
     @property
     def tool_call_id(self) -> str | None: ...
+    @property
+    def name(self) -> str | None: ...
 
 
-def check_history(turns: Sequence[HistoryTurn], fields: ToolFields) -> dict[str, str]:
+def check_history(turns: Sequence[HistoryTurn], fields: ToolFields) -> dict[int, str]:
     """The conversation's calls and results, checked as OpenAI checks them: only an assistant calls, each
-    call has an id, a name and arguments that are a JSON object; a tool message answers an earlier call
-    by its ``tool_call_id``, and no two calls share an id.  Returns each call id's function name (a tool
-    result is rendered with it)."""
-    called: dict[str, str] = {}
-    first_at: dict[str, str] = {}  # each call id's field, where it first appears
+    call has an id, a name and arguments that are a JSON object, no two calls of one message share an id;
+    a tool message answers an earlier call by its ``tool_call_id`` (the nearest one with that id: a
+    client may number each turn's calls from call_0 again), and a ``name`` it carries (the legacy
+    function-result shape) is that call's function.  Returns each tool message's index with the function
+    it answers (a tool result is rendered with it)."""
+    called: dict[str, str] = {}  # each call id's function, the latest call with the id
+    answers: dict[int, str] = {}
     for i, turn in enumerate(turns):
         where = fields.message.format(i=i)
         if turn.tool_calls and turn.role != "assistant":
             raise ToolFieldError(
                 f"{where}.tool_calls", f"only an assistant message calls tools, not {turn.role}"
             )
+        in_message: dict[str, int] = {}
         for j, call in enumerate(turn.tool_calls):
             at = fields.tool_call.format(i=i, j=j)
             _check_call(call, at, fields.tool_call_function.format(i=i, j=j))
-            if call.id in first_at:  # a tool message answers a call by its id: which one would it be?
+            if call.id in in_message:  # a tool message answering the id could mean either call
                 raise ToolFieldError(
-                    f"{at}.id", f"{call.id!r} is also the id of {first_at[call.id]}: each call needs its own"
+                    f"{at}.id",
+                    f"{call.id!r} is also the id of call {in_message[call.id]} of this message: each call "
+                    "needs its own",
                 )
-            first_at[call.id] = at
-            called[call.id] = call.name
+            in_message[call.id] = j
+        called.update((call.id, call.name) for call in turn.tool_calls)
         if turn.role == "tool":
             if not turn.tool_call_id:
                 raise ToolFieldError(
@@ -219,9 +226,16 @@ def check_history(turns: Sequence[HistoryTurn], fields: ToolFields) -> dict[str,
                     f"{where}.tool_call_id",
                     f"{turn.tool_call_id!r} answers no call of an earlier assistant message",
                 )
+            function = called[turn.tool_call_id]
+            if turn.name is not None and turn.name != function:
+                raise ToolFieldError(
+                    f"{where}.name",
+                    f"{turn.name!r}, but the call {turn.tool_call_id!r} it answers is {function!r}",
+                )
+            answers[i] = function
         elif turn.tool_call_id is not None:
             raise ToolFieldError(f"{where}.tool_call_id", f"only a tool message has one, not {turn.role}")
-    return called
+    return answers
 
 
 def _check_call(call: ToolCall, where: str, function: str) -> None:

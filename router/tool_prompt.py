@@ -51,15 +51,17 @@ class Turn(Protocol):
 
 
 def template_inputs(
-    turns: Sequence[Turn], fmt: ToolFormat | None, plan: ToolPlan | None, called: Mapping[str, str]
+    turns: Sequence[Turn], fmt: ToolFormat | None, plan: ToolPlan | None, answers: Mapping[int, str]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """The messages and the ``tools`` argument the template renders.  ``called``: each call id's function
-    name (a generic tool result names it)."""
+    """The messages and the ``tools`` argument the template renders.  ``answers``: each tool message's
+    index with the function it answers (``check_history``; a generic tool result names it).  A tool
+    message's ``name`` is that function (checked): the generic result writes it, an HF template gets the
+    message without it (the call it answers says as much)."""
     shown = plan if plan is not None and plan.calls_allowed else None
     if fmt in ("hermes", "llama3_json"):
         tools = [_openai_tool(shown, t.name) for t in shown.tools] if shown is not None else None
         return [_hf_message(t) for t in turns], tools
-    messages = [_generic_message(t, called) for t in turns]
+    messages = [_generic_message(t, answers.get(i, "")) for i, t in enumerate(turns)]
     if shown is not None:
         text = generic_instructions(shown)
         if messages and messages[0]["role"] == "system":
@@ -80,7 +82,7 @@ def _openai_tool(plan: ToolPlan, name: str) -> dict[str, Any]:
 
 def _hf_message(turn: Turn) -> dict[str, Any]:
     message: dict[str, Any] = {"role": turn.role, "content": turn.content}
-    if turn.name:
+    if turn.name and turn.role != "tool":
         message["name"] = turn.name
     if turn.tool_calls:
         message["tool_calls"] = [
@@ -96,19 +98,19 @@ def _hf_message(turn: Turn) -> dict[str, Any]:
     return message
 
 
-def _generic_message(turn: Turn, called: Mapping[str, str]) -> dict[str, Any]:
+def _generic_message(turn: Turn, function: str) -> dict[str, Any]:
     """The turn with its calls and result written into its content (the template renders no tool keys;
     one that renders them in a syntax pdkv does not parse is not handed them, so nothing is written
     twice)."""
     message: dict[str, Any] = {"role": turn.role, "content": turn.content}
-    if turn.name:
+    if turn.name and turn.role != "tool":
         message["name"] = turn.name
     if turn.tool_calls:
         calls = [{"name": c.name, "arguments": json.loads(c.arguments)} for c in turn.tool_calls]
         written = _dumps(calls[0] if len(calls) == 1 else calls)
         message["content"] = f"{turn.content}\n{written}" if turn.content else written
     if turn.tool_call_id:
-        answer = {"tool_call_id": turn.tool_call_id, "name": called.get(turn.tool_call_id, "")}
+        answer = {"tool_call_id": turn.tool_call_id, "name": function}
         message["content"] = _dumps({**answer, "content": turn.content})
     return message
 

@@ -192,6 +192,13 @@ def test_a_name_the_template_does_not_show_is_refused_not_dropped(
     with pytest.raises(ChatTemplateError, match=r"messages\[1\]\.name.*assistant"):
         users.apply_chat_template(turns)
     assert "[user Ada]hi" in users.decode(users.apply_chat_template(named))
+    # a review's finds: the error names the role the client sent (a developer message renders as a
+    # system one here), and no content can pass for a shown name (each call's markers are its own)
+    with pytest.raises(ChatTemplateError, match="does not show a developer message's name"):
+        tok.apply_chat_template([{"role": "developer", "content": "Be brief.", "name": "Ops"}, *named])
+    echo = [{"role": "user", "content": "PdkvName0Marker pdkvname0x" + "0" * 16, "name": "Ada"}]
+    with pytest.raises(ChatTemplateError, match=r"messages\[0\]\.name"):
+        tok.apply_chat_template(echo)
 
 
 def test_the_template_runs_sandboxed(files: dict[str, Path], tmp_path: Path, folder: Path) -> None:

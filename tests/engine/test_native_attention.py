@@ -144,7 +144,7 @@ def test_every_source_file_keys_the_built_library() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rows,hidden", [(1, 576), (37, 64), (300, 576), (3, 20)])
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (37, 64), (300, 576), (3, 20), (9, 2049), (2, 4096)])
 def test_the_rms_norm_kernel_matches_the_torch_ops(rows: int, hidden: int, dtype: torch.dtype) -> None:
     from engine.model.llama import RMSNorm
 
@@ -243,16 +243,17 @@ def test_the_paired_order_is_written_alike_by_the_rope_kernel_and_by_torch(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_residual_add_and_norm_in_one_call(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("rows,hidden", [(33, 576), (2, 2048), (9, 2049)])  # shared out; the stack's edge
+def test_the_residual_add_and_norm_in_one_call(dtype: torch.dtype, rows: int, hidden: int) -> None:
     from engine.model.llama import RMSNorm
 
     kernels = native.native_kernels()
     assert kernels is not None
     gen = torch.Generator().manual_seed(5)
-    norm = RMSNorm(576, 1e-5)
-    norm.weight.data = torch.randn(576, generator=gen)
+    norm = RMSNorm(hidden, 1e-5)
+    norm.weight.data = torch.randn(hidden, generator=gen)
     norm.to(dtype)
-    h, delta = (torch.randn(2, 33, 576, generator=gen) * 2).to(dtype)
+    h, delta = (torch.randn(2, rows, hidden, generator=gen) * 2).to(dtype)
     with torch.inference_mode():
         want_h, want = norm.add_forward(h, delta)
         norm.kernel = kernels.rms_norm
@@ -295,7 +296,7 @@ def test_the_residual_add_rounds_ties_overflow_and_nans_as_torch() -> None:
     assert torch.isinf(got_h).sum() >= 4, "the cases that overflow and the infinities in"
 
 
-@pytest.mark.parametrize("rows,inter", [(1, 1536), (40, 64), (3, 20)])
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (40, 64), (3, 20), (20, 1536)])
 def test_the_silu_mul_kernel_matches_the_torch_ops(rows: int, inter: int) -> None:
     kernels = native.native_kernels()
     assert kernels is not None

@@ -204,11 +204,13 @@ def test_an_incomplete_output_says_retry_only_where_a_retry_may_succeed() -> Non
     from router.client_stream import gave_up as _gave_up
 
     sent = _Sent([5, 6])
-    assert _gave_up(sent, "down", grpc.StatusCode.UNAVAILABLE).endswith("(2 tokens sent), retry the request")
-    assert _gave_up(sent, "cut", grpc.StatusCode.CANCELLED).endswith("retry the request")
-    failed = _gave_up(sent, "the engine failed", grpc.StatusCode.INTERNAL)
+    assert _gave_up(sent, "down", grpc.StatusCode.UNAVAILABLE, streamed=True).endswith(
+        "(2 tokens sent), retry the request"
+    )
+    assert _gave_up(sent, "cut", grpc.StatusCode.CANCELLED, streamed=True).endswith("retry the request")
+    failed = _gave_up(sent, "the engine failed", grpc.StatusCode.INTERNAL, streamed=True)
     assert failed == "the engine failed; the output is incomplete (2 tokens sent)"
-    assert _gave_up(_Sent(), "down", grpc.StatusCode.UNAVAILABLE) == "down"
+    assert _gave_up(_Sent(), "down", grpc.StatusCode.UNAVAILABLE, streamed=True) == "down"
     # Another probe: a non-streamed call got "(8 tokens sent)" with no token in its reply.  A client that
     # reads the output whole is told none is returned, and to retry where a retry may succeed.
     whole = _gave_up(sent, "down", grpc.StatusCode.UNAVAILABLE, streamed=False)
@@ -238,4 +240,4 @@ def test_the_admitted_request_says_whether_the_client_streams(tmp_path: Path) ->
     servicer: Any = SimpleNamespace(admission=admission)
     request = generation_pb2.GenerateRequest(text="hi")
     assert GenerationServicer._admitted(servicer, request, caller, streamed=True).streamed
-    assert not GenerationServicer._admitted(servicer, request, caller).streamed
+    assert not GenerationServicer._admitted(servicer, request, caller, streamed=False).streamed

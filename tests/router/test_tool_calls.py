@@ -260,7 +260,10 @@ BAD: list[tuple[dict[str, Any], str]] = [
         {"messages": [USER, {"role": "assistant", "tool_calls": [CALL, CALL]}]},
         "messages.1.tool_calls.1.id",
     ),
-    ({"messages": [*HISTORY, {"role": "assistant", "tool_calls": [CALL]}]}, "messages.3.tool_calls.0.id"),
+    (  # a tool message's name (the legacy function-result shape) is the function of the call it answers
+        {"messages": [*HISTORY[:2], {**HISTORY[2], "name": "get_time"}]},
+        "messages.2.name",
+    ),
     (
         {
             "messages": [
@@ -335,6 +338,49 @@ def test_bad_tool_input_is_a_400_naming_the_field_and_the_server_keeps_serving(
         assert response.json()["error"]["param"] == param, response.json()
         still = http.post("/tokenize", json={"messages": HISTORY, "tools": [WEATHER]})
         assert still.status_code == 200 and still.json()["count"] > 0
+
+
+def test_call_ids_may_repeat_across_turns_and_a_result_answers_the_nearest_call(
+    models: dict[str, RouterModel],
+) -> None:
+    """A review's find: ids refused across turns broke clients that number each turn's calls from
+    call_0 again (only one message's calls must differ).  Each result answers the nearest earlier call
+    with its id, and the generic format writes that call's function -- not the last one's with the id;
+    a tool message may name it (the legacy shape), which adds nothing to the prompt."""
+    model = models["generic"]
+    second = {**CALL, "function": {"name": "get_time", "arguments": "{}"}}
+    messages = [
+        *HISTORY,
+        {"role": "user", "content": "And the time?"},
+        {"role": "assistant", "tool_calls": [second]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "noon", "name": "get_time"},
+    ]
+    body = {"messages": messages, "tools": [WEATHER, TIME]}
+    text = model.tokenizer.decode(admit(model, **body).prompt_token_ids)
+    assert '{"tool_call_id": "call_1", "name": "get_weather", "content": "18C"}' in text
+    assert '{"tool_call_id": "call_1", "name": "get_time", "content": "noon"}' in text
+    unnamed = [*messages[:-1], {k: v for k, v in messages[-1].items() if k != "name"}]
+    assert (
+        admit(model, **{**body, "messages": unnamed}).prompt_token_ids
+        == admit(model, **body).prompt_token_ids
+    )
+
+
+def test_tools_count_toward_the_size_check_only_where_they_are_shown(models: dict[str, RouterModel]) -> None:
+    """A review's find: tools never rendered (tool_choice none) made a request "too long"; tools that
+    could never be shown are refused before any schema is compiled."""
+    model = models["generic"]
+    limit = 2 * Admission(model).context_length * model.tokenizer.max_token_chars
+    big = {"type": "function", "function": {"name": "f", "description": "d" * (limit // 2)}}
+    shown = {"messages": [{**USER, "content": "y" * (limit // 2)}], "tools": [big]}
+    with pytest.raises(InvalidField, match="characters: more than max_model_len"):
+        admit(model, **shown)
+    with pytest.raises(InvalidField, match="tokens, more than max_model_len"):  # tokenized: not hopeless
+        admit(model, **{**shown, "tool_choice": "none"})
+    huge = {"type": "function", "function": {"name": "f", "description": "d" * (limit + 1)}}
+    with pytest.raises(InvalidField, match="characters") as refused:
+        admit(model, tools=[huge], tool_choice="none")
+    assert refused.value.field == "tools"
 
 
 @pytest.mark.parametrize("fmt", ["generic", "hermes"])
