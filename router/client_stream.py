@@ -7,9 +7,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from engine.hashing import HashNamespace
+from pdkv_proto.pdkv.v1 import types_pb2
 from router.admission import AdmittedRequest
 from router.choices import Placement
 from router.events import CallScope, Cancellation, Usage
+from router.node_messages import relay_prompt_sources
 
 # A node failing so (or cancelling a call as it stops) is skipped; a decode node's stream is resumed.
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -22,10 +25,12 @@ def node_failed(code: grpc.StatusCode, cancellation: Cancellation) -> bool:
 
 @dataclass
 class Sent:
-    """What reached the client so far: every token id, and how many characters of text."""
+    """What reached the client so far: every token id, how many characters of text, and the model (the
+    namespace of the node) that made them, once known (``router/candidates.py``)."""
 
     token_ids: list[int] = field(default_factory=list)
     chars: int = 0
+    model: HashNamespace | None = None
 
 
 @dataclass
@@ -40,6 +45,16 @@ class ClientStream:
     sent: Sent
     placement: Placement
     prompt_recorded: bool = False  # usage holds the prompt figures of the first node that saw the prompt
+    prefilled: bool = False  # a prefill node computed the prompt (else the decode node did)
+
+    def record_prompt(self, prompt: types_pb2.PromptUsage) -> None:
+        """Relay a decode (or colocated) node's figures of the client's prompt: where it computed the
+        prompt, where each token came from; after a prefill, its external tokens are the ones it received."""
+        if self.prefilled:
+            self.usage.remote_prefill = prompt.external_tokens
+        else:
+            relay_prompt_sources(self.usage, prompt)
+        self.prompt_recorded = True
 
 
 class Interrupted(Exception):

@@ -59,7 +59,8 @@ class NodeHandle:
         self.prefill = node_pb2_grpc.PrefillNodeStub(self.channel)
         self.decode = node_pb2_grpc.DecodeNodeStub(self.channel)
         self.control = node_pb2_grpc.NodeStub(self.channel)
-        # The node's block-hash namespace (from Stats), for prefix-aware policies.
+        # The node's block-hash namespace (from Stats): its model, for prefix-aware policies and for which
+        # nodes may continue one another's work (router/candidates.py).
         self.namespace: HashNamespace | None = None
         # Its compute dtype ("" until it answered) and whether it runs deterministic (from Stats).
         self.dtype = ""
@@ -185,12 +186,10 @@ class NodeHandle:
         changes = self._adapter_changes
         try:
             stats = self.control.Stats(node_pb2.StatsRequest(), timeout=timeout)
-            if self.namespace is None:
-                self.namespace = HashNamespace(
-                    model_fingerprint=stats.model_fingerprint,
-                    block_size=stats.block_size,
-                    algo=stats.hash_algo,
-                )
+            if stats.model_fingerprint:  # every node says it; a node restarted here may run another model
+                namespace = HashNamespace(stats.model_fingerprint, stats.block_size, stats.hash_algo)
+                if namespace != self.namespace:
+                    self.namespace = namespace
             self.dtype, self.deterministic = stats.dtype, stats.deterministic
             infos = {AdapterId(a.name, a.digest): a for a in stats.adapters}
             with self._lock:

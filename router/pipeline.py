@@ -31,14 +31,14 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 
 from engine.metrics import SPECS
-from pdkv_proto.pdkv.v1 import node_pb2, types_pb2
-from router.adapters import no_node_serves, prefer_resident, serves
+from pdkv_proto.pdkv.v1 import node_pb2
+from router import candidates
 from router.admission import AdmittedRequest
 from router.choices import Placement, run_choices
 from router.client_stream import ClientStream, Interrupted, Sent, gave_up, node_failed
@@ -52,7 +52,7 @@ from router.node_messages import (
     rpc_code_details,
 )
 from router.nodes import NodeHandle, NodePool
-from router.policy import NodeSelector, RoutingInfo
+from router.policy import NodeSelector
 from router.room import FULL_WAIT_S, RoomWait
 from serving import convert
 from serving.calls import time_remaining
@@ -89,6 +89,7 @@ class Pipeline:
         self.prefill_attempts = prefill_attempts
         self.decode_attempts = decode_attempts
         self.max_inflight = max_inflight
+        self.pairing = candidates.Pairing()
 
         self.resumed = 0  # requests continued on another decode node after output had reached the client
         # As the client sees them (engine/metrics.py names; exported as pdkv_router_*).
@@ -179,7 +180,13 @@ class Pipeline:
         placement: Placement,
     ) -> Iterator[Event]:
         assert self.prefill_pool is not None
-        prefill_node, first = self._prefill(request, prefill_message(request), scope, cancellation, placement)
+        models = self.pairing.prefill_models(self.prefill_pool, self.decode_pool, request)
+        if models is not None and not models:  # no prefill node runs a decode node's model
+            yield from self._colocated(request, scope, cancellation, start, placement)
+            return
+        prefill_node, first = self._prefill(
+            request, prefill_message(request), scope, cancellation, placement, models
+        )
         # From here the prefill node holds the KV for a decode node: free it if the client goes away.
         cancellation.on_cancel(lambda: prefill_node.abort_async(request.request_id))
         usage = Usage(
@@ -208,11 +215,12 @@ class Pipeline:
             yield Done(convert.finish_reason(first.finish_reason), convert.stop_reason(first), usage)
             return
         decode_msg = decode_message(request, prefilled=first)
-        sent = Sent([first.first_token_id], len(first.text))
+        sent = Sent([first.first_token_id], len(first.text), prefill_node.namespace)
         completed = False
         try:
             yield from self._decode(
-                ClientStream(request, scope, cancellation, usage, start, sent, placement), decode_msg
+                ClientStream(request, scope, cancellation, usage, start, sent, placement, prefilled=True),
+                decode_msg,
             )
             completed = True
         finally:
@@ -228,13 +236,24 @@ class Pipeline:
         scope: CallScope,
         cancellation: Cancellation,
         placement: Placement,
+        models: candidates.Models,
     ) -> tuple[NodeHandle, node_pb2.PrefillResponse]:
         assert self.prefill_pool is not None
         tried: list[NodeHandle] = []
         errors: list[str] = []
         room = RoomWait(self.prefill_pool.kind, scope, cancellation)
         while len(errors) < self.prefill_attempts:
-            node = self._choose(self.prefill_pool, request, tried, errors, placement.prefill_hint(), room)
+            node = candidates.choose(
+                self._selectors[id(self.prefill_pool)],
+                self.prefill_pool,
+                request,
+                tried,
+                errors=errors,
+                prefer=placement.prefill_hint(),
+                room=room,
+                models=models,
+                whose=lambda: "a decode node",
+            )
             placement.prefill = node
             tried.append(node)
             future = node.prefill.Prefill.future(msg, timeout=time_remaining(scope))
@@ -293,8 +312,16 @@ class Pipeline:
         room = RoomWait(kind, client.scope, client.cancellation, max(0.0, left))
         while True:
             try:
-                node = self._choose(
-                    self.decode_pool, request, tried, errors, client.placement.decode_hint(), room
+                node = candidates.choose(
+                    self._selectors[id(self.decode_pool)],
+                    self.decode_pool,
+                    request,
+                    tried,
+                    errors=errors,
+                    prefer=client.placement.decode_hint(),
+                    room=room,
+                    models=None if sent.model is None else {sent.model},
+                    whose=lambda: f"the node that made its first {len(sent.token_ids)} token(s)",
                 )
                 client.placement.decode = node
             except ServingError as exc:
@@ -360,8 +387,7 @@ class Pipeline:
             try:
                 for last in stream:
                     if not client.prompt_recorded and not msg.resume_output_token_ids:
-                        self._record_prompt(usage, last.prompt)  # the client's prompt, as the node saw it
-                        client.prompt_recorded = True
+                        client.record_prompt(last.prompt)  # the client's prompt, as the node saw it
                     text = last.text
                     if skip:
                         cut = min(skip, len(text))
@@ -371,6 +397,8 @@ class Pipeline:
                     usage.completion_tokens += len(last.token_ids)
                     scored, alternatives = prompt_scores(last)
                     if last.token_ids or text or scored is not None:
+                        if last.token_ids and sent.model is None:
+                            sent.model = node.namespace  # a resume continues only on its model
                         sent.token_ids.extend(last.token_ids)
                         sent.chars += len(text)
                         top = [convert.top_logprobs(t) for t in last.top_logprobs]
@@ -404,43 +432,6 @@ class Pipeline:
                 f"{kind} node {node.address} ended the stream early",
             )
         if not client.prompt_recorded:  # only resumed nodes answered (their prompt has the resumed tokens)
-            self._record_prompt(usage, last.prompt)
+            client.record_prompt(last.prompt)
         usage.total_time_s = time.perf_counter() - client.start
         yield Done(convert.finish_reason(last.finish_reason), convert.stop_reason(last), usage)
-
-    def _record_prompt(self, usage: Usage, prompt: types_pb2.PromptUsage) -> None:
-        """Relay a decode (or colocated) node's figures of the client's prompt: in colocated mode it
-        computed the prompt; after a prefill, its external tokens are the ones it received."""
-        if self.mode == "colocated":
-            relay_prompt_sources(usage, prompt)
-        else:
-            usage.remote_prefill = prompt.external_tokens
-
-    def _choose(
-        self,
-        pool: NodePool,
-        request: AdmittedRequest,
-        tried: list[NodeHandle],
-        errors: Sequence[str] = (),
-        prefer: NodeHandle | None = None,
-        room: RoomWait | None = None,
-    ) -> NodeHandle:
-        """A healthy untried node of ``pool`` serving the request's adapter: ``prefer`` where it is one,
-        else the policy's (those with the adapter in a slot first).  None left but some that were full
-        (``room``): those again, after a pause."""
-        healthy = pool.healthy(exclude=tried)
-        candidates = [n for n in healthy if serves(n, request.adapter)]
-        while not candidates and room is not None and room.again(tried, pool):
-            healthy = pool.healthy(exclude=tried)
-            candidates = [n for n in healthy if serves(n, request.adapter)]
-        if prefer is not None and prefer in candidates:
-            return prefer
-        if healthy and not candidates and request.adapter is not None:
-            raise no_node_serves(pool.kind, request.adapter)
-        if not candidates:
-            detail = f"; tried {'; '.join(errors)}" if errors else ""
-            down = ", ".join(f"{n.address} ({n.last_error})" for n in pool.nodes() if not n.healthy)
-            why = f"no healthy {pool.kind} node{detail}" + (f"; down: {down}" if down else "")
-            raise ServingError(grpc.StatusCode.UNAVAILABLE, why + "; retry later")
-        info = RoutingInfo(request.request_id, request.prompt_token_ids, request.cache_salt, request.adapter)
-        return self._selectors[id(pool)].choose(prefer_resident(candidates, request.adapter), info)

@@ -126,3 +126,34 @@ def test_a_stream_resumed_after_its_decode_node_is_killed_continues_bit_for_bit(
         assert_node_idle(survivor.address)
     finally:
         cluster.stop()
+
+
+def test_a_prefill_node_of_another_model_is_not_paired_with_the_decode_nodes(tmp_path: Any) -> None:
+    """An outside probe's find: a prefill node running other weights than the decode nodes started fine;
+    each decode node refused its KV and recomputed the prompt, but every reply began with the prefill
+    node's token -- output neither setup makes.  The router pairs nodes of one model only (their
+    namespaces, from Stats): here the prefill node (float32) runs nothing and every request runs whole on
+    the decode node (bfloat16), bit for bit what one local engine makes."""
+    config = tmp_path / "pdkv.toml"
+    config.write_text('[prefill]\ndtype = "float32"\n[decode]\ndtype = "bfloat16"\ndeterministic = "on"\n')
+    rng = random.Random(5)
+    prompts = [[rng.randrange(384) for _ in range(rng.randrange(20, 90))] for _ in range(4)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True)
+    cluster = start_cluster(model=model(), num_prefill=1, num_decode=1, config_file=config)
+    try:
+        [prefill], [decode] = cluster.prefill_nodes, cluster.decode_nodes
+        assert node_stats(prefill.address).dtype == "float32"
+        with GenerationClient(cluster.router_address) as client:
+            results = [collect(client, p, params) for p in prompts]
+        for i, expected in enumerate(local(prompts, params)):
+            assert results[i] == (expected.token_ids, expected.logprobs), f"prompt {i}"
+        assert prompt_tokens(prefill.address) == 0
+        assert prompt_tokens(decode.address) == sum(map(len, prompts))
+    finally:
+        cluster.stop()
+
+
+def prompt_tokens(address: str) -> float:
+    """The prompt tokens a node took in, from any source."""
+    counters = node_stats(address, check_integrity=False).counters
+    return sum(v for k, v in counters.items() if k.startswith("prompt_tokens."))
