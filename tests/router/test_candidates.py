@@ -22,21 +22,11 @@ from router.nodes import NodeHandle, NodePool
 from router.pipeline import Pipeline
 from router.policy import RoundRobin
 from serving.errors import ServingError
+from tests.router.fakes import OpenScope
 
 BF16 = HashNamespace("llama;kv=bfloat16;det", 16)
 F32 = HashNamespace("llama;kv=float32", 16)
 REQUEST = AdmittedRequest("r", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
-
-
-class _Scope:
-    def time_remaining(self) -> float | None:
-        return None
-
-    def add_callback(self, callback: object) -> bool:
-        return True
-
-    def is_active(self) -> bool:
-        return True
 
 
 class _Failed(grpc.RpcError, grpc.Call):  # type: ignore[misc]
@@ -134,7 +124,7 @@ def _run(nodes: list[tuple[str, HashNamespace, int | None]]) -> tuple[list[Any],
     )
     events: list[Any] = []
     try:
-        events.extend(pipeline.generate(REQUEST, _Scope()))  # type: ignore[arg-type]
+        events.extend(pipeline.generate(REQUEST, OpenScope()))  # type: ignore[arg-type]
     except ServingError as exc:
         events.append(exc)
     return events, stubs

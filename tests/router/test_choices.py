@@ -19,20 +19,10 @@ from router.choices import Placement, choice_request, fork_choices, repeat_choic
 from router.events import CallScope, Delta, Done, Event, Usage
 from router.pipeline import Pipeline
 from serving.errors import ServingError
+from tests.router.fakes import OpenScope
 
 NODE = object()
 DECODE_NODE = object()
-
-
-class _Scope:
-    def time_remaining(self) -> float | None:
-        return None
-
-    def add_callback(self, callback: object) -> bool:
-        return True
-
-    def is_active(self) -> bool:
-        return True
 
 
 class _Runs:
@@ -89,7 +79,7 @@ def _request(n: int) -> AdmittedRequest:
 def test_choices_follow_the_first_and_are_seeded_seed_plus_i() -> None:
     runs = _Runs()
     runs.held = 3
-    events = list(fork_choices(_request(3), _Scope(), runs.run, runs.release))
+    events = list(fork_choices(_request(3), OpenScope(), runs.run, runs.release))
     assert sorted(e.index for e in events if isinstance(e, Done)) == [0, 1, 2]
     assert sorted(runs.seeds.values()) == [10, 11, 12]
     assert runs.started_before_first == []
@@ -104,7 +94,7 @@ def test_a_failing_choice_fails_the_request_and_every_slot_comes_back() -> None:
     runs = _Runs(fail=frozenset({2}))
     runs.held = 3
     with pytest.raises(ServingError, match="node gone"):
-        list(fork_choices(_request(3), _Scope(), runs.run, runs.release))
+        list(fork_choices(_request(3), OpenScope(), runs.run, runs.release))
     for _ in range(100):  # the other choices' threads end on their own
         if runs.held == 0:
             break
@@ -116,7 +106,7 @@ def test_a_first_choice_failing_before_output_starts_no_other() -> None:
     runs = _Runs(fail=frozenset({0}))
     runs.held = 4
     with pytest.raises(ServingError):
-        list(fork_choices(_request(4), _Scope(), runs.run, runs.release))
+        list(fork_choices(_request(4), OpenScope(), runs.run, runs.release))
     assert list(runs.seeds) == [0] and runs.held == 0
 
 
@@ -125,7 +115,7 @@ def test_choices_that_generate_nothing_score_the_prompt_once() -> None:
     runs = _Runs()
     runs.held = 3
     request = AdmittedRequest("r", [1, 2, 3], SamplingParams(max_tokens=0, prompt_logprobs=1, seed=10), n=3)
-    events = list(repeat_choice(request, _Scope(), runs.run, runs.release))
+    events = list(repeat_choice(request, OpenScope(), runs.run, runs.release))
     assert list(runs.seeds.values()) == [10]  # one run, choice 0's
     assert [e.index for e in events] == [0, 1, 2, 0, 1, 2]
     assert [type(e) for e in events] == [Delta] * 3 + [Done] * 3
@@ -138,7 +128,7 @@ def test_every_choice_s_first_delta_carries_the_prompt_s_scores_choice_0_compute
     runs = _Runs()
     runs.held = 3
     request = AdmittedRequest("r", [1, 2, 3], SamplingParams(max_tokens=1, prompt_logprobs=1, seed=10), n=3)
-    events = list(fork_choices(request, _Scope(), runs.run, runs.release))
+    events = list(fork_choices(request, OpenScope(), runs.run, runs.release))
     firsts = {e.index: e for e in reversed(events) if isinstance(e, Delta)}
     assert sorted(firsts) == [0, 1, 2]
     assert all(firsts[i].prompt_logprobs == [-1.0, -2.0] for i in range(3))
@@ -177,7 +167,7 @@ def test_a_thread_that_cannot_start_leaves_no_slot_held(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(threading.Thread, "start", start)
     with pytest.raises(RuntimeError):
-        list(fork_choices(_request(4), _Scope(), runs.run, runs.release))
+        list(fork_choices(_request(4), OpenScope(), runs.run, runs.release))
     for _ in range(100):
         if runs.held == 0:
             break
@@ -189,7 +179,7 @@ def test_more_choices_than_the_router_has_slots_is_refused_by_name_not_retried_f
     """A 429 would say "retry later", and every retry would get it again."""
     pipeline = Pipeline("colocated", None, SimpleNamespace(), lambda pool: None, max_inflight=2)  # type: ignore[arg-type]
     with pytest.raises(ServingError) as err:
-        list(pipeline.generate(_request(3), _Scope()))
+        list(pipeline.generate(_request(3), OpenScope()))
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.message == "n: 3 choices take 3 slots; this router has 2"
     assert pipeline.inflight == 0
