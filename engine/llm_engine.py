@@ -261,7 +261,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         adapter_id = None if adapter is None else self.lora.resolve(adapter, adapter_digest)
-        token_ids = self._prompt_token_ids(prompt)
+        token_ids = self._prompt_token_ids(prompt, scored_only=params.max_tokens == 0)
         prior = list(prior_output_token_ids)
         if prior and (len(prior) >= len(token_ids) or token_ids[-len(prior) :] != prior):
             raise ValueError(
@@ -292,7 +292,10 @@ class LLMEngine:
         self.timer.add(request)
         return request
 
-    def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+    def _prompt_token_ids(self, prompt: str | Sequence[int], *, scored_only: bool = False) -> list[int]:
+        """The prompt's token ids, checked.  ``scored_only`` (max_tokens 0): the prompt may fill the
+        context, no output token follows it (a full window scored, as eval harnesses' rolling
+        loglikelihood does)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -305,8 +308,8 @@ class LLMEngine:
         for i, t in enumerate(token_ids):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token id {t!r} at index {i} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:  # the prompt and at least one output token
-            raise ValueError(
+        if len(token_ids) > self.max_model_len or (len(token_ids) == self.max_model_len and not scored_only):
+            raise ValueError(  # the prompt and at least one output token, unless it is only scored
                 f"prompt has {len(token_ids)} tokens: max_model_len {self.max_model_len} "
                 f"({self._context_note}) leaves no room for an output token"
             )

@@ -57,6 +57,8 @@ from serving.errors import ServingError
 DEFAULT_MAX_TOKENS = 16
 # A conversation without max_tokens runs to its end of turn, or to the context's end, capped here.
 MAX_DEFAULT_CHAT_TOKENS = 4096
+# What makes a request score its prompt (max_tokens may be 0 then), in each front end's words.
+SCORED_BY = "echo on the OpenAI API, prompt_logprobs on gRPC"
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -354,12 +356,8 @@ class Admission:
         if not token_ids:
             raise InvalidField(where, "has no tokens: a prompt needs at least one")
         context = self.context_length
-        if len(token_ids) >= context:  # refused here, before any node call
-            raise InvalidField(
-                where,
-                f"has {len(token_ids)} tokens, more than max_model_len {context} leaves room for "
-                "(the model's context holds the prompt and at least one output token)",
-            )
+        if len(token_ids) > context:  # refused here, before any node call; == only scored (_max_tokens)
+            raise InvalidField(where, f"has {len(token_ids)} tokens, more than max_model_len {context} holds")
         return token_ids, where
 
     def not_hopeless(self, chars: int, where: str) -> None:
@@ -389,16 +387,21 @@ class Admission:
         context = self.context_length
         room = context - prompt_len
         limit = self.max_tokens_limit
+        if isinstance(asked, int) and not isinstance(asked, bool) and asked == 0 and scoring:
+            return 0  # the prompt scored, nothing generated: it may fill the context
+        if room < 1:
+            raise InvalidField(
+                prompt_field,
+                f"has {prompt_len} tokens, as many as max_model_len {context} holds: no room for an output "
+                f"token (a prompt that long can only be scored: {name} 0 with {SCORED_BY})",
+            )
         if asked is None:
             default = MAX_DEFAULT_CHAT_TOKENS if chat else DEFAULT_MAX_TOKENS
             return min(default, room, limit or default)
-        if isinstance(asked, int) and not isinstance(asked, bool) and asked == 0 and scoring:
-            return 0  # the prompt scored, nothing generated
         if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
             raise InvalidField(
                 name,
-                "must be a positive integer (0 only when the prompt is scored: echo on the OpenAI API, "
-                f"prompt_logprobs on gRPC), got {asked!r}",
+                f"must be a positive integer (0 only when the prompt is scored: {SCORED_BY}), got {asked!r}",
             )
         if limit and asked > limit:
             raise InvalidField(

@@ -725,8 +725,17 @@ def test_the_router_admits_and_advertises_the_context_its_nodes_serve(model: Rou
         assert Admission(model, node_context=lambda: 0).context_length == model.context_length  # none said
         caller = Caller(OPEN, "peer:test", 8, cache_details=False)
         text = {**TEXT, "prompt": list(range(5, 69))}  # 64 tokens: no room for one more
-        with pytest.raises(Exception, match="more than max_model_len 64"):
+        with pytest.raises(Exception, match="as many as max_model_len 64 holds: no room for an output token"):
             admission.admit(completion_request(CompletionRequest.model_validate(text), model), caller)
+        # ... but it may be scored alone (echo, max_tokens 0: a full window, as eval harnesses score them)
+        scored = {**text, "echo": True, "max_tokens": 0, "logprobs": 0}
+        admitted = admission.admit(
+            completion_request(CompletionRequest.model_validate(scored), model), caller
+        )
+        assert len(admitted.prompt_token_ids) == 64 and admitted.params.max_tokens == 0
+        with pytest.raises(Exception, match="65 tokens, more than max_model_len 64 holds"):
+            longer = {**scored, "prompt": list(range(5, 70))}
+            admission.admit(completion_request(CompletionRequest.model_validate(longer), model), caller)
         asked = {**TEXT, "prompt": list(range(5, 15)), "max_tokens": 60}
         with pytest.raises(Exception, match="ask for at most 54"):
             admission.admit(completion_request(CompletionRequest.model_validate(asked), model), caller)

@@ -177,3 +177,34 @@ def test_a_long_prompts_scores_pass_gRPC_default_message_limit() -> None:
         assert all(len(t.token_ids) == 20 for t in result.prompt_logprobs.top_logprobs)
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_a_prompt_that_fills_the_context_is_scored_and_asked_for_no_output(
+    mode: str, model_file: Path, local: LLM
+) -> None:
+    """A rolling loglikelihood (lm-eval's perplexity tasks) scores windows as long as the context: a prompt
+    of exactly max_model_len tokens with max_tokens 0 fits (no output token follows it) -- it was refused
+    as if it asked for one; asking for one is refused, naming max_tokens 0."""
+    ids = [(7 * i) % 300 + 20 for i in range(32)]
+    want = local.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=0))[0].prompt_logprobs
+    assert want is not None
+    node_args = (*NODE_ARGS, "--dtype", "float32")
+    cluster = start_cluster(model=str(model_file), mode=mode, node_args=node_args, max_model_len=32)
+    try:
+        assert cluster.http_address is not None
+        with openai.OpenAI(
+            base_url=f"http://{cluster.http_address}/v1", api_key="-", max_retries=0
+        ) as client:
+            r = client.completions.create(model="tiny-chat", prompt=ids, echo=True, max_tokens=0, logprobs=0)
+            got = r.choices[0].logprobs.token_logprobs  # type: ignore[union-attr]
+            assert got is not None and got[0] is None and len(got) == 32
+            assert all(abs(g - w) < 1e-4 for g, w in zip(got[1:], want[1:], strict=True))  # type: ignore[operator]
+            with pytest.raises(openai.BadRequestError, match=r"no room for an output token.*max_tokens 0"):
+                client.completions.create(model="tiny-chat", prompt=ids, max_tokens=1)
+            with pytest.raises(openai.BadRequestError, match="33 tokens, more than max_model_len 32 holds"):
+                client.completions.create(
+                    model="tiny-chat", prompt=[*ids, 5], echo=True, max_tokens=0, logprobs=0
+                )
+    finally:
+        cluster.stop()
