@@ -14,6 +14,8 @@ streamed reply and a whole one always agree.  Per format (``router/tool_calls.py
                   them; any other reply is content and streams as it comes
     generic       the same, with {"name": ..., "arguments": {...}} or a JSON list of them
 
+A list or a ";" series cut short (max_tokens) keeps its complete calls; the cut one stays content.
+
 A call is a JSON object naming one of the request's tools, with an object of arguments (under
 ``arguments`` or ``parameters``; an object written as a JSON string is read too).  Anything else -- JSON
 that does not parse, an unknown name -- stays content, exactly as the model wrote it.  With
@@ -125,8 +127,12 @@ class ToolCallStream:
         if self._state == "call":  # a block left open at the end
             out += self._block(buf, OPEN + buf)
         elif self._state == "json":
-            calls = self._json_calls(buf)
-            out += self._keep(calls) if calls is not None else self._content(buf)
+            read = self._json_calls(buf)
+            if read is None:
+                out += self._content(buf)
+            else:  # the calls, then what follows the last complete one (a call cut by max_tokens)
+                out += self._keep(read[0])
+                out += self._content_raw(read[1])
         else:
             out += self._content(buf)
         out += self._content_raw(self._prose.end(self.calls > 0))
@@ -179,22 +185,24 @@ class ToolCallStream:
         self._state, buf, self._buf = "text", self._buf, ""
         return self._content(buf)
 
-    def _json_calls(self, text: str) -> list[ToolCall] | None:
-        """The whole held reply as calls, or None when it is not only calls."""
+    def _json_calls(self, text: str) -> tuple[list[ToolCall], str] | None:
+        """The held reply as calls, and the text after the last complete one: a list or a ";" series cut
+        short (max_tokens) keeps its complete calls, the cut one left as the model wrote it.  None when
+        the reply is not calls."""
         text = text.strip()
-        if self.parser.format == "generic":
+        if self.parser.format == "generic" and not text.startswith("["):
             try:
-                value = json.loads(text)
+                values, rest = [json.loads(text)], ""
             except json.JSONDecodeError:
                 return None
-            values = value if isinstance(value, list) and value else [value]
+        elif self.parser.format == "generic":
+            values, rest = _json_series(text, 1, ",", "]")
         else:
-            separated = _semicolon_separated(text.removeprefix(PYTHON_TAG).lstrip())
-            if separated is None:
-                return None
-            values = separated
+            values, rest = _json_series(text.removeprefix(PYTHON_TAG).lstrip(), 0, ";", "")
         calls = [self.parser.call(v) for v in values]
-        return None if any(c is None for c in calls) else [c for c in calls if c is not None]
+        if not calls or any(c is None for c in calls):
+            return None
+        return [c for c in calls if c is not None], rest
 
     def _keep(self, calls: list[ToolCall]) -> list[Piece]:
         """The calls this reply may still make (one in all without parallel calls)."""
@@ -219,20 +227,39 @@ def _prefix_overlap(text: str, tag: str) -> int:
     return 0
 
 
-def _semicolon_separated(text: str) -> list[Any] | None:
-    """JSON values separated by ";" (Llama 3's parallel calls, as vLLM reads them), or None."""
-    decoder, values, at = json.JSONDecoder(), [], 0
+def _json_series(text: str, at: int, separator: str, close: str) -> tuple[list[Any], str]:
+    """The JSON values of ``text`` from ``at`` on, one ``separator`` between two, to ``close`` (or the
+    end of the text where ``close`` is ""): a JSON list (",", "]") or Llama 3's parallel calls (";", as
+    vLLM reads them).  Returns the values read and the text from the first that is not complete -- ""
+    when the series is whole; all of ``text`` when anything but a cut value breaks it."""
+    decoder, values = json.JSONDecoder(), []
     while True:
-        try:
-            value, at = decoder.raw_decode(text, at)
-        except json.JSONDecodeError:
-            return None
-        values.append(value)
-        rest = text[at:].lstrip()
-        if not rest:
-            return values
-        if not rest.startswith(";"):
-            return None
-        at = len(text) - len(rest) + 1
         while at < len(text) and text[at].isspace():
             at += 1
+        if close and text.startswith(close, at) and not values and not text[at + 1 :].strip():
+            return values, ""  # an empty list
+        start = at
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError as exc:
+            return (values, text[start:]) if _ended_inside(text, exc) else ([], text)
+        values.append(value)
+        rest = text[at:].lstrip()
+        if not rest:  # whole, or (a list) cut right after a value
+            return values, ""
+        if close and rest.startswith(close) and not rest[1:].strip():
+            return values, ""
+        if not rest.startswith(separator):
+            return [], text
+        at = len(text) - len(rest) + 1
+
+
+def _ended_inside(text: str, exc: json.JSONDecodeError) -> bool:
+    """Whether the text ended inside the value ``exc`` failed on (cut, not malformed): it failed at the
+    end, in a string left open, or in a literal cut short (``tr``)."""
+    tail = text[exc.pos :]
+    return (
+        exc.pos >= len(text)
+        or exc.msg.startswith("Unterminated string")
+        or any(word.startswith(tail) for word in ("true", "false", "null"))
+    )

@@ -99,6 +99,51 @@ def test_malformed_calls_stay_content_as_written(fmt: ToolFormat, text: str) -> 
     assert reply.calls == () and reply.content == text
 
 
+GENERIC_CALL = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+CUT_REPLIES = [  # (format, the reply cut by max_tokens, the cut call the content keeps)
+    ("generic", f"[{GENERIC_CALL}, " + '{"name": "get_time", "argumen', '{"name": "get_time", "argumen'),
+    (
+        "generic",
+        f"[{GENERIC_CALL}, " + '{"name": "get_time", "arguments": {"tz": tr',
+        '{"name": "get_time", "arguments": {"tz": tr',
+    ),
+    ("generic", f"[{GENERIC_CALL}, " + '{"name": "get_time"', '{"name": "get_time"'),
+    ("generic", f"[{GENERIC_CALL},", ""),
+    ("generic", f"[{GENERIC_CALL}", ""),
+    (
+        "llama3_json",
+        f"{LLAMA_CALL}; " + '{"name": "get_time", "parameters": {"tz": 1',
+        '{"name": "get_time", "parameters": {"tz": 1',
+    ),
+    ("llama3_json", f"<|python_tag|>{LLAMA_CALL};", ""),
+]
+
+
+@pytest.mark.parametrize(("fmt", "text", "rest"), CUT_REPLIES)
+def test_a_reply_cut_by_max_tokens_keeps_its_complete_calls(fmt: ToolFormat, text: str, rest: str) -> None:
+    """An outside probe's find: a list of calls cut short by max_tokens (tool_choice "required" writes
+    calls until the limit) came back as content only, its complete calls lost (docs/tool_calls.md: "its
+    complete calls are still returned").  The cut call stays content, as the model wrote it."""
+    reply = parse(fmt, text)
+    assert calls(reply) == [("get_weather", {"city": "Oslo"})]
+    assert reply.content == (rest or None)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"[{GENERIC_CALL}, " + '{"name": x}]',  # malformed, not cut
+        f"[{GENERIC_CALL}] and prose",
+        '[{"name": "rm_rf", "arguments": {}}, ' + GENERIC_CALL[:20],  # a complete value that is no call
+        "[",
+    ],
+)
+def test_a_series_broken_other_than_by_its_end_stays_content(text: str) -> None:
+    reply = parse("generic", text)
+    assert reply.calls == () and reply.content == text
+
+
 def test_prose_keeps_every_character_and_a_bad_block_stays_among_good_ones() -> None:
     prose = "  Two lines\nof text, ending in space \n"
     assert parse("hermes", prose).content == prose and parse("generic", prose).content == prose
@@ -127,6 +172,7 @@ def test_without_parallel_calls_only_the_first_is_kept() -> None:
         ("llama3_json", " Plain <|python_tag|> prose"),
         ("generic", ' [{"name": "get_time", "arguments": {"tz": 4}}]'),
         ("generic", "Hello there, \n no call"),
+        *((fmt, text) for fmt, text, _ in CUT_REPLIES),
     ],
 )
 def test_streaming_in_any_pieces_gives_what_the_whole_text_gives(fmt: ToolFormat, text: str) -> None:
@@ -195,6 +241,10 @@ def test_the_whole_answer_in_openai_shape() -> None:
     assert prose["finish_reason"] == "stop" and "tool_calls" not in prose["message"]
     cut = _shape("hermes").whole([(_deltas(HERMES_TWO, 5), Done("length", None, Usage()))])["choices"][0]
     assert cut["finish_reason"] == "length" and len(cut["message"]["tool_calls"]) == 2
+    fmt, text, rest = CUT_REPLIES[0]
+    cut = _shape(fmt).whole([(_deltas(text, 5), Done("length", None, Usage()))])["choices"][0]
+    assert cut["finish_reason"] == "length" and cut["message"]["content"] == rest
+    assert [c["function"]["name"] for c in cut["message"]["tool_calls"]] == ["get_weather"]
 
 
 def test_the_sdk_stream_accumulator_builds_the_whole_answer() -> None:
