@@ -232,7 +232,7 @@ def _json_series(text: str, at: int, separator: str, close: str) -> tuple[list[A
     end of the text where ``close`` is ""): a JSON list (",", "]") or Llama 3's parallel calls (";", as
     vLLM reads them).  Returns the values read and the text from the first that is not complete -- ""
     when the series is whole; all of ``text`` when anything but a cut value breaks it."""
-    decoder, values = json.JSONDecoder(), []
+    decoder, values = json.JSONDecoder(), list[Any]()
     while True:
         while at < len(text) and text[at].isspace():
             at += 1
