@@ -2,24 +2,24 @@
 the model whose tokens the client already has.
 
 A node's model is its hash namespace (from its Stats): the model fingerprint -- the weights, their
-compute format, the KV cache's dtype, the deterministic mode -- the block size and the hash algorithm.
-Two nodes of one namespace make the same KV bits and the same tokens; two of different namespaces need
-not.  So a prefill node's first token and KV are continued only on a decode node of its namespace, and a
-stream resumed after its node failed only on a node of the namespace that made what the client has:
-else the reply is neither node's output (an outside probe: a bf16 prefill node beside quantized decode
-nodes -- every decode node refused the prefill's KV and recomputed it, but every reply began with the
-prefill node's token).  Where no healthy prefill node runs a model a decode node runs, the request runs
-whole on a decode node (``Pipeline``), and the router says so once per such set of nodes.
-
-A node whose namespace is not known yet (no Stats read) matches any: its engine refuses foreign KV
-itself, by namespace, as it always did.
+compute format, the KV cache's dtype, the deterministic mode and the kernels' instruction set where that
+changes bits -- the block size and the hash algorithm.  Two nodes of one namespace make the same KV bits
+(and, in deterministic mode, the same tokens); two of different namespaces never exchange KV.  So a
+prefill node's first token and KV are continued only on a decode node of its namespace -- elsewhere the
+decode node would recompute the prompt anyway, and the reply would begin with the prefill node's token
+(an outside probe: a bf16 prefill node beside quantized decode nodes gave replies that were neither
+setup's output) -- and a stream resumed after its node failed goes only to a node of the namespace that
+made what the client has.  Where the healthy prefill nodes run none of the healthy decode nodes' models,
+the request runs whole on a decode node (``Pipeline``); the router says so, and names each node left
+without a partner.  A node is up only once its Stats told its namespace (``NodeHandle.check``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -33,49 +33,84 @@ from serving.errors import ServingError
 
 logger = logging.getLogger(__name__)
 
-# The models a node may run for a phase: None, any; else one of these namespaces.
-Models = Collection[HashNamespace] | None
+
+class Unpaired(ServingError):
+    """Nodes serve the request, but none runs the model its tokens need."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
 
 
-def runs_one_of(node: NodeHandle, models: Models) -> bool:
-    return models is None or node.namespace is None or node.namespace in models
+def describe(models: Collection[HashNamespace | None]) -> str:
+    return "; ".join(
+        sorted(
+            f"{m.model_fingerprint} (block size {m.block_size}, {m.algo})" for m in models if m is not None
+        )
+    )
 
 
-def describe(models: Collection[HashNamespace]) -> str:
-    return ", ".join(sorted(m.model_fingerprint for m in models))
+@dataclass(frozen=True)
+class PrefillPlan:
+    """Where a disaggregated request's prefill may go: a node of one of ``models`` (None: any), or
+    nowhere (``whole``: it runs whole on a decode node)."""
+
+    models: frozenset[HashNamespace] | None = None
+    whole: bool = False
+
+
+ANY = PrefillPlan()
+WHOLE = PrefillPlan(whole=True)
 
 
 class Pairing:
-    """Which prefill nodes have a decode node of their model to hand their requests to."""
+    """Which prefill nodes have a decode node of their model; it says when that changes."""
 
     def __init__(self) -> None:
-        self._said: set[frozenset[str]] = set()  # sets of nodes already logged as unpaired
         self._lock = threading.Lock()
+        self._whole = False  # the last plan ran requests whole
+        self._alone: set[tuple[str, HashNamespace | None]] = set()  # nodes said to have no partner
 
-    def prefill_models(self, prefill: NodePool, decode: NodePool, request: AdmittedRequest) -> Models:
-        """The models a prefill node may run for ``request`` (None: any), or an empty set where healthy
-        prefill nodes and healthy decode nodes serving the request's adapter share no model: the
-        request then runs whole on a decode node."""
+    def plan(self, prefill: NodePool, decode: NodePool, request: AdmittedRequest) -> PrefillPlan:
         decoders = [n for n in decode.healthy() if serves(n, request.adapter)]
-        models = {n.namespace for n in decoders}
-        if not decoders or None in models:
-            return None  # nothing to pair with yet (the decode phase will say so), or not known yet
-        prefills = prefill.healthy()
-        known = {n.namespace for n in prefills}
-        if not prefills or None in known or known & models:
-            return {m for m in models if m is not None}
+        prefills = [n for n in prefill.healthy() if serves(n, request.adapter)]
+        if not decoders or not prefills:
+            return ANY  # the phase with no node says so (or waits for one stopping to come back)
+        decode_models = frozenset(n.namespace for n in decoders if n.namespace is not None)
+        prefill_models = {n.namespace for n in prefills}
+        self._say(prefills, decoders, decode_models, prefill_models)
+        if not decode_models & prefill_models:
+            return WHOLE
+        return PrefillPlan(decode_models)
+
+    def _say(
+        self,
+        prefills: Sequence[NodeHandle],
+        decoders: Sequence[NodeHandle],
+        decode_models: frozenset[HashNamespace],
+        prefill_models: set[HashNamespace | None],
+    ) -> None:
+        whole = not decode_models & prefill_models
+        alone = {(n.address, n.namespace) for n in prefills if n.namespace not in decode_models}
+        alone |= {(n.address, n.namespace) for n in decoders if n.namespace not in prefill_models}
         with self._lock:
-            said, key = self._said, frozenset(n.address for n in (*prefills, *decoders))
-            first = key not in said
-            said.add(key)
-        if first:
+            was_whole, self._whole = self._whole, whole
+            new, self._alone = alone - self._alone, alone
+        if whole and not was_whole:
             logger.warning(
-                "no prefill node runs a model a decode node runs (prefill: %s; decode: %s): requests run "
-                "whole on the decode nodes until one does",
-                describe({m for m in known if m is not None}),
-                describe({m for m in models if m is not None}),
+                "no healthy prefill node runs a model a healthy decode node runs (prefill: %s; decode: %s): "
+                "requests run whole on the decode nodes, the prefill nodes idle, until one does",
+                describe(prefill_models),
+                describe(decode_models),
             )
-        return set()
+        elif was_whole and not whole:
+            logger.warning("prefill and decode nodes of one model are up again: requests are disaggregated")
+        for address, model in sorted(new, key=lambda a: a[0]) if not whole else ():
+            logger.warning(
+                "node %s runs %s, which no node of the other phase runs: it gets no disaggregated request "
+                "while so",
+                address,
+                describe([model]),
+            )
 
 
 def choose(
@@ -86,33 +121,30 @@ def choose(
     errors: Sequence[str] = (),
     prefer: NodeHandle | None = None,
     room: RoomWait | None = None,
-    models: Models = None,
-    whose: Callable[[], str] = lambda: "",
+    models: Collection[HashNamespace] | None = None,
+    whose: str = "",
 ) -> NodeHandle:
-    """A healthy untried node of ``pool`` serving the request's adapter and running one of ``models``:
-    ``prefer`` where it is one, else the policy's (those with the adapter in a slot first).  None left
-    but some that were full (``room``): those again, after a pause.  ``whose`` names, for the error,
-    what made the tokens that fix ``models``."""
+    """A healthy untried node of ``pool`` serving the request's adapter and running one of ``models``
+    (None: any): ``prefer`` where it is one, else the policy's (those with the adapter in a slot first).
+    None left but some that were full (``room``): those again, after a pause.  ``Unpaired`` where nodes
+    serve the request but none runs one of ``models`` (``whose``: what runs them, for the message)."""
 
     def candidates() -> tuple[list[NodeHandle], list[NodeHandle]]:
-        healthy = pool.healthy(exclude=tried)
-        serving = [n for n in healthy if serves(n, request.adapter)]
-        return healthy, [n for n in serving if runs_one_of(n, models)]
+        serving = [n for n in pool.healthy(exclude=tried) if serves(n, request.adapter)]
+        return serving, [n for n in serving if models is None or n.namespace in models]
 
-    healthy, fit = candidates()
+    serving, fit = candidates()
     while not fit and room is not None and room.again(tried, pool):
-        healthy, fit = candidates()
+        serving, fit = candidates()
     if prefer is not None and prefer in fit:
         return prefer
-    serving = [n for n in healthy if serves(n, request.adapter)]
-    if healthy and not serving and request.adapter is not None:
+    if not serving and request.adapter is not None and pool.healthy(exclude=tried):
         raise no_node_serves(pool.kind, request.adapter)
-    if serving and not fit and models is not None:
-        raise ServingError(
-            grpc.StatusCode.UNAVAILABLE,
-            f"no healthy {pool.kind} node runs the model {whose()} ran ({describe(models)}); its other "
-            f"nodes run {describe({n.namespace for n in serving if n.namespace is not None})}: "
-            "retry the request",
+    if serving and not fit:
+        others = describe({n.namespace for n in serving})
+        raise Unpaired(
+            f"no healthy {pool.kind} node runs the model of {whose} ({describe(models or ())}); those that "
+            f"serve the request run {others}"
         )
     if not fit:
         detail = f"; tried {'; '.join(errors)}" if errors else ""

@@ -179,6 +179,9 @@ class NodeHandle:
             self.mark_down(status)
             return
         self._refresh_stats(timeout)
+        if self.namespace is None:  # its Stats never answered: which model it runs is not known yet
+            self.mark_down("its Stats did not answer yet (the model it runs is not known)")
+            return
         self.mark_up()
 
     def _refresh_stats(self, timeout: float) -> None:
@@ -187,9 +190,7 @@ class NodeHandle:
         try:
             stats = self.control.Stats(node_pb2.StatsRequest(), timeout=timeout)
             if stats.model_fingerprint:  # every node says it; a node restarted here may run another model
-                namespace = HashNamespace(stats.model_fingerprint, stats.block_size, stats.hash_algo)
-                if namespace != self.namespace:
-                    self.namespace = namespace
+                self.namespace = HashNamespace(stats.model_fingerprint, stats.block_size, stats.hash_algo)
             self.dtype, self.deterministic = stats.dtype, stats.deterministic
             infos = {AdapterId(a.name, a.digest): a for a in stats.adapters}
             with self._lock:

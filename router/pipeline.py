@@ -3,6 +3,8 @@
     disaggregated:  choose prefill node ──Prefill──▶ first token + kv_transfer_params
                     (fails before answering: mark it down, try the next node)
                     yield the first token ──▶ choose decode node ──Decode(stream)──▶ yield each delta
+                    (only nodes of one model pair: router/candidates.py; where no prefill node runs a
+                    decode node's model, the request runs as in colocated mode)
     colocated:      choose a node ──Decode(stream, whole request)──▶ yield each delta
 
 A decode (or colocated) node that fails with a retryable status -- before its first message or in the
@@ -92,6 +94,7 @@ class Pipeline:
         self.pairing = candidates.Pairing()
 
         self.resumed = 0  # requests continued on another decode node after output had reached the client
+        self.run_whole = 0  # disaggregated requests run whole on a decode node (router/candidates.py)
         # As the client sees them (engine/metrics.py names; exported as pdkv_router_*).
         names = (*REQUEST_LATENCIES, *REQUEST_LENGTHS)
         self.latency = LatencyTracker({name: Histogram(SPECS[name]) for name in names})
@@ -180,13 +183,16 @@ class Pipeline:
         placement: Placement,
     ) -> Iterator[Event]:
         assert self.prefill_pool is not None
-        models = self.pairing.prefill_models(self.prefill_pool, self.decode_pool, request)
-        if models is not None and not models:  # no prefill node runs a decode node's model
+        plan = self.pairing.plan(self.prefill_pool, self.decode_pool, request)
+        try:
+            prefill_node, first = self._prefill(
+                request, prefill_message(request), scope, cancellation, placement, plan
+            )
+        except candidates.Unpaired:  # no prefill node (left) runs a decode node's model: run it whole
+            with self._lock:
+                self.run_whole += 1
             yield from self._colocated(request, scope, cancellation, start, placement)
             return
-        prefill_node, first = self._prefill(
-            request, prefill_message(request), scope, cancellation, placement, models
-        )
         # From here the prefill node holds the KV for a decode node: free it if the client goes away.
         cancellation.on_cancel(lambda: prefill_node.abort_async(request.request_id))
         usage = Usage(
@@ -236,9 +242,13 @@ class Pipeline:
         scope: CallScope,
         cancellation: Cancellation,
         placement: Placement,
-        models: candidates.Models,
+        plan: candidates.PrefillPlan,
     ) -> tuple[NodeHandle, node_pb2.PrefillResponse]:
+        """The prefill node that answered, and its answer; ``Unpaired`` where ``plan`` runs the request
+        whole or no healthy prefill node of its models is left."""
         assert self.prefill_pool is not None
+        if plan.whole:
+            raise candidates.Unpaired("no prefill node runs a decode node's model")
         tried: list[NodeHandle] = []
         errors: list[str] = []
         room = RoomWait(self.prefill_pool.kind, scope, cancellation)
@@ -251,8 +261,8 @@ class Pipeline:
                 errors=errors,
                 prefer=placement.prefill_hint(),
                 room=room,
-                models=models,
-                whose=lambda: "a decode node",
+                models=plan.models,
+                whose="the decode nodes",
             )
             placement.prefill = node
             tried.append(node)
@@ -321,7 +331,7 @@ class Pipeline:
                     prefer=client.placement.decode_hint(),
                     room=room,
                     models=None if sent.model is None else {sent.model},
-                    whose=lambda: f"the node that made its first {len(sent.token_ids)} token(s)",
+                    whose=f"the node that made its first {len(sent.token_ids)} token(s)",
                 )
                 client.placement.decode = node
             except ServingError as exc:

@@ -219,6 +219,11 @@ class RouterRuntime:
             "decode streams resumed on another node after theirs failed mid-stream (one per resume)",
         )
         resumes.add_metric([], float(self.pipeline.resumed))
+        whole = CounterMetricFamily(
+            "pdkv_router_requests_run_whole",
+            "disaggregated requests run whole on a decode node: no healthy prefill node ran its model",
+        )
+        whole.add_metric([], float(self.pipeline.run_whole))
         cut = CounterMetricFamily(
             "pdkv_router_streams_cut",
             f"streams cut because their client read nothing for {self.config.stream_idle_timeout_s:g}s",
@@ -227,6 +232,7 @@ class RouterRuntime:
         families: list[Metric] = [
             gauge("pdkv_router_inflight_requests", "client calls in flight", self.pipeline.inflight),
             resumes,
+            whole,
             cut,
             *stats_families(StatsSnapshot({}, {}, latency), specs=SPECS, prefix="pdkv_router_"),
         ]

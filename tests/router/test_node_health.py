@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.hashing import HashNamespace
 from router import nodes
 from router.nodes import LATE_CHECKS_DOWN, NodeHandle
 
@@ -22,7 +23,9 @@ def answers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def _node() -> NodeHandle:
+    """A node that was up, its model known (a Stats read before: router/candidates.py)."""
     node = NodeHandle("127.0.0.1:1", "pdkv.v1.DecodeNode")
+    node.namespace = HashNamespace("test-model", 16)
     node.mark_up()
     return node
 
