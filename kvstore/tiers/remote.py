@@ -1,11 +1,11 @@
 """The ``remote`` tier: a client of a ``pdkv kvstore serve`` process (``kvstore.server``), over ZeroMQ.
 
 Each calling thread has its own DEALER socket (ZeroMQ sockets are not thread-safe), connected with
-``IMMEDIATE`` (nothing is queued for a server that is not connected: the call fails at once and counts as
-an error), ``LINGER 0`` and automatic reconnection, so a server that restarts is reached again without
-any action here.  Every receive waits with a poll bounded by the call's deadline; a request id tags each
-request, and a reply whose id is not the awaited one (the late answer to a request given up on) is read
-and dropped.
+``IMMEDIATE`` (nothing is queued for a server that is not connected: the call fails at once -- after a new
+socket's first wait for its connection, ``CONNECT_WAIT_S`` -- and counts as an error), ``LINGER 0`` and
+automatic reconnection, so a server that restarts is reached again without any action here.  Every receive
+waits with a poll bounded by the call's deadline; a request id tags each request, and a reply whose id is
+not the awaited one (the late answer to a request given up on) is read and dropped.
 
 Payloads travel without copies both ways: a put sends the blocks' memory (``copy=False``) and waits for
 ZeroMQ to release it before returning; a get receives each payload frame straight into the caller's block
@@ -48,6 +48,9 @@ from wire.units import BlockFrameError, receive_unit_frames, receive_units
 
 logger = logging.getLogger(__name__)
 
+# How long a new socket's first send waits for its connection: a loopback or LAN connect and CURVE
+# handshake take milliseconds.
+CONNECT_WAIT_S = 0.25
 PUT_CHUNK = 32  # blocks per put request (8 MiB of 256 KiB blocks: fewer replies to wait for than 16)
 GET_CHUNK = 16  # blocks per get request
 
@@ -82,7 +85,7 @@ class RemoteTier(Tier):
             sock.setsockopt(zmq.RECONNECT_IVL, 50)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
             sock.connect(self.config.endpoint)
-            self._local.socket = sock
+            self._local.socket, self._local.connecting = sock, True
             with self._sockets_lock:
                 self._sockets.append(sock)
         return sock
@@ -100,7 +103,14 @@ class RemoteTier(Tier):
         self, frames: list[Any], deadline: Deadline, *, track: bool = False
     ) -> zmq.MessageTracker | None:
         sock = self._socket()
-        sock.setsockopt(zmq.SNDTIMEO, max(1, int(deadline.remaining() * 1000)))
+        # A new socket's first send waits for its connection (and CURVE handshake) a while; after that a
+        # send never waits: with IMMEDIATE a server that is down has no pipe, and a send fails at once
+        # (it waited out the call's deadline: an outside probe saw every put to a dead server take 2 s of
+        # a write lane, and every lookup its 50 ms).  A connected socket always has room: a request's
+        # messages are far fewer than its high-water mark.
+        connecting, self._local.connecting = self._local.connecting, False
+        wait_s = min(deadline.remaining(), CONNECT_WAIT_S) if connecting else 0.0
+        sock.setsockopt(zmq.SNDTIMEO, int(wait_s * 1000))
         try:
             return send_frames(sock, frames, track=track)
         except zmq.Again:

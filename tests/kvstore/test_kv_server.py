@@ -23,6 +23,7 @@ from kvtest import (
     Blocks,
     RedisProcess,
     StoreServerProcess,
+    free_port,
     requires_redis,
     wait_until,
 )
@@ -219,6 +220,32 @@ def test_a_killed_server_is_a_bounded_miss_and_is_reconnected_after_restart(
     wait_until(lambda: tier.put(b.run(), b.units()).stored == 4, 10.0, "the client to reconnect")
     wait_until(lambda: tier.contains_prefix(b.run()) == 4, 10.0, "lookups to work again")
     assert tier.get_into(b.run(), b.out_views, LAYOUT).loaded == 4 and b.loaded(4)
+
+
+def test_a_server_that_is_down_fails_each_call_at_once_not_at_its_deadline(
+    make_blocks: Callable[..., Blocks],
+) -> None:
+    """An outside probe's find: with no server listening every put waited out its whole deadline (2 s of
+    a write lane each) and every lookup its 50 ms, where the docs promise "a server that is down is an
+    immediate error".  Only a new socket's first send waits for its connection (CONNECT_WAIT_S); each
+    later call -- the breaker's half-open tries, here after its cooldown -- fails at once."""
+    policy = TierPolicy(
+        lookup_timeout_s=20, get_timeout_s=20, put_timeout_s=20, breaker=BreakerConfig(cooldown_s=0.05)
+    )
+    tier = RemoteTier(RemoteTierConfig(f"tcp://127.0.0.1:{free_port()}", timeout_s=20), policy=policy)
+    b = make_blocks(4)
+    try:
+        start = time.monotonic()
+        for _ in range(3):
+            time.sleep(0.1)  # past the breaker's cooldown: the next call reaches the socket
+            assert tier.put(b.run(), b.units()).stored == 0
+            time.sleep(0.1)
+            assert tier.contains_prefix(b.run()) == 0
+        assert time.monotonic() - start < 10  # six deadlines would be 120 s
+        stats = tier.stats()
+        assert set(stats.put_failures) == {"error"} and set(stats.misses) == {"error"}  # never "timeout"
+    finally:
+        tier.close()
 
 
 def test_a_late_reply_is_recognised_and_dropped(
