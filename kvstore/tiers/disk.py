@@ -165,6 +165,7 @@ class DiskTier(Tier):
         folder = f"{self.root}/{run.namespace.hex()}/"
         expected = HEADER_SIZE + layout.payload_nbytes
         headers = memoryview(bytearray(HEADER_SIZE * present))
+        spare = bytearray(1)  # a byte past the block: a file longer than one is damaged (as the scan says)
         actual: list[int] = []  # payload checksums of the blocks read whole
         short: tuple[int, str, int] | None = None  # a block that was not: (index, path, bytes read)
         for lo in range(0, present, _FENCE_GROUP):
@@ -181,12 +182,12 @@ class DiskTier(Tier):
                     try:
                         dst = dsts[i]
                         header = headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
-                        got = os.preadv(fd, [header, dst], 0)
+                        got = os.preadv(fd, [header, dst, spare], 0)
                         if 0 < got < expected:
-                            got = preadv_all(fd, [header, dst])  # a short read: finish it
+                            got = preadv_all(fd, [header, dst, spare])  # a short read: finish it
                     finally:
                         os.close(fd)
-                    if got < expected:
+                    if got != expected:
                         short = (i, path, got)
                         break
                     actual.append(payload_checksum(dst))
@@ -205,6 +206,8 @@ class DiskTier(Tier):
             if got < 0:
                 self._remove([run.key(i)])  # gone from under the index
                 bad = (i, MissReason.ABSENT)
+            elif got > expected:  # more than one block's bytes: not what this tier wrote
+                bad = (i, MissReason.CORRUPT)
             else:
                 head = headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
                 reason = matcher.match(head, hashes[i]) if got >= HEADER_SIZE else None
@@ -233,13 +236,15 @@ class DiskTier(Tier):
                 self._drop_unreachable(run, i + 1)
                 return ReadResult(units, MissReason.ABSENT)
             try:
-                got = preadv_all(fd, [buf])
+                got = preadv_all(fd, [buf, bytearray(1)])  # a byte past it: longer is damaged
             finally:
                 os.close(fd)
             view = memoryview(buf)
             header = check_header(view, run.namespace, block_hash, None)
             if isinstance(header, MissReason):
                 reason: MissReason | None = header
+            elif got > size:  # longer than the block it was indexed as: not what this tier wrote
+                reason = MissReason.CORRUPT
             else:
                 reason = verify_payload(header, view[HEADER_SIZE:got], got - HEADER_SIZE)
             if reason is not None:

@@ -149,6 +149,9 @@ def test_restart_discards_damaged_files_and_enforces_capacity(
         ("truncate", MissReason.TRUNCATED),
         ("flip", MissReason.CORRUPT),
         ("other_model", MissReason.WRONG_NAMESPACE),
+        # An outside probe's find: bytes appended to a block were served (the scan at restart deleted
+        # the same files as damaged); a file longer than a block is not what the tier wrote.
+        ("append", MissReason.CORRUPT),
     ],
 )
 def test_a_damaged_file_is_a_miss_and_is_removed(
@@ -164,12 +167,20 @@ def test_a_damaged_file_is_a_miss_and_is_removed(
         raw = bytearray(path.read_bytes())
         raw[HEADER_SIZE + 100] ^= 0x04
         path.write_bytes(bytes(raw))
+    elif damage == "append":
+        path.write_bytes(path.read_bytes() + b"\x00" * 70)
     else:
         path.write_bytes(BlockCodec(OTHER_NAMESPACE, LAYOUT).encode(b.hashes[1], b.views[1]))
+    damaged = path.read_bytes()
     result = tier.get_into(b.run(), b.out_views, LAYOUT)
     assert (result.loaded, result.reason) == (1, reason)
     assert not path.exists() and tier.contains_prefix(b.run()) == 1
     assert tier.stats().missed(reason) == 1
+    # The store server's whole-block read says the same of the same file.
+    tier.put(b.run(), b.units())
+    path.write_bytes(damaged)
+    read = tier.read(b.run())
+    assert (len(read.units), read.reason) == (1, reason) and not path.exists()
 
 
 @pytest.mark.parametrize(
