@@ -47,6 +47,9 @@ ABORT_TIMEOUT_S = 2.0
 LATE_CHECKS_DOWN = 2
 LATE = "UNREACHABLE: DEADLINE_EXCEEDED"
 STOPPING_GRACE_S = 30.0  # what reroute_unreachable allows a stopping node beyond --reroute-after-s
+# A node no longer resolved (a pod leaving its Service) keeps its open calls this long at most: it drains
+# them within its own grace period (Kubernetes' terminationGracePeriodSeconds), or dies and fails them.
+LEAVING_GRACE_S = 600.0
 
 
 class NodeHandle:
@@ -260,6 +263,8 @@ class NodePool:
         self.dns_discovery = dns_discovery
         self._lock = threading.Lock()
         self._nodes: dict[str, NodeHandle] = {}
+        # Nodes no longer resolved whose calls still run, and since when: chosen for nothing new.
+        self._leaving: dict[str, tuple[NodeHandle, float]] = {}
         self.refresh()
 
     def nodes(self) -> list[NodeHandle]:
@@ -270,14 +275,41 @@ class NodePool:
         return [n for n in self.nodes() if n.healthy and n not in exclude]
 
     def refresh(self) -> None:
-        """Add the nodes the configured addresses stand for now; drop those they no longer do."""
+        """Add the nodes the configured addresses stand for now; drop those they no longer do -- their
+        open calls finish first.  A pod leaving its Service in a rolling update is no longer resolved the
+        moment it is told to stop, and drains its streams within its grace period: closing its channel
+        then cut them (an outside probe's rolling restart resumed three streams elsewhere, where a
+        planned stop must resume none).  So it gets nothing new, and its channel closes once its calls
+        have ended (or after LEAVING_GRACE_S); should it resolve again meanwhile, it is back."""
         targets = self._targets()
+        now = time.monotonic()
         with self._lock:
             for address in targets - set(self._nodes):
-                self._nodes[address] = NodeHandle(address, self.service, self.tls)
-            gone = [self._nodes.pop(a) for a in set(self._nodes) - targets]
-        for node in gone:
-            logger.warning("node %s left pool %s (no longer resolved)", node.address, self.kind)
+                back = self._leaving.pop(address, None)
+                self._nodes[address] = back[0] if back else NodeHandle(address, self.service, self.tls)
+            # (those that left in an earlier round: a call chosen just before this one may start yet)
+            closing = [
+                n for n, since in self._leaving.values() if n.inflight == 0 or now - since >= LEAVING_GRACE_S
+            ]
+            for node in closing:
+                del self._leaving[node.address]
+            left = [self._nodes.pop(a) for a in set(self._nodes) - targets]
+            self._leaving.update((node.address, (node, now)) for node in left)
+        for node in left:
+            logger.warning(
+                "node %s left pool %s (no longer resolved): no new calls; its %d open call(s) finish first",
+                node.address,
+                self.kind,
+                node.inflight,
+            )
+        for node in closing:
+            if node.inflight:
+                logger.warning(
+                    "node %s: %d call(s) still open after %.0f s: cut",
+                    node.address,
+                    node.inflight,
+                    LEAVING_GRACE_S,
+                )
             node.close()
 
     def _targets(self) -> set[str]:
@@ -297,7 +329,10 @@ class NodePool:
         return found
 
     def close(self) -> None:
-        for node in self.nodes():
+        with self._lock:
+            leaving = [node for node, _ in self._leaving.values()]
+            self._leaving.clear()
+        for node in [*self.nodes(), *leaving]:
             node.close()
 
     def reroute_unreachable(self, after_s: float) -> None:

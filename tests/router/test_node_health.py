@@ -71,3 +71,50 @@ def test_a_draining_node_is_down_at_its_first_not_serving(answers: list[str]) ->
     answers.append("NOT_SERVING")
     node.check(0.05)
     assert not node.healthy and node.stopping
+
+
+def test_a_node_that_leaves_dns_keeps_its_open_calls_until_they_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An outside probe's find: a pod leaving its headless Service in a rolling update (no longer resolved
+    the moment it is told to stop) had its channel closed at once, cutting the streams it was draining;
+    they resumed on another node where a planned stop must resume none.  Now it gets no new call, its
+    channel closes once its calls end, and it is back should it resolve again."""
+    resolved = {"10.0.0.1", "10.0.0.2"}
+    monkeypatch.setattr(
+        nodes.socket,
+        "getaddrinfo",
+        lambda host, port, **kw: [(0, 0, 0, "", (ip, port)) for ip in sorted(resolved)],
+    )
+    pool = nodes.NodePool("decode", ["decode:7000"], "pdkv.v1.DecodeNode", dns_discovery=True)
+    closed: list[str] = []
+    for node in pool.nodes():
+        monkeypatch.setattr(node, "close", lambda a=node.address: closed.append(a))
+        node.namespace = HashNamespace("test-model", 16)
+        node.mark_up()
+    leaving = next(n for n in pool.nodes() if n.address == "10.0.0.1:7000")
+    try:
+        with leaving.busy():  # a stream it serves
+            resolved.discard("10.0.0.1")
+            pool.refresh()
+            assert [n.address for n in pool.healthy()] == ["10.0.0.2:7000"]  # nothing new goes there
+            pool.refresh()
+            assert closed == []  # its stream goes on
+        pool.refresh()
+        assert closed == ["10.0.0.1:7000"]  # ended: the channel closes
+        # One that leaves and comes back before its calls end is the same node again.
+        other = pool.nodes()[0]
+        with other.busy():
+            resolved.clear()
+            resolved.add("10.0.0.1")
+            pool.refresh()
+            resolved.add("10.0.0.2")
+            pool.refresh()
+        assert other in pool.nodes() and closed == ["10.0.0.1:7000"]
+        # A call that never ends is cut after LEAVING_GRACE_S.
+        with other.busy():
+            resolved.discard("10.0.0.2")
+            pool.refresh()
+            monkeypatch.setattr(nodes.time, "monotonic", lambda: 10**9)
+            pool.refresh()
+            assert closed == ["10.0.0.1:7000", "10.0.0.2:7000"]
+    finally:
+        pool.close()
