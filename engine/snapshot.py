@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from engine.connector.base import ConnectorStats
 from engine.llm_engine import LLMEngine
 from engine.metrics import StatsSnapshot
 from telemetry.metrics import HistogramSnapshot, merge_histograms
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ def snapshot(engine: LLMEngine, *, check_integrity: bool = False) -> EngineSnaps
             integrity = ""
         except AssertionError as exc:
             integrity = str(exc) or "integrity check failed"
+    connector = connector_stats(engine)  # first: a get_stats that raised counts in this snapshot
     return EngineSnapshot(
         engine_id=engine.config.engine_id,
         model_fingerprint=engine.namespace.model_fingerprint,
@@ -55,6 +59,23 @@ def snapshot(engine: LLMEngine, *, check_integrity: bool = False) -> EngineSnaps
         stats=engine.stats(),
         dtype=str(engine.model.dtype).removeprefix("torch."),
         deterministic=engine.determinism.on,
-        connector=engine.scheduler_connector.get_stats().merged(engine.worker_connector.get_stats()),
+        connector=connector,
         integrity_error=integrity,
     )
+
+
+def connector_stats(engine: LLMEngine) -> ConnectorStats:
+    """Both connector halves' stats, merged.  A half whose ``get_stats`` raises reports none (counted as
+    ``connector_call_failures.get_stats``; logged once a minute): a plugin's broken stats must not take
+    its node out of service -- the node's start and the router's health rounds wait on its Stats (an
+    outside probe's plugin kept its node from ever starting)."""
+    stats = ConnectorStats()
+    for half in (engine.scheduler_connector, engine.worker_connector):
+        try:
+            stats = stats.merged(half.get_stats())
+        except Exception:
+            engine.scheduler.counters.add("connector_call_failures.get_stats")
+            logger.warning(
+                "KV connector %s: get_stats raised; its stats are left out", half.name, exc_info=True
+            )
+    return stats

@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from connectors.base import ConnectorContext, KVConnectorMetadata, KVConnectorRole, KVTransferParams
+from connectors.base import (
+    ConnectorContext,
+    ConnectorStats,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+    KVTransferParams,
+)
 from connectors.shared_dir import SharedDirConnector, SharedDirMetadata
 from engine.request import Request, RequestId
 
@@ -479,3 +486,43 @@ class ForeignFinishedConnector(SharedDirConnector):
             self.said = True
             return sending | {RequestId("not-a-request")}, recving
         return sending, recving
+
+
+class RaisingAllocConnector(SharedDirConnector):
+    """Raises from ``update_state_after_alloc`` (an outside plugin did: its node stopped)."""
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        raise RuntimeError("boom from update_state_after_alloc")
+
+
+class RaisingOutputConnector(SharedDirConnector):
+    """Raises from ``update_connector_output`` (the same plugin: its node stopped too)."""
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        raise RuntimeError("boom from update_connector_output")
+
+
+class RaisingStatsConnector(SharedDirConnector):
+    """Its worker half's ``get_stats`` raises (the same plugin kept its node from ever starting)."""
+
+    def get_stats(self) -> ConnectorStats:
+        if self.role is KVConnectorRole.WORKER:
+            raise RuntimeError("boom from get_stats")
+        return super().get_stats()
+
+
+class TwiceLoadedConnector(AsyncSharedDirConnector):
+    """Lists each finished async load twice, one step apart."""
+
+    def __init__(
+        self, role: KVConnectorRole, context: ConnectorContext, options: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__(role, context, options)
+        self._again: set[RequestId] = set()
+
+    def get_finished(self, finished_req_ids: set[RequestId]) -> tuple[set[RequestId], set[RequestId]]:
+        sending, recving = super().get_finished(finished_req_ids)
+        again, self._again = self._again, set(recving)
+        return sending, recving | again

@@ -28,7 +28,7 @@ from connectors.testing.items import (
     WORKER_RAISES,
     ConformanceError,
 )
-from connectors.testing.reports import check_reports
+from connectors.testing.reports import check_reports, check_stats
 from connectors.testing.spy import SchedulerSpy, WorkerSpy
 from connectors.testing.target import MIN_KIT_BLOCKS, ConformanceTarget
 from connectors.testing.workload import BLOCK_SIZE, KIT_MODEL_SPEC, PARAMS
@@ -220,6 +220,7 @@ class KitEngine:
         """One engine step; returns how many outputs it produced."""
         outs = self._guard(self.engine.step, "engine.step()")
         check_reports(self.engine, self.scheduler_spy, self.worker_spy)
+        check_stats(self.scheduler_spy, self.worker_spy)  # a node reads them between any two steps
         for out in outs:
             self.results[out.request_id].add(out)
             if out.error is not None and out.error.startswith(STEP_FAILED):  # the runner caught a raise

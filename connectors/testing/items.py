@@ -24,6 +24,7 @@ RELEASED = "nothing is kept for a finished request"
 SCHEDULER_RAISES = "a scheduler call never raises into the engine"
 REPORTS = "a report names only what the engine handed over: its requests, the blocks it was loading"
 WORKER_RAISES = "a worker call never raises: load errors are reported, a failed save is caught and counted"
+STATS = "get_stats returns a ConnectorStats, never raising"
 
 
 class ConformanceError(AssertionError):

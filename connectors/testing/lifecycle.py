@@ -39,7 +39,7 @@ from engine.outputs import GenerationOutput
 def check_request_finished_exactly_once(target: ConformanceTarget, shared: Path) -> None:
     """Every request, however it ends (length, stop token, abort while waiting or running, an abort after
     it finished), gets one ``request_finished`` returning ``(bool, dict or None)``, and the worker reports
-    each delayed free's ``finished_sending`` once."""
+    each delayed free's ``finished_sending`` and each async load's ``finished_recving`` once."""
     item = FINISHED_ONCE
     save(target, shared, item)
     stop_token = reference(target, PROMPTS[2:3])[0][2]
@@ -71,9 +71,10 @@ def check_request_finished_exactly_once(target: ConformanceTarget, shared: Path)
                 raise ConformanceError(
                     item, f"request_finished returned {result!r}; it must be (hold: bool, dict or None)"
                 )
-        twice = sorted(r for r, n in b.worker_spy.finished_sending.items() if n > 1)
-        if twice:
-            raise ConformanceError(item, f"finished_sending listed {twice} more than once")
+        for what in ("finished_sending", "finished_recving"):  # no request here loads or sends twice
+            twice = sorted(r for r, n in getattr(b.worker_spy, what).items() if n > 1)
+            if twice:
+                raise ConformanceError(item, f"{what} listed {twice} more than once")
 
 
 def check_no_leak_after_abort(target: ConformanceTarget, shared: Path) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from connectors.testing.items import REPORTS, SCHEDULER_RAISES, ConformanceError
+from connectors.base import ConnectorStats, KVConnectorBase
+from connectors.testing.items import REPORTS, SCHEDULER_RAISES, STATS, ConformanceError
 
 if TYPE_CHECKING:
     from connectors.testing.spy import SchedulerSpy, WorkerSpy
@@ -39,4 +40,24 @@ def check_reports(engine: LLMEngine, spy: SchedulerSpy, worker: WorkerSpy) -> No
         if foreign:
             raise ConformanceError(
                 REPORTS, f"get_finished listed {foreign[:4]} in {what}: no request of this engine has that id"
+            )
+
+
+def check_stats(*halves: KVConnectorBase) -> None:
+    """Each half's ``get_stats``, as a node's Stats call and /metrics scrape read it between steps: a
+    ``ConnectorStats``, never a raise (the node leaves a raising half's stats out, and counts it)."""
+    for half in halves:
+        try:
+            stats = half.get_stats()
+        except Exception as exc:
+            raise ConformanceError(
+                STATS,
+                f"the {half.role.value} half's get_stats raised {exc!r}: the node then leaves its stats out "
+                "of Stats and /metrics (connector_call_failures.get_stats)",
+            ) from exc
+        if not isinstance(stats, ConnectorStats):
+            raise ConformanceError(
+                STATS,
+                f"the {half.role.value} half's get_stats returned {type(stats).__name__}, "
+                "not a ConnectorStats",
             )

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput, KVTransferParams
+from engine.connector.base import ConnectorStats
 from engine.request import Request, RequestId
 from wire.kv_events import KVCacheEvent
 
@@ -120,6 +121,10 @@ class _Proxy(KVConnectorBase):
     def bind_step_metadata(self, metadata: KVConnectorMetadata | None) -> None:
         super().bind_step_metadata(metadata)
         self.inner.bind_step_metadata(metadata)
+
+    def get_stats(self) -> ConnectorStats:
+        with CLOCK.call(f"{self.role.value} half: get_stats"):
+            return self.inner.get_stats()
 
 
 class SchedulerSpy(_Proxy):

@@ -4,11 +4,12 @@ keeps the state).
 
 A connector must never raise into the engine nor report what it was not asked (docs/connectors.md; the
 kit fails both), but a node outlives a broken plugin: a lookup that raises counts as zero hits
-(``ConnectorBooks.external_hit``), ``request_finished`` that raises holds the request's blocks and asks
-the worker to stop (freed once it confirms), and ``build_connector_meta`` that raises fails the step's
-requests -- as a worker call that raises does -- with the connector named, and no worker call runs that
-step; a load error for a block no request was loading is ignored.  Each is logged and counted
-(``connector_call_failures``, by call).
+(``ConnectorBooks.external_hit``), ``update_state_after_alloc`` that raises fails that request,
+``request_finished`` that raises holds the request's blocks and asks the worker to stop (freed once it
+confirms), ``build_connector_meta`` that raises fails the step's requests -- as a worker call that
+raises does -- with the connector named, and no worker call runs that step; ``update_connector_output``
+that raises changes nothing (the engine applied the report already); a load error for a block no
+request was loading is ignored.  Each is logged and counted (``connector_call_failures``, by call).
 """
 
 from __future__ import annotations
@@ -62,6 +63,24 @@ class ConnectorResults:
         except Exception:
             self._connector_failed("request_finished", f"for {request.request_id}; its hold is stopped")
             return True, None, True
+
+    def _after_alloc(self, request: Request, num_external: int, out: SchedulerOutput) -> bool:
+        """Tell the connector the request's blocks (``update_state_after_alloc``); False where it raised:
+        the request fails, its connector named -- what the connector planned for its blocks is unknown,
+        so neither a load into them nor a recompute beside that plan is safe."""
+        try:
+            self.connector.update_state_after_alloc(
+                request, self.kv.get_block_ids(request.request_id), num_external
+            )
+            return True
+        except Exception as exc:
+            self._connector_failed("update_state_after_alloc", f"for {request.request_id}; it fails")
+            request.error = (
+                f"the KV connector {self.connector.name} failed to take the request's blocks: {exc!r}"
+            )
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        out.errored_request_ids.append(request.request_id)
+        return False
 
     def _build_meta(self, out: SchedulerOutput) -> KVConnectorMetadata | None:
         """The connector's instructions for the step; None where it raised: the step's requests fail

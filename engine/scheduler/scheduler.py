@@ -254,14 +254,13 @@ class Scheduler(ConnectorResults):
                     )
                     out.errored_request_ids.append(request.request_id)
                 break  # the pool is full: later candidates would not fit better without preemption
-            self.waiting.remove(request.request_id)
             if request.num_cached_tokens < 0:  # first admission: record where the prompt came from
                 self.sources.record(request, hit.num_tokens, num_external)
             # The connector sees num_computed_tokens = the local hit: its external tokens start there.
             request.num_computed_tokens += hit.num_tokens
-            self.connector.update_state_after_alloc(
-                request, self.kv.get_block_ids(request.request_id), num_external
-            )
+            if not self._after_alloc(request, num_external, out):
+                continue  # the connector raised: the request failed (connector_results.py)
+            self.waiting.remove(request.request_id)
             admitted.add(request.request_id)
             if num_external:
                 self._step_loads.add(request.request_id)
@@ -329,7 +328,10 @@ class Scheduler(ConnectorResults):
             self._finish_loading(rid, result)
         for rid in kv_out.finished_sending:
             self.books.end_hold(rid, HoldKind.SEND)
-        self.connector.update_connector_output(kv_out)
+        try:
+            self.connector.update_connector_output(kv_out)
+        except Exception:  # the engine applied the report already; only the plugin's own books lag
+            self._connector_failed("update_connector_output", "the report is applied; the node goes on")
         for sr in scheduler_output.scheduled:
             scores = output.prompt_scores.get(sr.request_id)
             if scores is not None and (request := self.requests.get(sr.request_id)) is not None:

@@ -24,6 +24,7 @@ from connectors.testing import (
     check_lookups_are_idempotent,
     check_none_is_followed_by_an_answer,
     check_nothing_is_kept_for_finished_requests,
+    check_request_finished_exactly_once,
     check_stopped_holds_are_confirmed,
     check_unreachable_backend,
     check_whole_block_hits,
@@ -224,6 +225,29 @@ CASES = [
     ("RaisingMetaConnector", {}, check_lookups_are_idempotent, kit.SCHEDULER_RAISES, "build_connector_meta"),
     ("ForeignLoadErrorsConnector", {}, check_loads_reproduce_saved_kv, kit.REPORTS, "was not loading"),
     ("ForeignFinishedConnector", {}, check_lookups_are_idempotent, kit.REPORTS, "'not-a-request'"),
+    # A later plugin author's: raises the engine survives since, stats that raise, loads reported twice.
+    (
+        "RaisingAllocConnector",
+        {},
+        check_lookups_are_idempotent,
+        kit.SCHEDULER_RAISES,
+        "update_state_after_alloc",
+    ),
+    (
+        "RaisingOutputConnector",
+        {},
+        check_lookups_are_idempotent,
+        kit.SCHEDULER_RAISES,
+        "update_connector_output",
+    ),
+    ("RaisingStatsConnector", {}, check_lookups_are_idempotent, kit.STATS, "worker half's get_stats raised"),
+    (
+        "TwiceLoadedConnector",
+        {},
+        check_request_finished_exactly_once,
+        kit.FINISHED_ONCE,
+        "finished_recving listed",
+    ),
 ]
 
 

@@ -461,6 +461,55 @@ def test_build_connector_meta_that_raises_fails_the_step_s_requests_by_name() ->
     assert s.kv.num_free_blocks == 32
 
 
+def test_update_state_after_alloc_that_raises_fails_that_request_and_the_engine_goes_on() -> None:
+    """An outside probe's plugin raised from update_state_after_alloc: the engine loop died and the node
+    stopped.  Now that request fails, naming the connector (what the plugin planned for its blocks is
+    unknown); its blocks are freed and the others run."""
+
+    class Raising(ScriptedConnector):
+        def update_state_after_alloc(
+            self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+        ) -> None:
+            if request.request_id == "bad":
+                raise RuntimeError("boom from update_state_after_alloc")
+            super().update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    conn = Raising()
+    conn.answers["bad"] = (8, False)
+    s = make(conn)
+    for rid, tokens in (("a", range(9)), ("bad", range(20, 31)), ("c", range(40, 49))):
+        s.add_request(make_request(rid, tokens, max_tokens=2))
+    so = s.schedule()
+    assert so.errored_request_ids == ["bad"] and sorted(sr.request_id for sr in so.scheduled) == ["a", "c"]
+    assert s.get_request("bad") is None and conn.finished["bad"] == 1
+    assert s.stats().counter("connector_call_failures.update_state_after_alloc") == 1
+    s.update_from_output(so, ModelRunnerOutput({sr.request_id: 7 for sr in so.scheduled if sr.sample}))
+    while s.has_unfinished_requests():
+        step(s)
+    s.check_integrity()
+    assert s.kv.num_free_blocks == 32
+
+
+def test_update_connector_output_that_raises_changes_nothing_and_the_engine_goes_on() -> None:
+    """The same probe: update_connector_output raising killed the node.  The engine applied the report
+    before telling the plugin; a raise is counted and the step's results stand."""
+
+    class Raising(ScriptedConnector):
+        def update_connector_output(self, output: KVConnectorOutput) -> None:
+            raise RuntimeError("boom from update_connector_output")
+
+    conn = Raising()
+    s = make(conn)
+    s.add_request(make_request("a", range(9), max_tokens=3))
+    finished = []
+    while s.has_unfinished_requests():
+        _, out = step(s)
+        finished += [(u.request_id, u.finish_reason) for u in out.updates if u.finished]
+    assert finished == [("a", "length")]
+    assert s.stats().counter("connector_call_failures.update_connector_output") == 3
+    assert s.kv.num_free_blocks == 32
+
+
 def test_load_errors_for_blocks_nobody_was_loading_are_ignored() -> None:
     """A probe's plugin reported blocks it never loaded as failed loads, every step: each running request
     holding one was cut back and recomputed, for ever.  Only the blocks of requests admitted with
