@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.hashing import HashNamespace
+from engine.hashing import AdapterId, HashNamespace
 from router.adapters import no_node_serves, prefer_resident, serves
 from router.admission import AdmittedRequest
 from router.nodes import NodeHandle, NodePool
@@ -67,23 +67,26 @@ class Pairing:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._whole = False  # the last plan ran requests whole
-        self._alone: set[tuple[str, HashNamespace | None]] = set()  # nodes said to have no partner
+        self._whole: set[AdapterId | None] = set()  # the adapters (None: the base) whose requests run whole
+        # Nodes said to have no partner, until one is seen paired (a request of another adapter, which
+        # leaves some nodes out, neither pairs nor strands them: nothing is said again for it).
+        self._alone: set[tuple[str, HashNamespace | None]] = set()
 
     def plan(self, prefill: NodePool, decode: NodePool, request: AdmittedRequest) -> PrefillPlan:
         decoders = [n for n in decode.healthy() if serves(n, request.adapter)]
         prefills = [n for n in prefill.healthy() if serves(n, request.adapter)]
-        if not decoders or not prefills:
-            return ANY  # the phase with no node says so (or waits for one stopping to come back)
         decode_models = frozenset(n.namespace for n in decoders if n.namespace is not None)
+        if not decode_models or not prefills:
+            return ANY  # the phase with no node says so (or waits for one stopping to come back)
         prefill_models = {n.namespace for n in prefills}
-        self._say(prefills, decoders, decode_models, prefill_models)
+        self._say(request.adapter, prefills, decoders, decode_models, prefill_models)
         if not decode_models & prefill_models:
             return WHOLE
         return PrefillPlan(decode_models)
 
     def _say(
         self,
+        adapter: AdapterId | None,
         prefills: Sequence[NodeHandle],
         decoders: Sequence[NodeHandle],
         decode_models: frozenset[HashNamespace],
@@ -92,18 +95,26 @@ class Pairing:
         whole = not decode_models & prefill_models
         alone = {(n.address, n.namespace) for n in prefills if n.namespace not in decode_models}
         alone |= {(n.address, n.namespace) for n in decoders if n.namespace not in prefill_models}
+        paired = {(n.address, n.namespace) for n in (*prefills, *decoders)} - alone
         with self._lock:
-            was_whole, self._whole = self._whole, whole
-            new, self._alone = alone - self._alone, alone
+            was_whole = adapter in self._whole
+            if whole:
+                self._whole.add(adapter)
+            else:
+                self._whole.discard(adapter)
+            new = alone - self._alone
+            self._alone = (self._alone | alone) - paired
+        what = "requests" if adapter is None else f"requests of adapter {adapter.name}"
         if whole and not was_whole:
             logger.warning(
                 "no healthy prefill node runs a model a healthy decode node runs (prefill: %s; decode: %s): "
-                "requests run whole on the decode nodes, the prefill nodes idle, until one does",
+                "%s run whole on the decode nodes, the prefill nodes idle, until one does",
                 describe(prefill_models),
                 describe(decode_models),
+                what,
             )
         elif was_whole and not whole:
-            logger.warning("prefill and decode nodes of one model are up again: requests are disaggregated")
+            logger.warning("prefill and decode nodes of one model are up again: %s are disaggregated", what)
         for address, model in sorted(new, key=lambda a: a[0]) if not whole else ():
             logger.warning(
                 "node %s runs %s, which no node of the other phase runs: it gets no disaggregated request "

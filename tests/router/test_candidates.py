@@ -155,6 +155,26 @@ def test_the_pairing_counts_only_nodes_serving_the_request_s_adapter() -> None:
     assert Pairing().plan(_pool("prefill", p16, p32), _pool("decode", d16), REQUEST).models == {BF16}
 
 
+def test_requests_of_several_adapters_alternating_say_each_change_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A review's find: the pairing's state was one flag for all requests -- base and adapter requests
+    alternating (one pairs, the other runs whole) would log a change with every request."""
+    p16, p32 = _node("10.0.0.1:1", BF16), _node("10.0.0.1:2", F32, adapters=("lora1",))
+    d16 = _node("10.0.0.2:1", BF16, adapters=("lora1",))
+    lora = AdmittedRequest(
+        "r", [1, 2, 3], SamplingParams(max_tokens=4), adapter=AdapterId("lora1", bytes(32))
+    )
+    pairing, prefill, decode = Pairing(), _pool("prefill", p16, p32), _pool("decode", d16)
+    with caplog.at_level(logging.WARNING, logger="router.candidates"):
+        for _ in range(5):
+            assert pairing.plan(prefill, decode, REQUEST).models == {BF16}
+            assert pairing.plan(prefill, decode, lora) == WHOLE
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said  # p32 has no partner; lora1's requests run whole
+    assert "10.0.0.1:2 runs llama;kv=float32" in said[0] and "requests of adapter lora1 run whole" in said[1]
+
+
 def test_a_preferred_node_of_another_model_is_passed_over_and_none_left_is_unpaired() -> None:
     a16, b32, unknown = _node("10.0.0.2:1", BF16), _node("10.0.0.2:2", F32), _node("10.0.0.2:3", None)
     pool = _pool("decode", a16, b32, unknown)
