@@ -65,8 +65,9 @@ def snapshot(engine: LLMEngine, *, check_integrity: bool = False) -> EngineSnaps
 
 
 def connector_stats(engine: LLMEngine) -> ConnectorStats:
-    """Both connector halves' stats, merged.  A half whose ``get_stats`` raises reports none (counted as
-    ``connector_call_failures.get_stats``; logged once a minute): a plugin's broken stats must not take
+    """Both connector halves' stats, merged.  A half whose ``get_stats`` raises reports none (each such
+    read counted as ``connector_call_failures.get_stats``; logged once a minute, ``telemetry/logs.py``'s
+    throttle, where the node installs it): a plugin's broken stats must not take
     its node out of service -- the node's start and the router's health rounds wait on its Stats (an
     outside probe's plugin kept its node from ever starting)."""
     stats = ConnectorStats()

@@ -102,8 +102,9 @@ class Pairing:
                 self._whole.add(adapter)
             else:
                 self._whole.discard(adapter)
-            new = alone - self._alone
-            self._alone = (self._alone | alone) - paired
+            # Running whole, the nodes are not named one by one: they are named once pairing resumes.
+            new = set() if whole else alone - self._alone
+            self._alone = (self._alone | new) - paired
         what = "requests" if adapter is None else f"requests of adapter {adapter.name}"
         if whole and not was_whole:
             logger.warning(

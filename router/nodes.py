@@ -265,6 +265,7 @@ class NodePool:
         self._nodes: dict[str, NodeHandle] = {}
         # Nodes no longer resolved whose calls still run, and since when: chosen for nothing new.
         self._leaving: dict[str, tuple[NodeHandle, float]] = {}
+        self._resolved: dict[str, set[str]] = {}  # each configured name -> what it resolved to last
         self.refresh()
 
     def nodes(self) -> list[NodeHandle]:
@@ -273,6 +274,11 @@ class NodePool:
 
     def healthy(self, exclude: Sequence[NodeHandle] = ()) -> list[NodeHandle]:
         return [n for n in self.nodes() if n.healthy and n not in exclude]
+
+    def leaving(self) -> list[NodeHandle]:
+        """Nodes no longer resolved whose calls still run: checked, and rerouted when frozen, as any."""
+        with self._lock:
+            return [node for node, _ in self._leaving.values()]
 
     def refresh(self) -> None:
         """Add the nodes the configured addresses stand for now; drop those they no longer do -- their
@@ -320,12 +326,13 @@ class NodePool:
             host, _, port = address.rpartition(":")
             try:
                 infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
-            except OSError as exc:
-                logger.warning("cannot resolve %s: %s", address, exc)
+            except OSError as exc:  # a resolver's hiccup: what the name stood for last time stands
+                logger.warning("cannot resolve %s (%s): its last addresses stay", address, exc)
+                found |= self._resolved.get(address, set())
                 continue
-            for info in infos:
-                ip = str(info[4][0])
-                found.add(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+            ips = {str(info[4][0]) for info in infos}
+            self._resolved[address] = {f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips}
+            found |= self._resolved[address]
         return found
 
     def close(self) -> None:
@@ -344,7 +351,7 @@ class NodePool:
         if not healthy:
             return  # nowhere to go: a node that thaws finishes them
         now = time.monotonic()
-        for node in self.nodes():
+        for node in [*self.nodes(), *self.leaving()]:
             since = node.unreachable_since
             # A node that said it was stopping ends its calls within its grace: cut them only well after.
             wait = after_s + (STOPPING_GRACE_S if node.stopping else 0.0)
@@ -391,7 +398,7 @@ class HealthMonitor:
         for pool in self.pools:
             if pool.dns_discovery:
                 pool.refresh()
-            for node in pool.nodes():
+            for node in [*pool.nodes(), *pool.leaving()]:
                 t = threading.Thread(target=node.check, args=(self.timeout,), daemon=True)
                 t.start()
                 checks.append(t)

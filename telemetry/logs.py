@@ -13,7 +13,14 @@ import logging
 import threading
 import time
 
-NOISY_LOGGERS = ("grpc._common", "grpc._server", "serving.errors", "kvstore.server", "connectors.p2p_server")
+NOISY_LOGGERS = (
+    "grpc._common",
+    "grpc._server",
+    "serving.errors",
+    "kvstore.server",
+    "connectors.p2p_server",
+    "engine.snapshot",  # a plugin's get_stats that raises, read at every Stats call and scrape
+)
 
 
 class Throttle(logging.Filter):

@@ -44,6 +44,8 @@ class ConnectorResults:
     waiting: RequestQueue
     # requests admitted by the last schedule with external tokens (loaded now, or by an async load)
     _step_loads: set[RequestId]
+    # the last schedule's admissions -> the token from which their blocks hold nothing yet
+    _step_admitted: dict[RequestId, int]
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         raise NotImplementedError  # Scheduler's
@@ -78,6 +80,10 @@ class ConnectorResults:
             request.error = (
                 f"the KV connector {self.connector.name} failed to take the request's blocks: {exc!r}"
             )
+        # Its blocks past the local hit were cached as they were allocated, and nothing will write them:
+        # no later request may hit them.  Nor was any of its prompt served: nothing to count.
+        self.kv.uncache_from(request, request.num_computed_tokens // self.kv.block_size)
+        self.sources.forget(request)
         self._finish(request, RequestStatus.FINISHED_ERROR)
         out.errored_request_ids.append(request.request_id)
         return False
@@ -95,9 +101,14 @@ class ConnectorResults:
         victims = dict.fromkeys(
             [*(sr.request_id for sr in out.scheduled), *out.new_request_ids, *self._step_loads]
         )
+        # What the step would have written (and an admission's loads) was cached as allocated: no later
+        # request may hit it.  A running request's from its chunk's start; an admission's past its hit.
+        unwritten = {sr.request_id: sr.start_position for sr in out.scheduled} | self._step_admitted
         for rid in victims:
             request = self.requests.get(rid)
             if request is not None:
+                if rid in unwritten:
+                    self.kv.uncache_from(request, unwritten[rid] // self.kv.block_size)
                 self.books.stop_loading(rid)  # its load never started: nothing to wait for
                 request.error = error
                 self._finish(request, RequestStatus.FINISHED_ERROR)

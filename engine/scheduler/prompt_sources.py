@@ -30,6 +30,10 @@ class PromptSources:
         self.kv.record_prefix_query(request.num_prompt_tokens, num_local)
         self._pending[request.request_id] = request
 
+    def forget(self, request: Request) -> None:
+        """``request`` was recorded but none of its prompt was served (its admission failed)."""
+        self._pending.pop(request.request_id, None)
+
     def count(self, request: Request) -> None:
         """Count where the prompt's KV came from, once, when that is final (prefill done, or finished)."""
         if self._pending.pop(request.request_id, None) is None:

@@ -94,6 +94,8 @@ class Scheduler(ConnectorResults):
         )
         self._finished_since_last_step: set[RequestId] = set()
         self._step_loads: set[RequestId] = set()
+        # this step's admissions -> the token from which their blocks hold nothing yet (after the local hit)
+        self._step_admitted: dict[RequestId, int] = {}
         self._carried_preemptions: list[RequestId] = []  # of a step whose metadata the connector failed
         self.sources = PromptSources(self.kv, self.counters, clock)
 
@@ -170,7 +172,7 @@ class Scheduler(ConnectorResults):
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.books.expire()
-        self._step_loads = set()
+        self._step_loads, self._step_admitted = set(), {}
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted_request_ids:
@@ -262,6 +264,7 @@ class Scheduler(ConnectorResults):
                 continue  # the connector raised: the request failed (connector_results.py)
             self.waiting.remove(request.request_id)
             admitted.add(request.request_id)
+            self._step_admitted[request.request_id] = request.num_computed_tokens
             if num_external:
                 self._step_loads.add(request.request_id)
             if load_async:

@@ -114,7 +114,10 @@ class RemoteTier(Tier):
         try:
             return send_frames(sock, frames, track=track)
         except zmq.Again:
-            raise TierError(f"store server {self.config.endpoint} is not connected") from None
+            raise TierError(
+                f"store server {self.config.endpoint} is not connected (down, or the CURVE handshake failed: "
+                "check both sides' $PDKV_CURVE_DIR)"
+            ) from None
 
     def _await_reply(self, request_id: int, deadline: Deadline) -> CountReply | InfoReply:
         """The reply to ``request_id``; its further frames are left for the caller to read."""

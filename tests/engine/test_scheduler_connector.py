@@ -453,9 +453,10 @@ def test_build_connector_meta_that_raises_fails_the_step_s_requests_by_name() ->
     assert set(s.holds) == {"held"}  # the load never started: no hold waits for it
     conn.broken = False
     s.add_request(make_request("c", range(60, 65), max_tokens=1))
+    s.add_request(make_request("a-again", range(20, 29), max_tokens=1))  # a's blocks were never written
     so, _ = step(s, KVConnectorOutput(finished_sending={"held"}))  # type: ignore[arg-type]
     assert so.kv_connector_metadata.stop_request_ids == ["held"]  # carried from the failed step
-    assert [sr.request_id for sr in so.scheduled] == ["c"]
+    assert [(sr.request_id, sr.start_position) for sr in so.scheduled] == [("c", 0), ("a-again", 0)]
     assert not s.has_unfinished_requests() and not s.holds
     s.check_integrity()
     assert s.kv.num_free_blocks == 32
@@ -486,6 +487,12 @@ def test_update_state_after_alloc_that_raises_fails_that_request_and_the_engine_
     s.update_from_output(so, ModelRunnerOutput({sr.request_id: 7 for sr in so.scheduled if sr.sample}))
     while s.has_unfinished_requests():
         step(s)
+    # A review's find: its blocks were cached as they were allocated and never written -- the same
+    # prompt again must not hit them.  Nor is its prompt counted as served.
+    assert s.stats().counter("prompt_tokens.external_kv_transfer") == 0
+    s.add_request(make_request("again", range(20, 31), max_tokens=1))
+    so, _ = step(s)
+    assert [(sr.request_id, sr.start_position) for sr in so.scheduled] == [("again", 0)]
     s.check_integrity()
     assert s.kv.num_free_blocks == 32
 

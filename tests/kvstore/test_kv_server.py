@@ -34,7 +34,7 @@ from kvstore.deadline import Deadline
 from kvstore.engine_view import KVStore
 from kvstore.results import MissReason, Unit
 from kvstore.tiers.base import TierPolicy
-from kvstore.tiers.remote import PUT_CHUNK, RemoteTier
+from kvstore.tiers.remote import CONNECT_WAIT_S, PUT_CHUNK, RemoteTier
 from wire.codec import BlockCodec
 from wire.framing import PROTOCOL_VERSION, ErrorReply, send_frames
 from wire.layout import BlockLayout
@@ -241,7 +241,8 @@ def test_a_server_that_is_down_fails_each_call_at_once_not_at_its_deadline(
             assert tier.put(b.run(), b.units()).stored == 0
             time.sleep(0.1)
             assert tier.contains_prefix(b.run()) == 0
-        assert time.monotonic() - start < 10  # six deadlines would be 120 s
+        # Six deadlines would be 120 s; a connection wait each, 0.6 s of sleeps + 1.5 s.
+        assert time.monotonic() - start < 0.6 + CONNECT_WAIT_S + 1.0
         stats = tier.stats()
         assert set(stats.put_failures) == {"error"} and set(stats.misses) == {"error"}  # never "timeout"
     finally:

@@ -309,3 +309,22 @@ def test_a_node_is_up_only_once_its_stats_said_its_model_and_a_restart_reads_it_
         assert node.healthy and node.namespace == BF16
     finally:
         node.close()
+
+
+def test_a_node_left_alone_while_requests_ran_whole_is_named_once_pairing_resumes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A review's find: nodes seen without a partner while an adapter's requests ran whole were marked
+    as said without being named, and never named after."""
+    p16 = _node("10.0.0.1:1", BF16, adapters=("lora1",))
+    d32, d16 = _node("10.0.0.2:1", F32, adapters=("lora1",)), _node("10.0.0.2:2", BF16)
+    lora = AdmittedRequest(
+        "r", [1, 2, 3], SamplingParams(max_tokens=4), adapter=AdapterId("lora1", bytes(32))
+    )
+    pairing, prefill, decode = Pairing(), _pool("prefill", p16), _pool("decode", d32, d16)
+    with caplog.at_level(logging.WARNING, logger="router.candidates"):
+        assert pairing.plan(prefill, decode, lora) == WHOLE
+        assert pairing.plan(prefill, decode, REQUEST).models == {BF16, F32}
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "requests of adapter lora1 run whole" in said[0]
+    assert "node 10.0.0.2:1 runs llama;kv=float32" in said[1]

@@ -118,3 +118,42 @@ def test_a_node_that_leaves_dns_keeps_its_open_calls_until_they_end(monkeypatch:
             assert closed == ["10.0.0.1:7000", "10.0.0.2:7000"]
     finally:
         pool.close()
+
+
+def test_a_leaving_node_is_still_checked_and_a_frozen_one_s_calls_go_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A review's find: a node moved out of the pool was no longer checked, so a pod that left its
+    Service because it froze (not ready) kept its streams waiting up to LEAVING_GRACE_S, where
+    reroute_unreachable cut them after --reroute-after-s before."""
+    resolved = {"10.0.0.1", "10.0.0.2"}
+    monkeypatch.setattr(
+        nodes.socket,
+        "getaddrinfo",
+        lambda host, port, **kw: [(0, 0, 0, "", (ip, port)) for ip in sorted(resolved)],
+    )
+    answers = {"10.0.0.1:7000": LATE, "10.0.0.2:7000": "SERVING"}
+    monkeypatch.setattr(nodes, "check", lambda address, **kw: answers[address])
+    pool = nodes.NodePool("decode", ["decode:7000"], "pdkv.v1.DecodeNode", dns_discovery=True)
+    for node in pool.nodes():
+        node.namespace = HashNamespace("test-model", 16)
+        monkeypatch.setattr(node, "_refresh_stats", lambda timeout: None)
+        node.mark_up()
+    frozen = next(n for n in pool.nodes() if n.address == "10.0.0.1:7000")
+    cut: list[str] = []
+    monitor = nodes.HealthMonitor([pool], interval=1.0, timeout=0.05, reroute_after_s=0.0)
+    try:
+        with frozen.busy(lambda: cut.append("stream")):
+            resolved.discard("10.0.0.1")  # it left its Service (not ready)
+            for _ in range(LATE_CHECKS_DOWN + 1):
+                monitor.check_all()
+            assert frozen in pool.leaving() and not frozen.healthy  # checked all the same
+            assert cut and set(cut) == {"stream"}  # cut (each round until it ends), as in the pool
+        # A resolver's hiccup keeps what the name stood for: nothing leaves.
+        monkeypatch.setattr(
+            nodes.socket, "getaddrinfo", lambda *a, **kw: (_ for _ in ()).throw(OSError("EAI_AGAIN"))
+        )
+        pool.refresh()
+        assert [n.address for n in pool.nodes()] == ["10.0.0.2:7000"]
+    finally:
+        pool.close()
