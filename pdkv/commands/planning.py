@@ -15,7 +15,10 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from planner.profile import Profile
 
 # A cluster whose queued prompts would take its nodes this many times the TTFT target is overloaded:
 # its run stops there.
@@ -151,9 +154,16 @@ def _plan(args: argparse.Namespace) -> int:
         node_kv_tokens=args.node_kv_tokens,
         give_up_s=GIVE_UP_FACTOR * targets.ttft_p90_s,
     )
+    measured = profile_source(args.profile, profile)
     print(f"pdkv plan: {what}; {len(arrivals)} requests, infinite-cache ceiling {ceil:.1%}")
+    print(f"  measured: {measured}")
     print(f"  targets: TTFT p90 <= {targets.ttft_p90_s:g} s, ITL p90 <= {targets.itl_p90_s:g} s")
-    report: dict[str, Any] = {"workload": what, "ceiling": ceil, "shapes": {}}
+    report: dict[str, Any] = {
+        "workload": what,
+        "ceiling": ceil,
+        "profile": {"file": str(args.profile), "machine": profile.machine, "model": profile.model},
+        "shapes": {},
+    }
     unmet = 0
     kinds = ("colocated", "pd") if args.shape == "both" else (args.shape,)
     for kind in kinds:
@@ -318,3 +328,12 @@ def _table(outcomes: list[Any], targets: Any, ceil: float) -> None:
         f"{r.goodput(targets.ttft_p90_s, targets.itl_p90_s):.3g} req/s".ljust(width) for _, _, r in figures
     ]
     print(f"    {'goodput':<34}" + "".join(good))
+
+
+def profile_source(path: object, profile: Profile) -> str:
+    """Where the plan's figures come from, in one line: the profile file, its model and its machine (a
+    figure without its machine is not a figure: docs/planning.md)."""
+    m, model = profile.machine, profile.model
+    machine = f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('threads', '?')} thread(s)"
+    machine += f", torch {m.get('torch', '?')}"
+    return f"{path}: {model.get('path', '?')} ({model.get('dtype', '?')}) on {machine}"

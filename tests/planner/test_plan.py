@@ -113,6 +113,9 @@ def test_pdkv_plan_prints_the_smallest_cluster_beside_the_next_smaller(
     assert "2 colocated, round-robin" in out and "goodput" in out and "TTFT p50 / p90 / p99" in out
     report = json.loads(out_json.read_text())
     assert report["shapes"]["colocated"]["chosen"]["cluster"].startswith("3 colocated")
+    # Where its figures come from (an outside probe: neither output named the profile or its machine).
+    assert f"  measured: {profile}: " in out and f"on {PROFILE.machine['cpu']}" in out
+    assert report["profile"] == {"file": str(profile), "machine": PROFILE.machine, "model": PROFILE.model}
 
 
 @pytest.mark.parametrize(
