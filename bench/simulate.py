@@ -32,6 +32,7 @@ no real runs: starting the clusters alone takes longer than a minute): a check, 
 from __future__ import annotations
 
 import dataclasses
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -42,7 +43,7 @@ from bench.replay import MODELS, figures, prepare_model, run_mode
 from engine.engine_config import EngineConfig
 from planner.measure import measure_profile
 from planner.plan import Targets, at_rate, max_rate
-from planner.profile import Profile
+from planner.profile import Profile, ProfileError
 from planner.sim import ClusterSpec, SimResult, simulate
 from planner.trace import DEFAULT_TRACE, Arrival, Scale, TraceError, arrivals, ceiling, read_trace
 from planner.workload import as_arrivals, scale_trace
@@ -229,9 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-ttft-p90", type=float, default=None, help="seconds (default: from the profile)")
     p.add_argument("--slo-itl-p90", type=float, default=None, help="seconds (default: from the profile)")
     args: Any = p.parse_args(argv)
-    try:  # a trace that is not there: a line saying so, before any model is made or measured
-        read_trace(args.trace, 0, 1)
-    except TraceError as exc:
+    for name in ("slo_ttft_p90", "slo_itl_p90"):
+        value = getattr(args, name)
+        if value is not None and not (0 < value < math.inf):
+            p.error(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}")
+    # Bad input -- the trace (every line it will read), the profile -- said in a line, before any model
+    # is made or measured (an outside probe met tracebacks).
+    try:
+        if not read_trace(args.trace, 0, 2000 if args.quick else None):
+            raise TraceError(f"{args.trace}: no request in it")
+        given = Profile.load(args.profile) if args.profile is not None else None
+    except (TraceError, ProfileError) as exc:
         raise SystemExit(f"bench.simulate: {exc}") from None
     v = QUICK if args.quick else FULL
     model_name = "tiny" if args.quick else "smollm2"
@@ -239,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     errors: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="pdkv-bench-sim-") as tmp:
         model = prepare_model(model_name, Path(tmp) / "model")
-        if args.profile is not None:
-            profile = Profile.load(args.profile)
+        if given is not None:
+            profile = given
         else:
             profile = node_profile(model, v, args.quick)
             if args.save_profile is not None:

@@ -33,6 +33,33 @@ def test_a_missing_trace_stops_each_trace_bench_with_a_line(tmp_path: Path) -> N
             main(["--quick", "--trace", str(tmp_path / "nowhere.jsonl")])
 
 
+def test_bench_simulate_says_each_bad_input_in_a_line_before_any_model_is_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An outside probe met tracebacks: an empty trace (IndexError), a bad line past the first (after the
+    model was made), a profile that is not one, a negative target; and a target of 0 taken as none."""
+    from bench.simulate import main
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    (tmp_path / "bad").mkdir()
+    broken = write(tmp_path / "bad", [row(0, 1024, [0, 1]), "{broken"])
+    profile = tmp_path / "profile.json"
+    profile.write_text('{"version": 1}')
+    good = write(tmp_path, [row(0, 1024, [0, 1])])
+    for argv, what in (
+        (["--trace", str(empty)], "empty.jsonl: no request in it"),
+        (["--trace", str(broken)], "trace.jsonl:2: not valid JSON"),
+        (["--trace", str(good), "--profile", str(profile)], "profile.json: field 'machine' is missing"),
+    ):
+        with pytest.raises(SystemExit, match=what):
+            main(["--quick", *argv])
+    for value in ("-1", "0", "nan"):
+        with pytest.raises(SystemExit):
+            main(["--quick", "--trace", str(good), "--slo-ttft-p90", value])
+        assert "--slo-ttft-p90 must be a positive number of seconds" in capsys.readouterr().err
+
+
 def test_a_bad_line_is_named_even_where_the_sample_leaves_it_out(tmp_path: Path) -> None:
     path = write(tmp_path, [row(0, 1024, [0, 1]), row(1, 1024, [0, 2]), "{broken"])
     with pytest.raises(TraceError, match=r"trace.jsonl:3: not valid JSON"):
