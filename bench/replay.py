@@ -51,6 +51,7 @@ the answer is in, never before), through the same code.
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 import tempfile
 import threading
@@ -372,9 +373,18 @@ def main(argv: list[str] | None = None) -> int:
         ("--tokens-per-block", tokens_per_block, 1),
         ("--max-output", max_output, 1),
         ("--node-threads", pick(args.node_threads, 1), 1),
+        ("--start", args.start, 0),
+        ("--max-input", pick(args.max_input, 1), 1),
     ):
         if value < least:
             raise SystemExit(f"bench.replay: {flag} must be at least {least}, got {value}")
+    for flag, number in (
+        ("--time-scale", args.time_scale),
+        ("--slo-ttft-ms", args.slo_ttft_ms),
+        ("--slo-tpot-ms", args.slo_tpot_ms),
+    ):  # (an outside probe: a time scale of -1 or nan, a negative target, all taken)
+        if number is not None and not 0 < number < math.inf:
+            raise SystemExit(f"bench.replay: {flag} must be a positive number, got {number}")
     if qa and (args.time_scale is not None or args.max_input is not None or args.sample is not None):
         raise SystemExit(
             "bench.replay: --time-scale, --max-input and --sample scale the trace; "

@@ -94,6 +94,12 @@ def test_real_model_prompts_keep_clear_of_its_special_tokens(tmp_path: Path) -> 
         (["--workload", "qa", "--sample", "0.5"], "--sample scale the trace"),
         (["--sample", "0"], r"--sample must be in \(0, 1\], got 0"),
         (["--sample", "1.5"], r"--sample must be in \(0, 1\], got 1.5"),
+        # An outside probe's: each was taken, and printed in the header as given.
+        (["--start", "-5"], "--start must be at least 0, got -5"),
+        (["--max-input", "-4"], "--max-input must be at least 1, got -4"),
+        (["--time-scale", "nan"], "--time-scale must be a positive number, got nan"),
+        (["--time-scale", "-1"], "--time-scale must be a positive number, got -1.0"),
+        (["--slo-ttft-ms", "-3"], "--slo-ttft-ms must be a positive number, got -3.0"),
     ],
 )
 def test_bad_options_stop_the_bench_with_their_name(argv: list[str], what: str) -> None:
