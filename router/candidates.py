@@ -79,20 +79,19 @@ class Pairing:
         if not decode_models or not prefills:
             return ANY  # the phase with no node says so (or waits for one stopping to come back)
         prefill_models = {n.namespace for n in prefills}
-        self._say(request.adapter, prefills, decoders, decode_models, prefill_models)
-        if not decode_models & prefill_models:
-            return WHOLE
-        return PrefillPlan(decode_models)
+        whole = not decode_models & prefill_models
+        self._say(request.adapter, whole, prefills, decoders, decode_models, prefill_models)
+        return WHOLE if whole else PrefillPlan(decode_models)
 
     def _say(
         self,
         adapter: AdapterId | None,
+        whole: bool,
         prefills: Sequence[NodeHandle],
         decoders: Sequence[NodeHandle],
         decode_models: frozenset[HashNamespace],
         prefill_models: set[HashNamespace | None],
     ) -> None:
-        whole = not decode_models & prefill_models
         alone = {(n.address, n.namespace) for n in prefills if n.namespace not in decode_models}
         alone |= {(n.address, n.namespace) for n in decoders if n.namespace not in prefill_models}
         paired = {(n.address, n.namespace) for n in (*prefills, *decoders)} - alone
@@ -116,7 +115,7 @@ class Pairing:
             )
         elif was_whole and not whole:
             logger.warning("prefill and decode nodes of one model are up again: %s are disaggregated", what)
-        for address, model in sorted(new, key=lambda a: a[0]) if not whole else ():
+        for address, model in sorted(new, key=lambda a: a[0]):
             logger.warning(
                 "node %s runs %s, which no node of the other phase runs: it gets no disaggregated request "
                 "while so",

@@ -280,6 +280,10 @@ class NodePool:
         with self._lock:
             return [node for node, _ in self._leaving.values()]
 
+    def watched(self) -> list[NodeHandle]:
+        """Every node with calls to watch: the pool's and those leaving it."""
+        return [*self.nodes(), *self.leaving()]
+
     def refresh(self) -> None:
         """Add the nodes the configured addresses stand for now; drop those they no longer do -- their
         open calls finish first.  A pod leaving its Service in a rolling update is no longer resolved the
@@ -336,10 +340,7 @@ class NodePool:
         return found
 
     def close(self) -> None:
-        with self._lock:
-            leaving = [node for node, _ in self._leaving.values()]
-            self._leaving.clear()
-        for node in [*self.nodes(), *leaving]:
+        for node in self.watched():
             node.close()
 
     def reroute_unreachable(self, after_s: float) -> None:
@@ -351,7 +352,7 @@ class NodePool:
         if not healthy:
             return  # nowhere to go: a node that thaws finishes them
         now = time.monotonic()
-        for node in [*self.nodes(), *self.leaving()]:
+        for node in self.watched():
             since = node.unreachable_since
             # A node that said it was stopping ends its calls within its grace: cut them only well after.
             wait = after_s + (STOPPING_GRACE_S if node.stopping else 0.0)
@@ -398,7 +399,7 @@ class HealthMonitor:
         for pool in self.pools:
             if pool.dns_discovery:
                 pool.refresh()
-            for node in [*pool.nodes(), *pool.leaving()]:
+            for node in pool.watched():
                 t = threading.Thread(target=node.check, args=(self.timeout,), daemon=True)
                 t.start()
                 checks.append(t)
